@@ -1,0 +1,3 @@
+from dflash_cli.cli import main
+
+main()

@@ -1,0 +1,328 @@
+"""One decode loop, as a generator of steps, for every frontend.
+
+Each step drafts a block [last committed token, MASK x (B-1)] with the drafter, verifies the whole block
+in one target forward, and commits the longest prefix the target agrees with plus one token of the
+target's own. With `drafter=None` the same loop runs with a block of 1: plain autoregressive decoding,
+so baseline and speculative numbers are like for like.
+
+Lossless: a draft token is accepted only where the target's own choice (argmax, or its sample at
+temperature > 0) equals it. With a one-hot proposal that is exact speculative sampling: the committed
+token at each position is distributed exactly as the target's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from dflash_cli.drafter import DFlashDrafter, DraftCache, capture_layers
+from dflash_cli.errors import DflashError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise DflashError(f"invalid sampling parameter: {message}")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    block_size: int = 1
+    speculative: bool = False
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step, bonus included (1.0 for the baseline)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 1.0
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first one, over the time after the first one (TTFT is reported apart)."""
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(tau=self.tau, histogram=self.histogram, decode_tokens_per_s=self.decode_tokens_per_s)
+        return out
+
+
+@dataclass
+class Step:
+    """What one iteration of the loop committed."""
+
+    token_ids: list[int]
+    text: str
+    acceptance_length: int | None
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return self.stats.acceptance_lengths
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab]: argmax at temperature 0, else a draw from the filtered distribution."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p * sorted_probs.sum(-1, keepdim=True)
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class TextStream:
+    """Incremental detokenization with stop strings; holds back text that may still change."""
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.text = ""
+
+    def push(self, ids: list[int]) -> tuple[str, bool]:
+        """Add committed ids; return (new text safe to show, whether a stop string was hit)."""
+        if self.tokenizer is None:
+            return "", False
+        self.ids.extend(ids)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for stop in self.stop_strings:
+            at = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if at != -1:
+                self.text = self.text[:at]
+                return self.flush(), True
+        safe = len(self.text)
+        if self.text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its next token
+            safe -= 1
+        if self.stop_strings:  # the tail may be the start of a stop string
+            safe -= max(len(s) for s in self.stop_strings) - 1
+        if safe <= self.emitted:
+            return "", False
+        delta, self.emitted = self.text[self.emitted : safe], safe
+        return delta, False
+
+    def flush(self) -> str:
+        delta, self.emitted = self.text[self.emitted :], len(self.text)
+        return delta
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def context_window(target: PreTrainedModel) -> int | None:
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    return getattr(config, "max_position_embeddings", None)
+
+
+@torch.inference_mode()
+def generate(
+    target: PreTrainedModel,
+    drafter: DFlashDrafter | None,
+    prompt_ids: Sequence[int],
+    params: SamplingParams = SamplingParams(),
+    *,
+    block_size: int | None = None,
+    tokenizer: Any = None,
+) -> Iterator[Step]:
+    """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason."""
+    device = target.get_input_embeddings().weight.device
+    prompt_len = len(prompt_ids)
+    if prompt_len == 0:
+        raise DflashError("the prompt is empty: nothing to continue from", fix="give a prompt of at least one token")
+    window = context_window(target)
+    max_new = params.max_new_tokens
+    if window is not None:
+        if prompt_len >= window:
+            raise DflashError(
+                f"the prompt is {prompt_len} tokens, but the model's context window is {window}",
+                fix="shorten the prompt (or the conversation: /clear in chat)",
+            )
+        max_new = min(max_new, window - prompt_len)
+    block = 1 if drafter is None else (block_size or drafter.block_size)
+    if block < 1:
+        raise DflashError(f"block size must be >= 1, got {block}")
+    stats = GenerationStats(prompt_tokens=prompt_len, block_size=block, speculative=drafter is not None)
+    generator = None
+    if params.seed is not None and params.temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+    stop_ids = set(params.stop_token_ids)
+    text = TextStream(tokenizer, params.stop_strings)
+    layer_ids = drafter.config.target_layer_ids if drafter is not None else []
+    cache = DynamicCache(config=target.config)
+    draft_cache = DraftCache(len(drafter.layers)) if drafter is not None else None
+
+    def commit(ids: list[int], acceptance: int | None) -> Step:
+        """Apply stop conditions to newly committed ids and make the step event."""
+        finish = None
+        for i, token in enumerate(ids):
+            if token in stop_ids:
+                ids, finish = ids[: i + 1], "stop"
+                break
+        if finish is None and stats.generated_tokens + len(ids) >= max_new:
+            ids, finish = ids[: max_new - stats.generated_tokens], "length"
+        stats.generated_tokens += len(ids)
+        if acceptance is not None:
+            stats.acceptance_lengths.append(len(ids))
+        delta, hit_stop = text.push(ids)
+        if hit_stop:
+            finish = "stop"
+        elif finish is not None:
+            delta += text.flush()
+        return Step(ids, delta, None if acceptance is None else len(ids), finish, stats)
+
+    started = time.perf_counter()
+    # Prefill: the whole prompt once; only the last position's logits are needed.
+    input_ids = torch.tensor([list(prompt_ids)], device=device)
+    with capture_layers(target, layer_ids) as captured:
+        out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    features = captured[-1] if layer_ids else None
+    token = sample_tokens(out.logits[:, -1], params, generator)
+    first = int(token.item())
+    stats.prefill_s = stats.ttft_s = time.perf_counter() - started
+    step = commit([first], None)
+    yield step
+    if step.finish_reason:
+        return
+
+    decode_started = time.perf_counter()
+    last = token  # [1] on device
+    start = prompt_len  # position of `last`, also the number of tokens in the target cache
+    while True:
+        size = min(block, prompt_len + max_new - start)
+        block_ids = last.new_full((1, size), drafter.mask_token_id if drafter is not None else 0)
+        block_ids[0, 0] = last[0]
+        if drafter is not None and size > 1:
+            t0 = time.perf_counter()
+            draft_logits = drafter.draft(features, block_ids, start, draft_cache)
+            block_ids[0, 1:] = draft_logits[0].argmax(dim=-1)
+            _sync(device)
+            stats.draft_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        positions = torch.arange(start, start + size, device=device)[None]
+        with capture_layers(target, layer_ids) as captured:
+            out = target(input_ids=block_ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        posterior = sample_tokens(out.logits[0], params, generator)
+        matches = (block_ids[0, 1:] == posterior[:-1]).int()
+        accepted = int(matches.cumprod(dim=0).sum().item()) if size > 1 else 0
+        committed = block_ids[0, 1 : accepted + 1].tolist() + [int(posterior[accepted].item())]
+        stats.verify_s += time.perf_counter() - t0
+        start += accepted + 1
+        _crop(cache, start)
+        if layer_ids:
+            # Features of the committed block positions; the bonus token's arrive with the next verify.
+            features = captured[-1][:, : accepted + 1]
+        last = posterior[accepted : accepted + 1]
+        step = commit(committed, accepted + 1)
+        stats.decode_s = time.perf_counter() - decode_started
+        yield step
+        if step.finish_reason:
+            return
+
+
+def collect(steps: Iterator[Step]) -> GenerationResult:
+    """Drain a step generator into one result."""
+    ids: list[int] = []
+    text: list[str] = []
+    step = None
+    for step in steps:
+        ids.extend(step.token_ids)
+        text.append(step.text)
+    assert step is not None and step.finish_reason is not None
+    return GenerationResult(ids, "".join(text), step.finish_reason, step.stats)
+
+
+def speculative_generate(
+    target: PreTrainedModel,
+    drafter: DFlashDrafter | None,
+    input_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    block_size: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    seed: int | None = None,
+    *,
+    min_p: float = 0.0,
+    tokenizer: Any = None,
+    stop_strings: Sequence[str] = (),
+) -> GenerationResult:
+    """Generate from a list of prompt token ids; `drafter=None` is the baseline. Stable public API.
+
+    Returns a `GenerationResult`: `.token_ids` (generated ids only), `.acceptance_lengths` (one per verify
+    step, bonus token included), `.text` (when a tokenizer is given), `.finish_reason`, `.stats`.
+    """
+    if isinstance(input_ids, torch.Tensor):
+        input_ids = input_ids.reshape(-1).tolist()
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        stop_token_ids=tuple(stop_token_ids or ()),
+        stop_strings=tuple(stop_strings),
+    )
+    return collect(generate(target, drafter, input_ids, params, block_size=block_size, tokenizer=tokenizer))

@@ -1,0 +1,16 @@
+"""User-facing errors: what went wrong and how to fix it, never a traceback."""
+
+from __future__ import annotations
+
+
+class DflashError(Exception):
+    """An error the user can act on. The CLI prints `message` and `fix` and exits with `exit_code`."""
+
+    def __init__(self, message: str, *, fix: str | None = None, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+        self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.message if not self.fix else f"{self.message}\nfix: {self.fix}"

@@ -1,0 +1,286 @@
+"""Build the models of a recipe on the planned device: target (transformers), tokenizer, drafter (ours).
+
+Every checkpoint is checked before a byte of it is loaded: config.json parses, the architecture is one
+transformers knows natively (no remote code), every safetensors shard is present and whole (header and size),
+and the planned memory fits what the device has free. Weights load only from safetensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.filesize import decimal as format_bytes
+
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import BYTES_PER_ELEMENT
+from dflash_cli.hub import check_model_dir, display_name, resolve_model_dir, safetensors_files
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from dflash_cli.drafter import DFlashDrafter
+    from dflash_cli.hardware import Plan
+    from dflash_cli.recipes import ModelRef, Recipe
+
+# Headroom over the weights when the planner gave no estimate: activations, KV cache of a short context,
+# allocator slack.
+RUNTIME_OVERHEAD = 1.10
+# NF4 stores 4 bits per weight plus one absmax per 64 weights (double quantization shrinks those to 8 bits).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # or a sentencepiece / tiktoken `*.model`
+
+
+@dataclass
+class Checkpoint:
+    """What the files of a model directory say, read without loading any tensor."""
+
+    path: Path
+    config: dict[str, Any]
+    weight_files: list[Path]
+    # per tensor: (name, number of elements); enough to size the model in any dtype or quantization
+    tensors: list[tuple[str, int]]
+
+    @property
+    def num_params(self) -> int:
+        return sum(n for _, n in self.tensors)
+
+    def nbytes(self, dtype: str, quant: str = "none") -> int:
+        """Weight bytes once loaded as `dtype`, NF4-quantizing the linear layers when `quant == "nf4"`."""
+        dtype_bytes = BYTES_PER_ELEMENT[dtype]
+        total = 0.0
+        for name, numel in self.tensors:
+            quantized = quant == "nf4" and name.endswith("proj.weight")  # embeddings, norms and lm_head stay
+            total += numel * (NF4_BYTES_PER_PARAM if quantized else dtype_bytes)
+        return int(total)
+
+
+@dataclass
+class LoadedModels:
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    drafter: DFlashDrafter | None
+    target_dir: Path
+    drafter_dir: Path | None
+
+
+def read_checkpoint(model_dir: Path) -> Checkpoint:
+    """Parse config.json and every safetensors header of `model_dir`; DflashError for any broken file."""
+    check_model_dir(model_dir)
+    config_path = model_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DflashError(
+            f"{config_path} is not valid JSON ({exc})",
+            fix="delete it and re-run `dflash pull`, or restore it from the original model",
+        ) from None
+    if not isinstance(config, dict):
+        raise DflashError(f"{config_path} does not hold a JSON object", fix="restore it from the original model")
+    weight_files = safetensors_files(model_dir)
+    tensors = [t for f in weight_files for t in _safetensors_tensors(f)]
+    return Checkpoint(model_dir, config, weight_files, tensors)
+
+
+def _corrupt(where: str, detail: str) -> DflashError:
+    return DflashError(
+        f"{where} is corrupt or truncated ({detail})",
+        fix="delete it and re-run `dflash pull` (an interrupted download leaves such files), "
+        "or copy it again from the original model",
+    )
+
+
+def _safetensors_tensors(path: Path) -> list[tuple[str, int]]:
+    """(name, numel) of each tensor in a safetensors file, checking the file holds every byte its header claims."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_len <= min(size - 8, _MAX_HEADER_BYTES):
+            raise _corrupt(f"file {path}", f"{size} bytes, no complete safetensors header")
+        try:
+            header = json.loads(f.read(header_len))
+            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
+            data_end = max((v["data_offsets"][1] for _, v in entries), default=0)
+            tensors = [(k, math.prod(v["shape"])) for k, v in entries]
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise _corrupt(f"file {path}", "unreadable safetensors header") from None
+    if size < 8 + header_len + data_end:
+        raise _corrupt(f"file {path}", f"{size} bytes on disk, its header describes {8 + header_len + data_end}")
+    return tensors
+
+
+def available_memory(device: str) -> int:
+    """Bytes free on `device`: the CUDA allocator's free memory, else the system's available RAM."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    import psutil  # an accelerate dependency
+
+    return psutil.virtual_memory().available
+
+
+def check_memory(needed: int, plan: Plan, what: str) -> None:
+    """Refuse before loading when `needed` bytes do not fit in what `plan.device` has free."""
+    free = available_memory(plan.device)
+    if needed <= free:
+        return
+    fixes = []
+    if plan.quant == "none":
+        fixes.append("`--quant nf4` (4-bit weights, about a quarter of the memory)")
+    fixes.append("a smaller recipe (`dflash recipes` lists them with their sizes)")
+    if plan.device.startswith("cuda"):
+        fixes.append("closing other programs that hold GPU memory (`nvidia-smi` lists them)")
+    else:
+        fixes.append("closing other programs")
+    raise DflashError(
+        f"{what} needs about {format_bytes(needed)} on {plan.device} ({plan.dtype}"
+        f"{', nf4' if plan.quant == 'nf4' else ''}) but only {format_bytes(free)} is free; "
+        "refusing to start rather than run out of memory halfway",
+        fix="try " + ", or ".join(fixes),
+    )
+
+
+def _check_architecture(checkpoint: Checkpoint) -> Any:
+    """The transformers config of a causal LM transformers implements natively, else a DflashError."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_type = checkpoint.config.get("model_type")
+    architectures = checkpoint.config.get("architectures") or [model_type]
+    try:
+        config = AutoConfig.from_pretrained(checkpoint.path)
+    except (ValueError, KeyError):
+        config = None
+    if config is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        import transformers
+
+        remote = " (it ships its own modeling code, which dflash never runs)" if "auto_map" in checkpoint.config else ""
+        raise DflashError(
+            f"{checkpoint.path}: architecture {', '.join(map(str, architectures))} (model_type {model_type!r}) is "
+            f"not a causal language model that transformers {transformers.__version__} implements{remote}",
+            fix="upgrade transformers (`pip install -U transformers`) if the model is newer, or pick a supported "
+            "recipe (`dflash recipes`)",
+        )
+    return config
+
+
+@contextlib.contextmanager
+def _loading_display(console: Console | None, message: str) -> Iterator[None]:
+    """A rich spinner while a model loads, with transformers' own tqdm bars off so they do not fight it."""
+    if console is None:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with console.status(message):
+            yield
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def load_target(
+    model_dir: Path, plan: Plan, *, console: Console | None = None, check_free_memory: bool = True
+) -> PreTrainedModel:
+    """The target model from `model_dir` in `plan`'s dtype, quantization and device; eval mode, grads off.
+
+    With a console, a spinner names the model while it loads. `check_free_memory=False` skips the memory check
+    (load_models checks target and drafter together).
+    """
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    checkpoint = read_checkpoint(model_dir)
+    config = _check_architecture(checkpoint)
+    name = display_name(model_dir)
+    size = checkpoint.nbytes(plan.dtype, plan.quant)
+    if check_free_memory:
+        check_memory(plan.estimated_bytes or int(size * RUNTIME_OVERHEAD), plan, name)
+    kwargs: dict[str, Any] = dict(
+        config=config, dtype=plan.torch_dtype, device_map={"": plan.device}, use_safetensors=True
+    )
+    if plan.attn_implementation:
+        kwargs["attn_implementation"] = plan.attn_implementation
+    if plan.quant == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            # the plan's dtype: bf16 on current GPUs, fp16 where bf16 is missing, float32 on CPU
+            bnb_4bit_compute_dtype=plan.torch_dtype,
+            bnb_4bit_use_double_quant=True,
+        )
+    quant = " nf4" if plan.quant == "nf4" else ""
+    message = f"loading {name} ({format_bytes(size)}, {plan.dtype}{quant}) on {plan.device}"
+    try:
+        with _loading_display(console, message):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except SafetensorError as exc:
+        raise _corrupt(f"a weight file in {model_dir}", f"safetensors: {exc}") from None
+    except ImportError as exc:  # bitsandbytes / accelerate missing or too old for nf4
+        raise DflashError(
+            f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
+        ) from None
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer (and chat template) shipped with the target; the recipe's template options are applied
+    when prompts are encoded (session.py), not here."""
+    from transformers import AutoTokenizer
+
+    name = recipe.target.id if recipe is not None else display_name(model_dir)
+    fix = (
+        "re-run `dflash pull` to fetch tokenizer.json / tokenizer_config.json, or pass a model directory that "
+        "includes its tokenizer"
+    )
+    # transformers builds an empty one-token tokenizer from a directory without vocabulary files: check first
+    if not any((model_dir / f).is_file() for f in VOCABULARY_FILES) and not any(model_dir.glob("*.model")):
+        raise DflashError(f"cannot load the tokenizer of {name}: {model_dir} has no vocabulary file", fix=fix)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as exc:
+        raise DflashError(f"cannot load the tokenizer of {name} from {model_dir}: {exc}", fix=fix) from None
+
+
+def _resolve(ref: ModelRef, what: str) -> Path:
+    # ModelRef.path is the local directory a ref names (including `package:` assets), None for a repo id
+    location = str(ref.path) if ref.path is not None else ref.id
+    return resolve_model_dir(location, revision=ref.revision, what=what)
+
+
+def load_models(
+    recipe: Recipe, plan: Plan, *, with_drafter: bool = True, console: Console | None = None
+) -> LoadedModels:
+    """Fetch (or find) and load everything `recipe` runs with under `plan`, checking memory once up front."""
+    target_dir = _resolve(recipe.target, "target")
+    drafter_dir = _resolve(recipe.drafter, "drafter") if with_drafter and recipe.drafter is not None else None
+    needed = plan.estimated_bytes
+    if not needed:
+        weights = read_checkpoint(target_dir).nbytes(plan.dtype, plan.quant)
+        if drafter_dir is not None:
+            weights += read_checkpoint(drafter_dir).nbytes(plan.dtype)  # the drafter is never quantized
+        needed = int(weights * RUNTIME_OVERHEAD)
+    check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""))
+    target = load_target(target_dir, plan, console=console, check_free_memory=False)
+    tokenizer = load_tokenizer(target_dir, recipe)
+    drafter = None
+    if drafter_dir is not None:
+        from dflash_cli.drafter import load_drafter
+
+        with _loading_display(console, f"loading drafter {recipe.drafter.id}"):
+            drafter = load_drafter(str(drafter_dir), target)
+    return LoadedModels(target, tokenizer, drafter, target_dir, drafter_dir)

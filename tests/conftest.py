@@ -1,0 +1,65 @@
+"""Shared fixtures: an isolated Hugging Face cache, offline mode, a local fake Hub, tiny models.
+
+huggingface_hub reads HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE / HF_ENDPOINT once, at import, into
+`huggingface_hub.constants`; the fixtures patch those attributes (and the environment, for subprocesses).
+Model builders live in tiny_models.py (`from tiny_models import make_tiny_qwen3`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants
+
+from fake_hub import FakeHub
+from tiny_models import make_tiny_llama, make_tiny_qwen3
+
+
+@pytest.fixture
+def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty HF_HOME for this test (cache in `hf_home / "hub"`), online, with no token."""
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return home
+
+
+@pytest.fixture
+def offline(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`hf_home` with HF_HUB_OFFLINE=1: every Hub request fails, only the cache answers."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return hf_home
+
+
+@pytest.fixture
+def fake_hub(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    """A local HTTP server standing in for huggingface.co; huggingface_hub is pointed at it."""
+    hub = FakeHub().start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    url_template = hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url_template)
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 model with tokenizer, built once per test session. Read-only: copy it before editing."""
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama model with tokenizer, built once per test session. Read-only: copy it before editing."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", seed=0)

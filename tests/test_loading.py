@@ -1,0 +1,180 @@
+"""loading.py: real tiny checkpoints loaded through transformers (and bitsandbytes NF4 on CPU), broken ones refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from io import StringIO
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from transformers.utils import logging as hf_logging
+
+from dflash_cli import loading
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import Plan
+from dflash_cli.loading import load_models, load_target, load_tokenizer, read_checkpoint
+from dflash_cli.recipes import ModelRef, Recipe
+from tiny_models import make_hf_cache, make_tiny_qwen3
+
+REPO = "tiny-org/tiny-qwen3"
+
+
+def cpu_plan(dtype: str = "float32", quant: str = "none", estimated_bytes: int | None = None) -> Plan:
+    return Plan("cpu", dtype, quant, None, "sdpa", "cpu", estimated_bytes, None, ())
+
+
+def recipe(target: str, drafter: str | None = None) -> Recipe:
+    return Recipe(
+        name="tiny",
+        description="tiny test recipe",
+        target=ModelRef(target),
+        drafter=ModelRef(drafter) if drafter else None,
+        chat_template_kwargs={"enable_thinking": False},
+        source="ad-hoc",
+    )
+
+
+@pytest.fixture
+def model_copy(tiny_qwen3_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny model that a test may break."""
+    return Path(shutil.copytree(tiny_qwen3_dir, tmp_path / "model"))
+
+
+def test_load_models_from_the_offline_cache(offline: Path, tiny_qwen3_dir: Path) -> None:
+    snapshot = make_hf_cache(offline, REPO, tiny_qwen3_dir)
+    loaded = load_models(recipe(REPO), cpu_plan(), with_drafter=False)
+    assert loaded.target_dir == snapshot and loaded.drafter is None and loaded.drafter_dir is None
+    target = loaded.target
+    assert type(target).__name__ == "Qwen3ForCausalLM" and not target.training
+    assert not any(p.requires_grad for p in target.parameters())
+    saved = load_file(snapshot / "model.safetensors")
+    assert torch.equal(target.lm_head.weight, saved["lm_head.weight"])  # the weights on disk, not a fresh init
+    prompt = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, enable_thinking=False
+    )
+    logits = target(torch.tensor([prompt["input_ids"]])).logits
+    assert logits.shape == (1, len(prompt["input_ids"]), target.config.vocab_size)
+
+
+def test_bfloat16_plan_loads_bfloat16_weights(tiny_qwen3_dir: Path) -> None:
+    model = load_target(tiny_qwen3_dir, cpu_plan("bfloat16"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_nf4_on_cpu_through_bitsandbytes(tiny_llama_dir: Path) -> None:
+    import bitsandbytes as bnb
+
+    model = load_target(tiny_llama_dir, cpu_plan("float32", "nf4"))
+    quantized = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert not isinstance(model.lm_head, bnb.nn.Linear4bit)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    assert weight.quant_state.quant_type == "nf4" and weight.quant_state.nested  # double quantization
+    reference = load_target(tiny_llama_dir, cpu_plan("float32"))
+    ids = torch.tensor([[5, 17, 99, 3, 250, 42]])
+    with torch.no_grad():
+        nf4, fp32 = model(ids).logits, reference(ids).logits
+    assert nf4.isfinite().all()
+    # 4-bit weights perturb the logits a little, and only a little
+    assert torch.nn.functional.cosine_similarity(nf4.flatten(), fp32.flatten(), dim=0) > 0.95
+    assert not torch.equal(nf4, fp32)
+
+
+def test_checkpoint_sizes_come_from_the_safetensors_headers(tiny_qwen3_dir: Path) -> None:
+    checkpoint = read_checkpoint(tiny_qwen3_dir)
+    model = load_target(tiny_qwen3_dir, cpu_plan())
+    assert checkpoint.num_params == sum(p.numel() for p in model.parameters())
+    assert checkpoint.nbytes("float32") == 4 * checkpoint.num_params
+    assert checkpoint.nbytes("bfloat16") == 2 * checkpoint.num_params
+    assert checkpoint.nbytes("float32", "nf4") < checkpoint.nbytes("float32") // 2
+
+
+def test_corrupt_config_is_named(model_copy: Path) -> None:
+    (model_copy / "config.json").write_text('{"model_type": "qwen3",')
+    with pytest.raises(DflashError, match="config.json is not valid JSON") as info:
+        load_target(model_copy, cpu_plan())
+    assert str(model_copy / "config.json") in info.value.message
+
+
+def test_missing_shard_is_named(tmp_path: Path) -> None:
+    model_dir = make_tiny_qwen3(tmp_path / "sharded", max_shard_size="100KB", with_tokenizer=False)
+    shards = sorted(model_dir.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    with pytest.raises(DflashError, match=f"incomplete: {shards[1].name} missing"):
+        load_target(model_dir, cpu_plan())
+
+
+def test_truncated_safetensors_is_refused(model_copy: Path) -> None:
+    weights = model_copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(DflashError, match="corrupt or truncated") as info:
+        load_target(model_copy, cpu_plan())
+    assert str(weights) in info.value.message and "dflash pull" in info.value.fix
+
+
+def test_garbage_safetensors_header_is_refused(model_copy: Path) -> None:
+    (model_copy / "model.safetensors").write_bytes((20).to_bytes(8, "little") + b"not json at all!!!!!" + b"\0" * 64)
+    with pytest.raises(DflashError, match="unreadable safetensors header"):
+        load_target(model_copy, cpu_plan())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [("not-a-model", "model_type 'not-a-model'"), ("t5", "not a causal language model")],
+)
+def test_unknown_architecture_is_refused(model_copy: Path, model_type: str, expected: str) -> None:
+    config = json.loads((model_copy / "config.json").read_text())
+    config["model_type"] = model_type
+    (model_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DflashError, match=expected) as info:
+        load_target(model_copy, cpu_plan())
+    assert "transformers" in info.value.fix
+
+
+def test_memory_refusal_before_loading(tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loading, "available_memory", lambda device: 100_000)  # a 100 kB machine
+    with pytest.raises(DflashError, match=r"needs about .* but only 100.0 kB is free") as info:
+        load_models(recipe(str(tiny_qwen3_dir)), cpu_plan(), with_drafter=False)
+    assert "--quant nf4" in info.value.fix and "smaller recipe" in info.value.fix
+    with pytest.raises(DflashError) as info:
+        load_target(tiny_qwen3_dir, cpu_plan("float32", "nf4", estimated_bytes=10**12))
+    assert "1.0 TB" in info.value.message and "--quant nf4" not in info.value.fix
+    monkeypatch.setattr(loading, "available_memory", lambda device: 10**9)
+    assert load_target(tiny_qwen3_dir, cpu_plan()) is not None  # the same model fits a 1 GB budget
+
+
+def test_tokenizer_with_chat_template(tiny_qwen3_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_qwen3_dir, recipe(str(tiny_qwen3_dir)))
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer.encode("Hello, world!")) == "Hello, world!"
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    model_dir = make_tiny_qwen3(tmp_path / "m", with_tokenizer=False)
+    with pytest.raises(DflashError, match="cannot load the tokenizer"):
+        load_tokenizer(model_dir)
+
+
+def test_loading_display_restores_transformers_bars(tiny_qwen3_dir: Path) -> None:
+    console = Console(file=StringIO(), force_terminal=True)
+    load_target(tiny_qwen3_dir, cpu_plan(), console=console)
+    assert hf_logging.is_progress_bar_enabled()
+    assert "loading" in console.file.getvalue()
+
+
+def test_load_models_with_a_local_drafter(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    from drafters import save_random_drafter
+
+    target = load_target(tiny_qwen3_dir, cpu_plan())
+    drafter_dir = save_random_drafter(tmp_path / "drafter", target, block_size=4)
+    loaded = load_models(recipe(str(tiny_qwen3_dir), str(drafter_dir)), cpu_plan())
+    assert loaded.drafter is not None and loaded.drafter_dir == drafter_dir.resolve()
+    assert loaded.target_dir == tiny_qwen3_dir.resolve()

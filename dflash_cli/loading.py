@@ -256,7 +256,12 @@ def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedT
         raise DflashError(f"cannot load the tokenizer of {name} from {model_dir}: {exc}", fix=fix) from None
 
 
-def _resolve(ref: ModelRef, what: str) -> Path:
+def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Path:
+    """The local directory of a recipe's model: a path, a `package:` asset, a HF snapshot, or a GGUF fallback."""
+    if ref.gguf_fallback:
+        from dflash_cli.demo import ensure_target_with_gguf_fallback
+
+        return ensure_target_with_gguf_fallback(ref.id, ref.gguf_fallback, console)
     # ModelRef.path is the local directory a ref names (including `package:` assets), None for a repo id
     location = str(ref.path) if ref.path is not None else ref.id
     return resolve_model_dir(location, revision=ref.revision, what=what)
@@ -266,8 +271,8 @@ def load_models(
     recipe: Recipe, plan: Plan, *, with_drafter: bool = True, console: Console | None = None
 ) -> LoadedModels:
     """Fetch (or find) and load everything `recipe` runs with under `plan`, checking memory once up front."""
-    target_dir = _resolve(recipe.target, "target")
-    drafter_dir = _resolve(recipe.drafter, "drafter") if with_drafter and recipe.drafter is not None else None
+    target_dir = resolve_ref(recipe.target, "target", console)
+    drafter_dir = resolve_ref(recipe.drafter, "drafter") if with_drafter and recipe.drafter is not None else None
     needed = plan.estimated_bytes
     if not needed:
         weights = read_checkpoint(target_dir).nbytes(plan.dtype, plan.quant)

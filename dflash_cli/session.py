@@ -1,0 +1,121 @@
+"""A loaded recipe: what every frontend (chat, run, bench) holds.
+
+`open_session` resolves the recipe, reads this machine, makes the plan and loads the models once;
+`Session.stream` is the one way frontends decode, with or without the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from rich.console import Console
+
+from dflash_cli.engine import SamplingParams, Step, generate
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import Plan, detect_machine, make_plan
+from dflash_cli.loading import LoadedModels, load_models
+from dflash_cli.options import RunOptions
+from dflash_cli.recipes import Recipe
+
+
+@dataclass
+class Session:
+    recipe: Recipe
+    plan: Plan
+    models: LoadedModels
+    console: Console | None = None
+
+    @property
+    def target(self) -> Any:
+        return self.models.target
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.models.tokenizer
+
+    @property
+    def drafter(self) -> Any:
+        return self.models.drafter
+
+    @property
+    def block_size(self) -> int:
+        """The block the speculative loop uses: the plan's choice, else the drafter's own."""
+        if self.plan.block_size is not None:
+            return self.plan.block_size
+        return self.drafter.block_size if self.drafter is not None else 1
+
+    @property
+    def can_speculate(self) -> bool:
+        return self.recipe.drafter is not None
+
+    def ensure_drafter(self) -> None:
+        """Load the drafter on first need (a session started with --no-spec has none yet)."""
+        if self.drafter is None and self.can_speculate:
+            from dflash_cli.drafter import load_drafter
+            from dflash_cli.loading import resolve_ref
+
+            self.models.drafter_dir = resolve_ref(self.recipe.drafter, "drafter")
+            self.models.drafter = load_drafter(str(self.models.drafter_dir), self.target)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """End-of-turn ids: the tokenizer's eos and the generation config's (chat models often list several)."""
+        ids: set[int] = set()
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Apply the chat template to the whole conversation, ready for the assistant's reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DflashError(
+                f"{self.recipe.target.id} has no chat template",
+                fix="use `dflash run` with plain {\"prompt\": ...} lines, or a chat (instruct) model",
+            )
+        encoded = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, **self.recipe.chat_template_kwargs
+        )
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def sampling_params(self, options: RunOptions, **changes: Any) -> SamplingParams:
+        """The options' sampling flags plus this model's stop ids; `changes` override single fields."""
+        base = options.sampling_params(stop_token_ids=self.stop_token_ids)
+        fields = {**base.__dict__, **changes}
+        return SamplingParams(**fields)
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, speculative: bool = True, block_size: int | None = None
+    ) -> Iterator[Step]:
+        """Decode with the drafter (speculative) or without it (baseline): the same loop either way."""
+        if speculative:
+            self.ensure_drafter()
+        drafter = self.drafter if speculative else None
+        return generate(
+            self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer
+        )
+
+
+def open_session(options: RunOptions, console: Console | None = None) -> Session:
+    """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain)."""
+    recipe = options.resolve_recipe()
+    if not recipe.runnable:
+        raise DflashError(
+            f"recipe '{recipe.name}' cannot run in dflash yet: {recipe.not_runnable_reason}",
+            fix=f"serve it with vLLM or SGLang: `dflash export vllm {recipe.name}`",
+        )
+    plan = make_plan(detect_machine(), recipe, options.plan_overrides())
+    if console is not None:
+        console.print(f"[dim]{recipe.name}: {plan.one_line()}[/dim]")
+        if options.explain:
+            for reason in plan.reasons:
+                console.print(f"[dim]  - {reason}[/dim]")
+    speculative = not options.no_spec and recipe.drafter is not None
+    models = load_models(recipe, plan, with_drafter=speculative, console=console)
+    return Session(recipe, plan, models, console)

@@ -1,0 +1,584 @@
+"""The `dflash` command line: thin typer commands over importable functions.
+
+Startup stays fast: torch, transformers and the engine are imported inside the commands that need them, so
+`dflash --help` and `dflash recipes list` never load them.
+"""
+
+import dataclasses
+import functools
+import inspect
+import json
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from typer.core import TyperGroup
+
+from dflash_cli import __version__
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import QUANTS, gb, normalize_dtype
+from dflash_cli.options import RunOptions
+from dflash_cli.recipes import load_recipes, resolve_recipe, user_recipe_dir
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def report_error(error: DflashError) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(error.message)}")
+    if error.fix:
+        err_console.print(f"[yellow]fix:[/] {escape(error.fix)}")
+
+
+class DflashGroup(TyperGroup):
+    """Every DflashError raised below becomes `error:` / `fix:` lines and its exit code, never a traceback.
+    (Ctrl-C already exits with 130 in typer.)"""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DflashError as error:
+            report_error(error)
+            raise typer.Exit(error.exit_code) from None
+
+
+app = typer.Typer(
+    name="dflash",
+    cls=DflashGroup,
+    help="Fast self-hosted LLM inference in one command, with lossless DFlash speculative decoding.\n\n"
+    "Start with `dflash doctor` to see what this machine can run, then `dflash chat qwen3-8b`.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,  # locals can hold tokens and whole tensors
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+recipes_app = typer.Typer(help="List and inspect recipes (a target model + its DFlash drafter).", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes", rich_help_panel="Models")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dflash {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    pass
+
+
+def not_yet_available(command: str) -> None:
+    err_console.print(f"dflash {command} is not yet available in this version")
+    raise typer.Exit(2)
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared flags. Model selection is used by every command that names a model; the run flags by chat, run and
+# bench (through @with_run_flags). Defaults come from RunOptions, so each flag is defined exactly once.
+
+
+def _check_quant(value: str | None) -> str | None:
+    if value is not None and value not in QUANTS:
+        raise typer.BadParameter(f"use one of {', '.join(QUANTS)}")
+    return value
+
+
+def _check_dtype(value: str | None) -> str | None:
+    try:
+        return normalize_dtype(value) if value is not None else None
+    except DflashError as error:
+        raise typer.BadParameter(error.message) from None
+
+
+MODEL, SAMPLING, PLANNING = "Model", "Sampling", "Planning"
+RecipeName = Annotated[
+    str | None,
+    typer.Argument(
+        metavar="NAME", show_default=False, help="Recipe name or alias (`dflash recipes list`), or a recipe .toml file."
+    ),
+]
+Target = Annotated[
+    str | None,
+    typer.Option(
+        "--target", help="Target model: Hugging Face repo id or local directory (ad-hoc recipe).", rich_help_panel=MODEL
+    ),
+]
+Drafter = Annotated[
+    str | None,
+    typer.Option("--drafter", help="DFlash drafter for --target: repo id or local directory.", rich_help_panel=MODEL),
+]
+RecipeFile = Annotated[
+    str | None,
+    typer.Option("--recipe", metavar="FILE.toml", help="Load a recipe from a TOML file.", rich_help_panel=MODEL),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+
+RUN_FLAG_TYPES: dict[str, Any] = {
+    "recipe_name": RecipeName,
+    "target": Target,
+    "drafter": Drafter,
+    "recipe_file": RecipeFile,
+    "max_tokens": Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)
+    ],
+    "temperature": Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="0 = greedy. Output follows the target's distribution at any temperature "
+            "(speculative decoding is lossless).",
+            rich_help_panel=SAMPLING,
+        ),
+    ],
+    "top_p": Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Nucleus sampling: keep tokens up to this total probability (1 = off).",
+            rich_help_panel=SAMPLING,
+        ),
+    ],
+    "top_k": Annotated[
+        int, typer.Option(min=0, help="Keep only the K most likely tokens (0 = off).", rich_help_panel=SAMPLING)
+    ],
+    "min_p": Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Drop tokens below this fraction of the top token's probability (0 = off).",
+            rich_help_panel=SAMPLING,
+        ),
+    ],
+    "seed": Annotated[
+        int | None, typer.Option(help="Random seed, for reproducible sampling.", rich_help_panel=SAMPLING)
+    ],
+    "block_size": Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tokens per draft block (default: the recipe's, else the drafter config's).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "no_spec": Annotated[
+        bool,
+        typer.Option(
+            "--no-spec",
+            help="Baseline: decode with the target alone (the same loop, no drafter).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "device": Annotated[
+        str | None,
+        typer.Option(help="cuda, cuda:N, mps or cpu (default: the best one here).", rich_help_panel=PLANNING),
+    ],
+    "dtype": Annotated[
+        str | None,
+        typer.Option(
+            callback=_check_dtype,
+            help="bfloat16, float16 or float32 (default: bf16 on GPUs that have it, "
+            "fp16 on older GPUs and MPS, fp32 on CPU).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "quant": Annotated[
+        str | None,
+        typer.Option(
+            callback=_check_quant,
+            help="none or nf4 (bitsandbytes 4-bit) (default: nf4 only where bf16 weights do not fit the GPU).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "explain": Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Print the plan (device, dtype, quantization, block size) and why.",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+}
+RUN_FLAGS = [
+    inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=RUN_FLAG_TYPES[f.name])
+    for f in dataclasses.fields(RunOptions)
+]
+
+
+def with_run_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command the shared run flags: it declares `options: RunOptions` first, plus any flags of its own."""
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "options"]
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        options = RunOptions(**{p.name: kwargs.pop(p.name) for p in RUN_FLAGS})
+        return command(options, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(RUN_FLAGS + own)  # type: ignore[attr-defined]
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat
+
+
+@app.command(rich_help_panel="Run")
+@with_run_flags
+def chat(
+    options: RunOptions,
+    system: Annotated[
+        str | None, typer.Option("--system", metavar="TEXT", help="System prompt (change it later with /set system).")
+    ] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option("--prompt", metavar="TEXT", help="Answer this message and exit (piped stdin is added after it)."),
+    ] = None,
+    no_history: Annotated[
+        bool,
+        typer.Option("--no-history", envvar="DFLASH_NOHISTORY", help="Neither read nor write the prompt history file."),
+    ] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="A footer after each reply: tokens, tok/s, TTFT, tau (toggle: /stats).")
+    ] = False,
+) -> None:
+    """Chat with a model in the terminal, accelerated by its DFlash drafter.
+
+    Type a message and press Enter; the reply streams as it is decoded and Ctrl+C stops it. /help lists the
+    commands: /set temperature 0.7, /stats, /spec off (the same chat without the drafter), /save FILE, /load FILE,
+    /clear, /show, /bye. Start and end a block with \"\"\" (or press Alt+Enter) for several lines.
+
+    With --prompt or piped stdin it answers once and exits, only the reply on stdout:
+    `echo "Why is the sky blue?" | dflash chat demo`
+    """
+    from dflash_cli.chat import run_chat
+
+    code = run_chat(
+        options, system=system, prompt=prompt, history=not no_history, show_stats=stats,
+        console=console, err_console=err_console,
+    )  # fmt: skip
+    if code:
+        raise typer.Exit(code)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run
+
+
+@app.command(rich_help_panel="Run")
+@with_run_flags
+def run(
+    options: RunOptions,
+    prompts: Annotated[
+        str | None,
+        typer.Argument(metavar="PROMPTS.jsonl", show_default=False, help="One request a line (see above)."),
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option("--output", "-o", metavar="FILE", help="Results JSONL (default: PROMPTS.out.jsonl)."),
+    ] = None,
+    errors: Annotated[
+        str | None,
+        typer.Option(metavar="FILE", help="Failed lines, with line number and reason (default: OUTPUT.errors.jsonl)."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+) -> None:
+    """Generate for every line of a JSONL file, loading the model once. Resumable: re-run to finish.
+
+    Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body). max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH; results are written shortest prompt first, so match them by id.
+
+    Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the request in flight. Lines that cannot run go to the errors file and the run goes on; the exit code is 1 when any request failed.
+
+    Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`
+    """
+    from dflash_cli import batch
+
+    options, prompts = batch.split_positionals(options, prompts)
+    summary = batch.run_file(options, prompts, output, errors, err_console)
+    if json_output:
+        _print_json(summary.to_dict())
+    elif summary.total:
+        console.print(batch.summary_table(summary))
+    raise typer.Exit(summary.exit_code)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench
+
+
+BENCH = "Benchmark"
+
+
+@app.command(rich_help_panel="Run")
+@with_run_flags
+def bench(
+    options: RunOptions,
+    before_after: Annotated[bool, typer.Option("--before-after", help="Also run the baseline (the same loop without the drafter) on the same prompts: speedup and a token-identity check.", rich_help_panel=BENCH)] = False,
+    prompt_set: Annotated[str | None, typer.Option("--set", metavar="math|code|chat|all", help="Built-in prompt set, 8 prompts each (default: all).", rich_help_panel=BENCH)] = None,
+    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", help='Your prompts, one JSON object a line: {"prompt": ...}, {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
+    repeat: Annotated[int, typer.Option(min=1, help="Timed repetitions of every prompt in every mode (after one untimed warm-up per mode).", rich_help_panel=BENCH)] = 3,
+    block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep block sizes: one DFlash run per size, with tau and speedup each.", rich_help_panel=BENCH)] = None,
+    limit: Annotated[int | None, typer.Option(min=1, metavar="N", help="Use only the first N prompts (a quick look).", rich_help_panel=BENCH)] = None,
+    output: Annotated[str | None, typer.Option("--output", metavar="FILE.json", help="Also save the JSON report (per-prompt rows, machine, plan, recipe, command).", rich_help_panel=BENCH)] = None,
+    png: Annotated[str | None, typer.Option("--png", metavar="FILE.png", help="Also save the charts as a PNG (needs matplotlib).", rich_help_panel=BENCH)] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Measure speed and acceptance: DFlash against the baseline on the same prompts.
+
+    Greedy by default, so DFlash must reproduce the baseline token for token: the report says whether it did. Method and results: docs/benchmarks.md.
+
+    Examples: `dflash bench demo --before-after --max-tokens 64` · `dflash bench qwen3-8b --before-after --set math --block-sizes 4,8,16 --output bench.json --png bench.png`
+    """
+    import shlex
+    import sys
+
+    from dflash_cli import bench as bench_lib
+
+    settings = bench_lib.BenchSettings(
+        before_after=before_after, prompt_set=prompt_set, prompts_file=prompts, repeat=repeat,
+        block_sizes=bench_lib.parse_block_sizes(block_sizes), limit=limit, output=output, png=png,
+        command=shlex.join(["dflash", *sys.argv[1:]]),
+    )  # fmt: skip
+    report = bench_lib.benchmark(options, settings, err_console)
+    if json_output:
+        _print_json(report.to_dict())
+    else:
+        bench_lib.print_report(report, console)
+    for saved in (output and bench_lib.write_json(report, output), png and bench_lib.save_png(report, png)):
+        if saved:
+            err_console.print(f"[dim]saved {escape(str(saved))}[/]")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pull
+
+
+@app.command(rich_help_panel="Models")
+def pull(
+    name: RecipeName = None, target: Target = None, drafter: Drafter = None, recipe_file: RecipeFile = None
+) -> None:
+    """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first."""
+    not_yet_available("pull")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train
+
+
+@app.command(rich_help_panel="Models")
+def train(
+    target: Annotated[
+        str, typer.Option("--target", help="Model to draft for: recipe name, Hugging Face repo id or local directory.")
+    ],
+    prompts: Annotated[
+        str,
+        typer.Option(
+            "--prompts",
+            metavar="FILE",
+            help='Prompts: .txt (one a line) or .jsonl ({"prompt": ...} or {"messages": [...]}).',
+        ),
+    ],
+    output: Annotated[
+        str,
+        typer.Option(
+            "--output", metavar="DIR", help="Where the drafter, checkpoints, cached responses and metrics.json go."
+        ),
+    ],
+    layers: Annotated[
+        int,
+        typer.Option(min=1, help="Drafter decoder layers (published drafters use 5; 1-2 is enough for small targets)."),
+    ] = 1,
+    feature_layers: Annotated[
+        int, typer.Option(min=1, help="Target layers whose hidden states the drafter reads (evenly spaced).")
+    ] = 5,
+    block_size: Annotated[
+        int,
+        typer.Option(
+            min=2,
+            help="Tokens per draft block. 8 suits CPUs and small targets (verify cost grows with B); 16 suits GPUs.",
+        ),
+    ] = 8,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 2000,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
+    lr: Annotated[float, typer.Option(min=0.0, help="Peak learning rate (linear warmup, cosine decay).")] = 6e-4,
+    anchors: Annotated[
+        int, typer.Option(min=1, help="Draft blocks per sequence per step (random anchors in the response).")
+    ] = 16,
+    max_new_tokens: Annotated[
+        int, typer.Option(min=2, help="Longest response the target writes per prompt (self-distillation).")
+    ] = 128,
+    eval_prompts: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Prompts held out to measure tau at the end: the first N of --eval-file, else of --prompts."
+        ),
+    ] = 32,
+    eval_file: Annotated[
+        str | None,
+        typer.Option("--eval-file", metavar="FILE", help="Held-out prompts for tau (same formats as --prompts)."),
+    ] = None,
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --output.")] = False,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            callback=_check_dtype,
+            help="Target dtype while it writes answers and features (bf16 is 2-5x faster on GPUs and recent CPUs).",
+        ),
+    ] = "bfloat16",
+    json_output: JsonFlag = False,
+) -> None:
+    """Train a DFlash drafter for a target model (self-distillation: the target writes the training answers).
+
+    The answers are cached in DIR, so an interrupted run keeps its data; training saves a checkpoint every --checkpoint-every steps (--resume continues it). The drafter lands in DIR/drafter in the z-lab format that dflash, vLLM and SGLang load: `dflash chat --target MODEL --drafter DIR/drafter`.
+
+    Example (the shipped demo drafter): `dflash train --target demo --prompts prompts.jsonl --output runs/demo --steps 1500`
+    """
+    from dflash_cli.train import TrainOptions
+    from dflash_cli.train import train as run_training
+
+    options = TrainOptions(
+        target=target, prompts=prompts, output=output, layers=layers, feature_layers=feature_layers,
+        block_size=block_size, steps=steps, batch_size=batch_size, lr=lr, anchors_per_sequence=anchors,
+        max_new_tokens=max_new_tokens, eval_prompts=eval_prompts, eval_prompts_file=eval_file, checkpoint_every=checkpoint_every,
+        resume=resume, device=device, dtype=dtype,
+    )  # fmt: skip
+    result = run_training(options, err_console)
+    if json_output:
+        _print_json({k: v for k, v in result.to_dict().items() if k != "history"})
+        return
+    tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
+    console.print(
+        f"[green]Drafter saved[/] in {escape(result.output)}: {result.steps} steps in {result.train_seconds:.0f}s, "
+        f"loss {result.final_loss:.3f}, tau on {result.eval_prompts} held-out prompts {tau}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# doctor
+
+
+@app.command(rich_help_panel="Machine")
+def doctor(json_output: JsonFlag = False) -> None:
+    """Check this machine: torch and GPU kernels, driver, bitsandbytes, Hugging Face, and which recipes fit.
+
+    Exits with 1 when a check fails."""
+    from dflash_cli import doctor as checks
+
+    results = checks.run_checks()
+    if json_output:
+        _print_json({"checks": [c.to_dict() for c in results], "exit_code": checks.exit_code(results)})
+    else:
+        style = {"pass": "[green]pass[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fail[/]"}
+        table = Table("check", "status", "detail", title="dflash doctor", title_justify="left")
+        for check in results:
+            fix = f"\n[yellow]fix:[/] {escape(check.fix)}" if check.fix else ""
+            table.add_row(check.name, style[check.status], escape(check.detail) + fix)
+        console.print(table)
+    raise typer.Exit(checks.exit_code(results))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# recipes
+
+
+@recipes_app.command("list")
+def recipes_list(json_output: JsonFlag = False) -> None:
+    """List the built-in and user recipes."""
+    recipes = list(load_recipes().values())
+    if json_output:
+        _print_json([recipe.to_dict() for recipe in recipes])
+        return
+    user_dir = str(user_recipe_dir())
+    table = Table()
+    table.add_column("name", no_wrap=True)
+    table.add_column("target", overflow="fold")
+    table.add_column("drafter", overflow="fold")
+    table.add_column("block")
+    table.add_column("bf16", no_wrap=True)
+    table.add_column("notes")
+    for recipe in recipes:
+        flags = (
+            ("gated", recipe.gated),
+            ("export only", not recipe.runnable),
+            ("user", recipe.source.startswith(user_dir)),
+        )
+        notes = [note for note, on in flags if on]
+        size = recipe.weight_bytes.get("bf16")
+        table.add_row(
+            recipe.name,
+            recipe.target.id,
+            recipe.drafter.id if recipe.drafter else "-",
+            str(recipe.block_size or "config"),
+            gb(size) if size else "?",
+            ", ".join(notes),
+        )
+    console.print(table)
+
+
+@recipes_app.command("show")
+def recipes_show(
+    name: Annotated[str, typer.Argument(help="Recipe name, alias, or .toml file.")], json_output: JsonFlag = False
+) -> None:
+    """Show everything a recipe says: models, block size, chat template options, sizes, GPU overrides."""
+    recipe = resolve_recipe(name, None, None, None)
+    if json_output:
+        _print_json(recipe.to_dict())
+        return
+    for key, value in recipe.to_dict().items():
+        console.print(f"[bold]{key}[/]: {escape(json.dumps(value) if isinstance(value, (dict, list)) else str(value))}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export
+
+
+Gpus = Annotated[int | None, typer.Option(min=1, help="GPUs on the serving machine (default: this machine's).")]
+GpuMemory = Annotated[
+    float | None,
+    typer.Option("--gpu-memory", min=1.0, help="GB per GPU on the serving machine (default: this machine's, else 80)."),
+]
+
+
+def _check_server(value: str) -> str:
+    if value not in ("vllm", "sglang"):
+        raise typer.BadParameter("use vllm or sglang")
+    return value
+
+
+@app.command(rich_help_panel="Scale out")
+def export(
+    server: Annotated[str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm or sglang.")],
+    name: RecipeName = None,
+    target: Target = None,
+    drafter: Drafter = None,
+    recipe_file: RecipeFile = None,
+    gpus: Gpus = None,
+    gpu_memory: GpuMemory = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`) or
+    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`)."""
+    from dflash_cli.export import EXPORTERS, serving_hardware
+    from dflash_cli.hardware import detect_machine
+
+    recipe = resolve_recipe(name, recipe_file, target, drafter)
+    command = EXPORTERS[server](recipe, serving_hardware(detect_machine(), gpus, gpu_memory))
+    typer.echo(command.to_json() if json_output else command.text())
+
+
+def main() -> None:
+    """Console-script entry point (`dflash`, `python -m dflash_cli`)."""
+    app(prog_name="dflash")

@@ -1,0 +1,432 @@
+"""`dflash doctor`: pass / warn / fail checks of this machine, each failure with its fix.
+
+Every check is a function of plain inputs (machine facts, versions, paths), so tests fabricate failing
+machines; `run_checks()` gathers the real inputs. Rendering (table or JSON) lives in cli.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import MachineFacts, detect_machine, gb, gpu_class, make_plan
+from dflash_cli.recipes import Recipe, load_recipes
+
+TORCH_INDEX = "https://download.pytorch.org/whl"
+OUR_ENTRY_POINT = "dflash_cli.cli:main"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # "pass" | "warn" | "fail"
+    detail: str
+    fix: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def exit_code(checks: list[Check]) -> int:
+    return 1 if any(check.status == "fail" for check in checks) else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Python, torch, driver, GPU
+
+
+def check_python(version: tuple[int, ...]) -> Check:
+    shown = ".".join(map(str, version[:3]))
+    if tuple(version[:2]) >= (3, 10):
+        return Check("python", "pass", f"Python {shown}")
+    return Check("python", "fail", f"Python {shown} is too old", "install Python 3.10 or newer")
+
+
+def arch_supported(arch_list: tuple[str, ...] | list[str], capability: tuple[int, int]) -> bool:
+    """Whether torch ships kernels this GPU runs: sm_XY code runs on the same major, minor >= Y (torch's rule)."""
+    major, minor = capability
+    for arch in arch_list:
+        if arch.startswith("sm_"):
+            code = int(arch[3:].rstrip("af"))  # sm_90a, sm_100f: arch-specific variants of the same code
+            if code // 10 == major and code % 10 <= minor:
+                return True
+    return False
+
+
+def torch_wheel_fix(capability: tuple[int, int], releases: dict[str, set[int]] | None) -> str:
+    """The pip command for a torch build with kernels for `capability`. `releases` maps the CUDA versions of
+    the installed torch release to the sm codes its wheels ship (torch's own table, when it has one)."""
+    fitting = sorted(
+        (tuple(map(int, cuda.split("."))), cuda)
+        for cuda, codes in (releases or {}).items()
+        if any(arch_supported([f"sm_{code}"], capability) for code in codes)
+    )
+    if fitting:  # the oldest CUDA that works asks the least of the driver
+        cuda = fitting[0][1]
+    elif capability >= (10, 0):
+        cuda = "12.8"  # Blackwell kernels first shipped in CUDA 12.8 builds
+    else:
+        cuda = "12.6"
+    tag = "cu" + cuda.replace(".", "")
+    need = "CUDA 12.8+" if capability >= (10, 0) else f"CUDA {cuda}"
+    return (
+        f"install a torch built for {need} (sm_{capability[0]}{capability[1]} kernels): "
+        f"pip install --force-reinstall torch --index-url {TORCH_INDEX}/{tag}"
+    )
+
+
+@dataclass(frozen=True)
+class SmiGpu:
+    name: str
+    compute_cap: str
+    memory_total: str
+    driver_version: str
+
+
+@dataclass(frozen=True)
+class SmiResult:
+    gpus: tuple[SmiGpu, ...] = ()
+    error: str | None = None  # nvidia-smi exists but failed (driver not loaded, version mismatch)
+
+
+def query_nvidia_smi() -> SmiResult | None:
+    """What nvidia-smi reports, or None where it is not installed. The driver version is only known here."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    query = "--query-gpu=name,compute_cap,memory.total,driver_version"
+    try:
+        done = subprocess.run([exe, query, "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return SmiResult(error=str(exc))
+    if done.returncode != 0:
+        return SmiResult(error=(done.stderr or done.stdout).strip() or f"exit code {done.returncode}")
+    rows = [[part.strip() for part in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+    return SmiResult(gpus=tuple(SmiGpu(*row[:4]) for row in rows if len(row) >= 4))
+
+
+def _smi_capability(smi: SmiResult | None) -> tuple[int, int] | None:
+    try:
+        major, minor = smi.gpus[0].compute_cap.split(".")  # type: ignore[union-attr]
+        return int(major), int(minor)
+    except (AttributeError, IndexError, ValueError):
+        return None
+
+
+def check_torch(facts: MachineFacts, smi: SmiResult | None, releases: dict[str, set[int]] | None = None) -> Check:
+    build = f"CUDA {facts.torch_cuda_version} build" if facts.torch_cuda_version else "CPU-only build"
+    detail = f"torch {facts.torch_version}, {build}"
+    if facts.kind == "cuda" and facts.capability is not None:
+        sm = f"sm_{facts.capability[0]}{facts.capability[1]}"
+        if not arch_supported(facts.torch_arch_list, facts.capability):
+            shipped = " ".join(facts.torch_arch_list) or "none"
+            return Check(
+                "torch",
+                "fail",
+                f"{detail} has no kernels for this GPU ({facts.gpu_name}, {sm}); it ships {shipped}",
+                torch_wheel_fix(facts.capability, releases),
+            )
+        return Check("torch", "pass", f"{detail}, kernels for {sm}")
+    smi_capability = _smi_capability(smi)
+    if facts.kind == "cpu" and smi is not None and smi.gpus:
+        gpu = smi.gpus[0].name
+        if facts.torch_cuda_version is None:
+            fix = torch_wheel_fix(smi_capability, releases) if smi_capability else f"see {TORCH_INDEX}"
+            return Check("torch", "fail", f"{detail} on a machine with an NVIDIA GPU ({gpu})", fix)
+        return Check(
+            "torch",
+            "fail",
+            f"{detail} cannot use the NVIDIA GPU ({gpu}); the driver is likely older than CUDA "
+            f"{facts.torch_cuda_version} needs",
+            "update the NVIDIA driver (nvidia-smi shows its version), or install a torch built for an older CUDA",
+        )
+    return Check("torch", "pass", detail)
+
+
+def check_driver(facts: MachineFacts, smi: SmiResult | None) -> Check:
+    if smi is None:
+        if facts.kind == "cuda":
+            return Check(
+                "driver",
+                "warn",
+                "nvidia-smi not found; torch reaches the GPU, so the driver works",
+                "install the NVIDIA utilities (nvidia-smi) to see the driver version",
+            )
+        return Check("driver", "pass", "no NVIDIA driver (no nvidia-smi): nothing to check")
+    if smi.error is not None:
+        return Check(
+            "driver",
+            "fail",
+            f"nvidia-smi failed: {smi.error}",
+            "reinstall or update the NVIDIA driver; reboot after a driver update",
+        )
+    rows = [f"driver {g.driver_version}: {g.name}, compute {g.compute_cap}, {g.memory_total}" for g in smi.gpus]
+    return Check("driver", "pass", "\n".join(rows) or "nvidia-smi lists no GPUs")
+
+
+def check_gpu(facts: MachineFacts) -> Check:
+    ram = f"{gb(facts.cpu_ram_total or 0)} RAM ({gb(facts.cpu_ram_available or 0)} available)"
+    if facts.kind == "cpu":
+        return Check("gpu", "pass", f"no GPU: runs on the CPU, {ram}")
+    memory = f"{gb(facts.total_memory or 0)} total, {gb(facts.free_memory or 0)} free"
+    count = f", {facts.gpu_count} GPUs" if facts.gpu_count > 1 else ""
+    return Check("gpu", "pass", f"{facts.gpu_name}: {gpu_class(facts).label}, {memory}{count}; {ram}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packages
+
+
+@dataclass(frozen=True)
+class BnbInstall:
+    version: str | None  # None: bitsandbytes cannot be imported
+    cuda_libs: tuple[tuple[int, int], ...] = ()  # the CUDA versions its native libraries were built for
+    has_cpu_lib: bool = False
+    native_loaded: bool = False  # whether bitsandbytes loaded a native library at import
+    error: str | None = None
+
+
+def inspect_bitsandbytes() -> BnbInstall:
+    # Its import logs warnings about optional kernel packages; the check below reports what matters.
+    bnb_logger = logging.getLogger("bitsandbytes")
+    level = bnb_logger.level
+    bnb_logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+        from bitsandbytes import cextension
+    except Exception as exc:  # a broken install raises anything from ImportError to RuntimeError
+        return BnbInstall(None, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        bnb_logger.setLevel(level)
+    package = Path(bitsandbytes.__file__).parent
+    cuda_libs = []
+    for lib in package.glob("libbitsandbytes_cuda*"):
+        digits = lib.name.removeprefix("libbitsandbytes_cuda").split(".")[0]
+        if digits.isdigit() and len(digits) >= 3:
+            cuda_libs.append((int(digits[:-1]), int(digits[-1])))  # "128" -> 12.8, as bitsandbytes reads them
+    return BnbInstall(
+        version=bitsandbytes.__version__,
+        cuda_libs=tuple(sorted(cuda_libs)),
+        has_cpu_lib=any(package.glob("libbitsandbytes_cpu.*")),
+        native_loaded=not isinstance(cextension.lib, cextension.ErrorHandlerMockBNBNativeLibrary),
+    )
+
+
+def bnb_library_for(cuda: tuple[int, int], shipped: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """The library bitsandbytes loads for torch's CUDA version: exact, else the newest older one of the same
+    major, else the oldest newer one of the same major; never across majors."""
+    same_major = [v for v in shipped if v[0] == cuda[0]]
+    if cuda in same_major:
+        return cuda
+    older = [v for v in same_major if v < cuda]
+    newer = [v for v in same_major if v > cuda]
+    return max(older) if older else min(newer) if newer else None
+
+
+def check_bitsandbytes(facts: MachineFacts, bnb: BnbInstall) -> Check:
+    if bnb.version is None:
+        return Check(
+            "bitsandbytes",
+            "fail",
+            f"cannot import bitsandbytes: {bnb.error}",
+            "pip install --force-reinstall 'bitsandbytes>=0.46.1'",
+        )
+    name = f"bitsandbytes {bnb.version}"
+    if facts.kind != "cuda" or facts.torch_cuda_version is None or facts.capability is None:
+        if bnb.has_cpu_lib and bnb.native_loaded:
+            return Check("bitsandbytes", "pass", f"{name}, CPU library (NF4 works on CPU, slowly)")
+        return Check(
+            "bitsandbytes",
+            "warn",
+            f"{name} has no working CPU library: --quant nf4 is unavailable here",
+            "pip install --force-reinstall 'bitsandbytes>=0.46.1' (needs an AVX2 CPU)",
+        )
+    cuda = tuple(int(part) for part in facts.torch_cuda_version.split(".")[:2])
+    lib = bnb_library_for(cuda, bnb.cuda_libs)  # type: ignore[arg-type]
+    if lib is None or not bnb.native_loaded:
+        return Check(
+            "bitsandbytes",
+            "fail",
+            f"{name} has no working library for CUDA {facts.torch_cuda_version} (it ships "
+            f"{', '.join(f'{a}.{b}' for a, b in bnb.cuda_libs) or 'none'}): NF4 loading will fail",
+            "pip install --force-reinstall 'bitsandbytes>=0.46.1'; `python -m bitsandbytes` shows the details",
+        )
+    # Its CUDA 11.8-12.6 libraries stop at sm_90; Blackwell code (sm_100, sm_120) is in the 12.8+ ones.
+    if facts.capability >= (10, 0) and lib < (12, 8):
+        return Check(
+            "bitsandbytes",
+            "fail",
+            f"{name} loads its CUDA {lib[0]}.{lib[1]} library (chosen from torch's CUDA "
+            f"{facts.torch_cuda_version}), which has no sm_{facts.capability[0]}{facts.capability[1]} kernels",
+            torch_wheel_fix(facts.capability, None) + " (bitsandbytes follows torch's CUDA version)",
+        )
+    return Check("bitsandbytes", "pass", f"{name}, CUDA {lib[0]}.{lib[1]} library")
+
+
+def check_package(name: str, version: str | None, major: int | None, install: str) -> Check:
+    """An installed dependency, optionally of a required major version."""
+    if version is None:
+        return Check(name, "fail", f"{name} is not installed", f"pip install '{install}'")
+    if major is not None and version.split(".")[0] != str(major):
+        return Check(name, "fail", f"{name} {version}: dflash needs {major}.x", f"pip install '{install}'")
+    return Check(name, "pass", f"{name} {version}")
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def dflash_commands() -> list[tuple[str, str]]:
+    """(distribution, entry point) of every installed console script named `dflash`."""
+    return [
+        (ep.dist.name if ep.dist else "unknown", ep.value)
+        for ep in metadata.entry_points(group="console_scripts", name="dflash")
+    ]
+
+
+def check_command_conflicts(commands: list[tuple[str, str]]) -> Check:
+    others = [(dist, value) for dist, value in commands if value != OUR_ENTRY_POINT]
+    if others:
+        names = ", ".join(f"{dist} ({value})" for dist, value in others)
+        return Check(
+            "dflash command",
+            "warn",
+            f"another package also installs a `dflash` command: {names}; the one installed last wins",
+            f"pip uninstall {others[0][0]}, or run this tool as `python -m dflash_cli`",
+        )
+    ours = any(value == OUR_ENTRY_POINT for _, value in commands)
+    return Check(
+        "dflash command",
+        "pass",
+        "installed, no other package claims `dflash`"
+        if ours
+        else "not installed as a command (running from source: `python -m dflash_cli`)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face and recipes
+
+
+def download_bytes(recipe: Recipe) -> int:
+    return recipe.weight_bytes.get(recipe.checkpoint_precision, 0) + (recipe.drafter_bytes or 0)
+
+
+def check_hf_cache(cache_dir: Path, free_bytes: int, recipes: list[Recipe]) -> Check:
+    detail = f"{cache_dir}: {gb(free_bytes)} free on its disk"
+    largest = max((r for r in recipes if r.runnable), key=download_bytes, default=None)
+    if largest is not None and free_bytes < download_bytes(largest):
+        return Check(
+            "hf cache",
+            "warn",
+            f"{detail}; {largest.name} downloads {gb(download_bytes(largest))}",
+            "free disk space, or point HF_HOME at a bigger disk (export HF_HOME=/big/disk/huggingface)",
+        )
+    return Check("hf cache", "pass", detail)
+
+
+def disk_free(path: Path) -> int:
+    """Free bytes on the disk that holds `path` (or would: the cache directory may not exist yet)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_hf_token(has_token: bool, recipes: list[Recipe]) -> Check:
+    if has_token:
+        return Check("hf token", "pass", "a Hugging Face token is configured (not shown)")
+    gated = [r.name for r in recipes if r.gated]
+    if not gated:
+        return Check("hf token", "pass", "no token; no recipe needs one")
+    return Check(
+        "hf token",
+        "warn",
+        f"no Hugging Face token: gated recipes ({', '.join(gated)}) cannot download",
+        "accept the model's license on huggingface.co, then run `hf auth login` (or set HF_TOKEN)",
+    )
+
+
+def check_offline(offline: bool) -> Check:
+    if offline:
+        return Check("offline mode", "pass", "HF_HUB_OFFLINE is set: only models already in the cache load")
+    return Check("offline mode", "pass", "online: models download on first use (HF_HUB_OFFLINE=1 turns it off)")
+
+
+def check_recipes(facts: MachineFacts, recipes: list[Recipe]) -> Check:
+    """Which recipes fit this machine, and how (the planner's choice with no flags)."""
+    lines, fitting = [], 0
+    for recipe in recipes:
+        if not recipe.runnable:
+            lines.append(f"{recipe.name}: not runnable in dflash; `dflash export vllm {recipe.name}`")
+            continue
+        try:
+            plan = make_plan(facts, recipe)
+        except DflashError as exc:
+            lines.append(f"{recipe.name}: does not fit: {exc.message}")
+            continue
+        fitting += 1
+        weights = "nf4" if plan.quant == "nf4" else plan.dtype
+        size = f", ~{gb(plan.estimated_bytes)}" if plan.estimated_bytes else ""
+        lines.append(f"{recipe.name}: fits, {plan.device} {weights}{size}")
+    if fitting or not recipes:
+        return Check("recipes", "pass", "\n".join(lines) or "no recipes")
+    return Check(
+        "recipes",
+        "warn",
+        "\n".join(lines),
+        "free memory, use a machine with a bigger GPU, or serve across GPUs with `dflash export vllm`",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def torch_release_table() -> dict[str, set[int]] | None:
+    """torch's own table of which CUDA builds of this release ship which sm codes (private; may be absent)."""
+    import platform
+
+    import torch.cuda
+
+    table = getattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", None)
+    if not isinstance(table, dict):
+        return None
+    host = "aarch64" if platform.machine().lower() == "aarch64" else "x86_64"
+    return {cuda: set(by_arch.get(host, ())) for cuda, by_arch in table.items()}
+
+
+def run_checks(facts: MachineFacts | None = None) -> list[Check]:
+    """All checks against this machine (or fabricated `facts` for the GPU side)."""
+    from huggingface_hub import constants, get_token
+
+    facts = facts or detect_machine()
+    smi = query_nvidia_smi()
+    try:
+        recipes = list(load_recipes().values())
+        recipe_check = check_recipes(facts, recipes)
+    except DflashError as exc:  # a broken user recipe file: report it, keep checking
+        recipes, recipe_check = [], Check("recipes", "fail", exc.message, exc.fix)
+    cache = Path(constants.HF_HUB_CACHE)
+    return [
+        check_python(tuple(sys.version_info)),
+        check_torch(facts, smi, torch_release_table()),
+        check_driver(facts, smi),
+        check_gpu(facts),
+        check_bitsandbytes(facts, inspect_bitsandbytes()),
+        check_package("transformers", installed_version("transformers"), 5, "transformers>=5,<6"),
+        check_package("accelerate", installed_version("accelerate"), None, "accelerate>=1.0"),
+        check_hf_cache(cache, disk_free(cache), recipes),
+        check_hf_token(get_token() is not None, recipes),
+        check_offline(bool(constants.HF_HUB_OFFLINE)),
+        recipe_check,
+        check_command_conflicts(dflash_commands()),
+    ]

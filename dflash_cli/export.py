@@ -1,0 +1,162 @@
+"""`dflash export vllm|sglang NAME`: the server command that serves a recipe with DFlash on vLLM or SGLang.
+
+For users who outgrow one machine: both servers run DFlash drafters natively, with batching and tensor
+parallelism. The command is built as an argv list and shell-quoted once, so it pastes as is.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import MachineFacts, gb
+from dflash_cli.recipes import ModelRef, Recipe
+
+# Weights take at most 1/1.3 of the GPUs' memory: the rest holds the KV cache, activations and CUDA graphs
+# (vLLM claims 90% of each GPU by default and sizes its KV cache from what the weights leave).
+TP_HEADROOM = 1.3
+# Sizing for a serving machine when this one has no CUDA GPU: one 80 GB GPU (H100 / A100 80GB).
+ASSUMED_GPU_MEMORY = 80_000_000_000
+FALLBACK_BLOCK_SIZE = 16  # the block size of most published drafters
+
+
+@dataclass(frozen=True)
+class ServingHardware:
+    gpu_count: int
+    gpu_memory: int  # bytes per GPU
+    assumed: bool = False  # True: not measured here (no CUDA GPU on this machine, or given by flags)
+
+
+@dataclass
+class ExportedCommand:
+    argv: list[str]
+    notes: list[str] = field(default_factory=list)  # printed as shell comments above the command
+
+    @property
+    def shell(self) -> str:
+        return shlex.join(self.argv)
+
+    def text(self) -> str:
+        return "\n".join([*(f"# {note}" for note in self.notes), self.shell])
+
+    def to_json(self) -> str:
+        return json.dumps({"command": self.argv, "shell": self.shell, "notes": self.notes}, indent=2)
+
+
+def serving_hardware(
+    facts: MachineFacts, gpus: int | None = None, gpu_memory_gb: float | None = None
+) -> ServingHardware:
+    """The GPUs to size for: this machine's CUDA GPUs unless `gpus` / `gpu_memory_gb` say otherwise."""
+    if gpus is not None and gpus < 1:
+        raise DflashError(f"--gpus {gpus}: need at least one GPU", fix="pass --gpus 1 or more")
+    measured = facts.kind == "cuda" and facts.total_memory is not None
+    count = gpus or (facts.gpu_count if measured else 1)
+    memory = int(gpu_memory_gb * 1e9) if gpu_memory_gb else (facts.total_memory if measured else ASSUMED_GPU_MEMORY)
+    return ServingHardware(count, memory, assumed=not measured or gpus is not None or gpu_memory_gb is not None)
+
+
+def tensor_parallel_size(weight_bytes: int | None, hardware: ServingHardware) -> tuple[int, str | None]:
+    """The smallest power-of-two GPU count whose memory holds the weights with headroom (attention heads split
+    evenly only over powers of two), capped at the GPUs there are; and a note when that is not enough."""
+    sizes = [2**i for i in range(hardware.gpu_count.bit_length())]
+    if weight_bytes is None:
+        return 1, "the recipe does not list its size: tensor parallel size 1 assumed"
+    need = weight_bytes * TP_HEADROOM
+    for size in sizes:
+        if size * hardware.gpu_memory >= need:
+            return size, None
+    return sizes[-1], (
+        f"warning: the weights ({gb(weight_bytes)}) plus headroom need ~{gb(need)}, more than "
+        f"{sizes[-1]} x {gb(hardware.gpu_memory)}: use more or bigger GPUs"
+    )
+
+
+def _location(ref: ModelRef) -> str:
+    """What the server loads: the repo id, or the absolute path of a local directory."""
+    return str(ref.path) if ref.path is not None else ref.id
+
+
+def _cached_drafter_block_size(drafter: ModelRef) -> int | None:
+    """The drafter config's block size, when its config.json is local or already in the Hugging Face cache."""
+    if drafter.path is not None:
+        directory = drafter.path
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(drafter.id, "config.json", revision=drafter.revision)
+        if not isinstance(cached, str):  # None (never fetched) or the "known to be missing" marker
+            return None
+        directory = Path(cached).parent
+    if not (directory / "config.json").is_file():
+        return None
+    from dflash_cli.drafter import read_drafter_config
+
+    return read_drafter_config(directory).block_size
+
+
+def _plan_export(recipe: Recipe, hardware: ServingHardware) -> tuple[ModelRef, int, int, list[str]]:
+    if recipe.drafter is None:
+        raise DflashError(
+            f"recipe {recipe.name} has no drafter, so there is nothing to export for speculative decoding",
+            fix="pass --drafter REPO_OR_PATH with --target",
+        )
+    notes: list[str] = []
+    block_size = recipe.block_size or _cached_drafter_block_size(recipe.drafter)
+    if block_size is None:
+        block_size = FALLBACK_BLOCK_SIZE
+        why = (
+            f"{recipe.drafter.path} has no config.json"
+            if recipe.drafter.path is not None
+            else f"its config is not cached yet (`dflash pull {recipe.name}` fetches it)"
+        )
+        notes.append(f"block size {FALLBACK_BLOCK_SIZE} assumed: the recipe leaves it to the drafter config, and {why}")
+    tp, tp_note = tensor_parallel_size(recipe.weight_bytes.get(recipe.checkpoint_precision), hardware)
+    if hardware.assumed:
+        notes.append(
+            f"tensor parallel size for {hardware.gpu_count} GPU(s) of {gb(hardware.gpu_memory)}, not measured "
+            "here; change with --gpus N --gpu-memory GB"
+        )
+    if tp_note:
+        notes.append(tp_note)
+    if recipe.chat_template_kwargs:
+        notes.append(
+            "the drafter was trained with these chat template options; send them with each request: "
+            f'"chat_template_kwargs": {json.dumps(recipe.chat_template_kwargs)}'
+        )
+    if recipe.gated:
+        notes.append(f"{recipe.target.id} is gated: accept its license on huggingface.co and set HF_TOKEN first")
+    return recipe.drafter, block_size, tp, notes
+
+
+def vllm_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
+    """`vllm serve TARGET --speculative-config {...}`: vLLM counts speculative tokens, the block minus the
+    position that carries the last committed token."""
+    drafter, block_size, tp, notes = _plan_export(recipe, hardware)
+    spec = {"method": "dflash", "model": _location(drafter), "num_speculative_tokens": block_size - 1}
+    if drafter.revision:
+        spec["revision"] = drafter.revision
+    argv = ["vllm", "serve", _location(recipe.target)]
+    if recipe.target.revision:
+        argv += ["--revision", recipe.target.revision]
+    argv += ["--speculative-config", json.dumps(spec), "--tensor-parallel-size", str(tp)]
+    return ExportedCommand(argv, notes)
+
+
+def sglang_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
+    """`python -m sglang.launch_server ... --speculative-algorithm DFLASH`: SGLang counts draft tokens as the
+    whole block."""
+    drafter, block_size, tp, notes = _plan_export(recipe, hardware)
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", _location(recipe.target)]
+    if recipe.target.revision:
+        argv += ["--revision", recipe.target.revision]
+    argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", _location(drafter)]
+    if drafter.revision:
+        argv += ["--speculative-draft-model-revision", drafter.revision]
+    argv += ["--speculative-num-draft-tokens", str(block_size), "--tp-size", str(tp)]
+    return ExportedCommand(argv, notes)
+
+
+EXPORTERS = {"vllm": vllm_command, "sglang": sglang_command}

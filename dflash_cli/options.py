@@ -1,0 +1,52 @@
+"""RunOptions: the flags `dflash chat`, `run` and `bench` share, as one value the frontends receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dflash_cli.hardware import PlanOverrides
+from dflash_cli.recipes import Recipe, resolve_recipe
+
+if TYPE_CHECKING:
+    from dflash_cli.engine import SamplingParams
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    recipe_name: str | None = None  # positional NAME: a recipe name, alias, or path to a .toml
+    target: str | None = None
+    drafter: str | None = None
+    recipe_file: str | None = None
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    block_size: int | None = None
+    no_spec: bool = False  # baseline: the same loop without the drafter
+    device: str | None = None
+    dtype: str | None = None
+    quant: str | None = None
+    explain: bool = False  # print the plan and why each choice was made
+
+    def resolve_recipe(self) -> Recipe:
+        return resolve_recipe(self.recipe_name, self.recipe_file, self.target, self.drafter)
+
+    def plan_overrides(self) -> PlanOverrides:
+        return PlanOverrides(device=self.device, dtype=self.dtype, quant=self.quant, block_size=self.block_size)
+
+    def sampling_params(self, **extra: Any) -> SamplingParams:
+        """engine.SamplingParams from the flags; `extra` adds stop tokens / strings."""
+        from dflash_cli.engine import SamplingParams
+
+        return SamplingParams(
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            **extra,
+        )

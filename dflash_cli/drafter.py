@@ -323,7 +323,9 @@ class DFlashDrafter(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self._inv_freq.to(position_ids.device)
+        if self._inv_freq.device != position_ids.device:  # moved once, not copied every step
+            self._inv_freq = self._inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self._inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
 

@@ -1,0 +1,153 @@
+"""scripts/gpu_bench.py in its CPU configuration (--smoke): the code path the GPU run takes, on tiny shapes.
+
+No timings are asserted. What is asserted: the results have the structure docs/benchmarks.md reads, every
+figure is there next to its target, NF4 really quantized the target, and the controlled-acceptance double
+makes the real decode loop commit exactly the acceptance lengths it was asked for (a property of the loop).
+The reference comparison runs when z-lab's wheel can be had (DFLASH_REFERENCE_WHEEL, .whl/, or PyPI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_bench.py"
+WHEEL_NAME = "dflash-0.1.0-py3-none-any.whl"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_wheel(tmp: Path) -> Path | None:
+    """z-lab's reference wheel: from the environment, the device carry folder, or PyPI; None if none can be had."""
+    given = os.environ.get("DFLASH_REFERENCE_WHEEL")
+    if given and Path(given).is_file():
+        return Path(given)
+    carried = ROOT / ".whl" / WHEEL_NAME
+    if carried.is_file():
+        return carried
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "dflash==0.1.0", "-d", str(tmp)],
+            capture_output=True, timeout=60, check=True,
+        )
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return next(tmp.glob("dflash-0.1.0-*.whl"), None)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("gpu_bench")
+    out = tmp / "results.json"
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--output", str(out)]
+    wheel = reference_wheel(tmp)
+    if wheel is not None:
+        cmd += ["--reference-wheel", str(wheel)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"results": json.loads(out.read_text()), "table": proc.stdout, "wheel": wheel}
+
+
+def test_every_section_is_there(smoke):
+    results = smoke["results"]
+    settings = results["settings"]
+    assert results["bandwidth"]["gb_per_s"] > 0
+    assert list(results["runs"]) == settings["precisions"] == ["float32", "nf4"]
+    for name, run in results["runs"].items():
+        assert "error" not in run, run.get("error")
+        floors = run["floors"]
+        assert 0 < floors["ar_floor_ms"] < floors["spec_floor_ms"]
+        assert floors["spec_step_bytes"] > floors["ar_step_bytes"] > floors["target_weight_bytes"]
+        micro = run["micro"]
+        assert list(micro["verify"]) == [str(b) for b in settings["verify_sizes"]]
+        e2e = run["end_to_end"]
+        timings = [micro["ar_step"], micro["draft_step"], *micro["verify"].values(), e2e["baseline"]["step"]]
+        timings += [r["step"] for r in e2e["controlled"].values()]
+        for t in timings:
+            assert 0 < t["median_ms"] <= t["p90_ms"]
+            assert t["events_median_ms"] is None  # no CUDA events on the CPU
+        assert list(e2e["controlled"]) == [f"{tau:g}" for tau in settings["taus"]]
+        predicted = run["predicted"]
+        assert predicted["tau"] == 6.5
+        assert predicted["spec_tokens_per_s"] > 0 and predicted["speedup"] > 0
+        figures = [c["figure"] for c in run["targets"]]
+        assert figures == [
+            "AR step / AR floor",
+            "spec step / AR floor",
+            "spec step ours / reference",
+            "host overhead per AR step (ms)",
+            "host overhead per spec step (ms)",
+        ]
+    assert set(results["nf4_vs_dense"]) == {"ar_step", "spec_step"}
+
+
+def test_nf4_quantizes_every_decoder_linear(smoke):
+    results = smoke["results"]
+    shape = results["settings"]["shape"]
+    assert results["nf4_quantized_layers"] == 7 * shape["layers"]  # q, k, v, o, gate, up, down
+    dense, nf4 = (results["runs"][p]["floors"] for p in ("float32", "nf4"))
+    assert nf4["target_weight_bytes"] < dense["target_weight_bytes"] / 2
+    assert nf4["lm_head_bytes"] == dense["lm_head_bytes"]  # the head stays dense, as transformers leaves it
+
+
+def test_controlled_acceptance_double_hits_the_requested_tau(smoke):
+    block = smoke["results"]["settings"]["shape"]["block_size"]
+    for run in smoke["results"]["runs"].values():
+        for key, r in run["end_to_end"]["controlled"].items():
+            steps = len(r["acceptance_lengths"])
+            wanted = min(r["tau_requested"], block)
+            assert r["schedule_followed"], (key, r["acceptance_lengths"])
+            assert r["lossless"], key  # the loop committed the target's own greedy tokens
+            assert r["tau_measured"] == r["tau_planned"]
+            assert abs(r["tau_measured"] - wanted) <= 1 / steps, (key, r["tau_measured"])
+
+
+def test_table_prints_each_figure_with_its_target(smoke):
+    table = smoke["table"]
+    figures = ("AR step / AR floor", "spec step / AR floor", "spec step ours / reference", "host overhead per AR step")
+    for figure in figures:
+        assert figure in table
+    assert "<= 1.15" in table and "<= 1.35" in table and "<= 0.333" in table and "< 1" in table
+    assert "predicted at tau 6.5" in table
+
+
+def test_reference_runs_side_by_side(smoke):
+    if smoke["wheel"] is None:
+        pytest.skip("z-lab's dflash==0.1.0 wheel could not be had (no DFLASH_REFERENCE_WHEEL, no .whl/, no PyPI)")
+    runs = smoke["results"]["runs"]
+    reference = runs["float32"]["reference"]
+    assert reference["status"] == "ok", reference.get("reason")
+    for who in ("reference", "ours"):
+        assert reference[who]["spec_step_ms"] > 0 and reference[who]["baseline_step_ms"] > 0
+    assert runs["nf4"]["reference"]["status"] == "skipped"  # the smoke configuration runs it once
+    assert smoke["results"]["environment"]["dflash_reference"] == "0.1.0"
+
+
+def test_acceptance_plan_mean_and_bounds():
+    gpu_bench = load_script()
+    for tau in (1.0, 2.3, 3.0, 6.5, 7.87, 15.5, 16.0, 40.0):
+        for tokens in (1, 15, 127, 500):
+            plan = gpu_bench.acceptance_plan(tau, 16, tokens)
+            assert all(1 <= a <= 16 for a in plan)
+            assert sum(plan) >= tokens > sum(plan[:-1])
+            assert abs(sum(plan) / len(plan) - min(tau, 16)) <= 1 / len(plan)
+    assert gpu_bench.acceptance_plan(6.5, 16, 26) == [6, 7, 6, 7]
+
+
+def test_bad_precision_is_refused(capsys):
+    gpu_bench = load_script()
+    assert gpu_bench.main(["--smoke", "--precisions", "fp8"]) == 2
+    assert "unknown precision ['fp8']" in capsys.readouterr().err

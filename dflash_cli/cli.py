@@ -305,6 +305,7 @@ def run(
     from dflash_cli import batch
 
     options, prompts = batch.split_positionals(options, prompts)
+    options.resolve_recipe()  # a missing or unknown model fails before any file is touched
     summary = batch.run_file(options, prompts, output, errors, err_console)
     if json_output:
         _print_json(summary.to_dict())

@@ -75,9 +75,17 @@ class Session:
                 f"{self.recipe.target.id} has no chat template",
                 fix="use `dflash run` with plain {\"prompt\": ...} lines, or a chat (instruct) model",
             )
-        encoded = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, **self.recipe.chat_template_kwargs
-        )
+        from jinja2.exceptions import TemplateError
+
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=True, **self.recipe.chat_template_kwargs
+            )
+        except TemplateError as error:  # e.g. templates that allow no system prompt
+            raise DflashError(
+                f"the chat template rejects this conversation: {error}",
+                fix="drop the system message, or start the conversation with a user message",
+            ) from None
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -9,7 +9,7 @@ from dflash_cli.hardware import PlanOverrides
 from dflash_cli.recipes import Recipe, resolve_recipe
 
 if TYPE_CHECKING:
-    from dflash_cli.engine import SamplingParams
+    from dflash_cli.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RunOptions:
 
     def sampling_params(self, **extra: Any) -> SamplingParams:
         """engine.SamplingParams from the flags; `extra` adds stop tokens / strings."""
-        from dflash_cli.engine import SamplingParams
+        from dflash_cli.params import SamplingParams
 
         return SamplingParams(
             max_new_tokens=self.max_tokens,

@@ -1,0 +1,406 @@
+"""`dflash run PROMPTS.jsonl`: input formats, bad lines, resume after a real SIGKILL, the output shapes.
+
+Generation runs on a real tiny Qwen3 and a random drafter (tests/tiny_models.py, tests/drafters.py), loaded
+once per module; the CLI and kill tests run `python -m dflash_cli run` in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from dflash_cli import batch
+from dflash_cli.batch import LineError, Request, completed_ids, parse_line, read_requests, run_file
+from dflash_cli.cli import app
+from dflash_cli.errors import DflashError
+from dflash_cli.options import RunOptions
+from drafters import save_random_drafter
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> tuple[Path, Path]:
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    drafter_dir = save_random_drafter(tmp_path_factory.mktemp("batch") / "drafter", target, block_size=4)
+    return tiny_qwen3_dir, drafter_dir
+
+
+@pytest.fixture(scope="module")
+def options(models: tuple[Path, Path]) -> RunOptions:
+    return RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def session(options: RunOptions) -> Any:
+    from dflash_cli.session import open_session
+
+    return open_session(options)
+
+
+def write_lines(path: Path, lines: list[Any]) -> Path:
+    """Objects become JSON lines; bytes and str are written as they are."""
+    with path.open("wb") as file:
+        for line in lines:
+            raw = line if isinstance(line, bytes) else (line if isinstance(line, str) else json.dumps(line)).encode()
+            file.write(raw + b"\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def result_id(record: dict[str, Any]) -> str:
+    return record.get("custom_id", record["id"])
+
+
+def no_load(options: RunOptions, console: Any) -> Any:
+    raise AssertionError("the model must not load")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing, no model
+
+
+def parse(line: Any, number: int = 1) -> Request | LineError | None:
+    return parse_line(line if isinstance(line, bytes) else json.dumps(line).encode() + b"\n", number)
+
+
+def test_each_input_format_is_detected() -> None:
+    plain = parse({"prompt": "Once upon a time", "id": "p1"})
+    chat = parse({"messages": [{"role": "user", "content": "Hi"}], "id": 7})
+    openai_chat = parse(
+        {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}}
+    )  # fmt: skip
+    openai_text = parse({"custom_id": "c2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "def f("}})
+    assert (plain.id, plain.prompt, plain.is_chat, plain.openai_url) == ("p1", "Once upon a time", False, None)
+    assert (chat.id, chat.prompt, chat.is_chat) == ("7", [{"role": "user", "content": "Hi"}], True)
+    assert (openai_chat.id, openai_chat.prompt, openai_chat.openai_url) == (
+        "c1", [{"role": "user", "content": "Hi"}], "/v1/chat/completions"
+    )  # fmt: skip
+    assert (openai_text.id, openai_text.prompt, openai_text.is_chat) == ("c2", "def f(", False)
+    assert parse(b"   \r\n") is None  # blank lines are skipped
+
+
+def test_line_parameters_override_the_flags() -> None:
+    simple = parse({"prompt": "x", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "stop": "\n"})
+    assert simple.params == {"max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "stop_strings": ("\n",)}
+    body = {"prompt": "x", "max_completion_tokens": 9, "min_p": 0.1, "seed": 4, "stop": ["a", "b"], "temperature": None}
+    openai = parse({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body})
+    assert openai.params == {"max_new_tokens": 9, "min_p": 0.1, "seed": 4, "stop_strings": ("a", "b")}
+    assert parse({"prompt": "x"}).params == {}
+
+
+def test_a_line_without_an_id_gets_a_stable_one() -> None:
+    line = {"prompt": "same text"}
+    first, again, elsewhere = parse(line, 3), parse(line, 3), parse(line, 4)
+    assert first.id == again.id and first.id.startswith("line-3-")
+    assert elsewhere.id.startswith("line-4-")
+    assert parse({"prompt": "other text"}, 3).id != first.id
+
+
+@pytest.mark.parametrize(
+    ("line", "code", "reason"),
+    [
+        (b'{"prompt": "unterminated\n', "invalid_json", "not valid JSON"),
+        (b"\xff\xfe{}\n", "invalid_utf8", "not UTF-8: byte 0xff"),
+        (b'{"prompt": "caf\xe9"}\n', "invalid_utf8", "byte 0xe9"),
+        (b'{"prompt": "\\ud800"}\n', "invalid_request", "surrogate"),
+        (b"[" * 100_000 + b"\n", "invalid_json", "JSON"),
+        (["a list"], "invalid_request", "expected a JSON object"),
+        ({"text": "hi"}, "invalid_request", "unknown line shape"),
+        ({"prompt": 5}, "invalid_request", "prompt must be a string"),
+        ({"prompt": ""}, "invalid_request", "prompt is empty"),
+        ({"prompt": "x", "messages": []}, "invalid_request", "not both"),
+        ({"messages": []}, "invalid_request", "non-empty list"),
+        ({"messages": [{"role": "user", "content": 3}]}, "invalid_request", "messages[0].content must be a string"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "invalid_request", "only text"),
+        ({"prompt": "x", "id": ["a"]}, "invalid_request", "id must be a string"),
+        ({"prompt": "x", "temperature": "hot"}, "invalid_request", "temperature must be a number"),
+        ({"prompt": "x", "max_tokens": 2.5}, "invalid_request", "max_tokens must be an integer"),
+        ({"prompt": "x", "max_tokens": 0}, "invalid_request", "max_new_tokens must be >= 1"),
+        ({"prompt": "x", "top_p": 2}, "invalid_request", "top_p"),
+        ({"prompt": "x", "seed": True}, "invalid_request", "seed must be an integer"),
+        ({"prompt": "x", "stop": [1]}, "invalid_request", "stop must be a string"),
+        ({"custom_id": "c", "url": "/v1/embeddings", "body": {}}, "invalid_request", "/v1/embeddings"),
+        ({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {}}, "invalid_request", "POST"),
+        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}, "invalid_request", "n > 1"),
+        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "invalid_request", "string"),
+        ({"url": "/v1/completions", "body": {"prompt": "x"}}, "invalid_request", "without custom_id"),
+    ],
+)
+def test_invalid_lines_say_why(line: Any, code: str, reason: str) -> None:
+    error = parse(line, 12)
+    assert isinstance(error, LineError)
+    assert (error.line, error.code) == (12, code)
+    assert reason in error.message
+
+
+def test_duplicate_ids_are_rejected_with_their_line_numbers(tmp_path: Path) -> None:
+    prompts = write_lines(
+        tmp_path / "p.jsonl",
+        [{"prompt": "a", "id": "x"}, {"prompt": "b", "id": "y"}, {"prompt": "c", "id": "x"},
+         {"custom_id": "y", "url": "/v1/completions", "body": {"prompt": "d"}}],
+    )  # fmt: skip
+    with pytest.raises(DflashError) as raised:
+        run_file(RunOptions(), prompts, load=no_load)
+    assert '"x" on lines 1, 3' in raised.value.message and '"y" on lines 2, 4' in raised.value.message
+    assert not (tmp_path / "p.out.jsonl").exists()  # nothing generated, nothing written
+
+
+def test_missing_input_file(tmp_path: Path) -> None:
+    with pytest.raises(DflashError, match="not found"):
+        read_requests(tmp_path / "nope.jsonl")
+
+
+def test_an_empty_file_is_nothing_to_do(tmp_path: Path) -> None:
+    prompts = write_lines(tmp_path / "p.jsonl", ["", "  "])
+    summary = run_file(RunOptions(), prompts, load=no_load)
+    assert (summary.total, summary.exit_code) == (0, 0)
+    assert not (tmp_path / "p.out.jsonl").exists()
+    result = CliRunner().invoke(app, ["run", str(prompts), "--target", "unused"])
+    assert result.exit_code == 0
+    assert "has no requests: nothing to do" in " ".join(result.output.split())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The output file: resume and repair, no model
+
+
+def test_a_torn_last_line_is_cut_away(tmp_path: Path) -> None:
+    output = tmp_path / "out.jsonl"
+    good = b'{"id": "a", "text": "x"}\n{"custom_id": "b", "id": "batch_req_1"}\n'
+    output.write_bytes(good + b'{"id": "c", "te')
+    resume = completed_ids(output)
+    assert resume.ids == {"a", "b"} and resume.repaired_bytes == len(b'{"id": "c", "te')
+    assert output.read_bytes() == good
+    output.write_bytes(good + b"\x00\x00\x00\n")  # a line that ends but is garbage (a crash mid-block)
+    assert completed_ids(output).repaired_bytes == 4 and output.read_bytes() == good
+    assert completed_ids(output) == batch.Resume({"a", "b"}, 0)
+
+
+def test_a_broken_line_in_the_middle_is_not_touched(tmp_path: Path) -> None:
+    output = tmp_path / "out.jsonl"
+    content = b'{"id": "a"}\nnot a result\n{"id": "b"}\n'
+    output.write_bytes(content)
+    with pytest.raises(DflashError, match="line 2"):
+        completed_ids(output)
+    assert output.read_bytes() == content
+    foreign = b'{"id": "a"}\n{"name": "not a result"}\n'  # whole JSON, so not torn: someone else's file
+    output.write_bytes(foreign)
+    with pytest.raises(DflashError, match="line 2 .* not a dflash result"):
+        completed_ids(output)
+    assert output.read_bytes() == foreign
+
+
+def test_unwritable_output_fails_before_the_model_loads(tmp_path: Path) -> None:
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(DflashError, match="is a directory") as raised:
+        run_file(RunOptions(), prompts, tmp_path / "taken", load=no_load)
+    assert raised.value.fix
+    with pytest.raises(DflashError, match="does not exist"):
+        run_file(RunOptions(), prompts, tmp_path / "missing" / "out.jsonl", load=no_load)
+    with pytest.raises(DflashError, match="also the input"):
+        run_file(RunOptions(), prompts, prompts, load=no_load)
+    if os.geteuid() != 0:  # root writes through permissions
+        locked = tmp_path / "readonly.jsonl"
+        locked.write_text("")
+        locked.chmod(0o444)
+        with pytest.raises(DflashError, match="cannot write"):
+            run_file(RunOptions(), prompts, locked, load=no_load)
+
+
+def test_two_runs_cannot_write_one_output(tmp_path: Path) -> None:
+    first = batch.ResultsFile(tmp_path / "out.jsonl")
+    try:
+        with pytest.raises(DflashError, match="another dflash run"):
+            batch.ResultsFile(tmp_path / "out.jsonl")
+    finally:
+        first.close()
+
+
+def test_an_error_record_for_odd_input_is_one_valid_line(tmp_path: Path) -> None:
+    error = parse(b'{"prompt": "x", "id": "\\ud800"}\n', 4)  # a lone surrogate escape: valid JSON, not UTF-8-able
+    with batch.ErrorsFile(tmp_path / "errors.jsonl") as errors:
+        errors.append(error)
+    (line,) = (tmp_path / "errors.jsonl").read_bytes().splitlines()
+    assert json.loads(line)["line"] == 4 and "surrogate" in json.loads(line)["error"]["message"]
+
+
+def test_positional_prompts_file_is_not_taken_for_a_recipe() -> None:
+    options, prompts = batch.split_positionals(RunOptions(recipe_name="p.jsonl", target="t"), None)
+    assert (options.recipe_name, prompts) == (None, "p.jsonl")
+    options, prompts = batch.split_positionals(RunOptions(recipe_name="qwen3-8b"), "p.jsonl")
+    assert (options.recipe_name, prompts) == ("qwen3-8b", "p.jsonl")
+    with pytest.raises(DflashError, match="no prompts file"):
+        batch.split_positionals(RunOptions(recipe_name="qwen3-8b"), None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation on the tiny model
+
+
+def run_with(session: Any, options: RunOptions, prompts: Path, **kwargs: Any) -> batch.Summary:
+    return run_file(options, prompts, load=lambda o, c: session, **kwargs)
+
+
+def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, options: RunOptions) -> None:
+    prompts = write_lines(
+        tmp_path / "prompts.jsonl",
+        [
+            {"id": "plain", "prompt": "The quick brown fox", "max_tokens": 2},
+            {"messages": [{"role": "user", "content": "Hello!"}]},
+            "not json",
+            {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 3}},
+            b'{"prompt": "\xff"}',
+            {"custom_id": "text-1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "def add(a, b):"}},
+            {"id": "huge", "prompt": "word " * 200_000},  # a 1 MB line, far past the 512-token context window
+            {"prompt": {"not": "text"}},
+        ],
+    )  # fmt: skip
+    summary = run_with(session, options, prompts)
+    output, errors = tmp_path / "prompts.out.jsonl", tmp_path / "prompts.errors.jsonl"
+    assert (summary.total, summary.done, summary.failed, summary.exit_code) == (8, 4, 4, 1)
+    assert summary.errors == str(errors)
+    records = {result_id(r): r for r in read_jsonl(output)}
+    auto = parse_line(json.dumps({"messages": [{"role": "user", "content": "Hello!"}]}).encode(), 2).id
+    assert set(records) == {"plain", auto, "chat-1", "text-1"}
+
+    plain = records["plain"]
+    assert plain["completion_tokens"] <= 2 and plain["finish_reason"] in ("stop", "length")
+    assert plain["prompt_tokens"] == len(session.encode_prompt("The quick brown fox"))
+    stats = {"speculative", "block_size", "tau", "acceptance_histogram", "decode_tokens_per_s", "ttft_s"}
+    assert set(plain["stats"]) == stats
+    assert plain["stats"]["speculative"] is True and plain["stats"]["block_size"] == 4
+    assert sum(plain["stats"]["acceptance_histogram"].values()) >= 1
+    assert records[auto]["completion_tokens"] <= options.max_tokens
+
+    chat = records["chat-1"]
+    assert chat["id"].startswith("batch_req_") and chat["error"] is None
+    assert chat["response"]["status_code"] == 200 and chat["response"]["request_id"]
+    body = chat["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == str(options.target)
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert body["usage"]["completion_tokens"] <= 3
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    text = records["text-1"]["response"]["body"]
+    assert text["object"] == "text_completion" and "text" in text["choices"][0]
+
+    failures = {e["line"]: e for e in read_jsonl(errors)}
+    assert {n: e["error"]["code"] for n, e in failures.items()} == {
+        3: "invalid_json", 5: "invalid_utf8", 7: "context_length_exceeded", 8: "invalid_request"
+    }  # fmt: skip
+    assert failures[7]["id"] == "huge" and "context window is 512" in failures[7]["error"]["message"]
+
+
+def test_greedy_results_match_single_runs_and_stop_overrides(tmp_path: Path, session: Any, options: RunOptions) -> None:
+    from dflash_cli.engine import collect
+
+    prompt = "Speculative decoding drafts"
+    alone = collect(session.stream(session.encode_prompt(prompt), session.sampling_params(options)))
+    stop = alone.text[2:4]  # a stop string the greedy reply is known to contain
+    assert len(stop) == 2
+    lines = [{"id": "free", "prompt": prompt}, {"id": "stop", "prompt": prompt, "stop": [stop]}]
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    run_with(session, options, prompts)
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "p.out.jsonl")}
+    assert records["free"]["text"] == alone.text  # the batch path decodes exactly as a single run
+    assert records["stop"]["text"] == alone.text[: alone.text.find(stop)]
+    assert records["stop"]["finish_reason"] == "stop"
+
+
+def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: Any, options: RunOptions) -> None:
+    lines = [{"id": f"r{i}", "prompt": f"Hello number {i}"} for i in range(3)]
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    output = tmp_path / "p.out.jsonl"
+    assert run_with(session, options, prompts).done == 3
+    again = run_file(options, prompts, load=no_load)  # all done: the model is not even loaded
+    assert (again.done, again.skipped, again.exit_code) == (0, 3, 0)
+    console = Console(record=True, width=200)
+    console.print(batch.summary_table(again))
+    assert re.search(r"│ 3 +│ 0 +│ 3 +│ 0 +│", console.export_text())
+
+    kept = output.read_bytes().splitlines(keepends=True)[:2]
+    output.write_bytes(b"".join(kept) + b'{"id": "r2", "text": "half')  # as if killed mid-write
+    write_lines(prompts, [*lines, {"id": "r3", "prompt": "a new line"}])
+    resumed = run_with(session, options, prompts)
+    assert (resumed.done, resumed.skipped, resumed.repaired_bytes > 0) == (2, 2, True)
+    ids = [r["id"] for r in read_jsonl(output)]
+    assert sorted(ids) == ["r0", "r1", "r2", "r3"]
+
+
+def test_the_errors_file_lists_only_what_is_still_missing(tmp_path: Path, session: Any, options: RunOptions) -> None:
+    prompts = write_lines(tmp_path / "p.jsonl", [{"id": "ok", "prompt": "hi"}, "{broken"])
+    errors = tmp_path / "p.errors.jsonl"
+    assert run_with(session, options, prompts).failed == 1
+    assert [e["line"] for e in read_jsonl(errors)] == [2]
+    assert run_file(options, prompts, load=no_load).failed == 1
+    assert len(read_jsonl(errors)) == 1  # rewritten, not appended to
+    write_lines(prompts, [{"id": "ok", "prompt": "hi"}, {"id": "fixed", "prompt": "hello"}])
+    summary = run_with(session, options, prompts)
+    assert (summary.done, summary.failed, summary.errors) == (1, 0, None)
+    assert not errors.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real command in subprocesses
+
+
+def dflash_run(*args: str, cwd: Path) -> tuple[list[str], dict[str, Any]]:
+    """`python -m dflash_cli run ARGS` and the subprocess keywords to run it in `cwd`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return [sys.executable, "-m", "dflash_cli", "run", *args], {"cwd": cwd, "env": env}
+
+
+def test_sigkill_mid_run_loses_nothing(tmp_path: Path, models: tuple[Path, Path]) -> None:
+    ids = [f"q{i:02d}" for i in range(16)]
+    write_lines(tmp_path / "prompts.jsonl", [{"id": i, "prompt": f"Tell me about {i}"} for i in ids])
+    args = ("prompts.jsonl", "--target", str(models[0]), "--drafter", str(models[1]), "--max-tokens", "6")
+    command, kwargs = dflash_run(*args, cwd=tmp_path)
+    output = tmp_path / "prompts.out.jsonl"
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kwargs)
+    deadline = time.monotonic() + 120
+    while (not output.exists() or output.read_bytes().count(b"\n") < 2) and process.poll() is None:
+        assert time.monotonic() < deadline, "no results within 120 s"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, process.stderr.read().decode()
+    process.stderr.close()
+    first_run = output.read_bytes()
+    first_ids = {json.loads(line)["id"] for line in first_run.splitlines() if line.endswith(b"}")}
+    assert 2 <= len(first_ids) < len(ids)  # killed mid-run, with results on disk
+
+    finished = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, **kwargs)
+    assert finished.returncode == 0, finished.stderr
+    summary = json.loads(finished.stdout)
+    assert summary["skipped"] == len(first_ids) and summary["done"] == len(ids) - len(first_ids)
+    final = read_jsonl(output)
+    assert sorted(r["id"] for r in final) == ids  # every id exactly once across both runs
+    assert {r["id"] for r in final} >= first_ids
+
+
+def test_cli_errors_and_exit_codes(tmp_path: Path) -> None:
+    write_lines(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}])
+    command, kwargs = dflash_run("dup.jsonl", "--target", "unused", cwd=tmp_path)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)
+    assert result.returncode == 1
+    assert 'error: duplicate ids in dup.jsonl: "a" on lines 1, 2' in result.stderr and "fix:" in result.stderr
+    assert "Traceback" not in result.stderr
+

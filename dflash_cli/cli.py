@@ -327,7 +327,7 @@ def bench(
     options: RunOptions,
     before_after: Annotated[bool, typer.Option("--before-after", help="Also run the baseline (the same loop without the drafter) on the same prompts: speedup and a token-identity check.", rich_help_panel=BENCH)] = False,
     prompt_set: Annotated[str | None, typer.Option("--set", metavar="math|code|chat|all", help="Built-in prompt set, 8 prompts each (default: all).", rich_help_panel=BENCH)] = None,
-    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", help='Your prompts, one JSON object a line: {"prompt": ...}, {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
+    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
     repeat: Annotated[int, typer.Option(min=1, help="Timed repetitions of every prompt in every mode (after one untimed warm-up per mode).", rich_help_panel=BENCH)] = 3,
     block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep block sizes: one DFlash run per size, with tau and speedup each.", rich_help_panel=BENCH)] = None,
     limit: Annotated[int | None, typer.Option(min=1, metavar="N", help="Use only the first N prompts (a quick look).", rich_help_panel=BENCH)] = None,
@@ -356,9 +356,10 @@ def bench(
         _print_json(report.to_dict())
     else:
         bench_lib.print_report(report, console)
-    for saved in (output and bench_lib.write_json(report, output), png and bench_lib.save_png(report, png)):
-        if saved:
-            err_console.print(f"[dim]saved {escape(str(saved))}[/]")
+    if output:
+        err_console.print(f"[dim]saved {escape(str(bench_lib.write_json(report, output)))}[/]")
+    if png:
+        err_console.print(f"[dim]saved {escape(str(bench_lib.save_png(report, png)))}[/]")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class Checkpoint:
 @dataclass
 class LoadedModels:
     target: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None: the target directory has no vocabulary files
     drafter: DFlashDrafter | None
     target_dir: Path
     drafter_dir: Path | None
@@ -237,6 +237,10 @@ def load_target(
     return model
 
 
+def has_vocabulary(model_dir: Path) -> bool:
+    return any((model_dir / f).is_file() for f in VOCABULARY_FILES) or any(model_dir.glob("*.model"))
+
+
 def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer (and chat template) shipped with the target; the recipe's template options are applied
     when prompts are encoded (session.py), not here."""
@@ -248,7 +252,7 @@ def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedT
         "includes its tokenizer"
     )
     # transformers builds an empty one-token tokenizer from a directory without vocabulary files: check first
-    if not any((model_dir / f).is_file() for f in VOCABULARY_FILES) and not any(model_dir.glob("*.model")):
+    if not has_vocabulary(model_dir):
         raise DflashError(f"cannot load the tokenizer of {name}: {model_dir} has no vocabulary file", fix=fix)
     try:
         return AutoTokenizer.from_pretrained(model_dir)
@@ -281,7 +285,9 @@ def load_models(
         needed = int(weights * RUNTIME_OVERHEAD)
     check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""))
     target = load_target(target_dir, plan, console=console, check_free_memory=False)
-    tokenizer = load_tokenizer(target_dir, recipe)
+    # A target without vocabulary files still decodes token ids (`dflash bench --prompts` with prompt_ids, the
+    # conformance pair); what needs text asks Session.require_tokenizer, which says what is missing.
+    tokenizer = load_tokenizer(target_dir, recipe) if has_vocabulary(target_dir) else None
     drafter = None
     if drafter_dir is not None:
         from dflash_cli.drafter import load_drafter

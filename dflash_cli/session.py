@@ -64,13 +64,23 @@ class Session:
         ids: set[int] = set()
         eos = getattr(self.target.generation_config, "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
+    def require_tokenizer(self) -> Any:
+        """The tokenizer, or a DflashError naming what is missing (a target without vocabulary files runs on ids only)."""
+        if self.tokenizer is None:
+            raise DflashError(
+                f"{self.recipe.target.id} has no tokenizer: {self.models.target_dir} holds no vocabulary file",
+                fix="re-run `dflash pull`, or pass a model directory that includes its tokenizer "
+                "(`dflash bench --prompts FILE.jsonl` also takes token ids: {\"prompt_ids\": [...]})",
+            )
+        return self.tokenizer
+
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Apply the chat template to the whole conversation, ready for the assistant's reply."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.require_tokenizer(), "chat_template", None):
             raise DflashError(
                 f"{self.recipe.target.id} has no chat template",
                 fix="use `dflash run` with plain {\"prompt\": ...} lines, or a chat (instruct) model",
@@ -90,7 +100,7 @@ class Session:
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
-        return list(self.tokenizer(text)["input_ids"])
+        return list(self.require_tokenizer()(text)["input_ids"])
 
     def sampling_params(self, options: RunOptions, **changes: Any) -> SamplingParams:
         """The options' sampling flags plus this model's stop ids; `changes` override single fields."""

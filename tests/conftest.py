@@ -17,6 +17,17 @@ from fake_hub import FakeHub
 from tiny_models import make_tiny_llama, make_tiny_qwen3
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and on a busy 2-core CI box spinning OpenMP threads slow them 10x."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HF_HOME for this test (cache in `hf_home / "hub"`), online, with no token."""

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
 from dflash_cli.drafter import DraftCache, DrafterConfig, default_target_layer_ids
-from dflash_cli.engine import SamplingParams, collect, generate, sample_tokens
+from dflash_cli.engine import SamplingParams, generate, sample_tokens
 from dflash_cli.errors import DflashError
 from drafters import OracleDrafter, random_drafter, save_random_drafter
 from tiny_models import make_tiny_qwen3, tiny_tokenizer

@@ -1,0 +1,382 @@
+"""`dflash bench`: prompt loading, the baseline-vs-DFlash comparison, the report's structure and JSON schema.
+
+Real tiny models decode through the real loop; speeds are never asserted (they go to docs/benchmarks.md).
+The arithmetic of the summary is checked on hand-made runs whose times and acceptance lengths are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from dflash_cli import bench
+from dflash_cli.bench import BASELINE, BenchReport, BenchSettings, Mode, Row, Run
+from dflash_cli.cli import app
+from dflash_cli.errors import DflashError
+from dflash_cli.options import RunOptions
+from drafters import save_random_drafter
+from tiny_models import make_tiny_qwen3
+
+REPO = Path(__file__).resolve().parents[1]
+CONFORMANCE = REPO / "tests" / "fixtures" / "qwen3-tiny"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Qwen3 target (with tokenizer and chat template) and a random block-4 drafter for it."""
+    root = tmp_path_factory.mktemp("bench")
+    target_dir = make_tiny_qwen3(root / "target", seed=0)
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    return target_dir, save_random_drafter(root / "drafter", target, block_size=4)
+
+
+def options_for(models: tuple[Path, Path], **changes: object) -> RunOptions:
+    target, drafter = models
+    return RunOptions(target=str(target), drafter=str(drafter), max_tokens=8, **changes)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def report(models: tuple[Path, Path]) -> BenchReport:
+    """--before-after with a block-size sweep: 2 prompts x 3 modes x 2 repetitions on the real loop."""
+    settings = BenchSettings(before_after=True, prompt_set="math", limit=2, repeat=2, block_sizes=(2, 4))
+    return bench.benchmark(options_for(models), settings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def test_builtin_prompt_sets() -> None:
+    every = bench.load_prompt_set("all")
+    for name in bench.PROMPT_SETS:
+        prompts = bench.load_prompt_set(name)
+        assert len(prompts) == 8
+        assert all(p.id.startswith(f"{name}-") and p.prompt and p.prompt.strip() for p in prompts)
+        assert all(p in every for p in prompts)
+    assert len({p.id for p in every}) == len(every) == 24
+    with pytest.raises(DflashError, match="unknown prompt set 'maths'") as raised:
+        bench.load_prompt_set("maths")
+    assert "did you mean 'math'" in (raised.value.fix or "")
+
+
+def test_prompt_file_takes_text_conversations_and_token_ids(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    lines = [
+        {"id": "q", "prompt": "Hi there"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]},
+        {"id": 7, "prompt_ids": [3, 1, 4, 1, 5]},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines[:2]) + "\n\n" + json.dumps(lines[2]) + "\n")
+    prompts = bench.load_prompt_file(path)
+    assert [p.id for p in prompts] == ["q", "mine-2", "7"]
+    assert prompts[0].prompt == "Hi there"
+    assert prompts[1].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"})
+    assert prompts[2].prompt_ids == (3, 1, 4, 1, 5)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"prompt": "ok"}\n{"prompt": "no closing brace"\n', ":2: not valid JSON"),
+        ('["a list"]\n', ":1: expected a JSON object, got list"),
+        ('{"text": "hello"}\n', "needs exactly one of prompt, messages, prompt_ids (found none)"),
+        ('{"prompt": "a", "prompt_ids": [1]}\n', "(found prompt, prompt_ids)"),
+        ('{"prompt": "  "}\n', '"prompt" must be a non-empty string'),
+        ('{"prompt_ids": [1, -2]}\n', "non-negative integers"),
+        ('{"prompt_ids": ["1"]}\n', "non-negative integers"),
+        ('{"prompt_ids": [true]}\n', "non-negative integers"),
+        ('{"prompt_ids": []}\n', "non-negative integers"),
+        ('{"messages": [{"role": "user"}]}\n', '"messages" must be a non-empty list'),
+        ('{"id": [1], "prompt": "a"}\n', '"id" must be a string or a number'),
+        ('{"id": "x", "prompt": "a"}\n{"id": "x", "prompt": "b"}\n', "prompt id 'x' appears twice"),
+        ("\n\n", "holds no prompts"),
+    ],
+)
+def test_bad_prompt_files_say_where_and_how_to_fix(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(DflashError) as raised:
+        bench.load_prompt_file(path)
+    assert message in raised.value.message and str(path) in raised.value.message
+    assert raised.value.fix  # every error says how to fix the file
+
+
+def test_missing_prompt_file(tmp_path: Path) -> None:
+    with pytest.raises(DflashError, match="does not exist"):
+        bench.load_prompt_file(tmp_path / "nope.jsonl")
+
+
+def test_set_and_prompts_together_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(DflashError, match="--set or --prompts, not both"):
+        bench.load_prompts(BenchSettings(prompt_set="math", prompts_file=str(tmp_path / "x.jsonl")))
+
+
+@pytest.mark.parametrize(("text", "sizes"), [(None, ()), ("4,8,16", (4, 8, 16)), (" 8, 4,8 ", (8, 4))])
+def test_parse_block_sizes(text: str | None, sizes: tuple[int, ...]) -> None:
+    assert bench.parse_block_sizes(text) == sizes
+
+
+@pytest.mark.parametrize("text", ["1,4", "four", ",", "4;8"])
+def test_bad_block_sizes(text: str) -> None:
+    with pytest.raises(DflashError, match="--block-sizes"):
+        bench.parse_block_sizes(text)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Comparing and summarizing
+
+
+def test_compare_reports_the_first_differing_position() -> None:
+    assert bench.compare([1, 2, 3], [1, 2, 3]) == bench.Comparison(True, None)
+    assert bench.compare([1, 2, 3, 4], [1, 2, 9, 4]) == bench.Comparison(False, 2)
+    assert bench.compare([5, 2], [1, 2]) == bench.Comparison(False, 0)
+    assert bench.compare([1, 2, 3], [1, 2]) == bench.Comparison(False, 2)  # one stopped early
+    assert bench.compare([1, 2], [1, 2, 3]) == bench.Comparison(False, 2)
+
+
+def make_run(tokens: list[int], decode_s: float, acceptance: Sequence[int] = ()) -> Run:
+    """A generation that took `decode_s` after its first token (all of it verifying)."""
+    return Run(tokens, "length", 0.01, decode_s, 0.0, decode_s, decode_s + 0.01, list(acceptance))
+
+
+def test_summary_arithmetic_on_known_runs() -> None:
+    dflash = Mode(True, 4)
+    rows = [
+        # prompt a: 9 tokens (8 after the first); baseline 0.8 s and 1.2 s, DFlash 0.2 s and 0.3 s
+        Row("a", BASELINE, 5, [make_run(list(range(9)), 0.8), make_run(list(range(9)), 1.2)]),
+        Row("b", BASELINE, 6, [make_run(list(range(5)), 0.4), make_run(list(range(5)), 0.4)]),
+        Row("a", dflash, 5, [make_run(list(range(9)), 0.2, [4, 4]), make_run(list(range(9)), 0.3, [4, 4])]),
+        # prompt b: DFlash diverged at position 3
+        Row("b", dflash, 6, [make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2]), make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2])]),
+    ]
+    baseline, spec = bench.summarize(rows, {BASELINE: 100, dflash: 200})
+    assert (rows[2].identical, rows[2].first_mismatch) == (True, None)
+    assert (rows[3].identical, rows[3].first_mismatch) == (False, 3)
+    assert rows[2].speedup == pytest.approx((2.0 / 16) / (0.5 / 16))  # 4x
+    assert rows[3].speedup == pytest.approx((0.8 / 8) / (0.4 / 8))  # 2x
+    assert baseline.speedup is None and baseline.tau is None and baseline.histogram == []
+    assert baseline.identical_prompts is None and baseline.peak_memory_bytes == 100
+    # over all prompts and rounds: baseline 2.8 s / 24 tokens, DFlash 0.9 s / 24 tokens
+    assert spec.speedup == pytest.approx(2.8 / 0.9)
+    assert spec.tau == pytest.approx((4.0 + 4 / 3) / 2)  # mean of per-prompt means
+    assert spec.tokens_per_step == pytest.approx(24 / 10)  # pooled over all steps
+    assert spec.histogram == [4, 2, 0, 4]
+    assert spec.identical_prompts == 1 and spec.prompts == 2
+    # decode tok/s per round: round 1 = 12 tokens / 0.4 s, round 2 = 12 / 0.5 s
+    assert spec.decode_tokens_per_s is not None
+    assert spec.decode_tokens_per_s.mean == pytest.approx((30 + 24) / 2)
+    assert spec.decode_tokens_per_s.std == pytest.approx(4.242640687)
+    assert spec.generated_tokens == 14
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real loop
+
+
+def test_before_after_report_structure(report: BenchReport) -> None:
+    assert [s.mode.label for s in report.modes] == ["baseline", "dflash b2", "dflash b4"]
+    assert [(row.mode.label, row.prompt_id) for row in report.rows] == [
+        (mode, prompt) for mode in ("baseline", "dflash b2", "dflash b4") for prompt in ("math-1", "math-2")
+    ]
+    assert all(len(row.runs) == 2 for row in report.rows)
+    assert report.identity_expected and report.identical is True and report.mismatches == []
+    for summary in report.modes:
+        assert summary.prompts == 2
+        if summary.mode.speculative:
+            assert summary.identical_prompts == 2 and summary.speedup is not None and summary.speedup > 0
+            assert len(summary.histogram) == summary.mode.block_size and sum(summary.histogram) > 0
+            assert 1 <= (summary.tau or 0) <= summary.mode.block_size
+    baseline_rows = [row for row in report.rows if row.mode == BASELINE]
+    for row in report.rows:
+        # every repetition reproduces the first (greedy), and every verify step's tokens add up
+        assert all(r.token_ids == row.token_ids for r in row.runs)
+        assert all(sum(r.acceptance_lengths) == len(r.token_ids) - 1 for r in row.runs if row.mode.speculative)
+    assert all(1 <= len(row.token_ids) <= 8 for row in baseline_rows)
+
+
+def test_json_report_schema(report: BenchReport) -> None:
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["schema"] == "dflash-bench/1"
+    assert data["identity_expected"] is True and data["identical"] is True
+    assert data["memory"] == {"kind": bench.PROCESS_MEMORY, "unit": "bytes"}
+    metadata = data["metadata"]
+    assert {"command", "created", "versions", "machine", "plan", "recipe", "drafter_block_size"} <= set(metadata)
+    assert metadata["plan"]["device"] == "cpu" and metadata["recipe"]["name"] == "ad-hoc"
+    assert metadata["drafter_block_size"] == 4 and metadata["machine"]["torch_threads"] == 1
+    settings = data["settings"]
+    assert settings["prompts"] == "set:math" and settings["prompt_count"] == 2 and settings["repeat"] == 2
+    assert settings["modes"] == ["baseline", "dflash b2", "dflash b4"] and settings["temperature"] == 0.0
+    mode_types = {
+        "mode": str, "speculative": bool, "block_size": int, "prompts": int, "generated_tokens": int,
+        "ttft_s": dict, "decode_tokens_per_s": dict, "time_per_output_token_s": float, "histogram": list,
+        "peak_memory_bytes": int,
+    }  # fmt: skip
+    for mode in data["modes"]:
+        assert {k: type(mode[k]) for k in mode_types} == mode_types
+        assert set(mode["ttft_s"]) == {"mean", "std"}
+        for key in ("speedup", "tau", "tokens_per_step", "identical_prompts"):
+            assert (mode[key] is None) == (not mode["speculative"])
+    row_types = {
+        "prompt_id": str, "mode": str, "speculative": bool, "block_size": int, "prompt_tokens": int,
+        "generated_tokens": int, "finish_reason": str, "ttft_s": list, "decode_s": list, "draft_s": list,
+        "verify_s": list, "total_s": list,
+        "decode_tokens_per_s": list, "histogram": list, "acceptance_lengths": list, "token_ids": list,
+    }  # fmt: skip
+    assert len(data["rows"]) == 6
+    for row in data["rows"]:
+        assert {k: type(row[k]) for k in row_types} == row_types
+        assert len(row["ttft_s"]) == len(row["decode_s"]) == 2
+        if row["speculative"]:
+            assert row["identical"] is True and row["first_mismatch"] is None
+            assert isinstance(row["tau"], float) and isinstance(row["speedup"], float)
+            assert sum(row["histogram"]) == 2 * len(row["acceptance_lengths"])
+        else:
+            assert row["identical"] is None and row["speedup"] is None and row["tau"] is None
+
+
+def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
+    tampered = [dataclasses.replace(row, runs=list(row.runs)) for row in report.rows]
+    victim = next(row for row in tampered if row.mode.label == "dflash b4")
+    original = victim.runs[0]
+    changed = list(original.token_ids)
+    changed[2] = (changed[2] + 1) % 384
+    victim.runs[0] = dataclasses.replace(original, token_ids=changed)
+    broken = dataclasses.replace(report, rows=tampered, modes=bench.summarize(tampered, {}))
+    assert broken.identical is False and broken.mismatches == [victim]
+    assert (victim.identical, victim.first_mismatch) == (False, 2)
+    assert [s.identical_prompts for s in broken.modes] == [None, 2, 1]
+    console = Console(record=True, width=200)
+    bench.print_report(broken, console)
+    text = console.export_text()
+    assert f"prompt {victim.prompt_id}, dflash b4: differs from the baseline at generated token 2" in text
+    assert f"(baseline {original.token_ids[2]}, dflash {changed[2]})" in text
+    rows = broken.to_dict()["rows"]
+    assert [(r["identical"], r["first_mismatch"]) for r in rows if r["mode"] == "dflash b4"].count((False, 2)) == 1
+
+
+def test_terminal_report(report: BenchReport) -> None:
+    console = Console(record=True, width=120)
+    bench.print_report(report, console)
+    text = console.export_text()
+    for expected in ("mode", "TTFT ms", "decode tok/s", "speedup", "tau", "same", "baseline", "dflash b2", "dflash b4",
+                     "2/2", "peak memory:", "token-identical to the baseline on all 2 prompts",
+                     "acceptance length, dflash b4", "speedup per prompt", "math-1", "x"):  # fmt: skip
+        assert expected in text
+    assert "█" in text  # the bars
+
+
+def test_speculative_only_without_before_after(models: tuple[Path, Path]) -> None:
+    settings = BenchSettings(prompt_set="code", limit=1, repeat=1)
+    only = bench.benchmark(options_for(models, block_size=3), settings)
+    assert [s.mode.label for s in only.modes] == ["dflash b3"]  # --block-size goes through the plan
+    assert only.identical is None and only.modes[0].speedup is None
+    assert "not checked" in bench.render_identity(only).plain
+
+
+def test_sampling_says_identity_is_not_expected(models: tuple[Path, Path]) -> None:
+    settings = BenchSettings(before_after=True, prompt_set="chat", limit=1, repeat=1)
+    sampled = bench.benchmark(options_for(models, temperature=0.8, seed=3), settings)
+    assert sampled.identity_expected is False
+    assert "not expected at temperature > 0" in bench.render_identity(sampled).plain
+    assert sampled.to_dict()["identity_expected"] is False
+
+
+@pytest.mark.parametrize(
+    ("changes", "settings", "message"),
+    [
+        ({"no_spec": True}, BenchSettings(before_after=True), "--no-spec was given"),
+        ({"block_size": 4}, BenchSettings(block_sizes=(2, 4)), "--block-size or --block-sizes, not both"),
+    ],
+)
+def test_contradictory_modes(models: tuple[Path, Path], changes: dict, settings: BenchSettings, message: str) -> None:
+    with pytest.raises(DflashError, match=message):
+        bench.benchmark(options_for(models, **changes), dataclasses.replace(settings, limit=1, repeat=1))
+
+
+def test_token_ids_outside_the_vocabulary(models: tuple[Path, Path], tmp_path: Path) -> None:
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"id": "big", "prompt_ids": [1, 2, 384]}\n')
+    with pytest.raises(DflashError, match="token id 384 is outside the vocabulary"):
+        bench.benchmark(options_for(models), BenchSettings(prompts_file=str(path), repeat=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def test_cli_json_and_output_file(models: tuple[Path, Path], tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "ids", "prompt_ids": [5, 6, 7, 8]}\n{"id": "text", "prompt": "What is 2 + 2?"}\n')
+    out = tmp_path / "results" / "bench.json"
+    target, drafter = models
+    args = ["bench", "--target", str(target), "--drafter", str(drafter), "--before-after", "--prompts", str(prompts),
+            "--repeat", "1", "--max-tokens", "6", "--json", "--output", str(out)]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    assert json.loads(out.read_text()) == printed
+    assert [row["prompt_id"] for row in printed["rows"]] == ["ids", "text", "ids", "text"]
+    assert printed["identical"] is True and printed["metadata"]["command"].startswith("dflash ")
+
+
+def test_cli_table(models: tuple[Path, Path]) -> None:
+    target, drafter = models
+    args = ["bench", "--target", str(target), "--drafter", str(drafter), "--before-after", "--set", "chat",
+            "--limit", "1", "--repeat", "1", "--max-tokens", "4", "--block-sizes", "2,4"]  # fmt: skip
+    result = runner.invoke(app, args, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "dflash b2" in result.stdout and "dflash b4" in result.stdout and "speedup per prompt" in result.stdout
+
+
+def test_cli_png_without_matplotlib_fails_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importlib then finds no matplotlib
+    result = runner.invoke(app, ["bench", "--target", "/no/such/model", "--png", "chart.png"])
+    assert result.exit_code == 1
+    assert "--png needs matplotlib" in result.stderr and "pip install matplotlib" in result.stderr
+
+
+def test_cli_bad_block_sizes() -> None:
+    result = runner.invoke(app, ["bench", "--target", "/no/such/model", "--block-sizes", "8,1"])
+    assert result.exit_code == 1 and "--block-sizes '8,1'" in result.stderr
+
+
+def test_png(report: BenchReport, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = bench.save_png(report, tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The conformance pair: token ids only (no tokenizer), a trained drafter
+
+
+def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
+    golden = json.loads((CONFORMANCE / "golden.json").read_text())
+    cases = golden["cases"][:2]
+    prompts = tmp_path / "golden.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"golden-{i}", "prompt_ids": c["prompt_ids"]}) + "\n" for i, c in enumerate(cases)))
+    options = RunOptions(
+        target=str(CONFORMANCE / "target"), drafter=str(CONFORMANCE / "drafter"), max_tokens=golden["max_new_tokens"]
+    )
+    result = bench.benchmark(options, BenchSettings(before_after=True, prompts_file=str(prompts), repeat=1))
+    assert result.identical is True
+    spec_rows = [row for row in result.rows if row.mode.speculative]
+    assert [row.token_ids for row in spec_rows] == [c["new_token_ids"] for c in cases]
+    assert [row.runs[0].acceptance_lengths for row in spec_rows] == [c["acceptance_lengths"] for c in cases]
+    assert result.modes[1].tau == pytest.approx(sum(c["mean_acceptance_length"] for c in cases) / len(cases))
+
+
+def test_text_prompts_on_a_target_without_tokenizer(tmp_path: Path) -> None:
+    options = RunOptions(target=str(CONFORMANCE / "target"), drafter=str(CONFORMANCE / "drafter"), max_tokens=4)
+    with pytest.raises(DflashError, match="is text, but .* has no tokenizer") as raised:
+        bench.benchmark(options, BenchSettings(prompt_set="math", repeat=1))
+    assert "prompt_ids" in (raised.value.fix or "")

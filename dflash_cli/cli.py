@@ -73,11 +73,6 @@ def _main(
     pass
 
 
-def not_yet_available(command: str) -> None:
-    err_console.print(f"dflash {command} is not yet available in this version")
-    raise typer.Exit(2)
-
-
 def _print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2))
 
@@ -368,10 +363,27 @@ def bench(
 
 @app.command(rich_help_panel="Models")
 def pull(
-    name: RecipeName = None, target: Target = None, drafter: Drafter = None, recipe_file: RecipeFile = None
+    name: RecipeName = None,
+    target: Target = None,
+    drafter: Drafter = None,
+    recipe_file: RecipeFile = None,
+    revision: Annotated[
+        str | None, typer.Option(help="Pin the target to a branch, tag or commit (with --target).", rich_help_panel=MODEL)
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size; fetch nothing.")] = False,
+    json_output: JsonFlag = False,
 ) -> None:
-    """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first."""
-    not_yet_available("pull")
+    """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first.
+
+    Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files:
+    run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time.
+    """
+    from dflash_cli.loading import pull_recipe
+
+    recipe = resolve_recipe(name, recipe_file, target, drafter)
+    if revision is not None:
+        recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, revision=revision))
+    pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
 
 
 # ---------------------------------------------------------------------------------------------------------------

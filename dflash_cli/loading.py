@@ -271,6 +271,19 @@ def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Pat
     return resolve_model_dir(location, revision=ref.revision, what=what)
 
 
+def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json: bool = False) -> None:
+    """`dflash pull`: fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then
+    a progress bar); a target with an offline GGUF fallback is made ready the same way first use would."""
+    from dflash_cli.hub import pull
+
+    refs = [ref for ref in (recipe.target, recipe.drafter) if ref is not None]
+    pull([ref for ref in refs if not ref.gguf_fallback], console, dry_run=dry_run, json=json)
+    if not dry_run:
+        for ref in refs:
+            if ref.gguf_fallback:
+                console.print(f"[green]✓[/] {ref.id} ready in {resolve_ref(ref, 'target', console)}")
+
+
 def load_models(
     recipe: Recipe, plan: Plan, *, with_drafter: bool = True, console: Console | None = None
 ) -> LoadedModels:

@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import typer
+from huggingface_hub import constants
 from typer.testing import CliRunner
 
 from dflash_cli import __version__, doctor, recipes
-from dflash_cli.cli import RUN_FLAGS, app, not_yet_available, with_run_flags
+from dflash_cli.cli import RUN_FLAGS, app, with_run_flags
 from dflash_cli.hardware import MachineFacts
 from dflash_cli.options import RunOptions
 
 REPO = Path(__file__).resolve().parents[1]
+CONFORMANCE_DRAFTER = REPO / "tests" / "fixtures" / "qwen3-tiny" / "drafter"
 runner = CliRunner()
 COMMANDS = ("chat", "run", "bench", "doctor", "recipes", "pull", "export", "train")
 
@@ -133,11 +135,30 @@ def test_bad_flag_values_exit_2(args: list[str], message: str) -> None:
     assert message in result.output
 
 
-def test_not_yet_available_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(typer.Exit) as info:
-        not_yet_available("pull")
-    assert info.value.exit_code == 2
-    assert "dflash pull is not yet available" in capsys.readouterr().err
+def test_pull_downloads_target_and_drafter_then_works_offline(
+    fake_hub, hf_home: Path, tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_hub.add_repo("org/tiny", tiny_qwen3_dir, sha="a" * 40)
+    fake_hub.add_repo("org/tiny-dflash", CONFORMANCE_DRAFTER, sha="b" * 40)
+    args = ["pull", "--target", "org/tiny", "--drafter", "org/tiny-dflash"]
+    planned = runner.invoke(app, [*args, "--dry-run", "--json"])
+    assert planned.exit_code == 0, planned.output
+    plans = json.loads(planned.stdout)
+    assert [p["repo_id"] for p in plans] == ["org/tiny", "org/tiny-dflash"]
+    assert all(p["download_bytes"] > 0 for p in plans)
+    assert not list((hf_home / "hub").rglob("*.safetensors"))  # a dry run downloads no weights
+    pulled = runner.invoke(app, args)
+    assert pulled.exit_code == 0, pulled.output
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    again = runner.invoke(app, [*args, "--dry-run", "--json"])
+    assert again.exit_code == 0 and all(p["download_bytes"] == 0 for p in json.loads(again.stdout))
+
+
+def test_pull_offline_and_uncached_is_one_clear_error(offline: Path) -> None:
+    result = runner.invoke(app, ["pull", "--target", "org/missing"])
+    assert result.exit_code == 1
+    assert "org/missing" in result.output and "HF_HUB_OFFLINE" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_recipes_list_and_show_json() -> None:

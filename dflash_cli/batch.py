@@ -539,12 +539,10 @@ def summary_table(summary: Summary) -> Table:
 
 def _encode(session: Any, request: Request, window: int | None) -> list[int]:
     """Prompt ids; raises _Invalid for a prompt the model cannot take."""
-    from jinja2 import TemplateError
-
     try:
         ids = session.encode_chat(request.prompt) if request.is_chat else session.encode_prompt(request.prompt)
-    except (DflashError, TemplateError) as error:
-        raise _Invalid(f"chat template: {getattr(error, 'message', error)}") from None
+    except DflashError as error:  # a template that rejects the conversation, a target with no tokenizer
+        raise _Invalid(error.message) from None
     if not ids:
         raise _Invalid("the prompt encodes to no tokens")
     if window is not None and len(ids) >= window:
@@ -586,6 +584,8 @@ def run_batch(
     """Generate every request, shortest prompt first, appending each result the moment it is complete.
 
     The order only changes when results appear (short ones early); the engine decodes one request at a time."""
+    import torch
+
     from dflash_cli.engine import collect, context_window
 
     started = time.perf_counter()
@@ -613,8 +613,12 @@ def run_batch(
             params = session.sampling_params(options, **request.params)
             try:
                 result = collect(_counting(session.stream(prompt_ids, params, speculative=speculative), on_tokens))
-            except DflashError as error:
-                errors.append(LineError(request.line, "generation_failed", error.message, request.id))
+            except (DflashError, torch.OutOfMemoryError) as error:
+                # One request too big for the device fails alone; the rest of the batch goes on.
+                if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                reason = getattr(error, "message", None) or f"out of memory: {error}".splitlines()[0]
+                errors.append(LineError(request.line, "generation_failed", reason, request.id))
                 summary.failed += 1
                 progress.update(task, advance=1)
                 continue

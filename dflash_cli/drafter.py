@@ -99,10 +99,14 @@ class DrafterConfig:
             if not isinstance(n_target, int):
                 raise fail("num_target_layers", "an integer (needed when dflash_config.target_layer_ids is absent)")
             layer_ids = default_target_layer_ids(n_target, n_layers)
+        if dflash.get("use_swa") and "sliding_attention" not in (raw.get("layer_types") or []):
+            raise fail("dflash_config.use_swa", "layer_types naming the sliding_attention layers")
         layer_types = list(raw.get("layer_types") or [])
         for kind in layer_types:
             if kind not in ("full_attention", "sliding_attention"):
                 raise fail("layer_types", f'"full_attention" or "sliding_attention", got {kind!r}')
+        if "sliding_attention" in layer_types and not (raw.get("sliding_window") or dflash.get("swa_window_size")):
+            raise fail("sliding_window", "a window size for the sliding_attention layers")
         if layer_types and len(layer_types) != n_layers:
             raise fail("layer_types", f"{n_layers} entries (one per layer), got {len(layer_types)}")
         rope = raw.get("rope_parameters") or {}
@@ -316,7 +320,8 @@ class DFlashDrafter(nn.Module):
         return embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.target.get_output_embeddings()(hidden)
+        head = self.target.get_output_embeddings()
+        logits = head(hidden.to(head.weight.dtype))
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

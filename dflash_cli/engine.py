@@ -101,37 +101,69 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 
 
 class TextStream:
-    """Incremental detokenization with stop strings; holds back text that may still change."""
+    """Incremental detokenization with stop strings.
+
+    Each push decodes only a short window of recent ids (the text of ids[prefix:] minus that of
+    ids[prefix:read], as vLLM does), so a long reply costs linear time, and a character still missing
+    bytes waits for its next token. Text that may yet turn out to start a stop string is held back.
+    """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(s for s in stop_strings if s)
+        self.hold = max((len(s) for s in self.stop_strings), default=1) - 1
         self.ids: list[int] = []
-        self.emitted = 0
+        self.prefix = self.read = 0  # ids[:read] are in `text`; ids[prefix:read] give the next decode its context
         self.text = ""
+        self.emitted = 0
 
-    def push(self, ids: list[int]) -> tuple[str, bool]:
-        """Add committed ids; return (new text safe to show, whether a stop string was hit)."""
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _current(self, final: bool = False) -> str:
+        """All text so far. Text up to a character still missing bytes is kept; the rest waits."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        new = self._decode(self.ids[self.prefix :])[len(before) :]
+        if final or not new.endswith("\ufffd"):
+            self.text += new
+            self.prefix, self.read = self.read, len(self.ids)
+            return self.text
+        return self.text + new.rstrip("\ufffd")
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [text.find(s, max(0, self.emitted - len(s))) for s in self.stop_strings]
+        return min((at for at in hits if at != -1), default=None)
+
+    def push(self, ids: list[int]) -> tuple[str, int | None]:
+        """Add committed ids. Returns the new text safe to show, and None; or, when a stop string
+        is hit, the text up to it and how many of `ids` it took to complete the stop string."""
         if self.tokenizer is None:
-            return "", False
+            return "", None
         self.ids.extend(ids)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for stop in self.stop_strings:
-            at = self.text.find(stop, max(0, self.emitted - len(stop)))
-            if at != -1:
-                self.text = self.text[:at]
-                return self.flush(), True
-        safe = len(self.text)
-        if self.text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its next token
-            safe -= 1
-        if self.stop_strings:  # the tail may be the start of a stop string
-            safe -= max(len(s) for s in self.stop_strings) - 1
+        current = self._current()
+        at = self._find_stop(current) if self.stop_strings else None
+        if at is not None:
+            # A verify step commits several tokens at once: keep only those up to the one that completes
+            # the stop string, so token ids and counts are what one-token-at-a-time decoding gives.
+            done = len(self.ids) - len(ids)
+            # (the text as a one-token step would have seen it: a trailing partial character not yet there)
+            used = next(
+                k for k in range(1, len(ids) + 1)
+                if self._find_stop(self._decode(self.ids[: done + k]).rstrip("\ufffd")) is not None
+            )
+            del self.ids[done + used :]
+            self.text, self.read = current[:at], len(self.ids)
+            return self.flush(), used
+        safe = len(current) - self.hold
         if safe <= self.emitted:
-            return "", False
-        delta, self.emitted = self.text[self.emitted : safe], safe
-        return delta, False
+            return "", None
+        delta, self.emitted = current[self.emitted : safe], safe
+        return delta, None
 
     def flush(self) -> str:
+        """All text not yet shown (at the end of generation)."""
+        if self.tokenizer is not None and self.read < len(self.ids):
+            self._current(final=True)
         delta, self.emitted = self.text[self.emitted :], len(self.text)
         return delta
 
@@ -202,7 +234,9 @@ def generate(
     stop_ids = set(params.stop_token_ids)
     text = TextStream(tokenizer, params.stop_strings)
     layer_ids = drafter.config.target_layer_ids if drafter is not None else []
-    cache = DynamicCache(config=target.config)
+    # Full-attention cache layers even for sliding-window targets: their masks still apply the window,
+    # and sliding cache layers cannot be cropped back once the window is full.
+    cache = DynamicCache()
     draft_cache = DraftCache(len(drafter.layers)) if drafter is not None else None
 
     def commit(ids: list[int], acceptance: int | None) -> Step:
@@ -214,14 +248,14 @@ def generate(
                 break
         if finish is None and stats.generated_tokens + len(ids) >= max_new:
             ids, finish = ids[: max_new - stats.generated_tokens], "length"
+        delta, stop_string_at = text.push(ids)
+        if stop_string_at is not None:
+            ids, finish = ids[:stop_string_at], "stop"
+        elif finish is not None:
+            delta += text.flush()
         stats.generated_tokens += len(ids)
         if acceptance is not None:
             stats.acceptance_lengths.append(len(ids))
-        delta, hit_stop = text.push(ids)
-        if hit_stop:
-            finish = "stop"
-        elif finish is not None:
-            delta += text.flush()
         return Step(ids, delta, None if acceptance is None else len(ids), finish, stats)
 
     started = time.perf_counter()
@@ -311,6 +345,8 @@ def speculative_generate(
     step, bonus token included), `.text` (when a tokenizer is given), `.finish_reason`, `.stats`.
     """
     if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() > 1 and input_ids.shape[0] != 1:
+            raise DflashError(f"speculative_generate decodes one sequence; got a batch of {input_ids.shape[0]}")
         input_ids = input_ids.reshape(-1).tolist()
     params = SamplingParams(
         max_new_tokens=max_new_tokens,

@@ -273,6 +273,22 @@ def test_stop_string_truncates_text(text_pair):
     assert stop not in stopped.text
 
 
+def test_stop_string_cuts_tokens_like_the_baseline(text_pair):
+    """A verify step commits several tokens at once; a stop string must still end the ids where
+    one-token-at-a-time decoding ends them."""
+    target, _, tok = text_pair
+    prompt = tok.encode("Hello there")
+    reference = _hf_greedy(target, prompt, 60)
+    oracle = OracleDrafter(target, prompt + reference, block_size=8)
+    free = speculative_generate(target, None, prompt, 60, tokenizer=tok)
+    for start in (5, 12, 20, 31):
+        stop = free.text[start : start + 2]
+        runs = [speculative_generate(target, d, prompt, 60, tokenizer=tok, stop_strings=[stop]) for d in (None, oracle)]
+        assert runs[0].token_ids == runs[1].token_ids and runs[0].text == runs[1].text
+        assert runs[1].finish_reason == "stop" and runs[1].stats.generated_tokens == len(runs[1].token_ids)
+        assert max(runs[1].acceptance_lengths, default=1) > 1 or len(runs[1].token_ids) < 3
+
+
 def test_streamed_text_concatenates_to_the_final_text(text_pair):
     target, drafter, tok = text_pair
     steps = list(generate(target, drafter, tok.encode("Hello"), SamplingParams(max_new_tokens=30), tokenizer=tok))
@@ -381,6 +397,8 @@ def test_drafter_config_variants():
         ({"block_size": 0}, "block_size"),
         ({"dflash_config": {"target_layer_ids": [1]}}, "mask_token_id"),
         ({"dflash_config": {"mask_token_id": 1, "causal": True}}, "causal"),
+        ({"dflash_config": {"mask_token_id": 1, "use_swa": True}}, "use_swa"),
+        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None}, "sliding_window"),
     ],
 )
 def test_unsupported_drafter_config_names_the_field(changes, field):

@@ -1,0 +1,614 @@
+"""`dflash train`: distil a DFlash drafter for any causal LM target.
+
+1. Self-distillation: the target answers every prompt (greedy, chat template applied); the answers
+   are cached in `<output>/distill.jsonl`, so an interrupted run resumes where it stopped.
+2. Training with the DFlash objective: per sequence, random anchors inside the response; each block
+   is [anchor token, MASK x (B-1)] embedded with the frozen target embedding; a block attends to the
+   target features strictly before its anchor and to itself (bidirectionally), never to other blocks;
+   block slot k is labelled with the token at anchor+k; cross-entropy weighted by exp(-(k-1)/gamma).
+3. Checkpoints (z-lab format + optimizer state, safetensors/JSON) every N steps and `--resume`.
+4. tau on held-out prompts with the real decode loop; everything lands in `<output>/metrics.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from dflash_cli.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    capture_layers,
+    capture_target_features,
+    default_target_layer_ids,
+)
+from dflash_cli.errors import DflashError
+
+# Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),
+# distill/ (the target's answers and captured features), metrics.json.
+DRAFTER_DIR, CHECKPOINT_DIR, DISTILL_DIR = "drafter", "checkpoint", "distill"
+DISTILL_FILE = "responses.jsonl"
+FEATURE_STORE_BYTES = 8 * 2**30  # store target features during distillation up to this size, else recompute
+
+
+@dataclass
+class TrainOptions:
+    """Everything a training run depends on; saved with every checkpoint."""
+
+    target: str
+    prompts: str
+    output: str
+    layers: int = 1
+    feature_layers: int = 5
+    block_size: int = 8
+    steps: int = 2000
+    batch_size: int = 8
+    lr: float = 6e-4
+    warmup_steps: int = 100
+    anchors_per_sequence: int = 16
+    gamma: float | None = None
+    max_new_tokens: int = 128
+    distill_batch_size: int = 32
+    eval_prompts: int = 32
+    eval_prompts_file: str | None = None
+    checkpoint_every: int = 200
+    resume: bool = False
+    mask_token_id: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    # The target's dtype while it writes answers and features: bf16 matmuls are 2-5x faster on GPUs and on
+    # CPUs with AVX512-BF16/AMX. tau is measured in the dtype the target is served in (see evaluate_tau).
+    dtype: str = "bfloat16"
+
+    @property
+    def loss_gamma(self) -> float:
+        """The published schedule: gamma about 7 for B=16, 4 for B=8, i.e. roughly B/2."""
+        return self.gamma if self.gamma is not None else {16: 7.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    features: torch.Tensor | None = None  # [len(ids) - 1, n*H] bf16, captured while the target generated
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+# ---------------------------------------------------------------- prompts and self-distillation
+
+
+def load_prompts(path: str | Path) -> list[list[dict[str, str]]]:
+    """Conversations from a .jsonl ({"prompt": str} or {"messages": [...]}) or a .txt (one prompt a line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DflashError(f"prompt file {path} does not exist", fix="pass --prompts FILE (.jsonl or .txt)")
+    conversations = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            conversations.append([{"role": "user", "content": line.strip()}])
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DflashError(f"{path}:{number}: not valid JSON ({exc.msg})", fix="one JSON object per line") from None
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            conversations.append([{"role": "user", "content": record["prompt"]}])
+        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+            conversations.append(record["messages"])
+        else:
+            raise DflashError(f'{path}:{number}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+    if not conversations:
+        raise DflashError(f"prompt file {path} holds no prompts", fix="one prompt per line (.txt) or per JSON line (.jsonl)")
+    return conversations
+
+
+def encode_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def self_distill(
+    target: Any,
+    tokenizer: Any,
+    conversations: list[list[dict[str, str]]],
+    out_dir: Path,
+    max_new_tokens: int,
+    batch_size: int,
+    progress: Progress,
+    feature_layer_ids: list[int] | None = None,
+) -> list[Sample]:
+    """The target's greedy answers to every conversation, cached batch by batch in `out_dir/distill.jsonl`.
+
+    With `feature_layer_ids`, the target features of those layers are captured during generation (every
+    token the target reads passes through them anyway) and stored beside the answers, so training
+    needs no second target pass.
+    """
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_path = out_dir / DISTILL_FILE
+    done: dict[str, Sample] = {}
+    if cache_path.exists():
+        for line in cache_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by an interrupted run: regenerate it
+                continue
+            usable = record.get("features") and record.get("feature_layers") == feature_layer_ids
+            done[record["key"]] = Sample(record["prompt_ids"], record["response_ids"], record["features"] if usable else None)
+    files = {f for f in (s.features for s in done.values()) if f}
+    names = {p.name for p in out_dir.glob("features-*.safetensors")}
+    stored = {name: load_file(str(out_dir / name)) for name in files}
+    for key, sample in done.items():
+        sample.features = stored[sample.features][_digest(key)] if sample.features else None
+    encoded = [(json.dumps(c, sort_keys=True), encode_conversation(tokenizer, c)) for c in conversations]
+    todo = sorted({k: ids for k, ids in encoded if k not in done}.items(), key=lambda kv: len(kv[1]))
+    eos = _stop_ids(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    device = target.get_input_embeddings().weight.device
+    task = progress.add_task("self-distillation", total=len(encoded), completed=len(encoded) - len(todo), info="")
+    with cache_path.open("a") as out:
+        for i in range(0, len(todo), batch_size):
+            batch = todo[i : i + batch_size]
+            width = max(len(ids) for _, ids in batch)
+            # Left padding: every prompt ends at the same column, so new tokens line up.
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch], device=device)
+            attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch], device=device)
+            with torch.inference_mode(), capture_layers(target, feature_layer_ids or []) as captured:
+                generated = target.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    eos_token_id=eos,
+                )
+            # Prefill rows, then one row per decode step: features of every token the target read.
+            features = torch.cat(captured, dim=1) if feature_layer_ids else None
+            name = f"features-{len(names):05d}.safetensors"
+            tensors, records = {}, []
+            for row, ((key, ids), new) in enumerate(zip(batch, generated[:, width:].tolist())):
+                sample = Sample(ids, _cut_at_stop(new, eos))
+                if features is not None:
+                    left = width - len(ids)
+                    sample.features = features[row, left : left + len(sample.ids) - 1].to(torch.bfloat16).contiguous()
+                    tensors[_digest(key)] = sample.features
+                done[key] = sample
+                records.append({
+                    "key": key, "prompt_ids": ids, "response_ids": sample.response_ids,
+                    "features": name if features is not None else None, "feature_layers": feature_layer_ids,
+                })  # fmt: skip
+            if tensors:
+                save_file(tensors, str(out_dir / name))  # before the jsonl lines that point at it
+                names.add(name)
+            out.writelines(json.dumps(r) + "\n" for r in records)
+            out.flush()
+            progress.advance(task, len(batch))
+    return [done[k] for k, _ in encoded]
+
+
+def _digest(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(key.encode()).hexdigest()
+
+
+def _stop_ids(target: Any, tokenizer: Any) -> list[int]:
+    eos = target.generation_config.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise DflashError("the target has no end-of-sequence token", fix="use a chat model with an eos_token_id")
+    return ids
+
+
+def _cut_at_stop(row: list[int], stop_ids: list[int]) -> list[int]:
+    """Generated ids up to and including the first stop token (the drafter must learn to end answers)."""
+    for i, token in enumerate(row):
+        if token in stop_ids:
+            return row[: i + 1]
+    return row
+
+
+# ---------------------------------------------------------------- the DFlash objective
+
+
+def block_attention_mask(context_len: int, anchors: list[int], block_size: int) -> torch.Tensor:
+    """Bool [n*B, context_len + n*B], True = may attend: block i sees context positions < anchors[i] and itself."""
+    n = len(anchors)
+    rows = torch.arange(n * block_size) // block_size
+    ctx = torch.arange(context_len)[None, :] < torch.tensor(anchors)[rows][:, None]
+    blocks = rows[:, None] == rows[None, :]
+    return torch.cat([ctx, blocks], dim=1)
+
+
+def sample_anchors(prompt_len: int, seq_len: int, count: int, rng: random.Random) -> list[int]:
+    """Distinct anchors in the response: a block at anchor a predicts tokens a+1.. (so a <= seq_len-2).
+
+    The first anchor candidate is the first response token: at inference the first block starts after the
+    prefill has committed one token. Short responses give fewer anchors.
+    """
+    candidates = range(prompt_len, seq_len - 1)
+    return sorted(rng.sample(candidates, min(count, len(candidates))))
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [b, S] right padded
+    block_ids: torch.Tensor  # [b, n*B]: anchor token, then MASK
+    labels: torch.Tensor  # [b, n, B-1]: tokens at anchor+1..anchor+B-1, -100 where absent
+    position_ids: torch.Tensor  # [b, S + n*B]
+    attention_mask: torch.Tensor  # [b, 1, n*B, S + n*B]
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def make_batch(samples: list[Sample], anchors_per_sequence: int, block_size: int, mask_id: int, pad_id: int, rng: random.Random) -> Batch:
+    width = max(len(s.ids) for s in samples)
+    n, B = anchors_per_sequence, block_size
+    input_ids = torch.full((len(samples), width), pad_id)
+    block_ids = torch.full((len(samples), n, B), mask_id)
+    labels = torch.full((len(samples), n, B - 1), -100)
+    positions = torch.zeros(len(samples), width + n * B, dtype=torch.long)
+    masks = torch.zeros(len(samples), 1, n * B, width + n * B, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        ids = torch.tensor(sample.ids)
+        input_ids[row, : len(ids)] = ids
+        anchors = sample_anchors(len(sample.prompt_ids), len(ids), n, rng)
+        # Unused block slots keep all labels at -100; they see only themselves, which keeps SDPA finite.
+        padded = anchors + [0] * (n - len(anchors))
+        for i, a in enumerate(anchors):
+            block_ids[row, i, 0] = ids[a]
+            targets = ids[a + 1 : a + B]
+            labels[row, i, : len(targets)] = targets
+        positions[row, :width] = torch.arange(width)
+        positions[row, width:] = (torch.tensor(padded)[:, None] + torch.arange(B)[None, :]).reshape(-1)
+        masks[row, 0] = block_attention_mask(width, padded, B)
+    return Batch(input_ids, block_ids.reshape(len(samples), n * B), labels, positions, masks)
+
+
+def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, gamma: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted block cross-entropy, plus the accuracy and acceptance length the drafts would get."""
+    B = drafter.block_size
+    b, n = batch.labels.shape[:2]
+    hidden = drafter(drafter.embed(batch.block_ids), drafter.fuse_context(features), batch.position_ids, attention_mask=batch.attention_mask)
+    hidden = hidden.view(b, n, B, -1)[:, :, 1:]
+    logits = drafter.logits(hidden).float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100, reduction="none").view(b, n, B - 1)
+    valid = batch.labels != -100
+    weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32, device=ce.device) / gamma) * valid
+    loss = (ce * weights).sum() / weights.sum().clamp_min(1e-6)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == batch.labels) & valid
+        blocks = valid[:, :, 0]
+        # Acceptance length of a draft block = 1 + leading run of correct predictions (the engine's tau).
+        accepted = correct.int().cumprod(dim=-1).sum(-1)[blocks].float() + 1
+        stats = {
+            "loss": float(loss),
+            "acc": float(correct.sum() / valid.sum().clamp_min(1)),
+            "tau": float(accepted.mean()) if accepted.numel() else 1.0,
+        }
+    return loss, stats
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _lr_at(step: int, options: TrainOptions) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < options.warmup_steps:
+        return options.lr * (step + 1) / options.warmup_steps
+    progress = (step - options.warmup_steps) / max(1, options.steps - options.warmup_steps)
+    return options.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def save_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, step: int, options: TrainOptions, history: list[dict[str, float]]) -> None:
+    """Drafter in the z-lab format plus optimizer tensors (safetensors) and scalars (JSON): no pickle."""
+    from safetensors.torch import save_file
+
+    staging = directory.with_name(directory.name + ".tmp")
+    drafter.save_pretrained(staging / DRAFTER_DIR)
+    names = {id(p): name for name, p in drafter.named_parameters()}
+    tensors, scalars = {}, {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    tensors[f"{names[id(param)]}/{key}"] = value.detach().cpu().contiguous()
+                else:
+                    scalars[f"{names[id(param)]}/{key}"] = float(value)
+    save_file(tensors, str(staging / "optimizer.safetensors"))
+    state = {"step": step, "options": asdict(options), "optimizer_scalars": scalars, "history": history}
+    (staging / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    staging.rename(directory)  # a crash mid-save leaves the previous checkpoint intact
+
+
+def load_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]]]:
+    from safetensors.torch import load_file
+
+    state = json.loads((directory / "trainer_state.json").read_text())
+    saved = json.loads((directory / DRAFTER_DIR / "config.json").read_text())
+    fresh = drafter.config.to_dict()
+    changed = [k for k in fresh if saved.get(k) != fresh[k]]
+    if changed:
+        raise DflashError(
+            f"the checkpoint in {directory} was trained with other settings ({', '.join(changed)} differ)",
+            fix="resume with the flags of the original run (see its trainer_state.json), or choose another --output",
+        )
+    weights = load_file(str(directory / DRAFTER_DIR / "model.safetensors"))
+    drafter.load_state_dict({k: v.to(drafter.fc.weight.dtype) for k, v in weights.items()})
+    tensors = load_file(str(directory / "optimizer.safetensors"))
+    params = dict(drafter.named_parameters())
+    for key, value in state["optimizer_scalars"].items():
+        name, slot = key.rsplit("/", 1)
+        optimizer.state[params[name]][slot] = torch.tensor(value)
+    for key, value in tensors.items():
+        name, slot = key.rsplit("/", 1)
+        optimizer.state[params[name]][slot] = value.to(params[name].device)
+    return int(state["step"]), state["history"]
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainResult:
+    output: str
+    steps: int
+    train_seconds: float
+    final_loss: float
+    train_tau: float
+    eval_tau: float | None
+    eval_prompts: int
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlashDrafter:
+    tcfg = target.config.get_text_config()
+    n_target = tcfg.num_hidden_layers
+    config = DrafterConfig(
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_hidden_layers=options.layers,
+        num_attention_heads=tcfg.num_attention_heads,
+        num_key_value_heads=getattr(tcfg, "num_key_value_heads", tcfg.num_attention_heads),
+        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
+        vocab_size=target.get_input_embeddings().num_embeddings,
+        num_target_layers=n_target,
+        block_size=options.block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=default_target_layer_ids(n_target, min(options.feature_layers, n_target)),
+        rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))),
+        max_position_embeddings=tcfg.max_position_embeddings,
+    )
+    torch.manual_seed(options.seed)
+    drafter = DFlashDrafter(config)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    drafter.bind(target)
+    return drafter
+
+
+def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
+    """A token the drafter uses as MASK: the tokenizer's own, else the least chat-like special token.
+
+    Vocabularies without a MASK token still carry pretraining-only special tokens that never occur in
+    chat; the drafter learns what the id means from its position in the block, so any such id works.
+    """
+    if requested is not None:
+        return requested
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    in_use = {tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    special = [i for i in tokenizer.all_special_ids if i not in in_use]
+    added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in in_use)
+    spare = (added or special)[-1:]  # the last added special token: the most specialised one
+    if not spare:
+        raise DflashError("the tokenizer has no spare special token to use as MASK", fix="pass --mask-token-id ID (a token that never appears in chat)")
+    return spare[0]
+
+
+def resolve_target_dir(ref: str, console: Console | None = None) -> Path:
+    """`--target`: a recipe name (its target, with its offline GGUF fallback), a local directory or a repo id."""
+    from dflash_cli.hub import resolve_model_dir
+    from dflash_cli.recipes import get_recipe
+
+    if "/" in ref or Path(ref).expanduser().exists():
+        return resolve_model_dir(ref, what="target")
+    model = get_recipe(ref).target
+    if model.gguf_fallback:
+        from dflash_cli.demo import ensure_target_with_gguf_fallback
+
+        return ensure_target_with_gguf_fallback(model.id, model.gguf_fallback, console)
+    location = str(model.path) if model.path is not None else model.id
+    return resolve_model_dir(location, revision=model.revision, what="target")
+
+
+def load_target(ref: str, device: str, dtype: str = "float32", console: Console | None = None) -> tuple[Any, Any]:
+    """The frozen target in `dtype` and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_cli.loading import load_tokenizer
+
+    directory = resolve_target_dir(ref, console)
+    target = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), use_safetensors=True).to(device).eval()
+    target.requires_grad_(False)
+    return target, load_tokenizer(directory)
+
+
+def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
+    console = console or Console(stderr=True)
+    if options.block_size < 2:
+        raise DflashError("--block-size must be at least 2 (the anchor plus one drafted token)")
+    output = Path(options.output)
+    output.mkdir(parents=True, exist_ok=True)
+    checkpoint = output / CHECKPOINT_DIR
+    conversations = load_prompts(options.prompts)
+    eval_conversations = load_prompts(options.eval_prompts_file)[: options.eval_prompts] if options.eval_prompts_file else []
+    if not eval_conversations and options.eval_prompts:
+        if len(conversations) <= options.eval_prompts:
+            raise DflashError(f"{options.prompts} has {len(conversations)} prompts; {options.eval_prompts} are held out for tau", fix="pass more prompts, --eval-prompts 0, or --eval-prompts-file")
+        eval_conversations, conversations = conversations[: options.eval_prompts], conversations[options.eval_prompts :]
+    resumable = (checkpoint / "trainer_state.json").exists()
+    if resumable and not options.resume:
+        raise DflashError(f"{output} already holds a training checkpoint", fix="pass --resume to continue it, or choose another --output")
+    if options.resume and not resumable:
+        raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
+    target, tokenizer = load_target(options.target, options.device, options.dtype, console)
+    drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
+    layer_ids = drafter.config.target_layer_ids
+    # Capturing features while generating saves a whole target pass, when they fit on disk/in memory.
+    feature_bytes = len(conversations) * (options.max_new_tokens + 256) * len(layer_ids) * drafter.config.hidden_size * 2
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        samples = self_distill(
+            target, tokenizer, conversations, output / DISTILL_DIR, options.max_new_tokens, options.distill_batch_size, progress,
+            layer_ids if feature_bytes <= FEATURE_STORE_BYTES else None,
+        )  # fmt: skip
+        samples = [s for s in samples if len(s.response_ids) >= 2]
+        if not samples:
+            raise DflashError("the target produced no usable responses (all shorter than 2 tokens)", fix="check the prompts and --max-new-tokens")
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        step, history = 0, []
+        if options.resume:
+            step, history = load_checkpoint(checkpoint, drafter, optimizer)
+            console.print(f"Resuming from step {step} ({checkpoint})")
+        started = time.perf_counter()
+        stats = _train_loop(drafter, target, samples, optimizer, options, step, history, progress, checkpoint, tokenizer)
+        train_seconds = time.perf_counter() - started
+    final = output / DRAFTER_DIR
+    _save_final(drafter, final)
+    eval_tau = None
+    if eval_conversations:
+        served = serving_dtype(options.device)
+        if served != target.dtype:  # reload: casting the training copy back up would keep its rounding
+            del target
+            target, tokenizer = load_target(options.target, options.device, str(served).removeprefix("torch."), console)
+        drafter.to(served).bind(target)
+        eval_tau = evaluate_tau(target, drafter, tokenizer, eval_conversations, options.max_new_tokens, console)
+    result = TrainResult(str(final), options.steps, train_seconds, stats.get("loss", float("nan")), stats.get("tau", 1.0), eval_tau, len(eval_conversations), history)
+    (output / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    return result
+
+
+def _batches(samples: list[Sample], batch_size: int, rng: random.Random) -> Iterator[list[int]]:
+    """Endless shuffled epochs of sample indices; each batch groups similar lengths to limit padding."""
+    while True:
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        chunks = [order[i : i + batch_size * 16] for i in range(0, len(order), batch_size * 16)]
+        batches = []
+        for chunk in chunks:
+            chunk.sort(key=lambda i: len(samples[i].ids))
+            batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+        rng.shuffle(batches)
+        yield from batches
+
+
+def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], optimizer: torch.optim.Optimizer, options: TrainOptions, step: int, history: list[dict[str, float]], progress: Progress, checkpoint: Path, tokenizer: Any) -> dict[str, float]:
+    rng = random.Random(options.seed * 1_000_003 + step)  # a resumed run does not replay the same batches
+    layer_ids = drafter.config.target_layer_ids
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    task = progress.add_task("training", total=options.steps, completed=step, info="")
+    stats: dict[str, float] = {}
+    running: dict[str, float] = {}
+    batches = _batches(samples, options.batch_size, rng)
+    while step < options.steps:
+        indices = next(batches)
+        chosen = [samples[i] for i in indices]
+        batch = make_batch(chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng)
+        features = _features(target, batch.input_ids, chosen, layer_ids)
+        batch = batch.to(features.device)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, options)
+        # bf16 autocast: the lm_head over the whole vocabulary dominates a step, and bf16 matmuls run
+        # 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
+        with torch.autocast(features.device.type, dtype=torch.bfloat16):
+            loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
+        progress.update(task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}")
+        if step % 10 == 0:
+            history.append({"step": step, **running})
+        if step % options.checkpoint_every == 0 or step == options.steps:
+            save_checkpoint(checkpoint, drafter, optimizer, step, options, history)
+    return running or stats
+
+
+def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_ids: list[int]) -> torch.Tensor:
+    """Target features [b, S, n*H] for a right-padded batch: stored ones when distillation captured them."""
+    device = target.get_input_embeddings().weight.device
+    if all(s.features is not None for s in batch):
+        out = torch.zeros(*input_ids.shape, batch[0].features.shape[-1])
+        for row, sample in enumerate(batch):
+            out[row, : sample.features.shape[0]] = sample.features.float()
+        return out.to(device)
+    with torch.no_grad():
+        # Right padding and causal attention: real positions never see the pads, so no mask is needed.
+        _, features = capture_target_features(target, input_ids.to(device), layer_ids, use_cache=False, logits_to_keep=1)
+    return features
+
+
+def _save_final(drafter: DFlashDrafter, directory: Path) -> None:
+    """The shipped checkpoint in bfloat16, like the published drafters; the drafter keeps the rounded
+    weights, so the tau measured next is the shipped checkpoint's."""
+    drafter.to(torch.bfloat16).save_pretrained(directory)
+    drafter.to(torch.float32)
+
+
+def serving_dtype(device: str) -> torch.dtype:
+    """What `dflash` runs the target in by default here (hardware.make_plan): float32 on CPU, bf16 on GPUs."""
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def evaluate_tau(target: Any, drafter: DFlashDrafter, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int, console: Console) -> float:
+    """Mean acceptance length over held-out prompts with the real decode loop (greedy)."""
+    from dflash_cli.engine import speculative_generate
+
+    stop = _stop_ids(target, tokenizer)
+    lengths: list[int] = []
+    drafter.eval()
+    with Progress(TextColumn("tau on held-out prompts"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
+        for messages in progress.track(conversations):
+            result = speculative_generate(target, drafter, encode_conversation(tokenizer, messages), max_new_tokens, stop_token_ids=stop)
+            lengths += result.acceptance_lengths
+    return sum(lengths) / max(1, len(lengths))

@@ -1,0 +1,125 @@
+"""Write the demo drafter's prompt set: licence-clean prompts we build ourselves.
+
+Sources: templates and word lists written here, and paragraphs of Python's own reference text
+(`pydoc_data.topics`, PSF licence, shipped with every Python). Deterministic (seeded), so the
+files in dflash_cli/assets/ can be rebuilt exactly:
+
+    python scripts/make_demo_prompts.py dflash_cli/assets
+"""
+
+from __future__ import annotations
+
+import json
+import pydoc_data.topics
+import random
+import re
+import sys
+from pathlib import Path
+
+SUBJECTS = [
+    "photosynthesis", "black holes", "the water cycle", "volcanoes", "earthquakes", "the moon", "gravity",
+    "electricity", "magnetism", "climate change", "recycling", "the human heart", "the immune system", "sleep",
+    "vitamins", "exercise", "coffee", "tea", "chocolate", "bread", "cheese", "honey", "bees", "dolphins",
+    "elephants", "owls", "cats", "dogs", "horses", "penguins", "rainforests", "deserts", "oceans", "rivers",
+    "mountains", "glaciers", "the Roman Empire", "ancient Egypt", "the printing press", "the steam engine",
+    "the internet", "computers", "smartphones", "robots", "artificial intelligence", "machine learning",
+    "databases", "encryption", "passwords", "email", "music", "jazz", "painting", "photography", "chess",
+    "football", "the Olympic Games", "bicycles", "trains", "airplanes", "rockets", "satellites", "the solar system",
+    "Mars", "stars", "rainbows", "thunderstorms", "snow", "friendship", "kindness", "time management",
+    "saving money", "budgeting", "learning a language", "reading books", "writing essays", "public speaking",
+    "gardening", "cooking pasta", "baking cookies", "camping", "hiking", "swimming", "meditation",
+    "healthy breakfast", "drinking water", "the alphabet", "prime numbers", "fractions", "percentages", "geometry",
+    "triangles", "the Pythagorean theorem", "probability", "statistics", "renewable energy", "solar panels",
+    "wind turbines", "batteries", "electric cars", "libraries", "museums", "maps",
+]
+
+ACTIVITIES = [
+    "studying for an exam", "staying focused", "sleeping better", "starting to run", "learning to cook",
+    "keeping a plant alive", "writing clean code", "preparing for a job interview", "making new friends",
+    "traveling on a budget", "reducing stress", "organizing a small room", "learning to play guitar",
+    "taking better photos", "saving energy at home", "giving a presentation", "reading more books",
+    "drinking more water", "learning Python", "debugging a program", "writing a resume",
+    "planning a birthday party", "taking care of a puppy", "riding a bicycle safely", "staying warm in winter",
+]
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the factorial of n",
+    "computes the n-th Fibonacci number", "counts the vowels in a string", "finds the largest element of a list",
+    "removes duplicates from a list", "checks whether a string is a palindrome", "merges two sorted lists",
+    "sorts a list of dictionaries by a key", "converts Celsius to Fahrenheit",
+    "returns the sum of the digits of a number", "flattens a nested list", "counts word frequencies in a text",
+    "checks whether two strings are anagrams", "returns the greatest common divisor of two numbers",
+    "reads a file and returns its lines", "finds the second largest number in a list",
+    "capitalizes every word in a sentence", "computes the average of a list of numbers",
+    "returns all even numbers from a list", "checks whether a year is a leap year",
+    "converts a binary string to an integer", "finds the longest word in a sentence",
+    "returns the intersection of two lists", "implements binary search", "implements bubble sort",
+    "computes the power set of a list", "validates an email address with a simple rule", "transposes a matrix",
+    "counts the lines in a file", "generates the first n prime numbers", "returns the median of a list",
+    "rotates a list by k positions", "chunks a list into groups of size n",
+    "converts a dictionary to a list of tuples",
+]
+
+SUBJECT_TEMPLATES = [
+    "What is {s}?", "Explain {s} in simple terms.", "Tell me about {s}.", "Write a short poem about {s}.",
+    "Give me three interesting facts about {s}.", "Why is {s} important?", "Write a short story about {s}.",
+    "Explain {s} to a ten-year-old.", "Write a haiku about {s}.", "What are the main ideas behind {s}?",
+    "Describe {s} in one paragraph.", "What should a beginner know about {s}?",
+]
+ACTIVITY_TEMPLATES = [
+    "Give me some tips for {a}.", "How can I get better at {a}?", "What are common mistakes when {a}?",
+    "Make a simple plan for {a}.",
+]
+CODE_TEMPLATES = [
+    "Write a Python function that {t}.", "Write a function in Python that {t}, with a docstring.",
+    "Show me Python code that {t}, and explain it.",
+]
+PYTHON_TEMPLATES = [
+    "Explain the Python '{k}' topic.", "How does '{k}' work in Python? Give an example.",
+    "What is '{k}' in Python?",
+]
+CHAT = [
+    "Hello!", "Hi, who are you?", "Tell me a joke.", "What can you do?", "Good morning! How are you?",
+    "Tell me something interesting.", "Can you help me with my homework?", "What is the meaning of life?",
+    "Recommend a good book.", "What is your favorite color?", "Write a limerick about a cat.",
+    "Say something nice.", "What day comes after Monday?", "How many days are in a year?", "What is 12 times 12?",
+    "Name five fruits.", "List the planets of the solar system.", "Write a thank-you note to a teacher.",
+    "Write an email asking for a day off.", "Translate 'good morning' into French.",
+]
+
+
+def python_paragraphs() -> list[str]:
+    """Prose paragraphs (no grammar blocks or headings) of 200-700 characters from the Python reference."""
+    paragraphs = []
+    for text in pydoc_data.topics.topics.values():
+        for block in re.split(r"\n\s*\n", text):
+            line = " ".join(block.split())
+            if 200 <= len(line) <= 700 and not block.startswith(" ") and "::=" not in line and "***" not in line:
+                paragraphs.append(line)
+    return paragraphs
+
+
+def build_prompts() -> list[str]:
+    subjects = SUBJECTS
+    prompts = [t.format(s=s) for s in subjects for t in SUBJECT_TEMPLATES]
+    prompts += [t.format(a=a) for a in ACTIVITIES for t in ACTIVITY_TEMPLATES]
+    prompts += [t.format(t=c) for c in CODE_TASKS for t in CODE_TEMPLATES]
+    prompts += [t.format(k=k.replace("-", " ")) for k in pydoc_data.topics.topics for t in PYTHON_TEMPLATES]
+    prompts += [f"Summarize: {p}" for p in python_paragraphs()]
+    prompts += [f"Compare {a} and {b}." for a, b in zip(subjects[::2], subjects[1::2])]
+    prompts += CHAT
+    return sorted({" ".join(p.split()) for p in prompts})
+
+
+def main(out_dir: Path, held_out: int = 64) -> None:
+    prompts = build_prompts()
+    random.Random(0).shuffle(prompts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, chunk in (("demo_prompts_eval.jsonl", prompts[:held_out]), ("demo_prompts_train.jsonl", prompts[held_out:])):
+        with open(out_dir / name, "w") as f:
+            f.writelines(json.dumps({"prompt": p}) + "\n" for p in chunk)
+        print(f"{out_dir / name}: {len(chunk)} prompts")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "dflash_cli/assets"))

@@ -1,0 +1,173 @@
+"""`dflash train` on a tiny random target: the objective, the data cache, checkpoints, resume and the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from rich.progress import Progress
+from typer.testing import CliRunner
+
+from dflash_cli.cli import app
+from dflash_cli.drafter import capture_target_features, load_drafter
+from dflash_cli.errors import DflashError
+from dflash_cli.train import (
+    Sample,
+    TrainOptions,
+    block_attention_mask,
+    dflash_loss,
+    load_prompts,
+    load_target,
+    make_batch,
+    new_drafter,
+    self_distill,
+    train,
+)
+
+PROMPTS = ["Hello!", "What is 2 + 2?", "Tell me about foxes.", "def add(a, b):", "Speculative decoding?", "Hi there", "Explain dogs.", "Why?"]
+
+
+@pytest.fixture
+def prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def options(tiny_qwen3_dir: Path, prompt_file: Path, output: Path, **overrides) -> TrainOptions:
+    base = {
+        "target": str(tiny_qwen3_dir), "prompts": str(prompt_file), "output": str(output), "block_size": 4,
+        "feature_layers": 2, "steps": 6, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "anchors_per_sequence": 4,
+        "max_new_tokens": 12, "eval_prompts": 2, "checkpoint_every": 3,
+    }  # fmt: skip
+    return TrainOptions(**{**base, **overrides})
+
+
+def test_block_mask_is_block_sparse() -> None:
+    # Context of 5 positions; blocks of 2 at anchors 1 and 3. Block i sees context < anchor_i and itself only.
+    expected = torch.tensor(
+        [
+            # ctx 0  1  2  3  4 | blk0 0 1 | blk1 0 1
+            [1, 0, 0, 0, 0, 1, 1, 0, 0],
+            [1, 0, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 1, 1],
+            [1, 1, 1, 0, 0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(block_attention_mask(5, [1, 3], 2), expected)
+
+
+def test_batch_labels_positions_and_blocks() -> None:
+    sample = Sample(prompt_ids=[10, 11, 12], response_ids=[20, 21, 22, 23])  # ids 10 11 12 20 21 22 23
+    batch = make_batch([sample], anchors_per_sequence=2, block_size=3, mask_id=99, pad_id=0, rng=random.Random(0))
+    anchors = sorted({int(p) for p in batch.position_ids[0, 7::3]})
+    assert all(3 <= a <= 5 for a in anchors) and len(anchors) == 2  # inside the response, room for one label
+    ids = sample.ids
+    for i, a in enumerate(anchors):
+        assert batch.block_ids[0, 3 * i : 3 * i + 3].tolist() == [ids[a], 99, 99]
+        assert batch.position_ids[0, 7 + 3 * i : 10 + 3 * i].tolist() == [a, a + 1, a + 2]
+        labels = [ids[a + k] if a + k < len(ids) else -100 for k in (1, 2)]
+        assert batch.labels[0, i].tolist() == labels
+        assert torch.equal(batch.attention_mask[0, 0, 3 * i : 3 * i + 3], block_attention_mask(7, anchors, 3)[3 * i : 3 * i + 3])
+    assert batch.position_ids[0, :7].tolist() == list(range(7))
+
+
+def test_self_distill_caches_answers_and_features(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    target, tokenizer = load_target(str(tiny_qwen3_dir), "cpu")
+    conversations = load_prompts_from(PROMPTS[:3], tmp_path)
+    with Progress(disable=True) as progress:
+        first = self_distill(target, tokenizer, conversations, tmp_path, 6, 2, progress, [0, 1])
+    for sample in first:
+        assert 1 <= len(sample.response_ids) <= 6
+        # Features captured while generating (left padded, batched) match a plain forward of the sequence.
+        _, full = capture_target_features(target, torch.tensor([sample.ids]), [0, 1])
+        assert sample.features.shape == (len(sample.ids) - 1, 2 * target.config.hidden_size)
+        torch.testing.assert_close(sample.features.float(), full[0, :-1], rtol=2e-2, atol=2e-2)
+        # Greedy: the answer is the target's own continuation.
+        logits = target(torch.tensor([sample.ids])).logits[0]
+        assert logits[len(sample.prompt_ids) - 1 : -1].argmax(-1).tolist() == sample.response_ids[: len(sample.ids) - len(sample.prompt_ids)]
+    lines = (tmp_path / "responses.jsonl").read_text()
+    with Progress(disable=True) as progress:
+        again = self_distill(target, tokenizer, conversations, tmp_path, 6, 2, progress, [0, 1])
+    assert (tmp_path / "responses.jsonl").read_text() == lines  # served from the cache, nothing regenerated
+    assert [s.ids for s in again] == [s.ids for s in first]
+    assert all(torch.equal(a.features, b.features) for a, b in zip(first, again))
+
+
+def load_prompts_from(prompts: list[str], directory: Path) -> list:
+    path = directory / "p.txt"
+    path.write_text("\n".join(prompts) + "\n")
+    return load_prompts(path)
+
+
+def test_loss_goes_down(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    opts = options(tiny_qwen3_dir, prompt_file, tmp_path)
+    target, _ = load_target(opts.target, "cpu")
+    drafter = new_drafter(target, opts, mask_token_id=5)
+    samples = [Sample([1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]), Sample([4, 5], [11, 12, 13, 14, 11, 12, 13, 14])]
+    batch = make_batch(samples, 4, opts.block_size, drafter.mask_token_id, 0, random.Random(0))
+    _, features = capture_target_features(target, batch.input_ids, drafter.config.target_layer_ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        loss, stats = dflash_loss(drafter, features, batch, opts.loss_gamma)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(stats["loss"])
+    # A random tiny target's lm_head (std 0.02) caps how peaked the logits get, so the floor is high.
+    assert losses[-1] < 0.85 * losses[0]
+    assert 1.0 <= stats["tau"] <= opts.block_size
+
+
+def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = train(options(tiny_qwen3_dir, prompt_file, out, steps=3))
+    assert result.steps == 3 and result.eval_prompts == 2 and 1.0 <= result.eval_tau <= 4
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_tau"] == result.eval_tau
+    target, _ = load_target(str(tiny_qwen3_dir), "cpu")
+    drafter = load_drafter(out / "drafter", target)
+    assert drafter.block_size == 4 and json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 3
+
+    with pytest.raises(DflashError, match="--resume"):
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=5))
+    saved = load_drafter(out / "checkpoint" / "drafter", target).state_dict()
+    resumed = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True))
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 5
+    assert resumed.steps == 5
+    changed = load_drafter(out / "checkpoint" / "drafter", target).state_dict()
+    assert any(not torch.equal(saved[k], changed[k]) for k in saved)  # two more steps ran from the saved state
+
+    with pytest.raises(DflashError, match="other settings"):
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=7, block_size=6, resume=True))
+
+
+def test_bad_prompt_file_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(DflashError, match="bad.jsonl:2"):
+        load_prompts(bad)
+    with pytest.raises(DflashError, match="does not exist"):
+        load_prompts(tmp_path / "missing.txt")
+
+
+def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    args = ["train", "--target", str(tiny_qwen3_dir), "--prompts", str(prompt_file), "--output", str(out),
+            "--steps", "3", "--batch-size", "4", "--block-size", "4", "--feature-layers", "2",
+            "--max-new-tokens", "8", "--eval-prompts", "2", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["steps"] == 3 and data["eval_prompts"] == 2
+    assert (out / "drafter" / "model.safetensors").is_file() and (out / "metrics.json").is_file()
+
+    again = CliRunner().invoke(app, args)  # the checkpoint exists: a clear error, not an overwrite
+    assert again.exit_code == 1 and "--resume" in again.output

@@ -183,8 +183,9 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         str | None,
         typer.Option(
             callback=_check_dtype,
-            help="bfloat16, float16 or float32 (default: bf16 on GPUs that have it, "
-            "fp16 on older GPUs and MPS, fp32 on CPU).",
+            help="bfloat16, float16 or float32 (default: bf16 on GPUs and CPUs that have it, "
+            "fp16 on older GPUs and MPS, fp32 on other CPUs). fp32 makes greedy DFlash bit-identical to "
+            "the baseline; in bf16/fp16 a near-tie can round differently in a block.",
             rich_help_panel=PLANNING,
         ),
     ],

@@ -174,7 +174,8 @@ def check_driver(facts: MachineFacts, smi: SmiResult | None) -> Check:
 def check_gpu(facts: MachineFacts) -> Check:
     ram = f"{gb(facts.cpu_ram_total or 0)} RAM ({gb(facts.cpu_ram_available or 0)} available)"
     if facts.kind == "cpu":
-        return Check("gpu", "pass", f"no GPU: runs on the CPU, {ram}")
+        dtype = "bf16 (AVX512-BF16/AMX)" if facts.cpu_bf16 else "fp32 (no AVX512-BF16/AMX)"
+        return Check("gpu", "pass", f"no GPU: runs on the CPU in {dtype}, {ram}")
     memory = f"{gb(facts.total_memory or 0)} total, {gb(facts.free_memory or 0)} free"
     count = f", {facts.gpu_count} GPUs" if facts.gpu_count > 1 else ""
     return Check("gpu", "pass", f"{facts.gpu_name}: {gpu_class(facts).label}, {memory}{count}; {ram}")

@@ -64,6 +64,7 @@ class MachineFacts:
     torch_cuda_version: str | None = None  # None: a CPU-only torch build
     cpu_ram_total: int | None = None
     cpu_ram_available: int | None = None
+    cpu_bf16: bool = False  # the CPU has bf16 matmul instructions (AVX512-BF16 or AMX): bf16 beats fp32 there
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +113,7 @@ def detect_machine() -> MachineFacts:
         "torch_arch_list": tuple(torch.cuda.get_arch_list()),
         "cpu_ram_total": ram_total,
         "cpu_ram_available": ram_available,
+        "cpu_bf16": _cpu_has_bf16(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -132,6 +134,15 @@ def detect_machine() -> MachineFacts:
             kind="mps", gpu_name="Apple silicon GPU", total_memory=total, free_memory=free, gpu_count=1, **common
         )
     return MachineFacts(kind="cpu", **common)
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (x86 AVX512-BF16 or AMX), as torch's own dispatch sees it."""
+    import torch
+
+    # Private helpers in torch.cpu (torch >= 2.3); a torch without them just gets the fp32 default.
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
 
 
 def _cpu_ram() -> tuple[int | None, int | None]:
@@ -246,14 +257,20 @@ def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str
     return requested.lower(), "--device"
 
 
-def _default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
+def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
+    """The compute dtype for a device kind on this machine, and why."""
     if kind == "cuda" and has_native_bf16(facts):
         return "bfloat16", "native on sm_80+, the published weights' own dtype, fp32's range (no overflow)"
     if kind == "cuda":
         return "float16", "this GPU has no native bf16 (that needs sm_80+); fp16 tensor cores are fast"
     if kind == "mps":
         return "float16", "Metal runs fp16 natively; bf16 support depends on the macOS version"
-    return "float32", "most CPUs lack fast bf16 matmuls (AMX / AVX512-BF16), so fp32 is faster there"
+    if facts.cpu_bf16:
+        return "bfloat16", (
+            "this CPU has bf16 matmul instructions (AVX512-BF16/AMX): faster than fp32 (bit-exact greedy "
+            "identity with the baseline needs --dtype fp32)"
+        )
+    return "float32", "this CPU lacks bf16 matmul instructions (AVX512-BF16/AMX), so fp32 is faster"
 
 
 def _candidates(
@@ -261,12 +278,13 @@ def _candidates(
 ) -> list[tuple[str, str]]:
     """(dtype, quant) pairs in order of preference. NF4 is an automatic choice on CUDA only, where bitsandbytes
     has fast kernels; on CPU the fallback is bf16 (half of fp32), and NF4 only when asked for."""
-    preferred = _default_dtype(kind, facts)[0]
+    preferred = default_dtype(kind, facts)[0]
     pairs = [(preferred, "none")]
     if kind == "cuda" and "nf4" in recipe.weight_bytes:
         pairs.append((preferred, "nf4"))
     if kind == "cpu":
         pairs.append(("bfloat16", "none"))
+    pairs = list(dict.fromkeys(pairs))
     if dtype is not None:
         pairs = [(dtype, q) for q in dict.fromkeys(q for _, q in pairs)]
     if quant is not None:
@@ -320,13 +338,13 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         if budget is not None and estimate > budget:
             reasons.append("warning: the forced settings need more than is free: expect an out-of-memory error")
 
-    default_dtype, default_why = _default_dtype(kind, facts)
+    preferred_dtype, default_why = default_dtype(kind, facts)
     if overrides.dtype or "dtype" in tuned:
         dtype_why = "--dtype" if overrides.dtype else recipe_override
-    elif dtype == default_dtype:
+    elif dtype == preferred_dtype:
         dtype_why = default_why
     else:
-        dtype_why = f"{default_dtype} would not fit; {dtype} needs half the memory"
+        dtype_why = f"{preferred_dtype} would not fit; {dtype} needs half the memory"
     reasons.append(f"dtype {dtype}: {dtype_why}")
     if kind == "cuda" and dtype == "bfloat16" and not has_native_bf16(facts):
         reasons.append("warning: bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow")

@@ -596,8 +596,11 @@ def _save_final(drafter: DFlashDrafter, directory: Path) -> None:
 
 
 def serving_dtype(device: str) -> torch.dtype:
-    """What `dflash` runs the target in by default here (hardware.make_plan): float32 on CPU, bf16 on GPUs."""
-    return torch.float32 if device == "cpu" else torch.bfloat16
+    """What `dflash` runs the target in by default on `device` here (hardware.make_plan's choice)."""
+    from dflash_cli.hardware import default_dtype, detect_machine
+
+    kind = torch.device(device).type
+    return getattr(torch, default_dtype(kind, detect_machine())[0])
 
 
 def evaluate_tau(target: Any, drafter: DFlashDrafter, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int, console: Console) -> float:

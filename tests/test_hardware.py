@@ -179,6 +179,14 @@ def test_cpu_prefers_float32_then_bf16_then_refuses() -> None:
     assert "--quant nf4" in info.value.fix
 
 
+def test_cpu_with_bf16_instructions_prefers_bf16() -> None:
+    facts = dataclasses.replace(CPU_64, cpu_bf16=True)
+    plan = make_plan(facts, get_recipe("qwen3-8b"))
+    assert (plan.device, plan.dtype, plan.quant) == ("cpu", "bfloat16", "none")
+    assert any("AVX512-BF16" in reason and "--dtype fp32" in reason for reason in plan.reasons)
+    assert make_plan(facts, get_recipe("qwen3-8b"), PlanOverrides(dtype="fp32")).dtype == "float32"
+
+
 def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
     plan = make_plan(CPU_8, get_recipe("qwen3-8b"), PlanOverrides(quant="nf4"))
     assert (plan.device, plan.dtype, plan.quant) == ("cpu", "float32", "nf4")

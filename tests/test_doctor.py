@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from machines import CU126_ARCHS, CU128_ARCHS, GIB, cuda_machine
 
 from dflash_cli import doctor, recipes
 from dflash_cli.doctor import (
@@ -30,9 +31,6 @@ from dflash_cli.doctor import (
 from dflash_cli.hardware import MachineFacts, detect_machine
 from dflash_cli.recipes import get_recipe, load_recipes
 
-GIB = 1024**3
-CU126_ARCHS = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
-CU128_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
 TORCH_213_RELEASES = {
     "12.6": {50, 60, 70, 75, 80, 86, 90},
     "12.9": {75, 80, 86, 90, 100, 120},
@@ -44,19 +42,7 @@ SHIPPED_BNB = BnbInstall("0.50.2", ((11, 8), (12, 1), (12, 4), (12, 6), (12, 8),
 def gpu(
     name: str, capability: tuple[int, int], archs: tuple[str, ...], cuda: str, total_gib: float = 31.4
 ) -> MachineFacts:
-    return MachineFacts(
-        kind="cuda",
-        gpu_name=name,
-        capability=capability,
-        total_memory=int(total_gib * GIB),
-        free_memory=int((total_gib - 0.5) * GIB),
-        gpu_count=1,
-        torch_version=f"2.13.0+cu{cuda.replace('.', '')}",
-        torch_arch_list=archs,
-        torch_cuda_version=cuda,
-        cpu_ram_total=64 * GIB,
-        cpu_ram_available=60 * GIB,
-    )
+    return cuda_machine(name, capability, total_gib, free_gib=total_gib - 0.5, cuda=cuda, archs=archs, ram_gib=(64, 60))
 
 
 RTX_5090_CU126 = gpu("NVIDIA GeForce RTX 5090", (12, 0), CU126_ARCHS, "12.6")

@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+from machines import GIB
+from machines import cuda_machine as cuda
 
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import (
@@ -17,28 +19,6 @@ from dflash_cli.hardware import (
     make_plan,
 )
 from dflash_cli.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
-
-GIB = 1024**3
-CU128_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
-
-
-def cuda(
-    name: str, capability: tuple[int, int], total_gib: float, free_gib: float | None = None, count: int = 1
-) -> MachineFacts:
-    return MachineFacts(
-        kind="cuda",
-        gpu_name=name,
-        capability=capability,
-        total_memory=int(total_gib * GIB),
-        free_memory=int((free_gib if free_gib is not None else total_gib - 0.6) * GIB),
-        gpu_count=count,
-        torch_version="2.13.0+cu128",
-        torch_arch_list=CU128_ARCHS,
-        torch_cuda_version="12.8",
-        cpu_ram_total=256 * GIB,
-        cpu_ram_available=200 * GIB,
-    )
-
 
 # What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).
 RTX_5090 = cuda("NVIDIA GeForce RTX 5090", (12, 0), 31.4)

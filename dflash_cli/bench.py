@@ -529,6 +529,12 @@ class BenchReport:
         return [row for row in self.rows if row.identical is False]
 
     @property
+    def bit_exact(self) -> bool:
+        """float32: a block verify rounds like one-token steps closely enough that any mismatch is a bug. In
+        bf16/fp16 the two round differently, and a near-tie between the top two tokens can go either way."""
+        return self.metadata["plan"]["dtype"] == "float32"
+
+    @property
     def identical(self) -> bool | None:
         compared = [row for row in self.rows if row.identical is not None]
         return all(row.identical for row in compared) if compared else None
@@ -761,7 +767,9 @@ def _identity_cell(report: BenchReport, summary: ModeSummary) -> str:
     cell = f"{summary.identical_prompts}/{summary.prompts}"
     if not report.identity_expected:
         return f"[dim]{cell} (sampled)[/]"
-    return f"[green]{cell}[/]" if summary.identical_prompts == summary.prompts else f"[bold red]{cell} ✗[/]"
+    if summary.identical_prompts == summary.prompts:
+        return f"[green]{cell}[/]"
+    return f"[bold red]{cell} ✗[/]" if report.bit_exact else f"[yellow]{cell} ~[/]"
 
 
 def render_table(report: BenchReport) -> Table:
@@ -815,21 +823,27 @@ def render_identity(report: BenchReport) -> Text:
         return Text(f"✓ greedy outputs are token-identical to the baseline on all {prompts} prompts", style="green")
     lines = Text()
     baseline = {row.prompt_id: row for row in report.rows if row.mode == BASELINE}
+    mark, style = ("✗", "bold red") if report.bit_exact else ("~", "yellow")
     for row in report.mismatches:
         position = row.first_mismatch or 0
         reference = baseline[row.prompt_id].token_ids
         expected = reference[position] if position < len(reference) else "end"
         got = row.token_ids[position] if position < len(row.token_ids) else "end"
         lines.append(
-            f"✗ prompt {row.prompt_id}, {row.mode.label}: differs from the baseline at generated token {position} "
+            f"{mark} prompt {row.prompt_id}, {row.mode.label}: differs from the baseline at generated token {position} "
             f"(baseline {expected}, dflash {got})\n",
-            style="bold red",
+            style=style,
         )
-    lines.append(
-        "greedy DFlash must reproduce the baseline; in bf16/fp16 a near-tie can flip an argmax between the "
-        "1-token and the block forward, in float32 a mismatch is a bug: please report it",
-        style="yellow",
-    )
+    if report.bit_exact:
+        lines.append("in float32 greedy DFlash must reproduce the baseline: this is a bug, please report it", style=style)
+    else:
+        dtype = report.metadata["plan"]["dtype"]
+        lines.append(
+            f"in {dtype} a block verify rounds differently from a one-token step, so where the target's top two "
+            "tokens are nearly tied the two runs can part (each DFlash token is still the target's own choice in "
+            "its verify); --dtype fp32 checks bit-exact identity",
+            style=style,
+        )
     return lines
 
 

@@ -493,7 +493,8 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
     layer_ids = drafter.config.target_layer_ids
     # Capturing features while generating saves a whole target pass, when they fit on disk/in memory.
-    feature_bytes = len(conversations) * (options.max_new_tokens + 256) * len(layer_ids) * drafter.config.hidden_size * 2
+    tokens = sum(len(encode_conversation(tokenizer, c)) for c in conversations) + len(conversations) * options.max_new_tokens
+    feature_bytes = tokens * len(layer_ids) * drafter.config.hidden_size * 2
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         samples = self_distill(

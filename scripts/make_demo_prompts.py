@@ -16,6 +16,8 @@ import re
 import sys
 from pathlib import Path
 
+BENCH_DIR = Path(__file__).resolve().parent.parent / "dflash_cli" / "assets" / "bench_prompts"
+
 SUBJECTS = [
     "photosynthesis", "black holes", "the water cycle", "volcanoes", "earthquakes", "the moon", "gravity",
     "electricity", "magnetism", "climate change", "recycling", "the human heart", "the immune system", "sleep",
@@ -88,6 +90,58 @@ CHAT = [
 ]
 
 
+# The second batch (added when the first 2048 answers proved too few: the drafter memorized them): more templates,
+# and arithmetic word problems with seeded numbers, which the first batch lacked entirely.
+MORE_SUBJECT_TEMPLATES = [
+    "Write a short paragraph about {s}.", "List five key points about {s}.", "What are the pros and cons of {s}?",
+    "How would you teach {s} to a friend?", "What is a common misconception about {s}?",
+    "Summarize the history of {s} in a few sentences.",
+]
+MORE_CODE_TEMPLATES = [
+    "Write a Python function that {t}, and add type hints.", "Write a Python function that {t}. Include a short example call.",
+    "Using only a loop, write Python code that {t}.", "Write a Python function that {t}, and a unit test for it.",
+]
+MORE_ACTIVITY_TEMPLATES = [
+    "What is the best way to start {a}?", "Write a checklist for {a}.", "Explain why {a} is hard for many people.",
+]
+ITEMS = ["apples", "pencils", "notebooks", "tickets", "cookies", "stamps", "marbles", "books", "oranges", "candles"]
+NAMES = ["Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas"]
+MATH_TEMPLATES = [
+    "{n} has {a} {i}. {n} buys {b} more and gives away {c}. How many {i} does {n} have now? Explain step by step.",
+    "A box holds {a} {i}. How many {i} are in {b} boxes? Show your work.",
+    "{n} shares {p} {i} equally among {k} friends. How many does each friend get? Reason step by step.",
+    "A shirt costs {a} dollars and is on sale for {q} percent off. What is the sale price? Show the calculation.",
+    "What is {q} percent of {p}? Explain how you get the answer.",
+    "Solve {a}y + {b} = {r} for y, step by step.",
+    "A car travels {a} kilometres in {k} hours. What is its average speed? Explain.",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter? Show each step.",
+    "{n} reads {b} pages a day. How many days does a {p}-page book take? Explain your reasoning.",
+    "What is {a} times {b}? Work it out step by step.",
+]
+
+
+def math_prompts(count: int, rng: random.Random) -> list[str]:
+    prompts = []
+    for _ in range(count):
+        a, b, k = rng.randint(3, 60), rng.randint(2, 30), rng.randint(2, 9)
+        values = {
+            "n": rng.choice(NAMES), "i": rng.choice(ITEMS), "a": a, "b": b, "c": rng.randint(1, a), "k": k,
+            "p": k * rng.randint(3, 40), "q": rng.choice([10, 15, 20, 25, 30, 40, 50]), "r": a * rng.randint(1, 9) + b,
+        }  # fmt: skip
+        prompts.append(rng.choice(MATH_TEMPLATES).format(**values))
+    return prompts
+
+
+def build_more_prompts(taken: set[str]) -> list[str]:
+    prompts = [t.format(s=s) for s in SUBJECTS for t in MORE_SUBJECT_TEMPLATES]
+    prompts += [t.format(t=c) for c in CODE_TASKS for t in MORE_CODE_TEMPLATES]
+    prompts += [t.format(a=a) for a in ACTIVITIES for t in MORE_ACTIVITY_TEMPLATES]
+    prompts += math_prompts(1200, random.Random(1))
+    # never a bench prompt: `dflash bench demo` measures on prompts the drafter has not seen
+    bench = {json.loads(line)["prompt"] for f in BENCH_DIR.glob("*.jsonl") for line in f.read_text().splitlines()}
+    return sorted({" ".join(p.split()) for p in prompts} - taken - bench)
+
+
 def python_paragraphs() -> list[str]:
     """Prose paragraphs (no grammar blocks or headings) of 200-700 characters from the Python reference."""
     paragraphs = []
@@ -114,8 +168,11 @@ def build_prompts() -> list[str]:
 def main(out_dir: Path, held_out: int = 64) -> None:
     prompts = build_prompts()
     random.Random(0).shuffle(prompts)
+    # The second batch goes after the first, so the held-out set and the first batch's order stay as they were.
+    more = build_more_prompts(set(prompts))
+    random.Random(2).shuffle(more)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, chunk in (("demo_prompts_eval.jsonl", prompts[:held_out]), ("demo_prompts_train.jsonl", prompts[held_out:])):
+    for name, chunk in (("demo_prompts_eval.jsonl", prompts[:held_out]), ("demo_prompts_train.jsonl", prompts[held_out:] + more)):
         with open(out_dir / name, "w") as f:
             f.writelines(json.dumps({"prompt": p}) + "\n" for p in chunk)
         print(f"{out_dir / name}: {len(chunk)} prompts")

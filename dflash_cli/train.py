@@ -145,10 +145,16 @@ def self_distill(
 
     With `feature_layer_ids`, the target features of those layers are captured during generation (every
     token the target reads passes through them anyway) and stored beside the answers, so training
-    needs no second target pass.
+    needs no second target pass; unless they would exceed FEATURE_STORE_BYTES, when training recomputes them.
     """
     from safetensors.torch import load_file, save_file
 
+    encoded = [(json.dumps(c, sort_keys=True), encode_conversation(tokenizer, c)) for c in conversations]
+    if feature_layer_ids:
+        tokens = sum(len(ids) for _, ids in encoded) + len(encoded) * max_new_tokens
+        hidden = target.config.get_text_config().hidden_size
+        if tokens * len(feature_layer_ids) * hidden * 2 > FEATURE_STORE_BYTES:
+            feature_layer_ids = None
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_path = out_dir / DISTILL_FILE
     done: dict[str, Sample] = {}
@@ -165,7 +171,6 @@ def self_distill(
     stored = {name: load_file(str(out_dir / name)) for name in files}
     for key, sample in done.items():
         sample.features = stored[sample.features][_digest(key)] if sample.features else None
-    encoded = [(json.dumps(c, sort_keys=True), encode_conversation(tokenizer, c)) for c in conversations]
     todo = sorted({k: ids for k, ids in encoded if k not in done}.items(), key=lambda kv: len(kv[1]))
     eos = _stop_ids(target, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -491,15 +496,11 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
     target, tokenizer = load_target(options.target, options.device, options.dtype, console)
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
-    layer_ids = drafter.config.target_layer_ids
-    # Capturing features while generating saves a whole target pass, when they fit on disk/in memory.
-    tokens = sum(len(encode_conversation(tokenizer, c)) for c in conversations) + len(conversations) * options.max_new_tokens
-    feature_bytes = tokens * len(layer_ids) * drafter.config.hidden_size * 2
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         samples = self_distill(
             target, tokenizer, conversations, output / DISTILL_DIR, options.max_new_tokens, options.distill_batch_size, progress,
-            layer_ids if feature_bytes <= FEATURE_STORE_BYTES else None,
+            drafter.config.target_layer_ids,
         )  # fmt: skip
         samples = [s for s in samples if len(s.response_ids) >= 2]
         if not samples:

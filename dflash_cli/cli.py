@@ -205,6 +205,15 @@ RUN_FLAG_TYPES: dict[str, Any] = {
             rich_help_panel=PLANNING,
         ),
     ],
+    "threads": Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="CPU threads for torch (default: the cores other processes leave free; more threads than free "
+            "cores make decoding stall).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
 }
 RUN_FLAGS = [
     inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=RUN_FLAG_TYPES[f.name])

@@ -30,6 +30,7 @@ class RunOptions:
     dtype: str | None = None
     quant: str | None = None
     explain: bool = False  # print the plan and why each choice was made
+    threads: int | None = None  # CPU threads; None: the cores other processes leave free
 
     def resolve_recipe(self) -> Recipe:
         return resolve_recipe(self.recipe_name, self.recipe_file, self.target, self.drafter)

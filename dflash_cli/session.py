@@ -17,6 +17,7 @@ from dflash_cli.hardware import Plan, detect_machine, make_plan
 from dflash_cli.loading import LoadedModels, load_models
 from dflash_cli.options import RunOptions
 from dflash_cli.recipes import Recipe
+from dflash_cli.threads import ThreadPlan, apply_threads
 
 
 @dataclass
@@ -25,6 +26,11 @@ class Session:
     plan: Plan
     models: LoadedModels
     console: Console | None = None
+    threads: ThreadPlan | None = None  # CPU plans: torch's thread count and why
+
+    @property
+    def plan_line(self) -> str:
+        return plan_line(self.plan, self.threads)
 
     @property
     def target(self) -> Any:
@@ -129,11 +135,17 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
             fix=f"serve it with vLLM or SGLang: `dflash export vllm {recipe.name}`",
         )
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
+    threads = apply_threads(options.threads) if plan.device == "cpu" else None
     if console is not None:
-        console.print(f"[dim]{recipe.name}: {plan.one_line()}[/dim]")
+        console.print(f"[dim]{recipe.name}: {plan_line(plan, threads)}[/dim]")
         if options.explain:
-            for reason in plan.reasons:
+            for reason in plan.reasons + ((threads.reason,) if threads else ()):
                 console.print(f"[dim]  - {reason}[/dim]")
     speculative = not options.no_spec and recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=speculative, console=console)
-    return Session(recipe, plan, models, console)
+    return Session(recipe, plan, models, console, threads)
+
+
+def plan_line(plan: Plan, threads: ThreadPlan | None) -> str:
+    """The plan in one line, with the CPU thread count where it matters."""
+    return plan.one_line() + (f", {threads.label()}" if threads is not None else "")

@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 from dflash_cli import __version__
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import QUANTS, gb, normalize_dtype
-from dflash_cli.options import RunOptions
+from dflash_cli.options import COMPILE_SETTINGS, RunOptions
 from dflash_cli.recipes import load_recipes, resolve_recipe, user_recipe_dir
 
 console = Console()
@@ -93,6 +93,12 @@ def _check_dtype(value: str | None) -> str | None:
         return normalize_dtype(value) if value is not None else None
     except DflashError as error:
         raise typer.BadParameter(error.message) from None
+
+
+def _check_compile(value: str) -> str:
+    if value not in COMPILE_SETTINGS:
+        raise typer.BadParameter(f"use one of {', '.join(COMPILE_SETTINGS)}")
+    return value
 
 
 MODEL, SAMPLING, PLANNING = "Model", "Sampling", "Planning"
@@ -211,6 +217,16 @@ RUN_FLAG_TYPES: dict[str, Any] = {
             min=1,
             help="CPU threads for torch (default: the cores other processes leave free; more threads than free "
             "cores make decoding stall).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "compile": Annotated[
+        str,
+        typer.Option(
+            callback=_check_compile,
+            metavar="auto|on|off",
+            help="Compile the target's decode steps (torch.compile; CUDA graphs on GPUs). auto: on CUDA only "
+            "(on a CPU compiling costs minutes). The first run compiles; later ones reuse the cache.",
             rich_help_panel=PLANNING,
         ),
     ],

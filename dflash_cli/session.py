@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 from rich.console import Console
 
@@ -27,10 +28,11 @@ class Session:
     models: LoadedModels
     console: Console | None = None
     threads: ThreadPlan | None = None  # CPU plans: torch's thread count and why
+    compile: bool = False  # run the target's steps compiled (engine.compiled)
 
     @property
     def plan_line(self) -> str:
-        return plan_line(self.plan, self.threads)
+        return plan_line(self.plan, self.threads, self.compile)
 
     @property
     def target(self) -> Any:
@@ -122,8 +124,13 @@ class Session:
             self.ensure_drafter()
         drafter = self.drafter if speculative else None
         return generate(
-            self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer
-        )
+            self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer,
+            compile=self.compile, notify=self._compile_status,
+        )  # fmt: skip
+
+    def _compile_status(self, message: str) -> ContextManager[Any]:
+        """A progress line while a step compiles (nothing to show without a console)."""
+        return self.console.status(message) if self.console is not None else contextlib.nullcontext()
 
 
 def open_session(options: RunOptions, console: Console | None = None) -> Session:
@@ -136,16 +143,17 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
         )
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
     threads = apply_threads(options.threads) if plan.device == "cpu" else None
+    compile, compile_why = options.compile_on(plan.device)
     if console is not None:
-        console.print(f"[dim]{recipe.name}: {plan_line(plan, threads)}[/dim]")
+        console.print(f"[dim]{recipe.name}: {plan_line(plan, threads, compile)}[/dim]")
         if options.explain:
-            for reason in plan.reasons + ((threads.reason,) if threads else ()):
+            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), compile_why):
                 console.print(f"[dim]  - {reason}[/dim]")
     speculative = not options.no_spec and recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=speculative, console=console)
-    return Session(recipe, plan, models, console, threads)
+    return Session(recipe, plan, models, console, threads, compile)
 
 
-def plan_line(plan: Plan, threads: ThreadPlan | None) -> str:
-    """The plan in one line, with the CPU thread count where it matters."""
-    return plan.one_line() + (f", {threads.label()}" if threads is not None else "")
+def plan_line(plan: Plan, threads: ThreadPlan | None, compile: bool) -> str:
+    """The plan in one line, with the CPU thread count where it matters and whether steps are compiled."""
+    return plan.one_line() + (f", {threads.label()}" if threads is not None else "") + (", compiled" if compile else "")

@@ -19,10 +19,11 @@ import torch
 from transformers import PreTrainedModel
 
 from dflash_cli.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.compiled import Notify
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
-from dflash_cli.engine.target import acquire_state, context_window, release_state
+from dflash_cli.engine.target import TargetState, acquire_state, context_window, release_state
 from dflash_cli.errors import DflashError
 
 
@@ -35,8 +36,14 @@ def generate(
     *,
     block_size: int | None = None,
     tokenizer: Any = None,
+    compile: bool = False,
+    notify: Notify | None = None,
 ) -> Iterator[Step]:
-    """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason."""
+    """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
+
+    `compile`: run the target's steps compiled (engine.compiled); `notify(message)` is a context manager
+    shown while a step compiles for the first time.
+    """
     device = target.get_input_embeddings().weight.device
     block = 1 if drafter is None else (block_size or drafter.block_size)
     request = Request(
@@ -46,13 +53,13 @@ def generate(
     state = acquire_state(target)
     try:
         layer_ids = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-        state.reserve(request.end, block, layer_ids)
+        state.reserve(request.end, block, layer_ids, compile=compile, notify=notify)
         yield from _decode(state, drafter, request, device)
     finally:
         release_state(state)
 
 
-def _decode(state: Any, drafter: DFlashDrafter | None, request: Request, device: torch.device) -> Iterator[Step]:
+def _decode(state: TargetState, drafter: DFlashDrafter | None, request: Request, device: torch.device) -> Iterator[Step]:
     params, stats = request.params, request.stats
     started = time.perf_counter()
     # Prefill: the whole prompt once; only the last position's logits are needed.
@@ -73,16 +80,18 @@ def _decode(state: Any, drafter: DFlashDrafter | None, request: Request, device:
     while True:
         start = state.length  # the position of `last`
         size = request.block_at(start)
-        block_ids = last.new_full((1, size), drafter.mask_token_id if drafter is not None else 0)
+        # Near the end the block shortens (as in the reference); some states verify whole blocks regardless.
+        width = request.block_size if state.whole_blocks else size
+        block_ids = last.new_full((1, width), drafter.mask_token_id if drafter is not None else 0)
         block_ids[0, 0] = last[0]
         t_draft = clock.mark()
         if drafter is not None and size > 1:
-            draft_logits = drafter.draft(features, block_ids, start, draft_cache)
-            block_ids[0, 1:] = draft_logits[0].argmax(dim=-1)
+            draft_logits = drafter.draft(features, block_ids[:, :size], start, draft_cache)
+            block_ids[0, 1:size] = draft_logits[0].argmax(dim=-1)
         t_verify = clock.mark()
-        posterior = sample_tokens(state.verify(block_ids), params, request.generator)
+        posterior = sample_tokens(state.verify(block_ids)[:size], params, request.generator)
         # Draft j+1 stands while it equals the target's choice after position j.
-        run = accepted_drafts(block_ids[0, 1:], posterior[:-1]).view(1)
+        run = accepted_drafts(block_ids[0, 1:size], posterior[:-1]).view(1)
         t_end = clock.mark()
         host = torch.cat([run, posterior]).tolist()  # the step's one host sync
         accepted = host[0]

@@ -298,15 +298,15 @@ def run(
 
     Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`
     """
-    from dflash_cli import batch
+    from dflash_cli import jobs
 
-    options, prompts = batch.split_positionals(options, prompts)
+    options, prompts = jobs.split_positionals(options, prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
-    summary = batch.run_file(options, prompts, output, errors, err_console)
+    summary = jobs.run_file(options, prompts, output, errors, err_console)
     if json_output:
         _print_json(summary.to_dict())
     elif summary.total:
-        console.print(batch.summary_table(summary))
+        console.print(jobs.summary_table(summary))
     raise typer.Exit(summary.exit_code)
 
 

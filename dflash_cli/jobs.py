@@ -1,4 +1,4 @@
-"""`dflash run PROMPTS.jsonl`: a batch job that loads the model once and loses nothing.
+"""`dflash run PROMPTS.jsonl`: a file of generation jobs, run with the model loaded once, losing nothing.
 
 Input lines, each detected on its own:
   {"prompt": "..."}                                      plain completion (no chat template)
@@ -573,7 +573,7 @@ def _progress(console: Console | None) -> Progress:
     )
 
 
-def run_batch(
+def run_jobs(
     session: Any,
     requests: list[Request],
     results: ResultsFile,
@@ -614,7 +614,7 @@ def run_batch(
             try:
                 result = collect(_counting(session.stream(prompt_ids, params, speculative=speculative), on_tokens))
             except (DflashError, torch.OutOfMemoryError) as error:
-                # One request too big for the device fails alone; the rest of the batch goes on.
+                # One request too big for the device fails alone; the rest of the file goes on.
                 if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 reason = getattr(error, "message", None) or f"out of memory: {error}".splitlines()[0]
@@ -671,7 +671,7 @@ def run_file(
             session = load(options, console)
             load_s = time.perf_counter() - load_started
             try:
-                summary = run_batch(session, pending, results, error_log, options, console)
+                summary = run_jobs(session, pending, results, error_log, options, console)
             except KeyboardInterrupt:
                 say(f"interrupted: the results so far are in {escape(str(output_path))}; re-run to finish")
                 raise

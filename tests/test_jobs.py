@@ -1,4 +1,4 @@
-"""`dflash run PROMPTS.jsonl`: input formats, bad lines, resume after a real SIGKILL, the output shapes.
+"""`dflash run PROMPTS.jsonl` (dflash_cli/jobs.py): input formats, bad lines, resume after a real SIGKILL, the output shapes.
 
 Generation runs on a real tiny Qwen3 and a random drafter (tests/tiny_models.py, tests/drafters.py), loaded
 once per module; the CLI and kill tests run `python -m dflash_cli run` in subprocesses."""
@@ -19,8 +19,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from dflash_cli import batch
-from dflash_cli.batch import LineError, Request, completed_ids, parse_line, read_requests, run_file
+from dflash_cli import jobs
+from dflash_cli.jobs import LineError, Request, completed_ids, parse_line, read_requests, run_file
 from dflash_cli.cli import app
 from dflash_cli.errors import DflashError
 from dflash_cli.options import RunOptions
@@ -34,7 +34,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> tu
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
-    drafter_dir = save_random_drafter(tmp_path_factory.mktemp("batch") / "drafter", target, block_size=4)
+    drafter_dir = save_random_drafter(tmp_path_factory.mktemp("jobs") / "drafter", target, block_size=4)
     return tiny_qwen3_dir, drafter_dir
 
 
@@ -190,7 +190,7 @@ def test_a_torn_last_line_is_cut_away(tmp_path: Path) -> None:
     assert output.read_bytes() == good
     output.write_bytes(good + b"\x00\x00\x00\n")  # a line that ends but is garbage (a crash mid-block)
     assert completed_ids(output).repaired_bytes == 4 and output.read_bytes() == good
-    assert completed_ids(output) == batch.Resume({"a", "b"}, 0)
+    assert completed_ids(output) == jobs.Resume({"a", "b"}, 0)
 
 
 def test_a_broken_line_in_the_middle_is_not_touched(tmp_path: Path) -> None:
@@ -226,36 +226,36 @@ def test_unwritable_output_fails_before_the_model_loads(tmp_path: Path) -> None:
 
 
 def test_two_runs_cannot_write_one_output(tmp_path: Path) -> None:
-    first = batch.ResultsFile(tmp_path / "out.jsonl")
+    first = jobs.ResultsFile(tmp_path / "out.jsonl")
     try:
         with pytest.raises(DflashError, match="another dflash run"):
-            batch.ResultsFile(tmp_path / "out.jsonl")
+            jobs.ResultsFile(tmp_path / "out.jsonl")
     finally:
         first.close()
 
 
 def test_an_error_record_for_odd_input_is_one_valid_line(tmp_path: Path) -> None:
     error = parse(b'{"prompt": "x", "id": "\\ud800"}\n', 4)  # a lone surrogate escape: valid JSON, not UTF-8-able
-    with batch.ErrorsFile(tmp_path / "errors.jsonl") as errors:
+    with jobs.ErrorsFile(tmp_path / "errors.jsonl") as errors:
         errors.append(error)
     (line,) = (tmp_path / "errors.jsonl").read_bytes().splitlines()
     assert json.loads(line)["line"] == 4 and "surrogate" in json.loads(line)["error"]["message"]
 
 
 def test_positional_prompts_file_is_not_taken_for_a_recipe() -> None:
-    options, prompts = batch.split_positionals(RunOptions(recipe_name="p.jsonl", target="t"), None)
+    options, prompts = jobs.split_positionals(RunOptions(recipe_name="p.jsonl", target="t"), None)
     assert (options.recipe_name, prompts) == (None, "p.jsonl")
-    options, prompts = batch.split_positionals(RunOptions(recipe_name="qwen3-8b"), "p.jsonl")
+    options, prompts = jobs.split_positionals(RunOptions(recipe_name="qwen3-8b"), "p.jsonl")
     assert (options.recipe_name, prompts) == ("qwen3-8b", "p.jsonl")
     with pytest.raises(DflashError, match="no prompts file"):
-        batch.split_positionals(RunOptions(recipe_name="qwen3-8b"), None)
+        jobs.split_positionals(RunOptions(recipe_name="qwen3-8b"), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Generation on the tiny model
 
 
-def run_with(session: Any, options: RunOptions, prompts: Path, **kwargs: Any) -> batch.Summary:
+def run_with(session: Any, options: RunOptions, prompts: Path, **kwargs: Any) -> jobs.Summary:
     return run_file(options, prompts, load=lambda o, c: session, **kwargs)
 
 
@@ -321,7 +321,7 @@ def test_greedy_results_match_single_runs_and_stop_overrides(tmp_path: Path, ses
     prompts = write_lines(tmp_path / "p.jsonl", lines)
     run_with(session, options, prompts)
     records = {r["id"]: r for r in read_jsonl(tmp_path / "p.out.jsonl")}
-    assert records["free"]["text"] == alone.text  # the batch path decodes exactly as a single run
+    assert records["free"]["text"] == alone.text  # the run path decodes exactly as a single run
     assert records["stop"]["text"] == alone.text[: alone.text.find(stop)]
     assert records["stop"]["finish_reason"] == "stop"
 
@@ -334,7 +334,7 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: A
     again = run_file(options, prompts, load=no_load)  # all done: the model is not even loaded
     assert (again.done, again.skipped, again.exit_code) == (0, 3, 0)
     console = Console(record=True, width=200)
-    console.print(batch.summary_table(again))
+    console.print(jobs.summary_table(again))
     assert re.search(r"│ 3 +│ 0 +│ 3 +│ 0 +│", console.export_text())
 
     kept = output.read_bytes().splitlines(keepends=True)[:2]

@@ -286,15 +286,19 @@ def run(
     ] = None,
     errors: Annotated[
         str | None,
-        typer.Option(metavar="FILE", help="Failed lines, with line number and reason (default: OUTPUT.errors.jsonl)."),
+        typer.Option(
+            metavar="FILE",
+            help="Failed lines, with line number and reason (default: PROMPTS.errors.jsonl; with -o NAME.jsonl, "
+            "NAME.errors.jsonl beside it).",
+        ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Generate for every line of a JSONL file, loading the model once. Resumable: re-run to finish.
 
-    Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body). max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH; results are written shortest prompt first, so match them by id.
+    Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), {"prompt_ids": [...]} (token ids), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body): the request format `dflash serve` takes. max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH; results are written shortest prompt first, so match them by id.
 
-    Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the request in flight. Lines that cannot run go to the errors file and the run goes on; the exit code is 1 when any request failed.
+    Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the request in flight. Lines that cannot run (bad JSON, bad fields, an id already used by an earlier line, a prompt too long) go to the errors file and the rest runs; the exit code is 1 when any request failed.
 
     Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`
     """

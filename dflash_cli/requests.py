@@ -195,7 +195,7 @@ def read_body(body: Any, endpoint: str, *, prefix: str = "") -> Request:
     elif endpoint == COMPLETIONS_URL:
         if "messages" in body:
             raise RequestError(f"{prefix}messages: use {CHAT_URL} for conversations", param=prefix + "messages")
-        if "chat_template_kwargs" in body:
+        if body.get("chat_template_kwargs") is not None:
             name = prefix + "chat_template_kwargs"
             raise RequestError(f"{name}: completions use no chat template (use {CHAT_URL})", param=name)
         prompt = _completion_prompt(body.get("prompt"), prefix + "prompt")

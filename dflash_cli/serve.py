@@ -211,7 +211,16 @@ class Server:
     def _encode(self, request: Request) -> list[int]:
         return self.session.encode_request(request)
 
+    def _busy(self) -> APIError:
+        return APIError(
+            429, f"the server is busy: its queue is full ({self.worker.max_queue} waiting); retry shortly "
+            "(or start the server with a larger --max-queue)",
+            type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+        )  # fmt: skip
+
     async def _complete(self, http: HTTPRequest, endpoint: str) -> Response:
+        if self.worker.full:  # refuse before reading and encoding, when it is clear already
+            raise self._busy()
         try:
             request = read_body(await self._read_json(http), endpoint)
             if request.model is not None and request.model not in self.names:
@@ -236,11 +245,7 @@ class Server:
         try:
             self.worker.submit(job)
         except QueueFull:
-            raise APIError(
-                429, f"the server is busy: {self.worker.max_queue} requests are already waiting; retry shortly "
-                "(or start the server with a larger --max-queue)",
-                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-            ) from None  # fmt: skip
+            raise self._busy() from None
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
         ids = {"id": responses.new_id(endpoint), "model": self.model, "created": responses.now()}
@@ -401,7 +406,7 @@ def run_server(
         uvicorn_server.run(sockets=[sock])  # returns after Ctrl-C, once open responses have ended
         worker.stop()
         worker.join(timeout=30)
-        console.print("dflash serve: stopped", soft_wrap=True)
+        console.print(("\n" if console.is_terminal else "") + "dflash serve: stopped", soft_wrap=True)
     finally:
         sock.close()
 

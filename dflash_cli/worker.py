@@ -89,6 +89,11 @@ class Worker:
         return 0 if self._running is None else 1
 
     @property
+    def full(self) -> bool:
+        """One job decodes and `max_queue` wait behind it (a job between submit and its start counts as waiting)."""
+        return len(self._waiting) + self.running >= self.max_queue + 1
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
@@ -100,7 +105,7 @@ class Worker:
         with self._lock:
             if self._stopping:
                 raise ShuttingDown
-            if len(self._waiting) >= self.max_queue:
+            if self.full:
                 raise QueueFull
             self._waiting.append(job)
             self._lock.notify()

@@ -461,3 +461,46 @@ def test_300_fuzzed_bad_requests_get_4xx_json_errors(
     reply = client.chat.completions.create(model=server.target, messages=user("Hello again"))
     assert reply.choices[0].message.content == expected_chat(session, models, user("Hello again")).text
     assert server.get("/health")[1]["status"] == "ok"
+
+
+def test_a_taken_port_fails_before_the_model_loads(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        missing = str(tmp_path / "no-such-model")  # loading it would fail: the port must fail first
+        result = CliRunner().invoke(app, ["serve", "--target", missing, "--port", port])
+    assert result.exit_code == 1
+    message = " ".join(result.stderr.split())
+    assert f"cannot listen on 127.0.0.1:{port}" in message and "pick another --port" in message
+    bad_host = CliRunner().invoke(app, ["serve", "--target", missing, "--host", "no.such.host.invalid"])
+    assert bad_host.exit_code == 1 and "cannot listen on no.such.host.invalid" in " ".join(bad_host.stderr.split())
+
+
+def test_worker_queue_bounds_cancellation_and_stop(session: Session, models: tuple[Path, Path]) -> None:
+    from dflash_cli.worker import Job, QueueFull, ShuttingDown, Worker
+
+    worker = Worker(session, speculative=True, max_queue=0)  # no waiting: only the one decoding
+    ids = session.encode_chat(user("Hi"))
+    params = session.sampling_params(local_options(models))
+    updates: dict[str, list[Any]] = {"a": [], "b": [], "c": []}
+    jobs = {name: Job(ids, params, updates[name].append) for name in updates}
+    worker.submit(jobs["a"])  # not started yet: it holds the one slot
+    with pytest.raises(QueueFull):
+        worker.submit(jobs["b"])
+    worker.cancel(jobs["a"])  # a waiting job leaves at once and hears why
+    assert [u.finish_reason for u in updates["a"]] == ["cancelled"] and not worker.full
+    worker.submit(jobs["c"])
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not updates["c"] or updates["c"][-1].finish_reason is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    expected = expected_chat(session, models, user("Hi"))
+    assert "".join(u.text for u in updates["c"]) == expected.text
+    assert sum(u.tokens for u in updates["c"]) == len(expected.token_ids) and updates["c"][-1].stats.speculative
+    worker.stop()
+    worker.join(10)
+    with pytest.raises(ShuttingDown):
+        worker.submit(jobs["b"])
+    assert not worker.alive

@@ -13,9 +13,10 @@ from rich.console import Console
 
 from dflash_cli.engine import SamplingParams, Step, generate
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import Plan, detect_machine, make_plan
+from dflash_cli.hardware import detect_machine
 from dflash_cli.loading import LoadedModels, load_models
 from dflash_cli.options import RunOptions
+from dflash_cli.planning import Plan, make_plan
 from dflash_cli.recipes import Recipe
 
 

@@ -25,7 +25,6 @@ class Session:
     recipe: Recipe
     plan: Plan
     models: LoadedModels
-    console: Console | None = None
 
     @property
     def target(self) -> Any:
@@ -137,4 +136,4 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
                 console.print(f"[dim]  - {reason}[/dim]")
     speculative = not options.no_spec and recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=speculative, console=console)
-    return Session(recipe, plan, models, console)
+    return Session(recipe, plan, models)

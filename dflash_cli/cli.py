@@ -19,7 +19,7 @@ from typer.core import TyperGroup
 
 from dflash_cli import __version__
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import QUANTS, gb, normalize_dtype
+from dflash_cli.choices import QUANTS, gb, normalize_dtype
 from dflash_cli.options import RunOptions
 from dflash_cli.recipes import load_recipes, resolve_recipe, user_recipe_dir
 

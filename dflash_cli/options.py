@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cli.hardware import PlanOverrides
+from dflash_cli.planning import PlanOverrides
 from dflash_cli.recipes import Recipe, resolve_recipe
 
 if TYPE_CHECKING:

@@ -13,9 +13,10 @@ from rich.console import Console
 
 from dflash_cli.engine import SamplingParams, Step, generate
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.hardware import Plan, detect_machine, make_plan
+from dflash_cli.hardware import detect_machine
 from dflash_cli.loading import LoadedModels, load_models
 from dflash_cli.options import RunOptions
+from dflash_cli.planning import Plan, make_plan
 from dflash_cli.recipes import Recipe
 from dflash_cli.requests import Request
 
@@ -25,7 +26,6 @@ class Session:
     recipe: Recipe
     plan: Plan
     models: LoadedModels
-    console: Console | None = None
 
     @property
     def target(self) -> Any:
@@ -194,4 +194,4 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
                 console.print(f"[dim]  - {reason}[/dim]")
     speculative = not options.no_spec and recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=speculative, console=console)
-    return Session(recipe, plan, models, console)
+    return Session(recipe, plan, models)

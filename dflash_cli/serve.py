@@ -257,9 +257,12 @@ class Server:
     async def _whole(
         self, http: HTTPRequest, job: Job, updates: asyncio.Queue[Update], endpoint: str, ids: dict[str, Any]
     ) -> Response:
+        gone = asyncio.Event()
+
         async def cancel_on_disconnect() -> None:
             while (await http.receive())["type"] != "http.disconnect":
                 pass
+            gone.set()
             self.worker.cancel(job)
 
         watcher = asyncio.create_task(cancel_on_disconnect())
@@ -270,6 +273,8 @@ class Server:
         finally:
             watcher.cancel()
             self.worker.cancel(job)  # a no-op when the job is done; stops it when this handler is cancelled
+        if gone.is_set():
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it, /metrics counts it
         text.append(update.text)
         self._check_finished(update)
         body = responses.completion(endpoint, text="".join(text), finish_reason=update.finish_reason,

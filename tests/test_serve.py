@@ -346,6 +346,10 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
     while server.metric('dflash_requests_finished_total{finish_reason="cancelled"}') < cancelled_before + 2:
         assert time.monotonic() < deadline, "\n".join(server.log[-10:])
         time.sleep(0.1)
+    hung_up = 'dflash_http_requests_total{route="/v1/chat/completions",status="499"}'
+    while server.metric(hung_up) < 1:  # the non-streaming one is counted as "client closed request"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     generated = [int(m.group(1)) for m in re.finditer(r"cancelled: \d+ prompt \+ (\d+) generated", "\n".join(server.log))]
     assert len(generated) >= 2 and all(n < 300 for n in generated[-2:])  # stopped well before max_tokens
     reply = client.chat.completions.create(model=server.target, messages=user("Still there?"))

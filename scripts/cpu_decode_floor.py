@@ -42,7 +42,8 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 def load(recipe_name: str, dtype: str, column_major: bool) -> Any:
     from dflash_cli import loading
-    from dflash_cli.hardware import PlanOverrides, detect_machine, make_plan
+    from dflash_cli.hardware import detect_machine
+    from dflash_cli.planning import PlanOverrides, make_plan
     from dflash_cli.recipes import get_recipe
 
     recipe = get_recipe(recipe_name)

@@ -23,9 +23,9 @@ from typing import Any, Callable, ContextManager
 import torch
 
 def compile_cache_dir() -> Path:
-    from dflash_cli.demo import cache_root
+    from platformdirs import user_cache_dir
 
-    return cache_root() / "compile"
+    return Path(user_cache_dir("dflash")) / "compile"
 
 
 def use_compile_cache() -> Path:

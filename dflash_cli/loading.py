@@ -234,26 +234,7 @@ def load_target(
         ) from None
     model.eval()
     model.requires_grad_(False)
-    if plan.device == "cpu" and plan.dtype == "float32" and plan.quant == "none":
-        column_major_weights(model)
     return model
-
-
-def column_major_weights(model: PreTrainedModel) -> None:
-    """Store every linear and embedding weight as the contiguous transpose of itself (same values and shape).
-
-    A decode step multiplies one row (a verify, a few) by each weight. For a row-major [out, in] weight, MKL's
-    fp32 kernel for one or two rows reads memory well below the bandwidth of a plain sum; for the column-major
-    layout it streams at about that bandwidth (docs/benchmarks.md: a 1-token step about 1.1-1.4x faster on the
-    2-core AMD EPYC CPU measured; 4 and 8 rows unchanged). Tied weights stay tied: the parameter is the same object.
-    """
-    import torch
-    from torch import nn
-
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.dim() == 2 and module.weight.is_contiguous():
-                module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def has_vocabulary(model_dir: Path) -> bool:

@@ -12,6 +12,9 @@ from typing import Any, ContextManager, Iterator, Sequence
 
 from rich.console import Console
 
+# First: importing threads starts its CPU-load window, which then spans the torch import below for free.
+from dflash_cli.threads import ThreadPlan, apply_threads  # isort: skip
+
 from dflash_cli.engine import SamplingParams, Step, generate
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.hardware import detect_machine
@@ -20,7 +23,6 @@ from dflash_cli.options import RunOptions
 from dflash_cli.planning import Plan, make_plan
 from dflash_cli.recipes import Recipe
 from dflash_cli.requests import Request
-from dflash_cli.threads import ThreadPlan, apply_threads
 
 
 @dataclass

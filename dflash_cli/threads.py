@@ -36,21 +36,31 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def busy_elsewhere(seconds: float = SAMPLE_SECONDS) -> float:
-    """Cores kept busy by other processes over the next `seconds`: all busy CPU time minus this process's own."""
+def _busy_now() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds all processes have been busy, CPU seconds this process has used)."""
     import psutil
 
-    me = psutil.Process()
+    total, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    busy = sum(total) - total.idle - getattr(total, "iowait", 0.0)
+    return time.perf_counter(), busy, own.user + own.system
 
-    def busy() -> tuple[float, float]:
-        total = psutil.cpu_times()
-        own = me.cpu_times()
-        return sum(total) - total.idle - getattr(total, "iowait", 0.0), own.user + own.system
 
-    (all_before, own_before), started = busy(), time.perf_counter()
-    time.sleep(seconds)
-    (all_after, own_after), elapsed = busy(), time.perf_counter() - started
-    return max(0.0, (all_after - all_before) - (own_after - own_before)) / elapsed
+# Taken at import (session.py imports this module before torch), so that by the time the plan is made the
+# window already spans the imports and no sleep is needed.
+_SINCE_IMPORT = _busy_now()
+
+
+def busy_elsewhere(seconds: float = SAMPLE_SECONDS, max_age: float = 30.0) -> float:
+    """Cores kept busy by other processes: all busy CPU time minus this process's own, over at least `seconds`.
+
+    The window starts when this module was imported if that was under `max_age` seconds ago (a command that
+    just started), else now (a long-running process)."""
+    start = _SINCE_IMPORT if time.perf_counter() - _SINCE_IMPORT[0] <= max_age else _busy_now()
+    wait = seconds - (time.perf_counter() - start[0])
+    if wait > 0:
+        time.sleep(wait)
+    end = _busy_now()
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
 
 
 def plan_threads(requested: int | None, *, cores: int, current: int, others_busy: float) -> ThreadPlan:

@@ -34,6 +34,7 @@ instead samples its drafts and accepts against their distribution; both are loss
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
+from huggingface_hub.errors import StrictDataclassError
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from dflash_cli.errors import DflashError
@@ -129,8 +132,8 @@ class DrafterConfig:
         def fail(field_name: str, expected: str) -> DflashError:
             return DflashError(
                 f"{source}: unsupported drafter config field '{field_name}': expected {expected}",
-                fix="use a DFlash drafter in a z-lab checkpoint format "
-                f"(architectures: {' or '.join(json.dumps([a]) for a in ARCHITECTURES)})",
+                fix=f"check '{field_name}' in the drafter's config.json (`dflash pull` fetches a fresh copy); dflash "
+                f"runs drafters in the z-lab formats ({' and '.join(ARCHITECTURES)})",
             )
 
         archs = raw.get("architectures") or []
@@ -174,9 +177,18 @@ class DrafterConfig:
         # The top level as transformers (and so the reference) reads it: defaults, use_sliding_window,
         # layer types from max_window_layers when not listed, rope_parameters standardised from rope_theta.
         try:
-            hf = Qwen3Config.from_dict({k: v for k, v in raw.items() if k != "dflash_config"})
-        except (ValueError, TypeError, KeyError) as exc:
-            raise DflashError(f"{source}: invalid drafter config ({exc})", fix="check the drafter's config.json") from None
+            # (a deep copy: transformers edits the rope dicts it is given)
+            hf = Qwen3Config.from_dict(copy.deepcopy({k: v for k, v in raw.items() if k != "dflash_config"}))
+        except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+            raise DflashError(
+                f"{source}: invalid drafter config ({exc})",
+                fix="check the field it names in the drafter's config.json (`dflash pull` fetches a fresh copy)",
+            ) from None
+        if hf.num_attention_heads % hf.num_key_value_heads:
+            raise fail("num_key_value_heads", f"a divisor of num_attention_heads {hf.num_attention_heads}, got {hf.num_key_value_heads}")
+        rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise fail("rope_parameters.rope_type", f"one of default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}; got {rope_type!r}")
         if hf.hidden_act not in ACT2FN:
             raise fail("hidden_act", f"an activation transformers knows (silu, gelu, ...), got {hf.hidden_act!r}")
         if "sliding_attention" in hf.layer_types:
@@ -195,7 +207,7 @@ class DrafterConfig:
         if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool) or mask_token_id < 0:
             raise fail("dflash_config.mask_token_id", f"the id of the mask token (in dflash_config or at the top level), got {mask_token_id!r}")
         layer_ids = value("target_layer_ids")
-        n_target = value("num_target_layers")
+        n_target = raw.get("num_target_layers", dflash.get("num_target_layers"))  # the reference: top level
         if layer_ids is None:
             if not isinstance(n_target, int):
                 raise fail("num_target_layers", "an integer (needed when dflash_config.target_layer_ids is absent)")
@@ -295,7 +307,7 @@ class DrafterConfig:
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
         if self.rope_scaling:
-            out["rope_scaling"] = self.rope_scaling
+            out["rope_scaling"] = dict(self.rope_scaling)
         return out
 
     def rope_config(self) -> Qwen3Config:
@@ -306,7 +318,7 @@ class DrafterConfig:
             head_dim=self.head_dim,
             max_position_embeddings=self.max_position_embeddings,
             rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
+            rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,  # a copy: transformers edits it
         )
 
 

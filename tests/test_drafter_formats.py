@@ -162,6 +162,13 @@ def test_top_level_read_as_transformers_reads_it():
     assert DrafterConfig.from_dict(raw).rope_theta == 1e4
     del raw["rope_theta"]
     assert DrafterConfig.from_dict(raw).rope_theta == Qwen3Config().rope_parameters["rope_theta"]
+    # scaled RoPE (YaRN) is read, built by transformers, and round-trips
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
+    yarn = DrafterConfig.from_dict(raw)
+    assert yarn.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    assert DFlashDrafter(yarn)._rope_scale > 1.0
+    assert DrafterConfig.from_dict(yarn.to_dict()) == yarn
+    del raw["rope_parameters"]
     # no layer_types: sliding from layer max_window_layers on, when use_sliding_window is set
     del raw["layer_types"]
     raw.update(use_sliding_window=True, sliding_window=7, max_window_layers=1)
@@ -221,6 +228,9 @@ def test_legacy_output_is_unchanged_for_trained_drafters():
         (lambda c: c["dflash_config"].update(output_multiplier="big"), "dflash_config.output_multiplier"),
         (lambda c: c.update(use_sliding_window=False), "sliding_window"),
         (lambda c: c.update(architectures=["DFlash2DraftModel"]), "conv_kernel_size"),
+        (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
+        (lambda c: c.update(rope_parameters={"rope_type": "spiral", "rope_theta": 1e6}), "rope_parameters.rope_type"),
+        (lambda c: c.update(rms_norm_eps="small"), "rms_norm_eps"),
     ],
 )
 def test_unsupported_config_is_an_error_naming_the_field(change, field):

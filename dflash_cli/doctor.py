@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import MachineFacts, detect_machine, gb, gpu_class, make_plan
+from dflash_cli.choices import gb
+from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class
+from dflash_cli.planning import make_plan
 from dflash_cli.recipes import Recipe, load_recipes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"

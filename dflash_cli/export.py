@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import MachineFacts, gb
+from dflash_cli.choices import gb
+from dflash_cli.hardware import MachineFacts
 from dflash_cli.recipes import ModelRef, Recipe
 
 # Weights take at most 1/1.3 of the GPUs' memory: the rest holds the KV cache, activations and CUDA graphs

@@ -19,14 +19,14 @@ from rich.console import Console
 from rich.filesize import decimal as format_bytes
 
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import BYTES_PER_ELEMENT
+from dflash_cli.choices import BYTES_PER_ELEMENT
 from dflash_cli.hub import check_model_dir, display_name, resolve_model_dir, safetensors_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from dflash_cli.drafter import DFlashDrafter
-    from dflash_cli.hardware import Plan
+    from dflash_cli.planning import Plan
     from dflash_cli.recipes import ModelRef, Recipe
 
 # Headroom over the weights when the planner gave no estimate: activations, KV cache of a short context,

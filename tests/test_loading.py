@@ -15,7 +15,7 @@ from transformers.utils import logging as hf_logging
 
 from dflash_cli import loading
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import Plan
+from dflash_cli.planning import Plan
 from dflash_cli.loading import load_models, load_target, load_tokenizer, read_checkpoint
 from dflash_cli.recipes import ModelRef, Recipe
 from tiny_models import make_hf_cache, make_tiny_qwen3

@@ -1,0 +1,36 @@
+"""The values flags and recipe fields may take, shared by the CLI, recipes and the planner.
+
+Plain data, no torch and no other dflash module: anything may import it, so there is no cycle to make.
+"""
+
+from __future__ import annotations
+
+from dflash_cli.errors import DflashError
+
+GPU_CLASSES = {
+    "blackwell-consumer": "consumer Blackwell (sm_120/121: RTX 50xx, RTX PRO Blackwell, GB10)",
+    "blackwell-datacenter": "datacenter Blackwell (sm_100/103: B200, B300)",
+    "hopper": "Hopper (sm_90: H100, H200, GH200)",
+    "ada": "Ada Lovelace (sm_89: RTX 40xx, L40S, L4)",
+    "ampere": "Ampere (sm_80/86/87: A100, A10, RTX 30xx)",
+    "cuda-other": "other CUDA GPU",
+    "mps": "Apple silicon GPU (MPS)",
+    "cpu": "CPU only",
+}
+QUANTS = ("none", "nf4")
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def normalize_dtype(name: str) -> str:
+    dtype = DTYPE_ALIASES.get(name.lower(), name.lower())
+    if dtype not in DTYPES:
+        raise DflashError(f"unknown dtype {name!r}", fix=f"use one of {', '.join(DTYPES)} (or bf16, fp16, fp32)")
+    return dtype
+
+
+def gb(n_bytes: float) -> str:
+    """Decimal gigabytes, as model cards and nvidia-smi's marketing sizes use them."""
+    return f"{n_bytes / 1e9:.1f} GB"

@@ -1,0 +1,250 @@
+"""The plan: how to run a recipe on this machine (device, dtype, quantization, block size, memory fit).
+
+`make_plan(facts, recipe, overrides)` is a pure function of the machine facts (hardware.py) and the recipe
+(recipes.py), so every GPU class is unit-tested with fabricated facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES, QUANTS, gb, normalize_dtype
+from dflash_cli.errors import DflashError
+from dflash_cli.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflash_cli.recipes import Recipe
+
+# Memory the plan reserves beyond weights. The KV cache is sized for a long chat: it grows linearly with the
+# context, and 8k tokens covers a multi-turn conversation. The overhead covers cuBLAS workspaces, allocator
+# fragmentation and prefill activations (full-vocabulary logits alone are ~1.2 GB in fp32 for 2k tokens of a
+# 152k vocabulary).
+PLAN_CONTEXT_TOKENS = 8192
+RUNTIME_OVERHEAD_BYTES = 1_500_000_000
+
+
+@dataclass(frozen=True)
+class PlanOverrides:
+    """What the user forced on the command line (`--device`, `--dtype`, `--quant`, `--block-size`)."""
+
+    device: str | None = None
+    dtype: str | None = None
+    quant: str | None = None
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str  # "cuda", "cuda:1", "mps", "cpu"
+    dtype: str  # compute dtype (and weight dtype when quant == "none")
+    quant: str  # "none" | "nf4" (bitsandbytes 4-bit, double quant, compute in `dtype`)
+    block_size: int | None  # None: the drafter's config decides
+    attn_implementation: str
+    gpu_class: str
+    estimated_bytes: int | None  # None: the recipe's sizes are unknown (ad-hoc), fit not checked
+    budget_bytes: int | None  # free memory on the device the plan runs on
+    reasons: tuple[str, ...]  # one line per decision, for --explain
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def one_line(self) -> str:
+        weights = "nf4 weights, " if self.quant == "nf4" else ""
+        block = self.block_size if self.block_size is not None else "from drafter"
+        size = f", ~{gb(self.estimated_bytes)}" if self.estimated_bytes is not None else ""
+        return (
+            f"{self.device} ({self.gpu_class}) {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "reasons": list(self.reasons)}
+
+
+def estimate_bytes(recipe: Recipe, dtype: str, quant: str) -> int | None:
+    """Memory to run `recipe` in `dtype` with `quant`: weights, bf16-sized drafter and KV cache scaled to
+    `dtype`, the overhead. None when the recipe does not say how big the target is."""
+    scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
+    if quant == "nf4":
+        weights = recipe.weight_bytes.get("nf4")
+    else:
+        weights = recipe.weight_bytes["bf16"] * scale if "bf16" in recipe.weight_bytes else None
+    if weights is None:
+        return None
+    drafter = (recipe.drafter_bytes or 0) * scale if recipe.drafter is not None else 0
+    kv_cache = (recipe.kv_bytes_per_token or 0) * scale * PLAN_CONTEXT_TOKENS
+    return int(weights + drafter + kv_cache + RUNTIME_OVERHEAD_BYTES)
+
+
+def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str]:
+    """(device, why). A request for hardware this machine lacks is an error, not a silent CPU fallback."""
+    if requested is None:
+        why = {
+            "cuda": f"{facts.gpu_name}, the GPU torch sees",
+            "mps": "Apple silicon GPU through Metal",
+            "cpu": "no GPU visible to torch",
+        }[facts.kind]
+        return facts.kind, why
+    kind, _, index = requested.lower().partition(":")
+    if kind not in ("cuda", "mps", "cpu") or (index and not (kind == "cuda" and index.isdigit())):
+        raise DflashError(f"unknown device {requested!r}", fix="use cuda, cuda:N, mps or cpu")
+    if kind != "cpu" and kind != facts.kind:
+        raise DflashError(
+            f"--device {requested}: no {kind.upper()} device is visible to torch on this machine",
+            fix="run `dflash doctor` to see what torch finds, or drop --device",
+        )
+    if index and int(index) >= facts.gpu_count:
+        raise DflashError(
+            f"--device {requested}: this machine has {facts.gpu_count} CUDA GPU(s), numbered from 0",
+            fix=f"use cuda:0 to cuda:{facts.gpu_count - 1}",
+        )
+    return requested.lower(), "--device"
+
+
+def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
+    """The compute dtype for a device kind on this machine, and why."""
+    if kind == "cuda" and has_native_bf16(facts):
+        return "bfloat16", "native on sm_80+, the published weights' own dtype, fp32's range (no overflow)"
+    if kind == "cuda":
+        return "float16", "this GPU has no native bf16 (that needs sm_80+); fp16 tensor cores are fast"
+    if kind == "mps":
+        return "float16", "Metal runs fp16 natively; bf16 support depends on the macOS version"
+    if facts.cpu_bf16:
+        return "bfloat16", (
+            "this CPU has bf16 matmul instructions (AVX512-BF16/AMX): faster than fp32 (bit-exact greedy "
+            "identity with the baseline needs --dtype fp32)"
+        )
+    return "float32", "this CPU lacks bf16 matmul instructions (AVX512-BF16/AMX), so fp32 is faster"
+
+
+def _candidates(
+    kind: str, facts: MachineFacts, recipe: Recipe, dtype: str | None, quant: str | None
+) -> list[tuple[str, str]]:
+    """(dtype, quant) pairs in order of preference. NF4 is an automatic choice on CUDA only, where bitsandbytes
+    has fast kernels; on CPU the fallback is bf16 (half of fp32), and NF4 only when asked for."""
+    preferred = default_dtype(kind, facts)[0]
+    pairs = [(preferred, "none")]
+    if kind == "cuda" and "nf4" in recipe.weight_bytes:
+        pairs.append((preferred, "nf4"))
+    if kind == "cpu":
+        pairs.append(("bfloat16", "none"))
+    pairs = list(dict.fromkeys(pairs))
+    if dtype is not None:
+        pairs = [(dtype, q) for q in dict.fromkeys(q for _, q in pairs)]
+    if quant is not None:
+        pairs = [(d, quant) for d in dict.fromkeys(d for d, _ in pairs)]
+    return pairs
+
+
+def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | None = None) -> Plan:
+    """How to run `recipe` on this machine. Precedence for each setting: the user's flag, then the recipe's
+    override for this GPU class, then the default for the device. Raises DflashError when nothing fits."""
+    overrides = overrides or PlanOverrides()
+    if not recipe.runnable:
+        raise DflashError(
+            f"recipe {recipe.name} cannot run in dflash yet: {recipe.not_runnable_reason}",
+            fix=f"serve it with vLLM or SGLang: `dflash export vllm {recipe.name}`",
+        )
+    device, device_why = _choose_device(facts, overrides.device)
+    kind = device.partition(":")[0]
+    cls = gpu_class(facts) if kind == facts.kind else GpuClass(kind, GPU_CLASSES[kind])
+    tuned = recipe.gpu_overrides.get(cls.key, {})
+    # Free memory of GPU 0 stands for the GPU chosen: multi-GPU machines are usually uniform.
+    budget = facts.free_memory if kind != "cpu" else facts.cpu_ram_available
+    reasons = [f"device {device}: {device_why}; class {cls.label}"]
+
+    recipe_override = f"the recipe's override for {cls.key}"
+
+    dtype = overrides.dtype or tuned.get("dtype")
+    dtype = normalize_dtype(dtype) if dtype else None
+    quant = overrides.quant or tuned.get("quant")
+    if quant is not None and quant not in QUANTS:
+        raise DflashError(f"unknown quantization {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
+    candidates = _candidates(kind, facts, recipe, dtype, quant)
+    estimates = [(d, q, estimate_bytes(recipe, d, q)) for d, q in candidates]
+    fitting = [c for c in estimates if c[2] is not None and (budget is None or c[2] <= budget)]
+    forced = overrides.dtype is not None or overrides.quant is not None
+    if fitting:
+        dtype, quant, estimate = fitting[0]
+    elif estimates[0][2] is None or forced:
+        dtype, quant, estimate = estimates[0]
+    else:
+        raise _does_not_fit(recipe, estimates[-1], budget, kind, cls)
+
+    if estimate is None:
+        reasons.append(f"memory: {recipe.name} does not list its size, so fit was not checked")
+    else:
+        free = f"{gb(budget)} free" if budget is not None else "free memory unknown"
+        reasons.append(
+            f"memory: ~{gb(estimate)} needed (weights, drafter, KV cache for {PLAN_CONTEXT_TOKENS} tokens, "
+            f"runtime overhead), {free}"
+        )
+        if budget is not None and estimate > budget:
+            reasons.append("warning: the forced settings need more than is free: expect an out-of-memory error")
+
+    preferred_dtype, default_why = default_dtype(kind, facts)
+    if overrides.dtype or "dtype" in tuned:
+        dtype_why = "--dtype" if overrides.dtype else recipe_override
+    elif dtype == preferred_dtype:
+        dtype_why = default_why
+    else:
+        dtype_why = f"{preferred_dtype} would not fit; {dtype} needs half the memory"
+    reasons.append(f"dtype {dtype}: {dtype_why}")
+    if kind == "cuda" and dtype == "bfloat16" and not has_native_bf16(facts):
+        reasons.append("warning: bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow")
+
+    if overrides.quant or "quant" in tuned:
+        quant_why = "--quant" if overrides.quant else recipe_override
+    elif quant == "nf4":
+        quant_why = f"{dtype} weights do not fit"
+    else:
+        quant_why = "the full-precision weights fit, so no quantization error is paid"
+    detail = f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute" if quant == "nf4" else ""
+    reasons.append(f"quant {quant}: {quant_why}{detail}")
+
+    block_size, block_why = _choose_block_size(recipe, overrides, tuned, cls)
+    reasons.append(block_why)
+    attn = tuned.get("attn_implementation", "sdpa")
+    attn_why = (
+        recipe_override
+        if "attn_implementation" in tuned
+        else "PyTorch's fused attention: on every device, no extra package to install"
+    )
+    reasons.append(f"attention {attn}: {attn_why}")
+    return Plan(device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons))
+
+
+def _choose_block_size(
+    recipe: Recipe, overrides: PlanOverrides, tuned: dict[str, Any], cls: GpuClass
+) -> tuple[int | None, str]:
+    if overrides.block_size is not None:
+        return overrides.block_size, f"block size {overrides.block_size}: --block-size"
+    if "block_size" in tuned:
+        return tuned["block_size"], f"block size {tuned['block_size']}: the recipe's override for {cls.key}"
+    if recipe.block_size is not None:
+        return recipe.block_size, f"block size {recipe.block_size}: the recipe (what the drafter was trained with)"
+    return None, "block size: read from the drafter's config"
+
+
+def _does_not_fit(
+    recipe: Recipe, smallest: tuple[str, str, int | None], budget: int | None, kind: str, cls: GpuClass
+) -> DflashError:
+    dtype, quant, estimate = smallest
+    how = "even with NF4 4-bit weights" if quant == "nf4" else f"in {dtype}"
+    where = f"{gb(budget or 0)} RAM available" if kind == "cpu" else f"{gb(budget or 0)} free on the {cls.label} GPU"
+    if kind == "cpu":
+        fix = (
+            "free some RAM, pick a smaller recipe (`dflash doctor` lists what fits), or force 4-bit weights "
+            "with --quant nf4 (slow on CPU)"
+        )
+    else:
+        fix = (
+            f"close programs holding {kind.upper()} memory, pick a smaller recipe (`dflash doctor` lists what "
+            f"fits), or serve it across GPUs: `dflash export vllm {recipe.name}`"
+        )
+    return DflashError(f"{recipe.name} needs ~{gb(estimate or 0)} {how}; this machine has {where}", fix=fix)

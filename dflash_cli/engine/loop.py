@@ -86,8 +86,7 @@ def _decode(state: TargetState, drafter: DFlashDrafter | None, request: Request,
         block_ids[0, 0] = last[0]
         t_draft = clock.mark()
         if drafter is not None and size > 1:
-            draft_logits = drafter.draft(features, block_ids[:, :size], start, draft_cache)
-            block_ids[0, 1:size] = draft_logits[0].argmax(dim=-1)
+            block_ids[0, 1:size] = drafter.propose(features, block_ids[:, :size], start, draft_cache)[0]
         t_verify = clock.mark()
         posterior = sample_tokens(state.verify(block_ids)[:size], params, request.generator)
         # Draft j+1 stands while it equals the target's choice after position j.

@@ -23,9 +23,10 @@ from dflash_cli.choices import BYTES_PER_ELEMENT
 from dflash_cli.hub import check_model_dir, display_name, resolve_model_dir, safetensors_files
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from dflash_cli.drafter import DFlashDrafter
+    from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
     from dflash_cli.planning import Plan
     from dflash_cli.recipes import ModelRef, Recipe
 
@@ -260,6 +261,77 @@ def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedT
         raise DflashError(f"cannot load the tokenizer of {name} from {model_dir}: {exc}", fix=fix) from None
 
 
+def read_drafter_config(directory: Path) -> DrafterConfig:
+    from dflash_cli.engine.drafter import DrafterConfig
+
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DflashError(f"no config.json in drafter directory {directory}", fix="point at a DFlash drafter directory or repo id") from None
+    except json.JSONDecodeError as exc:
+        raise DflashError(f"{path} is not valid JSON ({exc})", fix="delete the file and download the drafter again (`dflash pull`)") from None
+    return DrafterConfig.from_dict(raw, source=str(path))
+
+
+def _read_drafter_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
+    if not files:
+        raise DflashError(f"no .safetensors weights in drafter directory {directory}", fix="only safetensors checkpoints are loaded; download the drafter again")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = directory / name
+        if not path.exists():
+            raise DflashError(f"drafter shard {path} is missing", fix="download the drafter again (`dflash pull`)")
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError) as exc:
+            raise DflashError(f"drafter weights {path} are corrupt or truncated ({exc})", fix="delete the file and download the drafter again (`dflash pull`)") from None
+    return state
+
+
+def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revision: str | None = None) -> DFlashDrafter:
+    """Load a DFlash or DFlash2 drafter (local directory or Hugging Face repo id) bound to a loaded target.
+
+    The drafter runs in the target's compute dtype on the target's device.
+    """
+    import torch
+
+    from dflash_cli.engine.drafter import make_drafter
+    from dflash_cli.engine.target import compute_dtype
+
+    directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")
+    config = read_drafter_config(directory)
+    state = _read_drafter_weights(directory)
+    for name in ("predecessor_codebook", "successor_codebook"):  # also accept an nn.Embedding-style save
+        key = f"candidate_selector.{name}"
+        if key + ".weight" in state and key not in state:
+            state[key] = state.pop(key + ".weight")
+    with torch.device("meta"):
+        drafter = make_drafter(config)
+    expected = set(drafter.state_dict())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise DflashError(
+            f"drafter weights in {directory} do not match its config: "
+            f"missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}",
+            fix="check that config.json and the safetensors come from the same checkpoint",
+        )
+    device = target.get_input_embeddings().weight.device
+    dtype = compute_dtype(target)
+    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    drafter.to(device=device, dtype=dtype)
+    drafter.bind(target)
+    return drafter.eval()
+
+
 def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Path:
     """The local directory of a recipe's model: a path, a `package:` asset, a HF snapshot, or a GGUF fallback."""
     if ref.gguf_fallback:
@@ -303,8 +375,6 @@ def load_models(
     tokenizer = load_tokenizer(target_dir, recipe) if has_vocabulary(target_dir) else None
     drafter = None
     if drafter_dir is not None:
-        from dflash_cli.drafter import load_drafter
-
         with _loading_display(console, f"loading drafter {recipe.drafter.id}"):
             drafter = load_drafter(str(drafter_dir), target)
     return LoadedModels(target, tokenizer, drafter, target_dir, drafter_dir)

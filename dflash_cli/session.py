@@ -64,8 +64,7 @@ class Session:
     def ensure_drafter(self) -> None:
         """Load the drafter on first need (a session started with --no-spec has none yet)."""
         if self.drafter is None and self.can_speculate:
-            from dflash_cli.drafter import load_drafter
-            from dflash_cli.loading import resolve_ref
+            from dflash_cli.loading import load_drafter, resolve_ref
 
             self.models.drafter_dir = resolve_ref(self.recipe.drafter, "drafter")
             self.models.drafter = load_drafter(str(self.models.drafter_dir), self.target)

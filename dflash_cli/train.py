@@ -33,14 +33,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflash_cli.drafter import (
-    DFlashDrafter,
-    DrafterConfig,
-    capture_layers,
-    capture_target_features,
-    default_target_layer_ids,
-)
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash_cli.engine.sampling import accepted_drafts
+from dflash_cli.engine.target import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
 
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),

@@ -36,14 +36,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: `python scripts/gpu_bench.py`
 
-from dflash_cli.drafter import (  # noqa: E402
-    DFlashDrafter,
-    DraftCache,
-    DrafterConfig,
-    capture_layers,
-    default_target_layer_ids,
-)
 from dflash_cli.engine import SamplingParams, Step, generate  # noqa: E402
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids  # noqa: E402
+from dflash_cli.engine.target import AttentionState  # noqa: E402
 
 PUBLISHED_TAU = 6.5  # z-lab's Qwen3-8B drafter on GSM8K (6.55); every configuration's taus include it
 PUBLISHED = f"{PUBLISHED_TAU:g}"  # its key in the end-to-end results
@@ -94,6 +89,7 @@ class Settings:
     copy_mib: int
     time_budget_s: float
     seed: int = 0
+    compile: bool = False  # the engine's compiled steps (CUDA graphs for the target's)
 
 
 def smoke_settings() -> Settings:
@@ -343,42 +339,35 @@ def step_floors(
 # --- the pieces of a step -------------------------------------------------------------------------------
 
 
-def prefilled_cache(target: nn.Module, prompt: torch.Tensor) -> Any:
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.config)
-    with torch.inference_mode():
-        target(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache
-
-
 def measure_target_steps(target: nn.Module, layer_ids: list[int], prompt: torch.Tensor, s: Settings) -> dict[str, Any]:
-    """AR step (1 token, no features) and verify for every block size (features captured, as the engine does);
-    each call is followed by the cache crop back to the context, as after a step."""
+    """AR step (1 token, no features) and verify for every block size (features captured), through the engine's
+    own static state: each call writes the block after the context and commits nothing, as a rejected step."""
     device = prompt.device
-    cache = prefilled_cache(target, prompt)
     ctx = prompt.shape[1]
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
+    states = {}
+    for ids in ((), tuple(layer_ids)):
+        state = states[ids] = AttentionState(target)
+        state.reserve(ctx + 1, max(s.verify_sizes), ids, compile=s.compile)
+        with torch.inference_mode():
+            state.prefill(prompt)
 
-    def forward(size: int, ids: list[int]) -> Callable[[], Any]:
+    def forward(size: int, ids: tuple[int, ...]) -> Callable[[], Any]:
         block = torch.randint(0, s.shape.vocab - 1, (1, size), generator=gen).to(device)
-        positions = torch.arange(ctx, ctx + size, device=device)[None]
+        state = states[ids]
 
         @torch.inference_mode()
         def run() -> None:
-            with capture_layers(target, ids):
-                out = target(input_ids=block, position_ids=positions, past_key_values=cache, use_cache=True)
-            out.logits.argmax(dim=-1)
-            cache.crop(ctx - cache.get_seq_length())  # transformers 5: a negative count of tokens to drop
+            state.verify(block).argmax(dim=-1)
 
         return run
 
-    ar = forward(1, [])
+    ar = forward(1, ())
     result = {"ar_step": time_calls(ar, device, s.warmup, s.reps)}
     result["ar_step"]["kernel_ms"] = kernel_ms_per_call(ar, device, s.profile_steps)
     sweep_reps = max(1, s.reps // 2)
     result["verify"] = {
-        str(size): time_calls(forward(size, layer_ids), device, s.warmup, sweep_reps)
+        str(size): time_calls(forward(size, tuple(layer_ids)), device, s.warmup, sweep_reps)
         for size in s.verify_sizes
     }
     return result
@@ -390,7 +379,7 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
     ctx = prompt.shape[1]
     dtype = drafter.fc.weight.dtype
     width = drafter.fc.in_features
-    cache = DraftCache(len(drafter.layers))
+    cache = drafter.new_cache(ctx + 2 * drafter.block_size)
     with torch.inference_mode():
         drafter.draft(torch.randn(1, ctx, width, device=device, dtype=dtype), prompt[:, -1:], ctx, cache)
     cached = cache.length
@@ -402,7 +391,7 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
     @torch.inference_mode()
     def run() -> None:
         drafter.propose(features, block, cached + new_rows, cache)
-        cache.crop(cached)
+        cache.length = cached  # a rewind is a length move
 
     result = time_calls(run, device, s.warmup, s.reps)
     result["new_context_rows"] = new_rows
@@ -454,10 +443,12 @@ class ControlledAcceptanceDrafter:
 
 
 def run_generation(
-    target: nn.Module, drafter: Any, prompt_ids: list[int], max_new: int, block: int | None, device: torch.device
+    target: nn.Module, drafter: Any, prompt_ids: list[int], max_new: int, block: int | None, device: torch.device,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """One real `engine.generate` run, every decode step timed (wall synchronized, CUDA events)."""
-    steps = generate(target, drafter, prompt_ids, SamplingParams(max_new_tokens=max_new), block_size=block)
+    params = SamplingParams(max_new_tokens=max_new)
+    steps = generate(target, drafter, prompt_ids, params, block_size=block, compile=compile)
     first = next(steps)
     tokens = list(first.token_ids)
     walls: list[float] = []
@@ -506,16 +497,16 @@ def measure_end_to_end(
 ) -> dict[str, Any]:
     block = s.shape.block_size
     # Warm-up (kernels, allocator), then the baseline; its greedy tokens are what the double proposes.
-    run_generation(target, None, prompt_ids, 4, None, device)
-    run_generation(target, drafter, prompt_ids, 4, block, device)
-    baseline = run_generation(target, None, prompt_ids, s.new_tokens + block, None, device)
+    run_generation(target, None, prompt_ids, 4, None, device, s.compile)
+    run_generation(target, drafter, prompt_ids, 4, block, device, s.compile)
+    baseline = run_generation(target, None, prompt_ids, s.new_tokens + block, None, device, s.compile)
     sequence = list(prompt_ids) + baseline["tokens"]
     runs = {}
     for tau in s.taus:
         # The plan fills the run exactly, so no step is cut short and tau is the plan's mean.
         plan = acceptance_plan(tau, block, s.new_tokens - 1)
         double = ControlledAcceptanceDrafter(drafter, sequence, plan)
-        run = run_generation(target, double, prompt_ids, 1 + sum(plan), block, device)
+        run = run_generation(target, double, prompt_ids, 1 + sum(plan), block, device, s.compile)
         run.update(
             tau_requested=tau,
             tau_planned=sum(plan) / len(plan),
@@ -579,7 +570,8 @@ def measure_reference(
         return 1e3 * out.time_per_output_token * out.num_output_tokens / len(out.acceptance_lengths)
 
     def ours_ms_per_step(size: int, n: int) -> float:
-        return run_generation(target, drafter if size > 1 else None, prompt_ids, n, size, device)["ms_per_step_mean"]
+        run = run_generation(target, drafter if size > 1 else None, prompt_ids, n, size, device, s.compile)
+        return run["ms_per_step_mean"]
 
     result: dict[str, Any] = {"status": "ok", "tokens_per_run": s.reference_tokens}
     for name, fn in (("reference", reference_ms_per_step), ("ours", ours_ms_per_step)):
@@ -846,6 +838,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=at_least(2), help="tokens per end-to-end run")
     parser.add_argument("--reps", type=at_least(1), help="timed repetitions per micro-benchmark")
     parser.add_argument("--time-budget", type=float, help="seconds after which remaining sections are skipped")
+    parser.add_argument("--compile", action="store_true", help="measure the engine's compiled steps (CUDA graphs)")
     return parser.parse_args(argv)
 
 
@@ -864,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         overrides["precisions"] = wanted
     for field_name, value in (("context", args.context), ("new_tokens", args.new_tokens), ("reps", args.reps),
-                              ("time_budget_s", args.time_budget)):
+                              ("time_budget_s", args.time_budget), ("compile", args.compile or None)):
         if value is not None:
             overrides[field_name] = value
     s = replace(s, **overrides)

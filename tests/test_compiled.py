@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import dflash_cli.engine.loop as loop_module
 import dflash_cli.engine.target as target_module
 from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
-from dflash_cli.engine.compiled import CompiledStep
-from drafters import random_drafter
+from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
+from drafters import OracleDrafter, random_drafter
 from test_drafter_formats import GOLDEN_SETS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -30,11 +33,15 @@ def fresh_dynamo():
 
 
 @pytest.fixture
-def traced_only(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> CompiledStep:
-    """Compiled steps traced by dynamo exactly as for inductor, then run by the eager backend (seconds, not minutes)."""
-    step = CompiledStep("cpu", backend="eager")
-    monkeypatch.setattr(target_module, "compiled_step", lambda device: step)
-    return step
+def traced_only(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> tuple[CompileCounterWithBackend, CompileCounterWithBackend]:
+    """Both compiled steps traced by dynamo exactly as for inductor, then run by the eager backend (seconds, not
+    minutes); each counts the graphs dynamo compiles for it."""
+    counters = CompileCounterWithBackend("eager"), CompileCounterWithBackend("eager")
+    target_step = CompiledStep(run_target, "target step", "cpu", backend=counters[0], cuda_graphs=True)
+    draft_step = CompiledStep(run_drafter, "draft step", "cpu", backend=counters[1])
+    monkeypatch.setattr(target_module, "compiled_step", lambda device: target_step)
+    monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
+    return counters
 
 
 def _graphs() -> int:
@@ -60,24 +67,37 @@ def _llama(seed: int):
     return model
 
 
-def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only: CompiledStep) -> None:
+class VaryingOracle(OracleDrafter):
+    """Runs its own drafter forward (compiled when the loop compiles), then proposes the target's continuation
+    right for 0..3 slots depending on the position: steps commit 1 to 4 tokens, so the draft step sees 1 to 4
+    new context rows."""
+
+    def propose(self, features, block_ids, start, cache):
+        self.draft_hidden(features, block_ids, start, cache)
+        self.correct = random.Random(start).randrange(4)
+        return super().propose(features, block_ids, start, cache)
+
+
+def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> None:
+    target_graphs, draft_graphs = traced_only
     target = _llama(1)
-    drafter = random_drafter(target, block_size=4)
     params = SamplingParams(max_new_tokens=64)
-    collect(generate(target, drafter, [1, 2, 3], params, compile=True))
-    assert _graphs() == 1, "one graph for the 4-token verify: the context grows and the last blocks shorten"
-    # another prompt length, another request: still the same graph
-    result = collect(generate(target, drafter, list(range(5, 30)), params, compile=True))
-    assert _graphs() == 1 and len(result.token_ids) == 64
-    assert result.token_ids == _hf_greedy(target, list(range(5, 30)), 64)
+    for prompt in ([1, 2, 3], list(range(5, 30))):
+        reference = _hf_greedy(target, prompt, 64)
+        drafter = VaryingOracle(target, prompt + reference, block_size=4)
+        result = collect(generate(target, drafter, prompt, params, compile=True))
+        assert result.token_ids == reference
+        assert set(result.acceptance_lengths) == {1, 2, 3, 4}
+        # one graph per step function, for both generations: the context grows, 1 to 4 new rows reach the
+        # drafter, the last blocks shorten, and another drafter object of the same shape takes the same graph
+        assert (target_graphs.frame_count, draft_graphs.frame_count) == (1, 1)
     baseline = collect(generate(target, None, [9, 8, 7], params, compile=True))
-    assert _graphs() == 2, "the plain step is the second (and last) graph"
+    assert target_graphs.frame_count == 2, "the plain step is the target's second (and last) graph"
     assert baseline.token_ids == _hf_greedy(target, [9, 8, 7], 64)
-    assert traced_only.broken is None
 
 
 @pytest.mark.parametrize(("seed", "block_size"), [(0, 2), (1, 8)])
-def test_compiled_greedy_equals_transformers_greedy(traced_only: CompiledStep, seed: int, block_size: int) -> None:
+def test_compiled_greedy_equals_transformers_greedy(traced_only, seed: int, block_size: int) -> None:
     target = _llama(seed)
     drafter = random_drafter(target, seed=seed, block_size=block_size)
     prompt = [1 + (seed * 7 + i * 13) % 90 for i in range(3 + seed * 5)]
@@ -86,14 +106,12 @@ def test_compiled_greedy_equals_transformers_greedy(traced_only: CompiledStep, s
     assert sum(result.acceptance_lengths) == 32
 
 
-def test_inductor_reproduces_every_golden_set(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> None:
-    """The real compiler (inductor) on every golden set (all made on the same target, whose copies are
-    byte-identical): minutes cold on a small CPU, so its cache lives in pytest's cache folder."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(request.config.cache.mkdir("inductor")))
+def _check_golden_sets(names: list[str], shown: list[str]) -> set[int]:
+    """Every case of each golden set, both steps compiled, on one target object (every set was made on the same
+    target, whose copies are byte-identical). Returns the block sizes used."""
     target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
-    shown: list[str] = []
     sizes = set()
-    for name in ["qwen3-tiny", *GOLDEN_SETS]:
+    for name in names:
         golden = json.loads((FIXTURES / name / "golden.json").read_text())
         drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
         for case in golden["cases"]:
@@ -104,6 +122,22 @@ def test_inductor_reproduces_every_golden_set(request: pytest.FixtureRequest, mo
             result = collect(steps)
             assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
             assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
-    assert len(sizes) >= 5
-    # dynamic shapes on CPU: block sizes share one graph (dynamo may specialize a second for a later size)
-    assert _graphs() <= 2 and len(shown) == len(sizes)
+    return sizes
+
+
+def test_every_golden_set_with_traced_steps(traced_only, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # one entry per drafter format and block size
+    target_graphs, draft_graphs = traced_only
+    shown: list[str] = []
+    sizes = _check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
+    assert len(sizes) >= 5 and target_graphs.frame_count >= 1 and draft_graphs.frame_count >= 3
+    assert any("draft step" in m for m in shown) and any("target step" in m for m in shown)
+
+
+def test_inductor_reproduces_the_public_golden_sets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> None:
+    """The real compiler (inductor) for both steps on the three public sets (classic, sliding, DFlash2): minutes
+    cold on a small CPU, so its cache lives in pytest's cache folder."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(request.config.cache.mkdir("inductor")))
+    shown: list[str] = []
+    _check_golden_sets(["qwen3-tiny", "qwen3-tiny-swa", "qwen3-tiny-dflash2"], shown)
+    assert any("draft step" in m for m in shown) and any("target step for blocks of 8" in m for m in shown)

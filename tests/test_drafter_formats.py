@@ -14,11 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
-from dflash_cli.drafter import (
+from dflash_cli.engine.drafter import (
     DEFAULT_BLOCK_SIZE,
     DFlash2Drafter,
     DFlashDrafter,
-    DraftCache,
     DrafterConfig,
     GroupedDynamicConv,
     _window_mask,
@@ -277,10 +276,9 @@ def test_dflash2_checkpoints_load_with_or_without_codebook_suffix(tmp_path, targ
 @pytest.mark.parametrize("window", [None, 1, 3, 9])
 def test_window_mask_is_the_rule_on_absolute_positions(causal, window):
     past_rows, ctx, q = 4, 3, 5
-    positions = torch.arange(10 + past_rows, 10 + past_rows + ctx + q)[None]
-    mask = _window_mask(positions, past_rows, q, causal, window)[0, 0]
     keys = list(range(10, 10 + past_rows + ctx + q))
     queries = keys[-q:]
+    mask = _window_mask(torch.tensor([queries]), torch.tensor([keys]), causal, window)[0, 0]
     for i, qp in enumerate(queries):
         for j, kp in enumerate(keys):
             expected = (not causal or kp <= qp) and (window is None or (qp - kp < window and (causal or kp - qp < window)))
@@ -353,7 +351,7 @@ def test_cached_drafting_equals_one_pass_and_sliding_caches_stay_bounded(fmt, wi
     torch.manual_seed(2)
     total = 60
     features = torch.randn(1, total, width)
-    cache = DraftCache(len(drafter.layers))
+    cache = drafter.new_cache()
     done = 0
     for step in range(30):
         new = 1 + step % 4
@@ -363,13 +361,15 @@ def test_cached_drafting_equals_one_pass_and_sliding_caches_stay_bounded(fmt, wi
         block = torch.tensor([[3 + step, 95, 95, 95]])
         with torch.no_grad():
             stepped = drafter.draft(features[:, done:start], block, start, cache)
-            whole = drafter.draft(features[:, :start], block, start, DraftCache(len(drafter.layers)))
+            whole = drafter.draft(features[:, :start], block, start, drafter.new_cache())
         assert torch.allclose(stepped, whole, atol=1e-5, rtol=0), step
         done = start
         assert cache.length == done
         for i in range(len(drafter.layers)):
             bound = drafter.config.layer_window(i)
             assert cache.rows(i) == (done if bound is None else min(done, bound - 1)), (i, cache.rows(i))
+            if bound is not None:  # the ring: the window's rows plus one call's context and block
+                assert cache.slots(i) == bound - 1 + 2 * drafter.block_size
 
 
 def test_long_conversation_keeps_sliding_layers_bounded():
@@ -388,6 +388,7 @@ def test_long_conversation_keeps_sliding_layers_bounded():
     speculative_generate(target, drafter, prompt, 40)
     cache = caches[-1]
     assert cache.rows(0) == 5 and cache.rows(1) == cache.length >= 300
+    assert cache.slots(0) == 5 + 2 * 4, "the sliding layer's buffer stays window-sized however long the context"
 
 
 # --- DFlash2: convolution and candidate selector --------------------------------------------------------
@@ -466,8 +467,8 @@ def test_dflash2_proposals_are_the_selector_chain():
         drafter.candidate_selector.predecessor_codebook.mul_(5)
     torch.manual_seed(5)
     features, block = torch.randn(1, 12, drafter.fc.in_features), torch.tensor([[4] + [95] * 7])
-    proposed = drafter.propose(features, block, 12, DraftCache(2))
-    hidden = drafter.draft_hidden(features, block, 12, DraftCache(2))
+    proposed = drafter.propose(features, block, 12, drafter.new_cache())
+    hidden = drafter.draft_hidden(features, block, 12, drafter.new_cache())
     with torch.no_grad():
         expected = _brute_force_chain(drafter.candidate_selector, hidden[0], drafter.logits(hidden)[0], 4)
     assert proposed[0].tolist() == expected

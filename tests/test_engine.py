@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
-from dflash_cli.drafter import DraftCache, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DrafterConfig, default_target_layer_ids
 from dflash_cli.engine import SamplingParams, generate, sample_tokens
 from dflash_cli.errors import DflashError
 from drafters import FORMATS, OracleDrafter, random_drafter, save_random_drafter
@@ -51,7 +51,7 @@ def test_conformance_draft_logits(golden, conformance_pair):
 
     target, drafter = conformance_pair
     data = load_file(str(GOLDEN_DIR / "golden_logits.safetensors"))
-    cache = DraftCache(len(drafter.layers))
+    cache = drafter.new_cache()
     tol = golden["logits_fixture"]["tolerance_abs"]
     for step, cache_before in (("step0", 0), ("step1", 14)):
         assert cache.length == cache_before

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny_models import make_hf_cache
 
-from dflash_cli.drafter import DrafterConfig
+from dflash_cli.engine.drafter import DrafterConfig
 from dflash_cli.errors import DflashError
 from dflash_cli.export import (
     ServingHardware,

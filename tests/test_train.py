@@ -12,7 +12,8 @@ from rich.progress import Progress
 from typer.testing import CliRunner
 
 from dflash_cli.cli import app
-from dflash_cli.drafter import capture_target_features, load_drafter
+from dflash_cli.engine.target import capture_target_features
+from dflash_cli.loading import load_drafter
 from dflash_cli.errors import DflashError
 from dflash_cli.train import (
     Sample,

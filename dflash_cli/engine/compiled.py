@@ -1,13 +1,17 @@
-"""The target forward the loop runs each step, eager or compiled (one graph per block size, full graph).
+"""The step functions the loop runs, eager or compiled: the target's forward over a block (one graph per block
+size) and the drafter's forward (full graph, dynamic shapes).
 
-Compiling removes the per-op Python and dispatch cost of an eager transformers forward (tens of ops per
-layer) but costs minutes on a small CPU, so it is used where it pays:
+Compiling removes the per-op Python and dispatch cost of an eager forward (tens of ops per layer) but costs
+minutes on a small CPU, so it is used where it pays (`--compile auto`: CUDA only):
 
-- CUDA: `mode="reduce-overhead"` (CUDA graphs), static shapes. The state hands attention its whole K/V
+- Target, CUDA: `mode="reduce-overhead"` (CUDA graphs), static shapes. The state hands attention its whole K/V
   buffer and keeps its length in a device tensor, so one graph serves every step of a block size.
-- CPU: inductor with dynamic shapes, the state handing attention the committed prefix plus the block (the
-  prefix length is symbolic, so it never recompiles as the context grows). Off by default: see
-  docs/benchmarks.md for what it costs and saves on a 2-core CPU.
+- Target, CPU: inductor with dynamic shapes, the state handing attention the committed prefix plus the block
+  (the prefix length is symbolic, so it never recompiles as the context grows). See docs/benchmarks.md for
+  what it costs and saves on a 2-core CPU.
+- Drafter: inductor with dynamic shapes on every device (the new context rows and the attended prefix change
+  each step, which CUDA graphs would re-record); its first call, over the whole prompt, runs eagerly like the
+  target's prefill. The proposal (argmax, DFlash2's selector chain) stays outside the graph.
 
 Compiled artifacts go to the dflash cache directory (inductor's FX graph cache), so a second start skips
 code generation; tracing still runs in each new process.
@@ -34,7 +38,7 @@ def use_compile_cache() -> Path:
     return Path(directory)
 
 
-def run_target(model: Any, token_ids: torch.Tensor, cache: Any, offset: int | torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+def run_target(model: Any, token_ids: torch.Tensor, cache: Any, offset: int | torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
     """One target forward over `token_ids` [1, q] at positions offset .. offset+q-1; logits [q', vocab]."""
     positions = (torch.arange(token_ids.shape[1], device=token_ids.device) + offset)[None]
     out = model(
@@ -43,54 +47,73 @@ def run_target(model: Any, token_ids: torch.Tensor, cache: Any, offset: int | to
     return out.logits[0]
 
 
-class CompiledStep:
-    """`run_target` compiled for one device type; its graphs are per block size and shared by every state.
-
-    The first call for a (model, block size) compiles; `notify` (a context manager factory taking a message)
-    shows a progress line around it. If compiling fails, a warning says so and the step runs eagerly.
-    """
-
-    def __init__(self, device_type: str, backend: Any = "inductor") -> None:
-        use_compile_cache()
-        options: dict[str, Any] = {"fullgraph": True, "backend": backend}
-        if device_type == "cuda":
-            options.update(dynamic=False, **({"mode": "reduce-overhead"} if backend == "inductor" else {}))
-        else:
-            options.update(dynamic=True)
-        self.fn = torch.compile(run_target, **options)
-        self.compiled: set[tuple[int, int]] = set()
-        self.broken: str | None = None  # why compiling failed: later calls run eagerly
-
-    def __call__(
-        self, model: Any, token_ids: torch.Tensor, cache: Any, offset: int | torch.Tensor, notify: Notify | None = None
-    ) -> torch.Tensor:
-        if self.broken is not None:
-            return run_target(model, token_ids, cache, offset, 0)
-        key = (id(model), token_ids.shape[1])
-        if key in self.compiled or notify is None:
-            return self._run(model, token_ids, cache, offset)
-        with notify(
-            f"compiling the target's {token_ids.shape[1]}-token step (first use; cached in {use_compile_cache()})"
-        ):
-            out = self._run(model, token_ids, cache, offset)
-        self.compiled.add(key)
-        return out
-
-    def _run(self, model: Any, token_ids: torch.Tensor, cache: Any, offset: int | torch.Tensor) -> torch.Tensor:
-        try:
-            return self.fn(model, token_ids, cache, offset, 0)
-        except torch._dynamo.exc.TorchDynamoException as error:  # nothing ran: the graph never executed
-            self.broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            warnings.warn(f"compiling the target step failed ({self.broken}); decoding eagerly (--compile off)", stacklevel=2)
-            return run_target(model, token_ids, cache, offset, 0)
+def run_drafter(drafter: Any, block_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    """One drafter forward over `rows` = [fused new context ; block embeddings] [1, c+q, H] at `positions`
+    -> hidden of every block slot [1, q, H] (slot 0 included: a slice here would make the compiler
+    specialize on a 2-token block). One input for context and block: c is often 1, and a size-1 input (or
+    any tensor of the context's own size) would be specialized by the compiler, while c+q never is."""
+    return drafter.forward_rows(rows, block_ids.shape[1], positions, cache)
 
 
 Notify = Callable[[str], ContextManager[Any]]
-_STEPS: dict[tuple[str, Any], CompiledStep] = {}
+
+
+class CompiledStep:
+    """A step function (`run_target` or `run_drafter`) compiled for one device type, shared by every state.
+
+    `fn(module, block_ids, ...)`. The first call for a (module, block size) may compile; `notify` (a context
+    manager factory taking a message) shows a progress line around it. If compiling fails, a warning says so
+    and the step runs eagerly from then on. `cuda_graphs`: on CUDA, static shapes and CUDA graphs (the
+    target's step, whose shapes are fixed per block size); otherwise dynamic shapes.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], what: str, device_type: str, *, backend: Any = "inductor",
+                 cuda_graphs: bool = False) -> None:  # fmt: skip
+        use_compile_cache()
+        options: dict[str, Any] = {"fullgraph": True, "backend": backend, "dynamic": True}
+        if device_type == "cuda" and cuda_graphs:
+            options.update(dynamic=False, **({"mode": "reduce-overhead"} if backend == "inductor" else {}))
+        self.eager, self.what = fn, what
+        self.fn = torch.compile(fn, **options)
+        self.compiled: set[tuple[int, int]] = set()
+        self.broken: str | None = None  # why compiling failed: later calls run eagerly
+
+    def __call__(self, *args: Any, notify: Notify | None = None) -> torch.Tensor:
+        if self.broken is not None:
+            return self.eager(*args)
+        key = (id(args[0]), args[1].shape[1])
+        if key in self.compiled or notify is None:
+            return self._run(*args)
+        message = f"compiling the {self.what} for blocks of {args[1].shape[1]} (first use; cached in {use_compile_cache()})"
+        with notify(message):
+            out = self._run(*args)
+        self.compiled.add(key)
+        return out
+
+    def _run(self, *args: Any) -> torch.Tensor:
+        try:
+            return self.fn(*args)
+        except torch._dynamo.exc.TorchDynamoException as error:  # nothing ran: the graph never executed
+            self.broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            warnings.warn(f"compiling the {self.what} failed ({self.broken}); running it eagerly (--compile off)", stacklevel=3)
+            return self.eager(*args)
+
+
+_STEPS: dict[tuple[str, str, Any], CompiledStep] = {}
 
 
 def compiled_step(device: torch.device, backend: Any = "inductor") -> CompiledStep:
-    key = (device.type, backend)
+    """The target's compiled step for `device` (one per process)."""
+    key = ("target", device.type, backend)
     if key not in _STEPS:
-        _STEPS[key] = CompiledStep(device.type, backend)
+        _STEPS[key] = CompiledStep(run_target, "target step", device.type, backend=backend, cuda_graphs=True)
+    return _STEPS[key]
+
+
+def compiled_draft_step(device: torch.device, backend: Any = "inductor") -> CompiledStep:
+    """The drafter's compiled step for `device` (one per process). Dynamic shapes everywhere: each step brings
+    a different number of new context rows, and attention reads a prefix that grows."""
+    key = ("drafter", device.type, backend)
+    if key not in _STEPS:
+        _STEPS[key] = CompiledStep(run_drafter, "draft step", device.type, backend=backend)
     return _STEPS[key]

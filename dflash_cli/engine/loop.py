@@ -18,8 +18,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from dflash_cli.drafter import DFlashDrafter, DraftCache
-from dflash_cli.engine.compiled import Notify
+from dflash_cli.engine.compiled import Notify, compiled_draft_step
+from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
@@ -41,8 +41,8 @@ def generate(
 ) -> Iterator[Step]:
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
-    `compile`: run the target's steps compiled (engine.compiled); `notify(message)` is a context manager
-    shown while a step compiles for the first time.
+    `compile`: run the target's and the drafter's steps compiled (engine.compiled); `notify(message)` is a
+    context manager shown while a step compiles for the first time.
     """
     device = target.get_input_embeddings().weight.device
     block = 1 if drafter is None else (block_size or drafter.block_size)
@@ -54,12 +54,15 @@ def generate(
     try:
         layer_ids = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         state.reserve(request.end, block, layer_ids, compile=compile, notify=notify)
-        yield from _decode(state, drafter, request, device)
+        yield from _decode(state, drafter, request, device, compile, notify)
     finally:
         release_state(state)
 
 
-def _decode(state: TargetState, drafter: DFlashDrafter | None, request: Request, device: torch.device) -> Iterator[Step]:
+def _decode(
+    state: TargetState, drafter: DFlashDrafter | None, request: Request, device: torch.device, compile: bool,
+    notify: Notify | None,
+) -> Iterator[Step]:
     params, stats = request.params, request.stats
     started = time.perf_counter()
     # Prefill: the whole prompt once; only the last position's logits are needed.
@@ -72,7 +75,11 @@ def _decode(state: TargetState, drafter: DFlashDrafter | None, request: Request,
     if step.finish_reason:
         return
 
-    draft_cache = DraftCache(len(drafter.layers)) if drafter is not None else None
+    draft_cache = None
+    if drafter is not None:
+        draft_cache = drafter.new_cache(request.end + request.block_size, request.block_size)
+        if compile:
+            draft_cache.step, draft_cache.notify = compiled_draft_step(device), notify
     features = state.features(state.length) if drafter is not None else None
     decode_started = time.perf_counter()
     clock = PhaseClock(device)
@@ -86,7 +93,8 @@ def _decode(state: TargetState, drafter: DFlashDrafter | None, request: Request,
         block_ids[0, 0] = last[0]
         t_draft = clock.mark()
         if drafter is not None and size > 1:
-            block_ids[0, 1:size] = drafter.propose(features, block_ids[:, :size], start, draft_cache)[0]
+            # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
+            block_ids[0, 1:size] = drafter.propose(features, block_ids[0, :size][None], start, draft_cache)[0]
         t_verify = clock.mark()
         posterior = sample_tokens(state.verify(block_ids)[:size], params, request.generator)
         # Draft j+1 stands while it equals the target's choice after position j.

@@ -18,17 +18,18 @@ n tokens; a batch holds one state per row.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from dflash_cli.drafter import target_decoder_layers
 from dflash_cli.engine.compiled import CompiledStep, Notify, compiled_step, run_target
+from dflash_cli.errors import DflashError
 
 # Positions a state reserves at least, so that consecutive requests (a growing chat) rarely reallocate. On CPU
 # the buffers are allocated but untouched pages cost no memory; the planner reserves an 8k-token KV cache too.
@@ -61,6 +62,56 @@ class TargetState(ABC):
         """Whether verify wants every block at full size, even the shortened last ones (compiled steps keep one
         shape per block size; the target is causal, so padding after the real tokens changes nothing)."""
         return False
+
+
+def target_decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
+    """The decoder layer stack of a transformers causal LM (Qwen3, Llama and their kin)."""
+    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise DflashError(f"cannot find the decoder layers of {type(target).__name__}", fix="use a Qwen3 or Llama target")
+    return layers
+
+
+@contextlib.contextmanager
+def capture_layers(target: PreTrainedModel, layer_ids: list[int]) -> Iterator[list[torch.Tensor]]:
+    """Record the outputs of the chosen decoder layers (only those) during forwards inside the `with` block.
+
+    For training and distillation (batched, transformers' own `generate`); the decode loop captures through
+    `AttentionState`'s hooks, installed once per state."""
+    captured: list[torch.Tensor] = []
+    layers = target_decoder_layers(target)
+    slots: dict[int, torch.Tensor] = {}
+
+    def hook(index: int):
+        def record(_module: nn.Module, _args: Any, output: Any) -> None:
+            slots[index] = output[0] if isinstance(output, tuple) else output
+            if len(slots) == len(layer_ids):
+                captured.append(torch.cat([slots[i] for i in range(len(layer_ids))], dim=-1))
+                slots.clear()
+
+        return record
+
+    handles = [layers[layer_id].register_forward_hook(hook(i)) for i, layer_id in enumerate(layer_ids)]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def capture_target_features(
+    target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int], **forward_kwargs: Any
+) -> tuple[Any, torch.Tensor]:
+    """Run the target once; return its outputs and the concatenated features of `layer_ids` [b, s, n*H]."""
+    with capture_layers(target, layer_ids) as captured:
+        outputs = target(input_ids=input_ids, **forward_kwargs)
+    return outputs, captured[-1]
+
+
+def compute_dtype(target: PreTrainedModel) -> torch.dtype:
+    """The dtype activations flow in: the embedding's dtype (NF4 targets keep embeddings unquantized)."""
+    return target.get_input_embeddings().weight.dtype
 
 
 def context_window(target: PreTrainedModel) -> int | None:
@@ -144,8 +195,7 @@ class AttentionState(TargetState):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype activations flow in: the embedding's (NF4 targets keep embeddings unquantized)."""
-        return self.target.get_input_embeddings().weight.dtype
+        return compute_dtype(self.target)
 
     @property
     def offset(self) -> int | torch.Tensor:
@@ -198,8 +248,10 @@ class AttentionState(TargetState):
         keys = self._keys[index]
         if keys is None:
             shape = (like.shape[0], like.shape[1], self.capacity, like.shape[3])
-            keys = self._keys[index] = self._static(torch.empty(shape, dtype=like.dtype, device=like.device))
-            self._values[index] = self._static(torch.empty(shape, dtype=like.dtype, device=like.device))
+            # full_view attention multiplies unwritten rows by a zero weight: zeros, so no NaN in memory survives
+            new = torch.zeros if self.full_view else torch.empty
+            keys = self._keys[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
+            self._values[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
         return keys, self._values[index]
 
     def _capture(self, slot: int) -> Any:
@@ -224,7 +276,7 @@ class AttentionState(TargetState):
         try:
             if prefill or self.step is None:
                 return run_target(self.target, token_ids, self.cache, self.offset, 1 if prefill else 0)
-            return self.step(self.target, token_ids, self.cache, self.offset, self.notify)
+            return self.step(self.target, token_ids, self.cache, self.offset, notify=self.notify)
         finally:
             self._capturing = False
 

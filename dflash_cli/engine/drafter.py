@@ -49,6 +49,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
+from dflash_cli.engine.compiled import CompiledStep, Notify, run_drafter
 from dflash_cli.errors import DflashError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -323,44 +324,93 @@ class DrafterConfig:
 
 
 class DraftCache:
-    """Per-layer K/V of committed context only (after RoPE and k_norm). Block K/V are never stored.
+    """The drafter's K/V of committed context (after RoPE and k_norm), in buffers written in place.
 
-    `length` counts the committed positions. A full-attention layer keeps all of them; a sliding layer keeps
-    only its last `window - 1` rows (the oldest a later block can still see), so the stored rows of layer i
-    are the positions `length - rows_i .. length - 1`.
+    Each call writes its new context rows and its block rows at their positions; `length` then moves past the
+    context only, so the block's rows are never committed: the next call writes its own rows over them (a
+    length move, no crop, no cat). A full-attention layer keeps every position in a buffer indexed by position
+    (attention reads the prefix up to the block's end: a view). A sliding layer keeps a ring of
+    `window - 1 + 2 * block` rows indexed by position modulo its size, which always holds the `window - 1`
+    committed rows a block can still see plus one call's context and block, so its memory stays bounded in
+    long conversations; its keys carry their positions and the mask drops the rest.
+
+    Buffers are allocated on a layer's first write (with that write's heads, head size and dtype) for
+    `capacity` positions (the engine reserves what a request needs), and grow if a call goes beyond.
     """
 
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, config: DrafterConfig, capacity: int = 0, block_size: int | None = None) -> None:
+        self.windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+        self.block_size = block_size or config.block_size
+        self.capacity = capacity
         self.length = 0
+        self.keys: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        self.values: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        self.positions: list[torch.Tensor | None] = [None] * config.num_hidden_layers  # sliding: each ring row's
+        self.step: CompiledStep | None = None  # the compiled draft step (engine.compiled), or None: eager
+        self.notify: Notify | None = None
+
+    def ring_size(self, layer_idx: int) -> int | None:
+        window = self.windows[layer_idx]
+        return None if window is None else window - 1 + 2 * self.block_size
 
     def rows(self, layer_idx: int) -> int:
+        """Committed rows a later block can still see: all of them, or the last window - 1 in a sliding layer."""
+        window = self.windows[layer_idx]
+        return self.length if window is None else min(self.length, window - 1)
+
+    def slots(self, layer_idx: int) -> int:
+        """Rows the layer's buffer holds (bounded for a sliding layer)."""
         keys = self.keys[layer_idx]
         return 0 if keys is None else keys.shape[-2]
 
-    def crop(self, length: int) -> None:
-        """Forget committed positions from `length` on. A sliding layer does not get back rows its window
-        already let go, so after a crop it may hold fewer than window - 1 (its later drafts then see less)."""
-        drop = self.length - length
-        if drop <= 0:
-            return
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is not None:
-                keep = max(0, k.shape[-2] - drop)
-                self.keys[i], self.values[i] = k[..., :keep, :], v[..., :keep, :]
-        self.length = length
+    def update(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Write the rows of positions `length ..` (new context, then block) and return the keys and values to
+        attend over, with their positions when they are not simply 0 .. n-1 (a ring)."""
+        n = keys.shape[-2]
+        end = self.length + n
+        ring = self.ring_size(layer_idx)
+        if ring is None:
+            buffer_k, buffer_v = self._buffers(layer_idx, keys, max(self.capacity, end))
+            buffer_k[:, :, self.length : end].copy_(keys)
+            buffer_v[:, :, self.length : end].copy_(values)
+            return buffer_k[:, :, :end], buffer_v[:, :, :end], None
+        buffer_k, buffer_v = self._buffers(layer_idx, keys, ring)
+        keep = min(n, ring)  # a long first context: its rows older than the ring can hold are out of every window
+        at = torch.arange(end - keep, end, device=keys.device)
+        slots = at % ring
+        buffer_k.index_copy_(2, slots, keys[:, :, n - keep :])
+        buffer_v.index_copy_(2, slots, values[:, :, n - keep :])
+        self.positions[layer_idx].index_copy_(0, slots, at)
+        return buffer_k, buffer_v, self.positions[layer_idx]
+
+    def _buffers(self, layer_idx: int, like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self.keys[layer_idx]
+        if keys is None or keys.shape[-2] < rows:
+            shape = (like.shape[0], like.shape[1], rows, like.shape[3])
+            # A ring's unwritten rows are masked, but attention still multiplies them by a zero weight: zeros, not
+            # whatever memory held (a NaN there would survive the mask). A full layer only reads what it wrote.
+            new = torch.zeros if self.windows[layer_idx] is not None else torch.empty
+            grown_k = new(shape, dtype=like.dtype, device=like.device)
+            grown_v = new(shape, dtype=like.dtype, device=like.device)
+            if keys is not None:  # a full layer outgrew its capacity: keep the committed rows
+                grown_k[:, :, : self.length].copy_(keys[:, :, : self.length])
+                grown_v[:, :, : self.length].copy_(self.values[layer_idx][:, :, : self.length])
+            self.keys[layer_idx], self.values[layer_idx] = grown_k, grown_v
+            if self.windows[layer_idx] is not None:
+                self.positions[layer_idx] = torch.full((rows,), -1, dtype=torch.long, device=like.device)
+        return self.keys[layer_idx], self.values[layer_idx]
 
 
-def _window_mask(positions: torch.Tensor, past_rows: int, q_len: int, causal: bool, window: int | None) -> torch.Tensor:
+def _window_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor:
     """The reference's attention rule on absolute positions -> bool [b, 1, q, keys] (True = attend).
 
-    Keys are [`past_rows` cached rows just before positions[:, 0] ; the rows at `positions`]; the queries
-    are the last `q_len` of `positions`.
+    `query_positions` [b, q], `key_positions` [b|1, keys].
     """
-    past = positions[:, :1] - past_rows + torch.arange(past_rows, device=positions.device)
-    key_pos = torch.cat([past, positions], dim=1)
-    distance = positions[:, -q_len:, None] - key_pos[:, None, :]  # query position - key position
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # query position - key position
     visible = torch.ones_like(distance, dtype=torch.bool)
     if causal:
         visible &= distance >= 0
@@ -394,7 +444,7 @@ class DraftAttention(nn.Module):
     def forward(
         self,
         block: torch.Tensor,
-        context: torch.Tensor,
+        rows: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
@@ -402,28 +452,29 @@ class DraftAttention(nn.Module):
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         bsz, q_len, _ = block.shape
-        both = torch.cat([context, block], dim=1)
+        # K/V inputs: the fused context as is, then this layer's normed block. (Written over a copy of `rows`
+        # rather than concatenated: no tensor of the context's own size appears, so a compiled draft step does
+        # not specialize on one new context row.)
+        both = rows.clone()
+        both[:, -q_len:] = block
         q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
         k = self.k_norm(self._heads(self.k_proj(both), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(both), self.num_kv_heads).transpose(1, 2)
         # Queries sit at the block's positions, the last q_len rows of cos/sin.
         q, _ = apply_rotary_pos_emb(q, q, cos[:, -q_len:], sin[:, -q_len:])
         _, k = apply_rotary_pos_emb(k, k, cos, sin)
-        past_rows = 0
+        key_positions, valid = positions, None
         if cache is not None:
-            past_k, past_v = cache.keys[self.layer_idx], cache.values[self.layer_idx]
-            if past_k is not None:
-                past_rows = past_k.shape[2]
-                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-            # Only context rows are committed; the block is re-drafted next step. A sliding layer keeps the
-            # last window - 1 of them: the next block starts after them and sees no further back.
-            committed = k.shape[2] - q_len
-            first = 0 if self.sliding_window is None else max(0, committed - (self.sliding_window - 1))
-            cache.keys[self.layer_idx] = k[:, :, first:committed]
-            cache.values[self.layer_idx] = v[:, :, first:committed]
+            k, v, ring_positions = cache.update(self.layer_idx, k, v)
+            if ring_positions is not None:  # rows not yet written (-1), or a stale block past this one, drop out
+                key_positions = ring_positions[None]
+                valid = ((key_positions >= 0) & (key_positions <= positions[:, -1:]))[:, None, None]
+            else:  # the committed prefix, then this call's rows: positions 0 .. end-1
+                key_positions = torch.arange(k.shape[2], device=k.device)[None]
         mask = attention_mask
         if self.causal or self.sliding_window is not None:
-            rule = _window_mask(positions, past_rows, q_len, self.causal, self.sliding_window)
+            rule = _window_mask(positions[:, -q_len:], key_positions, self.causal, self.sliding_window)
+            rule = rule if valid is None else rule & valid
             mask = rule if mask is None else mask & rule
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
@@ -454,8 +505,9 @@ class GroupedDynamicConv(nn.Module):
         dynamic = dynamic.reshape(b, length, self.kernel_size, self.groups, 1)
         out = torch.zeros_like(grouped)
         for offset in range(self.kernel_size):
-            # x_{t - offset}: shifted down the block, zeros entering at the top
-            shifted = grouped if offset == 0 else F.pad(grouped[:, :-offset], (0, 0, 0, 0, offset, 0))
+            # x_{t - offset}: shifted down the block, zeros entering at the top (padded, then cut back to the
+            # block's length: no tensor of length - offset, on which a compiled step would specialize)
+            shifted = grouped if offset == 0 else F.pad(grouped, (0, 0, 0, 0, offset, 0))[:, :length]
             out = out + base[offset].view(1, 1, self.groups, self.group_size).to(x.dtype) * shifted
             out = torch.addcmul(out, dynamic[:, :, offset], shifted)
         return out.view(b, length, hidden)
@@ -485,9 +537,9 @@ class DraftLayer(nn.Module):
             self.attention_conv = GroupedDynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
             self.mlp_conv = GroupedDynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, *attn_args: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, *attn_args: Any) -> torch.Tensor:
         # The context goes into K/V as is: it was normed once by hidden_norm, not by input_layernorm.
-        x = x + self._sublayer(self.input_layernorm(x), self.attention_conv, lambda h: self.self_attn(h, context, *attn_args))
+        x = x + self._sublayer(self.input_layernorm(x), self.attention_conv, lambda h: self.self_attn(h, rows, *attn_args))
         return x + self._sublayer(self.post_attention_layernorm(x), self.mlp_conv, self.mlp)
 
     @staticmethod
@@ -609,23 +661,46 @@ class DFlashDrafter(nn.Module):
         are appended to it. `attention_mask` (bool, True = attend, [b|1, 1, q, keys]) is for training; each
         layer's own rule (causal, sliding window, on `position_ids`) is applied on top of it.
         """
-        x = block_embeds.to(self.fc.weight.dtype)
+        rows = torch.cat([context, block_embeds.to(context.dtype)], dim=1)
+        return self.forward_rows(rows, block_embeds.shape[1], position_ids, cache, attention_mask)
+
+    def forward_rows(
+        self,
+        rows: torch.Tensor,
+        block_size: int,
+        position_ids: torch.Tensor,
+        cache: DraftCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` with context and block as one tensor: `rows` [b, c+q, H] = fused context, then the last
+        `block_size` rows the block embeddings."""
+        rows = rows.to(self.fc.weight.dtype)
+        x = rows[:, -block_size:]
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, context, cos, sin, position_ids, cache, attention_mask)
+            x = layer(x, rows, cos, sin, position_ids, cache, attention_mask)
         if cache is not None:
-            cache.length += context.shape[1]
+            cache.length += rows.shape[1] - block_size
         return self.norm(x)
+
+    def new_cache(self, capacity: int = 0, block_size: int | None = None) -> DraftCache:
+        """An empty context cache for one sequence: room for `capacity` positions, verified in blocks of up to
+        `block_size` (default: the config's)."""
+        return DraftCache(self.config, capacity, block_size)
 
     def draft_hidden(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
         """One drafting pass: new context features + block [last token, MASK...] -> hidden of slots 1..q-1.
 
         `start` is the position of the block's first token; the new context covers positions
-        cache.length .. start-1.
+        cache.length .. start-1. With `cache.step` set, calls after the first (which reads the whole prompt)
+        run compiled.
         """
         ctx_len = features.shape[1]
         positions = torch.arange(start - ctx_len, start + block_ids.shape[1], device=block_ids.device)[None]
-        return self(self.embed(block_ids), self.fuse_context(features), positions, cache)[:, 1:]
+        rows = torch.cat([self.fuse_context(features), self.embed(block_ids).to(self.fc.weight.dtype)], dim=1)
+        if cache.step is not None and cache.length > 0:
+            return cache.step(self, block_ids, rows, positions, cache, notify=cache.notify)[:, 1:]
+        return run_drafter(self, block_ids, rows, positions, cache)[:, 1:]
 
     @torch.no_grad()
     def draft(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
@@ -695,116 +770,3 @@ def check_compatible(config: DrafterConfig, target: PreTrainedModel) -> None:
             f"scores {head_vocab}",
             fix="pair the drafter with the target it was trained for",
         )
-
-
-def target_decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
-    """The decoder layer stack of a transformers causal LM (Qwen3, Llama and their kin)."""
-    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise DflashError(f"cannot find the decoder layers of {type(target).__name__}", fix="use a Qwen3 or Llama target")
-    return layers
-
-
-@contextlib.contextmanager
-def capture_layers(target: PreTrainedModel, layer_ids: list[int]) -> Iterator[list[torch.Tensor]]:
-    """Record the outputs of the chosen decoder layers (only those) during forwards inside the block."""
-    captured: list[torch.Tensor] = []
-    layers = target_decoder_layers(target)
-    slots: dict[int, torch.Tensor] = {}
-
-    def hook(index: int):
-        def record(_module: nn.Module, _args: Any, output: Any) -> None:
-            slots[index] = output[0] if isinstance(output, tuple) else output
-            if len(slots) == len(layer_ids):
-                captured.append(torch.cat([slots[i] for i in range(len(layer_ids))], dim=-1))
-                slots.clear()
-
-        return record
-
-    handles = [layers[layer_id].register_forward_hook(hook(i)) for i, layer_id in enumerate(layer_ids)]
-    try:
-        yield captured
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def capture_target_features(
-    target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int], **forward_kwargs: Any
-) -> tuple[Any, torch.Tensor]:
-    """Run the target once; return its outputs and the concatenated features of `layer_ids` [b, s, n*H]."""
-    with capture_layers(target, layer_ids) as captured:
-        outputs = target(input_ids=input_ids, **forward_kwargs)
-    return outputs, captured[-1]
-
-
-def read_drafter_config(directory: Path) -> DrafterConfig:
-    path = directory / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DflashError(f"no config.json in drafter directory {directory}", fix="point at a DFlash drafter directory or repo id") from None
-    except json.JSONDecodeError as exc:
-        raise DflashError(f"{path} is not valid JSON ({exc})", fix="delete the file and download the drafter again (`dflash pull`)") from None
-    return DrafterConfig.from_dict(raw, source=str(path))
-
-
-def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
-    if not files:
-        raise DflashError(f"no .safetensors weights in drafter directory {directory}", fix="only safetensors checkpoints are loaded; download the drafter again")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = directory / name
-        if not path.exists():
-            raise DflashError(f"drafter shard {path} is missing", fix="download the drafter again (`dflash pull`)")
-        try:
-            state.update(load_file(str(path)))
-        except (SafetensorError, OSError) as exc:
-            raise DflashError(f"drafter weights {path} are corrupt or truncated ({exc})", fix="delete the file and download the drafter again (`dflash pull`)") from None
-    return state
-
-
-def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revision: str | None = None) -> DFlashDrafter:
-    """Load a DFlash or DFlash2 drafter (local directory or Hugging Face repo id) bound to a loaded target.
-
-    The drafter runs in the target's compute dtype on the target's device.
-    """
-    from dflash_cli.hub import resolve_model_dir
-
-    directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")
-    config = read_drafter_config(directory)
-    state = _read_safetensors(directory)
-    for name in ("predecessor_codebook", "successor_codebook"):  # also accept an nn.Embedding-style save
-        key = f"candidate_selector.{name}"
-        if key + ".weight" in state and key not in state:
-            state[key] = state.pop(key + ".weight")
-    with torch.device("meta"):
-        drafter = make_drafter(config)
-    expected = set(drafter.state_dict())
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
-        raise DflashError(
-            f"drafter weights in {directory} do not match its config: "
-            f"missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}",
-            fix="check that config.json and the safetensors come from the same checkpoint",
-        )
-    device = target.get_input_embeddings().weight.device
-    dtype = compute_dtype(target)
-    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    drafter.to(device=device, dtype=dtype)
-    drafter.bind(target)
-    return drafter.eval()
-
-
-def compute_dtype(target: PreTrainedModel) -> torch.dtype:
-    """The dtype activations flow in: the embedding's dtype (NF4 targets keep embeddings unquantized)."""
-    return target.get_input_embeddings().weight.dtype

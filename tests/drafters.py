@@ -18,14 +18,17 @@ from dflash_cli.drafter import DFlashDrafter, DraftCache, DrafterConfig, default
 
 
 def drafter_config(target, *, num_layers: int = 1, block_size: int = 4, layer_ids: list[int] | None = None) -> DrafterConfig:
-    tc = target.config
+    """A drafter for `target`: the target's hidden size (its embeddings and lm_head are shared), 4 heads of its own
+    (targets such as Gemma 4 differ in head shape from layer to layer; the drafter never needs to match them)."""
+    tc = target.config.get_text_config()
+    hidden = tc.hidden_size
     return DrafterConfig(
-        hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
+        hidden_size=hidden,
+        intermediate_size=getattr(tc, "intermediate_size", None) or 2 * hidden,
         num_hidden_layers=num_layers,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
         vocab_size=tc.vocab_size,
         num_target_layers=tc.num_hidden_layers,
         block_size=block_size,
@@ -59,7 +62,7 @@ class OracleDrafter(DFlashDrafter):
         super().__init__(drafter_config(target, block_size=block_size), target)
         self.sequence = list(continuation)  # prompt + target continuation, position-indexed
         self.correct = correct
-        self.vocab = target.config.vocab_size
+        self.vocab = target.config.get_text_config().vocab_size
 
     @torch.no_grad()
     def draft(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:

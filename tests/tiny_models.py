@@ -2,8 +2,11 @@
 
 Everything here builds real artifacts offline, in milliseconds:
 
-- `make_tiny_qwen3(dir, seed)` / `make_tiny_llama(dir, seed)`: a random-init transformers model saved with
-  `save_pretrained` (safetensors, float32) plus a real byte-level BPE tokenizer with a ChatML chat template.
+- `make_tiny(family, dir, seed)`: a random-init transformers model of one of `FAMILIES` (Qwen3, Llama, Qwen3-MoE,
+  the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrids, Gemma 4 dense and MoE, gpt-oss) saved with `save_pretrained`
+  (safetensors, float32) plus a real byte-level BPE tokenizer with a ChatML chat template;
+  `make_tiny_qwen3(dir, seed)` / `make_tiny_llama(dir, seed)` are its two oldest uses. `build_tiny(family, seed)`
+  builds the same model in memory.
 - `make_hf_cache(hf_home, repo_id, src_dir)`: the files of `src_dir` laid out the way huggingface_hub stores a
   download (`hub/models--org--name/{blobs,refs/main,snapshots/<sha>}`), so the real hub calls find them.
 - `tiny_tokenizer()`: the tokenizer alone.
@@ -72,41 +75,103 @@ def tiny_tokenizer() -> Any:
     )
 
 
-def _save(
-    config_class_name: str,
-    model_dir: str | os.PathLike,
-    seed: int,
-    with_tokenizer: bool,
-    max_shard_size: str | None,
-    cfg: dict[str, Any],
-) -> Path:
+# The structural features of each target family, at toy size: the rules under test (recurrent state rollback,
+# sliding windows, attention sinks, K = V global layers, softcapped logits, routed experts) live in these fields,
+# not in the size. Fields not given here come from `_BASE_FIELDS`; keyword overrides win over both.
+_LINEAR_ATTENTION = dict(
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_GEMMA4 = dict(
+    num_hidden_layers=3,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],  # 5:1 in the real models
+    sliding_window=4,  # shorter than the test prompts: the window is really applied
+    attention_k_eq_v=True,  # global layers: keys are values, one KV head of twice the head size
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    final_logit_softcapping=30.0,
+    hidden_size_per_layer_input=0,
+    tie_word_embeddings=True,
+)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {}),
+    "llama": ("LlamaConfig", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(**_EXPERTS, norm_topk_prob=True)),
+    # hybrids: 3 Gated DeltaNet layers (conv + recurrent state) and 1 gated full-attention layer
+    "qwen3_5": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, **_LINEAR_ATTENTION)),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        dict(num_hidden_layers=4, **_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=32),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig", dict(num_hidden_layers=4, **_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=32)
+    ),
+    "gemma4": ("Gemma4TextConfig", _GEMMA4),
+    "gemma4_moe": (
+        "Gemma4TextConfig", dict(_GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    ),
+    # alternating sliding (window 4 here, 128 in the real model) and full layers, learned attention sinks
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+    ),
+}
+_BASE_FIELDS = dict(
+    vocab_size=MODEL_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+)
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """The transformers config of a tiny model of `family` (a key of FAMILIES), with `overrides` applied."""
+    import transformers
+
+    class_name, fields = FAMILIES[family]
+    tok = tiny_tokenizer()
+    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return getattr(transformers, class_name)(**{**_BASE_FIELDS, **ids, **fields, **overrides})
+
+
+def build_tiny(family: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random-init float32 model of `family` in memory, in eval mode (see `tiny_config`)."""
     import torch
     import transformers
 
-    tok = tiny_tokenizer()
-    fields = dict(
-        vocab_size=MODEL_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    config = getattr(transformers, config_class_name)(**{**fields, **cfg})
-    model_dir = Path(model_dir)
+    config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def make_tiny(
+    family: str,
+    model_dir: str | os.PathLike,
+    seed: int = 0,
+    *,
+    with_tokenizer: bool = True,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Save a random-init model of `family` (float32, safetensors) and the tiny tokenizer to `model_dir`.
+
+    `overrides` change config fields (e.g. `num_hidden_layers=4`); `max_shard_size="100KB"` saves a sharded
+    checkpoint with an index. Returns `model_dir` as a Path.
+    """
+    model_dir = Path(model_dir)
+    model = build_tiny(family, seed, **overrides)
     # safetensors is the default; a small max_shard_size writes shards plus model.safetensors.index.json
     model.save_pretrained(model_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if with_tokenizer:
-        tok.save_pretrained(model_dir)
+        tiny_tokenizer().save_pretrained(model_dir)
     return model_dir
 
 
@@ -118,12 +183,8 @@ def make_tiny_qwen3(
     max_shard_size: str | None = None,
     **cfg: Any,
 ) -> Path:
-    """Save a random-init Qwen3ForCausalLM (2 layers, hidden 64, vocab 384, float32) to `model_dir`.
-
-    `cfg` overrides Qwen3Config fields (e.g. `num_hidden_layers=4`); `max_shard_size="100KB"` saves a sharded
-    checkpoint with an index. Returns `model_dir` as a Path.
-    """
-    return _save("Qwen3Config", model_dir, seed, with_tokenizer, max_shard_size, cfg)
+    """Save a random-init Qwen3ForCausalLM (2 layers, hidden 64, vocab 384, float32) to `model_dir`; see `make_tiny`."""
+    return make_tiny("qwen3", model_dir, seed, with_tokenizer=with_tokenizer, max_shard_size=max_shard_size, **cfg)
 
 
 def make_tiny_llama(
@@ -134,9 +195,8 @@ def make_tiny_llama(
     max_shard_size: str | None = None,
     **cfg: Any,
 ) -> Path:
-    """Save a random-init LlamaForCausalLM (2 layers, hidden 64, vocab 384, float32) to `model_dir`; the
-    arguments are those of `make_tiny_qwen3`."""
-    return _save("LlamaConfig", model_dir, seed, with_tokenizer, max_shard_size, cfg)
+    """Save a random-init LlamaForCausalLM (2 layers, hidden 64, vocab 384, float32) to `model_dir`; see `make_tiny`."""
+    return make_tiny("llama", model_dir, seed, with_tokenizer=with_tokenizer, max_shard_size=max_shard_size, **cfg)
 
 
 def _git_blob_sha1(data: bytes) -> str:

@@ -378,9 +378,8 @@ def check_recipes(facts: MachineFacts, recipes: list[Recipe]) -> Check:
             lines.append(f"{recipe.name}: does not fit: {exc.message}")
             continue
         fitting += 1
-        weights = "nf4" if plan.quant == "nf4" else plan.dtype
         size = f", ~{gb(plan.estimated_bytes)}" if plan.estimated_bytes else ""
-        lines.append(f"{recipe.name}: fits, {plan.device} {weights}{size}")
+        lines.append(f"{recipe.name}: fits, {plan.device} {plan.weights}{size}")
     if fitting or not recipes:
         return Check("recipes", "pass", "\n".join(lines) or "no recipes")
     return Check(

@@ -553,22 +553,25 @@ def recipes_list(json_output: JsonFlag = False) -> None:
     table.add_column("target", overflow="fold")
     table.add_column("drafter", overflow="fold")
     table.add_column("block")
-    table.add_column("bf16", no_wrap=True)
+    table.add_column("weights", no_wrap=True)
+    table.add_column("status")
     table.add_column("notes")
     for recipe in recipes:
         flags = (
             ("gated", recipe.gated),
-            ("export only", not recipe.runnable),
+            ("MoE", bool(recipe.expert_bytes)),
             ("user", recipe.source.startswith(user_dir)),
         )
         notes = [note for note, on in flags if on]
-        size = recipe.weight_bytes.get("bf16")
+        # one line per precision: the published checkpoint(s) and NF4 (whose MoE sizes show what NF4 cannot save)
+        sizes = "\n".join(f"{key} {gb(size)}" for key, size in recipe.weight_bytes.items()) or "?"
         table.add_row(
             recipe.name,
             recipe.target.id,
             recipe.drafter.id if recipe.drafter else "-",
             str(recipe.block_size or "config"),
-            gb(size) if size else "?",
+            sizes,
+            "runs" if recipe.runnable else "export only",
             ", ".join(notes),
         )
     console.print(table)

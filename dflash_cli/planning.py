@@ -293,7 +293,8 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     attn_why = (
         recipe_override
         if "attn_implementation" in tuned
-        else "PyTorch's fused attention: on every device, no extra package to install"
+        else "PyTorch's fused attention: on every device, no extra package to install (a model transformers runs "
+        "without an SDPA path, such as gpt-oss with its attention sinks, loads with eager attention)"
     )
     reasons.append(f"attention {attn}: {attn_why}")
     return Plan(device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), native, weights)

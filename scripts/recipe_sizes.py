@@ -36,6 +36,9 @@ GEMMA4 = dict(vocab_size=262144, head_dim=256, global_head_dim=512, attention_k_
               final_logit_softcapping=30.0, hidden_size_per_layer_input=0, tie_word_embeddings=True,
               hidden_activation="gelu_pytorch_tanh")
 
+# Drafter head shapes where the notes give them (gpt-oss drafters: 64 heads, 8 KV heads of 64); else estimated.
+DRAFTER_HEADS = {"gpt-oss-20b": (64, 8, 64), "gpt-oss-120b": (64, 8, 64)}
+
 # name: (config class, fields, drafter (layers, taps))
 TARGETS = {
     "qwen3.5-4b": ("Qwen3_5TextConfig", dict(QWEN35, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
@@ -60,6 +63,8 @@ TARGETS = {
                          tie_word_embeddings=False), (5, 5)),
     "gpt-oss-20b": ("GptOssConfig", dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4), (8, 5)),
     "gpt-oss-120b": ("GptOssConfig", dict(num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4), (8, 5)),
+    # DFlash2's target: assumed to have the Qwen3.6-27B architecture (not in the notes: check its config.json)
+    "qwen3.8-27b": ("Qwen3_5TextConfig", QWEN35_27B, (5, 5)),
     "gemma-4-31b": ("Gemma4TextConfig", dict(GEMMA4, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
                     num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4), (5, 5)),
     "gemma-4-26b-a4b": ("Gemma4TextConfig", dict(GEMMA4, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
@@ -82,11 +87,12 @@ def kv_bytes_per_token(config) -> int:
     return total
 
 
-def drafter_bytes(config, layers: int, taps: int) -> tuple[int, int]:
+def drafter_bytes(name: str, config, layers: int, taps: int) -> tuple[int, int]:
     """(bf16 bytes, KV bytes per token) of a drafter of `layers` Qwen3-style layers on this target's hidden size."""
     text = config.get_text_config()
     hidden = text.hidden_size
-    heads, kv_heads, head_dim = (32, 8, 128) if hidden >= 4096 else (hidden // 128, max(hidden // 512, 1), 128)
+    estimated = (32, 8, 128) if hidden >= 4096 else (hidden // 128, max(hidden // 512, 1), 128)
+    heads, kv_heads, head_dim = DRAFTER_HEADS.get(name, estimated)
     cfg = DrafterConfig(hidden_size=hidden, intermediate_size=getattr(text, "intermediate_size", None) or 3 * hidden,
                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                         head_dim=head_dim, vocab_size=text.vocab_size, num_target_layers=text.num_hidden_layers,
@@ -102,7 +108,7 @@ def main(names: list[str]) -> None:
         class_name, fields, (layers, taps) = TARGETS[name]
         config = getattr(transformers, class_name)(**fields)
         counts = count_parameters(config)
-        d_bytes, d_kv = drafter_bytes(config, layers, taps)
+        d_bytes, d_kv = drafter_bytes(name, config, layers, taps)
         print(f"# {name}: {counts.total / 1e9:.2f} B params loaded ({counts.experts / 1e9:.2f} B in fused experts)")
         print(f"params_billion = {counts.total / 1e9:.2f}")
         print(f"drafter_bytes = {d_bytes:_}")
@@ -110,7 +116,11 @@ def main(names: list[str]) -> None:
         if counts.experts:
             print(f"expert_bytes = {counts.experts * 2:_}")
         print(f"bf16 = {counts.nbytes('bfloat16'):_}")
-        print(f"nf4 = {counts.nbytes('bfloat16', 'nf4'):_}\n")
+        print(f"nf4 = {counts.nbytes('bfloat16', 'nf4'):_}")
+        # fine-grained FP8 (Qwen's -FP8 checkpoints): linear layers and experts at 1 byte plus one fp32 scale per
+        # 128x128 block; embeddings, output head and norms stay bf16
+        quantized = counts.linear + counts.experts
+        print(f"fp8 = {int(quantized * (1 + 4 / 128**2) + counts.other * 2):_}\n")
 
 
 if __name__ == "__main__":

@@ -206,7 +206,8 @@ def test_recipe_fit_report() -> None:
     on_5090 = check_recipes(RTX_5090_CU128, shipped)
     assert on_5090.status == "pass"
     assert "qwen3-8b: fits, cuda bfloat16" in on_5090.detail
-    assert "gpt-oss-20b: not runnable" in on_5090.detail
+    assert "kimi-k2.5: not runnable" in on_5090.detail
+    assert "gpt-oss-20b: does not fit" in on_5090.detail and "MXFP4" in on_5090.detail  # no MXFP4 kernels here
     tiny = dataclasses.replace(RTX_5090_CU128, total_memory=4 * GIB, free_memory=3 * GIB)
     zlab = [recipe for recipe in shipped if recipe.drafter and recipe.drafter.id.startswith("z-lab/")]
     nothing = check_recipes(tiny, zlab)

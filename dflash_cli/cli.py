@@ -601,15 +601,21 @@ GpuMemory = Annotated[
 ]
 
 
+SERVER_ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama-server": "llama.cpp"}
+
+
 def _check_server(value: str) -> str:
-    if value not in ("vllm", "sglang"):
-        raise typer.BadParameter("use vllm or sglang")
+    value = SERVER_ALIASES.get(value.lower(), value.lower())
+    if value not in ("vllm", "sglang", "llama.cpp"):
+        raise typer.BadParameter("use vllm, sglang or llama.cpp")
     return value
 
 
 @app.command(rich_help_panel="Scale out")
 def export(
-    server: Annotated[str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm or sglang.")],
+    server: Annotated[
+        str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm, sglang or llama.cpp.")
+    ],
     name: RecipeName = None,
     target: Target = None,
     drafter: Drafter = None,
@@ -618,8 +624,9 @@ def export(
     gpu_memory: GpuMemory = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`) or
-    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`)."""
+    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`),
+    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`) or llama.cpp (`llama-server -m
+    TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`, with the GGUF conversion steps)."""
     from dflash_cli.export import EXPORTERS, serving_hardware
     from dflash_cli.hardware import detect_machine
 

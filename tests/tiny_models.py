@@ -111,6 +111,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma4_moe": (
         "Gemma4TextConfig", dict(_GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
     ),
+    # a Mamba-2 hybrid (not a Gated DeltaNet): its state is rolled back by the general method
+    "bamba": (
+        "BambaConfig",
+        dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
+             mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=16),
+    ),
     # alternating sliding (window 4 here, 128 in the real model) and full layers, learned attention sinks
     "gpt_oss": (
         "GptOssConfig",

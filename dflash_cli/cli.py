@@ -403,6 +403,11 @@ def pull(
         str | None, typer.Option(help="Pin the target to a branch, tag or commit (with --target).", rich_help_panel=MODEL)
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size; fetch nothing.")] = False,
+    fp8: Annotated[
+        bool,
+        typer.Option("--fp8", help="Fetch the recipe's published FP8 copy of the target (what --quant fp8 loads).",
+                     rich_help_panel=MODEL),
+    ] = False,  # fmt: skip
     json_output: JsonFlag = False,
 ) -> None:
     """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first.
@@ -413,6 +418,10 @@ def pull(
     from dflash_cli.loading import pull_recipe
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
+    if fp8:
+        if "fp8" not in recipe.checkpoints:
+            raise DflashError(f"recipe {recipe.name} names no published FP8 checkpoint", fix="drop --fp8")
+        recipe = dataclasses.replace(recipe, target=recipe.checkpoints["fp8"])
     if revision is not None:
         recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, revision=revision))
     pull_recipe(recipe, console, dry_run=dry_run, json=json_output)

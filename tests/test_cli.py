@@ -154,6 +154,21 @@ def test_pull_downloads_target_and_drafter_then_works_offline(
     assert again.exit_code == 0 and all(p["download_bytes"] == 0 for p in json.loads(again.stdout))
 
 
+def test_pull_fp8_fetches_the_recipes_fp8_checkpoint(fake_hub, hf_home: Path, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    fake_hub.add_repo("org/tiny-FP8", tiny_qwen3_dir, sha="c" * 40)
+    fake_hub.add_repo("org/tiny-dflash", CONFORMANCE_DRAFTER, sha="b" * 40)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        'name = "tiny-moe"\ndescription = "d"\ndrafter = "org/tiny-dflash"\n[target]\nid = "org/tiny"\n'
+        '[checkpoints]\nfp8 = "org/tiny-FP8"\n[weight_bytes]\nbf16 = 1000\nfp8 = 500\n'
+    )
+    planned = runner.invoke(app, ["pull", str(recipe), "--fp8", "--dry-run", "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert [p["repo_id"] for p in json.loads(planned.stdout)] == ["org/tiny-FP8", "org/tiny-dflash"]
+    refused = runner.invoke(app, ["pull", "qwen3-8b", "--fp8"])
+    assert refused.exit_code == 1 and "no published FP8 checkpoint" in refused.output
+
+
 def test_pull_offline_and_uncached_is_one_clear_error(offline: Path) -> None:
     result = runner.invoke(app, ["pull", "--target", "org/missing"])
     assert result.exit_code == 1

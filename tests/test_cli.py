@@ -289,4 +289,4 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
 def test_export_names_its_servers() -> None:
     result = runner.invoke(app, ["export", "triton", "qwen3-8b"])
     assert result.exit_code == 2
-    assert "use vllm or sglang" in result.output
+    assert "use vllm, sglang or llama.cpp" in result.output

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from dflash_cli import speculative_generate
 from dflash_cli.cli import app
 from drafters import OracleDrafter, save_random_drafter
-from tiny_models import build_tiny, make_tiny
+from tiny_models import build_tiny, make_tiny, make_tiny_mxfp4_gpt_oss
 
 FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss"]
 NEW_TOKENS = 40
@@ -92,3 +92,22 @@ def test_dflash_chat_runs_every_family_from_local_directories(family: str, tmp_p
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "12 tokens" in result.stderr and "DFlash block 4" in result.stderr
+
+
+def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessly(tmp_path: Path) -> None:
+    """gpt-oss ships its experts as MXFP4 blocks and scales. Where transformers has no MXFP4 kernels (this CPU),
+    the loader dequantizes them explicitly, to exactly the values the blocks encode, and the plan sizes them so."""
+    from dflash_cli.loading import load_target, read_checkpoint
+    from dflash_cli.planning import Plan
+
+    directory, expected_model = make_tiny_mxfp4_gpt_oss(tmp_path / "gpt-oss")
+    checkpoint = read_checkpoint(directory)
+    assert checkpoint.prequantized == "mxfp4"
+    assert checkpoint.nbytes("float32") > 2 * checkpoint.stored_bytes  # dequantized: much bigger than stored
+    model = load_target(directory, Plan("cpu", "float32", "none", None, "sdpa", "cpu", None, None, ()))
+    for (name, got), (_, want) in zip(model.named_parameters(), expected_model.named_parameters(), strict=True):
+        assert torch.equal(got, want), name
+    prompt = list(PROMPT)
+    expected = greedy(model, prompt, 24)
+    drafter = OracleDrafter(model, prompt + expected, block_size=8, correct=[0, 7, 3])
+    assert speculative_generate(model, drafter, prompt, 24).token_ids == expected

@@ -17,6 +17,7 @@ Stable interface: other test files import these names; keep their signatures.
 from __future__ import annotations
 
 import functools
+import json
 import hashlib
 import os
 import shutil
@@ -239,3 +240,53 @@ def make_hf_cache(
         link.symlink_to(os.path.relpath(blob, link.parent))
     (storage / "refs" / revision).write_text(sha)
     return snapshot
+
+
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1 magnitudes; codes 8-15 are their negatives
+
+
+def _mxfp4(matrix: Any) -> tuple[Any, Any]:
+    """MXFP4 encoding of a [..., rows, cols] tensor along its last dim: blocks [..., rows, cols/32, 16] (two 4-bit
+    codes per byte, the even element in the low nibble) and scales [..., rows, cols/32] (a power of two, +127)."""
+    import torch
+
+    groups = matrix.reshape(*matrix.shape[:-1], matrix.shape[-1] // 32, 32).float()
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(_FP4_VALUES)
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def make_tiny_mxfp4_gpt_oss(model_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, Any]:
+    """A tiny gpt-oss checkpoint laid out as OpenAI publishes gpt-oss: the experts stored as MXFP4 blocks and
+    scales with a `quantization_config`, the rest in float32. Returns (directory, the model whose expert weights
+    are exactly the MXFP4 values: what a loader that dequantizes must reproduce)."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = build_tiny("gpt_oss", seed)
+    model_dir = Path(model_dir)
+    model.save_pretrained(model_dir)
+    lut = torch.tensor(_FP4_VALUES + tuple(-v for v in _FP4_VALUES))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stored = state.pop(name).transpose(1, 2)  # the checkpoint keeps [experts, out, in]
+        blocks, scales = _mxfp4(stored)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        # what dequantization gives back, put into the reference model
+        values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], -1).flatten(-2)
+        values = values * torch.exp2(scales.float() - 127)[..., None]
+        with torch.no_grad():
+            model.get_parameter(name).copy_(values.reshape(stored.shape).transpose(1, 2))
+    for stale in model_dir.glob("*.safetensors*"):
+        stale.unlink()
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir, model

@@ -64,7 +64,7 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
 def test_real_checks_on_this_machine_are_sane(hf_home: Path) -> None:
     checks = by_name(run_checks())
     expected = {
-        "python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache", "hf token",
+        "python", "torch", "driver", "gpu", "bitsandbytes", "mxfp4", "transformers", "accelerate", "hf cache", "hf token",
         "offline mode", "recipes", "dflash command",
     }  # fmt: skip
     assert set(checks) == expected
@@ -219,3 +219,12 @@ def test_a_broken_user_recipe_is_a_failed_check(tmp_path: Path) -> None:
     (tmp_path / "user-recipes" / "bad.toml").write_text("name = 1\n")
     check = by_name(run_checks(CPU))["recipes"]
     assert check.status == "fail" and "bad.toml" in check.detail
+
+
+def test_mxfp4_check_says_how_gpt_oss_will_load() -> None:
+    from dflash_cli.doctor import check_mxfp4
+
+    assert "run as stored" in check_mxfp4(dataclasses.replace(RTX_5090_CU128, mxfp4_kernels=True)).detail
+    without = check_mxfp4(RTX_5090_CU128)
+    assert "dequantized to bf16" in without.detail and "pip install 'triton>=3.4' kernels" in without.detail
+    assert "no kernels" in check_mxfp4(CPU).detail

@@ -23,7 +23,7 @@ from dflash_cli.cli import app
 from drafters import OracleDrafter, save_random_drafter
 from tiny_models import build_tiny, make_tiny, make_tiny_mxfp4_gpt_oss
 
-FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss"]
+FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss", "llama4"]
 NEW_TOKENS = 40
 
 

@@ -112,6 +112,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma4_moe": (
         "Gemma4TextConfig", dict(_GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
     ),
+    # chunked attention (window 4) and MoE; its decoder keeps the layers without a `get_decoder().layers`
+    "llama4": (
+        "Llama4TextConfig",
+        dict(num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128, attention_chunk_size=4,
+             interleave_moe_layer_step=1),
+    ),
     # a Mamba-2 hybrid (not a Gated DeltaNet): its state is rolled back by the general method
     "bamba": (
         "BambaConfig",

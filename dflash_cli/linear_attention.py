@@ -188,9 +188,12 @@ class LinearStateRollback:
             for name in ("query", "key", "value", "g", "beta"):
                 stacked[name] = stacked[name][:, :n]
             options = {k: v for k, v in calls[0][1].items() if k not in stacked}
-            # called the way transformers calls it (q, k, v positional): kernels from fla name them otherwise
+            # called the way transformers calls it (q, k, v positional): kernels from fla name them otherwise.
+            # transformers' own torch kernel pads to its chunk (64 by default): a chunk the size of a draft block
+            # does the same math on less padding (fla's kernels take no chunk_size and never see it).
             q, k, v = stacked.pop("query"), stacked.pop("key"), stacked.pop("value")
-            _, final = kernel(q, k, v, **stacked, output_final_state=True, **options)
+            chunk = max(16, 1 << (n - 1).bit_length())
+            _, final = kernel(q, k, v, **stacked, output_final_state=True, chunk_size=chunk, **options)
             for row, (layer, _, _) in enumerate(calls):
                 layer.recurrent_states[0].copy_(final[row : row + 1])
 

@@ -683,10 +683,10 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
     """Load the prompts and the recipe, run every mode, and summarize. Progress goes to `console`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    check_outputs(settings)
+    prompts = load_prompts(settings)  # bad input fails before torch and the models load
     from dflash_cli.session import open_session
 
-    check_outputs(settings)
-    prompts = load_prompts(settings)
     session = open_session(options, console)
     modes = plan_modes(session, options, settings)
     params = session.sampling_params(options)

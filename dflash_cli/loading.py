@@ -20,7 +20,7 @@ from rich.filesize import decimal as format_bytes
 
 from dflash_cli.errors import DflashError
 from dflash_cli.choices import BYTES_PER_ELEMENT
-from dflash_cli.hub import check_model_dir, display_name, resolve_model_dir, safetensors_files
+from dflash_cli.hub import check_model_dir, display_name, quiet_transformers_progress, resolve_model_dir, safetensors_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -175,20 +175,13 @@ def _check_architecture(checkpoint: Checkpoint) -> Any:
 
 @contextlib.contextmanager
 def _loading_display(console: Console | None, message: str) -> Iterator[None]:
-    """A rich spinner while a model loads, with transformers' own tqdm bars off so they do not fight it."""
-    if console is None:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    """A rich spinner while a model loads (with a console), and never transformers' tqdm bars."""
+    with quiet_transformers_progress():
+        if console is None:
+            yield
+            return
         with console.status(message):
             yield
-    finally:
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
 
 
 def load_target(

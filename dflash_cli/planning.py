@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES, QUANTS, gb, normalize_dtype
+from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES, QUANTS, gb, normalize_device, normalize_dtype
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
 
@@ -90,9 +90,8 @@ def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str
             "cpu": "no GPU visible to torch",
         }[facts.kind]
         return facts.kind, why
-    kind, _, index = requested.lower().partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and not (kind == "cuda" and index.isdigit())):
-        raise DflashError(f"unknown device {requested!r}", fix="use cuda, cuda:N, mps or cpu")
+    device = normalize_device(requested)
+    kind, _, index = device.partition(":")
     if kind != "cpu" and kind != facts.kind:
         raise DflashError(
             f"--device {requested}: no {kind.upper()} device is visible to torch on this machine",
@@ -103,7 +102,7 @@ def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str
             f"--device {requested}: this machine has {facts.gpu_count} CUDA GPU(s), numbered from 0",
             fix=f"use cuda:0 to cuda:{facts.gpu_count - 1}",
         )
-    return requested.lower(), "--device"
+    return device, "--device"
 
 
 def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:

@@ -85,18 +85,7 @@ class Session:
                 f"{self.recipe.target.id} has no chat template",
                 fix="use `dflash run` with plain {\"prompt\": ...} lines, or a chat (instruct) model",
             )
-        from jinja2.exceptions import TemplateError
-
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True, **self.recipe.chat_template_kwargs
-            )
-        except TemplateError as error:  # e.g. templates that allow no system prompt
-            raise DflashError(
-                f"the chat template rejects this conversation: {error}",
-                fix="drop the system message, or start the conversation with a user message",
-            ) from None
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return apply_chat_template(self.tokenizer, messages, self.recipe.chat_template_kwargs)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
@@ -118,6 +107,26 @@ class Session:
         return generate(
             self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer
         )
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any]
+) -> list[int]:
+    """Token ids of the conversation, ready for the assistant's reply, rendered with the recipe's template options
+    (`enable_thinking = false` for the Qwen3 drafters). `dflash train` renders its prompts with this too, so a
+    drafter is distilled on exactly what it will be served."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        encoded = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
+    except TemplateError as error:  # e.g. templates that allow no system prompt
+        raise DflashError(
+            f"the chat template rejects this conversation: {error}",
+            fix="drop the system message, or start the conversation with a user message",
+        ) from None
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def open_session(options: RunOptions, console: Console | None = None) -> Session:

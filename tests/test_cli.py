@@ -275,3 +275,61 @@ def test_export_names_its_servers() -> None:
     result = runner.invoke(app, ["export", "triton", "qwen3-8b"])
     assert result.exit_code == 2
     assert "use vllm or sglang" in result.output
+
+
+# The real entry point in a fresh interpreter that reports, as it exits, whether torch was ever imported.
+TORCH_PROBE = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: sys.stderr.write('\\ntorch imported: %s\\n' % ('torch' in sys.modules)))\n"
+    "from dflash_cli.cli import main\n"
+    "sys.argv[0] = 'dflash'\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["chat", "demo", "--device", "banana", "--prompt", "hi"], "unknown device 'banana'"),
+        (["chat", "demo", "--device", "cuda:x", "--prompt", "hi"], "unknown device"),
+        (["chat", "demo", "--dtype", "banana", "--prompt", "hi"], "unknown dtype"),
+        (["chat", "demo", "--quant", "int8", "--prompt", "hi"], "none, nf4"),
+        (["chat", "demo"], "nothing to answer"),  # stdin is /dev/null: not a terminal, and empty
+        (["bench", "demo", "--set", "poetry"], "unknown prompt set 'poetry'"),
+        (["bench", "demo", "--prompts", "missing.jsonl"], "missing.jsonl does not exist"),
+        (["bench", "demo", "--device", "tpu"], "unknown device"),
+        (["train", "--target", "demo", "--prompts", "missing.jsonl", "--output", "out"], "does not exist"),
+        (["train", "--target", "demo", "--prompts", "p.txt", "--output", "out", "--eval-file", "no.txt"], "no.txt"),
+        (["train", "--target", "demo", "--prompts", "p.txt", "--output", "out", "--device", "tpu"], "unknown device"),
+    ],
+)
+def test_usage_errors_exit_2_before_torch_is_imported(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "p.txt").write_text("Hello\n" * 40)
+    env = {**isolated_env(tmp_path), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-c", TORCH_PROBE, *args],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert "torch imported: False" in done.stderr
+    assert not (tmp_path / "out").exists()  # a refused train leaves no output folder
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["chat", "nope", "--prompt", "hi"],
+        ["bench", "demo", "--drafter", "a", "--target", "b", "--recipe", "c.toml"],
+        ["train", "--target", "demo", "--prompts", "short.txt", "--output", "out"],  # too few prompts to hold out 32
+    ],
+)
+def test_input_errors_are_found_before_torch_is_imported(tmp_path: Path, args: list[str]) -> None:
+    (tmp_path / "short.txt").write_text("Hello\n")
+    done = subprocess.run(
+        [sys.executable, "-c", TORCH_PROBE, *args],
+        cwd=tmp_path, env=isolated_env(tmp_path), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stderr.startswith("error: ")
+    assert "torch imported: False" in done.stderr
+    assert not (tmp_path / "out").exists()

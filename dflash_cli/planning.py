@@ -66,14 +66,20 @@ class Plan:
         return {**asdict(self), "reasons": list(self.reasons)}
 
 
+def target_weight_bytes(recipe: Recipe, dtype: str, quant: str) -> int | None:
+    """The target's weights in `dtype` (or NF4), from the recipe's sizes; None when it does not list them."""
+    if quant == "nf4":
+        return recipe.weight_bytes.get("nf4")
+    if "bf16" not in recipe.weight_bytes:
+        return None
+    return int(recipe.weight_bytes["bf16"] * BYTES_PER_ELEMENT[dtype] / 2)  # recipe sizes are bf16 sizes
+
+
 def estimate_bytes(recipe: Recipe, dtype: str, quant: str) -> int | None:
     """Memory to run `recipe` in `dtype` with `quant`: weights, bf16-sized drafter and KV cache scaled to
     `dtype`, the overhead. None when the recipe does not say how big the target is."""
     scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
-    if quant == "nf4":
-        weights = recipe.weight_bytes.get("nf4")
-    else:
-        weights = recipe.weight_bytes["bf16"] * scale if "bf16" in recipe.weight_bytes else None
+    weights = target_weight_bytes(recipe, dtype, quant)
     if weights is None:
         return None
     drafter = (recipe.drafter_bytes or 0) * scale if recipe.drafter is not None else 0
@@ -247,3 +253,52 @@ def _does_not_fit(
             f"fits), or serve it across GPUs: `dflash export vllm {recipe.name}`"
         )
     return DflashError(f"{recipe.name} needs ~{gb(estimate or 0)} {how}; this machine has {where}", fix=fix)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expected speed
+
+# Plain decoding reads every weight once per token, so tokens/s <= weight bandwidth / weight bytes. Verdicts by
+# that bound: reading speed is about 5-8 tokens/s.
+SPEED_VERDICTS = (
+    (30.0, "fast"),
+    (8.0, "fine for chat"),
+    (2.0, "slow: sluggish in chat, usable for `dflash run` batches"),
+    (0.0, "too slow for chat"),
+)
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """The most tokens per second plain decoding can reach here: the target's weights read once per token at the
+    bandwidth measured on this device (hardware.weight_bandwidth). DFlash multiplies it by up to tau; the KV
+    cache and per-step overheads take some of it back."""
+
+    tokens_per_s: float
+    bytes_per_token: int
+    bandwidth: float  # bytes/s
+    note: str = ""  # what makes the real speed lower still
+
+    @property
+    def verdict(self) -> str:
+        return next(label for floor, label in SPEED_VERDICTS if self.tokens_per_s >= floor)
+
+    def describe(self, where: str = "here") -> str:
+        rate = f"{self.tokens_per_s:.1f}" if self.tokens_per_s < 10 else f"{self.tokens_per_s:.0f}"
+        note = f"; {self.note}" if self.note else ""
+        return (
+            f"~{rate} tok/s at most {where} without drafting ({gb(self.bytes_per_token)} read per token at "
+            f"{self.bandwidth / 1e9:.0f} GB/s): {self.verdict}{note}"
+        )
+
+
+def expected_speed(recipe: Recipe, plan: Plan, bandwidth: float) -> SpeedEstimate | None:
+    """The speed bound of `recipe` run as `plan` at `bandwidth` bytes/s (measured in the plan's dtype on its
+    device); None when the recipe does not list its size."""
+    weights = target_weight_bytes(recipe, plan.dtype, plan.quant)
+    if weights is None or bandwidth <= 0:
+        return None
+    note = ""
+    if plan.quant == "nf4" and plan.device.partition(":")[0] != "cuda":
+        note = "NF4 off CUDA dequantizes every weight each step, several times slower than this"
+    return SpeedEstimate(bandwidth / weights, weights, bandwidth, note)

@@ -187,7 +187,7 @@ def test_unknown_recipe_prints_error_and_fix_and_exits_1() -> None:
     assert "Traceback" not in result.output
 
 
-def test_doctor_json(hf_home: Path) -> None:
+def test_doctor_json(hf_home: Path, fake_hub) -> None:
     result = runner.invoke(app, ["doctor", "--json"])
     report = json.loads(result.stdout)
     assert result.exit_code == report["exit_code"] == 0
@@ -195,7 +195,7 @@ def test_doctor_json(hf_home: Path) -> None:
     assert {"python", "torch", "gpu", "recipes"} <= {check["name"] for check in report["checks"]}
 
 
-def test_doctor_exits_1_when_a_check_fails(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_exits_1_when_a_check_fails(hf_home: Path, unreachable_hub: str, monkeypatch: pytest.MonkeyPatch) -> None:
     rtx_5090_on_cu126 = MachineFacts(
         kind="cuda",
         gpu_name="NVIDIA GeForce RTX 5090",

@@ -36,19 +36,29 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from dflash_cli.choices import gb
 from dflash_cli.errors import DflashError
 
 if TYPE_CHECKING:
     import torch
 
-    from dflash_cli.params import SamplingParams
     from dflash_cli.options import RunOptions
+    from dflash_cli.params import SamplingParams
+    from dflash_cli.planning import SpeedEstimate
     from dflash_cli.session import Session
 
 PROMPT_SET_DIR = Path(__file__).resolve().parent / "assets" / "bench_prompts"
 PROMPT_SETS = ("math", "code", "chat")
 SCHEMA = "dflash-bench/1"
 WARMUP_MAX_TOKENS = 32  # enough to warm kernels and the allocator; the warm-up is not measured
+# The default run is sized to finish in about a minute, like llama-bench's default (one 128-token generation
+# test); --full is the sweep docs/benchmarks.md reports: every prompt, 512 tokens, 3 rounds.
+QUICK_MAX_TOKENS, FULL_MAX_TOKENS = 128, 512
+QUICK_REPEAT, FULL_REPEAT = 1, 3
+QUICK_BUDGET_S = 60.0
+# Real decoding reaches about half of the weight-bandwidth bound (the demo on a 2-core CPU: 0.5-0.8 of it); the
+# rest goes to the KV cache, kernel launches and Python between steps. Used only to size and estimate a run.
+DECODE_EFFICIENCY = 0.5
 PROMPT_FILE_FIX = (
     'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} '
     'or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed), each optionally with an "id"'
@@ -78,7 +88,8 @@ def load_prompt_set(name: str) -> list[BenchPrompt]:
             f"unknown prompt set {name!r}", fix=f"{hint}use --set math, code, chat or all, or --prompts FILE.jsonl"
         )
     names = PROMPT_SETS if name == "all" else (name,)
-    return [prompt for set_name in names for prompt in load_prompt_file(PROMPT_SET_DIR / f"{set_name}.jsonl")]
+    sets = [load_prompt_file(PROMPT_SET_DIR / f"{set_name}.jsonl") for set_name in names]
+    return [prompt for group in zip(*sets) for prompt in group]  # interleaved: the first N cover every set
 
 
 def load_prompt_file(path: str | os.PathLike[str]) -> list[BenchPrompt]:
@@ -507,12 +518,22 @@ class BenchSettings:
     before_after: bool = False
     prompt_set: str | None = None  # None: all built-in sets, unless prompts_file is given
     prompts_file: str | None = None
-    repeat: int = 3
+    repeat: int | None = None  # None: QUICK_REPEAT, or FULL_REPEAT with full
+    full: bool = False  # every prompt of the sets and FULL_REPEAT rounds; else sized to about a minute here
     block_sizes: tuple[int, ...] = ()  # a sweep; empty: the plan's block size
     limit: int | None = None  # use only the first N prompts
     output: str | None = None  # JSON report file
     png: str | None = None
     command: str = ""  # the command line, for the report's metadata
+
+    @property
+    def rounds(self) -> int:
+        return self.repeat if self.repeat is not None else FULL_REPEAT if self.full else QUICK_REPEAT
+
+    @property
+    def sized_here(self) -> bool:
+        """The prompt count is this machine's choice: built-in sets, no --limit, no --full."""
+        return not (self.full or self.limit or self.prompts_file)
 
 
 @dataclass
@@ -679,9 +700,83 @@ def collect_metadata(session: Session, command: str) -> dict[str, Any]:
     }
 
 
+def expected_speed_here(session: Session) -> SpeedEstimate:
+    """The decode-speed bound of the loaded target on its device: its weight bytes (as loaded, so ad-hoc models
+    count too) at the weight bandwidth measured there."""
+    from dflash_cli.hardware import weight_bandwidth
+    from dflash_cli.planning import SpeedEstimate
+
+    weights = sum(p.numel() * p.element_size() for p in session.target.parameters())
+    bandwidth = weight_bandwidth(str(_device(session)), session.plan.dtype)
+    return SpeedEstimate(bandwidth / weights, weights, bandwidth)
+
+
+def prompts_per_set(tokens_per_s: float, modes: int, max_tokens: int, repeat: int, sets: int) -> int:
+    """How many prompts of each built-in set fit QUICK_BUDGET_S at `tokens_per_s`: 1, 2, 4 or 8 (a set's size).
+    Powers of two, so the choice does not flip between runs on a noisy machine."""
+    affordable = QUICK_BUDGET_S * tokens_per_s / (modes * max_tokens * repeat * sets)
+    count = 1
+    while count * 2 <= min(affordable, 8):
+        count *= 2
+    return count
+
+
+def run_tokens(modes: int, prompts: int, max_tokens: int, repeat: int) -> int:
+    """The most tokens a run generates: one warm-up per mode, then every prompt in every mode, `repeat` times."""
+    return modes * (min(max_tokens, WARMUP_MAX_TOKENS) + prompts * max_tokens * repeat)
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def describe_run(
+    prompts: Sequence[BenchPrompt], modes: Sequence[Mode], max_tokens: int, settings: BenchSettings,
+    speed: SpeedEstimate, full_prompts: int,
+) -> str:  # fmt: skip
+    """What the run will do and about how long it takes here, printed before it starts."""
+    rate = speed.tokens_per_s * DECODE_EFFICIENCY
+    tokens = run_tokens(len(modes), len(prompts), max_tokens, settings.rounds)
+    count = f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}"
+    rounds = f"{settings.rounds} round{'s' if settings.rounds != 1 else ''}"
+    text = (
+        f"bench: {count} × up to {max_tokens} tokens × {rounds}, {' and '.join(m.label for m in modes)} (after a "
+        f"warm-up each): at most {tokens:,} tokens, about {format_duration(tokens / rate)} here "
+        f"(decoding reads {gb(speed.bytes_per_token)} per token at {speed.bandwidth / 1e9:.0f} GB/s)"
+    )
+    if settings.sized_here:
+        full = run_tokens(len(modes), full_prompts, FULL_MAX_TOKENS, FULL_REPEAT)
+        text += (
+            f". The full sweep: --full ({full_prompts} prompts × {FULL_MAX_TOKENS} tokens × {FULL_REPEAT} rounds, "
+            f"about {format_duration(full / rate)} here)"
+        )
+    return text
+
+
+class ProgressLines:
+    """Progress on a console that is not a terminal (a log, CI): one line as each generation starts, with the
+    time left estimated from the tokens budgeted so far. (A terminal gets rich's live bar instead.)"""
+
+    def __init__(self, console: Console, total: float) -> None:
+        self.console, self.total, self.done, self.count = console, total, 0.0, 0
+        self.started = time.perf_counter()
+
+    def update(self, description: str, done: float) -> None:
+        self.count += 1
+        elapsed = time.perf_counter() - self.started
+        left = f", about {format_duration(elapsed / done * (self.total - done))} left" if done else ""
+        self.console.print(
+            f"bench {self.count}: {description} ({format_duration(elapsed)} elapsed{left})", highlight=False, markup=False
+        )
+
+
 def benchmark(options: RunOptions, settings: BenchSettings, console: Console | None = None) -> BenchReport:
-    """Load the prompts and the recipe, run every mode, and summarize. Progress goes to `console`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """Load the prompts and the recipe, run every mode, and summarize. The plan, an estimate of the time it
+    takes and progress go to `console` (live on a terminal, one line per generation elsewhere)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     check_outputs(settings)
     prompts = load_prompts(settings)  # bad input fails before torch and the models load
@@ -690,27 +785,45 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
     session = open_session(options, console)
     modes = plan_modes(session, options, settings)
     params = session.sampling_params(options)
+    repeat = settings.rounds
+    speed = expected_speed_here(session)
+    if settings.sized_here:
+        sets = 1 if settings.prompt_set not in (None, "all") else len(PROMPT_SETS)
+        per_set = prompts_per_set(speed.tokens_per_s * DECODE_EFFICIENCY, len(modes), params.max_new_tokens, repeat, sets)
+        full_count, prompts = len(prompts), prompts[: per_set * sets]
+    else:
+        full_count = len(prompts)
+    if console is not None:
+        console.print(describe_run(prompts, modes, params.max_new_tokens, settings, speed, full_count), highlight=False)
     encoded = [(prompt.id, encode_prompt(session, prompt)) for prompt in prompts]
-    total = len(modes) * (1 + settings.repeat * len(encoded))
+    # Progress counts budgeted tokens, so a 32-token warm-up weighs a quarter of a 128-token run.
+    warmup = min(params.max_new_tokens, WARMUP_MAX_TOKENS)
+    total = run_tokens(len(modes), len(encoded), params.max_new_tokens, repeat)
+    interactive = console is not None and console.is_terminal
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
         console=console,
-        disable=console is None,
+        disable=not interactive,
         transient=True,
     )
+    lines = ProgressLines(console, total) if console is not None and not interactive else None
     with progress:
         task = progress.add_task("bench", total=total)
-        started = 0
+        done, previous = 0.0, 0
 
         def on_run(mode: Mode, prompt_id: str) -> None:  # called as each generation starts
-            nonlocal started
-            progress.update(task, description=f"{mode.label} · {prompt_id}", completed=started)
-            started += 1
+            nonlocal done, previous
+            done += previous
+            previous = warmup if prompt_id == "warm-up" else params.max_new_tokens
+            progress.update(task, description=f"{mode.label} · {prompt_id}", completed=done)
+            if lines is not None:
+                lines.update(f"{mode.label} · {prompt_id}", done)
 
-        rows, peaks = run_bench(session, encoded, params, modes, repeat=settings.repeat, on_run=on_run)
+        rows, peaks = run_bench(session, encoded, params, modes, repeat=repeat, on_run=on_run)
     device = _device(session)
     return BenchReport(
         modes=summarize(rows, peaks),
@@ -718,7 +831,7 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
         settings={
             "prompts": settings.prompts_file or f"set:{settings.prompt_set or 'all'}",
             "prompt_count": len(encoded),
-            "repeat": settings.repeat,
+            "repeat": repeat,
             "warmup": {"generations_per_mode": 1, "max_new_tokens": min(params.max_new_tokens, WARMUP_MAX_TOKENS)},
             "max_new_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -777,12 +890,15 @@ def render_table(report: BenchReport) -> Table:
     settings = report.settings
     recipe, plan = report.metadata["recipe"]["name"], report.metadata["plan"]
     table = Table(
-        title=f"dflash bench · {recipe} · {plan['device']} {plan['dtype']} · {settings['prompt_count']} prompts × "
-        f"{settings['repeat']} · max {settings['max_new_tokens']} tokens · temperature {settings['temperature']:g}",
+        title=f"dflash bench · {recipe} · {plan['device']} {plan['dtype']} · {settings['prompt_count']} "
+        f"prompt{'s' if settings['prompt_count'] != 1 else ''} × {settings['repeat']} "
+        f"round{'s' if settings['repeat'] != 1 else ''} · max {settings['max_new_tokens']} tokens · "
+        f"temperature {settings['temperature']:g}",
         title_justify="left",
-        caption="decode tok/s: mean ± std over repetitions · speedup: baseline time per output token / DFlash's · "
-        "tau: mean tokens per verify step · accept: histogram of tokens per step, 1..B · same: prompts whose "
-        "output is token-identical to the baseline's",
+        caption="decode tok/s: mean ± std over rounds · speedup: baseline time per output token / DFlash's · "
+        "tau: tokens committed per verify step, averaged per prompt then over prompts (JSON: tau; "
+        "tokens_per_step pools every step instead) · accept: histogram of tokens per step, 1..B · same: prompts "
+        "whose output is token-identical to the baseline's",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -820,7 +936,8 @@ def render_identity(report: BenchReport) -> Text:
         )
     if report.identical:
         prompts = len({row.prompt_id for row in report.rows})
-        return Text(f"✓ greedy outputs are token-identical to the baseline on all {prompts} prompts", style="green")
+        which = f"all {prompts} prompts" if prompts != 1 else "the 1 prompt"
+        return Text(f"✓ greedy outputs are token-identical to the baseline on {which}", style="green")
     lines = Text()
     baseline = {row.prompt_id: row for row in report.rows if row.mode == BASELINE}
     mark, style = ("✗", "bold red") if report.bit_exact else ("~", "yellow")

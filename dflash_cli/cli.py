@@ -365,10 +365,12 @@ def _check_prompt_set(value: str | None) -> str | None:
 @with_run_flags
 def bench(
     options: RunOptions,
+    ctx: typer.Context,
     before_after: Annotated[bool, typer.Option("--before-after", help="Also run the baseline (the same loop without the drafter) on the same prompts: speedup and a token-identity check.", rich_help_panel=BENCH)] = False,
     prompt_set: Annotated[str | None, typer.Option("--set", metavar="math|code|chat|all", callback=_check_prompt_set, help="Built-in prompt set, 8 prompts each (default: all).", rich_help_panel=BENCH)] = None,
     prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", callback=_existing_file, help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
-    repeat: Annotated[int, typer.Option(min=1, help="Timed repetitions of every prompt in every mode (after one untimed warm-up per mode).", rich_help_panel=BENCH)] = 3,
+    full: Annotated[bool, typer.Option("--full", help="The full sweep: every prompt of the sets, up to 512 tokens, 3 rounds (minutes on a GPU, an hour or more on a CPU).", rich_help_panel=BENCH)] = False,
+    repeat: Annotated[int | None, typer.Option(min=1, show_default=False, help="Timed rounds of every prompt in every mode, after one untimed warm-up per mode (default: 1; 3 with --full).", rich_help_panel=BENCH)] = None,
     block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep block sizes: one DFlash run per size, with tau and speedup each.", rich_help_panel=BENCH)] = None,
     limit: Annotated[int | None, typer.Option(min=1, metavar="N", help="Use only the first N prompts (a quick look).", rich_help_panel=BENCH)] = None,
     output: Annotated[str | None, typer.Option("--output", metavar="FILE.json", help="Also save the JSON report (per-prompt rows, machine, plan, recipe, command).", rich_help_panel=BENCH)] = None,
@@ -377,15 +379,19 @@ def bench(
 ) -> None:
     """Measure speed and acceptance: DFlash against the baseline on the same prompts.
 
+    By default a run takes about a minute: up to 128 tokens per prompt, 1 round, and as many prompts of each set as this machine decodes in that time (one each on a small CPU); it says what it will do and about how long before it starts. --full is the sweep docs/benchmarks.md reports (24 prompts, 512 tokens, 3 rounds); --set, --limit, --repeat and --max-tokens change one thing at a time.
+
     Greedy by default, so DFlash must reproduce the baseline token for token: the report says whether it did. Method and results: docs/benchmarks.md.
 
-    Examples: `dflash bench demo --before-after --max-tokens 64` · `dflash bench qwen3-8b --before-after --set math --block-sizes 4,8,16 --output bench.json --png bench.png`
+    Examples: `dflash bench demo --before-after` · `dflash bench qwen3-8b --before-after --full --block-sizes 4,8,16 --output bench.json --png bench.png`
     """
     from dflash_cli import bench as bench_lib
 
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
+    if getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT":  # bench's own default
+        options = dataclasses.replace(options, max_tokens=bench_lib.FULL_MAX_TOKENS if full else bench_lib.QUICK_MAX_TOKENS)
     settings = bench_lib.BenchSettings(
-        before_after=before_after, prompt_set=prompt_set, prompts_file=prompts, repeat=repeat,
+        before_after=before_after, prompt_set=prompt_set, prompts_file=prompts, repeat=repeat, full=full,
         block_sizes=bench_lib.parse_block_sizes(block_sizes), limit=limit, output=output, png=png,
         command=shlex.join(["dflash", *sys.argv[1:]]),
     )  # fmt: skip

@@ -394,3 +394,50 @@ def test_text_prompts_on_a_target_without_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(DflashError, match="is text, but .* has no tokenizer") as raised:
         bench.benchmark(options, BenchSettings(prompt_set="math", repeat=1))
     assert "prompt_ids" in (raised.value.fix or "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The default run: sized to about a minute here, said before it starts, progress on a non-terminal too
+
+
+def test_prompts_per_set_fit_the_budget() -> None:
+    # 60 s at 10 tok/s, 2 modes x 128 tokens x 1 round x 3 sets: 0.8 of a prompt per set -> 1 (never 0)
+    assert bench.prompts_per_set(10, 2, 128, 1, 3) == 1
+    assert bench.prompts_per_set(60, 2, 128, 1, 3) == 4  # 4.7 per set -> the power of two below
+    assert bench.prompts_per_set(10_000, 2, 128, 1, 3) == 8  # capped at a set's size
+    assert bench.run_tokens(2, 3, 128, 1) == 2 * (32 + 3 * 128)
+    assert [bench.format_duration(s) for s in (0.2, 42, 150, 7200 + 300)] == ["1 s", "42 s", "2 min", "2 h 05 min"]
+
+
+def test_the_builtin_sets_interleave_so_the_first_prompts_cover_every_set() -> None:
+    assert [p.id for p in bench.load_prompt_set("all")[:4]] == ["math-1", "code-1", "chat-1", "math-2"]
+
+
+def test_default_bench_is_sized_here_and_says_so(models: tuple[Path, Path]) -> None:
+    target, drafter = models
+    args = ["bench", "--target", str(target), "--drafter", str(drafter), "--before-after", "--max-tokens", "3", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    settings = json.loads(result.stdout)["settings"]
+    # a tiny model decodes thousands of tokens a second: all 8 prompts of each set fit the minute
+    assert (settings["prompt_count"], settings["repeat"], settings["max_new_tokens"]) == (24, 1, 3)
+    plan = next(line for line in result.stderr.splitlines() if line.startswith("bench: "))
+    assert "24 prompts × up to 3 tokens × 1 round, baseline and dflash b4" in plan
+    assert "The full sweep: --full (24 prompts × 512 tokens × 3 rounds" in result.stderr.replace("\n", " ")
+    # stderr is not a terminal here: one progress line per generation, warm-ups first
+    progress = [line for line in result.stderr.splitlines() if line.startswith("bench ") and "elapsed" in line]
+    assert len(progress) == 2 + 2 * 24 and progress[0].startswith("bench 1: baseline · warm-up")
+    assert "left)" in progress[-1]
+
+
+def test_default_max_tokens_is_128_and_full_is_the_old_sweep(models: tuple[Path, Path]) -> None:
+    target, drafter = models
+    base = ["bench", "--target", str(target), "--drafter", str(drafter), "--json"]
+    quick = runner.invoke(app, [*base, "--limit", "1"])
+    assert quick.exit_code == 0, quick.output
+    assert json.loads(quick.stdout)["settings"]["max_new_tokens"] == bench.QUICK_MAX_TOKENS
+    full = runner.invoke(app, [*base, "--full", "--set", "chat", "--max-tokens", "2"])
+    assert full.exit_code == 0, full.output
+    settings = json.loads(full.stdout)["settings"]
+    assert (settings["prompt_count"], settings["repeat"], settings["max_new_tokens"]) == (8, 3, 2)
+    assert "--full (" not in full.stderr  # already the full sweep: no hint

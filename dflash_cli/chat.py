@@ -263,7 +263,7 @@ def _show(session: Session, state: ChatState, arg: str) -> str:
     decoding = f"DFlash, block {state.block_size or session.block_size}" if state.speculative else "baseline"
     return "\n".join([
         f"recipe    {recipe.name}: {recipe.target.id} {drafter}",
-        f"plan      {session.plan.one_line()}",
+        f"plan      {session.plan_line()}",
         f"decoding  {decoding}",
         f"sampling  temperature {params.temperature}, top_p {params.top_p}, top_k {params.top_k}, "
         f"min_p {params.min_p}, max_tokens {params.max_new_tokens}, seed {params.seed}",

@@ -47,6 +47,7 @@ class Plan:
     estimated_bytes: int | None  # None: the recipe's sizes are unknown (ad-hoc), fit not checked
     budget_bytes: int | None  # free memory on the device the plan runs on
     reasons: tuple[str, ...]  # one line per decision, for --explain
+    notes: tuple[str, ...] = ()  # settings that will run but badly: shown under the plan line even without --explain
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,13 +55,14 @@ class Plan:
 
         return getattr(torch, self.dtype)
 
-    def one_line(self) -> str:
+    def one_line(self, drafter_block_size: int | None = None) -> str:
+        """`cuda (hopper) bfloat16, block 16, sdpa, ~18.9 GB`; `drafter_block_size` (the loaded drafter's own)
+        fills in a block size the plan leaves to the drafter."""
+        device = self.device if self.device.partition(":")[0] == self.gpu_class else f"{self.device} ({self.gpu_class})"
         weights = "nf4 weights, " if self.quant == "nf4" else ""
-        block = self.block_size if self.block_size is not None else "from drafter"
+        block = self.block_size or drafter_block_size or "from drafter"
         size = f", ~{gb(self.estimated_bytes)}" if self.estimated_bytes is not None else ""
-        return (
-            f"{self.device} ({self.gpu_class}) {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
-        )
+        return f"{device} {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "reasons": list(self.reasons)}
@@ -162,6 +164,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     # Free memory of GPU 0 stands for the GPU chosen: multi-GPU machines are usually uniform.
     budget = facts.free_memory if kind != "cpu" else facts.cpu_ram_available
     reasons = [f"device {device}: {device_why}; class {cls.label}"]
+    notes: list[str] = []
 
     recipe_override = f"the recipe's override for {cls.key}"
 
@@ -190,7 +193,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
             f"runtime overhead), {free}"
         )
         if budget is not None and estimate > budget:
-            reasons.append("warning: the forced settings need more than is free: expect an out-of-memory error")
+            notes.append(f"the forced settings need ~{gb(estimate)} but {gb(budget)} is free: expect an out-of-memory error")
 
     preferred_dtype, default_why = default_dtype(kind, facts)
     if overrides.dtype or "dtype" in tuned:
@@ -201,7 +204,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         dtype_why = f"{preferred_dtype} would not fit; {dtype} needs half the memory"
     reasons.append(f"dtype {dtype}: {dtype_why}")
     if kind == "cuda" and dtype == "bfloat16" and not has_native_bf16(facts):
-        reasons.append("warning: bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow")
+        notes.append("bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow: --dtype fp16 is faster")
 
     if overrides.quant or "quant" in tuned:
         quant_why = "--quant" if overrides.quant else recipe_override
@@ -211,6 +214,11 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         quant_why = "the full-precision weights fit, so no quantization error is paid"
     detail = f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute" if quant == "nf4" else ""
     reasons.append(f"quant {quant}: {quant_why}{detail}")
+    if quant == "nf4" and kind != "cuda":
+        notes.append(
+            f"NF4 on {kind.upper()} is slow: bitsandbytes has no fast 4-bit kernels here and dequantizes every weight "
+            "at each step (several times slower than unquantized); drop --quant nf4 if the weights fit"
+        )
 
     block_size, block_why = _choose_block_size(recipe, overrides, tuned, cls)
     reasons.append(block_why)
@@ -221,7 +229,19 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         else "PyTorch's fused attention: on every device, no extra package to install"
     )
     reasons.append(f"attention {attn}: {attn_why}")
-    return Plan(device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons))
+    reasons += [f"warning: {note}" for note in notes]
+    return Plan(device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), tuple(notes))
+
+
+def block_size_note(block_size: int | None, trained: int | None) -> str | None:
+    """A note when the block in use is longer than the drafter was trained for (None when it is not)."""
+    if block_size is None or trained is None or block_size <= trained:
+        return None
+    return (
+        f"block {block_size} is longer than the {trained} the drafter was trained with: positions past {trained} "
+        f"are almost never accepted, yet every verify step computes all {block_size} (slower); --block-size "
+        f"{trained} or less"
+    )
 
 
 def _choose_block_size(

@@ -16,7 +16,7 @@ from dflash_cli.errors import DflashError
 from dflash_cli.hardware import detect_machine
 from dflash_cli.loading import LoadedModels, load_models
 from dflash_cli.options import RunOptions
-from dflash_cli.planning import Plan, make_plan
+from dflash_cli.planning import Plan, block_size_note, make_plan
 from dflash_cli.recipes import Recipe
 
 
@@ -44,6 +44,17 @@ class Session:
         if self.plan.block_size is not None:
             return self.plan.block_size
         return self.drafter.block_size if self.drafter is not None else 1
+
+    def plan_line(self) -> str:
+        """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it."""
+        return self.plan.one_line(self.drafter.block_size if self.drafter is not None else None)
+
+    @property
+    def notes(self) -> list[str]:
+        """Settings that run, but badly: the plan's, and a block longer than the loaded drafter was trained for."""
+        trained = self.drafter.block_size if self.drafter is not None else None
+        block = block_size_note(self.plan.block_size, trained)
+        return [*self.plan.notes, *([block] if block else [])]
 
     @property
     def can_speculate(self) -> bool:
@@ -138,11 +149,13 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
             fix=f"serve it with vLLM or SGLang: `dflash export vllm {recipe.name}`",
         )
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
-    if console is not None:
-        console.print(f"[dim]{recipe.name}: {plan.one_line()}[/dim]")
+    speculative = not options.no_spec and recipe.drafter is not None
+    session = Session(recipe, plan, load_models(recipe, plan, with_drafter=speculative, console=console))
+    if console is not None:  # after loading: the drafter's config completes the line (its block size)
+        console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
+        for note in session.notes:
+            console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
         if options.explain:
             for reason in plan.reasons:
-                console.print(f"[dim]  - {reason}[/dim]")
-    speculative = not options.no_spec and recipe.drafter is not None
-    models = load_models(recipe, plan, with_drafter=speculative, console=console)
-    return Session(recipe, plan, models)
+                console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
+    return session

@@ -264,7 +264,7 @@ def test_help_show_and_unknown_commands(session: Session, state: ChatState) -> N
     assert all(name in help_text for name in chat.COMMANDS) and '"""' in help_text
     assert handle_command(session, state, "/?").message == help_text
     shown = handle_command(session, state, "/show").message
-    assert session.plan.one_line() in shown and "DFlash, block 4" in shown and "temperature 0.0" in shown
+    assert session.plan_line() in shown and "DFlash, block 4" in shown and "temperature 0.0" in shown
     unknown = handle_command(session, state, "/sav chat.json")
     assert not unknown.ok and unknown.message == "Unknown command /sav. Did you mean /save?"
     assert "/help lists the commands" in handle_command(session, state, "/zzzz").message
@@ -443,3 +443,13 @@ def test_a_recipe_name_takes_a_drafter_trained_for_its_target(
             result = CliRunner().invoke(app, args + extra)
             assert result.exit_code == 0, result.output
             assert f"(DFlash block {block})" in result.stderr
+
+
+def test_odd_settings_are_said_under_the_plan_line(options: RunOptions) -> None:
+    result = cli(options, "--block-size", "9", "--prompt", "Hi")  # the drafter was trained with blocks of 4
+    assert result.exit_code == 0, result.output
+    plan, note = result.stderr.splitlines()[:2]
+    assert plan.startswith("ad-hoc: cpu ") and "block 9" in plan
+    assert note.startswith("  note: block 9 is longer than the 4 the drafter was trained with")
+    plain = cli(options, "--prompt", "Hi")
+    assert "note:" not in plain.stderr and "block 4" in plain.stderr.splitlines()[0]  # the drafter's own size

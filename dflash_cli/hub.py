@@ -417,9 +417,21 @@ def _require_safetensors(names: Iterable[str], repo: str, what: str) -> None:
 
 
 def pull_command(repo_id: str, revision: str | None = None) -> str:
-    """The `dflash pull` command line that fetches one repo (an ad-hoc recipe with just a target)."""
-    pinned = f" --revision {revision}" if revision and revision != DEFAULT_REVISION else ""
-    return f"dflash pull --target {repo_id}{pinned}"
+    """The `dflash pull` command line that fetches `repo_id`: the recipe's name when a recipe uses it as its
+    target or drafter (`dflash pull qwen3-8b` fetches both), else the repo alone."""
+    pinned = revision and revision != DEFAULT_REVISION
+    if not pinned:
+        from dflash_cli.recipes import load_recipes
+
+        try:
+            recipes = load_recipes().values()
+        except DflashError:  # a broken user recipe must not hide the error being reported
+            recipes = []
+        wanted = repo_id.lower()
+        for recipe in recipes:
+            if any(ref is not None and ref.id.lower() == wanted for ref in (recipe.target, recipe.drafter)):
+                return f"dflash pull {recipe.name}"
+    return f"dflash pull --target {repo_id}" + (f" --revision {revision}" if pinned else "")
 
 
 def _not_cached_error(repo_id: str, revision: str, what: str, *, reason: str) -> DflashError:

@@ -36,7 +36,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dflash_cli.errors import DflashError
+from dflash_cli.errors import DflashError, json_problem
 from dflash_cli.options import RunOptions
 
 try:
@@ -233,7 +233,7 @@ def parse_line(raw: bytes, number: int) -> Request | LineError | None:
     try:
         line = json.loads(text)
     except json.JSONDecodeError as error:
-        return LineError(number, "invalid_json", f"not valid JSON: {error.msg} at column {error.colno}")
+        return LineError(number, "invalid_json", f"not valid JSON: {json_problem(error)}")
     except RecursionError:
         return LineError(number, "invalid_json", "not valid JSON: nested too deeply")
     try:

@@ -578,29 +578,33 @@ def recipes_list(json_output: JsonFlag = False) -> None:
         _print_json([recipe.to_dict() for recipe in recipes])
         return
     user_dir = str(user_recipe_dir())
-    table = Table()
-    table.add_column("name", no_wrap=True)
-    table.add_column("target", overflow="fold")
-    table.add_column("drafter", overflow="fold")
-    table.add_column("block")
-    table.add_column("bf16", no_wrap=True)
-    table.add_column("notes")
+    header = ("name", "target", "drafter", "block", "bf16", "notes")
+    rows = []
     for recipe in recipes:
         flags = (
             ("gated", recipe.gated),
             ("export only", not recipe.runnable),
             ("user", recipe.source.startswith(user_dir)),
         )
-        notes = [note for note, on in flags if on]
         size = recipe.weight_bytes.get("bf16")
-        table.add_row(
+        rows.append((
             recipe.name,
             recipe.target.id,
             recipe.drafter.id if recipe.drafter else "-",
             str(recipe.block_size or "config"),
             gb(size) if size else "?",
-            ", ".join(notes),
-        )
+            ", ".join(note for note, on in flags if on),
+        ))  # fmt: skip
+    if not console.is_terminal:  # piped: whole values on aligned rows, nothing folded mid-word
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            typer.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return
+    table = Table()
+    for column in header:
+        table.add_column(column, overflow="fold", no_wrap=column in ("name", "bf16"))
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
@@ -614,7 +618,9 @@ def recipes_show(
         _print_json(recipe.to_dict())
         return
     for key, value in recipe.to_dict().items():
-        console.print(f"[bold]{key}[/]: {escape(json.dumps(value) if isinstance(value, (dict, list)) else str(value))}")
+        # TOML's spelling (true, false) and "-" for an unset field, never Python's False / None
+        shown = "-" if value in (None, "") else value if isinstance(value, str) else json.dumps(value)
+        console.print(f"[bold]{key}[/]: {escape(shown)}", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

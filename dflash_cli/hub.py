@@ -210,7 +210,7 @@ def pull(
     """
     remote = [_ref_parts(ref) for ref in refs if ref is not None and not _is_local(ref)]
     plans = [plan_download(ref_id, revision) for ref_id, revision in remote]
-    if not json:
+    if not json and plans:
         _print_plans(plans, console)
     if not dry_run:
         check_disk_space(sum(p.download_bytes for p in plans), constants.HF_HUB_CACHE)

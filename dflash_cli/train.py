@@ -75,9 +75,10 @@ class TrainOptions:
     mask_token_id: int | None = None
     seed: int = 0
     device: str = "cpu"
-    # The target's dtype while it writes answers and features: bf16 matmuls are 2-5x faster on GPUs and on
-    # CPUs with AVX512-BF16/AMX. tau is measured in the dtype the target is served in (see evaluate_tau).
-    dtype: str = "bfloat16"
+    # The target's dtype while it writes answers and features. None: the dtype dflash serves it in on `device`
+    # (bf16 on GPUs and on CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs, where bf16 is
+    # emulated and several times slower). tau is always measured in the serving dtype (see evaluate_tau).
+    dtype: str | None = None
 
     @property
     def loss_gamma(self) -> float:
@@ -474,7 +475,8 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
     template_kwargs = target_template_kwargs(options.target)
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
-    target, tokenizer = load_target(options.target, options.device, options.dtype, console)
+    dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
+    target, tokenizer = load_target(options.target, options.device, dtype, console)
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
@@ -529,6 +531,7 @@ def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], opti
     task = progress.add_task("training", total=options.steps, completed=step, info="")
     stats: dict[str, float] = {}
     running: dict[str, float] = {}
+    fast_bf16 = serving_dtype(options.device) == torch.bfloat16
     batches = _batches(samples, options.batch_size, rng)
     while step < options.steps:
         indices = next(batches)
@@ -538,9 +541,10 @@ def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], opti
         batch = batch.to(features.device)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, options)
-        # bf16 autocast: the lm_head over the whole vocabulary dominates a step, and bf16 matmuls run
-        # 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
-        with torch.autocast(features.device.type, dtype=torch.bfloat16):
+        # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
+        # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
+        # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
+        with torch.autocast(features.device.type, dtype=torch.bfloat16, enabled=fast_bf16):
             loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

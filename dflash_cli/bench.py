@@ -37,7 +37,9 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_cli.choices import gb
-from dflash_cli.errors import DflashError
+from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.params import FIELDS, sampling_settings
+from dflash_cli.requests import Request, read_jsonl
 
 if TYPE_CHECKING:
     import torch
@@ -69,17 +71,7 @@ PROMPT_FILE_FIX = (
 # Prompts
 
 
-@dataclass(frozen=True)
-class BenchPrompt:
-    """One prompt: text (sent as a user turn), a whole conversation, or token ids (no tokenizer needed)."""
-
-    id: str
-    prompt: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-    prompt_ids: tuple[int, ...] | None = None
-
-
-def load_prompt_set(name: str) -> list[BenchPrompt]:
+def load_prompt_set(name: str) -> list[Request]:
     """A built-in set (`math`, `code`, `chat`) or all of them (`all`)."""
     if name != "all" and name not in PROMPT_SETS:
         close = difflib.get_close_matches(name, [*PROMPT_SETS, "all"], n=1)
@@ -92,91 +84,44 @@ def load_prompt_set(name: str) -> list[BenchPrompt]:
     return [prompt for group in zip(*sets) for prompt in group]  # interleaved: the first N cover every set
 
 
-def load_prompt_file(path: str | os.PathLike[str]) -> list[BenchPrompt]:
-    """Prompts from a JSONL file; every malformed line is an error naming the file and line."""
+def load_prompt_file(path: str | os.PathLike[str]) -> list[Request]:
+    """Prompts from a JSONL file, read like `dflash run` reads its lines (requests.read_jsonl); a line without an
+    id is FILE-N. Every prompt runs with the same settings (the flags), so a line may not set its own."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise DflashError(f"prompt file {path} does not exist", fix="check the path given to --prompts") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DflashError(f"cannot read prompt file {path}: {exc}", fix="give a UTF-8 .jsonl file") from None
-    prompts: list[BenchPrompt] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise DflashError(f"{where}: not valid JSON ({exc})", fix=PROMPT_FILE_FIX) from None
-        prompts.append(_parse_prompt(obj, where, f"{path.stem}-{number}"))
-    if not prompts:
+    if not path.exists():
+        raise DflashError(f"prompt file {path} does not exist", fix="check the path given to --prompts")
+    parsed = read_jsonl(path, lambda number, raw: f"{path.stem}-{number}")
+    if parsed.errors:
+        error = parsed.errors[0]
+        more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
+        raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=PROMPT_FILE_FIX)
+    for prompt in parsed.requests:
+        if prompt.sampling or prompt.endpoint is not None:
+            what = ", ".join(key for key in sampling_keys(prompt)) or "an OpenAI batch line"
+            raise DflashError(
+                f"{path}:{prompt.line}: sets {what}, but bench runs every prompt with the same settings",
+                fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",
+            )
+    if not parsed.requests:
         raise DflashError(f"prompt file {path} holds no prompts", fix=PROMPT_FILE_FIX)
-    seen: set[str] = set()
-    for prompt in prompts:
-        if prompt.id in seen:
-            raise DflashError(f"{path}: prompt id {prompt.id!r} appears twice", fix="give every line its own \"id\"")
-        seen.add(prompt.id)
-    return prompts
+    return parsed.requests
 
 
-def _parse_prompt(obj: Any, where: str, default_id: str) -> BenchPrompt:
-    def bad(what: str) -> DflashError:
-        return DflashError(f"{where}: {what}", fix=PROMPT_FILE_FIX)
-
-    if not isinstance(obj, dict):
-        raise bad(f"expected a JSON object, got {type(obj).__name__}")
-    kinds = [key for key in ("prompt", "messages", "prompt_ids") if key in obj]
-    if len(kinds) != 1:
-        raise bad(f"needs exactly one of prompt, messages, prompt_ids (found {', '.join(kinds) or 'none'})")
-    prompt_id = obj.get("id", default_id)
-    if not isinstance(prompt_id, (str, int)) or isinstance(prompt_id, bool):
-        raise bad(f'"id" must be a string or a number, got {prompt_id!r}')
-    value = obj[kinds[0]]
-    if kinds[0] == "prompt":
-        if not isinstance(value, str) or not value.strip():
-            raise bad('"prompt" must be a non-empty string')
-        return BenchPrompt(str(prompt_id), prompt=value)
-    if kinds[0] == "messages":
-        turns_ok = isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-        )
-        if not turns_ok:
-            raise bad('"messages" must be a non-empty list of {"role": ..., "content": ...} objects')
-        return BenchPrompt(str(prompt_id), messages=tuple({"role": m["role"], "content": m["content"]} for m in value))
-    ids_ok = isinstance(value, list) and value and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    )
-    if not ids_ok:
-        raise bad('"prompt_ids" must be a non-empty list of non-negative integers')
-    return BenchPrompt(str(prompt_id), prompt_ids=tuple(value))
+def sampling_keys(request: Request) -> list[str]:
+    return [field.key for field in FIELDS if field.attr in request.sampling]
 
 
-def encode_prompt(session: Session, prompt: BenchPrompt) -> list[int]:
+def encode_prompt(session: Session, prompt: Request) -> list[int]:
     """Token ids for `prompt`: text goes through the chat template when the model has one."""
-    if prompt.prompt_ids is not None:
-        ids = list(prompt.prompt_ids)
-    elif session.tokenizer is None:
+    if prompt.prompt_ids is None and session.tokenizer is None:
         raise DflashError(
             f"prompt {prompt.id!r} is text, but {session.recipe.target.id} has no tokenizer",
             fix='give token ids instead: --prompts FILE.jsonl with {"prompt_ids": [...]} lines',
         )
-    elif prompt.messages is not None:
-        ids = session.encode_chat(prompt.messages)
-    elif getattr(session.tokenizer, "chat_template", None):
-        ids = session.encode_chat([{"role": "user", "content": prompt.prompt or ""}])
-    else:
-        ids = session.encode_prompt(prompt.prompt or "")
-    vocab = session.target.get_input_embeddings().num_embeddings
-    outside = [t for t in ids if t >= vocab]
-    if outside:
-        raise DflashError(
-            f"prompt {prompt.id!r}: token id {outside[0]} is outside the vocabulary of {session.recipe.target.id} "
-            f"(size {vocab})",
-            fix="use token ids made with this model's tokenizer",
-        )
-    return ids
+    try:
+        return session.encode_request(prompt, prompt_as_chat=True)
+    except RequestError as error:
+        raise DflashError(f"prompt {prompt.id!r}: {error.message}", fix=error.fix) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -615,7 +560,7 @@ def parse_block_sizes(text: str | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(sizes))  # drop repeats, keep the order given
 
 
-def load_prompts(settings: BenchSettings) -> list[BenchPrompt]:
+def load_prompts(settings: BenchSettings) -> list[Request]:
     if settings.prompt_set and settings.prompts_file:
         raise DflashError("give --set or --prompts, not both", fix="--set math|code|chat|all, or --prompts FILE.jsonl")
     if settings.prompts_file:
@@ -734,7 +679,7 @@ def format_duration(seconds: float) -> str:
 
 
 def describe_run(
-    prompts: Sequence[BenchPrompt], modes: Sequence[Mode], max_tokens: int, settings: BenchSettings,
+    prompts: Sequence[Request], modes: Sequence[Mode], max_tokens: int, settings: BenchSettings,
     speed: SpeedEstimate, full_prompts: int,
 ) -> str:  # fmt: skip
     """What the run will do and about how long it takes here, printed before it starts."""
@@ -833,12 +778,8 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
             "prompt_count": len(encoded),
             "repeat": repeat,
             "warmup": {"generations_per_mode": 1, "max_new_tokens": min(params.max_new_tokens, WARMUP_MAX_TOKENS)},
-            "max_new_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "min_p": params.min_p,
-            "seed": params.seed,
+            "max_new_tokens": params.max_new_tokens,  # the report's name for max_tokens
+            **{key: value for key, value in sampling_settings(params).items() if key != "max_tokens"},
             "stop_token_ids": list(params.stop_token_ids),
             "modes": [mode.label for mode in modes],
             "speedup": "baseline time per output token / DFlash time per output token (decode phase)",

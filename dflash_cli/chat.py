@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -27,8 +26,10 @@ from prompt_toolkit.output import create_output
 from rich.console import Console
 
 from dflash_cli.engine import GenerationStats, SamplingParams
-from dflash_cli.errors import DflashError
+from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.options import RunOptions
+from dflash_cli.params import FIELDS, read_setting, sampling_settings
+from dflash_cli.requests import read_messages
 from dflash_cli.session import Session, open_session
 
 ASSISTANT_STYLE = "cyan"
@@ -45,15 +46,8 @@ COMMANDS = {  # name -> (arguments, what it does); the order of /help
     "/load": ("FILE", "read a conversation written by /save"),
     "/show": ("", "the recipe, the plan and the current settings"),
 }
-# /set KEY -> (SamplingParams field, parser of the value)
-SAMPLING_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "temperature": ("temperature", float),
-    "top_p": ("top_p", float),
-    "top_k": ("top_k", int),
-    "min_p": ("min_p", float),
-    "max_tokens": ("max_new_tokens", int),
-    "seed": ("seed", lambda value: None if value.lower() in ("none", "off") else int(value)),
-}
+# /set KEY: the request fields (params.FIELDS) that take one value, then chat's own
+SAMPLING_SETTINGS = tuple(field.key for field in FIELDS if field.kind is not tuple)
 SETTINGS = (*SAMPLING_SETTINGS, "block_size", "system")
 FINISH_NOTES = {
     "interrupted": "[interrupted]",
@@ -160,17 +154,6 @@ def _clear(session: Session, state: ChatState, arg: str) -> str:
     return "Conversation cleared" + (" (the system prompt stays)." if state.system else ".")
 
 
-def _parse(key: str, parser: Callable[[str], Any], value: str) -> Any:
-    try:
-        parsed = parser(value)
-        if isinstance(parsed, float) and not math.isfinite(parsed):
-            raise ValueError(value)
-        return parsed
-    except ValueError:
-        kind, example = ("a number", "0.7") if parser is float else ("a whole number", "50")
-        raise DflashError(f"{key} needs {kind}, got {value!r}", fix=f"for example: /set {key} {example}") from None
-
-
 def _set(session: Session, state: ChatState, arg: str) -> str:
     key, _, value = arg.partition(" ")
     key, value = key.lower(), value.strip()
@@ -183,13 +166,15 @@ def _set(session: Session, state: ChatState, arg: str) -> str:
     if not value:
         raise DflashError(f"/set {key} needs a value")
     if key == "block_size":
-        block = _parse(key, int, value)
-        if block < 1:
-            raise DflashError("block_size must be >= 1", fix="use the drafter's trained block size (/show) or less")
-        state.block_size = block
+        if not value.isdigit() or int(value) < 1:
+            raise DflashError(
+                f"block_size must be a whole number >= 1, got {value!r}",
+                fix="use the drafter's trained block size (/show) or less",
+            )
+        state.block_size = int(value)
     else:
-        name, parser = SAMPLING_SETTINGS[key]
-        state.params = dataclasses.replace(state.params, **{name: _parse(key, parser, value)})  # validates
+        name, parsed = read_setting(key, value)
+        state.params = dataclasses.replace(state.params, **{name: parsed})
     return f"{key} = {value}"
 
 
@@ -236,17 +221,23 @@ def load_conversation(path: Path) -> tuple[str | None, list[dict[str, Any]]]:
         raise DflashError(f"{path} is not JSON ({error})", fix=fix) from None
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise DflashError(f"{path} holds no conversation", fix=fix)
-    system, messages = data.get("system"), list(data["messages"])
-    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system" and system is None:
-        system = messages.pop(0).get("content")
+    system, raw = data.get("system"), list(data["messages"])
     if system is not None and not isinstance(system, str):
         raise DflashError(f"{path}: system must be text or null", fix=fix)
-    for number, message in enumerate(messages, 1):
-        turn = isinstance(message, dict) and message.get("role") in ("user", "assistant")
-        if not (turn and isinstance(message.get("content"), str)):
-            raise DflashError(f"{path}: message {number} needs role user or assistant and a text content", fix=fix)
-    keep = ("role", "content", "interrupted")
-    return system, [{k: m[k] for k in keep if k in m} for m in messages]
+    if not raw:
+        return system, []
+    try:
+        messages = list(read_messages(raw))  # the one reader of conversations (run, serve, bench share it)
+    except RequestError as error:
+        raise DflashError(f"{path}: {error.message}", fix=fix) from None
+    if messages[0]["role"] == "system" and system is None:  # OpenAI style: the system prompt as a first message
+        system, messages, raw = messages[0]["content"], messages[1:], raw[1:]
+    for number, message in enumerate(messages):
+        if message["role"] == "system":
+            raise DflashError(f"{path}: messages[{number}] is a system message; only the first may be", fix=fix)
+        if raw[number].get("interrupted") is True:  # a reply cut short by Ctrl-C, as /save marks it
+            message["interrupted"] = True
+    return system, messages
 
 
 def _load(session: Session, state: ChatState, arg: str) -> str:
@@ -265,8 +256,7 @@ def _show(session: Session, state: ChatState, arg: str) -> str:
         f"recipe    {recipe.name}: {recipe.target.id} {drafter}",
         f"plan      {session.plan_line()}",
         f"decoding  {decoding}",
-        f"sampling  temperature {params.temperature}, top_p {params.top_p}, top_k {params.top_k}, "
-        f"min_p {params.min_p}, max_tokens {params.max_new_tokens}, seed {params.seed}",
+        "sampling  " + ", ".join(f"{key} {value}" for key, value in sampling_settings(params).items() if key in SAMPLING_SETTINGS),
         f"stats     {'on' if state.show_stats else 'off'}",
         f"system    {state.system if state.system else '(none)'}",
         f"messages  {len(state.messages)}",

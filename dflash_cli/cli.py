@@ -322,28 +322,59 @@ def run(
     ] = None,
     errors: Annotated[
         str | None,
-        typer.Option(metavar="FILE", help="Failed lines, with line number and reason (default: OUTPUT.errors.jsonl)."),
+        typer.Option(
+            metavar="FILE",
+            help="Failed lines, with line number and reason (default: PROMPTS.errors.jsonl; with -o NAME.jsonl, "
+            "NAME.errors.jsonl beside it).",
+        ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Generate for every line of a JSONL file, loading the model once. Resumable: re-run to finish.
 
-    Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body). max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH; results are written shortest prompt first, so match them by id.
+    Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), {"prompt_ids": [...]} (token ids), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body): the request format `dflash serve` takes. max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH; results are written shortest prompt first, so match them by id.
 
-    Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the request in flight. Lines that cannot run go to the errors file and the run goes on; the exit code is 1 when any request failed.
+    Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the request in flight. Lines that cannot run (bad JSON, bad fields, an id already used by an earlier line, a prompt too long) go to the errors file and the rest runs; the exit code is 1 when any request failed.
 
     Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`
     """
-    from dflash_cli import batch
+    from dflash_cli import jobs
 
-    options, prompts = batch.split_positionals(options, prompts)
+    options, prompts = jobs.split_positionals(options, prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
-    summary = batch.run_file(options, prompts, output, errors, err_console)
+    summary = jobs.run_file(options, prompts, output, errors, err_console)
     if json_output:
         _print_json(summary.to_dict())
     elif summary.total:
-        console.print(batch.summary_table(summary))
+        console.print(jobs.summary_table(summary))
     raise typer.Exit(summary.exit_code)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# serve
+
+
+SERVER = "Server"
+
+
+@app.command(rich_help_panel="Run")
+@with_run_flags
+def serve(
+    options: RunOptions,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; then set --api-key).", rich_help_panel=SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).", rich_help_panel=SERVER)] = 8000,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="DFLASH_API_KEY", show_default=False, help="Require `Authorization: Bearer KEY` on /v1 routes (default: $DFLASH_API_KEY, else open).", rich_help_panel=SERVER)] = None,
+    max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait while one decodes; more get HTTP 429 at once.", rich_help_panel=SERVER)] = 64,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API, for Open WebUI, editors, agents and the `openai` client.
+
+    POST /v1/chat/completions and /v1/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus). The model loads once and one engine thread decodes the queued requests; a client that disconnects stops its generation. Request fields override the sampling flags, which are the defaults (greedy unless --temperature); replies carry usage plus a "dflash" object (tau, acceptance histogram, decode tok/s).
+
+    Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
+    """
+    from dflash_cli.serve import run_server
+
+    run_server(options, host=host, port=port, api_key=api_key, max_queue=max_queue, console=err_console)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,15 +1,40 @@
-"""The DFlash drafter: our own module for the published z-lab checkpoint format.
+"""The DFlash drafters: our own modules for the published z-lab checkpoint formats.
 
 A stack of Qwen3-style decoder layers with no embedding and no lm_head of its own (it borrows the
 target's). Hidden states of a few target layers are concatenated, projected by `fc` and normed by
 `hidden_norm` once per call; that fused context is injected into the keys and values of every layer.
-Queries come from the block only, and the block attends to the whole context and to itself
-bidirectionally: one forward pass proposes a whole block.
+Queries come from the block only: one forward pass proposes a whole block.
+
+Formats (`architectures` in config.json), with the semantics of z-lab's reference (`dflash==0.1.0`):
+
+- Config schemas: legacy (top-level `block_size`, `rope_theta`) and nested (2026: `dflash_config.block_size`,
+  `rope_parameters`). Each DFlash field (block size, mask token, target layers, head scales, DFlash2 sizes)
+  is read from `dflash_config` first, then the top level, then its default; the mask token has no default.
+  The rest of the top level is read as transformers' `Qwen3Config` reads it (`use_sliding_window`,
+  `max_window_layers`, `rope_parameters` over `rope_theta`). vLLM-only keys (`use_swa`, `swa_window_size`,
+  `attention_sink_bias`, `dflash_config.causal`) are ignored, as the reference ignores them.
+- Attention: a `sliding_attention` layer is causal (a block position sees keys at or before its own absolute
+  position, within `sliding_window`), a `full_attention` layer sees all context and the whole block; a
+  top-level `is_causal` overrides causality for every layer. The window is on absolute positions and, in a
+  non-causal sliding layer, applies on both sides. Sliding layers keep only the context rows a later block
+  can still see (window - 1), so their cache stays bounded in long conversations.
+- Heads: the block embedding is the target's raw embedding row times `input_embedding_scale`; logits are
+  the target's lm_head times `output_multiplier`, then `tanh(x / c) * c` for `final_logit_softcapping` c > 0.
+- `DFlashDraftModel` proposes the argmax of each slot. `DFlash2DraftModel` adds a grouped dynamic causal
+  convolution over block positions around attention and around the MLP of every layer, and a candidate
+  selector: the top-k logits of each slot are rescored with two codebooks conditioned on the previous
+  slot's choice, and the proposal is the selector's greedy chain.
+
+Sampling (T > 0) uses the same deterministic proposal (argmax; DFlash2: the selector's greedy chain) and the
+engine's one rule: a draft stands only where the target's own sample equals it. That is rejection sampling
+with a one-hot proposal, so every committed token is distributed exactly as the target's (the reference
+instead samples its drafts and accepts against their distribution; both are lossless).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,11 +44,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
+from huggingface_hub.errors import StrictDataclassError
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from dflash_cli.errors import DflashError
 
 ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+ARCHITECTURES = (ARCHITECTURE, DFLASH2_ARCHITECTURE)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+DEFAULT_BLOCK_SIZE = 16  # the reference's default when neither dflash_config nor the top level sets it
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# DFlash fields the reference looks up in dflash_config first, then at the top level.
+DFLASH_FIELDS = (
+    "block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
+    "final_logit_softcapping",
+)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -38,7 +76,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 @dataclass
 class DrafterConfig:
-    """The fields of a z-lab `config.json` that the drafter uses; everything else round-trips in `extra`."""
+    """The fields of a z-lab `config.json` that the drafter uses; everything else round-trips in `extra`
+    (top level) and `dflash_extra` (inside `dflash_config`)."""
 
     hidden_size: int
     intermediate_size: int
@@ -57,103 +96,193 @@ class DrafterConfig:
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
+    is_causal: bool | None = None  # top-level override of every layer's causality
     attention_bias: bool = False
+    hidden_act: str = "silu"
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    architecture: str = ARCHITECTURE
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    nested: bool = False  # block_size lives in dflash_config (the 2026 schema) rather than at the top level
     extra: dict[str, Any] = field(default_factory=dict)
+    dflash_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == DFLASH2_ARCHITECTURE
+
+    def layer_is_causal(self, layer_idx: int) -> bool:
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[layer_idx] == "sliding_attention"
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
         def fail(field_name: str, expected: str) -> DflashError:
             return DflashError(
                 f"{source}: unsupported drafter config field '{field_name}': expected {expected}",
-                fix="use a DFlash drafter in the z-lab checkpoint format (architectures: [\"DFlashDraftModel\"])",
+                fix=f"check '{field_name}' in the drafter's config.json (`dflash pull` fetches a fresh copy); dflash "
+                f"runs drafters in the z-lab formats ({' and '.join(ARCHITECTURES)})",
             )
 
         archs = raw.get("architectures") or []
-        if ARCHITECTURE not in archs:
-            raise fail("architectures", f'["{ARCHITECTURE}"], got {archs!r}')
-        if raw.get("hidden_act", "silu") != "silu":
-            raise fail("hidden_act", f'"silu", got {raw.get("hidden_act")!r}')
-        dflash = dict(raw.get("dflash_config") or {})
-        if dflash.get("causal") or raw.get("causal"):
-            raise fail("dflash_config.causal", "false (causal drafters are not supported)")
-        block_size = dflash.get("block_size", raw.get("block_size"))
-        if not isinstance(block_size, int) or block_size < 1:
-            raise fail("block_size", f"a positive integer at top level or in dflash_config, got {block_size!r}")
-        if "mask_token_id" not in dflash:
-            raise fail("dflash_config.mask_token_id", "the id of the mask token")
-        required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
-        for name in required:
-            if not isinstance(raw.get(name), int):
-                raise fail(name, f"an integer, got {raw.get(name)!r}")
+        architecture = next((a for a in archs if a in ARCHITECTURES), None) if isinstance(archs, list) else None
+        if architecture is None:
+            raise fail("architectures", f"{' or '.join(json.dumps([a]) for a in ARCHITECTURES)}, got {archs!r}")
+        dflash = raw.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise fail("dflash_config", f"an object, got {dflash!r}")
+
+        def where(name: str) -> str:
+            return f"dflash_config.{name}" if name in dflash else name
+
+        def value(name: str, default: Any = None) -> Any:
+            """A DFlash field as the reference reads it: dflash_config, then the top level, then the default."""
+            return dflash.get(name, raw.get(name, default))
+
+        def integer(name: str, default: Any = None, minimum: int = 1) -> int:
+            got = value(name, default)
+            if not isinstance(got, int) or isinstance(got, bool) or got < minimum:
+                raise fail(where(name), f"an integer >= {minimum} (in dflash_config or at the top level), got {got!r}")
+            return got
+
+        def number(name: str, default: Any) -> float | None:
+            got = value(name, default)
+            if got is not None and (not isinstance(got, (int, float)) or isinstance(got, bool)):
+                raise fail(where(name), f"a number, got {got!r}")
+            return None if got is None else float(got)
+
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if not isinstance(raw.get(name), int) or raw[name] < 1:
+                raise fail(name, f"a positive integer, got {raw.get(name)!r}")
         n_layers = raw["num_hidden_layers"]
-        n_target = raw.get("num_target_layers")
-        layer_ids = dflash.get("target_layer_ids")
+        layer_types = raw.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+                raise fail("layer_types", f"{n_layers} entries (one per layer), got {layer_types!r}")
+            for kind in layer_types:
+                if kind not in LAYER_TYPES:
+                    raise fail("layer_types", f'"full_attention" or "sliding_attention", got {kind!r}')
+        # The top level as transformers (and so the reference) reads it: defaults, use_sliding_window,
+        # layer types from max_window_layers when not listed, rope_parameters standardised from rope_theta.
+        try:
+            # (a deep copy: transformers edits the rope dicts it is given)
+            hf = Qwen3Config.from_dict(copy.deepcopy({k: v for k, v in raw.items() if k != "dflash_config"}))
+        except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+            raise DflashError(
+                f"{source}: invalid drafter config ({exc})",
+                fix="check the field it names in the drafter's config.json (`dflash pull` fetches a fresh copy)",
+            ) from None
+        if hf.num_attention_heads % hf.num_key_value_heads:
+            raise fail("num_key_value_heads", f"a divisor of num_attention_heads {hf.num_attention_heads}, got {hf.num_key_value_heads}")
+        rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise fail("rope_parameters.rope_type", f"one of default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}; got {rope_type!r}")
+        if hf.hidden_act not in ACT2FN:
+            raise fail("hidden_act", f"an activation transformers knows (silu, gelu, ...), got {hf.hidden_act!r}")
+        if "sliding_attention" in hf.layer_types:
+            window = hf.sliding_window
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise fail(
+                    "sliding_window",
+                    "a positive window for the sliding_attention layers, with use_sliding_window: true; got "
+                    f"sliding_window={raw.get('sliding_window')!r}, use_sliding_window={raw.get('use_sliding_window')!r}",
+                )
+        head_dim = hf.head_dim if hf.head_dim is not None else raw["hidden_size"] // raw["num_attention_heads"]
+        is_causal = raw.get("is_causal")
+
+        block_size = integer("block_size", DEFAULT_BLOCK_SIZE)
+        mask_token_id = value("mask_token_id")
+        if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool) or mask_token_id < 0:
+            raise fail("dflash_config.mask_token_id", f"the id of the mask token (in dflash_config or at the top level), got {mask_token_id!r}")
+        layer_ids = value("target_layer_ids")
+        n_target = raw.get("num_target_layers", dflash.get("num_target_layers"))  # the reference: top level
         if layer_ids is None:
             if not isinstance(n_target, int):
                 raise fail("num_target_layers", "an integer (needed when dflash_config.target_layer_ids is absent)")
             layer_ids = default_target_layer_ids(n_target, n_layers)
-        if dflash.get("use_swa") and "sliding_attention" not in (raw.get("layer_types") or []):
-            raise fail("dflash_config.use_swa", "layer_types naming the sliding_attention layers")
-        layer_types = list(raw.get("layer_types") or [])
-        for kind in layer_types:
-            if kind not in ("full_attention", "sliding_attention"):
-                raise fail("layer_types", f'"full_attention" or "sliding_attention", got {kind!r}')
-        if "sliding_attention" in layer_types and not (raw.get("sliding_window") or dflash.get("swa_window_size")):
-            raise fail("sliding_window", "a window size for the sliding_attention layers")
-        if layer_types and len(layer_types) != n_layers:
-            raise fail("layer_types", f"{n_layers} entries (one per layer), got {len(layer_types)}")
-        rope = raw.get("rope_parameters") or {}
-        rope_scaling = raw.get("rope_scaling")
-        if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        known = {f.name for f in fields(cls)} | {"dflash_config", "rope_parameters", "architectures"}
+        if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(i, int) for i in layer_ids):
+            raise fail(where("target_layer_ids"), f"a list of target layer indices, got {layer_ids!r}")
+        dflash2: dict[str, int] = {}
+        if architecture == DFLASH2_ARCHITECTURE:
+            dflash2 = {name: integer(name) for name in DFLASH2_FIELDS}
+            if raw["hidden_size"] % dflash2["conv_group_size"]:
+                raise fail(where("conv_group_size"), f"a divisor of hidden_size {raw['hidden_size']}, got {dflash2['conv_group_size']}")
+            if dflash2["selector_top_k"] > raw["vocab_size"]:
+                raise fail(where("selector_top_k"), f"at most vocab_size {raw['vocab_size']}, got {dflash2['selector_top_k']}")
+
+        rope = dict(hf.rope_parameters or {})
+        rope_theta = float(rope.pop("rope_theta", 1e6))
+        rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+        consumed = set(DFLASH_FIELDS) | (set(DFLASH2_FIELDS) if dflash2 else set())
+        known = (
+            {f.name for f in fields(cls)} | consumed
+            | {"dflash_config", "rope_parameters", "architectures", "use_sliding_window", "is_causal"}
+        )
         return cls(
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=n_layers,
             num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+            num_key_value_heads=hf.num_key_value_heads,
+            head_dim=head_dim,
             vocab_size=raw["vocab_size"],
             num_target_layers=n_target if isinstance(n_target, int) else max(layer_ids) + 1,
             block_size=block_size,
-            mask_token_id=int(dflash["mask_token_id"]),
+            mask_token_id=mask_token_id,
             target_layer_ids=[int(i) for i in layer_ids],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", rope.get("rope_theta", 1e6)),
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            layer_types=layer_types,
-            sliding_window=raw.get("sliding_window") or dflash.get("swa_window_size"),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
-            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
-            final_logit_softcapping=dflash.get("final_logit_softcapping"),
+            max_position_embeddings=hf.max_position_embeddings,
+            layer_types=list(hf.layer_types),
+            sliding_window=hf.sliding_window if "sliding_attention" in hf.layer_types else None,
+            is_causal=None if is_causal is None else bool(is_causal),
+            attention_bias=bool(hf.attention_bias),
+            hidden_act=hf.hidden_act,
+            input_embedding_scale=number("input_embedding_scale", 1.0),
+            output_multiplier=number("output_multiplier", 1.0),
+            final_logit_softcapping=number("final_logit_softcapping", None),
+            architecture=architecture,
+            nested="block_size" in dflash,
             extra={k: v for k, v in raw.items() if k not in known},
+            dflash_extra={k: v for k, v in dflash.items() if k not in consumed},
+            **dflash2,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The published format: top-level `block_size` (older readers) and `dflash_config` (newer ones)."""
-        dflash: dict[str, Any] = {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids}
+        """The published format. Drafters made by `dflash train` get the legacy schema (top-level
+        `block_size`); a drafter read from the nested schema keeps `block_size` in `dflash_config`."""
+        dflash: dict[str, Any] = {
+            **self.dflash_extra, "mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
+        }
+        if self.nested:
+            dflash["block_size"] = self.block_size
         if self.input_embedding_scale != 1.0:
             dflash["input_embedding_scale"] = self.input_embedding_scale
         if self.output_multiplier != 1.0:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.is_dflash2:
+            dflash.update({name: getattr(self, name) for name in DFLASH2_FIELDS})
         rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
         out = {
             **self.extra,
-            "architectures": [ARCHITECTURE],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -162,7 +291,7 @@ class DrafterConfig:
             "head_dim": self.head_dim,
             "vocab_size": self.vocab_size,
             "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
+            **({} if self.nested else {"block_size": self.block_size}),
             "dflash_config": dflash,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
@@ -173,8 +302,12 @@ class DrafterConfig:
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": False,
         }
+        if self.sliding_window is not None:
+            out["use_sliding_window"] = True  # transformers drops the window without it
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         if self.rope_scaling:
-            out["rope_scaling"] = self.rope_scaling
+            out["rope_scaling"] = dict(self.rope_scaling)
         return out
 
     def rope_config(self) -> Qwen3Config:
@@ -185,25 +318,57 @@ class DrafterConfig:
             head_dim=self.head_dim,
             max_position_embeddings=self.max_position_embeddings,
             rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
+            rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,  # a copy: transformers edits it
         )
 
 
 class DraftCache:
-    """Per-layer K/V of committed context only (after RoPE and k_norm). Block K/V are never stored."""
+    """Per-layer K/V of committed context only (after RoPE and k_norm). Block K/V are never stored.
+
+    `length` counts the committed positions. A full-attention layer keeps all of them; a sliding layer keeps
+    only its last `window - 1` rows (the oldest a later block can still see), so the stored rows of layer i
+    are the positions `length - rows_i .. length - 1`.
+    """
 
     def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+    def rows(self, layer_idx: int) -> int:
+        keys = self.keys[layer_idx]
+        return 0 if keys is None else keys.shape[-2]
 
     def crop(self, length: int) -> None:
+        """Forget committed positions from `length` on. A sliding layer does not get back rows its window
+        already let go, so after a crop it may hold fewer than window - 1 (its later drafts then see less)."""
+        drop = self.length - length
+        if drop <= 0:
+            return
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
-                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+                keep = max(0, k.shape[-2] - drop)
+                self.keys[i], self.values[i] = k[..., :keep, :], v[..., :keep, :]
+        self.length = length
+
+
+def _window_mask(positions: torch.Tensor, past_rows: int, q_len: int, causal: bool, window: int | None) -> torch.Tensor:
+    """The reference's attention rule on absolute positions -> bool [b, 1, q, keys] (True = attend).
+
+    Keys are [`past_rows` cached rows just before positions[:, 0] ; the rows at `positions`]; the queries
+    are the last `q_len` of `positions`.
+    """
+    past = positions[:, :1] - past_rows + torch.arange(past_rows, device=positions.device)
+    key_pos = torch.cat([past, positions], dim=1)
+    distance = positions[:, -q_len:, None] - key_pos[:, None, :]  # query position - key position
+    visible = torch.ones_like(distance, dtype=torch.bool)
+    if causal:
+        visible &= distance >= 0
+    if window is not None:
+        visible &= distance < window
+        if not causal:
+            visible &= -distance < window
+    return visible[:, None]
 
 
 class DraftAttention(nn.Module):
@@ -220,8 +385,8 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if is_sliding else None
+        self.causal = config.layer_is_causal(layer_idx)
+        self.sliding_window = config.layer_window(layer_idx)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.head_dim)
@@ -237,7 +402,6 @@ class DraftAttention(nn.Module):
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         bsz, q_len, _ = block.shape
-        ctx_len = context.shape[1]
         both = torch.cat([context, block], dim=1)
         q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
         k = self.k_norm(self._heads(self.k_proj(both), self.num_kv_heads)).transpose(1, 2)
@@ -245,22 +409,63 @@ class DraftAttention(nn.Module):
         # Queries sit at the block's positions, the last q_len rows of cos/sin.
         q, _ = apply_rotary_pos_emb(q, q, cos[:, -q_len:], sin[:, -q_len:])
         _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        past_rows = 0
         if cache is not None:
             past_k, past_v = cache.keys[self.layer_idx], cache.values[self.layer_idx]
             if past_k is not None:
+                past_rows = past_k.shape[2]
                 k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-            # Only context rows are committed; the block is re-drafted next step.
-            cache.keys[self.layer_idx] = k[:, :, : k.shape[2] - q_len]
-            cache.values[self.layer_idx] = v[:, :, : v.shape[2] - q_len]
+            # Only context rows are committed; the block is re-drafted next step. A sliding layer keeps the
+            # last window - 1 of them: the next block starts after them and sees no further back.
+            committed = k.shape[2] - q_len
+            first = 0 if self.sliding_window is None else max(0, committed - (self.sliding_window - 1))
+            cache.keys[self.layer_idx] = k[:, :, first:committed]
+            cache.values[self.layer_idx] = v[:, :, first:committed]
         mask = attention_mask
-        if self.sliding_window is not None:
-            past_len = k.shape[2] - ctx_len - q_len
-            past_pos = torch.arange(past_len, device=k.device) + (positions[0, 0] - past_len)
-            key_pos = torch.cat([past_pos, positions[0]])
-            window = (positions[0, -q_len:, None] - key_pos[None, :]) < self.sliding_window
-            mask = window[None, None] if mask is None else mask & window
+        if self.causal or self.sliding_window is not None:
+            rule = _window_mask(positions, past_rows, q_len, self.causal, self.sliding_window)
+            mask = rule if mask is None else mask & rule
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution over the positions of a block.
+
+    For offsets o < K: out_t = sum_o (base[o] + dyn[t, o]) * x_{t-o}, zero before the block's first position.
+    `base` is per channel; `dyn` is one coefficient per group of `group_size` channels, predicted from the
+    normed layer input by `kernel_projection`. Half 0 (and base_kernel[0]) runs before the sublayer
+    (`prepare`), half 1 (and base_kernel[1]) on the sublayer's output (`finish`).
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0  # a fresh convolution starts as the identity
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        b, length, hidden = x.shape
+        grouped = x.view(b, length, self.groups, self.group_size)
+        dynamic = dynamic.reshape(b, length, self.kernel_size, self.groups, 1)
+        out = torch.zeros_like(grouped)
+        for offset in range(self.kernel_size):
+            # x_{t - offset}: shifted down the block, zeros entering at the top
+            shifted = grouped if offset == 0 else F.pad(grouped[:, :-offset], (0, 0, 0, 0, offset, 0))
+            out = out + base[offset].view(1, 1, self.groups, self.group_size).to(x.dtype) * shifted
+            out = torch.addcmul(out, dynamic[:, :, offset], shifted)
+        return out.view(b, length, hidden)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(x, dynamic, self.base_kernel[1])
 
 
 class DraftLayer(nn.Module):
@@ -269,12 +474,58 @@ class DraftLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DraftAttention(config, layer_idx)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = Qwen3MLP(Qwen3Config(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size))
+        mlp_config = Qwen3Config(
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, hidden_act=config.hidden_act
+        )
+        self.mlp = Qwen3MLP(mlp_config)
+        self.attention_conv: GroupedDynamicConv | None = None
+        self.mlp_conv: GroupedDynamicConv | None = None
+        if config.is_dflash2:
+            assert config.conv_kernel_size is not None and config.conv_group_size is not None
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, *attn_args: Any) -> torch.Tensor:
         # The context goes into K/V as is: it was normed once by hidden_norm, not by input_layernorm.
-        x = x + self.self_attn(self.input_layernorm(x), context, *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._sublayer(self.input_layernorm(x), self.attention_conv, lambda h: self.self_attn(h, context, *attn_args))
+        return x + self._sublayer(self.post_attention_layernorm(x), self.mlp_conv, self.mlp)
+
+    @staticmethod
+    def _sublayer(h: torch.Tensor, conv: GroupedDynamicConv | None, sublayer: Any) -> torch.Tensor:
+        if conv is None:
+            return sublayer(h)
+        h, dynamic = conv.prepare(h)
+        return conv.finish(sublayer(h), dynamic)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's proposal: rescore the top-k logits of each slot given the previous slot's token.
+
+    score(slot p, candidate c) = logit[p, c] + <predecessor[prev] * hidden_projection(h_p), successor[c]>,
+    walking left to right from the block's first token; the greedy chain takes the best candidate each time.
+    The codebooks are plain parameters: the published files store them without a `.weight` suffix.
+    """
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        assert config.selector_rank is not None and config.selector_top_k is not None
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+
+    def greedy_chain(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [b, n, H], logits [b, n, V] of slots 1..n, anchor_ids [b] -> chosen ids [b, n]."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        projected = self.hidden_projection(hidden)
+        previous = anchor_ids
+        chain = []
+        for slot in range(hidden.shape[1]):
+            query = self.predecessor_codebook[previous] * projected[:, slot]
+            scores = unary[:, slot] + torch.einsum("br,bkr->bk", query, self.successor_codebook[candidates[:, slot]])
+            previous = candidates[:, slot].gather(-1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+            chain.append(previous)
+        return torch.stack(chain, dim=1)
 
 
 class DFlashDrafter(nn.Module):
@@ -316,7 +567,9 @@ class DFlashDrafter(nn.Module):
         return self._target[0]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        embeds = self.target.get_input_embeddings()(token_ids)
+        # The embedding table's raw rows, as the reference takes them: a target whose embedding module scales
+        # its output (Gemma) is not scaled here; only input_embedding_scale is applied.
+        embeds = F.embedding(token_ids, self.target.get_input_embeddings().weight)
         return embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -329,7 +582,7 @@ class DFlashDrafter(nn.Module):
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return torch.tanh(logits / cap) * cap if cap is not None and cap > 0 else logits
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq.device != position_ids.device:  # moved once, not copied every step
@@ -353,28 +606,36 @@ class DFlashDrafter(nn.Module):
         """Block embeddings [b, q, H] + fused context [b, c, H] at `position_ids` [b, c+q] -> hidden [b, q, H].
 
         With a cache, the keys/values of earlier committed context are prepended and the new context rows
-        are appended to it. `attention_mask` (bool, True = attend, [b|1, 1, q, keys]) is for training only:
-        at inference every block position sees all context and the whole block.
+        are appended to it. `attention_mask` (bool, True = attend, [b|1, 1, q, keys]) is for training; each
+        layer's own rule (causal, sliding window, on `position_ids`) is applied on top of it.
         """
         x = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self.rope(position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, context, cos, sin, position_ids, cache, attention_mask)
+        if cache is not None:
+            cache.length += context.shape[1]
         return self.norm(x)
 
-    @torch.no_grad()
-    def draft(
-        self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache
-    ) -> torch.Tensor:
-        """One drafting pass: new context features + block [last token, MASK...] -> logits for slots 1..q-1.
+    def draft_hidden(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        """One drafting pass: new context features + block [last token, MASK...] -> hidden of slots 1..q-1.
 
         `start` is the position of the block's first token; the new context covers positions
         cache.length .. start-1.
         """
         ctx_len = features.shape[1]
         positions = torch.arange(start - ctx_len, start + block_ids.shape[1], device=block_ids.device)[None]
-        hidden = self(self.embed(block_ids), self.fuse_context(features), positions, cache)
-        return self.logits(hidden[:, 1:])
+        return self(self.embed(block_ids), self.fuse_context(features), positions, cache)[:, 1:]
+
+    @torch.no_grad()
+    def draft(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        """The drafter's logits for slots 1..q-1 (see `draft_hidden`)."""
+        return self.logits(self.draft_hidden(features, block_ids, start, cache))
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        """The draft token ids for block slots 1..q-1 [b, q-1]: what the engine verifies, at any temperature."""
+        return self.draft(features, block_ids, start, cache).argmax(dim=-1)
 
     def save_pretrained(self, directory: str | Path) -> None:
         from safetensors.torch import save_file
@@ -386,6 +647,24 @@ class DFlashDrafter(nn.Module):
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """`DFlash2DraftModel`: convolutions in every layer (see `DraftLayer`) and the candidate selector."""
+
+    def __init__(self, config: DrafterConfig, target: PreTrainedModel | None = None) -> None:
+        super().__init__(config, target)
+        self.candidate_selector = CandidateSelector(config)
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        hidden = self.draft_hidden(features, block_ids, start, cache)
+        return self.candidate_selector.greedy_chain(hidden, self.logits(hidden), block_ids[:, 0])
+
+
+def make_drafter(config: DrafterConfig, target: PreTrainedModel | None = None) -> DFlashDrafter:
+    """The drafter module for the config's format."""
+    return (DFlash2Drafter if config.is_dflash2 else DFlashDrafter)(config, target)
 
 
 def check_compatible(config: DrafterConfig, target: PreTrainedModel) -> None:
@@ -407,6 +686,14 @@ def check_compatible(config: DrafterConfig, target: PreTrainedModel) -> None:
         raise DflashError(
             f"drafter mask token id {config.mask_token_id} is outside the target's vocabulary ({vocab})",
             fix="pair the drafter with the target (and tokenizer) it was trained for",
+        )
+    head = target.get_output_embeddings()
+    head_vocab = getattr(head, "out_features", vocab)
+    if config.is_dflash2 and head_vocab > config.vocab_size:
+        raise DflashError(
+            f"the DFlash2 drafter's selector codebooks cover {config.vocab_size} tokens, but the target's lm_head "
+            f"scores {head_vocab}",
+            fix="pair the drafter with the target it was trained for",
         )
 
 
@@ -487,7 +774,7 @@ def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revision: str | None = None) -> DFlashDrafter:
-    """Load a DFlash drafter (local directory or Hugging Face repo id) bound to a loaded target.
+    """Load a DFlash or DFlash2 drafter (local directory or Hugging Face repo id) bound to a loaded target.
 
     The drafter runs in the target's compute dtype on the target's device.
     """
@@ -496,8 +783,12 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")
     config = read_drafter_config(directory)
     state = _read_safetensors(directory)
+    for name in ("predecessor_codebook", "successor_codebook"):  # also accept an nn.Embedding-style save
+        key = f"candidate_selector.{name}"
+        if key + ".weight" in state and key not in state:
+            state[key] = state.pop(key + ".weight")
     with torch.device("meta"):
-        drafter = DFlashDrafter(config)
+        drafter = make_drafter(config)
     expected = set(drafter.state_dict())
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:

@@ -282,8 +282,7 @@ def generate(
         block_ids[0, 0] = last[0]
         t_draft = clock.mark()
         if drafter is not None and size > 1:
-            draft_logits = drafter.draft(features, block_ids, start, draft_cache)
-            block_ids[0, 1:] = draft_logits[0].argmax(dim=-1)
+            block_ids[0, 1:] = drafter.propose(features, block_ids, start, draft_cache)[0]
         t_verify = clock.mark()
         positions = torch.arange(start, start + size, device=device)[None]
         with capture_layers(target, layer_ids) as captured:

@@ -23,3 +23,17 @@ def json_problem(error: json.JSONDecodeError) -> str:
     starting at"), which must not read "at at column"."""
     where = "column" if error.msg.endswith(" at") else "at column"
     return f"{error.msg} {where} {error.colno}"
+
+
+class RequestError(DflashError):
+    """A request (a server request body, a `dflash run` line, a prompt file line) that cannot run.
+
+    `param` names the field as the user wrote it (OpenAI's error `param`); `code` says what kind of problem it
+    is (`invalid_request`, `context_length_exceeded`, ...), for errors files and OpenAI error bodies."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str = "invalid_request", fix: str | None = None
+    ) -> None:
+        super().__init__(message, fix=fix)
+        self.param = param
+        self.code = code

@@ -38,15 +38,9 @@ class RunOptions:
         return PlanOverrides(device=self.device, dtype=self.dtype, quant=self.quant, block_size=self.block_size)
 
     def sampling_params(self, **extra: Any) -> SamplingParams:
-        """engine.SamplingParams from the flags; `extra` adds stop tokens / strings."""
-        from dflash_cli.params import SamplingParams
+        """engine.SamplingParams from the sampling flags (named like the request fields); `extra` adds stop
+        tokens / strings."""
+        from dflash_cli.params import FIELDS, SamplingParams, read_sampling
 
-        return SamplingParams(
-            max_new_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            **extra,
-        )
+        flags = {field.key: getattr(self, field.key) for field in FIELDS if hasattr(self, field.key)}
+        return SamplingParams(**read_sampling(flags), **extra)

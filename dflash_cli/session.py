@@ -12,12 +12,13 @@ from typing import Any, Iterator, Sequence
 from rich.console import Console
 
 from dflash_cli.engine import SamplingParams, Step, generate
-from dflash_cli.errors import DflashError
+from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.hardware import detect_machine
 from dflash_cli.loading import LoadedModels, load_models
 from dflash_cli.options import RunOptions
 from dflash_cli.planning import Plan, block_size_note, make_plan
 from dflash_cli.recipes import Recipe
+from dflash_cli.requests import Request
 
 
 @dataclass
@@ -89,18 +90,72 @@ class Session:
             )
         return self.tokenizer
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Apply the chat template to the whole conversation, ready for the assistant's reply."""
+    @property
+    def context_window(self) -> int | None:
+        from dflash_cli.engine import context_window
+
+        return context_window(self.target)
+
+    @property
+    def served_name(self) -> str:
+        """The model's name for clients: the recipe's, or the target's id for an ad-hoc --target."""
+        return self.recipe.target.id if self.recipe.name == "ad-hoc" else self.recipe.name
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """Apply the chat template to the whole conversation, ready for the assistant's reply. `template_kwargs`
+        (a request's chat_template_kwargs) go over the recipe's."""
         if not getattr(self.require_tokenizer(), "chat_template", None):
             raise DflashError(
                 f"{self.recipe.target.id} has no chat template",
                 fix="use `dflash run` with plain {\"prompt\": ...} lines, or a chat (instruct) model",
             )
-        return apply_chat_template(self.tokenizer, messages, self.recipe.chat_template_kwargs)
+        return apply_chat_template(self.tokenizer, messages, {**self.recipe.chat_template_kwargs, **(template_kwargs or {})})
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
         return list(self.require_tokenizer()(text)["input_ids"])
+
+    def encode_request(self, request: Request, *, prompt_as_chat: bool = False) -> list[int]:
+        """A request's prompt ids, checked against this model (vocabulary, chat template, context window).
+
+        Raises RequestError for a request this model cannot take. With `prompt_as_chat` a plain `prompt` is sent
+        as a user turn when the model has a chat template (bench measures chat replies)."""
+        field = "messages" if request.is_chat else "prompt_ids" if request.prompt_ids is not None else "prompt"
+        if request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            vocab = self.target.get_input_embeddings().num_embeddings
+            outside = [token for token in ids if token >= vocab]
+            if outside:
+                raise RequestError(
+                    f"token id {outside[0]} is outside the vocabulary of {self.recipe.target.id} (size {vocab})",
+                    param=field,
+                    fix="use token ids made with this model's tokenizer",
+                )
+        else:
+            chat = request.is_chat or (prompt_as_chat and getattr(self.tokenizer, "chat_template", None))
+            try:
+                if chat:
+                    messages = request.messages or [{"role": "user", "content": request.prompt or ""}]
+                    ids = self.encode_chat(messages, dict(request.chat_template_kwargs))
+                else:
+                    ids = self.encode_prompt(request.prompt or "")
+            except RequestError:
+                raise
+            except DflashError as error:  # no tokenizer, no chat template, a template that rejects the conversation
+                raise RequestError(error.message, param=field, fix=error.fix) from None
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens", param=field)
+        window = self.context_window
+        if window is not None and len(ids) >= window:
+            raise RequestError(
+                f"the prompt is {len(ids)} tokens, but the model's context window is {window}",
+                param=field,
+                code="context_length_exceeded",
+                fix="shorten the prompt",
+            )
+        return ids
 
     def sampling_params(self, options: RunOptions, **changes: Any) -> SamplingParams:
         """The options' sampling flags plus this model's stop ids; `changes` override single fields."""
@@ -123,8 +178,8 @@ class Session:
 def apply_chat_template(
     tokenizer: Any, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any]
 ) -> list[int]:
-    """Token ids of the conversation, ready for the assistant's reply, rendered with the recipe's template options
-    (`enable_thinking = false` for the Qwen3 drafters). `dflash train` renders its prompts with this too, so a
+    """Token ids of the conversation, ready for the assistant's reply, rendered with the template options (the
+    recipe's, such as `enable_thinking = false` for the Qwen3 drafters, and a request's over them). `dflash train` renders its prompts with this too, so a
     drafter is distilled on exactly what it will be served."""
     from jinja2.exceptions import TemplateError
 
@@ -132,7 +187,7 @@ def apply_chat_template(
         encoded = tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True, **template_kwargs
         )
-    except TemplateError as error:  # e.g. templates that allow no system prompt
+    except (TemplateError, TypeError) as error:  # templates that allow no system prompt; odd template kwargs
         raise DflashError(
             f"the chat template rejects this conversation: {error}",
             fix="drop the system message, or start the conversation with a user message",

@@ -385,7 +385,7 @@ def measure_target_steps(target: nn.Module, layer_ids: list[int], prompt: torch.
 
 
 def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings) -> dict[str, Any]:
-    """One drafting pass as the engine runs it: new context features (tau rows) + block -> argmax proposals."""
+    """One drafting pass as the engine runs it: new context features (tau rows) + block -> proposed ids."""
     device = prompt.device
     ctx = prompt.shape[1]
     dtype = drafter.fc.weight.dtype
@@ -401,7 +401,7 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
 
     @torch.inference_mode()
     def run() -> None:
-        drafter.draft(features, block, cached + new_rows, cache).argmax(dim=-1)
+        drafter.propose(features, block, cached + new_rows, cache)
         cache.crop(cached)
 
     result = time_calls(run, device, s.warmup, s.reps)
@@ -442,15 +442,15 @@ class ControlledAcceptanceDrafter:
         return getattr(self.inner, name)
 
     @torch.no_grad()
-    def draft(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
-        logits = self.inner.draft(features, block_ids, start, cache)
-        slots = logits.shape[1]
+    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        drafted = self.inner.propose(features, block_ids, start, cache)  # the real pass, so the step costs what it does
+        slots = drafted.shape[1]
         accept = self.plan[min(self.steps, len(self.plan) - 1)]
         self.steps += 1
         proposal = self.sequence[start + 1 : start + 1 + slots].clone()
         if accept <= slots:
             proposal[accept - 1] = (proposal[accept - 1] + 1) % self.vocab  # the first wrong slot
-        return logits.scatter_(-1, proposal.view(1, slots, 1), float("inf"))
+        return proposal.view(1, slots)
 
 
 def run_generation(

@@ -1,6 +1,9 @@
-"""Drafters for tests: random ones in the z-lab format, and an oracle double of controlled acceptance.
+"""Drafters for tests: random ones in the z-lab formats, and an oracle double of controlled acceptance.
 
-- `random_drafter(target, ...)`: a real `DFlashDrafter` with random weights, bound to `target`.
+- `random_drafter(target, ..., fmt="classic")`: a real drafter with random weights, bound to `target`, in one
+  of the `FORMATS`: "classic" (DFlashDraftModel, full attention), "swa" (nested schema, causal sliding layers
+  + one full layer, scaled and softcapped head), "swa-noncausal" (the same with top-level is_causal false: the
+  window on both sides), "dflash2" (DFlash2DraftModel: sliding non-causal layers, convolutions, selector).
 - `save_random_drafter(dir, target, ...)`: the same, saved in the published checkpoint format.
 - `OracleDrafter(target, continuation, correct=None)`: proposes the target's own continuation for the
   first `correct` slots of each block (all when None) and a wrong token after, so a test can demand an
@@ -9,15 +12,41 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from dflash_cli.drafter import DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids
+from dflash_cli.drafter import DFLASH2_ARCHITECTURE, DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids, make_drafter
+
+FORMATS = ("classic", "swa", "swa-noncausal", "dflash2")
 
 
-def drafter_config(target, *, num_layers: int = 1, block_size: int = 4, layer_ids: list[int] | None = None) -> DrafterConfig:
+def _format_fields(fmt: str, num_layers: int, window: int, hidden: int, vocab: int) -> dict:
+    if fmt == "classic":
+        return {}
+    sliding = ["sliding_attention"] * num_layers
+    if fmt == "dflash2":
+        return dict(
+            architecture=DFLASH2_ARCHITECTURE, layer_types=sliding, sliding_window=window, is_causal=False, nested=True,
+            conv_kernel_size=2, conv_group_size=math.gcd(hidden, 8), selector_rank=8, selector_top_k=min(8, vocab),
+        )
+    if num_layers > 1:
+        sliding[-1] = "full_attention"
+    fields = dict(layer_types=sliding, sliding_window=window, nested=True, input_embedding_scale=1.25,
+                  output_multiplier=0.9, final_logit_softcapping=8.0)
+    if fmt == "swa-noncausal":
+        fields["is_causal"] = False
+    elif fmt != "swa":
+        raise ValueError(f"unknown drafter format {fmt!r}; one of {FORMATS}")
+    return fields
+
+
+def drafter_config(
+    target, *, num_layers: int = 1, block_size: int = 4, layer_ids: list[int] | None = None, fmt: str = "classic",
+    window: int = 3,
+) -> DrafterConfig:
     tc = target.config
     return DrafterConfig(
         hidden_size=tc.hidden_size,
@@ -32,17 +61,20 @@ def drafter_config(target, *, num_layers: int = 1, block_size: int = 4, layer_id
         mask_token_id=tc.vocab_size - 1,
         target_layer_ids=layer_ids or default_target_layer_ids(tc.num_hidden_layers, num_layers),
         max_position_embeddings=tc.max_position_embeddings,
+        **_format_fields(fmt, num_layers, window, tc.hidden_size, tc.vocab_size),
     )
 
 
 def random_drafter(target, *, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> DFlashDrafter:
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(drafter_config(target, **kwargs), target).to(dtype).eval()
+    drafter = make_drafter(drafter_config(target, **kwargs), target).to(dtype).eval()
     # Random init leaves norms at 1 and projections tiny; scale up so drafts vary with the context.
     with torch.no_grad():
-        for p in drafter.parameters():
+        for name, p in drafter.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
+            elif name.endswith("base_kernel"):  # DFlash2 convolutions: near the identity, not at it
+                p.add_(torch.randn_like(p) * 0.3)
     return drafter
 
 
@@ -62,12 +94,10 @@ class OracleDrafter(DFlashDrafter):
         self.vocab = target.config.vocab_size
 
     @torch.no_grad()
-    def draft(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
-        slots = block_ids.shape[1] - 1
-        logits = torch.zeros(1, slots, self.vocab)
-        for j in range(slots):
+    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        proposal = []
+        for j in range(block_ids.shape[1] - 1):
             pos = start + 1 + j
             right = self.sequence[pos] if pos < len(self.sequence) else 0
-            token = right if self.correct is None or j < self.correct else (right + 1) % self.vocab
-            logits[0, j, token] = 1.0
-        return logits.to(block_ids.device)
+            proposal.append(right if self.correct is None or j < self.correct else (right + 1) % self.vocab)
+        return torch.tensor([proposal], device=block_ids.device)

@@ -1,0 +1,346 @@
+"""The one request format: how every frontend reads a generation request.
+
+A request is a conversation (`messages`), a plain-completion text (`prompt`) or token ids (`prompt_ids`), plus
+the sampling fields of `params.FIELDS` and `chat_template_kwargs`. It arrives in three shapes:
+
+- an OpenAI request body (`dflash serve`; the `body` of an OpenAI batch line): `read_body(body, endpoint)`;
+- a JSONL line (`dflash run`, `dflash bench --prompts`): `{"prompt"}`, `{"messages"}` or `{"prompt_ids"}` with
+  sampling keys beside it and an optional `id`, or an OpenAI batch line (`custom_id`, `method`, `url`, `body`):
+  `read_line(obj)`; a whole file, every line read on its own so one bad line cannot stop the rest:
+  `read_jsonl(path)`;
+- a conversation alone (chat's `/load`): `read_messages(value)`.
+
+Errors are `RequestError`s that name the field as the user wrote it. Torch-free: everything is checked before a
+model loads. Turning a request into token ids is `Session.encode_request`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dflash_cli.errors import DflashError, RequestError, json_problem
+from dflash_cli.params import read_sampling
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
+PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# apply_chat_template's own arguments: a request's chat_template_kwargs must not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def _number_is(default: float) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+
+
+def _is(default: Any) -> Callable[[Any], bool]:
+    return lambda value: type(value) is type(default) and value == default
+
+
+# Fields that would change the answer in ways we do not implement: a value other than the default (or null) is
+# refused by name rather than silently ignored. Other fields we do not read (user, metadata, store, ...) are
+# ignored, as OpenAI-compatible servers do.
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_number_is(1), "n must be 1: one choice per request (send several requests for several answers)"),
+    "best_of": (_number_is(1), "best_of must be 1: one candidate per request"),
+    "logprobs": (lambda v: v is False or _is(0)(v), "logprobs are not supported"),
+    "top_logprobs": (_number_is(0), "top_logprobs are not supported"),
+    "echo": (_is(False), "echo is not supported"),
+    "suffix": (_is(""), "suffix (fill-in-the-middle) is not supported"),
+    "tools": (_is([]), "tools (function calling) are not supported"),
+    "functions": (_is([]), "functions (function calling) are not supported"),
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool_choice: function calling is not supported"),
+    "response_format": (lambda v: v == {"type": "text"}, 'response_format: only {"type": "text"} is supported'),
+    "logit_bias": (_is({}), "logit_bias is not supported"),
+    "presence_penalty": (_number_is(0), "presence_penalty is not supported (it would change the distribution)"),
+    "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (it would change the distribution)"),
+    "repetition_penalty": (_number_is(1), "repetition_penalty is not supported (it would change the distribution)"),
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, whichever frontend it came through."""
+
+    messages: tuple[dict[str, str], ...] | None = None  # a conversation, rendered with the chat template
+    prompt: str | None = None  # plain completion: the text as is
+    prompt_ids: tuple[int, ...] | None = None  # token ids as they are
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # the SamplingParams fields it sets, by attribute
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # over the recipe's own
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
+    model: str | None = None
+    endpoint: str | None = None  # OpenAI's endpoint, whose response shape the result takes; None: dflash's own
+    id: str | None = None  # a file line's id (or custom_id)
+    line: int | None = None  # a file line's number
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+def show(value: Any) -> str:
+    """A value as JSON, cut short, for error messages."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_text(value: Any, name: str, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string, got {show(value)}", param=name)
+    if not value and not allow_empty:
+        raise RequestError(f"{name} is empty", param=name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{name} holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape)", param=name) from None
+    return value
+
+
+def _content(value: Any, name: str) -> str:
+    """A message's content: a string, or OpenAI content parts of type text (joined by newlines)."""
+    if isinstance(value, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in value):
+            raise RequestError(f"{name}: only text content parts are supported", param=name)
+        return "\n".join(read_text(part.get("text"), f"{name}.text", allow_empty=True) for part in value)
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string or a list of text parts, got {show(value)}", param=name)
+    return read_text(value, name, allow_empty=True)
+
+
+def read_messages(value: Any, name: str = "messages") -> tuple[dict[str, str], ...]:
+    """A conversation: a non-empty list of {"role": system|developer|user|assistant, "content": text}."""
+    if not isinstance(value, list) or not value:
+        raise RequestError(f'{name} must be a non-empty list of {{"role", "content"}} objects', param=name)
+    messages = []
+    for i, message in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object, got {show(message)}", param=where)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise RequestError(
+                f"{where}.role must be system, user or assistant, got {show(role)} "
+                "(tool and function messages are not supported)",
+                param=f"{where}.role",
+            )
+        messages.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+    return tuple(messages)
+
+
+def read_prompt_ids(value: Any, name: str) -> tuple[int, ...]:
+    ok = isinstance(value, list) and value and all(type(t) is int and 0 <= t < 2**31 for t in value)
+    if not ok:
+        raise RequestError(f"{name} must be a non-empty list of token ids (non-negative integers)", param=name)
+    return tuple(value)
+
+
+def _completion_prompt(value: Any, name: str) -> dict[str, Any]:
+    """/v1/completions' prompt: a string or token ids, alone or in a list of one."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    elif isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
+        raise RequestError(f"{name}: one prompt per request (send one request per prompt)", param=name)
+    if isinstance(value, list):
+        return {"prompt_ids": read_prompt_ids(value, name)}
+    return {"prompt": read_text(value, name)}
+
+
+def check_supported(body: Mapping[str, Any], prefix: str = "") -> None:
+    for key, (is_default, why) in UNSUPPORTED.items():
+        if body.get(key) is not None and not is_default(body[key]):
+            raise RequestError(f"{prefix}{why}", param=prefix + key)
+
+
+def _template_kwargs(value: Any, name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(f"{name} must be an object, got {show(value)}", param=name)
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & value.keys())
+    if reserved:
+        raise RequestError(f"{name} cannot set {', '.join(reserved)}", param=name)
+    return dict(value)
+
+
+def _flag(body: Mapping[str, Any], key: str, name: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {show(value)}", param=name)
+    return bool(value)
+
+
+def read_body(body: Any, endpoint: str, *, prefix: str = "") -> Request:
+    """An OpenAI request body for `endpoint` (CHAT_URL or COMPLETIONS_URL). `prefix` goes before field names in
+    errors ("body." for a batch line)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"{prefix.rstrip('.') or 'the request body'} must be a JSON object, got {show(body)}")
+    check_supported(body, prefix)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"{prefix}model must be a string, got {show(model)}", param=prefix + "model")
+    if endpoint == CHAT_URL:
+        prompt: dict[str, Any] = {"messages": read_messages(body.get("messages"), prefix + "messages")}
+        for key in ("prompt", "prompt_ids"):
+            if key in body:
+                raise RequestError(f"{prefix}{key}: chat completions take messages", param=prefix + key)
+    elif endpoint == COMPLETIONS_URL:
+        if "messages" in body:
+            raise RequestError(f"{prefix}messages: use {CHAT_URL} for conversations", param=prefix + "messages")
+        if body.get("chat_template_kwargs") is not None:
+            name = prefix + "chat_template_kwargs"
+            raise RequestError(f"{name}: completions use no chat template (use {CHAT_URL})", param=name)
+        prompt = _completion_prompt(body.get("prompt"), prefix + "prompt")
+    else:
+        raise RequestError(f"url {show(endpoint)} is not supported: use {CHAT_URL} or {COMPLETIONS_URL}", param="url")
+    stream = _flag(body, "stream", prefix + "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise RequestError(f"{prefix}stream_options is only allowed with stream: true", param=prefix + "stream_options")
+        if not isinstance(options, dict):
+            name = prefix + "stream_options"
+            raise RequestError(f"{name} must be an object, got {show(options)}", param=name)
+        include_usage = _flag(options, "include_usage", prefix + "stream_options.include_usage")
+    return Request(
+        **prompt,
+        sampling=read_sampling(body, prefix=prefix),
+        chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs"), prefix + "chat_template_kwargs"),
+        stream=stream,
+        include_usage=include_usage,
+        model=model,
+        endpoint=endpoint,
+    )
+
+
+def _read_id(value: Any, name: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return read_text(value, name)
+
+
+def read_line(line: Any) -> Request:
+    """A JSONL line: {"prompt" | "messages" | "prompt_ids", sampling keys, "id"?} or an OpenAI batch line."""
+    if not isinstance(line, dict):
+        raise RequestError(f"expected a JSON object, got {show(line)}")
+    if OPENAI_BATCH_KEYS & line.keys():
+        missing = [key for key in ("custom_id", "url", "body") if key not in line]
+        if missing:
+            raise RequestError(f"OpenAI batch line without {', '.join(missing)}", param=missing[0])
+        custom_id = _read_id(line["custom_id"], "custom_id")
+        if line.get("method", "POST") != "POST":
+            raise RequestError(f'method must be "POST", got {show(line["method"])}', param="method")
+        url = line["url"]
+        if url not in (CHAT_URL, COMPLETIONS_URL):
+            raise RequestError(f"url {show(url)} is not supported: use {CHAT_URL} or {COMPLETIONS_URL}", param="url")
+        if not isinstance(line["body"], dict):
+            raise RequestError(f"body must be an object, got {show(line['body'])}", param="body")
+        return replace(read_body(line["body"], url, prefix="body."), id=custom_id)
+    kinds = [key for key in PROMPT_KEYS if key in line]
+    if len(kinds) != 1:
+        found = f"found {', '.join(kinds)}" if kinds else "found none"
+        raise RequestError(
+            f'a line needs exactly one of "prompt", "messages" or "prompt_ids" ({found}), '
+            "or is an OpenAI batch line (custom_id, method, url, body)"
+        )
+    check_supported(line)
+    kind = kinds[0]
+    if kind == "messages":
+        prompt: dict[str, Any] = {"messages": read_messages(line["messages"])}
+    elif kind == "prompt":
+        prompt = {"prompt": read_text(line["prompt"], "prompt")}
+    else:
+        prompt = {"prompt_ids": read_prompt_ids(line["prompt_ids"], "prompt_ids")}
+    if line.get("chat_template_kwargs") is not None and kind != "messages":
+        raise RequestError('chat_template_kwargs needs "messages"', param="chat_template_kwargs")
+    return Request(
+        **prompt,
+        sampling=read_sampling(line),
+        chat_template_kwargs=_template_kwargs(line.get("chat_template_kwargs"), "chat_template_kwargs"),
+        id=_read_id(line["id"], "id") if line.get("id") is not None else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSONL files
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int
+    code: str  # invalid_utf8, invalid_json, invalid_request, duplicate_id, context_length_exceeded, generation_failed
+    message: str
+    id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"line": self.line, "id": self.id, "error": {"code": self.code, "message": self.message}}
+
+
+@dataclass(frozen=True)
+class RequestFile:
+    path: Path
+    requests: list[Request]  # each with its `line` and `id`
+    errors: list[LineError]
+
+    @property
+    def total(self) -> int:
+        return len(self.requests) + len(self.errors)
+
+
+def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str]) -> Request | LineError | None:
+    """One line as read (bytes) -> a Request with its id, a LineError saying why not, or None for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return LineError(number, "invalid_utf8", f"not UTF-8: byte 0x{raw[error.start]:02x} at offset {error.start}")
+    text = text.strip().lstrip("\ufeff")  # a byte order mark, as some editors write
+    if not text:
+        return None
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError as error:
+        return LineError(number, "invalid_json", f"not valid JSON: {json_problem(error)}")
+    except RecursionError:
+        return LineError(number, "invalid_json", "not valid JSON: nested too deeply")
+    try:
+        request = read_line(line)
+    except RequestError as error:
+        given = line.get("custom_id", line.get("id")) if isinstance(line, dict) else None
+        return LineError(number, error.code, error.message, id=given if isinstance(given, str) else None)
+    return replace(request, line=number, id=request.id if request.id is not None else default_id(number, raw))
+
+
+def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
+    """Every line of `path`, read as bytes so one bad line cannot stop the rest. `default_id(number, raw)` names
+    a line without an id. Every line that repeats an earlier line's id is an error (`duplicate_id`)."""
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "not found"
+        raise DflashError(f"{path} {what}", fix="pass a JSONL file of prompts, one request per line")
+    requests: list[Request] = []
+    errors: list[LineError] = []
+    first_line: dict[str, int] = {}
+    try:
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                parsed = parse_line(raw, number, default_id)
+                if isinstance(parsed, LineError):
+                    errors.append(parsed)
+                elif parsed is not None and parsed.id in first_line:
+                    message = f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
+                    errors.append(LineError(number, "duplicate_id", message, parsed.id))
+                elif parsed is not None:
+                    first_line[parsed.id] = number  # type: ignore[index]
+                    requests.append(parsed)
+    except OSError as error:
+        raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
+    return RequestFile(path, requests, errors)
+

@@ -1,0 +1,108 @@
+"""OpenAI response shapes, shared by `dflash serve` and the OpenAI batch output of `dflash run`.
+
+Our own numbers ride along in a `dflash` object (tau, acceptance histogram, decode tok/s): OpenAI clients ignore
+fields they do not know.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from dflash_cli.requests import CHAT_URL
+
+
+def new_id(endpoint: str) -> str:
+    return ("chatcmpl-" if endpoint == CHAT_URL else "cmpl-") + uuid.uuid4().hex
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def dflash_stats(stats: Any) -> dict[str, Any]:
+    """The numbers of one generation (an engine GenerationStats) worth keeping next to its text."""
+    return {
+        "speculative": stats.speculative,
+        "block_size": stats.block_size,
+        "tau": round(stats.tau, 4),
+        "acceptance_histogram": {str(k): v for k, v in stats.histogram.items()},
+        "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
+        "ttft_s": round(stats.ttft_s, 4),
+    }
+
+
+def completion(
+    endpoint: str, *, id: str, model: str, text: str, finish_reason: str, stats: Any, created: int | None = None
+) -> dict[str, Any]:
+    """A whole (not streamed) chat.completion or text_completion."""
+    if endpoint == CHAT_URL:
+        kind, choice = "chat.completion", {"message": {"role": "assistant", "content": text}}
+    else:
+        kind, choice = "text_completion", {"text": text}
+    return {
+        "id": id,
+        "object": kind,
+        "created": now() if created is None else created,
+        "model": model,
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(stats.prompt_tokens, stats.generated_tokens),
+        "dflash": dflash_stats(stats),
+    }
+
+
+def chunk(
+    endpoint: str,
+    *,
+    id: str,
+    model: str,
+    created: int,
+    text: str = "",
+    first: bool = False,
+    finish_reason: str | None = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
+    """One streamed chunk: text, or the first (the assistant role) or last (finish_reason) one."""
+    if endpoint == CHAT_URL:
+        kind = "chat.completion.chunk"
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+        choice: dict[str, Any] = {"delta": delta}
+    else:
+        kind, choice = "text_completion", {"text": text}
+    body: dict[str, Any] = {
+        "id": id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if with_usage:  # OpenAI: with stream_options.include_usage every chunk has "usage", null until the last
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(endpoint: str, *, id: str, model: str, created: int, stats: Any) -> dict[str, Any]:
+    """The last chunk with stream_options.include_usage: no choices, the token counts (and our numbers)."""
+    return {
+        "id": id,
+        "object": "chat.completion.chunk" if endpoint == CHAT_URL else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(stats.prompt_tokens, stats.generated_tokens),
+        "dflash": dflash_stats(stats),
+    }
+
+
+def error(message: str, type: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -1,0 +1,435 @@
+"""`dflash serve NAME`: an OpenAI-compatible HTTP server over one loaded model.
+
+Shape (as mlx-lm's server): one worker thread owns the session and the engine and takes jobs from a bounded
+queue (worker.py). The HTTP handlers here are thin: read the body (requests.read_body, the format `dflash run`
+reads too), encode the prompt, submit a job, and turn its updates into an OpenAI response, whole or streamed as
+server-sent events. A client that disconnects cancels its job; a full queue answers 429 at once; every error is
+OpenAI's JSON error shape.
+
+Starlette on uvicorn, the ASGI stack under vLLM's and SGLang's servers: HTTP/1.1 keep-alive, streaming,
+disconnect detection and graceful shutdown are theirs, tested far beyond what we would write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import ipaddress
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import uvicorn
+from rich.console import Console
+from rich.markup import escape
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dflash_cli import responses
+from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.metrics import CONTENT_TYPE, ServerMetrics
+from dflash_cli.options import RunOptions
+from dflash_cli.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
+from dflash_cli.worker import Job, QueueFull, ShuttingDown, Update, Worker
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
+DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
+ROUTES = ("/health", "/metrics", "/v1/models", CHAT_URL, COMPLETIONS_URL)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class APIError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = responses.error(self.message, self.type, param=self.param, code=self.code)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    """The HTTP side: routes, the API key, body limits, and the bridge from worker updates to responses."""
+
+    def __init__(self, session: Any, options: RunOptions, worker: Worker, metrics: ServerMetrics, api_key: str | None):
+        self.session, self.options, self.worker, self.metrics = session, options, worker, metrics
+        self.api_key = api_key or None
+        self.model = session.served_name
+        recipe = session.recipe
+        self.names = {self.model, recipe.name, recipe.target.id, *recipe.aliases} - {"ad-hoc"}
+        self.created = responses.now()
+        self.encode_lock = anyio.Lock()
+
+    def app(self) -> Callable[..., Awaitable[None]]:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route(CHAT_URL, self.chat_completions, methods=["POST"]),
+            Route(COMPLETIONS_URL, self.completions, methods=["POST"]),
+        ]
+        handlers = {APIError: self._api_error, HTTPException: self._http_error, Exception: self._server_error}
+        return self._gate(Starlette(routes=routes, exception_handlers=handlers))  # type: ignore[arg-type]
+
+    # -- errors and the gate ----------------------------------------------------------------------------------
+
+    async def _api_error(self, request: HTTPRequest, error: Exception) -> Response:
+        assert isinstance(error, APIError)
+        return error.response()
+
+    async def _http_error(self, request: HTTPRequest, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        if error.status_code == 404:
+            message = f"no route {request.url.path}: the API is under /v1 (GET /v1/models, POST {CHAT_URL}, ...)"
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path} (allowed: {error.headers.get('Allow')})"
+        else:
+            message = str(error.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return APIError(error.status_code, message, code=code, headers=error.headers).response()
+
+    async def _server_error(self, request: HTTPRequest, error: Exception) -> Response:
+        return APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error").response()
+
+    def _gate(self, app: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        """ASGI middleware: the API key on /v1 routes (health and metrics stay open, as vLLM's), and a count of
+        every response by route and status for /metrics."""
+
+        async def gate(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            path = scope["path"]
+            route = path if path in ROUTES else "other"
+
+            async def counting_send(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    self.metrics.answered(route, message["status"])
+                await send(message)
+
+            if path.startswith("/v1/") and not self._authorized(scope):
+                error = APIError(
+                    401, "invalid or missing API key: send the header `Authorization: Bearer KEY`",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                )  # fmt: skip
+                await error.response()(scope, receive, counting_send)
+                return
+            await app(scope, receive, counting_send)
+
+        return gate
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        if self.api_key is None:
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
+
+    # -- simple routes ----------------------------------------------------------------------------------------
+
+    async def health(self, request: HTTPRequest) -> Response:
+        ok = self.worker.alive
+        body = {"status": "ok" if ok else "unavailable", "model": self.model, "waiting": self.worker.waiting,
+                "running": self.worker.running}  # fmt: skip
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: HTTPRequest) -> Response:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dflash",
+            "root": self.session.recipe.target.id,
+            "max_model_len": self.session.context_window,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # -- completions ------------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        return await self._complete(request, CHAT_URL)
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        return await self._complete(request, COMPLETIONS_URL)
+
+    async def _read_json(self, http: HTTPRequest) -> Any:
+        declared = http.headers.get("content-length", "")
+        too_big = APIError(
+            413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", code="request_too_large"
+        )
+        if declared.isdigit() and int(declared) > DRAIN_BYTES:
+            raise too_big
+        body, received = bytearray(), 0
+        async for chunk in http.stream():
+            received += len(chunk)
+            if received <= MAX_BODY_BYTES:
+                body += chunk
+            elif received > DRAIN_BYTES:
+                raise too_big
+        if received > MAX_BODY_BYTES:
+            raise too_big
+        if not body.strip():
+            raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+        try:
+            return json.loads(body, parse_constant=_no_constants)
+        except UnicodeDecodeError as error:
+            raise APIError(400, f"the request body is not UTF-8: {error.reason}", code="invalid_json") from None
+        except ValueError as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
+
+    def _encode(self, request: Request) -> list[int]:
+        return self.session.encode_request(request)
+
+    def _busy(self) -> APIError:
+        return APIError(
+            429, f"the server is busy: its queue is full ({self.worker.max_queue} waiting); retry shortly "
+            "(or start the server with a larger --max-queue)",
+            type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+        )  # fmt: skip
+
+    async def _complete(self, http: HTTPRequest, endpoint: str) -> Response:
+        if self.worker.full:  # refuse before reading and encoding, when it is clear already
+            raise self._busy()
+        try:
+            request = read_body(await self._read_json(http), endpoint)
+            if request.model is not None and request.model not in self.names:
+                raise APIError(
+                    404, f"model {request.model!r} is not served here; this server serves {self.model!r} "
+                    "(GET /v1/models)", param="model", code="model_not_found",
+                )  # fmt: skip
+            async with self.encode_lock:  # tokenizers are not built for concurrent encodes
+                prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
+            params = self.session.sampling_params(self.options, **request.sampling)
+        except RequestError as error:
+            raise APIError(400, error.message, param=error.param, code=error.code) from None
+        except DflashError as error:
+            raise APIError(400, error.message) from None
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+
+        def deliver(update: Update) -> None:  # called in the worker thread
+            loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        job = Job(prompt_ids, params, deliver)
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise self._busy() from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
+        ids = {"id": responses.new_id(endpoint), "model": self.model, "created": responses.now()}
+        if request.stream:
+            stream = self._stream(job, updates, request, ids)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        return await self._whole(http, job, updates, endpoint, ids)
+
+    async def _whole(
+        self, http: HTTPRequest, job: Job, updates: asyncio.Queue[Update], endpoint: str, ids: dict[str, Any]
+    ) -> Response:
+        gone = asyncio.Event()
+
+        async def cancel_on_disconnect() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            self.worker.cancel(job)
+
+        watcher = asyncio.create_task(cancel_on_disconnect())
+        text: list[str] = []
+        try:
+            while (update := await updates.get()).finish_reason is None:
+                text.append(update.text)
+        finally:
+            watcher.cancel()
+            self.worker.cancel(job)  # a no-op when the job is done; stops it when this handler is cancelled
+        if gone.is_set():
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it, /metrics counts it
+        text.append(update.text)
+        self._check_finished(update)
+        body = responses.completion(endpoint, text="".join(text), finish_reason=update.finish_reason,
+                                    stats=update.stats, **ids)  # fmt: skip
+        return JSONResponse(body)
+
+    def _check_finished(self, update: Update) -> None:
+        if update.finish_reason == "error":
+            raise APIError(500, f"generation failed: {update.error}", type="server_error", code="generation_failed")
+        if update.finish_reason == "cancelled":  # only shutdown cancels a job whose client is still there
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+    async def _stream(
+        self, job: Job, updates: asyncio.Queue[Update], request: Request, ids: dict[str, Any]
+    ) -> AsyncIterator[str]:
+        """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
+        endpoint, usage = request.endpoint or CHAT_URL, request.include_usage
+        try:
+            if endpoint == CHAT_URL:
+                yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
+            while True:
+                update = await updates.get()
+                if update.text:
+                    yield sse(responses.chunk(endpoint, text=update.text, with_usage=usage, **ids))
+                if update.finish_reason is None:
+                    continue
+                try:
+                    self._check_finished(update)
+                except APIError as error:  # the status is sent already: the error goes in the stream, as vLLM's
+                    yield sse(responses.error(error.message, error.type, code=error.code))
+                    break
+                last = responses.chunk(endpoint, finish_reason=update.finish_reason, with_usage=usage, **ids)
+                last["dflash"] = responses.dflash_stats(update.stats)
+                yield sse(last)
+                if usage:
+                    yield sse(responses.usage_chunk(endpoint, stats=update.stats, **ids))
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            self.worker.cancel(job)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running it
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, plus: the first Ctrl-C (SIGINT/SIGTERM) also cancels the engine's work, so open streams end
+    at their next step instead of holding the shutdown; and a clean shutdown returns (exit code 0, as ollama
+    and llama-server) instead of re-raising the signal once done, as uvicorn does on its own."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)
+        if not self.force_exit:  # a second Ctrl-C forces the exit and keeps uvicorn's behaviour
+            getattr(self, "_captured_signals", []).clear()
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, minus its startup chatter (we print our own): access lines and warnings stay."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["uvicorn.error"]["level"] = "WARNING"
+    return config
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails in a second, not after a minute."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as error:
+        raise DflashError(f"cannot listen on {host}: {error}", fix="pass an address of this machine: --host 127.0.0.1") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        fix = f"pick another --port, or stop the program using {port}" if port else "check --host"
+        raise DflashError(f"cannot listen on {host}:{port}: {error.strerror}", fix=fix) from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def run_server(
+    options: RunOptions, *, host: str, port: int, api_key: str | None, max_queue: int, console: Console
+) -> None:
+    """Bind, load the model once, serve until Ctrl-C."""
+    from dflash_cli.session import open_session
+
+    sock = bind(host, port)
+    try:
+        session = open_session(options, console)
+        speculative = not options.no_spec and session.can_speculate
+        worker = Worker(session, speculative=speculative, max_queue=max_queue)
+        metrics = ServerMetrics(
+            model=session.served_name, speculative=speculative, block_size=session.block_size if speculative else 1,
+            waiting=lambda: worker.waiting, running=lambda: worker.running,
+        )  # fmt: skip
+        worker.on_finish = _reporter(metrics, console)
+        server = Server(session, options, worker, metrics, api_key)
+        config = uvicorn.Config(server.app(), lifespan="off", log_config=_log_config(), timeout_graceful_shutdown=10)
+        uvicorn_server = _Uvicorn(config, on_exit=worker.stop)
+        worker.start()
+        url = url_of(sock)
+        mode = f"DFlash block {session.block_size}" if speculative else "baseline (no drafter)"
+        console.print(f"dflash serve: {escape(server.model)} ({mode}) at {url}/v1", soft_wrap=True)
+        console.print(
+            f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, /v1/models; /health, /metrics · "
+            f"{'API key required' if api_key else 'no API key'} · Ctrl+C to stop[/]",
+            soft_wrap=True,
+        )
+        if not api_key and not _is_loopback(host):
+            console.print(f"[yellow]warning:[/] listening on {escape(host)} without --api-key: anyone who can "
+                          "reach this machine can use the model", soft_wrap=True)  # fmt: skip
+        uvicorn_server.run(sockets=[sock])  # returns after Ctrl-C, once open responses have ended
+        worker.stop()
+        worker.join(timeout=30)
+        console.print(("\n" if console.is_terminal else "") + "dflash serve: stopped", soft_wrap=True)
+    finally:
+        sock.close()
+
+
+def _reporter(metrics: ServerMetrics, console: Console) -> Callable[[Job, Update, float], None]:
+    """One log line and the metrics for each generation that ends."""
+
+    def report(job: Job, update: Update, waited: float) -> None:
+        metrics.generation_ended(update.finish_reason or "cancelled", update.stats, waited)
+        stats = update.stats
+        if stats is None:
+            console.print(f"[dim]{job.id} {update.finish_reason} before it started[/]", soft_wrap=True)
+            return
+        tau = f", tau {stats.tau:.2f}" if stats.speculative else ""
+        console.print(
+            f"[dim]{job.id} {update.finish_reason}: {stats.prompt_tokens} prompt + {stats.generated_tokens} "
+            f"generated tokens, {stats.decode_tokens_per_s:.1f} tok/s{tau}, waited {waited:.2f} s[/]",
+            soft_wrap=True,
+        )
+
+    return report

@@ -372,6 +372,7 @@ def serve(
 
     Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
     """
+    options.resolve_recipe()  # input mistakes fail here, before torch is imported
     from dflash_cli.serve import run_server
 
     run_server(options, host=host, port=port, api_key=api_key, max_queue=max_queue, console=err_console)

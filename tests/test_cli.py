@@ -320,6 +320,7 @@ def test_usage_errors_exit_2_before_torch_is_imported(tmp_path: Path, args: list
     "args",
     [
         ["chat", "nope", "--prompt", "hi"],
+        ["serve", "nope"],
         ["bench", "demo", "--drafter", "a", "--target", "b", "--recipe", "c.toml"],
         ["train", "--target", "demo", "--prompts", "short.txt", "--output", "out"],  # too few prompts to hold out 32
     ],

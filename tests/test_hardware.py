@@ -11,7 +11,7 @@ from machines import cuda_machine as cuda
 
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class
-from dflash_cli.planning import PLAN_CONTEXT_TOKENS, PlanOverrides, estimate_bytes, make_plan, native_formats
+from dflash_cli.planning import PLAN_CONTEXT_TOKENS, PlanOverrides, block_size_note, estimate_bytes, make_plan, native_formats
 from dflash_cli.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
 
 # What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).
@@ -165,6 +165,20 @@ def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
     plan = make_plan(CPU_8, get_recipe("qwen3-8b"), PlanOverrides(quant="nf4"))
     assert (plan.device, plan.dtype, plan.quant) == ("cpu", "float32", "nf4")
     assert any(reason.startswith("warning:") for reason in plan.reasons)
+    assert any(note.startswith("NF4 on CPU is slow") for note in plan.notes)  # shown without --explain too
+    assert not make_plan(CPU_64, get_recipe("qwen3-8b")).notes  # the planner's own choices need no note
+
+
+def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
+    assert make_plan(CPU_64, get_recipe("demo")).one_line().startswith("cpu float32, block from drafter, sdpa")
+    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafter_block_size=8).startswith("cpu float32, block 8,")
+    assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block 16")
+
+
+def test_a_block_longer_than_the_drafter_was_trained_for_gets_a_note() -> None:
+    note = block_size_note(1000, 8)
+    assert note is not None and "block 1000 is longer than the 8" in note and "--block-size 8" in note
+    assert block_size_note(8, 8) is None and block_size_note(4, 16) is None and block_size_note(None, 8) is None
 
 
 def test_user_overrides_are_honoured() -> None:
@@ -228,7 +242,7 @@ def test_not_runnable_recipes_are_refused_with_the_export_hand_off() -> None:
 
 
 def test_adhoc_recipes_plan_without_a_fit_check() -> None:
-    plan = make_plan(H100, adhoc_recipe("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"))
+    plan = make_plan(H100, adhoc_recipe("someone/model", "someone/model-dflash"))  # no recipe knows its size
     assert (plan.dtype, plan.quant, plan.estimated_bytes) == ("bfloat16", "none", None)
     assert any("fit was not checked" in reason for reason in plan.reasons)
 

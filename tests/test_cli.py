@@ -356,9 +356,11 @@ def test_recipes_list_piped_prints_whole_values_on_plain_rows() -> None:
     result = runner.invoke(app, ["recipes", "list"], env={"COLUMNS": "60"})  # CliRunner's stdout is not a terminal
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["name", "target", "drafter", "block", "bf16", "notes"]
+    assert lines[0].split() == ["name", "target", "drafter", "block", "weights", "status", "notes"]
     llama = next(line for line in lines if line.startswith("llama3.1-8b "))
     assert llama.split()[:3] == ["llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"]
+    assert "runs" in llama.split() and "bf16 16.1 GB, nf4 5.7 GB" in llama
+    assert "export only" in next(line for line in lines if line.startswith("kimi-k2.5 "))
     assert not any(char in result.stdout for char in "┃│━")
 
 

@@ -12,8 +12,8 @@ How, by measurement (docs/benchmarks.md, "Hybrid targets: rolling back the recur
   call a `torch_chunk_gated_delta_rule`): while the verify runs, record what the recurrence was given (q, k, v,
   decay, beta and the state it started from) and the convolution's inputs. To keep n tokens, run the same
   recurrence kernel over the first n recorded steps from the recorded start, for all layers in one batched call,
-  and cut the convolution window at n. No projection, attention or MLP is recomputed: about 6% of a verify on
-  CPU, against 22-86% for re-running the target on the kept tokens.
+  and cut the convolution window at n. No projection, attention or MLP is recomputed: 1-5% of a verify on
+  CPU, against 25-85% for re-running the target on the kept tokens.
 - Any other linear-attention layer (Mamba-2 hybrids such as Bamba or Granite 4, short-convolution models): keep a
   copy of the states from before the verify; to keep n tokens, restore it and run the target once more over the
   n kept tokens (exact for any architecture; costs a forward of n tokens).

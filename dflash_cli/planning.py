@@ -435,12 +435,26 @@ class SpeedEstimate:
         )
 
 
+def _bytes_read_per_token(recipe: Recipe, plan: Plan, weights: int) -> int:
+    """A MoE token reads the dense part and only the experts it is routed to (`active_params_billion`)."""
+    if not (recipe.expert_bytes and recipe.active_params_billion and recipe.params_billion):
+        return weights
+    expert_params = recipe.expert_bytes / 2e9  # billions (expert_bytes are bf16)
+    dense_params = recipe.params_billion - expert_params
+    share = min(max((recipe.active_params_billion - dense_params) / expert_params, 0.0), 1.0)
+    # the experts' bytes as held: 4.25 bits a weight in MXFP4, 1 byte in FP8, the compute dtype otherwise (NF4 too)
+    per_param = {"mxfp4": 4.25 / 8, "fp8": 1.0}.get(plan.weights, BYTES_PER_ELEMENT[plan.dtype])
+    experts = expert_params * 1e9 * per_param
+    return int(weights - experts * (1 - share))
+
+
 def expected_speed(recipe: Recipe, plan: Plan, bandwidth: float) -> SpeedEstimate | None:
     """The speed bound of `recipe` run as `plan` at `bandwidth` bytes/s (measured in the plan's dtype on its
     device); None when the recipe does not list its size."""
     weights = target_weight_bytes(recipe, plan.dtype, plan.quant, plan.native_formats)
     if weights is None or bandwidth <= 0:
         return None
+    weights = _bytes_read_per_token(recipe, plan, weights)
     note = ""
     if plan.quant == "nf4" and plan.device.partition(":")[0] != "cuda":
         note = "NF4 off CUDA dequantizes every weight each step, several times slower than this"

@@ -86,6 +86,7 @@ class Recipe:
     # bf16 bytes of the routed experts (transformers fuses them into 3-D tensors, which bitsandbytes does not
     # quantize: they stay in the compute dtype under NF4). None: a dense model, or unknown.
     expert_bytes: int | None = None
+    active_params_billion: float | None = None  # MoE: parameters one token uses (the dense part + its experts)
     # Published pre-quantized copies of the target by format ("fp8"), for GPUs that run that format natively.
     checkpoints: dict[str, ModelRef] = field(default_factory=dict)
     drafter_bytes: int | None = None  # the drafter in bf16; it is never quantized
@@ -110,6 +111,7 @@ class Recipe:
             "weight_bytes": dict(self.weight_bytes),
             "checkpoint_precision": self.checkpoint_precision,
             "expert_bytes": self.expert_bytes,
+            "active_params_billion": self.active_params_billion,
             "checkpoints": {key: ref.to_dict() for key, ref in self.checkpoints.items()},
             "drafter_bytes": self.drafter_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -177,7 +179,8 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 TOP_LEVEL_FIELDS = (
     "name", "aliases", "description", "target", "drafter", "block_size", "chat_template_kwargs", "gated", "license",
-    "params_billion", "weight_bytes", "checkpoint_precision", "expert_bytes", "checkpoints", "drafter_bytes",
+    "params_billion", "weight_bytes", "checkpoint_precision", "expert_bytes", "active_params_billion", "checkpoints",
+    "drafter_bytes",
     "kv_bytes_per_token", "runnable",
     "not_runnable_reason", "gpu_overrides",
 )  # fmt: skip
@@ -260,6 +263,10 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
     if params is not None and not (params > 0 and math.isfinite(params)):
         raise fields.error("params_billion", "a positive number of parameters in billions")
 
+    active = fields.get("active_params_billion", (int, float), "the parameters one token uses, in billions", None)
+    if active is not None and not (0 < active <= (params or math.inf)):
+        raise fields.error("active_params_billion", "a positive number no larger than params_billion")
+
     runnable = fields.get("runnable", bool, "true or false", True)
     reason = fields.get("not_runnable_reason", str, "a sentence saying why dflash cannot run it", "")
     if not runnable and not reason.strip():
@@ -279,6 +286,7 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
         weight_bytes=dict(weight_bytes),
         checkpoint_precision=checkpoint_precision,
         expert_bytes=expert_bytes,
+        active_params_billion=None if active is None else float(active),
         checkpoints={key: _parse_model_ref(variants, key, allow_gguf=False) for key in checkpoints},
         drafter_bytes=fields.positive_int("drafter_bytes"),
         kv_bytes_per_token=fields.positive_int("kv_bytes_per_token"),

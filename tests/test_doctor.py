@@ -309,3 +309,13 @@ def test_mxfp4_check_says_how_gpt_oss_will_load() -> None:
     without = check_mxfp4(RTX_5090_CU128)
     assert "dequantized to bf16" in without.detail and "pip install 'triton>=3.4' kernels" in without.detail
     assert "no kernels" in check_mxfp4(CPU).detail
+
+
+def test_a_moe_speed_bound_reads_only_the_routed_experts() -> None:
+    recipe = recipes.get_recipe("qwen3-coder-30b-a3b")
+    plan = make_plan(dataclasses.replace(RTX_5090_CU128, free_memory=200 * GIB), recipe)
+    speed = expected_speed(recipe, plan, 1000e9)
+    # 3.3 B of 30.5 B parameters per token, in bf16: ~6.6 GB read, not the 61 GB held
+    assert 6.0e9 < speed.bytes_per_token < 7.5e9
+    dense = dataclasses.replace(recipe, active_params_billion=None)
+    assert expected_speed(dense, plan, 1000e9).bytes_per_token == recipe.weight_bytes["bf16"]

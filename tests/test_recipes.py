@@ -139,6 +139,11 @@ BAD_RECIPES = [
         "checkpoints.fp8",
     ),
     (
+        'name = "x"\ndescription = "d"\nparams_billion = 30\nactive_params_billion = 31\n[target]\nid = "a/b"\n',
+        "field 'active_params_billion'",
+        "no larger than params_billion",
+    ),
+    (
         'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[checkpoints]\nint4 = "a/b-AWQ"\n',
         "unknown field 'checkpoints.int4'",
         "fp8",

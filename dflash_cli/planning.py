@@ -382,11 +382,14 @@ def _does_not_fit(
             notes.append(f"its {fmt.upper()} weights as stored would take {gb(as_stored)}: {_native_hint(fmt)}")
     if kind == "cuda" and "fp8" in recipe.checkpoints and "fp8" not in native:
         notes.append(f"its FP8 checkpoint ({gb(recipe.weight_bytes['fp8'])}) needs compute capability 8.9+")
-    if kind == "cpu":
+    nf4 = estimate_bytes(recipe, "bfloat16", "nf4") if recipe.checkpoint_precision == "bf16" else None
+    if kind == "cpu" and nf4 is not None and (budget is None or nf4 <= budget):
         fix = (
             "free some RAM, pick a smaller recipe (`dflash doctor` lists what fits), or force 4-bit weights "
-            "with --quant nf4 (slow on CPU)"
+            f"with --quant nf4 (~{gb(nf4)}, slow on CPU)"
         )
+    elif kind == "cpu":
+        fix = "free some RAM, or pick a smaller recipe (`dflash doctor` lists what fits)"
     else:
         fix = (
             f"close programs holding {kind.upper()} memory, pick a smaller recipe (`dflash doctor` lists what "

@@ -150,7 +150,13 @@ def test_cpu_prefers_float32_then_bf16_then_refuses() -> None:
     assert any("float32 would not fit" in reason for reason in plan.reasons)
     with pytest.raises(DflashError) as info:
         make_plan(CPU_8, get_recipe("qwen3-8b"))
-    assert "--quant nf4" in info.value.fix
+    assert "--quant nf4" not in info.value.fix  # 4-bit would not fit 6 GB either: not offered
+    with pytest.raises(DflashError) as info:
+        make_plan(dataclasses.replace(CPU_8, cpu_ram_available=12 * GIB), get_recipe("qwen3-8b"))
+    assert "--quant nf4 (~11.0 GB, slow on CPU)" in info.value.fix
+    with pytest.raises(DflashError) as info:  # pre-quantized: NF4 does not apply, so it is not suggested
+        make_plan(dataclasses.replace(CPU_64, cpu_ram_available=30 * GIB), get_recipe("gpt-oss-20b"))
+    assert "nf4" not in info.value.fix
 
 
 def test_cpu_with_bf16_instructions_prefers_bf16() -> None:

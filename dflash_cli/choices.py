@@ -18,7 +18,11 @@ GPU_CLASSES = {
     "cpu": "CPU only",
 }
 DEVICE_KINDS = ("cuda", "mps", "cpu")
-QUANTS = ("none", "nf4")
+# "none": the checkpoint as published; "nf4": bitsandbytes 4-bit; "fp8": the recipe's published FP8 checkpoint.
+QUANTS = ("none", "nf4", "fp8")
+# Pre-quantized checkpoint formats: a device runs them as stored only where transformers has kernels for them;
+# elsewhere transformers dequantizes them to bf16 on load.
+PREQUANTIZED_FORMATS = ("fp8", "mxfp4")
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")

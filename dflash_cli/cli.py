@@ -454,6 +454,11 @@ def pull(
         str | None, typer.Option(help="Pin the target to a branch, tag or commit (with --target).", rich_help_panel=MODEL)
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size; fetch nothing.")] = False,
+    fp8: Annotated[
+        bool,
+        typer.Option("--fp8", help="Fetch the recipe's published FP8 copy of the target (what --quant fp8 loads).",
+                     rich_help_panel=MODEL),
+    ] = False,  # fmt: skip
     json_output: JsonFlag = False,
 ) -> None:
     """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first.
@@ -464,6 +469,10 @@ def pull(
     from dflash_cli.loading import pull_recipe
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
+    if fp8:
+        if "fp8" not in recipe.checkpoints:
+            raise DflashError(f"recipe {recipe.name} names no published FP8 checkpoint", fix="drop --fp8")
+        recipe = dataclasses.replace(recipe, target=recipe.checkpoints["fp8"])
     if revision is not None:
         recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, revision=revision))
     pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
@@ -614,21 +623,23 @@ def recipes_list(json_output: JsonFlag = False) -> None:
         _print_json([recipe.to_dict() for recipe in recipes])
         return
     user_dir = str(user_recipe_dir())
-    header = ("name", "target", "drafter", "block", "bf16", "notes")
+    header = ("name", "target", "drafter", "block", "weights", "status", "notes")
     rows = []
     for recipe in recipes:
         flags = (
             ("gated", recipe.gated),
-            ("export only", not recipe.runnable),
+            ("MoE", bool(recipe.expert_bytes)),
             ("user", recipe.source.startswith(user_dir)),
         )
-        size = recipe.weight_bytes.get("bf16")
+        # every precision listed: the published checkpoint(s) and NF4 (whose MoE sizes show what NF4 cannot save)
+        sizes = ", ".join(f"{key} {gb(size)}" for key, size in recipe.weight_bytes.items()) or "?"
         rows.append((
             recipe.name,
             recipe.target.id,
             recipe.drafter.id if recipe.drafter else "-",
             str(recipe.block_size or "config"),
-            gb(size) if size else "?",
+            sizes,
+            "runs" if recipe.runnable else "export only",
             ", ".join(note for note, on in flags if on),
         ))  # fmt: skip
     if not console.is_terminal:  # piped: whole values on aligned rows, nothing folded mid-word
@@ -638,7 +649,7 @@ def recipes_list(json_output: JsonFlag = False) -> None:
         return
     table = Table()
     for column in header:
-        table.add_column(column, overflow="fold", no_wrap=column in ("name", "bf16"))
+        table.add_column(column, overflow="fold", no_wrap=column in ("name", "status"))
     for row in rows:
         table.add_row(*row)
     console.print(table)
@@ -670,15 +681,21 @@ GpuMemory = Annotated[
 ]
 
 
+SERVER_ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama-server": "llama.cpp"}
+
+
 def _check_server(value: str) -> str:
-    if value not in ("vllm", "sglang"):
-        raise typer.BadParameter("use vllm or sglang")
+    value = SERVER_ALIASES.get(value.lower(), value.lower())
+    if value not in ("vllm", "sglang", "llama.cpp"):
+        raise typer.BadParameter("use vllm, sglang or llama.cpp")
     return value
 
 
 @app.command(rich_help_panel="Scale out")
 def export(
-    server: Annotated[str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm or sglang.")],
+    server: Annotated[
+        str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm, sglang or llama.cpp.")
+    ],
     name: RecipeName = None,
     target: Target = None,
     drafter: Drafter = None,
@@ -687,8 +704,9 @@ def export(
     gpu_memory: GpuMemory = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`) or
-    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`)."""
+    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`),
+    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`) or llama.cpp (`llama-server -m
+    TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`, with the GGUF conversion steps)."""
     from dflash_cli.export import EXPORTERS, serving_hardware
     from dflash_cli.hardware import detect_machine
 

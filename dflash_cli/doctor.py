@@ -19,7 +19,7 @@ from typing import Any
 from dflash_cli.errors import DflashError
 from dflash_cli.choices import gb
 from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
-from dflash_cli.planning import expected_speed, make_plan
+from dflash_cli.planning import expected_speed, make_plan, native_formats
 from dflash_cli.recipes import Recipe, load_recipes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
@@ -274,6 +274,19 @@ def check_bitsandbytes(facts: MachineFacts, bnb: BnbInstall) -> Check:
     return Check("bitsandbytes", "pass", f"{name}, CUDA {lib[0]}.{lib[1]} library")
 
 
+def check_mxfp4(facts: MachineFacts) -> Check:
+    """Whether MXFP4 checkpoints (gpt-oss) run as stored here or load dequantized to bf16 (three times the size)."""
+    native = "mxfp4" in native_formats(facts.kind, facts)
+    if native:
+        return Check("mxfp4", "pass", "triton >= 3.4 and kernels installed: MXFP4 checkpoints (gpt-oss) run as stored")
+    if facts.kind == "cuda" and facts.capability is not None and facts.capability >= (7, 5):
+        return Check(
+            "mxfp4", "pass", "MXFP4 checkpoints (gpt-oss) load dequantized to bf16, three times their size; "
+            "`pip install 'triton>=3.4' kernels` runs them as stored on this GPU",
+        )  # fmt: skip
+    return Check("mxfp4", "pass", "MXFP4 checkpoints (gpt-oss) load dequantized to bf16 here (no kernels for them)")
+
+
 def check_package(name: str, version: str | None, major: int | None, install: str) -> Check:
     """An installed dependency, optionally of a required major version."""
     if version is None:
@@ -412,11 +425,10 @@ def check_recipes(
             lines.append(f"{recipe.name}: does not fit: {exc.message}")
             continue
         fitting += 1
-        weights = "nf4" if plan.quant == "nf4" else plan.dtype
         size = f", ~{gb(plan.estimated_bytes)}" if plan.estimated_bytes else ""
         rate = bandwidth(plan.device, plan.dtype) if bandwidth else None
         speed = expected_speed(recipe, plan, rate) if rate else None
-        lines.append(f"{recipe.name}: fits, {plan.device} {weights}{size}" + (f"; {speed.describe()}" if speed else ""))
+        lines.append(f"{recipe.name}: fits, {plan.device} {plan.weights}{size}" + (f"; {speed.describe()}" if speed else ""))
     if fitting or not recipes:
         return Check("recipes", "pass", "\n".join(lines) or "no recipes")
     return Check(
@@ -471,6 +483,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_driver(facts, smi),
         check_gpu(facts),
         check_bitsandbytes(facts, inspect_bitsandbytes()),
+        check_mxfp4(facts),
         check_package("transformers", installed_version("transformers"), 5, "transformers>=5,<6"),
         check_package("accelerate", installed_version("accelerate"), None, "accelerate>=1.0"),
         check_hf_cache(cache, disk_free(cache), recipes),

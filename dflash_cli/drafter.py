@@ -698,11 +698,18 @@ def check_compatible(config: DrafterConfig, target: PreTrainedModel) -> None:
 
 
 def target_decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
-    """The decoder layer stack of a transformers causal LM (Qwen3, Llama and their kin)."""
+    """The decoder layer stack of a transformers causal LM: `get_decoder().layers` (Qwen3, Llama and their kin),
+    else the module list holding one module per decoder layer (Llama 4's `get_decoder()` is the model itself)."""
     base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise DflashError(f"cannot find the decoder layers of {type(target).__name__}", fix="use a Qwen3 or Llama target")
+        count = target.config.get_text_config().num_hidden_layers
+        layers = next((m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == count), None)
+    if layers is None:
+        raise DflashError(
+            f"cannot find the decoder layers of {type(target).__name__}",
+            fix="use a transformers causal LM whose decoder keeps its layers in a module list",
+        )
     return layers
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class MachineFacts:
     cpu_ram_total: int | None = None
     cpu_ram_available: int | None = None
     cpu_bf16: bool = False  # the CPU has bf16 matmul instructions (AVX512-BF16 or AMX): bf16 beats fp32 there
+    mxfp4_kernels: bool = False  # triton >= 3.4 and `kernels` installed: transformers' MXFP4 path on CUDA sm_75+
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +84,7 @@ def detect_machine() -> MachineFacts:
         "cpu_ram_total": ram_total,
         "cpu_ram_available": ram_available,
         "cpu_bf16": _cpu_has_bf16(),
+        "mxfp4_kernels": _mxfp4_kernels_installed(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -111,6 +114,20 @@ def _cpu_has_bf16() -> bool:
     # Private helpers in torch.cpu (torch >= 2.3); a torch without them just gets the fp32 default.
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(probe() for probe in probes if probe is not None)
+
+
+def _mxfp4_kernels_installed() -> bool:
+    """Whether transformers can keep MXFP4 expert weights (gpt-oss) as they are: it needs triton >= 3.4 and the
+    `kernels` package on a CUDA GPU of compute capability 7.5+, and dequantizes them to bf16 otherwise."""
+    from importlib import metadata
+
+    try:
+        triton = metadata.version("triton")
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        return False
+    numbers = [int(part) for part in re.findall(r"\d+", triton)[:2]]
+    return tuple(numbers) >= (3, 4)
 
 
 def _cpu_ram() -> tuple[int | None, int | None]:

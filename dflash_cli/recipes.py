@@ -83,6 +83,11 @@ class Recipe:
     # Target weight bytes per precision ("bf16", "nf4", the checkpoint's own such as "mxfp4"). Empty: unknown.
     weight_bytes: dict[str, int] = field(default_factory=dict)
     checkpoint_precision: str = "bf16"  # what the published target weights are stored in (what vLLM/SGLang load)
+    # bf16 bytes of the routed experts (transformers fuses them into 3-D tensors, which bitsandbytes does not
+    # quantize: they stay in the compute dtype under NF4). None: a dense model, or unknown.
+    expert_bytes: int | None = None
+    # Published pre-quantized copies of the target by format ("fp8"), for GPUs that run that format natively.
+    checkpoints: dict[str, ModelRef] = field(default_factory=dict)
     drafter_bytes: int | None = None  # the drafter in bf16; it is never quantized
     kv_bytes_per_token: int | None = None  # target + drafter KV cache per token in bf16
     runnable: bool = True
@@ -104,6 +109,8 @@ class Recipe:
             "params_billion": self.params_billion,
             "weight_bytes": dict(self.weight_bytes),
             "checkpoint_precision": self.checkpoint_precision,
+            "expert_bytes": self.expert_bytes,
+            "checkpoints": {key: ref.to_dict() for key, ref in self.checkpoints.items()},
             "drafter_bytes": self.drafter_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "runnable": self.runnable,
@@ -170,7 +177,8 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 TOP_LEVEL_FIELDS = (
     "name", "aliases", "description", "target", "drafter", "block_size", "chat_template_kwargs", "gated", "license",
-    "params_billion", "weight_bytes", "checkpoint_precision", "drafter_bytes", "kv_bytes_per_token", "runnable",
+    "params_billion", "weight_bytes", "checkpoint_precision", "expert_bytes", "checkpoints", "drafter_bytes",
+    "kv_bytes_per_token", "runnable",
     "not_runnable_reason", "gpu_overrides",
 )  # fmt: skip
 
@@ -235,6 +243,19 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
     if weight_bytes and checkpoint_precision not in weight_bytes:
         raise fields.error("checkpoint_precision", f"one of the weight_bytes keys ({', '.join(weight_bytes)})")
 
+    expert_bytes = fields.positive_int("expert_bytes")
+    if expert_bytes and weight_bytes.get("nf4", expert_bytes) < expert_bytes:
+        # no plan may promise 4-bit memory it will not get: the fused experts stay bf16 under NF4
+        raise weights.error(
+            "nf4", f"at least expert_bytes ({expert_bytes}): bitsandbytes leaves the fused expert weights in bf16"
+        )
+    checkpoints = fields.table("checkpoints", {})
+    variants = fields.sub("checkpoints", checkpoints)
+    variants.reject_unknown(("fp8",))
+    for key in checkpoints:
+        if key not in weight_bytes:
+            raise weights.error(key, f"the size of the checkpoints.{key} weights whenever that checkpoint is given")
+
     params = fields.get("params_billion", (int, float), "a positive number of parameters in billions", None)
     if params is not None and not (params > 0 and math.isfinite(params)):
         raise fields.error("params_billion", "a positive number of parameters in billions")
@@ -257,6 +278,8 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
         params_billion=None if params is None else float(params),
         weight_bytes=dict(weight_bytes),
         checkpoint_precision=checkpoint_precision,
+        expert_bytes=expert_bytes,
+        checkpoints={key: _parse_model_ref(variants, key, allow_gguf=False) for key in checkpoints},
         drafter_bytes=fields.positive_int("drafter_bytes"),
         kv_bytes_per_token=fields.positive_int("kv_bytes_per_token"),
         runnable=runnable,

@@ -72,7 +72,7 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
 def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
     checks = by_name(run_checks())
     expected = {
-        "python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache", "hf token",
+        "python", "torch", "driver", "gpu", "bitsandbytes", "mxfp4", "transformers", "accelerate", "hf cache", "hf token",
         "hugging face hub", "recipes", "dflash command",
     }  # fmt: skip
     assert set(checks) == expected
@@ -287,7 +287,8 @@ def test_recipe_fit_report() -> None:
     on_5090 = check_recipes(RTX_5090_CU128, shipped)
     assert on_5090.status == "pass"
     assert "qwen3-8b: fits, cuda bfloat16" in on_5090.detail
-    assert "gpt-oss-20b: not runnable" in on_5090.detail
+    assert "kimi-k2.5: not runnable" in on_5090.detail
+    assert "gpt-oss-20b: does not fit" in on_5090.detail and "MXFP4" in on_5090.detail  # no MXFP4 kernels here
     tiny = dataclasses.replace(RTX_5090_CU128, total_memory=4 * GIB, free_memory=3 * GIB)
     zlab = [recipe for recipe in shipped if recipe.drafter and recipe.drafter.id.startswith("z-lab/")]
     nothing = check_recipes(tiny, zlab)
@@ -299,3 +300,12 @@ def test_a_broken_user_recipe_is_a_failed_check(tmp_path: Path) -> None:
     (tmp_path / "user-recipes" / "bad.toml").write_text("name = 1\n")
     check = by_name(run_checks(CPU))["recipes"]
     assert check.status == "fail" and "bad.toml" in check.detail
+
+
+def test_mxfp4_check_says_how_gpt_oss_will_load() -> None:
+    from dflash_cli.doctor import check_mxfp4
+
+    assert "run as stored" in check_mxfp4(dataclasses.replace(RTX_5090_CU128, mxfp4_kernels=True)).detail
+    without = check_mxfp4(RTX_5090_CU128)
+    assert "dequantized to bf16" in without.detail and "pip install 'triton>=3.4' kernels" in without.detail
+    assert "no kernels" in check_mxfp4(CPU).detail

@@ -59,8 +59,10 @@ def test_shipped_recipe_facts() -> None:
     assert get_recipe("qwen3-4b").chat_template_kwargs == {"enable_thinking": False}
     llama = get_recipe("llama3.1-8b")
     assert (llama.gated, llama.block_size, llama.target.id) == (True, 10, "meta-llama/Llama-3.1-8B-Instruct")
-    assert not get_recipe("gpt-oss-20b").runnable and get_recipe("gpt-oss-20b").checkpoint_precision == "mxfp4"
-    assert not get_recipe("qwen3-coder-30b-a3b").runnable
+    assert get_recipe("gpt-oss-20b").runnable and get_recipe("gpt-oss-20b").checkpoint_precision == "mxfp4"
+    coder = get_recipe("qwen3-coder-30b-a3b")
+    assert coder.runnable and coder.checkpoints["fp8"] == ModelRef("Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8")
+    assert not get_recipe("kimi-k2.5").runnable and not get_recipe("minimax-m2.5").runnable
 
 
 def test_lookup_by_alias_and_any_case() -> None:
@@ -125,6 +127,21 @@ BAD_RECIPES = [
         'name = "x"\ndescription = "d"\ncheckpoint_precision = "fp8"\n[target]\nid = "a/b"\n[weight_bytes]\nbf16 = 5\n',
         "field 'checkpoint_precision'",
         "weight_bytes keys",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nexpert_bytes = 50\n[target]\nid = "a/b"\n[weight_bytes]\nbf16 = 60\nnf4 = 20\n',
+        "field 'weight_bytes.nf4'",
+        "bitsandbytes leaves the fused expert weights",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[checkpoints]\nfp8 = "a/b-FP8"\n[weight_bytes]\nbf16 = 6\n',
+        "field 'weight_bytes.fp8'",
+        "checkpoints.fp8",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[checkpoints]\nint4 = "a/b-AWQ"\n',
+        "unknown field 'checkpoints.int4'",
+        "fp8",
     ),
     (
         'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.rtx5090]\nblock_size = 8\n',

@@ -387,6 +387,11 @@ class ModeSummary:
     histogram: list[int]  # verify steps committing 1..block_size tokens, over all prompts and rounds
     identical_prompts: int | None  # prompts whose output equals the baseline's (None: not compared)
     peak_memory_bytes: int | None
+    # gpt-fast's "bandwidth achieved": bytes a plain step reads (at the mode's mean context) per output token,
+    # times output tokens per second (for DFlash an effective figure, above the floor when drafts pay), and that
+    # over the read bandwidth measured in the same run (the floor)
+    bandwidth_gb_s: float | None = None
+    floor_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -404,6 +409,8 @@ class ModeSummary:
             "histogram": self.histogram,
             "identical_prompts": self.identical_prompts,
             "peak_memory_bytes": self.peak_memory_bytes,
+            "bandwidth_gb_s": self.bandwidth_gb_s,
+            "floor_share": self.floor_share,
         }
 
 
@@ -464,6 +471,19 @@ def summarize(rows: Sequence[Row], peaks: dict[Mode, int | None]) -> list[ModeSu
         if baseline is not None and summary.mode.speculative:
             summary.speedup = _ratio(baseline.time_per_output_token_s, summary.time_per_output_token_s)
     return summaries
+
+
+def add_bandwidth(summaries: Sequence[ModeSummary], rows: Sequence[Row], target: Any, read_bytes_per_s: float) -> None:
+    """Fill each summary's bandwidth achieved and its share of the measured read bandwidth."""
+    from dflash_cli.roofline import step_bytes
+
+    for summary in summaries:
+        mode_rows = [row for row in rows if row.mode == summary.mode]
+        context = statistics.fmean(row.prompt_tokens + len(row.token_ids) / 2 for row in mode_rows)
+        per_token = summary.time_per_output_token_s
+        if per_token:
+            achieved = step_bytes(target, round(context)).total / per_token
+            summary.bandwidth_gb_s, summary.floor_share = achieved / 1e9, achieved / read_bytes_per_s
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -757,6 +777,7 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
 
     check_outputs(settings)
     prompts = load_prompts(settings)  # bad input fails before torch and the models load
+    from dflash_cli.roofline import read_bandwidth
     from dflash_cli.session import open_session
 
     session = open_session(options, console)
@@ -812,10 +833,17 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
             if lines is not None:
                 lines.update(f"{mode.label} · {prompt_id}", done)
 
+        # The floor: how fast this run reads the target's weights, before and after (the best of the two)
+        bandwidth = read_bandwidth(session.target)
         rows, peaks = run_bench(session, encoded, params, modes, repeat=repeat, on_run=on_run, warm=True)
+        bandwidth = max(bandwidth, read_bandwidth(session.target))
     device = _device(session)
+    summaries = summarize(rows, peaks)
+    add_bandwidth(summaries, rows, session.target, bandwidth)
+    metadata = collect_metadata(session, settings.command)
+    metadata["read_bandwidth_gb_s"] = bandwidth / 1e9
     return BenchReport(
-        modes=summarize(rows, peaks),
+        modes=summaries,
         rows=rows,
         settings={
             "prompts": settings.prompts_file or f"set:{settings.prompt_set or 'all'}",
@@ -830,7 +858,7 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
             "modes": [mode.label for mode in modes],
             "speedup": "baseline time per output token / DFlash time per output token (decode phase)",
         },
-        metadata=collect_metadata(session, settings.command),
+        metadata=metadata,
         memory_kind=memory_kind(device),
         identity_expected=params.temperature == 0,
     )
@@ -885,14 +913,16 @@ def render_table(report: BenchReport) -> Table:
         caption="decode tok/s: mean ± std over rounds · speedup: baseline time per output token / DFlash's · "
         "tau: tokens committed per verify step, averaged per prompt then over prompts (JSON: tau; "
         "tokens_per_step pools every step instead) · accept: histogram of tokens per step, 1..B · same: prompts "
-        "whose output is token-identical to the baseline's",
+        "whose output is token-identical to the baseline's · GB/s: bandwidth achieved (bytes a plain step reads x "
+        "output tokens/s; effective for DFlash) and its share of the read bandwidth measured in this run "
+        f"({report.metadata.get('read_bandwidth_gb_s', 0):.1f} GB/s)",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
     # A process's peak RSS covers every mode (it cannot be reset), so on CPU it is one number under the table.
     per_mode_memory = report.memory_kind == CUDA_MEMORY
-    columns = ["mode", "TTFT ms", "decode tok/s", "speedup", "tau", "accept", "same"]
+    columns = ["mode", "TTFT ms", "decode tok/s", "speedup", "tau", "accept", "same", "GB/s"]
     for name in columns + (["peak mem"] if per_mode_memory else []):
         table.add_column(name, justify="left" if name in ("mode", "accept") else "right", no_wrap=True)
     for summary in report.modes:
@@ -906,6 +936,7 @@ def render_table(report: BenchReport) -> Table:
             f"{summary.tau:.2f}" if summary.tau is not None else "-",
             sparkline(summary.histogram) if summary.histogram else "-",
             _identity_cell(report, summary),
+            f"{summary.bandwidth_gb_s:.1f} ({summary.floor_share:.0%})" if summary.bandwidth_gb_s is not None else "n/a",
             *([_format_bytes(summary.peak_memory_bytes)] if per_mode_memory else []),
         )
     return table

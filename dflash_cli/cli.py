@@ -23,7 +23,7 @@ from typer.core import TyperGroup
 from dflash_cli import __version__
 from dflash_cli.errors import DflashError
 from dflash_cli.choices import QUANTS, gb, normalize_device, normalize_dtype
-from dflash_cli.options import RunOptions
+from dflash_cli.options import COMPILE_SETTINGS, RunOptions
 from dflash_cli.recipes import load_recipes, resolve_recipe, user_recipe_dir
 
 console = Console()
@@ -110,6 +110,12 @@ def _existing_file(value: str | None) -> str | None:
     if value is not None and not Path(value).expanduser().is_file():
         what = "is a directory, not a file" if Path(value).expanduser().is_dir() else "does not exist"
         raise typer.BadParameter(f"{value} {what}")
+    return value
+
+
+def _check_compile(value: str) -> str:
+    if value not in COMPILE_SETTINGS:
+        raise typer.BadParameter(f"use one of {', '.join(COMPILE_SETTINGS)}")
     return value
 
 
@@ -222,6 +228,25 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         typer.Option(
             "--explain",
             help="Print the plan (device, dtype, quantization, block size) and why.",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "threads": Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="CPU threads for torch (default: the cores other processes leave free; more threads than free "
+            "cores make decoding stall).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "compile": Annotated[
+        str,
+        typer.Option(
+            callback=_check_compile,
+            metavar="auto|on|off",
+            help="Compile the target's decode steps (torch.compile; CUDA graphs on GPUs). auto: on CUDA only "
+            "(on a CPU compiling costs minutes). The first run compiles; later ones reuse the cache.",
             rich_help_panel=PLANNING,
         ),
     ],

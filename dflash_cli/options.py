@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from dflash_cli.planning import PlanOverrides
 from dflash_cli.recipes import Recipe, resolve_recipe
 
+COMPILE_SETTINGS = ("auto", "on", "off")
+
 if TYPE_CHECKING:
     from dflash_cli.params import SamplingParams
 
@@ -30,9 +32,22 @@ class RunOptions:
     dtype: str | None = None
     quant: str | None = None
     explain: bool = False  # print the plan and why each choice was made
+    threads: int | None = None  # CPU threads; None: the cores other processes leave free
+    compile: str = "auto"  # compile the target's steps: auto (on CUDA only), on, off
 
     def resolve_recipe(self) -> Recipe:
         return resolve_recipe(self.recipe_name, self.recipe_file, self.target, self.drafter)
+
+    def compile_on(self, device: str) -> tuple[bool, str]:
+        """Whether to compile the target's steps on `device`, and why (for --explain)."""
+        if self.compile != "auto":
+            return self.compile == "on", f"compile {self.compile}: --compile {self.compile}"
+        if device.startswith("cuda"):
+            return True, "compile on: CUDA graphs remove the launch overhead of an eager step (--compile off to skip)"
+        return False, (
+            "compile off: on a small CPU compiling takes minutes and pays only over thousands of tokens "
+            "(docs/benchmarks.md; --compile on to try)"
+        )
 
     def plan_overrides(self) -> PlanOverrides:
         return PlanOverrides(device=self.device, dtype=self.dtype, quant=self.quant, block_size=self.block_size)

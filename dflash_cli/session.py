@@ -6,10 +6,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 from rich.console import Console
+
+# First: importing threads starts its CPU-load window, which then spans the torch import below for free.
+from dflash_cli.threads import ThreadPlan, apply_threads  # isort: skip
 
 from dflash_cli.engine import SamplingParams, Step, generate
 from dflash_cli.errors import DflashError, RequestError
@@ -26,6 +30,9 @@ class Session:
     recipe: Recipe
     plan: Plan
     models: LoadedModels
+    threads: ThreadPlan | None = None  # CPU plans: torch's thread count and why
+    compile: bool = False  # run the target's steps compiled (engine.compiled)
+    console: Console | None = None  # where a progress line shows while a step compiles
 
     @property
     def target(self) -> Any:
@@ -47,8 +54,10 @@ class Session:
         return self.drafter.block_size if self.drafter is not None else 1
 
     def plan_line(self) -> str:
-        """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it."""
-        return self.plan.one_line(self.drafter.block_size if self.drafter is not None else None)
+        """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the CPU
+        thread count where it matters; whether steps are compiled."""
+        line = self.plan.one_line(self.drafter.block_size if self.drafter is not None else None)
+        return line + (f", {self.threads.label()}" if self.threads is not None else "") + (", compiled" if self.compile else "")
 
     @property
     def notes(self) -> list[str]:
@@ -171,8 +180,13 @@ class Session:
             self.ensure_drafter()
         drafter = self.drafter if speculative else None
         return generate(
-            self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer
-        )
+            self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer,
+            compile=self.compile, notify=self._compile_status,
+        )  # fmt: skip
+
+    def _compile_status(self, message: str) -> ContextManager[Any]:
+        """A progress line while a step compiles (nothing to show without a console)."""
+        return self.console.status(message) if self.console is not None else contextlib.nullcontext()
 
 
 def apply_chat_template(
@@ -204,13 +218,16 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
             fix=f"serve it with vLLM or SGLang: `dflash export vllm {recipe.name}`",
         )
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
+    threads = apply_threads(options.threads) if plan.device == "cpu" else None
+    compile, compile_why = options.compile_on(plan.device)
     speculative = not options.no_spec and recipe.drafter is not None
-    session = Session(recipe, plan, load_models(recipe, plan, with_drafter=speculative, console=console))
+    models = load_models(recipe, plan, with_drafter=speculative, console=console)
+    session = Session(recipe, plan, models, threads, compile, console)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
         if options.explain:
-            for reason in plan.reasons:
+            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), compile_why):
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

@@ -40,6 +40,7 @@ from dflash_cli.drafter import (
     capture_target_features,
     default_target_layer_ids,
 )
+from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.errors import DflashError
 from dflash_cli.train_prompts import split_prompts
 
@@ -299,10 +300,11 @@ def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, ga
     weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32, device=ce.device) / gamma) * valid
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-6)
     with torch.no_grad():
-        correct = (logits.argmax(-1) == batch.labels) & valid
+        drafts = logits.argmax(-1)
+        correct = (drafts == batch.labels) & valid
         blocks = valid[:, :, 0]
-        # Acceptance length of a draft block = 1 + leading run of correct predictions (the engine's tau).
-        accepted = correct.int().cumprod(dim=-1).sum(-1)[blocks].float() + 1
+        # Acceptance length of a draft block: the engine's rule (labels of absent slots, -100, never match).
+        accepted = accepted_drafts(drafts, batch.labels)[blocks].float() + 1
         stats = {
             "loss": float(loss),
             "acc": float(correct.sum() / valid.sum().clamp_min(1)),

@@ -24,8 +24,13 @@ def imports_of(path: Path) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = {path.stem: path for path in PACKAGE.glob("*.py")}
-    return {name: (imports_of(path) & modules.keys()) - {name} for name, path in modules.items()}
+    """Modules and subpackages (a subpackage is one node: the imports of all its files)."""
+    modules = {path.stem: [path] for path in PACKAGE.glob("*.py")}
+    modules |= {init.parent.name: sorted(init.parent.glob("*.py")) for init in PACKAGE.glob("*/__init__.py")}
+    return {
+        name: set().union(*(imports_of(path) for path in paths)) & modules.keys() - {name}
+        for name, paths in modules.items()
+    }
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

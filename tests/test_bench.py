@@ -221,9 +221,12 @@ def test_json_report_schema(report: BenchReport) -> None:
     mode_types = {
         "mode": str, "speculative": bool, "block_size": int, "prompts": int, "generated_tokens": int,
         "ttft_s": dict, "decode_tokens_per_s": dict, "time_per_output_token_s": float, "histogram": list,
-        "peak_memory_bytes": int,
+        "peak_memory_bytes": int, "bandwidth_gb_s": float, "floor_share": float,
     }  # fmt: skip
+    assert metadata["read_bandwidth_gb_s"] > 0
     for mode in data["modes"]:
+        # bandwidth achieved = bytes a plain step reads / time per output token, as a share of the measured floor
+        assert mode["floor_share"] == pytest.approx(mode["bandwidth_gb_s"] / metadata["read_bandwidth_gb_s"])
         assert {k: type(mode[k]) for k in mode_types} == mode_types
         assert set(mode["ttft_s"]) == {"mean", "std"}
         for key in ("speedup", "tau", "tokens_per_step", "identical_prompts"):
@@ -279,7 +282,7 @@ def test_terminal_report(report: BenchReport) -> None:
     console = Console(record=True, width=120)
     bench.print_report(report, console)
     text = console.export_text()
-    for expected in ("mode", "TTFT ms", "decode tok/s", "speedup", "tau", "same", "baseline", "dflash b2", "dflash b4",
+    for expected in ("mode", "TTFT ms", "decode tok/s", "speedup", "tau", "same", "GB/s", "baseline", "dflash b2", "dflash b4",
                      "2/2", "peak memory:", "token-identical to the baseline on all 2 prompts",
                      "acceptance length, dflash b4", "speedup per prompt", "math-1", "x"):  # fmt: skip
         assert expected in text
@@ -463,3 +466,19 @@ def test_default_max_tokens_is_128_and_full_is_the_old_sweep(models: tuple[Path,
     settings = json.loads(full.stdout)["settings"]
     assert (settings["prompt_count"], settings["repeat"], settings["max_new_tokens"]) == (8, 3, 2)
     assert "--full (" not in full.stderr  # already the full sweep: no hint
+
+
+def test_step_bytes_and_read_bandwidth(models: tuple[Path, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dflash_cli.roofline import read_bandwidth, step_bytes
+
+    target = AutoModelForCausalLM.from_pretrained(models[0])
+    config = target.config
+    embedding = target.get_input_embeddings().weight
+    everything = sum(p.numel() * 4 for p in target.parameters())
+    counted = step_bytes(target, 10)
+    # untied: the input embedding is read one row at a time; the K/V of 10 positions in every layer
+    assert counted.weights == everything - embedding.numel() * 4 + config.hidden_size * 4
+    assert counted.kv == 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 10 * 4
+    assert read_bandwidth(target) > 0

@@ -1,0 +1,33 @@
+"""The engine: one decode loop every frontend uses (the baseline is the same loop with a block of 1).
+
+Modules, one job each: `loop` (the generator of steps), `request` (one generation's limits, stop conditions,
+stats and RNG), `target` (the target's static state: prefill, verify, commit), `sampling` (choosing tokens and
+the acceptance rule), `text` (streamed detokenization), `stats` (counts and clocks).
+"""
+
+from dflash_cli.drafter import load_drafter
+from dflash_cli.engine.loop import collect, generate, speculative_generate
+from dflash_cli.engine.request import GenerationResult, Request, Step
+from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
+from dflash_cli.engine.stats import GenerationStats, PhaseClock
+from dflash_cli.engine.target import AttentionState, TargetState, context_window
+from dflash_cli.engine.text import TextStream
+
+__all__ = [
+    "AttentionState",
+    "GenerationResult",
+    "GenerationStats",
+    "PhaseClock",
+    "Request",
+    "SamplingParams",
+    "Step",
+    "TargetState",
+    "TextStream",
+    "accepted_drafts",
+    "collect",
+    "context_window",
+    "generate",
+    "load_drafter",
+    "sample_tokens",
+    "speculative_generate",
+]

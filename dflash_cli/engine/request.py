@@ -1,0 +1,112 @@
+"""One generation's own state, apart from the models: limits, stop conditions, text stream, stats and RNG.
+
+Nothing here touches a model, so the loop keeps no per-request state in locals or closures, and several
+requests can later step together (each with its own row of target state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from dflash_cli.engine.stats import GenerationStats
+from dflash_cli.engine.text import TextStream
+from dflash_cli.errors import DflashError
+from dflash_cli.params import SamplingParams
+
+
+@dataclass
+class Step:
+    """What one iteration of the loop committed."""
+
+    token_ids: list[int]
+    text: str
+    acceptance_length: int | None
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return self.stats.acceptance_lengths
+
+
+class Request:
+    """A prompt and everything that decides when its generation ends and what it reports.
+
+    `max_new` is `params.max_new_tokens` capped by the context window; positions run from 0 (the first prompt
+    token) to `end` - 1 (the last token this request may produce).
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        block_size: int,
+        speculative: bool,
+        context_window: int | None,
+        device: torch.device,
+        tokenizer: Any = None,
+    ) -> None:
+        self.prompt_ids = list(prompt_ids)
+        if not self.prompt_ids:
+            raise DflashError("the prompt is empty: nothing to continue from", fix="give a prompt of at least one token")
+        if block_size < 1:
+            raise DflashError(f"block size must be >= 1, got {block_size}")
+        self.max_new = params.max_new_tokens
+        if context_window is not None:
+            if len(self.prompt_ids) >= context_window:
+                raise DflashError(
+                    f"the prompt is {len(self.prompt_ids)} tokens, but the model's context window is {context_window}",
+                    fix="shorten the prompt (or the conversation: /clear in chat)",
+                )
+            self.max_new = min(self.max_new, context_window - len(self.prompt_ids))
+        self.params = params
+        self.block_size = block_size
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.text = TextStream(tokenizer, params.stop_strings)
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids), block_size=block_size, speculative=speculative)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and params.temperature > 0:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.finish_reason: str | None = None
+
+    @property
+    def end(self) -> int:
+        """One past the last position this request may fill: prompt plus the most new tokens."""
+        return len(self.prompt_ids) + self.max_new
+
+    def block_at(self, start: int) -> int:
+        """The block to verify at position `start`: the block size, shortened near the end (as the reference does)."""
+        return min(self.block_size, self.end - start)
+
+    def commit(self, ids: list[int], *, verified: bool) -> Step:
+        """Apply the stop conditions to newly committed ids and make the step event. `verified`: the ids came
+        from a verify step (the prefill's first token has no acceptance length)."""
+        finish = None
+        for i, token in enumerate(ids):
+            if token in self.stop_ids:
+                ids, finish = ids[: i + 1], "stop"
+                break
+        if finish is None and self.stats.generated_tokens + len(ids) >= self.max_new:
+            ids, finish = ids[: self.max_new - self.stats.generated_tokens], "length"
+        delta, stop_string_at = self.text.push(ids)
+        if stop_string_at is not None:
+            ids, finish = ids[:stop_string_at], "stop"
+        elif finish is not None:
+            delta += self.text.flush()
+        self.stats.generated_tokens += len(ids)
+        if verified:
+            self.stats.acceptance_lengths.append(len(ids))
+        self.finish_reason = finish
+        return Step(ids, delta, len(ids) if verified else None, finish, self.stats)

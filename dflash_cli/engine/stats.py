@@ -1,0 +1,64 @@
+"""What a generation measured: token counts, acceptance lengths and phase times, taken without extra host syncs."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    block_size: int = 1
+    speculative: bool = False
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step, bonus included (1.0 for the baseline)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 1.0
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first one, over the time after the first one (TTFT is reported apart)."""
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(tau=self.tau, histogram=self.histogram, decode_tokens_per_s=self.decode_tokens_per_s)
+        return out
+
+
+class PhaseClock:
+    """Marks points in a step and measures between them without adding host syncs.
+
+    On CUDA the marks are events, read after the step's one sync; elsewhere kernels run synchronously
+    and a wall clock is exact.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start

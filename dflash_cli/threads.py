@@ -1,0 +1,90 @@
+"""CPU threads for torch: no more than the cores other processes leave free.
+
+Every op of a decode step is an OpenMP parallel region whose threads meet at a barrier. With more threads
+than free cores, one of them waits for a time slice on every op: on a 2-core machine with one other busy
+process, `dflash run` measured 10.7 tok/s with 1 thread and 0.4 tok/s with torch's default of 2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+SAMPLE_SECONDS = 0.2  # long enough to see a busy process, short next to loading a model
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int
+    reason: str
+
+    def label(self) -> str:
+        return _threads(self.threads)
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _busy_now() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds all processes have been busy, CPU seconds this process has used)."""
+    import psutil
+
+    total, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    busy = sum(total) - total.idle - getattr(total, "iowait", 0.0)
+    return time.perf_counter(), busy, own.user + own.system
+
+
+# Taken at import (session.py imports this module before torch), so that by the time the plan is made the
+# window already spans the imports and no sleep is needed.
+_SINCE_IMPORT = _busy_now()
+
+
+def busy_elsewhere(seconds: float = SAMPLE_SECONDS, max_age: float = 30.0) -> float:
+    """Cores kept busy by other processes: all busy CPU time minus this process's own, over at least `seconds`.
+
+    The window starts when this module was imported if that was under `max_age` seconds ago (a command that
+    just started), else now (a long-running process)."""
+    start = _SINCE_IMPORT if time.perf_counter() - _SINCE_IMPORT[0] <= max_age else _busy_now()
+    wait = seconds - (time.perf_counter() - start[0])
+    if wait > 0:
+        time.sleep(wait)
+    end = _busy_now()
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+
+
+def plan_threads(requested: int | None, *, cores: int, current: int, others_busy: float) -> ThreadPlan:
+    """How many threads to decode with. `current` is torch's count now (its default, or OMP_NUM_THREADS): a
+    count the user already lowered is kept; a core counts as free when others leave three quarters of it."""
+    if requested is not None:
+        return ThreadPlan(requested, f"{_threads(requested)}: --threads")
+    free = max(0.0, cores - others_busy)
+    threads = max(1, min(current, math.floor(free + 0.25)))
+    why = f"{free:.1f} of {cores} cores free (other processes keep {others_busy:.1f} busy)"
+    if threads < current:
+        why += f"; more threads than free cores stall on each other at every op, so {threads} instead of {current}"
+    elif current < cores and threads == current:
+        why += f"; torch was set to {current} (OMP_NUM_THREADS or torch.set_num_threads)"
+    return ThreadPlan(threads, f"{_threads(threads)}: {why}; --threads N overrides")
+
+
+def apply_threads(requested: int | None) -> ThreadPlan:
+    """Measure the free cores, set torch's thread count, and say why."""
+    import torch
+
+    current = torch.get_num_threads()
+    # One thread cannot go lower: skip the sample.
+    others = busy_elsewhere() if requested is None and current > 1 else 0.0
+    plan = plan_threads(requested, cores=cpu_count(), current=current, others_busy=others)
+    torch.set_num_threads(plan.threads)
+    return plan

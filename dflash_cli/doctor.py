@@ -335,11 +335,21 @@ def check_command_conflicts(commands: list[tuple[str, str]]) -> Check:
 # Hugging Face and recipes
 
 
+def _fits(facts: MachineFacts, recipe: Recipe) -> bool:
+    """Whether the planner runs `recipe` on this machine (a recipe it refuses is not one this machine downloads)."""
+    try:
+        make_plan(facts, recipe)
+    except DflashError:
+        return False
+    return True
+
+
 def download_bytes(recipe: Recipe) -> int:
     return recipe.weight_bytes.get(recipe.checkpoint_precision, 0) + (recipe.drafter_bytes or 0)
 
 
 def check_hf_cache(cache_dir: Path, free_bytes: int, recipes: list[Recipe]) -> Check:
+    """Whether the cache's disk holds the largest of `recipes` (those this machine can run)."""
     detail = f"{cache_dir}: {gb(free_bytes)} free on its disk"
     largest = max((r for r in recipes if r.runnable), key=download_bytes, default=None)
     if largest is not None and free_bytes < download_bytes(largest):
@@ -486,7 +496,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_mxfp4(facts),
         check_package("transformers", installed_version("transformers"), 5, "transformers>=5,<6"),
         check_package("accelerate", installed_version("accelerate"), None, "accelerate>=1.0"),
-        check_hf_cache(cache, disk_free(cache), recipes),
+        check_hf_cache(cache, disk_free(cache), [recipe for recipe in recipes if _fits(facts, recipe)]),
         check_hf_token(get_token() is not None, recipes),
         check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,

@@ -5,7 +5,7 @@ A Qwen3.5-9B-proportioned target (random weights; 3 Gated DeltaNet layers + 1 ga
 FFN 6144, DeltaNet 8 QK / 16 V heads of 128, vocab 32768) verifies a block of B tokens after a 128-token prompt;
 then each method puts the state back to n kept tokens, for n = 1, B/4, B/2, B-1. Four methods:
 
-- replay   (shipped, linear_attention.LinearStateRollback): record the recurrence inputs during the verify, rerun
+- replay   (shipped, engine/hybrid.py: LinearStateRollback): record the recurrence inputs during the verify, rerun
              the recurrence kernel over the n kept steps for all layers in one call, cut the conv window.
 - rerun    (shipped fallback): copy the states before the verify; restore them and run the target over n tokens.
 - mixer    (measured, not shipped): copy the states; restore them and rerun only the DeltaNet layers (projections,
@@ -34,8 +34,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cli import linear_attention  # noqa: E402
-from dflash_cli.linear_attention import RULE, LinearStateRollback, hybrid_cache  # noqa: E402
+from dflash_cli.engine import hybrid  # noqa: E402
+from dflash_cli.engine.hybrid import RULE, LinearStateRollback, hybrid_cache  # noqa: E402
 
 PROMPT = 128
 
@@ -84,7 +84,7 @@ def main() -> None:
     prompt = torch.randint(1, 32000, (1, PROMPT))
     block = torch.randint(1, 32000, (1, block_size))
     positions = torch.arange(PROMPT, PROMPT + block_size)[None]
-    modules = linear_attention._rule_modules(model)
+    modules = hybrid._rule_modules(model)
     mixers = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
 
     def verify(cache) -> None:  # noqa: ANN001

@@ -1,5 +1,6 @@
-"""Every target family decodes losslessly: tiny random models of each (MoE, Gemma 4 dense and MoE, gpt-oss, and
-the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrids), through the public API and through `dflash chat --target DIR`.
+"""Every target family decodes losslessly: tiny random models of each (MoE, Gemma 4 dense and MoE, gpt-oss, Llama 4,
+and the hybrids: Qwen3.5 / Qwen3.5-MoE / Qwen3-Next Gated DeltaNet, Bamba's Mamba-2), through the public API and
+through `dflash chat --target DIR`.
 
 The property: speculative greedy output equals transformers' own greedy `generate`, at block sizes 1 to 16, with
 drafts that are partly accepted (an oracle drafting a varying number of right tokens per step), so every step
@@ -23,7 +24,8 @@ from dflash_cli.cli import app
 from drafters import OracleDrafter, save_random_drafter
 from tiny_models import build_tiny, make_tiny, make_tiny_mxfp4_gpt_oss
 
-FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss", "llama4"]
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba"]  # a rejected draft must roll their state back
+FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss", "llama4", *HYBRIDS]
 NEW_TOKENS = 40
 
 
@@ -89,10 +91,11 @@ def test_dflash_chat_runs_every_family_from_local_directories(family: str, tmp_p
     drafter_dir = save_random_drafter(tmp_path / "drafter", AutoModelForCausalLM.from_pretrained(target_dir), block_size=4)
     args = ["chat", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "Hello there",
             "--max-tokens", "12", "--dtype", "fp32", "--stats"]  # fmt: skip
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert "12 tokens" in result.stderr and "DFlash block 4" in result.stderr
-
+    speculative, baseline = (CliRunner().invoke(app, args + extra) for extra in ([], ["--no-spec"]))
+    assert speculative.exit_code == 0, speculative.output
+    assert baseline.exit_code == 0, baseline.output
+    assert "DFlash block 4" in speculative.stderr and " tokens, " in speculative.stderr
+    assert speculative.stdout == baseline.stdout  # the same answer with and without the drafter
 
 def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessly(tmp_path: Path) -> None:
     """gpt-oss ships its experts as MXFP4 blocks and scales. Where transformers has no MXFP4 kernels (this CPU),
@@ -111,3 +114,25 @@ def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessl
     expected = greedy(model, prompt, 24)
     drafter = OracleDrafter(model, prompt + expected, block_size=8, correct=[0, 7, 3])
     assert speculative_generate(model, drafter, prompt, 24).token_ids == expected
+
+
+def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> None:
+    """Exact sampling where a rejection must also roll the recurrent state back: the 2nd and 3rd sampled tokens'
+    frequencies against their exact marginals (enumerated), chi-square at alpha = 0.001, fixed seeds."""
+    from test_engine import _chi2_p_value, _exact_marginals
+
+    model = build_tiny("qwen3_5", seed=11, vocab_size=6, hidden_size=32, head_dim=8, linear_key_head_dim=8,
+                       linear_value_head_dim=8)  # fmt: skip
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(12)
+    prompt, temperature, runs = [1, 4, 2], 0.8, 800
+    p2, p3 = _exact_marginals(model, prompt, temperature)
+    drafter = OracleDrafter(model, prompt + greedy(model, prompt, 3), block_size=4)
+    counts, multi = torch.zeros(2, 6), 0
+    for seed in range(runs):
+        result = speculative_generate(model, drafter, prompt, 3, temperature=temperature, seed=seed)
+        counts[0, result.token_ids[1]] += 1
+        counts[1, result.token_ids[2]] += 1
+        multi += result.acceptance_lengths[0] > 1
+    assert runs // 10 < multi < runs  # both paths taken: accepted drafts, and rejections that roll back
+    assert _chi2_p_value(counts[0], p2) > 1e-3 and _chi2_p_value(counts[1], p3) > 1e-3

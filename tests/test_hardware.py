@@ -286,8 +286,6 @@ def test_detect_machine_on_this_machine() -> None:
 
 # --- the 2026 recipes on the GPUs users have: what fits, in what precision, and refusals with the numbers --------
 
-# Fit and precision are the planner's; whether the engine runs a family is the recipe's `runnable` flag (checked
-# in test_recipes), so every recipe is planned here as if runnable.
 NEW_RECIPES = {
     # name: expected weights on (RTX 5090, H100, H200, B200) without MXFP4 kernels; None = refused
     "qwen3.5-4b": ("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
@@ -307,13 +305,9 @@ NEW_RECIPES = {
 USER_GPUS = (RTX_5090, H100, H200, B200)
 
 
-def runnable(name: str) -> Recipe:
-    return dataclasses.replace(get_recipe(name), runnable=True)
-
-
 @pytest.mark.parametrize(("name", "expected"), NEW_RECIPES.items())
 def test_new_recipes_on_a_5090_h100_h200_and_b200(name: str, expected: tuple[str | None, ...]) -> None:
-    recipe = runnable(name)
+    recipe = get_recipe(name)
     for facts, weights in zip(USER_GPUS, expected):
         if weights is None:
             with pytest.raises(DflashError) as info:
@@ -330,7 +324,7 @@ def test_new_recipes_on_a_5090_h100_h200_and_b200(name: str, expected: tuple[str
 
 
 def test_moe_nf4_is_counted_with_its_experts_in_bf16_so_it_never_promises_4_bit_memory() -> None:
-    recipe = runnable("qwen3.6-35b-a3b")
+    recipe = get_recipe("qwen3.6-35b-a3b")
     nf4, bf16 = estimate_bytes(recipe, "bfloat16", "nf4"), estimate_bytes(recipe, "bfloat16", "none")
     assert nf4 > 0.9 * bf16  # the experts are 93% of the weights and bitsandbytes leaves them alone
     assert estimate_bytes(recipe, "float16", "nf4") == nf4  # fp16 experts: as big as bf16 ones
@@ -344,9 +338,9 @@ def test_moe_nf4_is_counted_with_its_experts_in_bf16_so_it_never_promises_4_bit_
 
 
 def test_a_published_fp8_checkpoint_is_offered_on_sm89_and_newer_only() -> None:
-    recipe = runnable("qwen3-coder-next")
+    recipe = get_recipe("qwen3-coder-next")
     assert make_plan(H200, recipe).quant == "fp8"
-    forced = make_plan(RTX_4090, runnable("qwen3-coder-30b-a3b"), PlanOverrides(quant="fp8"))
+    forced = make_plan(RTX_4090, get_recipe("qwen3-coder-30b-a3b"), PlanOverrides(quant="fp8"))
     assert forced.weights == "fp8"  # Ada is sm_89
     with pytest.raises(DflashError, match="compute capability 8.9") as info:
         make_plan(A100_80, recipe, PlanOverrides(quant="fp8"))
@@ -392,7 +386,7 @@ def test_gpt_oss_runs_its_mxfp4_weights_where_the_kernels_are_and_bf16_elsewhere
     assert "its MXFP4 weights as stored would take 13.8 GB" in info.value.message and "kernels" in info.value.message
     on_cpu = make_plan(CPU_64, get_recipe("gpt-oss-20b"))  # transformers dequantizes on CPU
     assert on_cpu.weights == on_cpu.dtype
-    big = make_plan(dataclasses.replace(H100, mxfp4_kernels=True), runnable("gpt-oss-120b"))
+    big = make_plan(dataclasses.replace(H100, mxfp4_kernels=True), get_recipe("gpt-oss-120b"))
     assert big.weights == "mxfp4" and big.estimated_bytes < H100.free_memory
 
 

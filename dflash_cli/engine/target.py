@@ -266,10 +266,13 @@ def acquire_state(target: PreTrainedModel) -> AttentionState:
     """The target's reusable state (its buffers, hooks and compiled steps stay from one request to the next),
     or a fresh one while another generation on the same target is still running. Release with `release_state`."""
     state = _STATES.get(target)
-    if state is None:
-        state = _STATES[target] = AttentionState(target)
-    elif state.busy:
-        state = AttentionState(target)
+    if state is None or state.busy:
+        from dflash_cli.engine.hybrid import HybridState, linear_cache_layers  # hybrid.py builds on this module
+
+        fresh = (HybridState if linear_cache_layers(target) else AttentionState)(target)
+        if state is None:
+            _STATES[target] = fresh
+        state = fresh
     state.busy = True
     return state
 

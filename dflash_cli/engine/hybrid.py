@@ -1,4 +1,5 @@
-"""Rolling back linear-attention layers (Gated DeltaNet, Mamba, short convolutions) after a speculative verify.
+"""Hybrid targets: attention layers plus linear-attention layers (Gated DeltaNet, Mamba, short convolutions),
+whose state is rolled back after a speculative verify.
 
 An attention layer forgets a rejected draft by its length: the K/V past the committed length are never read. A
 linear-attention layer folds every token it sees into fixed-size states, in place: a convolution window (the
@@ -19,6 +20,10 @@ How, by measurement (docs/benchmarks.md, "Hybrid targets: rolling back the recur
   n kept tokens (exact for any architecture; costs a forward of n tokens).
 
 Keeping all B tokens costs nothing: the verify's own final state is the right one.
+
+`HybridState` is the engine's `TargetState` for such targets: `AttentionState` (static K/V rewound by length) with
+these layers in its cache, recording during `verify` and rolling back in `commit`. It runs eager: the recording
+is Python-side (a wrapped kernel and tensor references), which CUDA graphs would not replay.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
+
+from dflash_cli.engine.compiled import Notify
+from dflash_cli.engine.target import AttentionState
 
 RULE = "torch_chunk_gated_delta_rule"  # the module-level kernel transformers' Gated DeltaNet layers call
 
@@ -211,3 +219,46 @@ def hybrid_cache(target: PreTrainedModel) -> DynamicCache:
         elif isinstance(layer, DynamicSlidingWindowLayer):
             cache.layers[i] = DynamicLayer()
     return cache
+
+
+def linear_cache_layers(target: PreTrainedModel) -> dict[int, LinearAttentionCacheLayerMixin]:
+    """transformers' cache layers for the linear-attention layers of `target`, by layer index (empty: no hybrid)."""
+    template = DynamicCache(config=target.config)
+    return {i: layer for i, layer in enumerate(template.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+
+
+class HybridState(AttentionState):
+    """The target state of a hybrid model: attention K/V as in `AttentionState`, linear-attention layers in the same
+    cache, put back to the kept tokens on `commit` (see the module docstring)."""
+
+    def __init__(self, target: PreTrainedModel) -> None:
+        super().__init__(target)
+        for index, layer in linear_cache_layers(target).items():
+            kind = RecordingLinearLayer if type(layer) is LinearAttentionLayer else type(layer)
+            self.cache.layers[index] = kind(number_of_states=layer.number_of_states)
+        self.rollback = LinearStateRollback(target, self.cache)
+        self._block: torch.Tensor | None = None  # the last verified block, until it is committed
+
+    def reserve(
+        self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, compile: bool = False,
+        notify: Notify | None = None,
+    ) -> None:  # fmt: skip
+        super().reserve(positions, block_size, feature_layers, compile=False, notify=notify)  # eager: see above
+
+    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+        for layer in self.rollback.layers:  # a new sequence: no state carried over from the last request
+            layer.reset()
+        return super().prefill(token_ids)
+
+    def verify(self, block_ids: torch.Tensor) -> torch.Tensor:
+        self._block = block_ids
+        with self.rollback.verifying():
+            return super().verify(block_ids)
+
+    def commit(self, n: int) -> None:
+        block, self._block = self._block, None
+        if block is not None and n < block.shape[1]:
+            # the fallback reruns the kept tokens from the committed length (their K/V and features come out
+            # the same as the verify's)
+            self.rollback.keep(n, block.shape[1], lambda kept: AttentionState.verify(self, block[:, :kept]))
+        super().commit(n)

@@ -1,4 +1,4 @@
-"""Rolling back linear-attention state after a verify (linear_attention.py), on tiny hybrid targets.
+"""Hybrid targets (engine/hybrid.py): rolling back linear-attention state after a verify, on tiny hybrid models.
 
 The property: verify a block of B tokens, keep n of them, and the layers' conv and recurrent states (and so every
 later forward) are those of a target that only ever saw the n kept tokens. Gated DeltaNet families take the
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from dflash_cli.linear_attention import LinearStateRollback, RecordingLinearLayer, hybrid_cache, is_hybrid
+from dflash_cli.engine.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, is_hybrid
 from tiny_models import build_tiny
 
 PROMPT = [5, 17, 42, 8, 9, 3, 3, 11, 12]

@@ -325,6 +325,9 @@ def load_target(
         raise DflashError(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
         ) from None
+    note = kernel_note(model, plan.device)
+    if note and console is not None:
+        console.print(f"[dim]{note}[/dim]")
     if kept and prequantized == "mxfp4" and not any("Mxfp4" in type(m).__name__ for m in model.modules()):
         # transformers checks its kernels once more and may still dequantize; then the plan's size was too low
         if console is not None:
@@ -335,6 +338,38 @@ def load_target(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+class _KernelFallbackFilter:
+    """Drops transformers' "falling back to its reference PyTorch implementation" warnings, which it prints on the
+    first forward of a layer (in the middle of a chat answer); `load_target` says it once, at load, instead."""
+
+    def filter(self, record: Any) -> bool:
+        return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+def kernel_note(model: PreTrainedModel, device: str) -> str | None:
+    """A note when the target has layers with optional fast kernels (Gated DeltaNet: flash-linear-attention and
+    causal-conv1d) that are not installed; transformers then runs its PyTorch reference, correct but slower."""
+    import importlib.util
+    import logging
+    import sys
+
+    modules = {sys.modules[type(module).__module__] for module in model.modules()}
+    if not any(hasattr(module, "torch_chunk_gated_delta_rule") for module in modules):
+        return None
+    handlers = logging.getLogger("transformers").handlers
+    for handler in handlers:
+        if not any(isinstance(f, _KernelFallbackFilter) for f in handler.filters):
+            handler.addFilter(_KernelFallbackFilter())
+    missing = [name for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
+               if importlib.util.find_spec(module) is None]  # fmt: skip
+    if not missing or not device.startswith("cuda"):  # their kernels are CUDA (triton) only
+        return None
+    return (
+        f"Gated DeltaNet layers run transformers' PyTorch reference kernels: `pip install {' '.join(missing)}` "
+        "for the fast ones"
+    )
 
 
 def attention_implementation(config: Any, requested: str | None) -> tuple[str | None, str | None]:

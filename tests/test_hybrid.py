@@ -92,3 +92,19 @@ def test_hybrid_cache_layers() -> None:
     assert not is_hybrid(hybrid_cache(build_tiny("gemma4")))  # sliding layers become full-length attention
     assert all(type(layer) is DynamicLayer for layer in hybrid_cache(build_tiny("gpt_oss")).layers)
     assert isinstance(cache.layers[0], RecordingLinearLayer)
+
+
+def test_missing_fast_kernels_are_said_once_at_load_not_mid_answer() -> None:
+    import logging
+
+    from dflash_cli.loading import kernel_note
+
+    model = build_tiny("qwen3_5")
+    note = kernel_note(model, "cuda")
+    assert note is not None and "flash-linear-attention" in note  # not installed on this machine
+    assert kernel_note(model, "cpu") is None  # those kernels are CUDA-only: nothing to install here
+    assert kernel_note(build_tiny("qwen3"), "cuda") is None
+    record = logging.LogRecord("transformers", logging.WARNING, "", 0, "`x` is falling back to its reference "
+                               "PyTorch implementation because `y` is not installed.", None, None)  # fmt: skip
+    handlers = logging.getLogger("transformers").handlers
+    assert handlers and all(not handler.filter(record) for handler in handlers)

@@ -222,6 +222,11 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
     compile, compile_why = options.compile_on(plan.device)
     speculative = not options.no_spec and recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=speculative, console=console)
+    if compile:
+        from dflash_cli.engine.hybrid import linear_cache_layers
+
+        if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
+            compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
     session = Session(recipe, plan, models, threads, compile, console)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)

@@ -136,3 +136,12 @@ def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> N
         multi += result.acceptance_lengths[0] > 1
     assert runs // 10 < multi < runs  # both paths taken: accepted drafts, and rejections that roll back
     assert _chi2_p_value(counts[0], p2) > 1e-3 and _chi2_p_value(counts[1], p3) > 1e-3
+
+
+def test_a_hybrid_target_says_it_runs_eager_when_compiling_is_asked_for(tmp_path: Path) -> None:
+    target_dir = make_tiny("qwen3_5", tmp_path / "target", seed=2)
+    args = ["chat", "--target", str(target_dir), "--prompt", "Hi", "--max-tokens", "3", "--dtype", "fp32",
+            "--compile", "on", "--explain"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "compile off: hybrid targets run eager" in result.stderr and "compiled" not in result.stderr

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from dflash_cli.engine.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, is_hybrid
+from dflash_cli.engine.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, linear_cache_layers
 from tiny_models import build_tiny
 
 PROMPT = [5, 17, 42, 8, 9, 3, 3, 11, 12]
@@ -43,7 +43,7 @@ def states(cache) -> list[torch.Tensor]:
 def test_keeping_n_verified_tokens_leaves_the_state_of_n(family: str, kept: int) -> None:
     model = build_tiny(family, seed=3)
     cache = hybrid_cache(model)
-    assert is_hybrid(cache)
+    assert linear_cache_layers(model)
     forward(model, cache, PROMPT, 0)
     rollback = LinearStateRollback(model, cache)
     with rollback.verifying():
@@ -89,7 +89,8 @@ def test_hybrid_cache_layers() -> None:
     cache = hybrid_cache(build_tiny("qwen3_5"))
     kinds = [type(layer).__name__ for layer in cache.layers]
     assert kinds == ["RecordingLinearLayer"] * 3 + ["DynamicLayer"]
-    assert not is_hybrid(hybrid_cache(build_tiny("gemma4")))  # sliding layers become full-length attention
+    assert not linear_cache_layers(build_tiny("gemma4"))
+    assert all(type(layer) is DynamicLayer for layer in hybrid_cache(build_tiny("gemma4")).layers)  # no sliding layers
     assert all(type(layer) is DynamicLayer for layer in hybrid_cache(build_tiny("gpt_oss")).layers)
     assert isinstance(cache.layers[0], RecordingLinearLayer)
 

@@ -53,11 +53,6 @@ from dflash_cli.engine.target import AttentionState
 RULE = "torch_chunk_gated_delta_rule"  # the module-level kernel transformers' Gated DeltaNet layers call
 
 
-def is_hybrid(cache: Cache) -> bool:
-    """Whether some layer of this cache keeps linear-attention state (which a verify must be able to undo)."""
-    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
-
-
 class RecordingLinearLayer(LinearAttentionLayer):
     """transformers' linear-attention cache layer that also keeps the convolution window of the last multi-token
     forward (the previous K inputs followed by the new ones), so the window after any prefix can be cut from it."""

@@ -16,6 +16,7 @@ The method (docs/benchmarks.md has it with results):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -43,14 +44,21 @@ from dflash_cli.requests import Request, read_jsonl
 if TYPE_CHECKING:
     import torch
 
-    from dflash_cli.params import SamplingParams
     from dflash_cli.options import RunOptions
+    from dflash_cli.params import SamplingParams
     from dflash_cli.session import Session
 
 PROMPT_SET_DIR = Path(__file__).resolve().parent / "assets" / "bench_prompts"
 PROMPT_SETS = ("math", "code", "chat")
 SCHEMA = "dflash-bench/1"
-WARMUP_MAX_TOKENS = 32  # enough to warm kernels and the allocator; the warm-up is not measured
+WARMUP_MAX_TOKENS = 16  # warms kernels and the allocator and measures the pace; not part of the results
+# The default run is sized to finish in about a minute, like llama-bench's default (one 128-token generation
+# test): from the warm-up's measured pace, as many prompts as fit; on a machine too slow for one prompt per mode,
+# shorter generations. --full is the sweep docs/benchmarks.md reports: every prompt, 512 tokens, 3 rounds.
+QUICK_MAX_TOKENS, FULL_MAX_TOKENS = 128, 512
+QUICK_REPEAT, FULL_REPEAT = 1, 3
+QUICK_BUDGET_S = 60.0  # warm-up and timed generations together
+SHORTER_MAX_TOKENS = (64, 32)
 PROMPT_FILE_FIX = (
     'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} '
     'or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed), each optionally with an "id"'
@@ -70,7 +78,8 @@ def load_prompt_set(name: str) -> list[Request]:
             f"unknown prompt set {name!r}", fix=f"{hint}use --set math, code, chat or all, or --prompts FILE.jsonl"
         )
     names = PROMPT_SETS if name == "all" else (name,)
-    return [prompt for set_name in names for prompt in load_prompt_file(PROMPT_SET_DIR / f"{set_name}.jsonl")]
+    sets = [load_prompt_file(PROMPT_SET_DIR / f"{set_name}.jsonl") for set_name in names]
+    return [prompt for group in zip(*sets) for prompt in group]  # interleaved: the first N cover every set
 
 
 def load_prompt_file(path: str | os.PathLike[str]) -> list[Request]:
@@ -273,6 +282,24 @@ def run_mode(
     return rows
 
 
+def warm_up(
+    session: Session,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    modes: Sequence[Mode],
+    *,
+    on_run: Callable[[Mode, str], None] | None = None,
+) -> dict[Mode, Run]:
+    """One untimed generation of up to WARMUP_MAX_TOKENS per mode (kernels, allocator); its pace sizes a run."""
+    warmup = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, WARMUP_MAX_TOKENS))
+    runs = {}
+    for mode in modes:
+        if on_run is not None:
+            on_run(mode, "warm-up")
+        runs[mode] = measure(session, prompt_ids, warmup, mode)
+    return runs
+
+
 def run_bench(
     session: Session,
     prompts: Sequence[tuple[str, list[int]]],
@@ -281,17 +308,15 @@ def run_bench(
     *,
     repeat: int,
     on_run: Callable[[Mode, str], None] | None = None,
+    warm: bool = False,
 ) -> tuple[list[Row], dict[Mode, int | None]]:
-    """Warm up each mode, then `repeat` rounds of every mode over every prompt.
+    """Warm up each mode (unless `warm`: done already), then `repeat` rounds of every mode over every prompt.
 
     Returns the rows (mode-major, in prompt order; each with `repeat` runs) and each mode's peak memory.
     """
     device = _device(session)
-    warmup = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, WARMUP_MAX_TOKENS))
-    for mode in modes:
-        if on_run is not None:
-            on_run(mode, "warm-up")
-        measure(session, prompts[0][1], warmup, mode)
+    if not warm:
+        warm_up(session, prompts[0][1], params, modes, on_run=on_run)
     rows: dict[tuple[Mode, str], Row] = {}
     peaks: dict[Mode, int | None] = {}
     for _ in range(repeat):
@@ -472,12 +497,23 @@ class BenchSettings:
     before_after: bool = False
     prompt_set: str | None = None  # None: all built-in sets, unless prompts_file is given
     prompts_file: str | None = None
-    repeat: int = 3
+    repeat: int | None = None  # None: QUICK_REPEAT, or FULL_REPEAT with full
+    full: bool = False  # every prompt of the sets and FULL_REPEAT rounds; else sized to about a minute here
+    fit_tokens: bool = False  # the default run may shorten generations to fit the minute (--max-tokens not given)
     block_sizes: tuple[int, ...] = ()  # a sweep; empty: the plan's block size
     limit: int | None = None  # use only the first N prompts
     output: str | None = None  # JSON report file
     png: str | None = None
     command: str = ""  # the command line, for the report's metadata
+
+    @property
+    def rounds(self) -> int:
+        return self.repeat if self.repeat is not None else FULL_REPEAT if self.full else QUICK_REPEAT
+
+    @property
+    def sized_here(self) -> bool:
+        """The prompt count is this machine's choice: built-in sets, no --limit, no --full."""
+        return not (self.full or self.limit or self.prompts_file)
 
 
 @dataclass
@@ -644,41 +680,162 @@ def collect_metadata(session: Session, command: str) -> dict[str, Any]:
     }
 
 
-def benchmark(options: RunOptions, settings: BenchSettings, console: Console | None = None) -> BenchReport:
-    """Load the prompts and the recipe, run every mode, and summarize. Progress goes to `console`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+@dataclass(frozen=True)
+class Pace:
+    """How long a generation takes in one mode here, read from its warm-up: time to the first token, then per
+    token (the warm-up is the run's first generation, so this errs on the slow side)."""
 
+    ttft_s: float
+    per_token_s: float
+
+    @classmethod
+    def of(cls, run: Run) -> Pace:
+        per_token = run.decode_s / run.decode_tokens if run.decode_tokens else run.total_s / max(len(run.token_ids), 1)
+        return cls(run.ttft_s, per_token)
+
+    def seconds(self, tokens: int) -> float:
+        return self.ttft_s + max(tokens - 1, 0) * self.per_token_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1 / self.per_token_s if self.per_token_s > 0 else float("inf")
+
+
+def size_quick_run(
+    paces: Sequence[Pace], budget_s: float, available: int, sets: int, max_tokens: int, repeat: int, shorten: bool
+) -> tuple[int, int]:
+    """(prompts, max tokens) that fit `budget_s` at the measured `paces` (one per mode): the most prompts, in
+    counts that keep the sets balanced (1 .. sets - 1, then sets x 1, 2, 4, 8); where not even one prompt fits,
+    shorter generations (SHORTER_MAX_TOKENS) when `shorten` (--max-tokens not given), else one prompt."""
+    counts = [c for c in sorted({*range(1, sets), *(sets * 2**k for k in range(4))}) if c <= available] or [1]
+    lengths = [max_tokens, *(n for n in SHORTER_MAX_TOKENS if shorten and n < max_tokens)]
+    for tokens in lengths:
+        per_prompt = repeat * sum(pace.seconds(tokens) for pace in paces)
+        fitting = [count for count in counts if count * per_prompt <= budget_s]
+        if fitting:
+            return fitting[-1], tokens
+    return 1, lengths[-1]
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def describe_run(
+    modes: Sequence[Mode], paces: Sequence[Pace], prompts: int, max_tokens: int, repeat: int, *,
+    asked_tokens: int, full_prompts: int | None,
+) -> str:  # fmt: skip
+    """What the timed part will do and about how long it takes, from the warm-up's pace; with `full_prompts`,
+    what --full would cost here."""
+    count = f"{prompts} prompt{'s' if prompts != 1 else ''}"
+    rounds = f"{repeat} round{'s' if repeat != 1 else ''}"
+    shorter = f" ({asked_tokens} would not fit a minute here)" if max_tokens < asked_tokens else ""
+    seconds = prompts * repeat * sum(pace.seconds(max_tokens) for pace in paces)
+    measured = ", ".join(f"{mode.label} {pace.tokens_per_s:.1f} tok/s" for mode, pace in zip(modes, paces))
+    text = (
+        f"bench: {count} × up to {max_tokens} tokens{shorter} × {rounds}, {' and '.join(m.label for m in modes)}: "
+        f"about {format_duration(seconds)} (warm-up here: {measured})"
+    )
+    if full_prompts is not None:
+        full = full_prompts * FULL_REPEAT * sum(pace.seconds(FULL_MAX_TOKENS) for pace in paces)
+        text += (
+            f". The full sweep: --full ({full_prompts} prompts × {FULL_MAX_TOKENS} tokens × {FULL_REPEAT} rounds, "
+            f"about {format_duration(full)} here)"
+        )
+    return text
+
+
+class ProgressLines:
+    """Progress on a console that is not a terminal (a log, CI): one line as each generation starts; in the timed
+    part with the time left, from the tokens budgeted so far. (A terminal gets rich's live bar instead.)"""
+
+    def __init__(self, console: Console) -> None:
+        self.console, self.count, self.total = console, 0, 0.0
+        self.started = time.perf_counter()
+
+    def start(self, total: float) -> None:
+        """The timed part begins: `total` budgeted tokens."""
+        self.total, self.started = total, time.perf_counter()
+
+    def update(self, description: str, done: float = 0.0) -> None:
+        self.count += 1
+        elapsed = time.perf_counter() - self.started
+        left = f", about {format_duration(elapsed / done * (self.total - done))} left" if done else ""
+        self.console.print(
+            f"bench {self.count}: {description} ({format_duration(elapsed)} elapsed{left})", highlight=False, markup=False
+        )
+
+
+def benchmark(options: RunOptions, settings: BenchSettings, console: Console | None = None) -> BenchReport:
+    """Load the prompts and the recipe, warm up every mode, size the run from the warm-up's pace (the default:
+    about a minute), run it, and summarize. The plan, its estimate and progress go to `console` (live on a
+    terminal, one line per generation elsewhere)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    check_outputs(settings)
+    prompts = load_prompts(settings)  # bad input fails before torch and the models load
     from dflash_cli.roofline import read_bandwidth
     from dflash_cli.session import open_session
 
-    check_outputs(settings)
-    prompts = load_prompts(settings)
     session = open_session(options, console)
+    started = time.perf_counter()
     modes = plan_modes(session, options, settings)
     params = session.sampling_params(options)
+    repeat = settings.rounds
     encoded = [(prompt.id, encode_prompt(session, prompt)) for prompt in prompts]
-    total = len(modes) * (1 + settings.repeat * len(encoded))
+    interactive = console is not None and console.is_terminal
+    lines = ProgressLines(console) if console is not None and not interactive else None
+    status = console.status("warming up") if interactive and console is not None else contextlib.nullcontext()
+    with status:
+        def on_warm_up(mode: Mode, prompt_id: str) -> None:
+            if lines is not None:
+                lines.update(f"{mode.label} · warm-up")
+            elif interactive:
+                status.update(f"warming up: {mode.label}")  # type: ignore[union-attr]
+
+        warm = warm_up(session, encoded[0][1], params, modes, on_run=on_warm_up)
+    paces = [Pace.of(warm[mode]) for mode in modes]
+    asked = params.max_new_tokens
+    if settings.sized_here:
+        sets = 1 if settings.prompt_set not in (None, "all") else len(PROMPT_SETS)
+        budget = max(QUICK_BUDGET_S - (time.perf_counter() - started), QUICK_BUDGET_S / 4)
+        count, tokens = size_quick_run(paces, budget, len(encoded), sets, asked, repeat, settings.fit_tokens)
+        encoded, params = encoded[:count], dataclasses.replace(params, max_new_tokens=tokens)
+    if console is not None:
+        full = len(prompts) if settings.sized_here else None
+        text = describe_run(modes, paces, len(encoded), params.max_new_tokens, repeat, asked_tokens=asked, full_prompts=full)
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+    # Progress counts budgeted tokens: an answer that ends early moves it on by its whole budget.
+    total = len(modes) * len(encoded) * repeat * params.max_new_tokens
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
         console=console,
-        disable=console is None,
+        disable=not interactive,
         transient=True,
     )
+    if lines is not None:
+        lines.start(total)
     with progress:
         task = progress.add_task("bench", total=total)
-        started = 0
+        done = -params.max_new_tokens
 
         def on_run(mode: Mode, prompt_id: str) -> None:  # called as each generation starts
-            nonlocal started
-            progress.update(task, description=f"{mode.label} · {prompt_id}", completed=started)
-            started += 1
+            nonlocal done
+            done += params.max_new_tokens
+            progress.update(task, description=f"{mode.label} · {prompt_id}", completed=done)
+            if lines is not None:
+                lines.update(f"{mode.label} · {prompt_id}", done)
 
         # The floor: how fast this run reads the target's weights, before and after (the best of the two)
         bandwidth = read_bandwidth(session.target)
-        rows, peaks = run_bench(session, encoded, params, modes, repeat=settings.repeat, on_run=on_run)
+        rows, peaks = run_bench(session, encoded, params, modes, repeat=repeat, on_run=on_run, warm=True)
         bandwidth = max(bandwidth, read_bandwidth(session.target))
     device = _device(session)
     summaries = summarize(rows, peaks)
@@ -691,8 +848,10 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
         settings={
             "prompts": settings.prompts_file or f"set:{settings.prompt_set or 'all'}",
             "prompt_count": len(encoded),
-            "repeat": settings.repeat,
-            "warmup": {"generations_per_mode": 1, "max_new_tokens": min(params.max_new_tokens, WARMUP_MAX_TOKENS)},
+            "repeat": repeat,
+            "warmup": {"generations_per_mode": 1, "max_new_tokens": min(asked, WARMUP_MAX_TOKENS)},
+            # the default run: prompt count (and, with --max-tokens not given, length) chosen to fit this budget
+            "sized_to_s": QUICK_BUDGET_S if settings.sized_here else None,
             "max_new_tokens": params.max_new_tokens,  # the report's name for max_tokens
             **{key: value for key, value in sampling_settings(params).items() if key != "max_tokens"},
             "stop_token_ids": list(params.stop_token_ids),
@@ -746,13 +905,16 @@ def render_table(report: BenchReport) -> Table:
     settings = report.settings
     recipe, plan = report.metadata["recipe"]["name"], report.metadata["plan"]
     table = Table(
-        title=f"dflash bench · {recipe} · {plan['device']} {plan['dtype']} · {settings['prompt_count']} prompts × "
-        f"{settings['repeat']} · max {settings['max_new_tokens']} tokens · temperature {settings['temperature']:g}",
+        title=f"dflash bench · {recipe} · {plan['device']} {plan['dtype']} · {settings['prompt_count']} "
+        f"prompt{'s' if settings['prompt_count'] != 1 else ''} × {settings['repeat']} "
+        f"round{'s' if settings['repeat'] != 1 else ''} · max {settings['max_new_tokens']} tokens · "
+        f"temperature {settings['temperature']:g}",
         title_justify="left",
-        caption="decode tok/s: mean ± std over repetitions · speedup: baseline time per output token / DFlash's · "
-        "tau: mean tokens per verify step · accept: histogram of tokens per step, 1..B · same: prompts whose "
-        "output is token-identical to the baseline's · GB/s: bandwidth achieved (bytes a plain step reads x output "
-        "tokens/s; effective for DFlash) and its share of the read bandwidth measured in this run "
+        caption="decode tok/s: mean ± std over rounds · speedup: baseline time per output token / DFlash's · "
+        "tau: tokens committed per verify step, averaged per prompt then over prompts (JSON: tau; "
+        "tokens_per_step pools every step instead) · accept: histogram of tokens per step, 1..B · same: prompts "
+        "whose output is token-identical to the baseline's · GB/s: bandwidth achieved (bytes a plain step reads x "
+        "output tokens/s; effective for DFlash) and its share of the read bandwidth measured in this run "
         f"({report.metadata.get('read_bandwidth_gb_s', 0):.1f} GB/s)",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
@@ -792,7 +954,8 @@ def render_identity(report: BenchReport) -> Text:
         )
     if report.identical:
         prompts = len({row.prompt_id for row in report.rows})
-        return Text(f"✓ greedy outputs are token-identical to the baseline on all {prompts} prompts", style="green")
+        which = f"all {prompts} prompts" if prompts != 1 else "the 1 prompt"
+        return Text(f"✓ greedy outputs are token-identical to the baseline on {which}", style="green")
     lines = Text()
     baseline = {row.prompt_id: row for row in report.rows if row.mode == BASELINE}
     mark, style = ("✗", "bold red") if report.bit_exact else ("~", "yellow")

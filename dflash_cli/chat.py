@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -255,7 +254,7 @@ def _show(session: Session, state: ChatState, arg: str) -> str:
     decoding = f"DFlash, block {state.block_size or session.block_size}" if state.speculative else "baseline"
     return "\n".join([
         f"recipe    {recipe.name}: {recipe.target.id} {drafter}",
-        f"plan      {session.plan_line}",
+        f"plan      {session.plan_line()}",
         f"decoding  {decoding}",
         "sampling  " + ", ".join(f"{key} {value}" for key, value in sampling_settings(params).items() if key in SAMPLING_SETTINGS),
         f"stats     {'on' if state.show_stats else 'off'}",
@@ -416,23 +415,17 @@ def run_chat(
     options: RunOptions,
     *,
     system: str | None,
-    prompt: str | None,
+    question: str | None,
     history: bool,
     show_stats: bool,
     console: Console,
     err_console: Console,
 ) -> int:
-    """`dflash chat`: the REPL on a terminal; one answer for --prompt or piped stdin (both: the prompt, then stdin).
-    Returns the exit code."""
-    one_shot = prompt is not None or not sys.stdin.isatty()
-    if one_shot:  # read the question before the model loads: an empty pipe fails fast
-        piped = "" if sys.stdin.isatty() else sys.stdin.read().strip()
-        question = "\n\n".join(part for part in (prompt, piped) if part)
-        if not question:
-            raise DflashError("nothing to answer: the prompt is empty", fix='pipe text in, or --prompt "..."')
+    """`dflash chat`: one answer to `question` (from --prompt or piped stdin, read by the CLI before the model
+    loads), else the REPL on the terminal. Returns the exit code."""
     session = open_session(options, err_console)
     state = ChatState.start(session, options, system=system, show_stats=show_stats)
-    if one_shot:
+    if question is not None:
         return answer_once(session, state, question, console, err_console)
     # The prompt goes to the terminal even when stdout is redirected (`dflash chat NAME > log.txt`).
     with create_app_session(output=create_output(always_prefer_tty=True)):

@@ -17,7 +17,12 @@ GPU_CLASSES = {
     "mps": "Apple silicon GPU (MPS)",
     "cpu": "CPU only",
 }
-QUANTS = ("none", "nf4")
+DEVICE_KINDS = ("cuda", "mps", "cpu")
+# "none": the checkpoint as published; "nf4": bitsandbytes 4-bit; "fp8": the recipe's published FP8 checkpoint.
+QUANTS = ("none", "nf4", "fp8")
+# Pre-quantized checkpoint formats: a device runs them as stored only where transformers has kernels for them;
+# elsewhere transformers dequantizes them to bf16 on load.
+PREQUANTIZED_FORMATS = ("fp8", "mxfp4")
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -29,6 +34,16 @@ def normalize_dtype(name: str) -> str:
     if dtype not in DTYPES:
         raise DflashError(f"unknown dtype {name!r}", fix=f"use one of {', '.join(DTYPES)} (or bf16, fp16, fp32)")
     return dtype
+
+
+def normalize_device(name: str) -> str:
+    """`cuda`, `cuda:N`, `mps` or `cpu`, lowercased. Only the spelling: whether this machine has it is the plan's
+    question (planning.py), which needs torch."""
+    device = name.strip().lower()
+    kind, colon, index = device.partition(":")
+    if kind not in DEVICE_KINDS or (colon and not (kind == "cuda" and index.isdigit())):
+        raise DflashError(f"unknown device {name!r}", fix="use cuda, cuda:N (N = 0, 1, ...), mps or cpu")
+    return device
 
 
 def gb(n_bytes: float) -> str:

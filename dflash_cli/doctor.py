@@ -10,6 +10,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -17,8 +18,8 @@ from typing import Any
 
 from dflash_cli.errors import DflashError
 from dflash_cli.choices import gb
-from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class
-from dflash_cli.planning import make_plan
+from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
+from dflash_cli.planning import expected_speed, make_plan, native_formats
 from dflash_cli.recipes import Recipe, load_recipes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
@@ -273,6 +274,19 @@ def check_bitsandbytes(facts: MachineFacts, bnb: BnbInstall) -> Check:
     return Check("bitsandbytes", "pass", f"{name}, CUDA {lib[0]}.{lib[1]} library")
 
 
+def check_mxfp4(facts: MachineFacts) -> Check:
+    """Whether MXFP4 checkpoints (gpt-oss) run as stored here or load dequantized to bf16 (three times the size)."""
+    native = "mxfp4" in native_formats(facts.kind, facts)
+    if native:
+        return Check("mxfp4", "pass", "triton >= 3.4 and kernels installed: MXFP4 checkpoints (gpt-oss) run as stored")
+    if facts.kind == "cuda" and facts.capability is not None and facts.capability >= (7, 5):
+        return Check(
+            "mxfp4", "pass", "MXFP4 checkpoints (gpt-oss) load dequantized to bf16, three times their size; "
+            "`pip install 'triton>=3.4' kernels` runs them as stored on this GPU",
+        )  # fmt: skip
+    return Check("mxfp4", "pass", "MXFP4 checkpoints (gpt-oss) load dequantized to bf16 here (no kernels for them)")
+
+
 def check_package(name: str, version: str | None, major: int | None, install: str) -> Check:
     """An installed dependency, optionally of a required major version."""
     if version is None:
@@ -321,11 +335,21 @@ def check_command_conflicts(commands: list[tuple[str, str]]) -> Check:
 # Hugging Face and recipes
 
 
+def _fits(facts: MachineFacts, recipe: Recipe) -> bool:
+    """Whether the planner runs `recipe` on this machine (a recipe it refuses is not one this machine downloads)."""
+    try:
+        make_plan(facts, recipe)
+    except DflashError:
+        return False
+    return True
+
+
 def download_bytes(recipe: Recipe) -> int:
     return recipe.weight_bytes.get(recipe.checkpoint_precision, 0) + (recipe.drafter_bytes or 0)
 
 
 def check_hf_cache(cache_dir: Path, free_bytes: int, recipes: list[Recipe]) -> Check:
+    """Whether the cache's disk holds the largest of `recipes` (those this machine can run)."""
     detail = f"{cache_dir}: {gb(free_bytes)} free on its disk"
     largest = max((r for r in recipes if r.runnable), key=download_bytes, default=None)
     if largest is not None and free_bytes < download_bytes(largest):
@@ -359,14 +383,47 @@ def check_hf_token(has_token: bool, recipes: list[Recipe]) -> Check:
     )
 
 
-def check_offline(offline: bool) -> Check:
+HUB_TIMEOUT_S = 3.0
+
+
+def hub_reachable(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """None when the Hub at `endpoint` answers a HEAD request (any HTTP status: something answered), else why
+    not. Honours HTTPS_PROXY / HTTP_PROXY as huggingface_hub does."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError as exc:
+        return f"it answers HTTP {exc.code}" if exc.code >= 500 else None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            return f"no answer within {timeout:g} s"
+        return str(reason) or type(reason).__name__
+
+
+def check_hub(offline: bool, endpoint: str, unreachable: str | None) -> Check:
+    """Whether models can download: HF_HUB_OFFLINE, else whether `endpoint` answered (`unreachable` is why not)."""
     if offline:
-        return Check("offline mode", "pass", "HF_HUB_OFFLINE is set: only models already in the cache load")
-    return Check("offline mode", "pass", "online: models download on first use (HF_HUB_OFFLINE=1 turns it off)")
+        return Check("hugging face hub", "pass", "offline (HF_HUB_OFFLINE=1): only cached models load, the Hub is not asked")
+    if unreachable is None:
+        return Check("hugging face hub", "pass", f"{endpoint} answers: models download on first use")
+    return Check(
+        "hugging face hub",
+        "warn",
+        f"cannot reach {endpoint} ({unreachable}): only cached models load (the demo needs no Hub)",
+        "check the network, or HTTPS_PROXY / HF_ENDPOINT; on a machine that is offline on purpose set HF_HUB_OFFLINE=1",
+    )
 
 
-def check_recipes(facts: MachineFacts, recipes: list[Recipe]) -> Check:
-    """Which recipes fit this machine, and how (the planner's choice with no flags)."""
+def check_recipes(
+    facts: MachineFacts, recipes: list[Recipe], bandwidth: Callable[[str, str], float] | None = None
+) -> Check:
+    """Which recipes fit this machine, how (the planner's choice with no flags), and how fast they can decode
+    here: `bandwidth(device, dtype)` is the measured weight bandwidth (None: speed not estimated)."""
     lines, fitting = [], 0
     for recipe in recipes:
         if not recipe.runnable:
@@ -378,9 +435,10 @@ def check_recipes(facts: MachineFacts, recipes: list[Recipe]) -> Check:
             lines.append(f"{recipe.name}: does not fit: {exc.message}")
             continue
         fitting += 1
-        weights = "nf4" if plan.quant == "nf4" else plan.dtype
         size = f", ~{gb(plan.estimated_bytes)}" if plan.estimated_bytes else ""
-        lines.append(f"{recipe.name}: fits, {plan.device} {weights}{size}")
+        rate = bandwidth(plan.device, plan.dtype) if bandwidth else None
+        speed = expected_speed(recipe, plan, rate) if rate else None
+        lines.append(f"{recipe.name}: fits, {plan.device} {plan.weights}{size}" + (f"; {speed.describe()}" if speed else ""))
     if fitting or not recipes:
         return Check("recipes", "pass", "\n".join(lines) or "no recipes")
     return Check(
@@ -392,6 +450,14 @@ def check_recipes(facts: MachineFacts, recipes: list[Recipe]) -> Check:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def measured_bandwidth(device: str, dtype: str) -> float | None:
+    """hardware.weight_bandwidth, or None where the device cannot run the probe: doctor reports, never crashes."""
+    try:
+        return weight_bandwidth(device, dtype)
+    except Exception:  # a broken CUDA setup raises anything from RuntimeError to AssertionError; other checks say why
+        return None
 
 
 def torch_release_table() -> dict[str, set[int]] | None:
@@ -408,28 +474,31 @@ def torch_release_table() -> dict[str, set[int]] | None:
 
 
 def run_checks(facts: MachineFacts | None = None) -> list[Check]:
-    """All checks against this machine (or fabricated `facts` for the GPU side)."""
+    """All checks against this machine (or fabricated `facts` for the GPU side: then speeds are not measured)."""
     from huggingface_hub import constants, get_token
 
+    bandwidth = measured_bandwidth if facts is None else None
     facts = facts or detect_machine()
     smi = query_nvidia_smi()
     try:
         recipes = list(load_recipes().values())
-        recipe_check = check_recipes(facts, recipes)
+        recipe_check = check_recipes(facts, recipes, bandwidth)
     except DflashError as exc:  # a broken user recipe file: report it, keep checking
         recipes, recipe_check = [], Check("recipes", "fail", exc.message, exc.fix)
     cache = Path(constants.HF_HUB_CACHE)
+    offline = bool(constants.HF_HUB_OFFLINE)
     return [
         check_python(tuple(sys.version_info)),
         check_torch(facts, smi, torch_release_table()),
         check_driver(facts, smi),
         check_gpu(facts),
         check_bitsandbytes(facts, inspect_bitsandbytes()),
+        check_mxfp4(facts),
         check_package("transformers", installed_version("transformers"), 5, "transformers>=5,<6"),
         check_package("accelerate", installed_version("accelerate"), None, "accelerate>=1.0"),
-        check_hf_cache(cache, disk_free(cache), recipes),
+        check_hf_cache(cache, disk_free(cache), [recipe for recipe in recipes if _fits(facts, recipe)]),
         check_hf_token(get_token() is not None, recipes),
-        check_offline(bool(constants.HF_HUB_OFFLINE)),
+        check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,
         check_command_conflicts(dflash_commands()),
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class DflashError(Exception):
     """An error the user can act on. The CLI prints `message` and `fix` and exits with `exit_code`."""
@@ -14,6 +16,13 @@ class DflashError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.fix else f"{self.message}\nfix: {self.fix}"
+
+
+def json_problem(error: json.JSONDecodeError) -> str:
+    """`Expecting ',' delimiter at column 12`; json's own messages may end in "at" ("Unterminated string
+    starting at"), which must not read "at at column"."""
+    where = "column" if error.msg.endswith(" at") else "at column"
+    return f"{error.msg} {where} {error.colno}"
 
 
 class RequestError(DflashError):

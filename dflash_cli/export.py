@@ -1,7 +1,8 @@
-"""`dflash export vllm|sglang NAME`: the server command that serves a recipe with DFlash on vLLM or SGLang.
+"""`dflash export vllm|sglang|llama.cpp NAME`: the command that serves a recipe with DFlash elsewhere.
 
-For users who outgrow one machine: both servers run DFlash drafters natively, with batching and tensor
-parallelism. The command is built as an argv list and shell-quoted once, so it pastes as is.
+For users who outgrow one machine: vLLM and SGLang run DFlash drafters natively, with batching and tensor
+parallelism. llama.cpp's `llama-server` runs DFlash and DFlash2 drafters from GGUF files, on GPUs and CPUs with
+quantized targets. The command is built as an argv list and shell-quoted once, so it pastes as is.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from dflash_cli.errors import DflashError
 from dflash_cli.choices import gb
 from dflash_cli.hardware import MachineFacts
-from dflash_cli.recipes import ModelRef, Recipe
+from dflash_cli.recipes import PACKAGE_PREFIX, ModelRef, Recipe
 
 # Weights take at most 1/1.3 of the GPUs' memory: the rest holds the KV cache, activations and CUDA graphs
 # (vLLM claims 90% of each GPU by default and sizes its KV cache from what the weights leave).
@@ -98,7 +99,9 @@ def _cached_drafter_block_size(drafter: ModelRef) -> int | None:
     return read_drafter_config(directory).block_size
 
 
-def _plan_export(recipe: Recipe, hardware: ServingHardware) -> tuple[ModelRef, int, int, list[str]]:
+def _plan_export(
+    recipe: Recipe, hardware: ServingHardware, tensor_parallel: bool = True
+) -> tuple[ModelRef, int, int, list[str]]:
     if recipe.drafter is None:
         raise DflashError(
             f"recipe {recipe.name} has no drafter, so there is nothing to export for speculative decoding",
@@ -115,7 +118,9 @@ def _plan_export(recipe: Recipe, hardware: ServingHardware) -> tuple[ModelRef, i
         )
         notes.append(f"block size {FALLBACK_BLOCK_SIZE} assumed: the recipe leaves it to the drafter config, and {why}")
     tp, tp_note = tensor_parallel_size(recipe.weight_bytes.get(recipe.checkpoint_precision), hardware)
-    if hardware.assumed:
+    if not tensor_parallel:
+        tp, tp_note = 1, None
+    elif hardware.assumed:
         notes.append(
             f"tensor parallel size for {hardware.gpu_count} GPU(s) of {gb(hardware.gpu_memory)}, not measured "
             "here; change with --gpus N --gpu-memory GB"
@@ -129,6 +134,12 @@ def _plan_export(recipe: Recipe, hardware: ServingHardware) -> tuple[ModelRef, i
         )
     if recipe.gated:
         notes.append(f"{recipe.target.id} is gated: accept its license on huggingface.co and set HF_TOKEN first")
+    for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)):
+        if ref.path is not None:
+            where = "ships inside the dflash package on this machine" if ref.id.startswith(PACKAGE_PREFIX) else "is a local directory"
+            notes.append(
+                f"the {what} {where}: copy {ref.path} to the serving machine and keep (or edit) that path in the command"
+            )
     return recipe.drafter, block_size, tp, notes
 
 
@@ -160,4 +171,42 @@ def sglang_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand
     return ExportedCommand(argv, notes)
 
 
-EXPORTERS = {"vllm": vllm_command, "sglang": sglang_command}
+def _gguf_file(ref: ModelRef, precision: str) -> str:
+    """The GGUF file name a conversion writes: the model's name and its precision."""
+    name = ref.path.name if ref.path is not None else ref.id.rsplit("/", 1)[-1]
+    return f"{name}-{precision}.gguf"
+
+
+def _download_dir(ref: ModelRef) -> str:
+    """A shell word for the model's local directory: the path itself, or `$(hf download REPO)`."""
+    if ref.path is not None:
+        return shlex.quote(str(ref.path))
+    revision = f" --revision {shlex.quote(ref.revision)}" if ref.revision else ""
+    return f"$(hf download {shlex.quote(ref.id)}{revision})"
+
+
+def llama_cpp_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
+    """`llama-server -m TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`: llama.cpp counts the drafted
+    tokens (block size minus one) like vLLM. Both checkpoints are converted to GGUF once; the notes say how."""
+    drafter, block_size, _, notes = _plan_export(recipe, hardware, tensor_parallel=False)
+    # pre-quantized targets (gpt-oss's MXFP4) convert to their own GGUF type; plain ones to bf16
+    target_type = recipe.checkpoint_precision if recipe.checkpoint_precision != "bf16" else "bf16"
+    target_gguf, drafter_gguf = _gguf_file(recipe.target, target_type), _gguf_file(drafter, "bf16")
+    outtype = "" if recipe.checkpoint_precision != "bf16" else " --outtype bf16"
+    notes += [
+        "llama.cpp reads GGUF: convert both checkpoints once with llama.cpp's converter (DFlash and DFlash2 drafters "
+        "convert as their own architecture):",
+        f"  python convert_hf_to_gguf.py {_download_dir(recipe.target)}{outtype} --outfile {target_gguf}",
+        f"  python convert_hf_to_gguf.py {_download_dir(drafter)} --outtype bf16 --outfile {drafter_gguf}",
+    ]
+    if recipe.checkpoint_precision == "bf16":
+        smaller = target_gguf.replace("-bf16.", "-Q4_K_M.")
+        notes.append(
+            f"  a smaller GPU: llama-quantize {target_gguf} {smaller} Q4_K_M (the target only; the drafter stays bf16)"
+        )
+    argv = ["llama-server", "-m", target_gguf, "-md", drafter_gguf, "--spec-type", "draft-dflash"]
+    argv += ["--draft-max", str(block_size - 1), "-ngl", "99", "-ngld", "99"]
+    return ExportedCommand(argv, notes)
+
+
+EXPORTERS = {"vllm": vllm_command, "sglang": sglang_command, "llama.cpp": llama_cpp_command}

@@ -8,12 +8,14 @@ planning.py's job. GPU classes go by CUDA compute capability, never by marketing
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.choices import GPU_CLASSES
+from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class MachineFacts:
     cpu_ram_total: int | None = None
     cpu_ram_available: int | None = None
     cpu_bf16: bool = False  # the CPU has bf16 matmul instructions (AVX512-BF16 or AMX): bf16 beats fp32 there
+    mxfp4_kernels: bool = False  # triton >= 3.4 and `kernels` installed: transformers' MXFP4 path on CUDA sm_75+
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +84,7 @@ def detect_machine() -> MachineFacts:
         "cpu_ram_total": ram_total,
         "cpu_ram_available": ram_available,
         "cpu_bf16": _cpu_has_bf16(),
+        "mxfp4_kernels": _mxfp4_kernels_installed(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -112,6 +116,20 @@ def _cpu_has_bf16() -> bool:
     return any(probe() for probe in probes if probe is not None)
 
 
+def _mxfp4_kernels_installed() -> bool:
+    """Whether transformers can keep MXFP4 expert weights (gpt-oss) as they are: it needs triton >= 3.4 and the
+    `kernels` package on a CUDA GPU of compute capability 7.5+, and dequantizes them to bf16 otherwise."""
+    from importlib import metadata
+
+    try:
+        triton = metadata.version("triton")
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        return False
+    numbers = [int(part) for part in re.findall(r"\d+", triton)[:2]]
+    return tuple(numbers) >= (3, 4)
+
+
 def _cpu_ram() -> tuple[int | None, int | None]:
     """(total, available) RAM in bytes, capped by a cgroup v2 memory limit (containers); None where unknown."""
     total = available = None
@@ -131,3 +149,31 @@ def _cpu_ram() -> tuple[int | None, int | None]:
     except (OSError, ValueError):
         pass
     return total, available
+
+
+@functools.cache
+def weight_bandwidth(device: str, dtype: str) -> float:
+    """Bytes per second a matrix-vector product reads weights in `dtype` on `device`: the bound on decoding,
+    which reads every weight once per generated token. Measured, not looked up: it folds in what a spec sheet
+    does not say (other processes' load, a bf16 product emulated on a CPU without bf16 instructions). Best of
+    three products over a 256 MiB matrix (1 GiB on a GPU), past any cache; a fraction of a second."""
+    import time
+
+    import torch
+
+    kind = device.partition(":")[0]
+    weights = torch.ones(((2**30 if kind == "cuda" else 2**28) // (4096 * BYTES_PER_ELEMENT[dtype]), 4096),
+                         dtype=getattr(torch, dtype), device=device)  # fmt: skip
+    vector = torch.ones(1, 4096, dtype=weights.dtype, device=device)
+
+    def seconds() -> float:
+        synchronize = {"cuda": torch.cuda.synchronize, "mps": torch.mps.synchronize}.get(kind, lambda: None)
+        synchronize()
+        started = time.perf_counter()
+        torch.nn.functional.linear(vector, weights)
+        synchronize()
+        return time.perf_counter() - started
+
+    seconds()  # warm-up: first-call dispatch and page faults
+    best = min(seconds() for _ in range(3))
+    return weights.numel() * weights.element_size() / best

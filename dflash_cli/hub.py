@@ -9,11 +9,12 @@ templates are fetched: pickle weights (`.bin`, `.pt`, `.pth`) can run code when 
 
 from __future__ import annotations
 
+import contextlib
 import json as jsonlib
 import os
 import shutil
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -209,7 +210,7 @@ def pull(
     """
     remote = [_ref_parts(ref) for ref in refs if ref is not None and not _is_local(ref)]
     plans = [plan_download(ref_id, revision) for ref_id, revision in remote]
-    if not json:
+    if not json and plans:
         _print_plans(plans, console)
     if not dry_run:
         check_disk_space(sum(p.download_bytes for p in plans), constants.HF_HUB_CACHE)
@@ -416,9 +417,21 @@ def _require_safetensors(names: Iterable[str], repo: str, what: str) -> None:
 
 
 def pull_command(repo_id: str, revision: str | None = None) -> str:
-    """The `dflash pull` command line that fetches one repo (an ad-hoc recipe with just a target)."""
-    pinned = f" --revision {revision}" if revision and revision != DEFAULT_REVISION else ""
-    return f"dflash pull --target {repo_id}{pinned}"
+    """The `dflash pull` command line that fetches `repo_id`: the recipe's name when a recipe uses it as its
+    target or drafter (`dflash pull qwen3-8b` fetches both), else the repo alone."""
+    pinned = revision and revision != DEFAULT_REVISION
+    if not pinned:
+        from dflash_cli.recipes import load_recipes
+
+        try:
+            recipes = load_recipes().values()
+        except DflashError:  # a broken user recipe must not hide the error being reported
+            recipes = []
+        wanted = repo_id.lower()
+        for recipe in recipes:
+            if any(ref is not None and ref.id.lower() == wanted for ref in (recipe.target, recipe.drafter)):
+                return f"dflash pull {recipe.name}"
+    return f"dflash pull --target {repo_id}" + (f" --revision {revision}" if pinned else "")
 
 
 def _not_cached_error(repo_id: str, revision: str, what: str, *, reason: str) -> DflashError:
@@ -452,6 +465,20 @@ def _print_plans(plans: list[DownloadPlan], console: Console) -> None:
         return
     console.print(f"total {format_bytes(total)}, {format_bytes(need)} to download into {constants.HF_HUB_CACHE}")
     console.print("[dim]if interrupted, run the same command again: finished files are kept[/]")
+
+
+@contextlib.contextmanager
+def quiet_transformers_progress() -> Iterator[None]:
+    """transformers' own tqdm bars off (they tear through rich's spinners and progress bars), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
 
 class _QuietTqdm(tqdm):

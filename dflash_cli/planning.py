@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES, QUANTS, gb, normalize_dtype
+from dflash_cli.choices import (
+    BYTES_PER_ELEMENT,
+    GPU_CLASSES,
+    PREQUANTIZED_FORMATS,
+    QUANTS,
+    gb,
+    normalize_device,
+    normalize_dtype,
+)
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
 
@@ -47,6 +55,14 @@ class Plan:
     estimated_bytes: int | None  # None: the recipe's sizes are unknown (ad-hoc), fit not checked
     budget_bytes: int | None  # free memory on the device the plan runs on
     reasons: tuple[str, ...]  # one line per decision, for --explain
+    notes: tuple[str, ...] = ()  # settings that will run but badly: shown under the plan line even without --explain
+    # Pre-quantized checkpoint formats this device runs as stored ("mxfp4", "fp8"); others are dequantized on load.
+    native_formats: tuple[str, ...] = ()
+    weights: str = ""  # what the target's weights are in memory: the dtype, "nf4", "fp8" or "mxfp4"
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            object.__setattr__(self, "weights", self.dtype if self.quant == "none" else self.quant)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,26 +70,67 @@ class Plan:
 
         return getattr(torch, self.dtype)
 
-    def one_line(self) -> str:
-        weights = "nf4 weights, " if self.quant == "nf4" else ""
-        block = self.block_size if self.block_size is not None else "from drafter"
+    def one_line(self, drafter_block_size: int | None = None) -> str:
+        """`cuda (hopper) bfloat16, block 16, sdpa, ~18.9 GB`; `drafter_block_size` (the loaded drafter's own)
+        fills in a block size the plan leaves to the drafter."""
+        device = self.device if self.device.partition(":")[0] == self.gpu_class else f"{self.device} ({self.gpu_class})"
+        weights = f"{self.weights} weights, " if self.weights != self.dtype else ""
+        block = self.block_size or drafter_block_size or "from drafter"
         size = f", ~{gb(self.estimated_bytes)}" if self.estimated_bytes is not None else ""
-        return (
-            f"{self.device} ({self.gpu_class}) {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
-        )
+        return f"{device} {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "reasons": list(self.reasons)}
 
 
-def estimate_bytes(recipe: Recipe, dtype: str, quant: str) -> int | None:
-    """Memory to run `recipe` in `dtype` with `quant`: weights, bf16-sized drafter and KV cache scaled to
-    `dtype`, the overhead. None when the recipe does not say how big the target is."""
+def native_formats(kind: str, facts: MachineFacts) -> tuple[str, ...]:
+    """The pre-quantized checkpoint formats a device of `kind` on this machine runs as they are stored.
+
+    transformers keeps MXFP4 experts (gpt-oss) on CUDA sm_75+ when triton >= 3.4 and `kernels` are installed, and
+    fine-grained FP8 on sm_89+ (Ada, Hopper, Blackwell); everywhere else it dequantizes them to bf16 on load.
+    """
+    if kind != "cuda" or facts.capability is None:
+        return ()
+    formats = []
+    if facts.capability >= (7, 5) and facts.mxfp4_kernels:
+        formats.append("mxfp4")
+    if facts.capability >= (8, 9):
+        formats.append("fp8")
+    return tuple(formats)
+
+
+def weights_format(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> str:
+    """What the target's weights are in memory under (dtype, quant): the dtype, "nf4", "fp8", or the checkpoint's
+    own pre-quantized format where this device runs it natively."""
+    if quant != "none":
+        return quant
+    if recipe.checkpoint_precision in native:
+        return recipe.checkpoint_precision
+    return dtype
+
+
+def target_weight_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
+    """The target's weights as they will be in memory, from the recipe's sizes; None when it does not list them.
+    NF4 sizes count the fused expert weights at the compute dtype: bitsandbytes leaves them as they are."""
     scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
-    if quant == "nf4":
+    weights_in = weights_format(recipe, dtype, quant, native)
+    if weights_in == "nf4":
         weights = recipe.weight_bytes.get("nf4")
+        if weights is not None and recipe.expert_bytes:
+            weights += recipe.expert_bytes * (scale - 1)  # the listed size holds them in bf16
+    elif weights_in in recipe.weight_bytes and weights_in not in BYTES_PER_ELEMENT:
+        weights = recipe.weight_bytes[weights_in]  # a pre-quantized checkpoint, kept as stored
     else:
         weights = recipe.weight_bytes["bf16"] * scale if "bf16" in recipe.weight_bytes else None
+    return None if weights is None else int(weights)
+
+
+def estimate_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
+    """Memory to run `recipe` in `dtype` with `quant` on a device running `native` formats as stored: weights,
+    bf16-sized drafter and KV cache scaled to `dtype`, the overhead. None when the recipe does not say how big
+    the target is."""
+    scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
+    weights = target_weight_bytes(recipe, dtype, quant, native)
     if weights is None:
         return None
     drafter = (recipe.drafter_bytes or 0) * scale if recipe.drafter is not None else 0
@@ -90,9 +147,8 @@ def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str
             "cpu": "no GPU visible to torch",
         }[facts.kind]
         return facts.kind, why
-    kind, _, index = requested.lower().partition(":")
-    if kind not in ("cuda", "mps", "cpu") or (index and not (kind == "cuda" and index.isdigit())):
-        raise DflashError(f"unknown device {requested!r}", fix="use cuda, cuda:N, mps or cpu")
+    device = normalize_device(requested)
+    kind, _, index = device.partition(":")
     if kind != "cpu" and kind != facts.kind:
         raise DflashError(
             f"--device {requested}: no {kind.upper()} device is visible to torch on this machine",
@@ -103,7 +159,7 @@ def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str
             f"--device {requested}: this machine has {facts.gpu_count} CUDA GPU(s), numbered from 0",
             fix=f"use cuda:0 to cuda:{facts.gpu_count - 1}",
         )
-    return requested.lower(), "--device"
+    return device, "--device"
 
 
 def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
@@ -125,10 +181,13 @@ def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
 def _candidates(
     kind: str, facts: MachineFacts, recipe: Recipe, dtype: str | None, quant: str | None
 ) -> list[tuple[str, str]]:
-    """(dtype, quant) pairs in order of preference. NF4 is an automatic choice on CUDA only, where bitsandbytes
-    has fast kernels; on CPU the fallback is bf16 (half of fp32), and NF4 only when asked for."""
+    """(dtype, quant) pairs in order of preference: the published weights; the recipe's FP8 checkpoint on GPUs
+    that run FP8 natively; NF4 (automatic on CUDA only, where bitsandbytes has fast kernels). On CPU the fallback
+    is bf16 (half of fp32), and NF4 only when asked for."""
     preferred = default_dtype(kind, facts)[0]
     pairs = [(preferred, "none")]
+    if kind == "cuda" and "fp8" in recipe.checkpoints and "fp8" in native_formats(kind, facts):
+        pairs.append((preferred, "fp8"))
     if kind == "cuda" and "nf4" in recipe.weight_bytes:
         pairs.append((preferred, "nf4"))
     if kind == "cpu":
@@ -139,6 +198,27 @@ def _candidates(
     if quant is not None:
         pairs = [(d, quant) for d in dict.fromkeys(d for d, _ in pairs)]
     return pairs
+
+
+def _check_forced_quant(recipe: Recipe, quant: str, kind: str, facts: MachineFacts, cls: GpuClass) -> None:
+    """A --quant (or recipe override) this recipe or device cannot honour is an error before anything loads."""
+    if quant == "fp8":
+        if "fp8" not in recipe.checkpoints:
+            raise DflashError(
+                f"--quant fp8: recipe {recipe.name} names no published FP8 checkpoint of its target",
+                fix="pass an FP8 checkpoint as --target (it then loads as stored), or use --quant none / nf4",
+            )
+        if "fp8" not in native_formats(kind, facts):
+            raise DflashError(
+                f"--quant fp8: FP8 weights need a CUDA GPU of compute capability 8.9 or newer; this is {cls.label}",
+                fix="use --quant none (bf16) or --quant nf4",
+            )
+    if quant == "nf4" and recipe.checkpoint_precision != "bf16":
+        raise DflashError(
+            f"--quant nf4: {recipe.target.id} is published pre-quantized ({recipe.checkpoint_precision}), and "
+            "bitsandbytes cannot quantize it again",
+            fix="drop --quant: the planner keeps the published weights or dequantizes them to bf16",
+        )
 
 
 def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | None = None) -> Plan:
@@ -157,6 +237,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     # Free memory of GPU 0 stands for the GPU chosen: multi-GPU machines are usually uniform.
     budget = facts.free_memory if kind != "cpu" else facts.cpu_ram_available
     reasons = [f"device {device}: {device_why}; class {cls.label}"]
+    notes: list[str] = []
 
     recipe_override = f"the recipe's override for {cls.key}"
 
@@ -165,8 +246,11 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     quant = overrides.quant or tuned.get("quant")
     if quant is not None and quant not in QUANTS:
         raise DflashError(f"unknown quantization {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
+    if quant is not None:
+        _check_forced_quant(recipe, quant, kind, facts, cls)
+    native = native_formats(kind, facts)
     candidates = _candidates(kind, facts, recipe, dtype, quant)
-    estimates = [(d, q, estimate_bytes(recipe, d, q)) for d, q in candidates]
+    estimates = [(d, q, estimate_bytes(recipe, d, q, native)) for d, q in candidates]
     fitting = [c for c in estimates if c[2] is not None and (budget is None or c[2] <= budget)]
     forced = overrides.dtype is not None or overrides.quant is not None
     if fitting:
@@ -174,7 +258,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     elif estimates[0][2] is None or forced:
         dtype, quant, estimate = estimates[0]
     else:
-        raise _does_not_fit(recipe, estimates[-1], budget, kind, cls)
+        raise _does_not_fit(recipe, estimates, budget, kind, cls, facts)
 
     if estimate is None:
         reasons.append(f"memory: {recipe.name} does not list its size, so fit was not checked")
@@ -185,7 +269,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
             f"runtime overhead), {free}"
         )
         if budget is not None and estimate > budget:
-            reasons.append("warning: the forced settings need more than is free: expect an out-of-memory error")
+            notes.append(f"the forced settings need ~{gb(estimate)} but {gb(budget)} is free: expect an out-of-memory error")
 
     preferred_dtype, default_why = default_dtype(kind, facts)
     if overrides.dtype or "dtype" in tuned:
@@ -196,16 +280,35 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         dtype_why = f"{preferred_dtype} would not fit; {dtype} needs half the memory"
     reasons.append(f"dtype {dtype}: {dtype_why}")
     if kind == "cuda" and dtype == "bfloat16" and not has_native_bf16(facts):
-        reasons.append("warning: bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow")
+        notes.append("bf16 on a GPU without native bf16 (pre-sm_80) is emulated and slow: --dtype fp16 is faster")
 
+    weights = weights_format(recipe, dtype, quant, native)
     if overrides.quant or "quant" in tuned:
         quant_why = "--quant" if overrides.quant else recipe_override
-    elif quant == "nf4":
-        quant_why = f"{dtype} weights do not fit"
+    elif quant == "none":
+        quant_why = "the published weights fit, so no quantization error is paid"
     else:
-        quant_why = "the full-precision weights fit, so no quantization error is paid"
-    detail = f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute" if quant == "nf4" else ""
+        first = weights_format(recipe, estimates[0][0], estimates[0][1], native)
+        quant_why = f"the {first} weights do not fit (~{gb(estimates[0][2] or 0)} in all)"
+    detail = {
+        "nf4": f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute",
+        "fp8": f"; the published FP8 checkpoint {recipe.checkpoints['fp8'].id if 'fp8' in recipe.checkpoints else ''}",
+    }.get(quant, "")
+    if quant == "nf4" and recipe.expert_bytes:
+        detail += f" (the {gb(recipe.expert_bytes)} of fused expert weights stay {dtype}: bitsandbytes skips them)"
     reasons.append(f"quant {quant}: {quant_why}{detail}")
+    if recipe.checkpoint_precision != "bf16" and quant == "none":
+        stored = recipe.checkpoint_precision.upper()
+        if weights == recipe.checkpoint_precision:
+            reasons.append(f"weights {weights}: this GPU runs the published {stored} weights as they are")
+        else:
+            reasons.append(f"weights {weights}: transformers dequantizes the published {stored} weights here "
+                           f"({_native_hint(recipe.checkpoint_precision)})")  # fmt: skip
+    if quant == "nf4" and kind != "cuda":
+        notes.append(
+            f"NF4 on {kind.upper()} is slow: bitsandbytes has no fast 4-bit kernels here and dequantizes every weight "
+            "at each step (several times slower than unquantized); drop --quant nf4 if the weights fit"
+        )
 
     block_size, block_why = _choose_block_size(recipe, overrides, tuned, cls)
     reasons.append(block_why)
@@ -213,10 +316,32 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     attn_why = (
         recipe_override
         if "attn_implementation" in tuned
-        else "PyTorch's fused attention: on every device, no extra package to install"
+        else "PyTorch's fused attention: on every device, no extra package to install (a model transformers runs "
+        "without an SDPA path, such as gpt-oss with its attention sinks, loads with eager attention)"
     )
     reasons.append(f"attention {attn}: {attn_why}")
-    return Plan(device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons))
+    reasons += [f"warning: {note}" for note in notes]
+    return Plan(
+        device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), tuple(notes), native, weights
+    )
+
+
+def _native_hint(fmt: str) -> str:
+    """What a device needs to run a pre-quantized format as stored."""
+    if fmt == "mxfp4":
+        return "MXFP4 runs as stored on a CUDA GPU of compute capability 7.5+ with `pip install 'triton>=3.4' kernels`"
+    return "FP8 runs as stored on a CUDA GPU of compute capability 8.9+"
+
+
+def block_size_note(block_size: int | None, trained: int | None) -> str | None:
+    """A note when the block in use is longer than the drafter was trained for (None when it is not)."""
+    if block_size is None or trained is None or block_size <= trained:
+        return None
+    return (
+        f"block {block_size} is longer than the {trained} the drafter was trained with: positions past {trained} "
+        f"are almost never accepted, yet every verify step computes all {block_size} (slower); --block-size "
+        f"{trained} or less"
+    )
 
 
 def _choose_block_size(
@@ -232,19 +357,108 @@ def _choose_block_size(
 
 
 def _does_not_fit(
-    recipe: Recipe, smallest: tuple[str, str, int | None], budget: int | None, kind: str, cls: GpuClass
+    recipe: Recipe,
+    estimates: list[tuple[str, str, int | None]],
+    budget: int | None,
+    kind: str,
+    cls: GpuClass,
+    facts: MachineFacts,
 ) -> DflashError:
-    dtype, quant, estimate = smallest
-    how = "even with NF4 4-bit weights" if quant == "nf4" else f"in {dtype}"
+    """The refusal, with the size of every option the planner weighed and why no smaller one exists."""
+    native = native_formats(kind, facts)
+    options = []
+    for dtype, quant, estimate in estimates:
+        weights = weights_format(recipe, dtype, quant, native)
+        how = {"nf4": "even with NF4 4-bit weights", "fp8": "with the FP8 checkpoint"}.get(quant, f"in {weights}")
+        if quant == "nf4" and recipe.expert_bytes:
+            how += f" (bitsandbytes leaves the {gb(recipe.expert_bytes)} of fused expert weights in bf16)"
+        options.append(f"~{gb(estimate or 0)} {how}")
     where = f"{gb(budget or 0)} RAM available" if kind == "cpu" else f"{gb(budget or 0)} free on the {cls.label} GPU"
-    if kind == "cpu":
+    notes = []
+    if kind == "cuda" and recipe.checkpoint_precision in PREQUANTIZED_FORMATS:
+        fmt = recipe.checkpoint_precision
+        if fmt not in native and fmt in recipe.weight_bytes:
+            as_stored = recipe.weight_bytes[fmt]
+            notes.append(f"its {fmt.upper()} weights as stored would take {gb(as_stored)}: {_native_hint(fmt)}")
+    if kind == "cuda" and "fp8" in recipe.checkpoints and "fp8" not in native:
+        notes.append(f"its FP8 checkpoint ({gb(recipe.weight_bytes['fp8'])}) needs compute capability 8.9+")
+    nf4 = estimate_bytes(recipe, "bfloat16", "nf4") if recipe.checkpoint_precision == "bf16" else None
+    if kind == "cpu" and nf4 is not None and (budget is None or nf4 <= budget):
         fix = (
             "free some RAM, pick a smaller recipe (`dflash doctor` lists what fits), or force 4-bit weights "
-            "with --quant nf4 (slow on CPU)"
+            f"with --quant nf4 (~{gb(nf4)}, slow on CPU)"
         )
+    elif kind == "cpu":
+        fix = "free some RAM, or pick a smaller recipe (`dflash doctor` lists what fits)"
     else:
         fix = (
             f"close programs holding {kind.upper()} memory, pick a smaller recipe (`dflash doctor` lists what "
             f"fits), or serve it across GPUs: `dflash export vllm {recipe.name}`"
         )
-    return DflashError(f"{recipe.name} needs ~{gb(estimate or 0)} {how}; this machine has {where}", fix=fix)
+    message = f"{recipe.name} needs {', '.join(options)}; this machine has {where}"
+    if notes:
+        message += " (" + "; ".join(notes) + ")"
+    return DflashError(message, fix=fix)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expected speed
+
+# Plain decoding reads every weight once per token, so tokens/s <= weight bandwidth / weight bytes. Verdicts by
+# that bound: reading speed is about 5-8 tokens/s.
+SPEED_VERDICTS = (
+    (30.0, "fast"),
+    (8.0, "fine for chat"),
+    (2.0, "slow: sluggish in chat, usable for `dflash run` batches"),
+    (0.0, "too slow for chat"),
+)
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """The most tokens per second plain decoding can reach here: the target's weights read once per token at the
+    bandwidth measured on this device (hardware.weight_bandwidth). DFlash multiplies it by up to tau; the KV
+    cache and per-step overheads take some of it back."""
+
+    tokens_per_s: float
+    bytes_per_token: int
+    bandwidth: float  # bytes/s
+    note: str = ""  # what makes the real speed lower still
+
+    @property
+    def verdict(self) -> str:
+        return next(label for floor, label in SPEED_VERDICTS if self.tokens_per_s >= floor)
+
+    def describe(self, where: str = "here") -> str:
+        rate = f"{self.tokens_per_s:.1f}" if self.tokens_per_s < 10 else f"{self.tokens_per_s:.0f}"
+        note = f"; {self.note}" if self.note else ""
+        return (
+            f"~{rate} tok/s at most {where} without drafting ({gb(self.bytes_per_token)} read per token at "
+            f"{self.bandwidth / 1e9:.0f} GB/s): {self.verdict}{note}"
+        )
+
+
+def _bytes_read_per_token(recipe: Recipe, plan: Plan, weights: int) -> int:
+    """A MoE token reads the dense part and only the experts it is routed to (`active_params_billion`)."""
+    if not (recipe.expert_bytes and recipe.active_params_billion and recipe.params_billion):
+        return weights
+    expert_params = recipe.expert_bytes / 2e9  # billions (expert_bytes are bf16)
+    dense_params = recipe.params_billion - expert_params
+    share = min(max((recipe.active_params_billion - dense_params) / expert_params, 0.0), 1.0)
+    # the experts' bytes as held: 4.25 bits a weight in MXFP4, 1 byte in FP8, the compute dtype otherwise (NF4 too)
+    per_param = {"mxfp4": 4.25 / 8, "fp8": 1.0}.get(plan.weights, BYTES_PER_ELEMENT[plan.dtype])
+    experts = expert_params * 1e9 * per_param
+    return int(weights - experts * (1 - share))
+
+
+def expected_speed(recipe: Recipe, plan: Plan, bandwidth: float) -> SpeedEstimate | None:
+    """The speed bound of `recipe` run as `plan` at `bandwidth` bytes/s (measured in the plan's dtype on its
+    device); None when the recipe does not list its size."""
+    weights = target_weight_bytes(recipe, plan.dtype, plan.quant, plan.native_formats)
+    if weights is None or bandwidth <= 0:
+        return None
+    weights = _bytes_read_per_token(recipe, plan, weights)
+    note = ""
+    if plan.quant == "nf4" and plan.device.partition(":")[0] != "cuda":
+        note = "NF4 off CUDA dequantizes every weight each step, several times slower than this"
+    return SpeedEstimate(bandwidth / weights, weights, bandwidth, note)

@@ -12,7 +12,7 @@ import difflib
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,12 @@ class Recipe:
     # Target weight bytes per precision ("bf16", "nf4", the checkpoint's own such as "mxfp4"). Empty: unknown.
     weight_bytes: dict[str, int] = field(default_factory=dict)
     checkpoint_precision: str = "bf16"  # what the published target weights are stored in (what vLLM/SGLang load)
+    # bf16 bytes of the routed experts (transformers fuses them into 3-D tensors, which bitsandbytes does not
+    # quantize: they stay in the compute dtype under NF4). None: a dense model, or unknown.
+    expert_bytes: int | None = None
+    active_params_billion: float | None = None  # MoE: parameters one token uses (the dense part + its experts)
+    # Published pre-quantized copies of the target by format ("fp8"), for GPUs that run that format natively.
+    checkpoints: dict[str, ModelRef] = field(default_factory=dict)
     drafter_bytes: int | None = None  # the drafter in bf16; it is never quantized
     kv_bytes_per_token: int | None = None  # target + drafter KV cache per token in bf16
     runnable: bool = True
@@ -104,6 +110,9 @@ class Recipe:
             "params_billion": self.params_billion,
             "weight_bytes": dict(self.weight_bytes),
             "checkpoint_precision": self.checkpoint_precision,
+            "expert_bytes": self.expert_bytes,
+            "active_params_billion": self.active_params_billion,
+            "checkpoints": {key: ref.to_dict() for key, ref in self.checkpoints.items()},
             "drafter_bytes": self.drafter_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "runnable": self.runnable,
@@ -170,7 +179,9 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 TOP_LEVEL_FIELDS = (
     "name", "aliases", "description", "target", "drafter", "block_size", "chat_template_kwargs", "gated", "license",
-    "params_billion", "weight_bytes", "checkpoint_precision", "drafter_bytes", "kv_bytes_per_token", "runnable",
+    "params_billion", "weight_bytes", "checkpoint_precision", "expert_bytes", "active_params_billion", "checkpoints",
+    "drafter_bytes",
+    "kv_bytes_per_token", "runnable",
     "not_runnable_reason", "gpu_overrides",
 )  # fmt: skip
 
@@ -235,9 +246,26 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
     if weight_bytes and checkpoint_precision not in weight_bytes:
         raise fields.error("checkpoint_precision", f"one of the weight_bytes keys ({', '.join(weight_bytes)})")
 
+    expert_bytes = fields.positive_int("expert_bytes")
+    if expert_bytes and weight_bytes.get("nf4", expert_bytes) < expert_bytes:
+        # no plan may promise 4-bit memory it will not get: the fused experts stay bf16 under NF4
+        raise weights.error(
+            "nf4", f"at least expert_bytes ({expert_bytes}): bitsandbytes leaves the fused expert weights in bf16"
+        )
+    checkpoints = fields.table("checkpoints", {})
+    variants = fields.sub("checkpoints", checkpoints)
+    variants.reject_unknown(("fp8",))
+    for key in checkpoints:
+        if key not in weight_bytes:
+            raise weights.error(key, f"the size of the checkpoints.{key} weights whenever that checkpoint is given")
+
     params = fields.get("params_billion", (int, float), "a positive number of parameters in billions", None)
     if params is not None and not (params > 0 and math.isfinite(params)):
         raise fields.error("params_billion", "a positive number of parameters in billions")
+
+    active = fields.get("active_params_billion", (int, float), "the parameters one token uses, in billions", None)
+    if active is not None and not (0 < active <= (params or math.inf)):
+        raise fields.error("active_params_billion", "a positive number no larger than params_billion")
 
     runnable = fields.get("runnable", bool, "true or false", True)
     reason = fields.get("not_runnable_reason", str, "a sentence saying why dflash cannot run it", "")
@@ -257,6 +285,9 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
         params_billion=None if params is None else float(params),
         weight_bytes=dict(weight_bytes),
         checkpoint_precision=checkpoint_precision,
+        expert_bytes=expert_bytes,
+        active_params_billion=None if active is None else float(active),
+        checkpoints={key: _parse_model_ref(variants, key, allow_gguf=False) for key in checkpoints},
         drafter_bytes=fields.positive_int("drafter_bytes"),
         kv_bytes_per_token=fields.positive_int("kv_bytes_per_token"),
         runnable=runnable,
@@ -326,6 +357,13 @@ def get_recipe(name: str) -> Recipe:
     by_key = {key: recipe for recipe in recipes.values() for key in (*recipe.aliases, recipe.name)}
     if wanted in by_key:
         return by_key[wanted]
+    if "/" in wanted:  # a repo id where a recipe name goes
+        uses = next((r.name for r in recipes.values() if r.target.id.lower() == wanted), None)
+        hint = f"the recipe {uses} runs it with its drafter: `dflash chat {uses}`; or " if uses else ""
+        raise DflashError(
+            f"unknown recipe '{name}' (a model repo or directory goes after --target)",
+            fix=f"{hint}pass --target {name} --drafter DRAFTER",
+        )
     close = difflib.get_close_matches(wanted, list(by_key), n=3, cutoff=0.5)
     suggestion = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise DflashError(
@@ -334,22 +372,55 @@ def get_recipe(name: str) -> Recipe:
     )
 
 
-def adhoc_recipe(target: str, drafter: str | None) -> Recipe:
-    """`--target X --drafter Y`: repo ids or local paths. Sizes are unknown, so the planner cannot check fit."""
-    drafter_ref = ModelRef(drafter) if drafter else None
-    return Recipe(
-        name="ad-hoc",
-        description=f"{target} + {drafter}" if drafter else f"{target} (no drafter: baseline decoding only)",
-        target=ModelRef(target),
-        drafter=drafter_ref,
-        source="ad-hoc",
+def recipe_for_target(target: str) -> Recipe | None:
+    """The recipe whose target `--target` names, by recipe name or alias (`--target demo`) or by the target's repo
+    id (`--target Qwen/Qwen3-8B`); None for a local directory or a model no recipe uses."""
+    if ModelRef(target).is_local:
+        return None
+    recipes = load_recipes().values()
+    wanted = target.strip().lower()
+    by_name = {key: recipe for recipe in recipes for key in (*recipe.aliases, recipe.name)}
+    if wanted in by_name:
+        return by_name[wanted]
+    return next((recipe for recipe in recipes if recipe.target.id.lower() == wanted), None)
+
+
+def with_drafter(recipe: Recipe, drafter: str | None) -> Recipe:
+    """`recipe` with another drafter (a repo id or a local directory, such as `dflash train`'s output), or with
+    none (baseline decoding only). The recipe's block size described its own drafter, so the new drafter's
+    config decides it (or --block-size); the drafter's size is no longer known."""
+    if drafter is not None and recipe.drafter is not None and drafter == recipe.drafter.id:
+        return recipe
+    overrides = {cls: {k: v for k, v in values.items() if k != "block_size"} for cls, values in recipe.gpu_overrides.items()}
+    described = f"drafter {drafter}" if drafter else "no drafter: baseline decoding only"
+    return replace(
+        recipe,
+        description=f"{recipe.description} ({described})",
+        drafter=ModelRef(drafter) if drafter else None,
+        block_size=None,
+        drafter_bytes=None,
+        gpu_overrides={cls: values for cls, values in overrides.items() if values},
     )
 
 
+def adhoc_recipe(target: str, drafter: str | None) -> Recipe:
+    """`--target X [--drafter Y]`: repo ids or local paths, or a recipe name as the target. A target some recipe
+    uses brings that recipe's facts (sizes, chat template options, its offline source: the demo's target lives in
+    dflash's cache, not Hugging Face's); any other target's sizes are unknown, so the planner cannot check fit."""
+    known = recipe_for_target(target)
+    if known is None:
+        base = Recipe(name="ad-hoc", description=target, target=ModelRef(target), drafter=None, source="ad-hoc")
+    else:
+        description = f"{known.target.id} (the target of recipe {known.name})"
+        base = replace(known, name="ad-hoc", aliases=(), description=description, source="ad-hoc")
+    return with_drafter(base, drafter)
+
+
 def resolve_recipe(name: str | None, recipe_file: str | Path | None, target: str | None, drafter: str | None) -> Recipe:
-    """The recipe a command runs: a name (or a path to a .toml), `--recipe FILE`, or `--target` [+ `--drafter`]."""
-    if name and name.endswith(".toml") and Path(name).expanduser().is_file():
-        name, recipe_file = None, name
+    """The recipe a command runs: a name (or a path to a .toml), `--recipe FILE`, or `--target`; `--drafter`
+    replaces the drafter of any of them."""
+    if name and name.endswith(".toml"):
+        name, recipe_file = None, name  # a path: a missing file says so, not "unknown recipe"
     chosen = [
         what for what, given in (("a recipe name", name), ("--recipe", recipe_file), ("--target", target)) if given
     ]
@@ -358,18 +429,20 @@ def resolve_recipe(name: str | None, recipe_file: str | Path | None, target: str
             f"choose one way to name the model, got {' and '.join(chosen)}",
             fix="pass a recipe name, or --recipe FILE.toml, or --target X --drafter Y",
         )
-    if drafter and not target:
-        raise DflashError(
-            "--drafter needs --target (the model the drafter was trained for)",
-            fix="pass both: --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16",
-        )
-    if recipe_file:
-        return recipe_from_file(recipe_file)
     if target:
         return adhoc_recipe(target, drafter)
-    if name:
-        return get_recipe(name)
-    raise DflashError(
-        "no model given",
-        fix="name a recipe (see `dflash recipes list`), e.g. `dflash chat qwen3-8b`, or pass --target X --drafter Y",
-    )
+    if recipe_file:
+        recipe = recipe_from_file(recipe_file)
+    elif name:
+        recipe = get_recipe(name)
+    elif drafter:
+        raise DflashError(
+            "--drafter needs the model it drafts for",
+            fix="name it: `dflash chat demo --drafter DIR`, or --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16",
+        )
+    else:
+        raise DflashError(
+            "no model given",
+            fix="name a recipe (see `dflash recipes list`), e.g. `dflash chat qwen3-8b`, or pass --target X --drafter Y",
+        )
+    return with_drafter(recipe, drafter) if drafter else recipe

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.errors import DflashError, RequestError, json_problem
 from dflash_cli.params import read_sampling
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -308,7 +308,7 @@ def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str])
     try:
         line = json.loads(text)
     except json.JSONDecodeError as error:
-        return LineError(number, "invalid_json", f"not valid JSON: {error.msg} at column {error.colno}")
+        return LineError(number, "invalid_json", f"not valid JSON: {json_problem(error)}")
     except RecursionError:
         return LineError(number, "invalid_json", "not valid JSON: nested too deeply")
     try:

@@ -20,7 +20,7 @@ from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.hardware import detect_machine
 from dflash_cli.loading import LoadedModels, load_models
 from dflash_cli.options import RunOptions
-from dflash_cli.planning import Plan, make_plan
+from dflash_cli.planning import Plan, block_size_note, make_plan
 from dflash_cli.recipes import Recipe
 from dflash_cli.requests import Request
 
@@ -33,10 +33,6 @@ class Session:
     threads: ThreadPlan | None = None  # CPU plans: torch's thread count and why
     compile: bool = False  # run the target's steps compiled (engine.compiled)
     console: Console | None = None  # where a progress line shows while a step compiles
-
-    @property
-    def plan_line(self) -> str:
-        return plan_line(self.plan, self.threads, self.compile)
 
     @property
     def target(self) -> Any:
@@ -56,6 +52,19 @@ class Session:
         if self.plan.block_size is not None:
             return self.plan.block_size
         return self.drafter.block_size if self.drafter is not None else 1
+
+    def plan_line(self) -> str:
+        """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the CPU
+        thread count where it matters; whether steps are compiled."""
+        line = self.plan.one_line(self.drafter.block_size if self.drafter is not None else None)
+        return line + (f", {self.threads.label()}" if self.threads is not None else "") + (", compiled" if self.compile else "")
+
+    @property
+    def notes(self) -> list[str]:
+        """Settings that run, but badly: the plan's, and a block longer than the loaded drafter was trained for."""
+        trained = self.drafter.block_size if self.drafter is not None else None
+        block = block_size_note(self.plan.block_size, trained)
+        return [*self.plan.notes, *([block] if block else [])]
 
     @property
     def can_speculate(self) -> bool:
@@ -110,21 +119,7 @@ class Session:
                 f"{self.recipe.target.id} has no chat template",
                 fix="use `dflash run` with plain {\"prompt\": ...} lines, or a chat (instruct) model",
             )
-        from jinja2.exceptions import TemplateError
-
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                list(messages),
-                add_generation_prompt=True,
-                tokenize=True,
-                **{**self.recipe.chat_template_kwargs, **(template_kwargs or {})},
-            )
-        except (TemplateError, TypeError) as error:  # templates that allow no system prompt; odd template kwargs
-            raise DflashError(
-                f"the chat template rejects this conversation: {error}",
-                fix="drop the system message, or start the conversation with a user message",
-            ) from None
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return apply_chat_template(self.tokenizer, messages, {**self.recipe.chat_template_kwargs, **(template_kwargs or {})})
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
@@ -193,6 +188,26 @@ class Session:
         return self.console.status(message) if self.console is not None else contextlib.nullcontext()
 
 
+def apply_chat_template(
+    tokenizer: Any, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any]
+) -> list[int]:
+    """Token ids of the conversation, ready for the assistant's reply, rendered with the template options (the
+    recipe's, such as `enable_thinking = false` for the Qwen3 drafters, and a request's over them). `dflash train` renders its prompts with this too, so a
+    drafter is distilled on exactly what it will be served."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        encoded = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
+    except (TemplateError, TypeError) as error:  # templates that allow no system prompt; odd template kwargs
+        raise DflashError(
+            f"the chat template rejects this conversation: {error}",
+            fix="drop the system message, or start the conversation with a user message",
+        ) from None
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
 def open_session(options: RunOptions, console: Console | None = None) -> Session:
     """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain)."""
     recipe = options.resolve_recipe()
@@ -204,16 +219,19 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
     threads = apply_threads(options.threads) if plan.device == "cpu" else None
     compile, compile_why = options.compile_on(plan.device)
-    if console is not None:
-        console.print(f"[dim]{recipe.name}: {plan_line(plan, threads, compile)}[/dim]")
-        if options.explain:
-            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), compile_why):
-                console.print(f"[dim]  - {reason}[/dim]")
     speculative = not options.no_spec and recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=speculative, console=console)
-    return Session(recipe, plan, models, threads, compile, console)
+    if compile:
+        from dflash_cli.engine.hybrid import linear_cache_layers
 
-
-def plan_line(plan: Plan, threads: ThreadPlan | None, compile: bool) -> str:
-    """The plan in one line, with the CPU thread count where it matters and whether steps are compiled."""
-    return plan.one_line() + (f", {threads.label()}" if threads is not None else "") + (", compiled" if compile else "")
+        if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
+            compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
+    session = Session(recipe, plan, models, threads, compile, console)
+    if console is not None:  # after loading: the drafter's config completes the line (its block size)
+        console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
+        for note in session.notes:
+            console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
+        if options.explain:
+            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), compile_why):
+                console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
+    return session

@@ -37,6 +37,7 @@ from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_targ
 from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
+from dflash_cli.train_prompts import split_prompts
 
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),
 # distill/ (the target's answers and captured features), metrics.json.
@@ -70,9 +71,10 @@ class TrainOptions:
     mask_token_id: int | None = None
     seed: int = 0
     device: str = "cpu"
-    # The target's dtype while it writes answers and features: bf16 matmuls are 2-5x faster on GPUs and on
-    # CPUs with AVX512-BF16/AMX. tau is measured in the dtype the target is served in (see evaluate_tau).
-    dtype: str = "bfloat16"
+    # The target's dtype while it writes answers and features. None: the dtype dflash serves it in on `device`
+    # (bf16 on GPUs and on CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs, where bf16 is
+    # emulated and several times slower). tau is always measured in the serving dtype (see evaluate_tau).
+    dtype: str | None = None
 
     @property
     def loss_gamma(self) -> float:
@@ -94,36 +96,13 @@ class Sample:
 # ---------------------------------------------------------------- prompts and self-distillation
 
 
-def load_prompts(path: str | Path) -> list[list[dict[str, str]]]:
-    """Conversations from a .jsonl ({"prompt": str} or {"messages": [...]}) or a .txt (one prompt a line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DflashError(f"prompt file {path} does not exist", fix="pass --prompts FILE (.jsonl or .txt)")
-    conversations = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix != ".jsonl":
-            conversations.append([{"role": "user", "content": line.strip()}])
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DflashError(f"{path}:{number}: not valid JSON ({exc.msg})", fix="one JSON object per line") from None
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            conversations.append([{"role": "user", "content": record["prompt"]}])
-        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-            conversations.append(record["messages"])
-        else:
-            raise DflashError(f'{path}:{number}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
-    if not conversations:
-        raise DflashError(f"prompt file {path} holds no prompts", fix="one prompt per line (.txt) or per JSON line (.jsonl)")
-    return conversations
-
-
-def encode_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def encode_conversation(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+    """The prompt as `dflash chat` / `run` / `bench` encode it for this target (the recipe's chat template
+    options included), so the drafter learns from exactly what it will be served; plain text without a template."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        from dflash_cli.session import apply_chat_template
+
+        return apply_chat_template(tokenizer, messages, template_kwargs)
     return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
@@ -136,6 +115,7 @@ def self_distill(
     batch_size: int,
     progress: Progress,
     feature_layer_ids: list[int] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[Sample]:
     """The target's greedy answers to every conversation, cached batch by batch in `out_dir/distill.jsonl`.
 
@@ -145,7 +125,8 @@ def self_distill(
     """
     from safetensors.torch import load_file, save_file
 
-    encoded = [(json.dumps(c, sort_keys=True), encode_conversation(tokenizer, c)) for c in conversations]
+    template_kwargs = template_kwargs or {}
+    encoded = [(_cache_key(c, template_kwargs), encode_conversation(tokenizer, c, template_kwargs)) for c in conversations]
     if feature_layer_ids:
         tokens = sum(len(ids) for _, ids in encoded) + len(encoded) * max_new_tokens
         hidden = target.config.get_text_config().hidden_size
@@ -210,6 +191,14 @@ def self_distill(
             out.flush()
             progress.advance(task, len(batch))
     return [done[k] for k, _ in encoded]
+
+
+def _cache_key(conversation: list[dict[str, str]], template_kwargs: dict[str, Any]) -> str:
+    """One cached answer per conversation as rendered: other template options (thinking on or off) are another
+    prompt. Without options the key is the conversation alone, as in caches written before options counted."""
+    if not template_kwargs:
+        return json.dumps(conversation, sort_keys=True)
+    return json.dumps({"messages": conversation, "chat_template_kwargs": template_kwargs}, sort_keys=True)
 
 
 def _digest(key: str) -> str:
@@ -445,30 +434,26 @@ def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
     return spare[0]
 
 
-def resolve_target_dir(ref: str, console: Console | None = None) -> Path:
-    """`--target`: a recipe name (its target, with its offline GGUF fallback), a local directory or a repo id."""
-    from dflash_cli.hub import resolve_model_dir
-    from dflash_cli.recipes import get_recipe
+def target_template_kwargs(ref: str) -> dict[str, Any]:
+    """The chat template options the target's recipe serves it with (none for a target no recipe uses)."""
+    from dflash_cli.recipes import adhoc_recipe
 
-    if "/" in ref or Path(ref).expanduser().exists():
-        return resolve_model_dir(ref, what="target")
-    model = get_recipe(ref).target
-    if model.gguf_fallback:
-        from dflash_cli.demo import ensure_target_with_gguf_fallback
-
-        return ensure_target_with_gguf_fallback(model.id, model.gguf_fallback, console)
-    location = str(model.path) if model.path is not None else model.id
-    return resolve_model_dir(location, revision=model.revision, what="target")
+    return dict(adhoc_recipe(ref, None).chat_template_kwargs)
 
 
 def load_target(ref: str, device: str, dtype: str = "float32", console: Console | None = None) -> tuple[Any, Any]:
-    """The frozen target in `dtype` and its tokenizer."""
+    """The frozen target in `dtype` and its tokenizer. `ref` is what `--target` takes everywhere: a recipe name
+    (its target, with its offline source), a local directory or a repo id."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.loading import load_tokenizer
+    from dflash_cli.hub import quiet_transformers_progress
+    from dflash_cli.loading import load_tokenizer, resolve_ref
+    from dflash_cli.recipes import adhoc_recipe
 
-    directory = resolve_target_dir(ref, console)
-    target = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), use_safetensors=True).to(device).eval()
+    directory = resolve_ref(adhoc_recipe(ref, None).target, "target", console)
+    with quiet_transformers_progress():  # its tqdm bars would tear through our progress display
+        target = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), use_safetensors=True)
+    target = target.to(device).eval()
     target.requires_grad_(False)
     return target, load_tokenizer(directory)
 
@@ -478,26 +463,23 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     if options.block_size < 2:
         raise DflashError("--block-size must be at least 2 (the anchor plus one drafted token)")
     output = Path(options.output)
-    output.mkdir(parents=True, exist_ok=True)
     checkpoint = output / CHECKPOINT_DIR
-    conversations = load_prompts(options.prompts)
-    eval_conversations = load_prompts(options.eval_prompts_file)[: options.eval_prompts] if options.eval_prompts_file else []
-    if not eval_conversations and options.eval_prompts:
-        if len(conversations) <= options.eval_prompts:
-            raise DflashError(f"{options.prompts} has {len(conversations)} prompts; {options.eval_prompts} are held out for tau", fix="pass more prompts, --eval-prompts 0, or --eval-prompts-file")
-        eval_conversations, conversations = conversations[: options.eval_prompts], conversations[options.eval_prompts :]
+    conversations, eval_conversations = split_prompts(options.prompts, options.eval_prompts_file, options.eval_prompts)
     resumable = (checkpoint / "trainer_state.json").exists()
     if resumable and not options.resume:
         raise DflashError(f"{output} already holds a training checkpoint", fix="pass --resume to continue it, or choose another --output")
     if options.resume and not resumable:
         raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
-    target, tokenizer = load_target(options.target, options.device, options.dtype, console)
+    template_kwargs = target_template_kwargs(options.target)
+    output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
+    dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
+    target, tokenizer = load_target(options.target, options.device, dtype, console)
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         samples = self_distill(
             target, tokenizer, conversations, output / DISTILL_DIR, options.max_new_tokens, options.distill_batch_size, progress,
-            drafter.config.target_layer_ids,
+            drafter.config.target_layer_ids, template_kwargs,
         )  # fmt: skip
         samples = [s for s in samples if len(s.response_ids) >= 2]
         if not samples:
@@ -519,7 +501,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             del target
             target, tokenizer = load_target(options.target, options.device, str(served).removeprefix("torch."), console)
         drafter.to(served).bind(target)
-        eval_tau = evaluate_tau(target, drafter, tokenizer, eval_conversations, options.max_new_tokens, console)
+        eval_tau = evaluate_tau(target, drafter, tokenizer, eval_conversations, options.max_new_tokens, console, template_kwargs)
     result = TrainResult(str(final), options.steps, train_seconds, stats.get("loss", float("nan")), stats.get("tau", 1.0), eval_tau, len(eval_conversations), history)
     (output / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return result
@@ -546,6 +528,7 @@ def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], opti
     task = progress.add_task("training", total=options.steps, completed=step, info="")
     stats: dict[str, float] = {}
     running: dict[str, float] = {}
+    fast_bf16 = serving_dtype(options.device) == torch.bfloat16
     batches = _batches(samples, options.batch_size, rng)
     while step < options.steps:
         indices = next(batches)
@@ -555,9 +538,10 @@ def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], opti
         batch = batch.to(features.device)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, options)
-        # bf16 autocast: the lm_head over the whole vocabulary dominates a step, and bf16 matmuls run
-        # 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
-        with torch.autocast(features.device.type, dtype=torch.bfloat16):
+        # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
+        # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
+        # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
+        with torch.autocast(features.device.type, dtype=torch.bfloat16, enabled=fast_bf16):
             loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -603,7 +587,7 @@ def serving_dtype(device: str) -> torch.dtype:
     return getattr(torch, default_dtype(kind, detect_machine())[0])
 
 
-def evaluate_tau(target: Any, drafter: DFlashDrafter, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int, console: Console) -> float:
+def evaluate_tau(target: Any, drafter: DFlashDrafter, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int, console: Console, template_kwargs: dict[str, Any] | None = None) -> float:
     """Mean acceptance length over held-out prompts with the real decode loop (greedy)."""
     from dflash_cli.engine import speculative_generate
 
@@ -612,6 +596,6 @@ def evaluate_tau(target: Any, drafter: DFlashDrafter, tokenizer: Any, conversati
     drafter.eval()
     with Progress(TextColumn("tau on held-out prompts"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
         for messages in progress.track(conversations):
-            result = speculative_generate(target, drafter, encode_conversation(tokenizer, messages), max_new_tokens, stop_token_ids=stop)
+            result = speculative_generate(target, drafter, encode_conversation(tokenizer, messages, template_kwargs or {}), max_new_tokens, stop_token_ids=stop)
             lengths += result.acceptance_lengths
     return sum(lengths) / max(1, len(lengths))

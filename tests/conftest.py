@@ -64,6 +64,24 @@ def fake_hub(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub
     hub.stop()
 
 
+def closed_port() -> int:
+    """A local TCP port nothing listens on: connecting is refused at once."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch: pytest.MonkeyPatch) -> str:
+    """HF_ENDPOINT at a local port nothing listens on: the Hub is unreachable, and no test touches the network."""
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    return endpoint
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 model with tokenizer, built once per test session. Read-only: copy it before editing."""

@@ -47,14 +47,17 @@ def drafter_config(
     target, *, num_layers: int = 1, block_size: int = 4, layer_ids: list[int] | None = None, fmt: str = "classic",
     window: int = 3,
 ) -> DrafterConfig:
-    tc = target.config
+    """A drafter for `target`: the target's hidden size (its embeddings and lm_head are shared), 4 heads of its own
+    (targets such as Gemma 4 differ in head shape from layer to layer; the drafter never needs to match them)."""
+    tc = target.config.get_text_config()
+    hidden = tc.hidden_size
     return DrafterConfig(
-        hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
+        hidden_size=hidden,
+        intermediate_size=getattr(tc, "intermediate_size", None) or 2 * hidden,
         num_hidden_layers=num_layers,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
         vocab_size=tc.vocab_size,
         num_target_layers=tc.num_hidden_layers,
         block_size=block_size,
@@ -85,19 +88,27 @@ def save_random_drafter(directory: str | Path, target, **kwargs) -> Path:
 
 
 class OracleDrafter(DFlashDrafter):
-    """Knows the target's continuation; drafts it right for `correct` slots per block, then wrong."""
+    """Knows the target's continuation; drafts it right for `correct` slots per block, then wrong. `correct` may
+    be a sequence: step i uses correct[i % len(correct)], so acceptance lengths vary from step to step."""
 
-    def __init__(self, target, continuation: Sequence[int], *, block_size: int, correct: int | None = None) -> None:
+    def __init__(
+        self, target, continuation: Sequence[int], *, block_size: int, correct: int | Sequence[int] | None = None
+    ) -> None:
         super().__init__(drafter_config(target, block_size=block_size), target)
         self.sequence = list(continuation)  # prompt + target continuation, position-indexed
         self.correct = correct
-        self.vocab = target.config.vocab_size
+        self.steps = 0
+        self.vocab = target.config.get_text_config().vocab_size
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+        correct = self.correct
+        if isinstance(correct, Sequence):
+            correct = correct[self.steps % len(correct)]
+        self.steps += 1
         proposal = []
         for j in range(block_ids.shape[1] - 1):
             pos = start + 1 + j
             right = self.sequence[pos] if pos < len(self.sequence) else 0
-            proposal.append(right if self.correct is None or j < self.correct else (right + 1) % self.vocab)
+            proposal.append(right if correct is None or j < correct else (right + 1) % self.vocab)
         return torch.tensor([proposal], device=block_ids.device)

@@ -401,6 +401,73 @@ def test_text_prompts_on_a_target_without_tokenizer(tmp_path: Path) -> None:
     assert "prompt_ids" in (raised.value.fix or "")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The default run: sized to about a minute here, said before it starts, progress on a non-terminal too
+
+
+def test_the_quick_run_fits_the_budget_at_the_measured_pace() -> None:
+    fast = [bench.Pace(0.01, 0.001), bench.Pace(0.01, 0.001)]
+    assert bench.size_quick_run(fast, 60, 24, 3, 128, 1, shorten=True) == (24, 128)  # everything fits
+    # 128 tokens at 10 and 5 tok/s: 12.7 + 25.4 + 2 s TTFT = 40 s a prompt -> 1 prompt of 128 tokens
+    demo = [bench.Pace(1.0, 0.1), bench.Pace(1.0, 0.2)]
+    assert bench.size_quick_run(demo, 60, 24, 3, 128, 1, shorten=True) == (1, 128)
+    assert bench.size_quick_run(demo, 130, 24, 3, 128, 1, shorten=True) == (3, 128)  # 3 prompts: one per set
+    assert bench.size_quick_run(demo, 100, 24, 3, 128, 1, shorten=True) == (2, 128)  # below a set each: any count
+    # a busy machine: 128 tokens do not fit once, so generations get shorter (64: 14.6 s + 27.6 s... -> 32)
+    busy = [bench.Pace(4.0, 0.3), bench.Pace(2.4, 0.9)]
+    assert bench.size_quick_run(busy, 60, 24, 3, 128, 1, shorten=True) == (1, 32)
+    assert bench.size_quick_run(busy, 60, 24, 3, 128, 1, shorten=False) == (1, 128)  # --max-tokens given: kept
+    assert bench.size_quick_run(demo, 130, 24, 3, 128, 2, shorten=True) == (1, 128)  # --repeat 2 halves the room
+    assert [bench.format_duration(s) for s in (0.2, 42, 150, 7200 + 300)] == ["1 s", "42 s", "2 min", "2 h 05 min"]
+
+
+def test_the_estimate_comes_from_the_warm_up() -> None:
+    modes = [bench.BASELINE, Mode(True, 8)]
+    paces = [bench.Pace(1.0, 0.1), bench.Pace(1.0, 0.2)]
+    text = bench.describe_run(modes, paces, 3, 128, 1, asked_tokens=128, full_prompts=24)
+    assert text.startswith("bench: 3 prompts × up to 128 tokens × 1 round, baseline and dflash b8: about 2 min")
+    assert "(warm-up here: baseline 10.0 tok/s, dflash b8 5.0 tok/s)" in text
+    assert "--full (24 prompts × 512 tokens × 3 rounds, about 3 h 06 min here)" in text
+    short = bench.describe_run(modes, paces, 1, 32, 1, asked_tokens=128, full_prompts=None)
+    assert "1 prompt × up to 32 tokens (128 would not fit a minute here) × 1 round" in short and "--full" not in short
+
+
+def test_the_builtin_sets_interleave_so_the_first_prompts_cover_every_set() -> None:
+    assert [p.id for p in bench.load_prompt_set("all")[:4]] == ["math-1", "code-1", "chat-1", "math-2"]
+
+
+def test_default_bench_is_sized_here_and_says_so(models: tuple[Path, Path]) -> None:
+    target, drafter = models
+    args = ["bench", "--target", str(target), "--drafter", str(drafter), "--before-after", "--max-tokens", "3", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    settings = json.loads(result.stdout)["settings"]
+    # a tiny model decodes thousands of tokens a second: all 24 prompts fit the minute
+    assert (settings["prompt_count"], settings["repeat"], settings["max_new_tokens"]) == (24, 1, 3)
+    assert settings["sized_to_s"] == bench.QUICK_BUDGET_S
+    plan = next(line for line in result.stderr.splitlines() if line.startswith("bench: "))
+    assert "24 prompts × up to 3 tokens × 1 round, baseline and dflash b4: about" in plan
+    assert "(warm-up here: baseline " in result.stderr
+    assert "The full sweep: --full (24 prompts × 512 tokens × 3 rounds" in result.stderr.replace("\n", " ")
+    # stderr is not a terminal here: one progress line per generation, the warm-ups first
+    progress = [line for line in result.stderr.splitlines() if line.startswith("bench ") and "elapsed" in line]
+    assert len(progress) == 2 + 2 * 24 and progress[0].startswith("bench 1: baseline · warm-up")
+    assert "left)" in progress[-1]
+
+
+def test_default_max_tokens_is_128_and_full_is_the_old_sweep(models: tuple[Path, Path]) -> None:
+    target, drafter = models
+    base = ["bench", "--target", str(target), "--drafter", str(drafter), "--json"]
+    quick = runner.invoke(app, [*base, "--limit", "1"])
+    assert quick.exit_code == 0, quick.output
+    assert json.loads(quick.stdout)["settings"]["max_new_tokens"] == bench.QUICK_MAX_TOKENS
+    full = runner.invoke(app, [*base, "--full", "--set", "chat", "--max-tokens", "2"])
+    assert full.exit_code == 0, full.output
+    settings = json.loads(full.stdout)["settings"]
+    assert (settings["prompt_count"], settings["repeat"], settings["max_new_tokens"]) == (8, 3, 2)
+    assert "--full (" not in full.stderr  # already the full sweep: no hint
+
+
 def test_step_bytes_and_read_bandwidth(models: tuple[Path, Path]) -> None:
     from transformers import AutoModelForCausalLM
 

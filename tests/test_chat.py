@@ -18,7 +18,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from dflash_cli import chat
+from dflash_cli import chat, recipes
 from dflash_cli.chat import ChatState, handle_command, make_history, repl, reply
 from dflash_cli.cli import app
 from dflash_cli.options import RunOptions
@@ -265,7 +265,7 @@ def test_help_show_and_unknown_commands(session: Session, state: ChatState) -> N
     assert all(name in help_text for name in chat.COMMANDS) and '"""' in help_text
     assert handle_command(session, state, "/?").message == help_text
     shown = handle_command(session, state, "/show").message
-    assert session.plan.one_line() in shown and "DFlash, block 4" in shown and "temperature 0.0" in shown
+    assert session.plan_line() in shown and "DFlash, block 4" in shown and "temperature 0.0" in shown
     unknown = handle_command(session, state, "/sav chat.json")
     assert not unknown.ok and unknown.message == "Unknown command /sav. Did you mean /save?"
     assert "/help lists the commands" in handle_command(session, state, "/zzzz").message
@@ -393,7 +393,7 @@ def test_prompt_flag_with_system_and_piped_text(session: Session, options: RunOp
 
 def test_an_empty_pipe_is_an_error(options: RunOptions) -> None:
     result = cli(options, input="  \n")
-    assert result.exit_code == 1 and result.stdout == ""
+    assert result.exit_code == 2 and result.stdout == ""
     assert "nothing to answer" in result.stderr and "--prompt" in result.stderr
 
 
@@ -407,11 +407,10 @@ def test_run_chat_on_a_terminal_runs_the_repl(
     options: RunOptions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, history: bool
 ) -> None:
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    monkeypatch.setattr(chat.sys.stdin, "isatty", lambda: True, raising=False)
     console = Console(file=io.StringIO())
     with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
         pipe.send_text(f"Hello{ENTER}/show{ENTER}/bye{ENTER}")
-        code = chat.run_chat(options, system="Be brief.", prompt=None, history=history, show_stats=True,
+        code = chat.run_chat(options, system="Be brief.", question=None, history=history, show_stats=True,
                              console=console, err_console=Console(file=io.StringIO()))  # fmt: skip
     out = console.file.getvalue()
     assert code == 0 and "dflash chat ad-hoc" in out and "system    Be brief." in out and f"{TOKENS} tokens" in out
@@ -432,3 +431,29 @@ def test_ctrl_c_in_one_shot_mode_keeps_the_part_said_and_exits_130(
     out, err = io.StringIO(), io.StringIO()
     assert chat.answer_once(session, state, "Hi", Console(file=out), Console(file=err)) == 130
     assert out.getvalue() == state.messages[1]["content"] + "\n" and err.getvalue() == ""
+
+
+def test_a_recipe_name_takes_a_drafter_trained_for_its_target(
+    model_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `dflash train --target NAME` prints: `dflash chat NAME --drafter DIR` (and --target NAME works too)."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "tiny.toml").write_text(f'name = "tiny"\ndescription = "t"\n[target]\nid = "{model_dirs[0]}"\n')
+    monkeypatch.setattr(recipes, "user_recipe_dir", lambda: folder)
+    for model in (["tiny"], ["--target", "tiny"]):
+        for extra, block in (([], 4), (["--block-size", "2"], 2)):
+            args = ["chat", *model, "--drafter", str(model_dirs[1]), "--max-tokens", "3", "--stats", "--prompt", "Hi"]
+            result = CliRunner().invoke(app, args + extra)
+            assert result.exit_code == 0, result.output
+            assert f"(DFlash block {block})" in result.stderr
+
+
+def test_odd_settings_are_said_under_the_plan_line(options: RunOptions) -> None:
+    result = cli(options, "--block-size", "9", "--prompt", "Hi")  # the drafter was trained with blocks of 4
+    assert result.exit_code == 0, result.output
+    plan, note = result.stderr.splitlines()[:2]
+    assert plan.startswith("ad-hoc: cpu ") and "block 9" in plan
+    assert note.startswith("  note: block 9 is longer than the 4 the drafter was trained with")
+    plain = cli(options, "--prompt", "Hi")
+    assert "note:" not in plain.stderr and "block 4" in plain.stderr.splitlines()[0]  # the drafter's own size

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,14 +25,17 @@ from dflash_cli.doctor import (
     check_driver,
     check_hf_cache,
     check_hf_token,
+    check_hub,
     check_package,
     check_python,
     check_recipes,
     check_torch,
     exit_code,
+    hub_reachable,
     run_checks,
 )
 from dflash_cli.hardware import MachineFacts, detect_machine
+from dflash_cli.planning import PlanOverrides, expected_speed, make_plan
 from dflash_cli.recipes import get_recipe, load_recipes
 
 TORCH_213_RELEASES = {
@@ -53,7 +60,8 @@ CPU = MachineFacts(kind="cpu", torch_version="2.13.0+cpu", cpu_ram_total=32 * GI
 
 
 @pytest.fixture(autouse=True)
-def no_user_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def no_user_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unreachable_hub: str) -> None:
+    """No user recipes, and the Hub probe goes to a closed local port unless a test brings the fake Hub."""
     monkeypatch.setattr(recipes, "user_recipe_dir", lambda: tmp_path / "user-recipes")
 
 
@@ -61,11 +69,11 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
     return {check.name: check for check in checks}
 
 
-def test_real_checks_on_this_machine_are_sane(hf_home: Path) -> None:
+def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
     checks = by_name(run_checks())
     expected = {
-        "python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache", "hf token",
-        "offline mode", "recipes", "dflash command",
+        "python", "torch", "driver", "gpu", "bitsandbytes", "mxfp4", "transformers", "accelerate", "hf cache", "hf token",
+        "hugging face hub", "recipes", "dflash command",
     }  # fmt: skip
     assert set(checks) == expected
     for name in ("python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache"):
@@ -79,6 +87,53 @@ def test_real_checks_on_this_machine_are_sane(hf_home: Path) -> None:
         assert checks["gpu"].detail.startswith("no GPU")
     for name in ("qwen3-4b", "qwen3-8b", "gpt-oss-20b"):
         assert name in checks["recipes"].detail
+    assert checks["hugging face hub"].status == "pass" and fake_hub.endpoint in checks["hugging face hub"].detail
+    demo = next(line for line in checks["recipes"].detail.splitlines() if line.startswith("demo:"))
+    assert "tok/s at most here" in demo  # measured on this machine
+
+
+def test_hub_reachability(fake_hub, unreachable_hub: str) -> None:
+    assert hub_reachable(fake_hub.endpoint) is None  # any HTTP answer means the Hub is there
+    refused = hub_reachable(unreachable_hub)
+    assert refused is not None and "refused" in refused.lower()
+    check = check_hub(False, unreachable_hub, refused)
+    assert check.status == "warn" and unreachable_hub in check.detail and "HF_HUB_OFFLINE=1" in check.fix
+    assert check_hub(False, fake_hub.endpoint, None).status == "pass"
+    offline = check_hub(True, unreachable_hub, None)
+    assert offline.status == "pass" and "HF_HUB_OFFLINE" in offline.detail
+
+
+def test_a_hub_that_never_answers_times_out() -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        started = time.perf_counter()
+        reason = hub_reachable(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=0.5)
+    assert reason == "no answer within 0.5 s" and time.perf_counter() - started < 5
+
+
+def test_a_hub_that_fails_is_reported() -> None:
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert hub_reachable(f"http://127.0.0.1:{server.server_address[1]}") == "it answers HTTP 503"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_run_checks_offline_never_asks_the_hub(offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "hub_reachable", lambda *a, **k: pytest.fail("the Hub was asked while offline"))
+    assert by_name(run_checks(CPU))["hugging face hub"].status == "pass"
 
 
 def test_a_token_is_reported_but_never_shown(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,12 +256,39 @@ def test_hf_cache_space_and_token() -> None:
     assert check_hf_token(False, [get_recipe("qwen3-8b")]).status == "pass"  # nothing gated
 
 
+def test_recipe_speed_classes() -> None:
+    shipped = list(load_recipes().values())
+    # A 2-core CPU streaming 10 GB/s in float32 and 4.5 GB/s in emulated bf16 (what this session's machine measured).
+    bandwidth = {"float32": 10e9, "bfloat16": 4.5e9}
+    cpu = dataclasses.replace(CPU, cpu_ram_total=64 * GIB, cpu_ram_available=60 * GIB)
+    lines = {line.split(":")[0]: line for line in check_recipes(cpu, shipped, lambda d, t: bandwidth[t]).detail.splitlines()}
+    assert "~19 tok/s at most here" in lines["demo"] and "fine for chat" in lines["demo"]  # 0.54 GB per token
+    assert "(32.8 GB read per token at 10 GB/s): too slow for chat" in lines["qwen3-8b"]  # fp32 fits 60 GB
+    h100 = check_recipes(H100_CU126, shipped, lambda d, t: 3.0e12).detail
+    assert "qwen3-8b: fits, cuda bfloat16" in h100 and "~183 tok/s at most here" in h100 and ": fast" in h100
+    nf4 = check_recipes(cpu, [get_recipe("qwen3-4b")], lambda d, t: bandwidth[t])
+    assert "NF4" not in nf4.detail  # the planner never picks NF4 on a CPU by itself
+
+
+def test_speed_verdicts_and_the_nf4_note_off_cuda() -> None:
+    recipe = get_recipe("qwen3-8b")
+    plan = make_plan(CPU, recipe, PlanOverrides(quant="nf4"))
+    speed = expected_speed(recipe, plan, 10e9)
+    assert speed is not None and speed.bytes_per_token == recipe.weight_bytes["nf4"]
+    assert "NF4 off CUDA" in speed.describe()
+    for rate, verdict in ((0.9, "too slow for chat"), (5, "slow"), (12, "fine for chat"), (40, "fast")):
+        assert dataclasses.replace(speed, tokens_per_s=rate).verdict.startswith(verdict)
+    adhoc = make_plan(CPU, recipes.adhoc_recipe("someone/model", None))
+    assert expected_speed(recipes.adhoc_recipe("someone/model", None), adhoc, 10e9) is None  # size unknown
+
+
 def test_recipe_fit_report() -> None:
     shipped = list(load_recipes().values())
     on_5090 = check_recipes(RTX_5090_CU128, shipped)
     assert on_5090.status == "pass"
     assert "qwen3-8b: fits, cuda bfloat16" in on_5090.detail
-    assert "gpt-oss-20b: not runnable" in on_5090.detail
+    assert "kimi-k2.5: not runnable" in on_5090.detail
+    assert "gpt-oss-20b: does not fit" in on_5090.detail and "MXFP4" in on_5090.detail  # no MXFP4 kernels here
     tiny = dataclasses.replace(RTX_5090_CU128, total_memory=4 * GIB, free_memory=3 * GIB)
     zlab = [recipe for recipe in shipped if recipe.drafter and recipe.drafter.id.startswith("z-lab/")]
     nothing = check_recipes(tiny, zlab)
@@ -218,3 +300,22 @@ def test_a_broken_user_recipe_is_a_failed_check(tmp_path: Path) -> None:
     (tmp_path / "user-recipes" / "bad.toml").write_text("name = 1\n")
     check = by_name(run_checks(CPU))["recipes"]
     assert check.status == "fail" and "bad.toml" in check.detail
+
+
+def test_mxfp4_check_says_how_gpt_oss_will_load() -> None:
+    from dflash_cli.doctor import check_mxfp4
+
+    assert "run as stored" in check_mxfp4(dataclasses.replace(RTX_5090_CU128, mxfp4_kernels=True)).detail
+    without = check_mxfp4(RTX_5090_CU128)
+    assert "dequantized to bf16" in without.detail and "pip install 'triton>=3.4' kernels" in without.detail
+    assert "no kernels" in check_mxfp4(CPU).detail
+
+
+def test_a_moe_speed_bound_reads_only_the_routed_experts() -> None:
+    recipe = recipes.get_recipe("qwen3-coder-30b-a3b")
+    plan = make_plan(dataclasses.replace(RTX_5090_CU128, free_memory=200 * GIB), recipe)
+    speed = expected_speed(recipe, plan, 1000e9)
+    # 3.3 B of 30.5 B parameters per token, in bf16: ~6.6 GB read, not the 61 GB held
+    assert 6.0e9 < speed.bytes_per_token < 7.5e9
+    dense = dataclasses.replace(recipe, active_params_billion=None)
+    assert expected_speed(dense, plan, 1000e9).bytes_per_token == recipe.weight_bytes["bf16"]

@@ -15,6 +15,7 @@ from dflash_cli.errors import DflashError
 from dflash_cli.export import (
     ServingHardware,
     serving_hardware,
+    llama_cpp_command,
     sglang_command,
     tensor_parallel_size,
     vllm_command,
@@ -158,3 +159,41 @@ def test_a_broken_cached_drafter_config_is_an_error(tmp_path: Path) -> None:
 def test_no_drafter_no_export() -> None:
     with pytest.raises(DflashError, match="no drafter"):
         sglang_command(adhoc_recipe("Qwen/Qwen3-8B", None), ONE_H100)
+
+
+def test_llama_cpp_command_with_its_gguf_conversion() -> None:
+    command = llama_cpp_command(get_recipe("qwen3-8b"), ONE_H100)
+    argv = shlex.split(command.shell)
+    assert argv == command.argv and argv[0] == "llama-server"
+    assert flag(argv, "-m") == "Qwen3-8B-bf16.gguf" and flag(argv, "-md") == "Qwen3-8B-DFlash-b16-bf16.gguf"
+    assert flag(argv, "--spec-type") == "draft-dflash"
+    assert flag(argv, "--draft-max") == "15"  # drafted tokens: block size 16 minus the anchor
+    conversions = [note for note in command.notes if "convert_hf_to_gguf.py" in note]
+    assert conversions == [
+        "  python convert_hf_to_gguf.py $(hf download Qwen/Qwen3-8B) --outtype bf16 --outfile Qwen3-8B-bf16.gguf",
+        "  python convert_hf_to_gguf.py $(hf download z-lab/Qwen3-8B-DFlash-b16) --outtype bf16 "
+        "--outfile Qwen3-8B-DFlash-b16-bf16.gguf",
+    ]
+    assert any("llama-quantize Qwen3-8B-bf16.gguf Qwen3-8B-Q4_K_M.gguf Q4_K_M" in note for note in command.notes)
+    assert not any("tensor parallel" in note for note in command.notes)  # llama.cpp splits layers itself
+
+
+def test_llama_cpp_keeps_a_prequantized_target_as_published(tmp_path: Path) -> None:
+    command = llama_cpp_command(get_recipe("gpt-oss-20b"), ONE_H100)
+    assert flag(command.argv, "-m") == "gpt-oss-20b-mxfp4.gguf" and flag(command.argv, "--draft-max") == "7"
+    assert not any("llama-quantize" in note for note in command.notes)
+    local = dataclasses.replace(adhoc_recipe(str(tmp_path / "my model"), str(tmp_path / "d")), block_size=8)
+    notes = "\n".join(llama_cpp_command(local, ONE_H100).notes)
+    assert f"convert_hf_to_gguf.py '{tmp_path / 'my model'}'" in notes  # a local path, quoted
+
+
+def test_export_cli_accepts_llama_cpp_spellings() -> None:
+    from typer.testing import CliRunner
+
+    from dflash_cli.cli import app
+
+    for spelling in ("llama.cpp", "llamacpp", "llama-server"):
+        result = CliRunner().invoke(app, ["export", spelling, "qwen3-4b", "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["command"][0] == "llama-server"
+    assert CliRunner().invoke(app, ["export", "ollama", "qwen3-4b"]).exit_code == 2

@@ -11,7 +11,7 @@ from machines import cuda_machine as cuda
 
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class
-from dflash_cli.planning import PlanOverrides, estimate_bytes, make_plan
+from dflash_cli.planning import PLAN_CONTEXT_TOKENS, PlanOverrides, block_size_note, estimate_bytes, make_plan, native_formats
 from dflash_cli.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
 
 # What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).
@@ -150,7 +150,13 @@ def test_cpu_prefers_float32_then_bf16_then_refuses() -> None:
     assert any("float32 would not fit" in reason for reason in plan.reasons)
     with pytest.raises(DflashError) as info:
         make_plan(CPU_8, get_recipe("qwen3-8b"))
-    assert "--quant nf4" in info.value.fix
+    assert "--quant nf4" not in info.value.fix  # 4-bit would not fit 6 GB either: not offered
+    with pytest.raises(DflashError) as info:
+        make_plan(dataclasses.replace(CPU_8, cpu_ram_available=12 * GIB), get_recipe("qwen3-8b"))
+    assert "--quant nf4 (~11.0 GB, slow on CPU)" in info.value.fix
+    with pytest.raises(DflashError) as info:  # pre-quantized: NF4 does not apply, so it is not suggested
+        make_plan(dataclasses.replace(CPU_64, cpu_ram_available=30 * GIB), get_recipe("gpt-oss-20b"))
+    assert "nf4" not in info.value.fix
 
 
 def test_cpu_with_bf16_instructions_prefers_bf16() -> None:
@@ -165,6 +171,20 @@ def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
     plan = make_plan(CPU_8, get_recipe("qwen3-8b"), PlanOverrides(quant="nf4"))
     assert (plan.device, plan.dtype, plan.quant) == ("cpu", "float32", "nf4")
     assert any(reason.startswith("warning:") for reason in plan.reasons)
+    assert any(note.startswith("NF4 on CPU is slow") for note in plan.notes)  # shown without --explain too
+    assert not make_plan(CPU_64, get_recipe("qwen3-8b")).notes  # the planner's own choices need no note
+
+
+def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
+    assert make_plan(CPU_64, get_recipe("demo")).one_line().startswith("cpu float32, block from drafter, sdpa")
+    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafter_block_size=8).startswith("cpu float32, block 8,")
+    assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block 16")
+
+
+def test_a_block_longer_than_the_drafter_was_trained_for_gets_a_note() -> None:
+    note = block_size_note(1000, 8)
+    assert note is not None and "block 1000 is longer than the 8" in note and "--block-size 8" in note
+    assert block_size_note(8, 8) is None and block_size_note(4, 16) is None and block_size_note(None, 8) is None
 
 
 def test_user_overrides_are_honoured() -> None:
@@ -222,13 +242,13 @@ def test_gpu_override_of_quant_and_dtype() -> None:
 
 def test_not_runnable_recipes_are_refused_with_the_export_hand_off() -> None:
     with pytest.raises(DflashError) as info:
-        make_plan(B200, get_recipe("gpt-oss-20b"))
-    assert "MXFP4" in info.value.message
-    assert info.value.fix == "serve it with vLLM or SGLang: `dflash export vllm gpt-oss-20b`"
+        make_plan(B200, get_recipe("qwen3.5-122b-a10b"))
+    assert "fit no single GPU" in info.value.message
+    assert info.value.fix == "serve it with vLLM or SGLang: `dflash export vllm qwen3.5-122b-a10b`"
 
 
 def test_adhoc_recipes_plan_without_a_fit_check() -> None:
-    plan = make_plan(H100, adhoc_recipe("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"))
+    plan = make_plan(H100, adhoc_recipe("someone/model", "someone/model-dflash"))  # no recipe knows its size
     assert (plan.dtype, plan.quant, plan.estimated_bytes) == ("bfloat16", "none", None)
     assert any("fit was not checked" in reason for reason in plan.reasons)
 
@@ -262,3 +282,114 @@ def test_detect_machine_on_this_machine() -> None:
         assert (facts.gpu_count, facts.capability, facts.total_memory) == (0, None, None)
     else:
         assert facts.gpu_count >= 1 and facts.total_memory >= facts.free_memory > 0
+
+
+# --- the 2026 recipes on the GPUs users have: what fits, in what precision, and refusals with the numbers --------
+
+NEW_RECIPES = {
+    # name: expected weights on (RTX 5090, H100, H200, B200) without MXFP4 kernels; None = refused
+    "qwen3.5-4b": ("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3.5-9b": ("bfloat16", "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3.5-27b": ("nf4", "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3.6-27b": ("nf4", "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3.8-27b": ("nf4", "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3.5-35b-a3b": (None, "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3.6-35b-a3b": (None, "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3-coder-30b-a3b": (None, "bfloat16", "bfloat16", "bfloat16"),
+    "qwen3-coder-next": (None, "fp8", "fp8", "bfloat16"),
+    "gpt-oss-20b": (None, "bfloat16", "bfloat16", "bfloat16"),
+    "gpt-oss-120b": (None, None, None, None),
+    "gemma-4-31b": ("nf4", "bfloat16", "bfloat16", "bfloat16"),
+    "gemma-4-26b-a4b": (None, "bfloat16", "bfloat16", "bfloat16"),
+}
+USER_GPUS = (RTX_5090, H100, H200, B200)
+
+
+@pytest.mark.parametrize(("name", "expected"), NEW_RECIPES.items())
+def test_new_recipes_on_a_5090_h100_h200_and_b200(name: str, expected: tuple[str | None, ...]) -> None:
+    recipe = get_recipe(name)
+    for facts, weights in zip(USER_GPUS, expected):
+        if weights is None:
+            with pytest.raises(DflashError) as info:
+                make_plan(facts, recipe)
+            # every option weighed is named with its size, and the free memory it was measured against
+            assert info.value.message.count(" GB") >= 2 and f"{name} needs ~" in info.value.message
+            assert "dflash export vllm" in info.value.fix
+            continue
+        plan = make_plan(facts, recipe)
+        assert plan.weights == weights, (name, facts.gpu_name)
+        assert plan.estimated_bytes is not None and plan.estimated_bytes <= plan.budget_bytes
+        if weights == "fp8":
+            assert any(recipe.checkpoints["fp8"].id in reason for reason in plan.reasons)
+
+
+def test_moe_nf4_is_counted_with_its_experts_in_bf16_so_it_never_promises_4_bit_memory() -> None:
+    recipe = get_recipe("qwen3.6-35b-a3b")
+    nf4, bf16 = estimate_bytes(recipe, "bfloat16", "nf4"), estimate_bytes(recipe, "bfloat16", "none")
+    assert nf4 > 0.9 * bf16  # the experts are 93% of the weights and bitsandbytes leaves them alone
+    assert estimate_bytes(recipe, "float16", "nf4") == nf4  # fp16 experts: as big as bf16 ones
+    doubled = recipe.expert_bytes + recipe.drafter_bytes + recipe.kv_bytes_per_token * PLAN_CONTEXT_TOKENS
+    assert estimate_bytes(recipe, "float32", "nf4") - nf4 == pytest.approx(doubled, rel=1e-6)  # fp32 experts: 2x
+    with pytest.raises(DflashError) as info:
+        make_plan(RTX_5090, recipe)
+    message = info.value.message
+    assert "~38.0 GB with the FP8 checkpoint" in message and "~69.5 GB even with NF4" in message
+    assert "64.4 GB of fused expert weights in bf16" in message and "33.1 GB free" in message
+
+
+def test_a_published_fp8_checkpoint_is_offered_on_sm89_and_newer_only() -> None:
+    recipe = get_recipe("qwen3-coder-next")
+    assert make_plan(H200, recipe).quant == "fp8"
+    forced = make_plan(RTX_4090, get_recipe("qwen3-coder-30b-a3b"), PlanOverrides(quant="fp8"))
+    assert forced.weights == "fp8"  # Ada is sm_89
+    with pytest.raises(DflashError, match="compute capability 8.9") as info:
+        make_plan(A100_80, recipe, PlanOverrides(quant="fp8"))
+    assert "--quant none" in info.value.fix
+    with pytest.raises(DflashError) as info:
+        make_plan(A100_80, recipe)  # no FP8 on sm_80, bf16 does not fit 80 GB: refused, saying why
+    assert "its FP8 checkpoint (80.4 GB) needs compute capability 8.9+" in info.value.message
+    with pytest.raises(DflashError, match="names no published FP8 checkpoint"):
+        make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(quant="fp8"))
+
+
+@pytest.mark.parametrize(
+    ("facts", "kernels", "formats"),
+    [
+        (RTX_5090, True, ("mxfp4", "fp8")),
+        (RTX_5090, False, ("fp8",)),
+        (H100, True, ("mxfp4", "fp8")),
+        (B200, False, ("fp8",)),
+        (RTX_4090, True, ("mxfp4", "fp8")),
+        (A100_80, True, ("mxfp4",)),
+        (T4, True, ("mxfp4",)),
+        (CPU_64, True, ()),
+        (MAC_36, True, ()),
+    ],
+)
+def test_which_prequantized_formats_run_natively(facts: MachineFacts, kernels: bool, formats: tuple) -> None:
+    kind = facts.kind
+    assert native_formats(kind, dataclasses.replace(facts, mxfp4_kernels=kernels)) == formats
+
+
+def test_gpt_oss_runs_its_mxfp4_weights_where_the_kernels_are_and_bf16_elsewhere() -> None:
+    with_kernels = dataclasses.replace(RTX_5090, mxfp4_kernels=True)
+    plan = make_plan(with_kernels, get_recipe("gpt-oss-20b"))
+    assert (plan.weights, plan.quant, plan.native_formats) == ("mxfp4", "none", ("mxfp4", "fp8"))
+    assert plan.estimated_bytes < 20e9 and "mxfp4 weights" in plan.one_line()
+    assert any("runs the published MXFP4 weights as they are" in reason for reason in plan.reasons)
+    on_h100 = make_plan(H100, get_recipe("gpt-oss-20b"))  # no triton/kernels: dequantized, and it still fits
+    assert on_h100.weights == "bfloat16" and on_h100.estimated_bytes > 41.8e9
+    assert any("transformers dequantizes the published MXFP4 weights" in reason for reason in on_h100.reasons)
+    with pytest.raises(DflashError) as info:
+        make_plan(RTX_5090, get_recipe("gpt-oss-20b"))
+    assert "~45.5 GB in bfloat16" in info.value.message
+    assert "its MXFP4 weights as stored would take 13.8 GB" in info.value.message and "kernels" in info.value.message
+    on_cpu = make_plan(CPU_64, get_recipe("gpt-oss-20b"))  # transformers dequantizes on CPU
+    assert on_cpu.weights == on_cpu.dtype
+    big = make_plan(dataclasses.replace(H100, mxfp4_kernels=True), get_recipe("gpt-oss-120b"))
+    assert big.weights == "mxfp4" and big.estimated_bytes < H100.free_memory
+
+
+def test_nf4_is_refused_for_a_prequantized_checkpoint() -> None:
+    with pytest.raises(DflashError, match="published pre-quantized \\(mxfp4\\)"):
+        make_plan(H100, get_recipe("gpt-oss-20b"), PlanOverrides(quant="nf4"))

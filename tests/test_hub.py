@@ -105,8 +105,15 @@ def test_offline_not_cached_is_one_clear_error(offline: Path) -> None:
     err = info.value
     assert "target Qwen/Qwen3-8B" in err.message and "HF_HUB_OFFLINE=1" in err.message
     assert str(offline / "hub") in err.message
-    assert "dflash pull --target Qwen/Qwen3-8B`" in err.fix and "local model directory" in err.fix
+    assert "dflash pull qwen3-8b`" in err.fix and "local model directory" in err.fix  # the recipe: drafter too
     assert "unset HF_HUB_OFFLINE" in err.fix
+
+
+def test_the_pull_command_names_the_recipe_that_uses_a_repo() -> None:
+    assert hub.pull_command("Qwen/Qwen3-8B") == "dflash pull qwen3-8b"
+    assert hub.pull_command("z-lab/Qwen3-8B-DFlash-b16") == "dflash pull qwen3-8b"  # as a drafter
+    assert hub.pull_command("someone/model") == "dflash pull --target someone/model"
+    assert hub.pull_command("Qwen/Qwen3-8B", "abc") == "dflash pull --target Qwen/Qwen3-8B --revision abc"
 
 
 def test_offline_not_cached_in_a_clean_process_has_no_traceback(tmp_path: Path) -> None:

@@ -119,7 +119,7 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
 @pytest.mark.parametrize(
     ("line", "code", "reason"),
     [
-        (b'{"prompt": "unterminated\n', "invalid_json", "not valid JSON"),
+        (b'{"prompt": "unterminated\n', "invalid_json", "not valid JSON: Unterminated string starting at column 12"),
         (b"\xff\xfe{}\n", "invalid_utf8", "not UTF-8: byte 0xff"),
         (b'{"prompt": "caf\xe9"}\n', "invalid_utf8", "byte 0xe9"),
         (b'{"prompt": "\\ud800"}\n', "invalid_request", "surrogate"),

@@ -18,7 +18,7 @@ from dflash_cli.errors import DflashError
 from dflash_cli.planning import Plan
 from dflash_cli.loading import load_models, load_target, load_tokenizer, read_checkpoint
 from dflash_cli.recipes import ModelRef, Recipe
-from tiny_models import make_hf_cache, make_tiny_qwen3
+from tiny_models import make_hf_cache, make_tiny, make_tiny_qwen3
 
 REPO = "tiny-org/tiny-qwen3"
 
@@ -91,6 +91,45 @@ def test_checkpoint_sizes_come_from_the_safetensors_headers(tiny_qwen3_dir: Path
     assert checkpoint.nbytes("float32") == 4 * checkpoint.num_params
     assert checkpoint.nbytes("bfloat16") == 2 * checkpoint.num_params
     assert checkpoint.nbytes("float32", "nf4") < checkpoint.nbytes("float32") // 2
+
+
+def test_nf4_size_of_a_moe_target_is_what_bitsandbytes_really_leaves(tmp_path: Path) -> None:
+    """transformers fuses MoE experts into 3-D tensors and bitsandbytes quantizes nn.Linear only: the estimate
+    must count the experts at full precision, as the loaded model really holds them."""
+    path = make_tiny("qwen3_moe", tmp_path / "moe", with_tokenizer=False, hidden_size=128, moe_intermediate_size=128)
+    checkpoint = read_checkpoint(path)
+    counts = checkpoint.parameter_counts
+    assert counts is not None and counts.experts > counts.linear  # mostly experts, like the real 30B-A3B
+    model = load_target(path, cpu_plan("float32", "nf4"))
+    expert_types = {type(p).__name__ for n, p in model.named_parameters() if ".experts." in n}
+    assert expert_types == {"Parameter"}  # not Params4bit: left as they were
+    footprint = model.get_memory_footprint()  # packed 4-bit bytes, without the absmax scales
+    estimate = checkpoint.nbytes("float32", "nf4")
+    assert footprint <= estimate <= footprint * 1.05
+    assert checkpoint.nbytes("float32", "nf4") > 0.6 * checkpoint.nbytes("float32")  # NF4 saves little here
+
+
+def test_models_without_sdpa_load_with_eager_attention(tmp_path: Path) -> None:
+    path = make_tiny("gpt_oss", tmp_path / "gpt-oss", with_tokenizer=False)
+    console = Console(file=StringIO(), width=200)
+    model = load_target(path, cpu_plan(), console=console)
+    assert model.config._attn_implementation == "eager"
+    assert "attention eager: GptOssForCausalLM has no SDPA path" in console.file.getvalue()
+    assert loading.attention_implementation(model.config, "eager") == ("eager", None)
+
+
+def test_prequantized_checkpoints_keep_their_stored_size_only_where_native(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "q"
+    shutil.copytree(tiny_qwen3_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (copy / "config.json").write_text(json.dumps(config))
+    checkpoint = read_checkpoint(copy)
+    assert checkpoint.prequantized == "mxfp4"
+    assert checkpoint.nbytes("bfloat16", native=("mxfp4",)) == checkpoint.stored_bytes  # kept as stored
+    assert checkpoint.nbytes("bfloat16") == 2 * checkpoint.num_params  # dequantized on a device without kernels
+    with pytest.raises(DflashError, match="pre-quantized \\(mxfp4\\)"):
+        load_target(copy, cpu_plan("float32", "nf4"))
 
 
 def test_corrupt_config_is_named(model_copy: Path) -> None:

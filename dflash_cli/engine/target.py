@@ -65,11 +65,18 @@ class TargetState(ABC):
 
 
 def target_decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
-    """The decoder layer stack of a transformers causal LM (Qwen3, Llama and their kin)."""
+    """The decoder layer stack of a transformers causal LM: `get_decoder().layers` (Qwen3, Llama and their kin),
+    else the module list holding one module per decoder layer (Llama 4's `get_decoder()` is the model itself)."""
     base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise DflashError(f"cannot find the decoder layers of {type(target).__name__}", fix="use a Qwen3 or Llama target")
+        count = target.config.get_text_config().num_hidden_layers
+        layers = next((m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == count), None)
+    if layers is None:
+        raise DflashError(
+            f"cannot find the decoder layers of {type(target).__name__}",
+            fix="use a transformers causal LM whose decoder keeps its layers in a module list",
+        )
     return layers
 
 
@@ -318,10 +325,13 @@ def acquire_state(target: PreTrainedModel) -> AttentionState:
     """The target's reusable state (its buffers, hooks and compiled steps stay from one request to the next),
     or a fresh one while another generation on the same target is still running. Release with `release_state`."""
     state = _STATES.get(target)
-    if state is None:
-        state = _STATES[target] = AttentionState(target)
-    elif state.busy:
-        state = AttentionState(target)
+    if state is None or state.busy:
+        from dflash_cli.engine.hybrid import HybridState, linear_cache_layers  # hybrid.py builds on this module
+
+        fresh = (HybridState if linear_cache_layers(target) else AttentionState)(target)
+        if state is None:
+            _STATES[target] = fresh
+        state = fresh
     state.busy = True
     return state
 

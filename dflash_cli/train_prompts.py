@@ -1,0 +1,59 @@
+"""`dflash train`'s prompt files. No torch here: the CLI reads them before any model loads, so a bad file is
+refused in a fraction of a second and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_cli.errors import DflashError, json_problem
+
+Conversation = list[dict[str, str]]
+
+
+def load_prompts(path: str | Path) -> list[Conversation]:
+    """Conversations from a .jsonl ({"prompt": str} or {"messages": [...]}) or a .txt (one prompt a line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DflashError(f"prompt file {path} does not exist", fix="pass --prompts FILE (.jsonl or .txt)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DflashError(f"cannot read prompt file {path}: {exc}", fix="give a UTF-8 .txt or .jsonl file") from None
+    conversations: list[Conversation] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            conversations.append([{"role": "user", "content": line.strip()}])
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DflashError(f"{path}:{number}: not valid JSON: {json_problem(exc)}", fix="one JSON object per line") from None
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            conversations.append([{"role": "user", "content": record["prompt"]}])
+        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+            conversations.append(record["messages"])
+        else:
+            raise DflashError(f'{path}:{number}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+    if not conversations:
+        raise DflashError(f"prompt file {path} holds no prompts", fix="one prompt per line (.txt) or per JSON line (.jsonl)")
+    return conversations
+
+
+def split_prompts(prompts: str | Path, eval_file: str | Path | None, eval_prompts: int) -> tuple[list[Conversation], list[Conversation]]:
+    """(training, held-out) conversations: the first `eval_prompts` of `eval_file`, else of `prompts` (then
+    left out of training)."""
+    conversations = load_prompts(prompts)
+    if eval_file:
+        return conversations, load_prompts(eval_file)[:eval_prompts]
+    if not eval_prompts:
+        return conversations, []
+    if len(conversations) <= eval_prompts:
+        count = f"{len(conversations)} prompt{'s' if len(conversations) != 1 else ''}"
+        raise DflashError(
+            f"{prompts} has {count}; the first {eval_prompts} are held out to measure tau, which leaves none to train on",
+            fix="pass more prompts, --eval-prompts 0, or held-out prompts with --eval-file FILE",
+        )
+    return conversations[eval_prompts:], conversations[:eval_prompts]

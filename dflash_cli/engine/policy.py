@@ -14,8 +14,8 @@ The loop asks once per step and reports once per step, after its one host sync:
   machine slows every size alike; the calibrated shape stays).
 - Acceptance: the chance a_j that draft j stands given drafts 1..j-1 stood, per position, as a Beta posterior:
   a prior of strength PRIOR_WEIGHT whose mean is the drafter's pooled history (this process and earlier ones,
-  kept in the same file), updated by this generation's steps with exponential forgetting (code and prose
-  accept differently, within one answer too).
+  kept in the same file; a position it has not seen accepts like the one before), updated by this
+  generation's steps with exponential forgetting (code and prose accept differently, within one answer too).
 - Rule: expected tokens of a step of B = 1 + sum_{k<B} prod_{j<=k} a_j; pick the B of the set (<= limit) that
   maximises expected tokens / cost(B). When that is 1 (drafting does not pay), plain steps run, and each banks
   PROBE_SHARE of its time; a probe (the best drafting size) runs once the bank covers the probe's expected loss
@@ -147,11 +147,6 @@ class StepCosts:
 
     def cost(self, size: int) -> float:
         return (self.draft_s.get(size, 0.0) + self.verify_s[size]) * self.load
-
-    def prior(self, position: int) -> float:
-        """The drafter's pooled acceptance at draft position `position + 1`, as a prior mean."""
-        s, f = self.successes[position], self.failures[position]
-        return (s + PRIOR_WEIGHT * DEFAULT_ACCEPTANCE) / (s + f + PRIOR_WEIGHT)
 
     def observe_time(self, size: int, seconds: float) -> None:
         if size in self.verify_s and seconds > 0:
@@ -304,11 +299,16 @@ class AdaptiveBlock:
         self.steps = 0
 
     def acceptance(self) -> list[float]:
-        """The posterior mean acceptance a_j of each draft position."""
-        return [
-            (PRIOR_WEIGHT * self.costs.prior(j) + self.successes[j]) / (PRIOR_WEIGHT + self.successes[j] + self.failures[j])
-            for j in range(self.max_size - 1)
-        ]
+        """The posterior mean acceptance a_j of each draft position: this generation's counts over a prior from
+        the drafter's history, whose own prior is the position before's estimate (DEFAULT_ACCEPTANCE for the
+        first): a position seldom reached is taken to accept like the one before it."""
+        estimates, base = [], DEFAULT_ACCEPTANCE
+        history = zip(self.costs.successes, self.costs.failures, self.successes, self.failures)
+        for pooled_s, pooled_f, s, f in history:
+            prior = (pooled_s + PRIOR_WEIGHT * base) / (pooled_s + pooled_f + PRIOR_WEIGHT)
+            base = (PRIOR_WEIGHT * prior + s) / (PRIOR_WEIGHT + s + f)
+            estimates.append(base)
+        return estimates
 
     def rates(self, limit: int) -> dict[int, float]:
         """Expected tokens per second of each size <= limit."""

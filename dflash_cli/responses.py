@@ -33,9 +33,11 @@ def dflash_stats(stats: Any) -> dict[str, Any]:
     """The numbers of one generation (an engine GenerationStats) worth keeping next to its text."""
     return {
         "speculative": stats.speculative,
-        "block_size": stats.block_size,
+        "block_size": stats.block_size,  # the largest (adaptive) or the fixed size
+        "adaptive": stats.adaptive,
         "tau": round(stats.tau, 4),
         "acceptance_histogram": {str(k): v for k, v in stats.histogram.items()},
+        "block_size_histogram": {str(k): v for k, v in stats.size_histogram.items()},  # verify steps per block size
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
         "ttft_s": round(stats.ttft_s, 4),
     }

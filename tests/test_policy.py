@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -156,6 +157,24 @@ def test_sampling_is_exact_with_a_switching_schedule():
     assert drafted_accepts > runs // 10, "the accept path must be exercised for this test to mean anything"
     assert _chi2_p_value(counts[0], p2) > 1e-3
     assert _chi2_p_value(counts[1], p3) > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["classic", "dflash2"])
+def test_a_seed_gives_the_same_tokens_whatever_the_block_sizes(fmt):
+    """One uniform per position: a seeded answer does not depend on the schedule, nor on drafting at all."""
+    target = _target(5)
+    drafter = random_drafter(target, seed=3, num_layers=1, block_size=8, fmt=fmt)
+    prompt = [7, 3, 19, 4]
+    params = SamplingParams(max_new_tokens=40, temperature=0.7, top_p=0.95, seed=42)
+    baseline = collect(generate(target, None, prompt, params)).token_ids
+    for schedule in ([8], [1], [2, 1, 4], [1, 1, 8, 4]):
+        assert collect(generate(target, drafter, prompt, params, policy=Schedule(schedule))).token_ids == baseline
+    prompt_plus = prompt + baseline[:20]  # the oracle drafts the sampled answer: long accepts at T > 0
+    oracle = OracleDrafter(target, prompt_plus + baseline[20:], block_size=8)
+    drafted = collect(generate(target, oracle, prompt, params, policy=Schedule([8, 1])))
+    assert drafted.token_ids == baseline and max(drafted.acceptance_lengths) > 1
+    other = dataclasses.replace(params, seed=43)
+    assert collect(generate(target, None, prompt, other)).token_ids != baseline
 
 
 # --- the real policy -------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def _decode(
     started = time.perf_counter()
     # Prefill: the whole prompt once; only the last position's logits are needed.
     logits = state.prefill(prompt)
-    token = sample_tokens(logits, params, request.generator)
+    token = sample_tokens(logits, params, request.generator, request.uniforms_at(state.length, 1))
     first = int(token.item())
     stats.prefill_s = stats.ttft_s = time.perf_counter() - started
     step = request.commit([first], verified=False)
@@ -112,7 +112,8 @@ def _decode(
         elif drafter is not None:
             pending[-1] = pending[-1].clone()
         t_verify = clock.mark()
-        posterior = sample_tokens(state.verify(block_ids)[:size], params, request.generator)
+        logits = state.verify(block_ids)[:size]
+        posterior = sample_tokens(logits, params, request.generator, request.uniforms_at(start + 1, size))  # row i: start+1+i
         # Draft j+1 stands while it equals the target's choice after position j.
         run = accepted_drafts(block_ids[0, 1:size], posterior[:-1]).view(1)
         t_end = clock.mark()

@@ -80,14 +80,24 @@ class Request:
             prompt_tokens=len(self.prompt_ids), block_size=block_size, speculative=speculative, adaptive=adaptive
         )
         self.generator: torch.Generator | None = None
-        if params.seed is not None and params.temperature > 0:
-            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.uniforms: torch.Tensor | None = None  # one per position from the first new token (sampling.sample_tokens)
+        if params.temperature > 0:
+            if params.seed is not None:
+                self.generator = torch.Generator(device=device).manual_seed(params.seed)
+            # up to `end` and a block past it (a compiled step verifies whole blocks at the end)
+            count = self.max_new + block_size
+            self.uniforms = torch.rand(count, generator=self.generator, dtype=torch.float64, device=device)
         self.finish_reason: str | None = None
 
     @property
     def end(self) -> int:
         """One past the last position this request may fill: prompt plus the most new tokens."""
         return len(self.prompt_ids) + self.max_new
+
+    def uniforms_at(self, start: int, n: int) -> torch.Tensor | None:
+        """The sampling uniforms of the n positions from `start` (None at temperature 0)."""
+        first = start - len(self.prompt_ids)
+        return None if self.uniforms is None else self.uniforms[first : first + n]
 
     def block_at(self, start: int) -> int:
         """The largest block to verify at position `start`: the block size, shortened near the end (as the

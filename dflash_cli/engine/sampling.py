@@ -3,6 +3,12 @@
 Lossless: a draft token is accepted only where the target's own choice (its argmax, or its sample at
 temperature > 0) equals it. With a one-hot proposal (the drafter's greedy token) that is exact speculative
 sampling: the committed token at each position is distributed exactly as the target's.
+
+The decode loop samples by inverse CDF with one uniform per position, drawn for the whole request up front: a
+position's token is then a function of its prefix and its own uniform, so a seeded generation gives the same
+tokens whatever the block sizes (fixed, adaptive, or none: the baseline). A rejected row's uniform is used
+again at that position after the rejection; it is still independent of everything committed before it (the
+rejection depended on earlier positions' uniforms only), so sampling stays exact.
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ from dflash_cli.params import SamplingParams
 __all__ = ["SamplingParams", "accepted_drafts", "sample_tokens"]
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `logits` [n, vocab]: argmax at temperature 0, else a draw from the filtered distribution."""
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab]: argmax at temperature 0, else a draw from the filtered distribution
+    (with `uniforms` [n] float64 in [0, 1): row i's token by inverse CDF at uniforms[i]; else from `generator`)."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / params.temperature
@@ -30,7 +39,12 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
         # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p * sorted_probs.sum(-1, keepdim=True)
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if uniforms is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.double().cumsum(dim=-1)
+    # strictly below the total, so the draw lands on a token of nonzero probability
+    at = (uniforms * (1 - 1e-12))[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, at, right=True).squeeze(-1)
 
 
 def accepted_drafts(drafts: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:

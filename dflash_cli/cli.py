@@ -187,7 +187,8 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         int | None,
         typer.Option(
             min=1,
-            help="Tokens per draft block (default: the recipe's, else the drafter config's).",
+            help="Verify N tokens every step (default: adaptive, each step picks the size that decodes fastest here, "
+            "1 = no drafting, up to the recipe's block, else the drafter config's).",
             rich_help_panel=PLANNING,
         ),
     ],

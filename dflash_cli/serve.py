@@ -398,7 +398,8 @@ def run_server(
         uvicorn_server = _Uvicorn(config, on_exit=worker.stop)
         worker.start()
         url = url_of(sock)
-        mode = f"DFlash block {session.block_size}" if speculative else "baseline (no drafter)"
+        adaptive = "adaptive up to " if session.plan.adaptive_block else ""
+        mode = f"DFlash block {adaptive}{session.block_size}" if speculative else "baseline (no drafter)"
         console.print(f"dflash serve: {escape(server.model)} ({mode}) at {url}/v1", soft_wrap=True)
         console.print(
             f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, /v1/models; /health, /metrics · "

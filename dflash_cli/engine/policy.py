@@ -296,7 +296,6 @@ class AdaptiveBlock:
         self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost
         self.probing = False  # the size last chosen is a probe (drafting did not pay)
         self.plain_run = 0  # plain steps since the drafter last ran (its context waits for it)
-        self.steps = 0
 
     def acceptance(self) -> list[float]:
         """The posterior mean acceptance a_j of each draft position: this generation's counts over a prior from
@@ -333,7 +332,6 @@ class AdaptiveBlock:
         return probe if self.probing else 1
 
     def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
-        self.steps += 1
         rows = [accepted] if isinstance(accepted, int) else list(accepted)
         if size == 1:
             self.plain_run += 1
@@ -363,7 +361,7 @@ class AdaptiveBlock:
 
     def prepare(self, state: TargetState, drafter: DFlashDrafter | None, prompt: torch.Tensor) -> None:
         """Calibrate the step costs if nothing here has measured them yet (once per machine and model pair)."""
-        if self.costs.calibrated or drafter is None:
+        if self.costs.calibrated or drafter is None or self.max_size == 1:  # (a block of 1 never drafts)
             return
         import contextlib
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from dflash_cli.threads import ThreadPlan, apply_threads  # isort: skip
 
 from dflash_cli.engine import SamplingParams, Step, generate
+from dflash_cli.engine.policy import adaptive_policy
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.hardware import detect_machine
 from dflash_cli.loading import LoadedModels, load_models
@@ -174,13 +175,17 @@ class Session:
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, speculative: bool = True, block_size: int | None = None
     ) -> Iterator[Step]:
-        """Decode with the drafter (speculative) or without it (baseline): the same loop either way."""
+        """Decode with the drafter (speculative) or without it (baseline): the same loop either way. The block
+        size: `block_size` for every step when given, else the plan's (adaptive up to it, unless --block-size)."""
         if speculative:
             self.ensure_drafter()
         drafter = self.drafter if speculative else None
+        policy = None
+        if drafter is not None and block_size is None and self.plan.adaptive_block:  # `block_size`: fixed by the caller
+            policy = adaptive_policy(self.target, drafter, self.block_size, compile=self.compile, notify=self._compile_status)
         return generate(
             self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer,
-            compile=self.compile, notify=self._compile_status,
+            compile=self.compile, notify=self._compile_status, policy=policy,
         )  # fmt: skip
 
     def _compile_status(self, message: str) -> ContextManager[Any]:

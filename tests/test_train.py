@@ -212,7 +212,7 @@ def test_train_ends_with_the_command_that_uses_the_drafter(tiny_recipe: str, pro
     use = f"dflash chat tiny --drafter {out / 'drafter'}"
     assert f"Use it: {use}" in result.stdout
     chat = CliRunner().invoke(app, [*use.split()[1:], "--prompt", "Hi", "--max-tokens", "3", "--stats"])
-    assert chat.exit_code == 0 and "(DFlash block 4)" in chat.stderr  # the printed command works as printed
+    assert chat.exit_code == 0 and "(DFlash adaptive block ≤4: now " in chat.stderr  # the printed command works as printed
 
 
 def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:

@@ -40,8 +40,8 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.params import FIELDS, sampling_settings
-from dflash_cli.requests import Request, read_jsonl
+from dflash_cli.params import sampling_settings
+from dflash_cli.requests import Request, read_prompt_file
 
 if TYPE_CHECKING:
     import torch
@@ -61,10 +61,6 @@ QUICK_MAX_TOKENS, FULL_MAX_TOKENS = 128, 512
 QUICK_REPEAT, FULL_REPEAT = 1, 3
 QUICK_BUDGET_S = 60.0  # warm-up and timed generations together
 SHORTER_MAX_TOKENS = (64, 32)
-PROMPT_FILE_FIX = (
-    'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} '
-    'or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed), each optionally with an "id"'
-)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,30 +81,8 @@ def load_prompt_set(name: str) -> list[Request]:
 
 
 def load_prompt_file(path: str | os.PathLike[str]) -> list[Request]:
-    """Prompts from a JSONL file, read like `dflash run` reads its lines (requests.read_jsonl); a line without an
-    id is FILE-N. Every prompt runs with the same settings (the flags), so a line may not set its own."""
-    path = Path(path)
-    if not path.exists():
-        raise DflashError(f"prompt file {path} does not exist", fix="check the path given to --prompts")
-    parsed = read_jsonl(path, lambda number, raw: f"{path.stem}-{number}")
-    if parsed.errors:
-        error = parsed.errors[0]
-        more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
-        raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=PROMPT_FILE_FIX)
-    for prompt in parsed.requests:
-        if prompt.sampling or prompt.endpoint is not None:
-            what = ", ".join(key for key in sampling_keys(prompt)) or "an OpenAI batch line"
-            raise DflashError(
-                f"{path}:{prompt.line}: sets {what}, but bench runs every prompt with the same settings",
-                fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",
-            )
-    if not parsed.requests:
-        raise DflashError(f"prompt file {path} holds no prompts", fix=PROMPT_FILE_FIX)
-    return parsed.requests
-
-
-def sampling_keys(request: Request) -> list[str]:
-    return [field.key for field in FIELDS if field.attr in request.sampling]
+    """Prompts from a JSONL file, read like `dflash run` reads its lines (requests.read_prompt_file)."""
+    return read_prompt_file(path, "bench")
 
 
 def encode_prompt(session: Session, prompt: Request) -> list[int]:

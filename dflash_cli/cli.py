@@ -519,7 +519,7 @@ def train(
             "--prompts",
             metavar="FILE",
             callback=_existing_file,
-            help='Prompts: .txt (one a line) or .jsonl ({"prompt": ...} or {"messages": [...]}).',
+            help='Prompts: .txt (one a line) or .jsonl read like `dflash run`: {"prompt": ...} (a user turn) or {"messages": [...]}; optional "id".',
         ),
     ],
     output: Annotated[

@@ -100,7 +100,7 @@ def test_prompt_file_takes_text_conversations_and_token_ids(tmp_path: Path) -> N
         ('{"messages": [{"role": "user"}]}\n', "messages[0].content must be a string"),
         ('{"id": [1], "prompt": "a"}\n', 'id must be a string, got [1]'),
         ('{"id": "x", "prompt": "a"}\n{"id": "x", "prompt": "b"}\n', ':2: id "x" is already used on line 1'),
-        ('{"prompt": "a", "temperature": 0.5}\n', ":1: sets temperature, but bench runs every prompt with the same"),
+        ('{"prompt": "a", "temperature": 0.5}\n', ":1: sets temperature, but `dflash bench` runs every prompt with the same"),
         ('{"prompt": "a", "max_tokens": 0}\n', ":1: max_tokens must be >= 1"),
         ("\n\n", "holds no prompts"),
     ],

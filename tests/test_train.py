@@ -240,3 +240,19 @@ def test_json_errors_never_read_at_at(tmp_path: Path) -> None:
     bad.write_text('{"prompt": "unterminated}\n')
     with pytest.raises(DflashError, match=r"bad.jsonl:1: not valid JSON: Unterminated string starting at column 12"):
         load_prompts(bad)
+
+
+def test_train_reads_prompt_files_like_run_and_bench(tmp_path: Path) -> None:
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "hi", "id": "a"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
+    assert load_prompts(good) == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
+    for content, message in [
+        ('{"prompt_ids": [1, 2]}\n', "p.jsonl:1: prompt_ids"),
+        ('{"prompt": "a", "temperature": 0.5}\n', "sets temperature, but `dflash train`"),
+        ('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n', 'p.jsonl:2: id "x" is already used'),
+        ('{"text": "a"}\n', 'p.jsonl:1: a line needs exactly one of "prompt"'),
+    ]:
+        good.write_text(content)
+        with pytest.raises(DflashError) as raised:
+            load_prompts(good)
+        assert message in raised.value.message

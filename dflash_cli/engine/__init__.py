@@ -6,7 +6,7 @@ models and their context cache), `compiled` (the compiled step functions), `samp
 the acceptance rule), `text` (streamed detokenization), `stats` (counts and clocks).
 """
 
-from dflash_cli.engine.loop import collect, generate, speculative_generate
+from dflash_cli.engine.loop import Batch, Row, collect, generate, speculative_generate
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import GenerationStats, PhaseClock
@@ -15,10 +15,12 @@ from dflash_cli.engine.text import TextStream
 
 __all__ = [
     "AttentionState",
+    "Batch",
     "GenerationResult",
     "GenerationStats",
     "PhaseClock",
     "Request",
+    "Row",
     "SamplingParams",
     "Step",
     "TargetState",

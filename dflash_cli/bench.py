@@ -4,8 +4,9 @@ The method (docs/benchmarks.md has it with results):
 
 - The baseline is the same decode loop with a block of 1 and no drafter: same recipe, plan, prompts, sampling
   and max tokens, so the comparison is like for like.
-- One untimed warm-up generation per mode, then `repeat` rounds; each round runs every mode over every prompt,
-  so load that drifts during the run (other processes, clocks, thermals) hits all modes alike.
+- One untimed warm-up generation per mode, then `repeat` rounds; each round runs every prompt in every mode,
+  the modes back to back on each prompt, so load that drifts during the run (other processes, clocks,
+  thermals) hits all modes alike.
 - Times are the engine's clocks, read only after the device has finished (CUDA is synchronised).
 - speedup = baseline time per output token / DFlash time per output token, in the decode phase (tokens after
   the first; TTFT is reported apart), over all prompts and rounds.
@@ -26,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -38,8 +40,8 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.params import FIELDS, sampling_settings
-from dflash_cli.requests import Request, read_jsonl
+from dflash_cli.params import sampling_settings
+from dflash_cli.requests import Request, read_prompt_file
 
 if TYPE_CHECKING:
     import torch
@@ -59,10 +61,6 @@ QUICK_MAX_TOKENS, FULL_MAX_TOKENS = 128, 512
 QUICK_REPEAT, FULL_REPEAT = 1, 3
 QUICK_BUDGET_S = 60.0  # warm-up and timed generations together
 SHORTER_MAX_TOKENS = (64, 32)
-PROMPT_FILE_FIX = (
-    'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} '
-    'or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed), each optionally with an "id"'
-)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,30 +81,8 @@ def load_prompt_set(name: str) -> list[Request]:
 
 
 def load_prompt_file(path: str | os.PathLike[str]) -> list[Request]:
-    """Prompts from a JSONL file, read like `dflash run` reads its lines (requests.read_jsonl); a line without an
-    id is FILE-N. Every prompt runs with the same settings (the flags), so a line may not set its own."""
-    path = Path(path)
-    if not path.exists():
-        raise DflashError(f"prompt file {path} does not exist", fix="check the path given to --prompts")
-    parsed = read_jsonl(path, lambda number, raw: f"{path.stem}-{number}")
-    if parsed.errors:
-        error = parsed.errors[0]
-        more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
-        raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=PROMPT_FILE_FIX)
-    for prompt in parsed.requests:
-        if prompt.sampling or prompt.endpoint is not None:
-            what = ", ".join(key for key in sampling_keys(prompt)) or "an OpenAI batch line"
-            raise DflashError(
-                f"{path}:{prompt.line}: sets {what}, but bench runs every prompt with the same settings",
-                fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",
-            )
-    if not parsed.requests:
-        raise DflashError(f"prompt file {path} holds no prompts", fix=PROMPT_FILE_FIX)
-    return parsed.requests
-
-
-def sampling_keys(request: Request) -> list[str]:
-    return [field.key for field in FIELDS if field.attr in request.sampling]
+    """Prompts from a JSONL file, read like `dflash run` reads its lines (requests.read_prompt_file)."""
+    return read_prompt_file(path, "bench")
 
 
 def encode_prompt(session: Session, prompt: Request) -> list[int]:
@@ -128,14 +104,18 @@ def encode_prompt(session: Session, prompt: Request) -> list[int]:
 
 @dataclass(frozen=True)
 class Mode:
-    """How a prompt is decoded: the baseline (block of 1, no drafter) or DFlash with a block size."""
+    """How a prompt is decoded: the baseline (block of 1, no drafter) or DFlash with a block size, fixed or
+    adaptive (each step's size chosen by the engine's policy, up to `block_size`)."""
 
     speculative: bool
     block_size: int
+    adaptive: bool = False
 
     @property
     def label(self) -> str:
-        return f"dflash b{self.block_size}" if self.speculative else "baseline"
+        if not self.speculative:
+            return "baseline"
+        return f"dflash auto≤{self.block_size}" if self.adaptive else f"dflash b{self.block_size}"
 
 
 BASELINE = Mode(speculative=False, block_size=1)
@@ -153,6 +133,7 @@ class Run:
     verify_s: float
     total_s: float  # wall clock around the whole generation, device synchronised
     acceptance_lengths: list[int]
+    block_sizes: list[int] = dataclasses.field(default_factory=list)  # each verify step's block size
 
     @property
     def decode_tokens(self) -> int:
@@ -211,14 +192,14 @@ def measure(session: Session, prompt_ids: Sequence[int], params: SamplingParams,
     device = _device(session)
     _synchronize(device)
     started = time.perf_counter()
-    block_size = mode.block_size if mode.speculative else None
+    block_size = mode.block_size if mode.speculative and not mode.adaptive else None
     result = collect(session.stream(prompt_ids, params, speculative=mode.speculative, block_size=block_size))
     _synchronize(device)
     total = time.perf_counter() - started
     s = result.stats
     return Run(
         result.token_ids, result.finish_reason, s.ttft_s, s.decode_s, s.draft_s, s.verify_s, total,
-        list(s.acceptance_lengths),
+        list(s.acceptance_lengths), list(s.block_sizes),
     )  # fmt: skip
 
 
@@ -265,23 +246,6 @@ def _histogram(lengths: Sequence[int], block_size: int) -> list[int]:
     return counts
 
 
-def run_mode(
-    session: Session,
-    prompts: Sequence[tuple[str, list[int]]],
-    params: SamplingParams,
-    mode: Mode,
-    *,
-    on_run: Callable[[Mode, str], None] | None = None,
-) -> list[Row]:
-    """One timed generation per prompt in `mode`; `prompts` are (id, token ids) pairs."""
-    rows = []
-    for prompt_id, ids in prompts:
-        if on_run is not None:
-            on_run(mode, prompt_id)
-        rows.append(Row(prompt_id, mode, len(ids), [measure(session, ids, params, mode)]))
-    return rows
-
-
 def warm_up(
     session: Session,
     prompt_ids: Sequence[int],
@@ -310,26 +274,25 @@ def run_bench(
     on_run: Callable[[Mode, str], None] | None = None,
     warm: bool = False,
 ) -> tuple[list[Row], dict[Mode, int | None]]:
-    """Warm up each mode (unless `warm`: done already), then `repeat` rounds of every mode over every prompt.
+    """Warm up each mode (unless `warm`: done already), then `repeat` rounds; a round runs every prompt in every
+    mode, the modes one after the other on each prompt (so a change of load hits them alike).
 
     Returns the rows (mode-major, in prompt order; each with `repeat` runs) and each mode's peak memory.
     """
     device = _device(session)
     if not warm:
         warm_up(session, prompts[0][1], params, modes, on_run=on_run)
-    rows: dict[tuple[Mode, str], Row] = {}
+    rows: dict[tuple[Mode, str], Row] = {(mode, prompt_id): Row(prompt_id, mode, len(ids), []) for mode in modes for prompt_id, ids in prompts}
     peaks: dict[Mode, int | None] = {}
     for _ in range(repeat):
-        for mode in modes:
-            reset_peak_memory(device)
-            for row in run_mode(session, prompts, params, mode, on_run=on_run):
-                key = (mode, row.prompt_id)
-                if key in rows:
-                    rows[key].runs.extend(row.runs)
-                else:
-                    rows[key] = row
-            peak = peak_memory(device)
-            peaks[mode] = None if peak is None else max(peak, peaks.get(mode) or 0)
+        for prompt_id, ids in prompts:
+            for mode in modes:
+                if on_run is not None:
+                    on_run(mode, prompt_id)
+                reset_peak_memory(device)
+                rows[mode, prompt_id].runs.append(measure(session, ids, params, mode))
+                peak = peak_memory(device)
+                peaks[mode] = None if peak is None else max(peak, peaks.get(mode) or 0)
     return list(rows.values()), peaks
 
 
@@ -387,6 +350,7 @@ class ModeSummary:
     histogram: list[int]  # verify steps committing 1..block_size tokens, over all prompts and rounds
     identical_prompts: int | None  # prompts whose output equals the baseline's (None: not compared)
     peak_memory_bytes: int | None
+    size_histogram: dict[int, int] = dataclasses.field(default_factory=dict)  # verify steps per block size
     # gpt-fast's "bandwidth achieved": bytes a plain step reads (at the mode's mean context) per output token,
     # times output tokens per second (for DFlash an effective figure, above the floor when drafts pay), and that
     # over the read bandwidth measured in the same run (the floor)
@@ -407,6 +371,8 @@ class ModeSummary:
             "tau": self.tau,
             "tokens_per_step": self.tokens_per_step,
             "histogram": self.histogram,
+            "adaptive": self.mode.adaptive,
+            "size_histogram": {str(size): count for size, count in self.size_histogram.items()},
             "identical_prompts": self.identical_prompts,
             "peak_memory_bytes": self.peak_memory_bytes,
             "bandwidth_gb_s": self.bandwidth_gb_s,
@@ -464,7 +430,10 @@ def summarize(rows: Sequence[Row], peaks: dict[Mode, int | None]) -> list[ModeSu
                 histogram=_histogram(steps, mode.block_size) if mode.speculative else [],
                 identical_prompts=sum(bool(row.identical) for row in compared) if compared else None,
                 peak_memory_bytes=peaks.get(mode),
-            )
+                size_histogram=dict(sorted(Counter(
+                    size for row in mode_rows for run in row.runs for size in run.block_sizes
+                ).items())) if mode.speculative else {},
+            )  # fmt: skip
         )
     baseline = next((s for s in summaries if s.mode == BASELINE), None)
     for summary in summaries:
@@ -573,6 +542,7 @@ def _row_dict(row: Row) -> dict[str, Any]:
         "tau": row.tau,
         "histogram": row.histogram if row.mode.speculative else [],
         "acceptance_lengths": row.runs[0].acceptance_lengths,
+        "block_sizes": row.runs[0].block_sizes,
         "identical": row.identical,
         "first_mismatch": row.first_mismatch,
         "token_ids": row.token_ids,
@@ -606,7 +576,8 @@ def load_prompts(settings: BenchSettings) -> list[Request]:
 
 
 def plan_modes(session: Session, options: RunOptions, settings: BenchSettings) -> list[Mode]:
-    """Baseline (with --before-after, or when there is no drafter) and DFlash at each block size."""
+    """Baseline (with --before-after, or when there is no drafter) and DFlash: adaptive (the default, unless
+    --block-size fixes the size), then each size of a --block-sizes sweep."""
     if options.block_size is not None and settings.block_sizes:
         raise DflashError(
             "give --block-size or --block-sizes, not both", fix="--block-sizes 4,8,16 sweeps; --block-size 8 runs one"
@@ -619,8 +590,9 @@ def plan_modes(session: Session, options: RunOptions, settings: BenchSettings) -
                 fix="drop --no-spec, or pass --drafter DIR (a DFlash drafter for this target)",
             )
         return [BASELINE]
-    sizes = settings.block_sizes or (session.block_size,)
-    return ([BASELINE] if settings.before_after else []) + [Mode(True, size) for size in sizes]
+    adaptive = [Mode(True, session.block_size, adaptive=True)] if session.plan.adaptive_block else []
+    sizes = settings.block_sizes or (() if adaptive else (session.block_size,))
+    return ([BASELINE] if settings.before_after else []) + adaptive + [Mode(True, size) for size in sizes]
 
 
 def require_matplotlib() -> None:
@@ -994,6 +966,11 @@ def render_chart(report: BenchReport, width: int = 30) -> Group:
         for length, count in enumerate(summary.histogram, 1):
             share = count / steps if steps else 0.0
             parts.append(Text(f"  {length:>3} {bar(share, 1.0, width):<{width}} {share:6.1%}"))
+        if summary.mode.adaptive and summary.size_histogram:
+            parts.append(Text(f"block sizes chosen, {summary.mode.label} (share of verify steps; 1 = no drafting)", style="bold"))
+            for size, count in summary.size_histogram.items():
+                share = count / steps if steps else 0.0
+                parts.append(Text(f"  {size:>3} {bar(share, 1.0, width):<{width}} {share:6.1%}"))
     speeds = [row for row in report.rows if row.speedup is not None]
     if speeds:
         scale = max(row.speedup or 0.0 for row in speeds)

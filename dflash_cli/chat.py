@@ -39,7 +39,7 @@ COMMANDS = {  # name -> (arguments, what it does); the order of /help
     "/help": ("", "this help (also /?)"),
     "/bye": ("", "leave (also /exit, /quit, Ctrl+D)"),
     "/clear": ("", "forget the conversation, keep the system prompt"),
-    "/set": ("KEY VALUE", "temperature, top_p, top_k, min_p, max_tokens, seed, block_size, or system TEXT"),
+    "/set": ("KEY VALUE", "temperature, top_p, top_k, min_p, max_tokens, seed, block_size (N or auto), or system TEXT"),
     "/stats": ("", "toggle a footer after each reply: tokens, tok/s, TTFT, tau"),
     "/spec": ("on|off", "decode with the DFlash drafter (on) or the target alone (off)"),
     "/save": ("FILE", "write the conversation as JSON"),
@@ -126,7 +126,13 @@ def reply(session: Session, state: ChatState, text: str, output: Callable[[str],
 
 
 def stats_line(stats: GenerationStats) -> str:
-    mode = f"DFlash block {stats.block_size}" if stats.speculative else "baseline, no drafter"
+    if not stats.speculative:
+        mode = "baseline, no drafter"
+    elif stats.adaptive:  # the block size now, then how many steps ran at each size
+        sizes = " ".join(f"{size}×{count}" for size, count in stats.size_histogram.items())
+        mode = f"DFlash adaptive block ≤{stats.block_size}: now {stats.current_block_size}, steps by size {sizes}"
+    else:
+        mode = f"DFlash block {stats.block_size}"
     return (
         f"{stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
         f"TTFT {stats.ttft_s:.2f} s, tau {stats.tau:.2f} ({mode})"
@@ -166,10 +172,13 @@ def _set(session: Session, state: ChatState, arg: str) -> str:
     if not value:
         raise DflashError(f"/set {key} needs a value")
     if key == "block_size":
+        if value.lower() == "auto":
+            state.block_size = None
+            return "block_size = auto (the plan's: " + _decoding(session, state) + ")"
         if not value.isdigit() or int(value) < 1:
             raise DflashError(
-                f"block_size must be a whole number >= 1, got {value!r}",
-                fix="use the drafter's trained block size (/show) or less",
+                f"block_size must be a whole number >= 1 or auto, got {value!r}",
+                fix="use the drafter's trained block size (/show) or less, or auto",
             )
         state.block_size = int(value)
     else:
@@ -248,10 +257,18 @@ def _load(session: Session, state: ChatState, arg: str) -> str:
     return f"Loaded {len(state.messages)} messages from {path}" + (" (with a system prompt)." if state.system else ".")
 
 
+def _decoding(session: Session, state: ChatState) -> str:
+    if not state.speculative:
+        return "baseline"
+    if state.block_size is None and session.plan.adaptive_block:
+        return f"DFlash, block adaptive up to {session.block_size}"
+    return f"DFlash, block {state.block_size or session.block_size}"
+
+
 def _show(session: Session, state: ChatState, arg: str) -> str:
     recipe, params = session.recipe, state.params
     drafter = f"+ {recipe.drafter.id}" if recipe.drafter else "(no drafter)"
-    decoding = f"DFlash, block {state.block_size or session.block_size}" if state.speculative else "baseline"
+    decoding = _decoding(session, state)
     return "\n".join([
         f"recipe    {recipe.name}: {recipe.target.id} {drafter}",
         f"plan      {session.plan_line()}",

@@ -441,7 +441,7 @@ def bench(
     prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", callback=_existing_file, help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
     full: Annotated[bool, typer.Option("--full", help="The full sweep: every prompt of the sets, up to 512 tokens, 3 rounds (minutes on a GPU, an hour or more on a CPU).", rich_help_panel=BENCH)] = False,
     repeat: Annotated[int | None, typer.Option(min=1, show_default=False, help="Timed rounds of every prompt in every mode, after one untimed warm-up per mode (default: 1; 3 with --full).", rich_help_panel=BENCH)] = None,
-    block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep block sizes: one DFlash run per size, with tau and speedup each.", rich_help_panel=BENCH)] = None,
+    block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep fixed block sizes: one DFlash run per size, with tau and speedup each, next to the adaptive default (unless --block-size fixes it).", rich_help_panel=BENCH)] = None,
     limit: Annotated[int | None, typer.Option(min=1, metavar="N", help="Use only the first N prompts (a quick look).", rich_help_panel=BENCH)] = None,
     output: Annotated[str | None, typer.Option("--output", metavar="FILE.json", help="Also save the JSON report (per-prompt rows, machine, plan, recipe, command).", rich_help_panel=BENCH)] = None,
     png: Annotated[str | None, typer.Option("--png", metavar="FILE.png", help="Also save the charts as a PNG (needs matplotlib).", rich_help_panel=BENCH)] = None,
@@ -531,7 +531,7 @@ def train(
             "--prompts",
             metavar="FILE",
             callback=_existing_file,
-            help='Prompts: .txt (one a line) or .jsonl ({"prompt": ...} or {"messages": [...]}).',
+            help='Prompts: .txt (one a line) or .jsonl read like `dflash run`: {"prompt": ...} (a user turn) or {"messages": [...]}; optional "id".',
         ),
     ],
     output: Annotated[

@@ -156,7 +156,8 @@ def weight_bandwidth(device: str, dtype: str) -> float:
     """Bytes per second a matrix-vector product reads weights in `dtype` on `device`: the bound on decoding,
     which reads every weight once per generated token. Measured, not looked up: it folds in what a spec sheet
     does not say (other processes' load, a bf16 product emulated on a CPU without bf16 instructions). Best of
-    three products over a 256 MiB matrix (1 GiB on a GPU), past any cache; a fraction of a second."""
+    three products over a 256 MiB matrix (1 GiB on a GPU), past any cache; a fraction of a second. (The bench's
+    floor, `roofline.read_bandwidth`, sums the loaded model's weights instead: memory alone, not the kernel.)"""
     import time
 
     import torch

@@ -63,6 +63,7 @@ class Plan:
     # Pre-quantized checkpoint formats this device runs as stored ("mxfp4", "fp8"); others are dequantized on load.
     native_formats: tuple[str, ...] = ()
     weights: str = ""  # what the target's weights are in memory: the dtype, "nf4", "fp8" or "mxfp4"
+    adaptive_block: bool = False  # each step picks its block size up to `block_size` (engine.policy); else fixed
     batch_size: int = 1  # rows `run` and `serve` decode together: the KV cache of that many fits beside the weights
 
     def __post_init__(self) -> None:
@@ -80,7 +81,10 @@ class Plan:
         fills in a block size the plan leaves to the drafter."""
         device = self.device if self.device.partition(":")[0] == self.gpu_class else f"{self.device} ({self.gpu_class})"
         weights = f"{self.weights} weights, " if self.weights != self.dtype else ""
-        block = self.block_size or drafter_block_size or "from drafter"
+        block: Any = self.block_size or drafter_block_size
+        if self.adaptive_block:
+            block = f"≤{block} adaptive" if block else "adaptive up to the drafter's"
+        block = block or "from drafter"
         size = f", ~{gb(self.estimated_bytes)}" if self.estimated_bytes is not None else ""
         return f"{device} {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
 
@@ -330,8 +334,8 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     reasons += [f"warning: {note}" for note in notes]
     return Plan(
         device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), tuple(notes), native, weights,
-        batch_size,
-    )
+        adaptive_block=overrides.block_size is None, batch_size=batch_size,
+    )  # fmt: skip
 
 
 def _choose_batch_size(
@@ -374,12 +378,13 @@ def _choose_block_size(
     recipe: Recipe, overrides: PlanOverrides, tuned: dict[str, Any], cls: GpuClass
 ) -> tuple[int | None, str]:
     if overrides.block_size is not None:
-        return overrides.block_size, f"block size {overrides.block_size}: --block-size"
+        return overrides.block_size, f"block size {overrides.block_size}: --block-size (every step)"
+    adapts = "; each step picks the size (1 = no drafting) that decodes fastest here, up to it (--block-size N fixes it)"
     if "block_size" in tuned:
-        return tuned["block_size"], f"block size {tuned['block_size']}: the recipe's override for {cls.key}"
+        return tuned["block_size"], f"block size {tuned['block_size']}: the recipe's override for {cls.key}{adapts}"
     if recipe.block_size is not None:
-        return recipe.block_size, f"block size {recipe.block_size}: the recipe (what the drafter was trained with)"
-    return None, "block size: read from the drafter's config"
+        return recipe.block_size, f"block size {recipe.block_size}: the recipe (what the drafter was trained with){adapts}"
+    return None, f"block size: read from the drafter's config{adapts}"
 
 
 def _does_not_fit(

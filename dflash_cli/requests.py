@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError, RequestError, json_problem
-from dflash_cli.params import read_sampling
+from dflash_cli.params import FIELDS, read_sampling
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
@@ -344,3 +344,33 @@ def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFi
         raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
     return RequestFile(path, requests, errors)
 
+
+
+PROMPT_FILE_FIX = (
+    'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} '
+    'or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed), each optionally with an "id"'
+)
+
+
+def read_prompt_file(path: str | Path, command: str) -> list[Request]:
+    """A prompt set for a command that runs every prompt with its own flags (`bench --prompts`, `train`): the lines
+    `dflash run` reads, a line without an id named FILE-N; a bad line, or one that sets its own sampling, is an
+    error naming the line, since one result over the whole set is the point."""
+    path = Path(path)
+    if not path.exists():
+        raise DflashError(f"prompt file {path} does not exist", fix=f"check the path given to `dflash {command}`")
+    parsed = read_jsonl(path, lambda number, raw: f"{path.stem}-{number}")
+    if parsed.errors:
+        error = parsed.errors[0]
+        more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
+        raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=PROMPT_FILE_FIX)
+    for prompt in parsed.requests:
+        if prompt.sampling or prompt.endpoint is not None:
+            what = ", ".join(field.key for field in FIELDS if field.attr in prompt.sampling) or "an OpenAI batch line"
+            raise DflashError(
+                f"{path}:{prompt.line}: sets {what}, but `dflash {command}` runs every prompt with the same settings",
+                fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",
+            )
+    if not parsed.requests:
+        raise DflashError(f"prompt file {path} holds no prompts", fix=PROMPT_FILE_FIX)
+    return parsed.requests

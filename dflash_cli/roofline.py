@@ -49,6 +49,8 @@ def read_bandwidth(target: Any, repeats: int = 3, clock: Callable[[], float] = t
     Reading the step's own bytes, in the same process and threads as the steps, makes the floor a measurement
     of this run, not a datasheet figure. (Weights smaller than the last-level cache give a cache bandwidth.)
     `clock=time.process_time` times CPU time instead of wall time (with one thread: the time it really ran).
+    A sum is the fastest way to read memory, so this is the physical floor; `hardware.weight_bandwidth` (doctor,
+    before any model is loaded) times a matrix-vector product instead, to see what decoding in a dtype reaches.
     """
     tensors = [p for p in {id(p): p for p in target.parameters()}.values() if p.numel() * p.element_size() >= 1 << 20]
     if not tensors:

@@ -16,6 +16,7 @@ from rich.console import Console
 from dflash_cli.threads import ThreadPlan, apply_threads  # isort: skip
 
 from dflash_cli.engine import Batch, SamplingParams, Step, generate
+from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target import batch_limit
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.hardware import detect_machine
@@ -196,23 +197,33 @@ class Session:
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, speculative: bool = True, block_size: int | None = None
     ) -> Iterator[Step]:
-        """Decode with the drafter (speculative) or without it (baseline): the same loop either way."""
+        """Decode with the drafter (speculative) or without it (baseline): the same loop either way. The block
+        size: `block_size` for every step when given, else the plan's (adaptive up to it, unless --block-size)."""
         if speculative:
             self.ensure_drafter()
         drafter = self.drafter if speculative else None
+        policy = self._policy(drafter, block_size, self.compile)
         return generate(
             self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer,
-            compile=self.compile, notify=self._compile_status,
+            compile=self.compile, notify=self._compile_status, policy=policy,
         )  # fmt: skip
 
     def batch(self, *, speculative: bool = True) -> Batch:
-        """A batch of `batch_size` rows for frontends that decode several requests at once (run, serve)."""
+        """A batch of `batch_size` rows for frontends that decode several requests at once (run, serve): one block
+        size per step for all rows (the adaptive policy pools their acceptance)."""
         if speculative:
             self.ensure_drafter()
+        drafter = self.drafter if speculative else None
         return Batch(
-            self.target, self.drafter if speculative else None, rows=self.batch_size, block_size=self.block_size,
-            tokenizer=self.tokenizer, compile=self.compiled, notify=self._compile_status,
+            self.target, drafter, rows=self.batch_size, block_size=self.block_size, tokenizer=self.tokenizer,
+            compile=self.compiled, notify=self._compile_status, policy=self._policy(drafter, None, self.compiled),
         )  # fmt: skip
+
+    def _policy(self, drafter: Any, block_size: int | None, compile: bool) -> BlockPolicy | None:
+        """The adaptive block policy, unless the plan or the caller (`block_size`) fixes the block."""
+        if drafter is None or block_size is not None or not self.plan.adaptive_block:
+            return None
+        return adaptive_policy(self.target, drafter, self.block_size, compile=compile, notify=self._compile_status)
 
     def _compile_status(self, message: str) -> ContextManager[Any]:
         """A progress line while a step compiles (nothing to show without a console)."""

@@ -3,40 +3,35 @@ refused in a fraction of a second and leaves nothing behind."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from dflash_cli.errors import DflashError, json_problem
+from dflash_cli.errors import DflashError
+from dflash_cli.requests import read_prompt_file
 
 Conversation = list[dict[str, str]]
 
 
 def load_prompts(path: str | Path) -> list[Conversation]:
-    """Conversations from a .jsonl ({"prompt": str} or {"messages": [...]}) or a .txt (one prompt a line)."""
+    """Conversations to distil answers for: a .txt (one user prompt a line) or a .jsonl read like `dflash run`'s
+    lines (`requests.read_prompt_file`), where a `prompt` is a user turn, as in `dflash bench --prompts`."""
     path = Path(path)
+    if path.suffix == ".jsonl":
+        conversations = []
+        for request in read_prompt_file(path, "train"):
+            if request.prompt_ids is not None:
+                raise DflashError(
+                    f"{path}:{request.line}: prompt_ids: training renders text through the chat template",
+                    fix='give the prompt as text: {"prompt": "..."} or {"messages": [...]}',
+                )
+            conversations.append(list(request.messages or [{"role": "user", "content": request.prompt or ""}]))
+        return conversations
     if not path.is_file():
         raise DflashError(f"prompt file {path} does not exist", fix="pass --prompts FILE (.jsonl or .txt)")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise DflashError(f"cannot read prompt file {path}: {exc}", fix="give a UTF-8 .txt or .jsonl file") from None
-    conversations: list[Conversation] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if path.suffix != ".jsonl":
-            conversations.append([{"role": "user", "content": line.strip()}])
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DflashError(f"{path}:{number}: not valid JSON: {json_problem(exc)}", fix="one JSON object per line") from None
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            conversations.append([{"role": "user", "content": record["prompt"]}])
-        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-            conversations.append(record["messages"])
-        else:
-            raise DflashError(f'{path}:{number}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+    conversations = [[{"role": "user", "content": line.strip()}] for line in lines if line.strip()]
     if not conversations:
         raise DflashError(f"prompt file {path} holds no prompts", fix="one prompt per line (.txt) or per JSON line (.jsonl)")
     return conversations

@@ -8,7 +8,8 @@ then measures in rounds, interleaved so that load from other processes hits ever
   speed this process reads the target's own weights (a sum over them, same threads);
 - the plain step (a 1-token verify: the baseline's step) and verify steps of 2, 4, 8 tokens, through the
   engine's own `AttentionState`: eager, compiled (`--compile`), and eager with the weights stored
-  column-major (`--compare-layout`: faster for 1-2 rows, slower for 4-8 on the CPU measured, so not used).
+  column-major (`--compare-layout`: faster for 1-2 rows, slower for 4-8 on the CPU measured, so not used);
+  with both flags, compiled over both layouts.
 
 Every figure is taken in wall time and in CPU time. With one thread, CPU time is the time the step actually
 ran, so its ratios hold on a machine shared with other busy processes; wall-time ratios drift with the load.
@@ -109,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             state = variants[name] = AttentionState(target)
             state.reserve(args.context + 1, max(sizes), ())
             state.prefill(prompt)
-        if args.compile:
-            state = variants["compiled"] = AttentionState(reference)
+        for name, target in list(targets.items()) if args.compile else ():
+            compiled_name = "compiled" if name == "eager" else f"compiled {name}"
+            state = variants[compiled_name] = AttentionState(target)
             state.reserve(args.context + 1, max(sizes), ())
             state.prefill(prompt)
             state.step = compiled_step(torch.device("cpu"))
-            print(f"compiling (inductor cache: {use_compile_cache()}) ...", flush=True)
+            print(f"compiling {compiled_name} (inductor cache: {use_compile_cache()}) ...", flush=True)
             started = time.perf_counter()
             for q in sizes:
                 state.verify(ids[q])
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             ratios = ", ".join(f"verify {q} {figures[f'verify_{q}_over_plain']:.2f}x" for q in blocks)
             versus = ", ".join(f"{figures[f'step_{q}_over_eager']:.2f}" for q in sizes)
-            print(f"  {name:>12}: plain step {plain:.1f} ms = {figures['plain_over_floor']:.2f}x the floor "
+            print(f"  {name:>21}: plain step {plain:.1f} ms = {figures['plain_over_floor']:.2f}x the floor "
                   f"({figures['bandwidth_achieved_gb_s']:.1f} GB/s achieved); {ratios} the plain step; "
                   f"steps {'/'.join(map(str, sizes))} vs eager {versus}")  # fmt: skip
     if args.json:

@@ -28,6 +28,17 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def block_costs_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The adaptive block policy's measured step costs go to a temporary directory, not the user's cache."""
+    from dflash_cli.engine import policy
+
+    directory = tmp_path_factory.mktemp("block-costs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policy, "cost_cache_dir", lambda: directory)
+        yield directory
+
+
 @pytest.fixture
 def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HF_HOME for this test (cache in `hf_home / "hub"`), online, with no token."""

@@ -46,7 +46,8 @@ def options_for(models: tuple[Path, Path], **changes: object) -> RunOptions:
 
 @pytest.fixture(scope="module")
 def report(models: tuple[Path, Path]) -> BenchReport:
-    """--before-after with a block-size sweep: 2 prompts x 3 modes x 2 repetitions on the real loop."""
+    """--before-after with a block-size sweep: 2 prompts x 4 modes (baseline, adaptive, b2, b4) x 2 repetitions on
+    the real loop."""
     settings = BenchSettings(before_after=True, prompt_set="math", limit=2, repeat=2, block_sizes=(2, 4))
     # float32, where greedy identity is bit-exact (a CPU with AVX512-BF16 would otherwise plan bf16)
     return bench.benchmark(options_for(models, dtype="float32"), settings)
@@ -99,7 +100,7 @@ def test_prompt_file_takes_text_conversations_and_token_ids(tmp_path: Path) -> N
         ('{"messages": [{"role": "user"}]}\n', "messages[0].content must be a string"),
         ('{"id": [1], "prompt": "a"}\n', 'id must be a string, got [1]'),
         ('{"id": "x", "prompt": "a"}\n{"id": "x", "prompt": "b"}\n', ':2: id "x" is already used on line 1'),
-        ('{"prompt": "a", "temperature": 0.5}\n', ":1: sets temperature, but bench runs every prompt with the same"),
+        ('{"prompt": "a", "temperature": 0.5}\n', ":1: sets temperature, but `dflash bench` runs every prompt with the same"),
         ('{"prompt": "a", "max_tokens": 0}\n', ":1: max_tokens must be >= 1"),
         ("\n\n", "holds no prompts"),
     ],
@@ -186,10 +187,15 @@ def test_summary_arithmetic_on_known_runs() -> None:
 
 
 def test_before_after_report_structure(report: BenchReport) -> None:
-    assert [s.mode.label for s in report.modes] == ["baseline", "dflash b2", "dflash b4"]
+    labels = ["baseline", "dflash auto≤4", "dflash b2", "dflash b4"]
+    assert [s.mode.label for s in report.modes] == labels
     assert [(row.mode.label, row.prompt_id) for row in report.rows] == [
-        (mode, prompt) for mode in ("baseline", "dflash b2", "dflash b4") for prompt in ("math-1", "math-2")
+        (mode, prompt) for mode in labels for prompt in ("math-1", "math-2")
     ]
+    adaptive = report.modes[1]
+    # the sizes the policy chose: one per verify step, from the policy's set
+    assert sum(adaptive.size_histogram.values()) == sum(adaptive.histogram) and set(adaptive.size_histogram) <= {1, 2, 4}
+    assert report.modes[2].size_histogram.keys() <= {1, 2} and report.modes[0].size_histogram == {}
     assert all(len(row.runs) == 2 for row in report.rows)
     assert report.identity_expected and report.identical is True and report.mismatches == []
     for summary in report.modes:
@@ -217,11 +223,12 @@ def test_json_report_schema(report: BenchReport) -> None:
     assert metadata["drafter_block_size"] == 4 and metadata["machine"]["torch_threads"] == 1
     settings = data["settings"]
     assert settings["prompts"] == "set:math" and settings["prompt_count"] == 2 and settings["repeat"] == 2
-    assert settings["modes"] == ["baseline", "dflash b2", "dflash b4"] and settings["temperature"] == 0.0
+    assert settings["modes"] == ["baseline", "dflash auto≤4", "dflash b2", "dflash b4"] and settings["temperature"] == 0.0
     mode_types = {
         "mode": str, "speculative": bool, "block_size": int, "prompts": int, "generated_tokens": int,
         "ttft_s": dict, "decode_tokens_per_s": dict, "time_per_output_token_s": float, "histogram": list,
-        "peak_memory_bytes": int, "bandwidth_gb_s": float, "floor_share": float,
+        "peak_memory_bytes": int, "bandwidth_gb_s": float, "floor_share": float, "adaptive": bool,
+        "size_histogram": dict,
     }  # fmt: skip
     assert metadata["read_bandwidth_gb_s"] > 0
     for mode in data["modes"]:
@@ -235,9 +242,10 @@ def test_json_report_schema(report: BenchReport) -> None:
         "prompt_id": str, "mode": str, "speculative": bool, "block_size": int, "prompt_tokens": int,
         "generated_tokens": int, "finish_reason": str, "ttft_s": list, "decode_s": list, "draft_s": list,
         "verify_s": list, "total_s": list,
-        "decode_tokens_per_s": list, "histogram": list, "acceptance_lengths": list, "token_ids": list,
+        "decode_tokens_per_s": list, "histogram": list, "acceptance_lengths": list, "block_sizes": list,
+        "token_ids": list,
     }  # fmt: skip
-    assert len(data["rows"]) == 6
+    assert len(data["rows"]) == 8
     for row in data["rows"]:
         assert {k: type(row[k]) for k in row_types} == row_types
         assert len(row["ttft_s"]) == len(row["decode_s"]) == 2
@@ -259,7 +267,7 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
     broken = dataclasses.replace(report, rows=tampered, modes=bench.summarize(tampered, {}))
     assert broken.identical is False and broken.mismatches == [victim]
     assert (victim.identical, victim.first_mismatch) == (False, 2)
-    assert [s.identical_prompts for s in broken.modes] == [None, 2, 1]
+    assert [s.identical_prompts for s in broken.modes] == [None, 2, 2, 1]
     console = Console(record=True, width=200)
     bench.print_report(broken, console)
     text = console.export_text()
@@ -385,6 +393,7 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
         drafter=str(CONFORMANCE / "drafter"),
         max_tokens=golden["max_new_tokens"],
         dtype="float32",
+        block_size=golden["block_size"],  # the golden run's fixed block
     )
     result = bench.benchmark(options, BenchSettings(before_after=True, prompts_file=str(prompts), repeat=1))
     assert result.identical is True
@@ -446,7 +455,7 @@ def test_default_bench_is_sized_here_and_says_so(models: tuple[Path, Path]) -> N
     assert (settings["prompt_count"], settings["repeat"], settings["max_new_tokens"]) == (24, 1, 3)
     assert settings["sized_to_s"] == bench.QUICK_BUDGET_S
     plan = next(line for line in result.stderr.splitlines() if line.startswith("bench: "))
-    assert "24 prompts × up to 3 tokens × 1 round, baseline and dflash b4: about" in plan
+    assert "24 prompts × up to 3 tokens × 1 round, baseline and dflash auto≤4: about" in plan
     assert "(warm-up here: baseline " in result.stderr
     assert "The full sweep: --full (24 prompts × 512 tokens × 3 rounds" in result.stderr.replace("\n", " ")
     # stderr is not a terminal here: one progress line per generation, the warm-ups first

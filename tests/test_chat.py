@@ -116,7 +116,7 @@ def test_repl_streams_replies_and_the_stats_footer(session: Session, state: Chat
     assert out.index(first) < out.index("Stats footer on.") < out.index(second)
     footer = out[out.index(second) + len(second) :]
     assert f"{TOKENS} tokens," in footer and "tok/s" in footer and "TTFT" in footer
-    assert "tau 1.00 (DFlash block 4)" in footer and "[cut at the token limit: /set max_tokens" in footer
+    assert "tau 1.00 (DFlash adaptive block ≤4: now " in footer and "[cut at the token limit: /set max_tokens" in footer
     assert "tokens," not in out[: out.index(second)]  # no footer before /stats
     assert "\x1b" not in out  # not a terminal: no colours or cursor codes
 
@@ -265,7 +265,9 @@ def test_help_show_and_unknown_commands(session: Session, state: ChatState) -> N
     assert all(name in help_text for name in chat.COMMANDS) and '"""' in help_text
     assert handle_command(session, state, "/?").message == help_text
     shown = handle_command(session, state, "/show").message
-    assert session.plan_line() in shown and "DFlash, block 4" in shown and "temperature 0.0" in shown
+    assert session.plan_line() in shown and "DFlash, block adaptive up to 4" in shown and "temperature 0.0" in shown
+    assert handle_command(session, state, "/set block_size 2").ok and "DFlash, block 2" in handle_command(session, state, "/show").message
+    assert handle_command(session, state, "/set block_size auto").ok and state.block_size is None
     unknown = handle_command(session, state, "/sav chat.json")
     assert not unknown.ok and unknown.message == "Unknown command /sav. Did you mean /save?"
     assert "/help lists the commands" in handle_command(session, state, "/zzzz").message
@@ -442,11 +444,11 @@ def test_a_recipe_name_takes_a_drafter_trained_for_its_target(
     (folder / "tiny.toml").write_text(f'name = "tiny"\ndescription = "t"\n[target]\nid = "{model_dirs[0]}"\n')
     monkeypatch.setattr(recipes, "user_recipe_dir", lambda: folder)
     for model in (["tiny"], ["--target", "tiny"]):
-        for extra, block in (([], 4), (["--block-size", "2"], 2)):
+        for extra, mode in (([], "(DFlash adaptive block ≤4: now "), (["--block-size", "2"], "(DFlash block 2)")):
             args = ["chat", *model, "--drafter", str(model_dirs[1]), "--max-tokens", "3", "--stats", "--prompt", "Hi"]
             result = CliRunner().invoke(app, args + extra)
             assert result.exit_code == 0, result.output
-            assert f"(DFlash block {block})" in result.stderr
+            assert mode in result.stderr
 
 
 def test_odd_settings_are_said_under_the_plan_line(options: RunOptions) -> None:
@@ -456,4 +458,4 @@ def test_odd_settings_are_said_under_the_plan_line(options: RunOptions) -> None:
     assert plan.startswith("ad-hoc: cpu ") and "block 9" in plan
     assert note.startswith("  note: block 9 is longer than the 4 the drafter was trained with")
     plain = cli(options, "--prompt", "Hi")
-    assert "note:" not in plain.stderr and "block 4" in plain.stderr.splitlines()[0]  # the drafter's own size
+    assert "note:" not in plain.stderr and "block ≤4 adaptive" in plain.stderr.splitlines()[0]  # up to the drafter's size

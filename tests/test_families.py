@@ -94,7 +94,7 @@ def test_dflash_chat_runs_every_family_from_local_directories(family: str, tmp_p
     speculative, baseline = (CliRunner().invoke(app, args + extra) for extra in ([], ["--no-spec"]))
     assert speculative.exit_code == 0, speculative.output
     assert baseline.exit_code == 0, baseline.output
-    assert "DFlash block 4" in speculative.stderr and " tokens, " in speculative.stderr
+    assert "DFlash adaptive block ≤4" in speculative.stderr and " tokens, " in speculative.stderr
     assert speculative.stdout == baseline.stdout  # the same answer with and without the drafter
 
 def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessly(tmp_path: Path) -> None:

@@ -176,9 +176,11 @@ def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
 
 
 def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
-    assert make_plan(CPU_64, get_recipe("demo")).one_line().startswith("cpu float32, block from drafter, sdpa")
-    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafter_block_size=8).startswith("cpu float32, block 8,")
-    assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block 16")
+    assert make_plan(CPU_64, get_recipe("demo")).one_line().startswith("cpu float32, block adaptive up to the drafter's, sdpa")
+    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafter_block_size=8).startswith("cpu float32, block ≤8 adaptive,")
+    fixed = make_plan(CPU_64, get_recipe("demo"), PlanOverrides(block_size=4))
+    assert fixed.one_line(drafter_block_size=8).startswith("cpu float32, block 4,") and not fixed.adaptive_block
+    assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block ≤16 adaptive")
 
 
 def test_a_block_longer_than_the_drafter_was_trained_for_gets_a_note() -> None:
@@ -230,7 +232,7 @@ def test_block_size_precedence_user_then_gpu_override_then_recipe_then_drafter()
     assert make_plan(RTX_5090, tuned, PlanOverrides(block_size=12)).block_size == 12
     from_drafter = make_plan(H100, dataclasses.replace(tuned, block_size=None))
     assert from_drafter.block_size is None
-    assert "from drafter" in from_drafter.one_line()
+    assert "adaptive up to the drafter's" in from_drafter.one_line()
 
 
 def test_gpu_override_of_quant_and_dtype() -> None:

@@ -364,7 +364,8 @@ def test_the_errors_file_lists_only_what_is_still_missing(tmp_path: Path, sessio
 
 def dflash_run(*args: str, cwd: Path) -> tuple[list[str], dict[str, Any]]:
     """`python -m dflash_cli run ARGS` and the subprocess keywords to run it in `cwd`."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "XDG_CACHE_HOME": str(cwd / "cache")}  # the measured block costs of tiny models stay out of the user's cache
     return [sys.executable, "-m", "dflash_cli", "run", *args], {"cwd": cwd, "env": env}
 
 

@@ -212,7 +212,7 @@ def test_train_ends_with_the_command_that_uses_the_drafter(tiny_recipe: str, pro
     use = f"dflash chat tiny --drafter {out / 'drafter'}"
     assert f"Use it: {use}" in result.stdout
     chat = CliRunner().invoke(app, [*use.split()[1:], "--prompt", "Hi", "--max-tokens", "3", "--stats"])
-    assert chat.exit_code == 0 and "(DFlash block 4)" in chat.stderr  # the printed command works as printed
+    assert chat.exit_code == 0 and "(DFlash adaptive block ≤4: now " in chat.stderr  # the printed command works as printed
 
 
 def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:
@@ -240,3 +240,19 @@ def test_json_errors_never_read_at_at(tmp_path: Path) -> None:
     bad.write_text('{"prompt": "unterminated}\n')
     with pytest.raises(DflashError, match=r"bad.jsonl:1: not valid JSON: Unterminated string starting at column 12"):
         load_prompts(bad)
+
+
+def test_train_reads_prompt_files_like_run_and_bench(tmp_path: Path) -> None:
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "hi", "id": "a"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
+    assert load_prompts(good) == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
+    for content, message in [
+        ('{"prompt_ids": [1, 2]}\n', "p.jsonl:1: prompt_ids"),
+        ('{"prompt": "a", "temperature": 0.5}\n', "sets temperature, but `dflash train`"),
+        ('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n', 'p.jsonl:2: id "x" is already used'),
+        ('{"text": "a"}\n', 'p.jsonl:1: a line needs exactly one of "prompt"'),
+    ]:
+        good.write_text(content)
+        with pytest.raises(DflashError) as raised:
+            load_prompts(good)
+        assert message in raised.value.message

@@ -12,14 +12,15 @@ steps: continuous batching. `generate` is that loop with one row. One host sync 
 count and target tokens, in one transfer.
 
 The drafter runs once per row (its context cache and the number of new context rows are per row); the target's
-verify, the dominant cost, runs once per step for all rows.
+verify, the dominant cost, runs once per step for all rows. A block policy (engine.policy) picks one block size
+per step for all rows (1: a plain step, no drafting) and learns from the rows' pooled acceptance.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
@@ -42,14 +44,18 @@ class Row:
     key: Any = None
     slot: int | None = None  # None: waiting to join
     last: torch.Tensor | None = None  # [1] on device: the newest committed token, not yet in the target's state
-    features: torch.Tensor | None = None  # the drafter's new context: features of the last committed positions
+    # Context features the drafter has not read yet: the committed positions since its last draft (plain steps add
+    # theirs, copied out of the block buffer the next verify overwrites).
+    pending: list[torch.Tensor] = field(default_factory=list)
     draft_cache: DraftCache | None = None
     decode_started: float = 0.0
 
 
 class Batch:
     """Rows decoded together (see the module docstring). `rows`: the most that decode at once (1 for targets that
-    cannot batch, `target.batch_limit`). Add requests with `add`, call `step` until `idle`, then `close`."""
+    cannot batch, `target.batch_limit`). `policy` picks each step's block size (engine.policy); without one, every
+    step verifies `block_size` (default: the drafter's). Add requests with `add`, call `step` until `idle`, then
+    `close`."""
 
     def __init__(
         self,
@@ -61,10 +67,16 @@ class Batch:
         tokenizer: Any = None,
         compile: bool = False,
         notify: Notify | None = None,
+        policy: BlockPolicy | None = None,
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
         self.device = target.get_input_embeddings().weight.device
-        self.block = 1 if drafter is None else (block_size or drafter.block_size)
+        if drafter is None:
+            policy = FixedBlock(1)
+        elif policy is None:
+            policy = FixedBlock(block_size or drafter.block_size)
+        self.policy = policy  # one block size per step for every row, up to policy.max_size
+        self.block = policy.max_size
         self.rows = 1 if batch_limit(target) is not None else max(1, rows)
         self.compile = compile and self.rows == 1  # compiled steps run one row
         self.state: AttentionState | None = None  # taken when the first row joins
@@ -91,6 +103,7 @@ class Batch:
         request = Request(
             prompt_ids, params, block_size=self.block, speculative=self.drafter is not None,
             context_window=context_window(self.target), device=self.device, tokenizer=self.tokenizer,
+            adaptive=not isinstance(self.policy, FixedBlock),
         )  # fmt: skip
         row = Row(request, key)
         self.waiting.append(row)
@@ -105,6 +118,7 @@ class Batch:
 
     def close(self) -> None:
         """Give the target state back (its buffers stay for the next batch on this target)."""
+        self.policy.finish()
         if self.state is not None:
             release_state(self.state)
             self.state = None
@@ -136,11 +150,12 @@ class Batch:
                 self.cancel(row)
         return list(zip(rows, outcome))
 
-    def _reserve(self, request: Request) -> AttentionState:
+    def _reserve(self, request: Request, prompt: torch.Tensor) -> AttentionState:
         if self.state is None:
             self.state = acquire_state(self.target)
             layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
             self.state.reserve(request.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify)
+            self.policy.prepare(self.state, self.drafter, prompt)  # before any row is in the state (it may use row 0)
         else:
             self.state.make_room(request.end, self.block)
         return self.state
@@ -148,10 +163,11 @@ class Batch:
     def _prefill(self, rows: list[Row]) -> list[Step]:
         (row,) = rows
         request, stats = row.request, row.request.stats
-        state = self._reserve(request)
+        prompt = torch.tensor([request.prompt_ids], device=self.device)
+        state = self._reserve(request, prompt)
         started = time.perf_counter()
         # Prefill: the whole prompt once; only the last position's logits are needed.
-        logits = state.prefill(torch.tensor([request.prompt_ids], device=self.device), row.slot)
+        logits = state.prefill(prompt, row.slot)
         row.last = sample_tokens(logits, request.params, request.generator)
         first = int(row.last.item())
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
@@ -159,26 +175,32 @@ class Batch:
             row.draft_cache = self.drafter.new_cache(request.end + self.block, self.block)
             if self.compile:
                 row.draft_cache.step, row.draft_cache.notify = compiled_draft_step(self.device), self.notify
-            row.features = state.features(state.lengths[row.slot], row.slot)
+            row.pending = [state.features(state.lengths[row.slot], row.slot)]
         row.decode_started = time.perf_counter()
         return [request.commit([first], verified=False)]
 
     def _decode(self, rows: list[Row]) -> list[Step]:
         state, drafter, clock = self.state, self.drafter, self.clock
         starts = [state.lengths[row.slot] for row in rows]  # the position of each row's `last`
-        sizes = [row.request.block_at(start) for row, start in zip(rows, starts)]
-        # Near its end a row's block shortens (as in the reference). Several rows share one width, and some
-        # states verify whole blocks regardless: the target is causal, so slots after a row's real block change
-        # nothing before them.
-        width = sizes[0] if len(rows) == 1 and not state.whole_blocks else self.block
+        limits = [row.request.block_at(start) for row, start in zip(rows, starts)]
+        # One size for the step (the policy's); near its end a row's block shortens (as in the reference).
+        chosen = self.policy.choose(max(limits))
+        sizes = [min(chosen, limit) for limit in limits]
+        # Several rows share one width, and some states verify whole blocks regardless: the target is causal, so
+        # slots after a row's real block change nothing before them.
+        width = sizes[0] if len(rows) == 1 and not state.whole_blocks else self.policy.padded(chosen)
         block_ids = torch.full((len(rows), width), drafter.mask_token_id if drafter is not None else 0, device=self.device)
         block_ids[:, 0] = torch.cat([row.last for row in rows])
         t_draft = clock.mark()
         draft_times = []
         for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
             if drafter is not None and size > 1:
+                features = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending, dim=1)
+                row.pending.clear()
                 # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
-                block_ids[i, 1:size] = drafter.propose(row.features, block_ids[i, :size][None], start, row.draft_cache)[0]
+                block_ids[i, 1:size] = drafter.propose(features, block_ids[i, :size][None], start, row.draft_cache)[0]
+            elif drafter is not None:
+                row.pending[-1] = row.pending[-1].clone()
             draft_times.append(clock.mark())
         t_verify = clock.mark()
         logits = state.verify(block_ids, [row.slot for row in rows])
@@ -191,6 +213,11 @@ class Batch:
         t_end = clock.mark()
         host = torch.cat(host_parts).tolist()  # the step's one host sync
         verify_s = clock.seconds(t_verify, t_end)
+        # The rows' acceptance, pooled; a row cut short by its own end says nothing about the later positions.
+        offsets = [sum(size + 1 for size in sizes[:i]) for i in range(len(rows))]
+        full = [host[at] for at, size in zip(offsets, sizes) if size == chosen]
+        if full:
+            self.policy.observe(chosen, full[0] if len(full) == 1 else full, clock.seconds(t_draft, t_verify), verify_s)
         steps, at, previous = [], 0, t_draft
         for row, size, posterior, drafted in zip(rows, sizes, posteriors, draft_times):
             accepted = host[at]
@@ -203,9 +230,9 @@ class Batch:
             state.commit(accepted + 1, row.slot)
             if drafter is not None:
                 # Features of the committed block positions; the bonus token's arrive with the next verify.
-                row.features = state.features(accepted + 1, row.slot)
+                row.pending.append(state.features(accepted + 1, row.slot))
             row.last = posterior[accepted : accepted + 1]
-            step = row.request.commit(committed, verified=True)
+            step = row.request.commit(committed, verified=True, block_size=size)
             stats.decode_s = time.perf_counter() - row.decode_started
             steps.append(step)
         return steps
@@ -222,13 +249,16 @@ def generate(
     tokenizer: Any = None,
     compile: bool = False,
     notify: Notify | None = None,
+    policy: BlockPolicy | None = None,
 ) -> Iterator[Step]:
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
     The batch loop with one row. `compile`: run the target's and the drafter's steps compiled
     (engine.compiled); `notify(message)` is a context manager shown while a step compiles for the first time.
+    `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
+    `block_size` (default: the drafter's).
     """
-    batch = Batch(target, drafter, block_size=block_size, tokenizer=tokenizer, compile=compile, notify=notify)
+    batch = Batch(target, drafter, block_size=block_size, tokenizer=tokenizer, compile=compile, notify=notify, policy=policy)
     batch.add(prompt_ids, params)
     try:
         while True:

@@ -57,6 +57,7 @@ class Request:
         context_window: int | None,
         device: torch.device,
         tokenizer: Any = None,
+        adaptive: bool = False,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         if not self.prompt_ids:
@@ -75,7 +76,9 @@ class Request:
         self.block_size = block_size
         self.stop_ids = frozenset(params.stop_token_ids)
         self.text = TextStream(tokenizer, params.stop_strings)
-        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids), block_size=block_size, speculative=speculative)
+        self.stats = GenerationStats(
+            prompt_tokens=len(self.prompt_ids), block_size=block_size, speculative=speculative, adaptive=adaptive
+        )
         self.generator: torch.Generator | None = None
         if params.seed is not None and params.temperature > 0:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -87,12 +90,13 @@ class Request:
         return len(self.prompt_ids) + self.max_new
 
     def block_at(self, start: int) -> int:
-        """The block to verify at position `start`: the block size, shortened near the end (as the reference does)."""
+        """The largest block to verify at position `start`: the block size, shortened near the end (as the
+        reference does)."""
         return min(self.block_size, self.end - start)
 
-    def commit(self, ids: list[int], *, verified: bool) -> Step:
+    def commit(self, ids: list[int], *, verified: bool, block_size: int | None = None) -> Step:
         """Apply the stop conditions to newly committed ids and make the step event. `verified`: the ids came
-        from a verify step (the prefill's first token has no acceptance length)."""
+        from a verify step (the prefill's first token has no acceptance length) of `block_size` tokens."""
         finish = None
         for i, token in enumerate(ids):
             if token in self.stop_ids:
@@ -108,5 +112,6 @@ class Request:
         self.stats.generated_tokens += len(ids)
         if verified:
             self.stats.acceptance_lengths.append(len(ids))
+            self.stats.block_sizes.append(block_size or self.block_size)
         self.finish_reason = finish
         return Step(ids, delta, len(ids) if verified else None, finish, self.stats)

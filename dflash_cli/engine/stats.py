@@ -15,8 +15,10 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
-    block_size: int = 1
+    block_size: int = 1  # the largest block a step may verify (every step's, unless adaptive)
     speculative: bool = False
+    adaptive: bool = False  # a policy chose each step's block size (engine.policy)
+    block_sizes: list[int] = field(default_factory=list)  # each verify step's block size
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -33,13 +35,26 @@ class GenerationStats:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
 
     @property
+    def size_histogram(self) -> dict[int, int]:
+        """Verify steps per block size."""
+        return dict(sorted(Counter(self.block_sizes).items()))
+
+    @property
+    def current_block_size(self) -> int:
+        """The last step's block size (the block size before the first step)."""
+        return self.block_sizes[-1] if self.block_sizes else self.block_size
+
+    @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first one, over the time after the first one (TTFT is reported apart)."""
         return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(tau=self.tau, histogram=self.histogram, decode_tokens_per_s=self.decode_tokens_per_s)
+        out.update(
+            tau=self.tau, histogram=self.histogram, size_histogram=self.size_histogram,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+        )  # fmt: skip
         return out
 
 

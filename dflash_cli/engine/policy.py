@@ -1,0 +1,389 @@
+"""How many tokens each step verifies: a fixed block, or the block size that maximises expected tokens per second.
+
+The loop asks once per step and reports once per step, after its one host sync:
+
+    size = policy.choose(limit)                          # 1 .. limit; 1 = a plain step, no drafting
+    policy.observe(size, accepted, draft_s, verify_s)    # accepted drafts (one count, or one per batch row)
+
+`FixedBlock` is `--block-size N` (and the stable API's default). `AdaptiveBlock` is the default of the CLI:
+
+- Cost: seconds of draft + verify per block size of a small fixed set (1, 2, 4, 8, 16 up to the drafter's
+  block), measured once per machine, model pair, dtype, threads and compile mode by running the real steps
+  (`StepCosts.calibrate`, interleaved rounds, medians) and cached as JSON in the dflash cache directory. Online,
+  every step's measured time over its calibrated cost feeds one load factor that scales them all (a busy
+  machine slows every size alike; the calibrated shape stays).
+- Acceptance: the chance a_j that draft j stands given drafts 1..j-1 stood, per position, as a Beta posterior:
+  a prior of strength PRIOR_WEIGHT whose mean is the drafter's pooled history (this process and earlier ones,
+  kept in the same file; a position it has not seen accepts like the one before), updated by this
+  generation's steps with exponential forgetting (code and prose accept differently, within one answer too).
+- Rule: expected tokens of a step of B = 1 + sum_{k<B} prod_{j<=k} a_j; pick the B of the set (<= limit) that
+  maximises expected tokens / cost(B). When that is 1 (drafting does not pay), plain steps run, and each banks
+  PROBE_SHARE of its time; a probe (the best drafting size) runs once the bank covers the probe's expected loss
+  (its cost minus the plain time of the tokens it is expected to commit), and its measured loss is paid from
+  the bank: probing costs about PROBE_SHARE of plain decoding, whatever the drafter does.
+
+A policy instance belongs to one generation (or one batch of rows stepping together: `observe` pools the rows'
+acceptance); the costs and the drafter's history are shared, per (target, drafter), across generations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from dflash_cli.engine.drafter import DFlashDrafter
+    from dflash_cli.engine.target import TargetState
+
+SIZES = (1, 2, 4, 8, 16)  # few, so that compiled steps keep one graph per size
+PRIOR_WEIGHT = 4.0  # pseudo-steps behind the prior mean of each position's acceptance
+DEFAULT_ACCEPTANCE = 0.6  # a position's prior mean before the drafter has any history
+FORGET = 0.95  # per observed step: this generation's counts reach back about 20 steps
+HISTORY_FORGET = 0.999  # the drafter's pooled history: about 1000 steps
+PROBE_SHARE = 0.01  # probes may cost about this share of the plain steps' time
+LOAD_RATE = 0.1  # how fast the online load factor follows measured steps
+CALIBRATION_ROUNDS = 5  # interleaved rounds of every size; the first warms up and is dropped
+CALIBRATION_CONTEXT = 2  # new context rows per timed draft step (about what a step brings)
+COSTS_SCHEMA = "dflash-block-costs/1"
+
+
+class BlockPolicy(Protocol):
+    """What the decode loop asks of a block-size policy (see the module docstring)."""
+
+    max_size: int
+
+    def choose(self, limit: int) -> int:
+        """The block for the next step: 1 .. limit tokens (1: a plain step)."""
+
+    def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
+        """What a step of `size` did: drafts accepted (per row in a batch) and its phase times."""
+
+    def padded(self, size: int) -> int:
+        """The width a compiled step runs for a block of `size` tokens: one of the few shapes it has graphs for."""
+
+    def prepare(self, state: TargetState, drafter: DFlashDrafter | None, prompt: torch.Tensor) -> None:
+        """Before the generation's prefill (the state is reserved, not yet filled)."""
+
+    def finish(self) -> None:
+        """After the generation's last step (or when it is abandoned)."""
+
+
+class FixedBlock:
+    """Every step verifies `size` tokens (fewer at the very end)."""
+
+    def __init__(self, size: int) -> None:
+        self.max_size = size
+
+    def choose(self, limit: int) -> int:
+        return min(self.max_size, limit)
+
+    def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
+        pass
+
+    def padded(self, size: int) -> int:
+        return self.max_size
+
+    def prepare(self, state: TargetState, drafter: DFlashDrafter | None, prompt: torch.Tensor) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def sizes_up_to(max_size: int) -> tuple[int, ...]:
+    """The sizes an adaptive policy picks from: the fixed set up to `max_size`, and `max_size` itself."""
+    return tuple(sorted({*(s for s in SIZES if s <= max_size), max_size}))
+
+
+def expected_tokens(acceptance: Sequence[float], size: int) -> float:
+    """Tokens a step of `size` commits on average: 1 + sum_{k<size} prod_{j<=k} a_j (bonus token included)."""
+    total, run = 1.0, 1.0
+    for a in acceptance[: size - 1]:
+        run *= a
+        total += run
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Costs
+
+
+def cost_cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("dflash")) / "block-costs"
+
+
+class StepCosts:
+    """Seconds of draft and verify per block size for one (target, drafter) here, and the drafter's history.
+
+    `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / calibrated over
+    recent steps. `successes[j]`, `failures[j]`: the drafter's pooled outcomes at draft position j+1.
+    """
+
+    def __init__(self, key: dict[str, Any], sizes: Sequence[int]) -> None:
+        self.key = key
+        self.sizes = tuple(sizes)
+        self.draft_s: dict[int, float] = {}
+        self.verify_s: dict[int, float] = {}
+        self.load = 1.0
+        self.successes = [0.0] * (max(self.sizes) - 1)
+        self.failures = [0.0] * (max(self.sizes) - 1)
+        self.path = cost_cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+        self._read()
+
+    @property
+    def calibrated(self) -> bool:
+        return all(size in self.verify_s for size in self.sizes)
+
+    def cost(self, size: int) -> float:
+        return (self.draft_s.get(size, 0.0) + self.verify_s[size]) * self.load
+
+    def observe_time(self, size: int, seconds: float) -> None:
+        if size in self.verify_s and seconds > 0:
+            ratio = seconds / ((self.draft_s.get(size, 0.0) + self.verify_s[size]) or seconds)
+            ratio = min(max(ratio, self.load / 4), self.load * 4)  # one stalled step moves it little
+            self.load += LOAD_RATE * (ratio - self.load)
+
+    def observe_acceptance(self, size: int, accepted: int) -> None:
+        for j in range(len(self.successes)):
+            self.successes[j] *= HISTORY_FORGET
+            self.failures[j] *= HISTORY_FORGET
+        for j in range(min(accepted, size - 1)):
+            self.successes[j] += 1
+        if accepted < size - 1:
+            self.failures[accepted] += 1
+
+    def calibrate(self, state: TargetState, drafter: DFlashDrafter, prompt: torch.Tensor, notify: Any = None) -> None:
+        """Time the real steps at every size over `prompt` (the generation's own, prefilled here and again by
+        the loop after): interleaved rounds, first round dropped, medians. Leaves the state to be refilled."""
+        from dflash_cli.engine.stats import PhaseClock
+
+        device = prompt.device
+        clock = PhaseClock(device)
+        top = max(self.sizes)
+        state.prefill(prompt)
+        length = state.lengths[0]
+        features = state.features(length)
+        cache = drafter.new_cache(length + top + CALIBRATION_ROUNDS * len(self.sizes) * CALIBRATION_CONTEXT, top)
+        if self.key.get("compile"):
+            from dflash_cli.engine.compiled import compiled_draft_step
+
+            cache.step, cache.notify = compiled_draft_step(device), notify
+        block = prompt.new_full((1, top), drafter.mask_token_id)
+        block[0, 0] = prompt[0, -1]
+        drafter.propose(features, block, length, cache)  # the prompt's context, once (the loop's first draft, untimed)
+        context = features[:, -CALIBRATION_CONTEXT:].clone()
+        drafts: dict[int, list[float]] = {size: [] for size in self.sizes}
+        verifies: dict[int, list[float]] = {size: [] for size in self.sizes}
+        for round_ in range(CALIBRATION_ROUNDS):
+            order = self.sizes if round_ % 2 == 0 else self.sizes[::-1]
+            for size in order:
+                start = cache.length + CALIBRATION_CONTEXT
+                t0 = clock.mark()
+                if size > 1:
+                    block[0, 1:size] = drafter.propose(context, block[:, :size].clone(), start, cache)[0]
+                else:  # a plain step drafts nothing, and its context waits for the next draft
+                    cache.length += CALIBRATION_CONTEXT
+                t1 = clock.mark()
+                # verify + the step's host sync; nothing is committed (the loop's prefill starts the state over)
+                torch.argmax(state.verify(block[:, :size]), dim=-1).tolist()
+                t2 = clock.mark()
+                if round_ > 0:
+                    drafts[size].append(clock.seconds(t0, t1))
+                    verifies[size].append(clock.seconds(t1, t2))
+        self.draft_s = {size: statistics.median(drafts[size]) if size > 1 else 0.0 for size in self.sizes}
+        self.verify_s = {size: statistics.median(verifies[size]) for size in self.sizes}
+        self.load = 1.0
+
+    def _read(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if data.get("schema") != COSTS_SCHEMA or data.get("key") != self.key:
+            return
+        try:
+            draft = {int(k): float(v) for k, v in data["draft_s"].items()}
+            verify = {int(k): float(v) for k, v in data["verify_s"].items()}
+            successes = [float(v) for v in data["successes"]]
+            failures = [float(v) for v in data["failures"]]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return
+        if all(size in verify for size in self.sizes):
+            self.draft_s, self.verify_s = draft, verify
+        n = min(len(successes), len(failures), len(self.successes))
+        self.successes[:n], self.failures[:n] = successes[:n], failures[:n]
+
+    def save(self) -> None:
+        """Write the costs and the history (best effort: a read-only cache only loses the saving)."""
+        data = {
+            "schema": COSTS_SCHEMA, "key": self.key, "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "draft_s": self.draft_s, "verify_s": self.verify_s,
+            "successes": [round(v, 3) for v in self.successes], "failures": [round(v, 3) for v in self.failures],
+        }  # fmt: skip
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(data, indent=1) + "\n")
+            partial.replace(self.path)
+        except OSError:
+            pass
+
+
+def _fingerprint(config: Any) -> str:
+    return hashlib.sha256(config.encode() if isinstance(config, str) else json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, Any]:
+    """What step costs depend on: this machine and device, both models, the dtype, threads and compile mode."""
+    device = target.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = platform.processor() or platform.machine()
+    return {
+        "host": platform.node(),
+        "device": f"{device.type}: {where}",
+        "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+        "target_config": _fingerprint(target.config.to_json_string(use_diff=False)),
+        "drafter_config": _fingerprint(drafter.config.to_dict()),
+        "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "compile": compile,
+        "torch": torch.__version__,
+    }
+
+
+_COSTS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], StepCosts]] = weakref.WeakKeyDictionary()
+
+
+def shared_costs(target: Any, drafter: DFlashDrafter, max_size: int, compile: bool) -> StepCosts:
+    """The process's StepCosts for this (target, drafter, sizes, compile mode): read from the cache once."""
+    per_drafter = _COSTS.setdefault(drafter, {})
+    key = cost_key(target, drafter, compile)
+    sizes = sizes_up_to(max_size)
+    slot = (id(target), json.dumps(key, sort_keys=True), sizes)
+    if slot not in per_drafter:
+        per_drafter[slot] = StepCosts(key, sizes)
+    return per_drafter[slot]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The adaptive policy
+
+
+class AdaptiveBlock:
+    """Per step, the block size of the set that maximises expected tokens per second (module docstring)."""
+
+    def __init__(self, costs: StepCosts, notify: Any = None) -> None:
+        self.costs = costs
+        self.sizes = costs.sizes
+        self.max_size = max(self.sizes)
+        self.notify = notify  # context manager factory: a progress line while calibrating
+        positions = self.max_size - 1
+        self.successes = [0.0] * positions  # this generation's, forgotten at FORGET per step
+        self.failures = [0.0] * positions
+        self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost
+        self.probing = False  # the size last chosen is a probe (drafting did not pay)
+        self.plain_run = 0  # plain steps since the drafter last ran (its context waits for it)
+        self.steps = 0
+
+    def acceptance(self) -> list[float]:
+        """The posterior mean acceptance a_j of each draft position: this generation's counts over a prior from
+        the drafter's history, whose own prior is the position before's estimate (DEFAULT_ACCEPTANCE for the
+        first): a position seldom reached is taken to accept like the one before it."""
+        estimates, base = [], DEFAULT_ACCEPTANCE
+        history = zip(self.costs.successes, self.costs.failures, self.successes, self.failures)
+        for pooled_s, pooled_f, s, f in history:
+            prior = (pooled_s + PRIOR_WEIGHT * base) / (pooled_s + pooled_f + PRIOR_WEIGHT)
+            base = (PRIOR_WEIGHT * prior + s) / (PRIOR_WEIGHT + s + f)
+            estimates.append(base)
+        return estimates
+
+    def rates(self, limit: int) -> dict[int, float]:
+        """Expected tokens per second of each size <= limit."""
+        acceptance = self.acceptance()
+        return {size: expected_tokens(acceptance, size) / self.costs.cost(size) for size in self.sizes if size <= limit}
+
+    def choose(self, limit: int) -> int:
+        if limit <= 1 or not self.costs.calibrated:
+            return 1
+        rates = self.rates(limit)
+        best = max(rates, key=rates.__getitem__)
+        self.probing = False
+        if best > 1:
+            return best
+        drafting = {size: rate for size, rate in rates.items() if size > 1}
+        if not drafting:
+            return 1
+        probe = max(drafting, key=drafting.__getitem__)
+        # The probe's expected loss against plain steps: its cost minus the plain time its tokens would take.
+        loss = self.costs.cost(probe) - expected_tokens(self.acceptance(), probe) * self.costs.cost(1)
+        self.probing = self.banked >= loss
+        return probe if self.probing else 1
+
+    def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
+        self.steps += 1
+        rows = [accepted] if isinstance(accepted, int) else list(accepted)
+        if size == 1:
+            self.plain_run += 1
+            self.banked += PROBE_SHARE * self.costs.cost(1)
+            self.costs.observe_time(1, draft_s + verify_s)
+            return
+        if self.plain_run == 0:  # the first draft after plain steps also reads their context: not a typical step
+            self.costs.observe_time(size, draft_s + verify_s)
+        self.plain_run = 0
+        if self.probing:  # what it really lost against plain steps for the same tokens
+            tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
+            self.banked -= draft_s + verify_s - tokens * self.costs.cost(1)
+        else:
+            self.banked = 0.0
+        for j in range(self.max_size - 1):
+            self.successes[j] *= FORGET
+            self.failures[j] *= FORGET
+        for row in rows:
+            for j in range(min(row, size - 1)):
+                self.successes[j] += 1 / len(rows)
+            if row < size - 1:
+                self.failures[row] += 1 / len(rows)
+            self.costs.observe_acceptance(size, row)
+
+    def padded(self, size: int) -> int:
+        return size
+
+    def prepare(self, state: TargetState, drafter: DFlashDrafter | None, prompt: torch.Tensor) -> None:
+        """Calibrate the step costs if nothing here has measured them yet (once per machine and model pair)."""
+        if self.costs.calibrated or drafter is None:
+            return
+        import contextlib
+
+        message = f"measuring step costs for block sizes {', '.join(map(str, self.sizes))} (once; cached in {self.costs.path.parent})"
+        # (compiling, the steps show their own progress lines: one live line at a time)
+        compiling = bool(self.costs.key.get("compile"))
+        with self.notify(message) if self.notify is not None and not compiling else contextlib.nullcontext():
+            self.costs.calibrate(state, drafter, prompt, self.notify if compiling else None)
+        self.costs.save()
+
+    def finish(self) -> None:
+        """At the end of the generation: keep the drafter's history for later ones."""
+        self.costs.save()
+
+
+def adaptive_policy(target: Any, drafter: DFlashDrafter, max_size: int, *, compile: bool = False, notify: Any = None) -> AdaptiveBlock:
+    """A fresh adaptive policy for one generation, over the process's shared costs for this model pair."""
+    return AdaptiveBlock(shared_costs(target, drafter, max_size, compile), notify)
+
+
+__all__ = [
+    "AdaptiveBlock", "BlockPolicy", "FixedBlock", "SIZES", "StepCosts", "adaptive_policy", "expected_tokens", "sizes_up_to",
+]  # fmt: skip

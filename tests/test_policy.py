@@ -1,0 +1,267 @@
+"""The block-size policy: the rule, its probing bound, the cost cache, and losslessness while sizes switch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine import policy as policy_module
+from dflash_cli.engine.policy import AdaptiveBlock, FixedBlock, StepCosts, adaptive_policy, expected_tokens, sizes_up_to
+from dflash_cli.engine.target import capture_target_features
+from drafters import FORMATS, OracleDrafter, random_drafter
+
+
+def _target(seed: int = 7, layers: int = 3):
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def _hf_greedy(target, prompt: list[int], n: int) -> list[int]:
+    out = target.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+class Schedule(FixedBlock):
+    """A test policy: step i verifies sizes[i % len(sizes)] tokens (capped by the limit); records what it saw."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        super().__init__(max(sizes))
+        self.sizes, self.chosen, self.accepted = list(sizes), [], []
+
+    def choose(self, limit: int) -> int:
+        size = min(self.sizes[len(self.chosen) % len(self.sizes)], limit)
+        self.chosen.append(size)
+        return size
+
+    def observe(self, size: int, accepted, draft_s: float, verify_s: float) -> None:
+        self.accepted.append(accepted)
+
+    def padded(self, size: int) -> int:
+        return size
+
+
+def _greedy(target, drafter, prompt, n, policy):
+    return collect(generate(target, drafter, prompt, SamplingParams(max_new_tokens=n), policy=policy))
+
+
+# --- losslessness while the size switches -------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    schedule=st.lists(st.sampled_from([1, 1, 2, 4, 8]), min_size=1, max_size=6),
+    prompt=st.lists(st.integers(1, 94), min_size=1, max_size=20),
+    max_new=st.integers(1, 40),
+    fmt=st.sampled_from(FORMATS),
+    window=st.integers(1, 12),
+)
+def test_greedy_is_the_targets_own_whatever_the_schedule(seed, schedule, prompt, max_new, fmt, window):
+    target = _target(seed % 50)
+    drafter = random_drafter(target, seed=seed, num_layers=2, block_size=8, fmt=fmt, window=window)
+    policy = Schedule(schedule)
+    result = _greedy(target, drafter, prompt, max_new, policy)
+    assert result.token_ids == _hf_greedy(target, prompt, max_new)
+    assert result.stats.block_sizes == policy.chosen[: len(result.stats.block_sizes)]
+    assert all(1 <= a <= size for a, size in zip(result.acceptance_lengths, result.stats.block_sizes))
+
+
+@pytest.mark.parametrize("schedule", [[1, 1, 1, 8], [8, 1, 4, 1, 1, 2], [2, 1]])
+def test_a_good_drafter_accepts_across_plain_steps(schedule):
+    """An oracle drafter is right for 3 slots a block: long accepts, rollbacks and plain steps in one answer."""
+    target = _target()
+    prompt = [5, 17, 42, 8, 9]
+    reference = _hf_greedy(target, prompt, 60)
+    drafter = OracleDrafter(target, prompt + reference, block_size=8, correct=3)
+    result = _greedy(target, drafter, prompt, 60, Schedule(schedule))
+    assert result.token_ids == reference
+    drafted = [a for a, size in zip(result.acceptance_lengths, result.stats.block_sizes) if size > 1]
+    assert max(drafted) == min(4, max(schedule))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_after_plain_steps_the_drafter_reads_the_whole_committed_context(fmt):
+    """Each draft equals the one a fresh drafter cache makes from the features of every committed position (one
+    target forward over them): the plain steps' features reach the drafter, none twice, none lost."""
+    target = _target(3)
+    drafter = random_drafter(target, seed=5, num_layers=2, block_size=8, fmt=fmt, window=3)
+    layer_ids = list(drafter.config.target_layer_ids)
+    prompt = [3, 14, 15, 92, 65, 35]
+    committed: list[int] = list(prompt)
+    checked = []
+    draft = type(drafter).draft_hidden  # every format drafts through it
+
+    def checked_draft(self, features, block_ids, start, cache):
+        out = draft(self, features, block_ids, start, cache)
+        ids = torch.tensor([committed[:start]])
+        _, all_features = capture_target_features(target, ids, layer_ids)
+        fresh = draft(self, all_features, block_ids, start, self.new_cache(start + 8, 8))
+        torch.testing.assert_close(out, fresh, rtol=1e-4, atol=1e-4)
+        checked.append(start)
+        return out
+
+    drafter.draft_hidden = checked_draft.__get__(drafter)
+    steps = generate(target, drafter, prompt, SamplingParams(max_new_tokens=40), policy=Schedule([1, 1, 4, 1, 8, 2, 1, 1, 1, 4]))
+    for step in steps:
+        committed.extend(step.token_ids)
+    assert len(checked) >= 5
+
+
+# --- sampling stays exact while the size switches ----------------------------------------------------------
+
+
+def test_sampling_is_exact_with_a_switching_schedule():
+    """The 2nd and 3rd tokens' distributions (chi-square against exact marginals) with a plain step, then a
+    drafted one that reads both steps' context; alpha = 0.001 per check."""
+    from test_engine import _chi2_p_value, _exact_marginals
+
+    config = Qwen3Config(
+        vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(11)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(12)
+    prompt, temperature = [1, 4, 2], 0.8
+    p2, p3 = _exact_marginals(target, prompt, temperature)
+    drafter = OracleDrafter(target, prompt + _hf_greedy(target, prompt, 4), block_size=4)
+    runs, counts, drafted_accepts = 1200, torch.zeros(2, 6), 0
+    for i in range(runs):
+        policy = Schedule([1, 4] if i % 2 else [4, 1])
+        params = SamplingParams(max_new_tokens=4, temperature=temperature, seed=i)
+        result = collect(generate(target, drafter, prompt, params, policy=policy))
+        counts[0, result.token_ids[1]] += 1
+        counts[1, result.token_ids[2]] += 1
+        drafted_accepts += any(a > 1 for a in result.acceptance_lengths)
+    assert drafted_accepts > runs // 10, "the accept path must be exercised for this test to mean anything"
+    assert _chi2_p_value(counts[0], p2) > 1e-3
+    assert _chi2_p_value(counts[1], p3) > 1e-3
+
+
+# --- the real policy -------------------------------------------------------------------------------------------
+
+
+def _costs(verify: dict[int, float], draft: float, max_size: int = 8) -> StepCosts:
+    costs = StepCosts({"test": id(verify)}, sizes_up_to(max_size))
+    costs.verify_s = dict(verify)
+    costs.draft_s = {size: (draft if size > 1 else 0.0) for size in verify}
+    return costs
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 1) == 1
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == 1.5
+    assert expected_tokens([0.5, 0.5, 0.5], 4) == pytest.approx(1.875)
+    assert expected_tokens([1.0] * 15, 16) == 16
+
+
+def test_the_rule_picks_the_fastest_size():
+    cheap = _costs({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2}, draft=0.1)  # a GPU: wide verifies nearly free
+    dear = _costs({1: 1.0, 2: 1.63, 4: 1.71, 8: 1.95}, draft=0.5)  # this CPU in fp32
+    good, poor = AdaptiveBlock(cheap), AdaptiveBlock(dear)
+    for policy in (good, poor):
+        policy.successes = [20.0] * 7  # drafts almost always stand
+    assert good.choose(16) == 8 and good.choose(5) == 4 and good.choose(1) == 1
+    assert poor.choose(8) == 8  # at ~0.9 acceptance even this CPU drafts
+    poor.successes, poor.failures = [0.0] * 7, [20.0] * 7
+    assert poor.choose(8) == 1
+
+
+def test_probes_are_bounded_and_find_a_drafter_that_improves():
+    """A drafter whose first draft never stands: plain steps, with probes costing at most ~PROBE_SHARE; when
+    its drafts start to stand, the policy finds out and drafts."""
+    costs = _costs({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9}, draft=0.4)
+    policy = AdaptiveBlock(costs)
+    spent = plain = 0.0
+    for _ in range(2000):
+        size = policy.choose(8)
+        spent += costs.cost(size)
+        plain += costs.cost(1)  # a probe commits one token here, as a plain step does
+        policy.observe(size, 0, costs.draft_s[size], costs.verify_s[size])
+    assert spent / plain - 1 <= policy_module.PROBE_SHARE * 1.25
+    for _ in range(300):  # now every draft stands
+        size = policy.choose(8)
+        policy.observe(size, size - 1, costs.draft_s[size], costs.verify_s[size])
+    assert policy.choose(8) == 8
+
+
+def test_probes_happen_while_plain(monkeypatch):
+    costs = _costs({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9}, draft=0.4)
+    policy = AdaptiveBlock(costs)
+    sizes = []
+    for _ in range(500):
+        size = policy.choose(8)
+        sizes.append(size)
+        policy.observe(size, 0, costs.draft_s[size], costs.verify_s[size])
+    probes = [i for i, size in enumerate(sizes) if size > 1]
+    assert sizes.count(1) > 450 and len(probes) >= 3  # mostly plain, yet it keeps looking
+    assert all(b - a >= 5 for a, b in zip(probes, probes[1:]))
+
+
+def test_load_scales_every_size_alike():
+    costs = _costs({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9}, draft=0.4)
+    for _ in range(100):
+        costs.observe_time(1, 2.0)  # twice as slow as calibrated (another process woke up)
+    assert costs.load == pytest.approx(2.0, rel=0.01)
+    assert costs.cost(8) / costs.cost(1) == pytest.approx(2.3)
+
+
+def test_costs_and_history_are_cached_per_key(block_costs_cache):
+    key = {"host": "h", "target": "t", "dtype": "float32", "threads": 1}
+    costs = StepCosts(key, (1, 2, 4))
+    assert not costs.calibrated
+    costs.verify_s, costs.draft_s = {1: 0.01, 2: 0.02, 4: 0.03}, {1: 0.0, 2: 0.005, 4: 0.006}
+    costs.observe_acceptance(4, 1)
+    costs.save()
+    again = StepCosts(key, (1, 2, 4))
+    assert again.calibrated and again.cost(4) == pytest.approx(0.036)
+    assert again.successes[0] == pytest.approx(1) and again.failures[1] == pytest.approx(1)
+    assert not StepCosts({**key, "threads": 2}, (1, 2, 4)).calibrated  # another key: measured anew
+    again.path.write_text("{not json")
+    assert not StepCosts(key, (1, 2, 4)).calibrated  # a broken file is ignored (and rewritten later)
+    again.path.write_text(json.dumps({"schema": policy_module.COSTS_SCHEMA, "key": key, "draft_s": 3}))
+    assert not StepCosts(key, (1, 2, 4)).calibrated
+
+
+def test_the_real_policy_calibrates_once_and_stays_lossless(block_costs_cache):
+    target = _target(9)
+    prompt = [5, 17, 42, 8, 9]
+    reference = _hf_greedy(target, prompt, 50)
+    oracle = OracleDrafter(target, prompt + reference, block_size=8, correct=[7, 7, 2, 7])
+    noise = random_drafter(target, seed=1, block_size=8)
+    for drafter in (oracle, noise):
+        policy = adaptive_policy(target, drafter, 8)
+        result = _greedy(target, drafter, prompt, 50, policy)
+        assert result.token_ids == reference
+        assert policy.costs.calibrated and policy.costs.path.exists()
+        assert result.stats.adaptive and set(result.stats.block_sizes) <= set(sizes_up_to(8))
+        second = adaptive_policy(target, drafter, 8)
+        assert second.costs is policy.costs  # shared by the process's generations
+    assert json.loads(policy.costs.path.read_text())["verify_s"].keys() == {"1", "2", "4", "8"}
+
+
+def test_sizes_up_to():
+    assert sizes_up_to(16) == (1, 2, 4, 8, 16)
+    assert sizes_up_to(10) == (1, 2, 4, 8, 10)
+    assert sizes_up_to(3) == (1, 2, 3)
+    assert sizes_up_to(1) == (1,)

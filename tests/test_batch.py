@@ -186,3 +186,26 @@ def test_a_failing_row_fails_alone_and_a_cancelled_row_frees_its_slot() -> None:
         batch.close()
     expected = alone(target, drafter, [1, 2, 3], params)[0]
     assert tokens == expected[-len(tokens) :] and len(tokens) < len(expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_propose_rows_equals_each_rows_own_proposal(fmt: str) -> None:
+    """The batched head (one lm_head GEMM and one proposal for all rows of a block size) proposes what each row
+    proposes alone, whatever the format (DFlash2: the selector's chain), with rows of different context lengths."""
+    target = tiny_target("qwen3", 2)
+    drafter = random_drafter(target, seed=3, block_size=4, fmt=fmt, window=3, num_layers=2)
+    width = len(drafter.config.target_layer_ids) * 32
+    torch.manual_seed(0)
+    rows = []
+    for context, start, size in ((5, 5, 4), (1, 9, 4), (3, 3, 2), (7, 7, 4)):
+        block = torch.full((1, size), drafter.mask_token_id)
+        block[0, 0] = start + 10
+        rows.append((torch.randn(1, context, width), block, start, context))
+
+    def arguments():  # fresh caches: the first draft of each row reads its whole context
+        return [(features, block, start, drafter.new_cache(64, 4)) for features, block, start, _ in rows]
+
+    alone = [drafter.propose(*row) for row in arguments()]
+    together = drafter.propose_rows(arguments())
+    assert [p.tolist() for p in together] == [p.tolist() for p in alone]
+    assert [p.shape[1] for p in together] == [3, 3, 1, 3]

@@ -255,6 +255,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
 RUN_FLAGS = [
     inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=RUN_FLAG_TYPES[f.name])
     for f in dataclasses.fields(RunOptions)
+    if f.name in RUN_FLAG_TYPES  # the rest are flags of some commands only (`--batch-size`: run and serve)
 ]
 
 
@@ -333,6 +334,15 @@ def _one_shot_question(prompt: str | None) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 # run
 
+BatchSize = Annotated[
+    int | None,
+    typer.Option(
+        "--batch-size", min=1, show_default=False, rich_help_panel=PLANNING,
+        help="Requests decoded together, sharing each forward (default: the plan's: as many as have room for a KV "
+        "cache at 8k tokens, at most 16; 1 = one at a time). Hybrid targets decode one at a time.",
+    ),
+]  # fmt: skip
+
 
 @app.command(rich_help_panel="Run")
 @with_run_flags
@@ -355,18 +365,19 @@ def run(
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    batch_size: BatchSize = None,
 ) -> None:
     """Generate for every line of a JSONL file, loading the model once. Resumable: re-run to finish.
 
     Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), {"prompt_ids": [...]} (token ids), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body): the request format `dflash serve` takes. max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH; results are written shortest prompt first, so match them by id.
 
-    Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the request in flight. Lines that cannot run (bad JSON, bad fields, an id already used by an earlier line, a prompt too long) go to the errors file and the rest runs; the exit code is 1 when any request failed.
+    Up to --batch-size requests decode together (continuous batching: a finished one makes room for the next at once); each gives exactly the tokens it gives alone. Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the requests in flight. Lines that cannot run (bad JSON, bad fields, an id already used by an earlier line, a prompt too long) go to the errors file and the rest runs; the exit code is 1 when any request failed.
 
     Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`
     """
     from dflash_cli import jobs
 
-    options, prompts = jobs.split_positionals(options, prompts)
+    options, prompts = jobs.split_positionals(dataclasses.replace(options, batch_size=batch_size), prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
     summary = jobs.run_file(options, prompts, output, errors, err_console)
     if json_output:
@@ -390,14 +401,16 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; then set --api-key).", rich_help_panel=SERVER)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).", rich_help_panel=SERVER)] = 8000,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="DFLASH_API_KEY", show_default=False, help="Require `Authorization: Bearer KEY` on /v1 routes (default: $DFLASH_API_KEY, else open).", rich_help_panel=SERVER)] = None,
-    max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait while one decodes; more get HTTP 429 at once.", rich_help_panel=SERVER)] = 64,
+    max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait while the batch is full; more get HTTP 429 at once.", rich_help_panel=SERVER)] = 64,
+    batch_size: BatchSize = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, for Open WebUI, editors, agents and the `openai` client.
 
-    POST /v1/chat/completions and /v1/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus). The model loads once and one engine thread decodes the queued requests; a client that disconnects stops its generation. Request fields override the sampling flags, which are the defaults (greedy unless --temperature); replies carry usage plus a "dflash" object (tau, acceptance histogram, decode tok/s).
+    POST /v1/chat/completions and /v1/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus). The model loads once and one engine thread decodes the queued requests, up to --batch-size at once (continuous batching); a client that disconnects stops its generation. Request fields override the sampling flags, which are the defaults (greedy unless --temperature); replies carry usage plus a "dflash" object (tau, acceptance histogram, decode tok/s).
 
     Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
     """
+    options = dataclasses.replace(options, batch_size=batch_size)
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     from dflash_cli.serve import run_server
 

@@ -14,7 +14,8 @@ skipped.
 
 Nothing is lost: every result is appended as one complete line and fsync'd as it completes; a re-run of the
 same command skips the ids the output already holds, after cutting away the torn last line a killed run may
-have left. Work runs shortest prompt first, so results are not in input order: match them by id.
+have left. Work runs shortest prompt first, up to `--batch-size` requests decoding together (a finished one
+makes room for the next at once), so results are not in input order: match them by id.
 Lines that cannot run go to the errors file as {"line", "id", "error": {"code", "message"}}; each run
 rewrites it (and removes it when there are none), so it always lists what is still missing.
 """
@@ -22,12 +23,14 @@ rewrites it (and removes it when there are none), so it always lists what is sti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -299,15 +302,6 @@ def summary_table(summary: Summary) -> Table:
     return table
 
 
-def _counting(steps: Iterator[Any], on_tokens: Callable[[int], None]) -> Iterator[Any]:
-    """Pass the steps through, reporting the request's tokens so far (the live tokens/s)."""
-    count = 0
-    for step in steps:
-        count += len(step.token_ids)
-        on_tokens(count)
-        yield step
-
-
 def _progress(console: Console | None) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -331,47 +325,90 @@ def run_jobs(
 ) -> Summary:
     """Generate every request, shortest prompt first, appending each result the moment it is complete.
 
-    The order only changes when results appear (short ones early); the engine decodes one request at a time."""
+    Up to `session.batch_size` requests decode together (engine.Batch); a finished one makes room for the next at
+    once. A request that fails alone goes to the errors file; the rows of a batched step that failed (out of memory)
+    run again one at a time after the rest, so a request too big to batch still gets its result."""
     import torch
 
-    from dflash_cli.engine import collect
+    from dflash_cli.engine import GenerationResult, collect
 
     started = time.perf_counter()
     speculative = not options.no_spec and session.can_speculate
     summary = Summary(str(results.path), len(requests), speculative=speculative)
-    work = []
+    work: deque[tuple[Request, list[int]]] = deque()
     for request in requests:
         try:
             work.append((request, session.encode_request(request)))
         except RequestError as error:  # a prompt this model cannot take: too long, ids outside its vocabulary, ...
             errors.append(LineError(request.line, error.code, error.message, request.id))
             summary.failed += 1
-    work.sort(key=lambda item: (len(item[1]), item[0].line))
+    work = deque(sorted(work, key=lambda item: (len(item[1]), item[0].line)))
     model = session.recipe.target.id
+    retry: list[tuple[Request, list[int]]] = []  # rows of a failed batched step: run again alone
     with _progress(console) as progress:
         task = progress.add_task("generating", total=len(work), rate="", tau="")
+        in_flight: dict[Any, tuple[Request, list[int], list[int], list[str]]] = {}  # row -> request, prompt, ids, text
 
-        def on_tokens(in_flight: int) -> None:
-            rate = (summary.completion_tokens + in_flight) / (time.perf_counter() - started)
+        def show_rate() -> None:
+            tokens = summary.completion_tokens + sum(len(ids) for _, _, ids, _ in in_flight.values())
             tau = f"tau {summary.tau:.2f}" if summary.tau is not None else ""
-            progress.update(task, rate=f"{rate:.1f} tok/s", tau=tau)
+            progress.update(task, rate=f"{tokens / (time.perf_counter() - started):.1f} tok/s", tau=tau)
 
-        for request, prompt_ids in work:
-            params = session.sampling_params(options, **request.sampling)
-            try:
-                result = collect(_counting(session.stream(prompt_ids, params, speculative=speculative), on_tokens))
-            except (DflashError, torch.OutOfMemoryError) as error:
-                # One request too big for the device fails alone; the rest of the file goes on.
-                if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                reason = getattr(error, "message", None) or f"out of memory: {error}".splitlines()[0]
-                errors.append(LineError(request.line, "generation_failed", reason, request.id))
-                summary.failed += 1
-                progress.update(task, advance=1)
-                continue
+        def failed(request: Request, error: BaseException) -> None:
+            if not isinstance(error, (DflashError, torch.OutOfMemoryError)):
+                raise error
+            # One request too big for the device fails alone; the rest of the file goes on.
+            if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            reason = getattr(error, "message", None) or f"out of memory: {error}".splitlines()[0]
+            errors.append(LineError(request.line, "generation_failed", reason, request.id))
+            summary.failed += 1
+            progress.update(task, advance=1)
+
+        def done(request: Request, result: Any) -> None:
             results.append(result_record(request, result, model))
             summary.add(result)
             progress.update(task, advance=1)
+
+        batch = session.batch(speculative=speculative)
+        try:
+            while work or not batch.idle:
+                while work and batch.room > 0:
+                    request, prompt_ids = work.popleft()
+                    params = session.sampling_params(options, **request.sampling)
+                    try:
+                        row = batch.add(prompt_ids, params)
+                    except DflashError as error:
+                        failed(request, error)
+                        continue
+                    in_flight[row] = (request, prompt_ids, [], [])
+                events = batch.step()
+                shared = [event for _, event in events if isinstance(event, BaseException)]
+                for row, event in events:
+                    request, prompt_ids, ids, text = in_flight[row]
+                    if isinstance(event, BaseException):
+                        del in_flight[row]
+                        if shared.count(event) > 1 and isinstance(event, torch.OutOfMemoryError):
+                            retry.append((request, prompt_ids))  # its batch was too big, maybe not the request
+                        else:
+                            failed(request, event)
+                        continue
+                    ids += event.token_ids
+                    text.append(event.text)
+                    if event.finish_reason is not None:
+                        del in_flight[row]
+                        done(request, GenerationResult(ids, "".join(text), event.finish_reason, event.stats))
+                show_rate()
+        finally:
+            batch.close()
+        for request, prompt_ids in retry:
+            params = session.sampling_params(options, **request.sampling)
+            try:
+                result = collect(session.stream(prompt_ids, params, speculative=speculative))
+            except (DflashError, torch.OutOfMemoryError) as error:
+                failed(request, error)
+                continue
+            done(request, result)
     summary.generate_s = time.perf_counter() - started
     return summary
 
@@ -414,7 +451,9 @@ def run_file(
         summary = Summary(str(output_path), 0, speculative=not options.no_spec and _has_drafter(options))
         if pending:
             if load is None:
-                from dflash_cli.session import open_session as load
+                from dflash_cli.session import open_session
+
+                load = functools.partial(open_session, batching=True)
             load_started = time.perf_counter()
             session = load(options, console)
             load_s = time.perf_counter() - load_started

@@ -21,18 +21,20 @@ from prometheus_client import (
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0)
+ROWS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class ServerMetrics:
     def __init__(
-        self, *, model: str, speculative: bool, block_size: int, waiting: Callable[[], int], running: Callable[[], int]
-    ) -> None:
+        self, *, model: str, speculative: bool, block_size: int, waiting: Callable[[], int], running: Callable[[], int],
+        batch_size: int = 1,
+    ) -> None:  # fmt: skip
         disable_created_metrics()  # no `_created` timestamp series beside every counter: noise on a dashboard
         self.registry = registry = CollectorRegistry()
-        info = Gauge("dflash_model_info", "The served model (value 1)", ["model", "speculative", "block_size"],
+        info = Gauge("dflash_model_info", "The served model (value 1)", ["model", "speculative", "block_size", "batch_size"],
                      registry=registry)  # fmt: skip
-        info.labels(model, str(speculative).lower(), str(block_size)).set(1)
+        info.labels(model, str(speculative).lower(), str(block_size), str(batch_size)).set(1)
         self.http = Counter("dflash_http_requests", "HTTP requests answered, by route and status code",
                             ["route", "status"], registry=registry)  # fmt: skip
         self.finished = Counter("dflash_requests_finished", "Generations ended, by finish reason "
@@ -41,7 +43,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of generations", registry=registry)
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", registry=registry)
         Gauge("dflash_queue_depth", "Requests waiting for the engine", registry=registry).set_function(waiting)
-        Gauge("dflash_requests_running", "Requests being decoded", registry=registry).set_function(running)
+        Gauge("dflash_requests_running", "Requests being decoded (rows of the batch)", registry=registry).set_function(running)
+        self.batch_rows = Histogram("dflash_batch_rows", "Rows that shared each verify step (continuous batching)",
+                                    buckets=ROWS_BUCKETS, registry=registry)  # fmt: skip
         self.tau = Histogram("dflash_tau", "Mean tokens committed per verify step, one sample per request "
                              "(DFlash only; 1 = no gain)", buckets=TAU_BUCKETS, registry=registry)  # fmt: skip
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per verify step, bonus token "

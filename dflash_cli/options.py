@@ -34,6 +34,7 @@ class RunOptions:
     explain: bool = False  # print the plan and why each choice was made
     threads: int | None = None  # CPU threads; None: the cores other processes leave free
     compile: str = "auto"  # compile the target's steps: auto (on CUDA only), on, off
+    batch_size: int | None = None  # rows `run` and `serve` decode together; None: the plan's
 
     def resolve_recipe(self) -> Recipe:
         return resolve_recipe(self.recipe_name, self.recipe_file, self.target, self.drafter)
@@ -50,7 +51,9 @@ class RunOptions:
         )
 
     def plan_overrides(self) -> PlanOverrides:
-        return PlanOverrides(device=self.device, dtype=self.dtype, quant=self.quant, block_size=self.block_size)
+        return PlanOverrides(
+            device=self.device, dtype=self.dtype, quant=self.quant, block_size=self.block_size, batch_size=self.batch_size
+        )
 
     def sampling_params(self, **extra: Any) -> SamplingParams:
         """engine.SamplingParams from the sampling flags (named like the request fields); `extra` adds stop

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 # 152k vocabulary).
 PLAN_CONTEXT_TOKENS = 8192
 RUNTIME_OVERHEAD_BYTES = 1_500_000_000
+# Rows `dflash run` and `dflash serve` decode together at most, unless --batch-size says otherwise: where one verify
+# of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (docs/benchmarks.md).
+MAX_BATCH_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class PlanOverrides:
     dtype: str | None = None
     quant: str | None = None
     block_size: int | None = None
+    batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Plan:
     native_formats: tuple[str, ...] = ()
     weights: str = ""  # what the target's weights are in memory: the dtype, "nf4", "fp8" or "mxfp4"
     adaptive_block: bool = False  # each step picks its block size up to `block_size` (engine.policy); else fixed
+    batch_size: int = 1  # rows `run` and `serve` decode together: the KV cache of that many fits beside the weights
 
     def __post_init__(self) -> None:
         if not self.weights:
@@ -324,11 +329,31 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         "without an SDPA path, such as gpt-oss with its attention sinks, loads with eager attention)"
     )
     reasons.append(f"attention {attn}: {attn_why}")
+    batch_size, batch_why = _choose_batch_size(recipe, overrides, dtype, estimate, budget)
+    reasons.append(batch_why)
     reasons += [f"warning: {note}" for note in notes]
     return Plan(
         device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), tuple(notes), native, weights,
-        adaptive_block=overrides.block_size is None,
+        adaptive_block=overrides.block_size is None, batch_size=batch_size,
     )  # fmt: skip
+
+
+def _choose_batch_size(
+    recipe: Recipe, overrides: PlanOverrides, dtype: str, estimate: int | None, budget: int | None
+) -> tuple[int, str]:
+    """Rows for `run` and `serve`: as many as have room for a KV cache at the plan's context beside the weights
+    (the estimate already holds one), at most MAX_BATCH_ROWS."""
+    if overrides.batch_size is not None:
+        return overrides.batch_size, f"batch {overrides.batch_size} (run, serve): --batch-size"
+    row_bytes = (recipe.kv_bytes_per_token or 0) * BYTES_PER_ELEMENT[dtype] / 2 * PLAN_CONTEXT_TOKENS
+    if estimate is None or budget is None or row_bytes == 0:
+        return MAX_BATCH_ROWS, f"batch {MAX_BATCH_ROWS} (run, serve): the KV cache size is unknown, so the default"
+    rows = int(max(0, budget - estimate) // row_bytes) + 1
+    batch = max(1, min(MAX_BATCH_ROWS, rows))
+    return batch, (
+        f"batch {batch} (run, serve): room for the KV cache of {rows} rows at {PLAN_CONTEXT_TOKENS} tokens "
+        f"({gb(row_bytes)} each), at most {MAX_BATCH_ROWS}; --batch-size overrides"
+    )
 
 
 def _native_hint(fmt: str) -> str:

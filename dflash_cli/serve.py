@@ -156,7 +156,7 @@ class Server:
     async def health(self, request: HTTPRequest) -> Response:
         ok = self.worker.alive
         body = {"status": "ok" if ok else "unavailable", "model": self.model, "waiting": self.worker.waiting,
-                "running": self.worker.running}  # fmt: skip
+                "running": self.worker.running, "batch_size": self.worker.rows}  # fmt: skip
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request: HTTPRequest) -> Response:
@@ -385,21 +385,22 @@ def run_server(
 
     sock = bind(host, port)
     try:
-        session = open_session(options, console)
+        session = open_session(options, console, batching=True)
         speculative = not options.no_spec and session.can_speculate
         worker = Worker(session, speculative=speculative, max_queue=max_queue)
         metrics = ServerMetrics(
             model=session.served_name, speculative=speculative, block_size=session.block_size if speculative else 1,
-            waiting=lambda: worker.waiting, running=lambda: worker.running,
+            batch_size=worker.rows, waiting=lambda: worker.waiting, running=lambda: worker.running,
         )  # fmt: skip
         worker.on_finish = _reporter(metrics, console)
+        worker.on_step = metrics.batch_rows.observe
         server = Server(session, options, worker, metrics, api_key)
         config = uvicorn.Config(server.app(), lifespan="off", log_config=_log_config(), timeout_graceful_shutdown=10)
         uvicorn_server = _Uvicorn(config, on_exit=worker.stop)
         worker.start()
         url = url_of(sock)
         adaptive = "adaptive up to " if session.plan.adaptive_block else ""
-        mode = f"DFlash block {adaptive}{session.block_size}" if speculative else "baseline (no drafter)"
+        mode = (f"DFlash block {adaptive}{session.block_size}" if speculative else "baseline (no drafter)") + f", batch {worker.rows}"
         console.print(f"dflash serve: {escape(server.model)} ({mode}) at {url}/v1", soft_wrap=True)
         console.print(
             f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, /v1/models; /health, /metrics · "

@@ -15,8 +15,9 @@ from rich.console import Console
 # First: importing threads starts its CPU-load window, which then spans the torch import below for free.
 from dflash_cli.threads import ThreadPlan, apply_threads  # isort: skip
 
-from dflash_cli.engine import SamplingParams, Step, generate
-from dflash_cli.engine.policy import adaptive_policy
+from dflash_cli.engine import Batch, SamplingParams, Step, generate
+from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
+from dflash_cli.engine.target import batch_limit
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.hardware import detect_machine
 from dflash_cli.loading import LoadedModels, load_models
@@ -34,6 +35,7 @@ class Session:
     threads: ThreadPlan | None = None  # CPU plans: torch's thread count and why
     compile: bool = False  # run the target's steps compiled (engine.compiled)
     console: Console | None = None  # where a progress line shows while a step compiles
+    batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
 
     @property
     def target(self) -> Any:
@@ -54,18 +56,38 @@ class Session:
             return self.plan.block_size
         return self.drafter.block_size if self.drafter is not None else 1
 
+    @property
+    def batch_size(self) -> int:
+        """Rows decoded together by `run` and `serve`: the plan's, or 1 for a target that cannot batch."""
+        return 1 if batch_limit(self.target) is not None else self.plan.batch_size
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps run compiled: compiled steps run one row, so a batch of several runs eager."""
+        return self.compile and not (self.batching and self.batch_size > 1)
+
     def plan_line(self) -> str:
-        """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the CPU
-        thread count where it matters; whether steps are compiled."""
+        """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the rows a
+        batching frontend decodes together; the CPU thread count where it matters; whether steps are compiled."""
         line = self.plan.one_line(self.drafter.block_size if self.drafter is not None else None)
-        return line + (f", {self.threads.label()}" if self.threads is not None else "") + (", compiled" if self.compile else "")
+        line += f", batch {self.batch_size}" if self.batching else ""
+        return line + (f", {self.threads.label()}" if self.threads is not None else "") + (", compiled" if self.compiled else "")
 
     @property
     def notes(self) -> list[str]:
-        """Settings that run, but badly: the plan's, and a block longer than the loaded drafter was trained for."""
+        """Settings that run, but badly: the plan's, a block longer than the loaded drafter was trained for, a batch
+        this target or compiling cannot have."""
         trained = self.drafter.block_size if self.drafter is not None else None
         block = block_size_note(self.plan.block_size, trained)
-        return [*self.plan.notes, *([block] if block else [])]
+        notes = [*self.plan.notes, *([block] if block else [])]
+        if self.batching and self.plan.batch_size > 1:
+            limit = batch_limit(self.target)
+            if limit is not None:
+                notes.append(f"batch 1, not {self.plan.batch_size}: {limit}")
+            elif self.compile:
+                notes.append(f"compile off: compiled steps run one row, and this runs batches of {self.batch_size} "
+                             "(--batch-size 1 to compile)")  # fmt: skip
+        return notes
 
     @property
     def can_speculate(self) -> bool:
@@ -180,13 +202,28 @@ class Session:
         if speculative:
             self.ensure_drafter()
         drafter = self.drafter if speculative else None
-        policy = None
-        if drafter is not None and block_size is None and self.plan.adaptive_block:  # `block_size`: fixed by the caller
-            policy = adaptive_policy(self.target, drafter, self.block_size, compile=self.compile, notify=self._compile_status)
+        policy = self._policy(drafter, block_size, self.compile)
         return generate(
             self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer,
             compile=self.compile, notify=self._compile_status, policy=policy,
         )  # fmt: skip
+
+    def batch(self, *, speculative: bool = True) -> Batch:
+        """A batch of `batch_size` rows for frontends that decode several requests at once (run, serve): one block
+        size per step for all rows (the adaptive policy pools their acceptance)."""
+        if speculative:
+            self.ensure_drafter()
+        drafter = self.drafter if speculative else None
+        return Batch(
+            self.target, drafter, rows=self.batch_size, block_size=self.block_size, tokenizer=self.tokenizer,
+            compile=self.compiled, notify=self._compile_status, policy=self._policy(drafter, None, self.compiled),
+        )  # fmt: skip
+
+    def _policy(self, drafter: Any, block_size: int | None, compile: bool) -> BlockPolicy | None:
+        """The adaptive block policy, unless the plan or the caller (`block_size`) fixes the block."""
+        if drafter is None or block_size is not None or not self.plan.adaptive_block:
+            return None
+        return adaptive_policy(self.target, drafter, self.block_size, compile=compile, notify=self._compile_status)
 
     def _compile_status(self, message: str) -> ContextManager[Any]:
         """A progress line while a step compiles (nothing to show without a console)."""
@@ -213,8 +250,9 @@ def apply_chat_template(
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def open_session(options: RunOptions, console: Console | None = None) -> Session:
-    """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain)."""
+def open_session(options: RunOptions, console: Console | None = None, *, batching: bool = False) -> Session:
+    """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain). `batching`: the
+    frontend decodes several requests at once (run, serve)."""
     recipe = options.resolve_recipe()
     if not recipe.runnable:
         raise DflashError(
@@ -231,7 +269,7 @@ def open_session(options: RunOptions, console: Console | None = None) -> Session
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
-    session = Session(recipe, plan, models, threads, compile, console)
+    session = Session(recipe, plan, models, threads, compile, console, batching)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:

@@ -1,10 +1,11 @@
 """The engine worker of `dflash serve`: one thread owns the session (the models and the decode loop) and serves a
 bounded queue of jobs. HTTP handlers only submit jobs and read their updates; they never touch the models.
 
-A `Job` is also what a batched engine will consume: prompt ids, sampling params, a cancel flag checked between
-steps, and a `deliver` callback that receives the job's updates in order (text deltas, then one last update
-with the finish reason and the generation's numbers). The worker decodes one job at a time today; decoding
-several at once changes `Worker._serve` and `_next`, not the jobs or the handlers.
+A `Job` is one request for the engine: prompt ids, sampling params, a cancel flag checked between steps, and a
+`deliver` callback that receives the job's updates in order (text deltas, then one last update with the finish
+reason and the generation's numbers). The worker decodes up to `session.batch_size` jobs at once, each a row of
+one `engine.Batch` (continuous batching): between steps, waiting jobs join the free rows, and a finished or
+cancelled job leaves its row at once. Each job's updates are its own row's steps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable
-from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,8 @@ class ShuttingDown(Exception):
 
 
 class Worker:
-    """The thread that owns the engine. `max_queue` jobs may wait while one decodes; more are refused."""
+    """The thread that owns the engine. `session.batch_size` jobs decode together and `max_queue` more may wait;
+    more are refused."""
 
     def __init__(
         self,
@@ -69,13 +70,17 @@ class Worker:
         speculative: bool,
         max_queue: int,
         on_finish: Callable[[Job, Update, float], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
         self.session = session
         self.speculative = speculative
         self.max_queue = max_queue
+        self.rows = session.batch_size
         self.on_finish = on_finish  # (job, last update, seconds waited in the queue): metrics and the log
+        self.on_step = on_step  # (rows that shared a verify step): metrics
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: dict[Job, Any] = {}  # job -> its engine.Row
+        self._waited: dict[Job, float] = {}
         self._stopping = False
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._serve, name="dflash-engine", daemon=True)
@@ -86,12 +91,12 @@ class Worker:
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        return len(self._running)
 
     @property
     def full(self) -> bool:
-        """One job decodes and `max_queue` wait behind it (a job between submit and its start counts as waiting)."""
-        return len(self._waiting) + self.running >= self.max_queue + 1
+        """Every row decodes and `max_queue` wait (a job between submit and its start counts as waiting)."""
+        return len(self._waiting) + self.running >= self.max_queue + self.rows
 
     @property
     def alive(self) -> bool:
@@ -111,7 +116,7 @@ class Worker:
             self._lock.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop `job`: a waiting one leaves the queue now, a running one stops at its next step."""
+        """Stop `job`: a waiting one leaves the queue now, a running one leaves its row before the next step."""
         job.cancel()
         with self._lock:
             if job in self._waiting:
@@ -126,8 +131,8 @@ class Worker:
             self._stopping = True
             dropped = list(self._waiting)
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancel()
+            for job in self._running:
+                job.cancel()
             self._lock.notify_all()
         for job in dropped:
             job.cancel()
@@ -136,22 +141,64 @@ class Worker:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def _next(self) -> Job | None:
+    def _admit(self, batch: Any) -> bool:
+        """Wait for work; move waiting jobs into the batch's free rows. False: stop serving."""
         with self._lock:
-            while not self._waiting and not self._stopping:
+            while not self._waiting and not self._running and not self._stopping:
                 self._lock.wait()
             if self._stopping:
-                return None
-            self._running = self._waiting.popleft()
-            return self._running
+                return False
+            joining = []
+            while self._waiting and batch.room > len(joining):
+                joining.append(self._waiting.popleft())
+        for job in joining:
+            waited = time.perf_counter() - job.submitted
+            try:
+                row = batch.add(job.prompt_ids, job.params, key=job)
+            except Exception as error:  # a request the engine refuses (the handlers check most before submitting)
+                self._finish(job, Update(finish_reason="error", error=_first_line(error)), waited)
+                continue
+            with self._lock:
+                self._running[job] = row
+                self._waited[job] = waited
+        return True
 
     def _serve(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                self._generate(job)
-            finally:
-                with self._lock:
-                    self._running = None
+        batch = self.session.batch(speculative=self.speculative)
+        try:
+            while self._admit(batch):
+                for job, row in list(self._running.items()):
+                    if job.cancelled:
+                        batch.cancel(row)
+                        self._end(job, Update(finish_reason="cancelled", stats=_copy_stats(row)))
+                events = batch.step()
+                if self.on_step is not None and any(getattr(e, "acceptance_length", None) for _, e in events):
+                    self.on_step(len(events))
+                for row, event in events:
+                    self._deliver(row.key, row, event)
+        finally:
+            batch.close()
+            for job, row in list(self._running.items()):  # stopped: the jobs still decoding end here
+                self._end(job, Update(finish_reason="cancelled", stats=_copy_stats(row)))
+
+    def _deliver(self, job: Job, row: Any, event: Any) -> None:
+        if isinstance(event, BaseException):  # one failing generation fails its request alone; the worker serves on
+            traceback.print_exception(event)
+            self._end(job, Update(finish_reason="error", error=_first_line(event), stats=_copy_stats(row)))
+            import torch  # loaded already: the session's models are torch models
+
+            if isinstance(event, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # give the next request the memory this one could not use
+        elif event.finish_reason is not None:
+            self._end(job, Update(event.text, len(event.token_ids), event.finish_reason, copy.deepcopy(event.stats)))
+        elif not job.cancelled:
+            self._send(job, Update(event.text, len(event.token_ids)))
+
+    def _end(self, job: Job, update: Update) -> None:
+        with self._lock:
+            self._running.pop(job, None)
+            waited = self._waited.pop(job, 0.0)
+        self._finish(job, update, waited)
 
     def _send(self, job: Job, update: Update) -> None:
         try:
@@ -164,28 +211,11 @@ class Worker:
         if self.on_finish is not None:
             self.on_finish(job, update, waited)
 
-    def _generate(self, job: Job) -> None:
-        waited = time.perf_counter() - job.submitted
-        stats = None
-        try:
-            steps = self.session.stream(job.prompt_ids, job.params, speculative=self.speculative)
-            with closing(steps):  # stopping the step generator early is safe: it holds all the loop's state
-                for step in steps:
-                    stats = step.stats
-                    if job.cancelled:
-                        break
-                    if step.finish_reason is not None:
-                        final = Update(step.text, len(step.token_ids), step.finish_reason, copy.deepcopy(stats))
-                        self._finish(job, final, waited)
-                        return
-                    self._send(job, Update(step.text, len(step.token_ids)))
-        except Exception as error:  # one failing generation fails its request alone; the worker serves on
-            traceback.print_exc()
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
-            self._finish(job, Update(finish_reason="error", error=message, stats=copy.deepcopy(stats)), waited)
-            import torch  # loaded already: the session's models are torch models
 
-            if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # give the next request the memory this one could not use
-            return
-        self._finish(job, Update(finish_reason="cancelled", stats=copy.deepcopy(stats)), waited)
+def _copy_stats(row: Any) -> Any:
+    """The row's numbers so far, or None when it never started (its prefill did not run)."""
+    return copy.deepcopy(row.request.stats) if row.slot is not None else None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -100,6 +100,9 @@ class OracleDrafter(DFlashDrafter):
         self.steps = 0
         self.vocab = target.config.get_text_config().vocab_size
 
+    def propose_rows(self, rows):
+        return [self.propose(*row) for row in rows]
+
     @torch.no_grad()
     def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
         correct = self.correct

@@ -111,7 +111,8 @@ def test_run_flags_build_one_run_options() -> None:
         no_spec=True,
         explain=True,
     )
-    assert [p.name for p in RUN_FLAGS] == [f.name for f in dataclasses.fields(RunOptions)]
+    # every option is a shared flag, but --batch-size: only `run` and `serve` decode several requests at once
+    assert [p.name for p in RUN_FLAGS] == [f.name for f in dataclasses.fields(RunOptions) if f.name != "batch_size"]
 
 
 def test_run_options_feed_the_planner_and_the_sampler() -> None:

@@ -145,3 +145,24 @@ def test_a_hybrid_target_says_it_runs_eager_when_compiling_is_asked_for(tmp_path
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "compile off: hybrid targets run eager" in result.stderr and "compiled" not in result.stderr
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_row_of_a_batch_decodes_as_it_does_alone(family: str) -> None:
+    """Rows of different lengths share each verify (one row per hybrid: their recurrent state is per sequence),
+    each row's greedy output is transformers' own; sliding, chunked and full layers each get their own row mask."""
+    from test_batch import RowOracle, run_batch
+
+    from dflash_cli.engine import Batch, SamplingParams
+    from dflash_cli.engine.target import batch_limit
+
+    model = target(family)
+    prompts = [list(PROMPT), [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [27]]
+    lengths = [NEW_TOKENS, 12, 30, 20]
+    expected = [reference(family, tuple(p))[:n] for p, n in zip(prompts, lengths)]
+    drafter = RowOracle(model, [p + e for p, e in zip(prompts, expected)], block_size=8, correct=[0, 7, 3, 5, 1])
+    requests = [(p, SamplingParams(max_new_tokens=n), i) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    got, widest = run_batch(model, drafter, requests, rows=3)
+    assert [g[0] for g in got] == expected
+    assert widest == (1 if family in HYBRIDS else 3)
+    assert (batch_limit(model) is not None) == (family in HYBRIDS) and Batch(model, None, rows=3).rows == widest

@@ -375,7 +375,8 @@ def dflash_run(*args: str, cwd: Path) -> tuple[list[str], dict[str, Any]]:
 def test_sigkill_mid_run_loses_nothing(tmp_path: Path, models: tuple[Path, Path]) -> None:
     ids = [f"q{i:02d}" for i in range(16)]
     write_lines(tmp_path / "prompts.jsonl", [{"id": i, "prompt": f"Tell me about {i}"} for i in ids])
-    args = ("prompts.jsonl", "--target", str(models[0]), "--drafter", str(models[1]), "--max-tokens", "6")
+    # two rows at a time: rows finish and new ones join all through the run
+    args = ("prompts.jsonl", "--target", str(models[0]), "--drafter", str(models[1]), "--max-tokens", "6", "--batch-size", "2")
     command, kwargs = dflash_run(*args, cwd=tmp_path)
     output = tmp_path / "prompts.out.jsonl"
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kwargs)
@@ -464,3 +465,27 @@ def test_cli_errors_and_exit_codes(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "error:" in result.stderr and "fix:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_batched_run_gives_every_request_its_result_alone(tmp_path: Path, models: tuple[Path, Path], batch_size: int) -> None:
+    """Mixed prompt lengths, max_tokens, stop strings and seeded sampling, decoded three at a time (rows leave and
+    join all through the run): every result is the one the request gets decoded alone (float32)."""
+    from dflash_cli.engine import collect
+    from dflash_cli.session import open_session
+
+    options = RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=12, dtype="float32", batch_size=batch_size)
+    session = open_session(options, batching=True)
+    assert session.batch_size == batch_size
+    lines = [{"id": f"g{i}", "prompt": "Tell me " * (i % 4 + 1) + str(i), "max_tokens": 4 + 3 * i} for i in range(7)]
+    lines += [{"id": f"s{i}", "prompt": f"Sample {i}", "temperature": 0.9, "seed": i, "max_tokens": 10} for i in range(3)]
+    lines.append({"id": "stop", "prompt": "Tell me 3", "stop": ["e"], "max_tokens": 20})
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    summary = run_with(session, options, prompts)
+    assert summary.done == len(lines) and summary.failed == 0
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "p.out.jsonl")}
+    for request in jobs.read_requests(prompts).requests:
+        params = session.sampling_params(options, **request.sampling)
+        alone = collect(session.stream(session.encode_request(request), params))
+        assert (records[request.id]["text"], records[request.id]["finish_reason"]) == (alone.text, alone.finish_reason)
+    assert {records[f"s{i}"]["text"] for i in range(3)} != {records["g0"]["text"]}

@@ -6,6 +6,7 @@ this process and decoded through the session, the way `dflash chat` and `dflash 
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -37,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
 MAX_TOKENS = 16  # the server's --max-tokens: the default for requests that do not say
 MAX_QUEUE = 16
+BATCH = 4  # the server's --batch-size: rows decoded together
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -91,7 +93,7 @@ def model_flags(models: tuple[Path, Path]) -> list[str]:
 @pytest.fixture(scope="module")
 def server(models: tuple[Path, Path]) -> Iterator[RunningServer]:
     command = [sys.executable, "-m", "dflash_cli", "serve", *model_flags(models), "--port", "0", "--api-key", KEY,
-               "--max-queue", str(MAX_QUEUE)]  # fmt: skip
+               "--max-queue", str(MAX_QUEUE), "--batch-size", str(BATCH)]  # fmt: skip
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
     log: list[str] = []
     started = threading.Event()
@@ -159,7 +161,7 @@ def test_health_models_and_metrics(server: RunningServer, client: openai.OpenAI)
     for name in ("dflash_queue_depth", "dflash_requests_running", "dflash_tau_bucket", "dflash_acceptance_length_bucket",
                  "dflash_time_per_output_token_seconds_bucket", "dflash_generation_tokens_total"):  # fmt: skip
         assert name in metrics
-    assert 'dflash_model_info{block_size="4",model="' in metrics and 'speculative="true"' in metrics
+    assert 'dflash_model_info{batch_size="4",block_size="4",model="' in metrics and 'speculative="true"' in metrics
 
 
 def test_chat_completion_whole_and_streamed(
@@ -299,9 +301,18 @@ def test_16_concurrent_clients_get_complete_greedy_answers(
             return question, "".join(c.choices[0].delta.content or "" for c in stream)
         return question, client.chat.completions.create(model=server.target, messages=user(question)).choices[0].message.content
 
+    def rows_per_step() -> tuple[float, float, float]:  # verify steps: all, with one row, with at most BATCH - 1
+        count = server.metric("dflash_batch_rows_count")
+        return count, server.metric('dflash_batch_rows_bucket{le="1.0"}'), server.metric(f'dflash_batch_rows_bucket{{le="{BATCH - 1}.0"}}')
+
+    before = rows_per_step()
     with ThreadPoolExecutor(16) as pool:
         answers = dict(pool.map(ask, questions))
-    assert answers == expected
+    assert answers == expected  # each row of a batch answers exactly as it does alone
+    # and the rows did share their steps: the server's histogram of rows per verify step
+    steps, single, partial = (after - was for after, was in zip(rows_per_step(), before))
+    assert steps > 0 and single < steps / 2 and partial < steps, (steps, single, partial)
+    assert server.get("/health")[1]["batch_size"] == BATCH
     # and `dflash chat --prompt` (the real command, in this process) answers the same
     for question in questions[:2]:
         chat = CliRunner().invoke(app, ["chat", *model_flags(models), "--prompt", question, "--no-history"], input="")
@@ -366,10 +377,10 @@ def test_a_full_queue_answers_429_at_once(server: RunningServer, long_prompt: st
         deadline = time.monotonic() + 60
         while True:  # fill the engine and every queue slot with long streams we do not read
             health = server.get("/health")[1]
-            if health["waiting"] == MAX_QUEUE and health["running"] == 1:
+            if health["waiting"] == MAX_QUEUE and health["running"] == BATCH:
                 break
             assert time.monotonic() < deadline, health
-            if health["waiting"] + health["running"] < MAX_QUEUE + 1 and len(busy) < 3 * MAX_QUEUE:
+            if health["waiting"] + health["running"] < MAX_QUEUE + BATCH and len(busy) < 3 * MAX_QUEUE:
                 connection = socket.create_connection(("127.0.0.1", server.port))
                 connection.sendall(request)
                 busy.append(connection)
@@ -484,7 +495,8 @@ def test_a_taken_port_fails_before_the_model_loads(tmp_path: Path) -> None:
 def test_worker_queue_bounds_cancellation_and_stop(session: Session, models: tuple[Path, Path]) -> None:
     from dflash_cli.worker import Job, QueueFull, ShuttingDown, Worker
 
-    worker = Worker(session, speculative=True, max_queue=0)  # no waiting: only the one decoding
+    one_row = dataclasses.replace(session, plan=dataclasses.replace(session.plan, batch_size=1))
+    worker = Worker(one_row, speculative=True, max_queue=0)  # no waiting: only the one decoding
     ids = session.encode_chat(user("Hi"))
     params = session.sampling_params(local_options(models))
     updates: dict[str, list[Any]] = {"a": [], "b": [], "c": []}

@@ -49,7 +49,7 @@ def test_steps_write_in_place_and_rejections_only_move_the_length():
         pointers.add((state._keys[0].data_ptr(), state._values[-1].data_ptr(), state._block_features.data_ptr()))
         hooks_during.add(_hooks(target))
         # the newest token is not in the state yet: it opens the next block
-        lengths.append((state.length, len(prompt) + committed - 1))
+        lengths.append((state.lengths[0], len(prompt) + committed - 1))
     assert len(pointers) == 1, "buffers must be written in place, never reallocated during a generation"
     assert hooks_during == {hooks_before + len(drafter.config.target_layer_ids)}, "hooks are installed once, not per step"
     assert all(a == b for a, b in lengths[:-1])

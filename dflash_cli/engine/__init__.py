@@ -1,13 +1,13 @@
 """The engine: one decode loop every frontend uses (the baseline is the same loop with a block of 1).
 
-Modules, one job each: `loop` (the generator of steps), `request` (one generation's limits, stop conditions,
+Modules, one job each: `loop` (the batch of rows, and the generator of steps), `request` (one generation's limits, stop conditions,
 stats and RNG), `target` (the target's static state: prefill, verify, commit), `drafter` (the DFlash drafter
 models and their context cache), `compiled` (the compiled step functions), `policy` (each step's block size),
 `sampling` (choosing tokens and the acceptance rule), `text` (streamed detokenization), `stats` (counts and
 clocks).
 """
 
-from dflash_cli.engine.loop import collect, generate, speculative_generate
+from dflash_cli.engine.loop import Batch, Row, collect, generate, speculative_generate
 from dflash_cli.engine.policy import AdaptiveBlock, BlockPolicy, FixedBlock, adaptive_policy
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
@@ -18,12 +18,14 @@ from dflash_cli.engine.text import TextStream
 __all__ = [
     "AdaptiveBlock",
     "AttentionState",
+    "Batch",
     "BlockPolicy",
     "FixedBlock",
     "GenerationResult",
     "GenerationStats",
     "PhaseClock",
     "Request",
+    "Row",
     "SamplingParams",
     "Step",
     "TargetState",

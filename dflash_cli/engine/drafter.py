@@ -38,7 +38,7 @@ import copy
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -710,7 +710,26 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
         """The draft token ids for block slots 1..q-1 [b, q-1]: what the engine verifies, at any temperature."""
-        return self.draft(features, block_ids, start, cache).argmax(dim=-1)
+        return self.select(self.draft_hidden(features, block_ids, start, cache), block_ids[:, 0])
+
+    def select(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of block slots 1..q-1 [n, q-1, H] and each block's first token [n] -> the proposal [n, q-1]."""
+        return self.logits(hidden).argmax(dim=-1)
+
+    @torch.no_grad()
+    def propose_rows(self, rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, DraftCache]]) -> list[torch.Tensor]:
+        """`propose(features, block_ids, start, cache)` for several sequences, each with its own context cache: the
+        layers run per row (each row brings its own number of new context rows), the head and the proposal once for
+        the rows of each block size (one GEMM reads the lm_head's weights once, not once per row)."""
+        hidden = [self.draft_hidden(*row) for row in rows]
+        proposals: list[torch.Tensor | None] = [None] * len(rows)
+        for width in {h.shape[1] for h in hidden}:
+            group = [i for i, h in enumerate(hidden) if h.shape[1] == width]
+            anchors = torch.cat([rows[i][1][:, 0] for i in group])
+            chosen = self.select(torch.cat([hidden[i] for i in group]), anchors)
+            for at, i in enumerate(group):
+                proposals[i] = chosen[at : at + 1]
+        return proposals
 
     def save_pretrained(self, directory: str | Path) -> None:
         from safetensors.torch import save_file
@@ -731,10 +750,8 @@ class DFlash2Drafter(DFlashDrafter):
         super().__init__(config, target)
         self.candidate_selector = CandidateSelector(config)
 
-    @torch.no_grad()
-    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
-        hidden = self.draft_hidden(features, block_ids, start, cache)
-        return self.candidate_selector.greedy_chain(hidden, self.logits(hidden), block_ids[:, 0])
+    def select(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        return self.candidate_selector.greedy_chain(hidden, self.logits(hidden), anchor_ids)
 
 
 def make_drafter(config: DrafterConfig, target: PreTrainedModel | None = None) -> DFlashDrafter:

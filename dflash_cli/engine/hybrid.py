@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -235,25 +235,26 @@ class HybridState(AttentionState):
         self._block: torch.Tensor | None = None  # the last verified block, until it is committed
 
     def reserve(
-        self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, compile: bool = False,
-        notify: Notify | None = None,
+        self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, rows: int = 1,
+        compile: bool = False, notify: Notify | None = None,
     ) -> None:  # fmt: skip
+        assert rows == 1, "a hybrid state holds one sequence (target.batch_limit)"
         super().reserve(positions, block_size, feature_layers, compile=False, notify=notify)  # eager: see above
 
-    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
         for layer in self.rollback.layers:  # a new sequence: no state carried over from the last request
             layer.reset()
-        return super().prefill(token_ids)
+        return super().prefill(token_ids, slot)
 
-    def verify(self, block_ids: torch.Tensor) -> torch.Tensor:
+    def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:
         self._block = block_ids
         with self.rollback.verifying():
-            return super().verify(block_ids)
+            return super().verify(block_ids, slots)
 
-    def commit(self, n: int) -> None:
+    def commit(self, n: int, slot: int = 0) -> None:
         block, self._block = self._block, None
         if block is not None and n < block.shape[1]:
             # the fallback reruns the kept tokens from the committed length (their K/V and features come out
             # the same as the verify's)
             self.rollback.keep(n, block.shape[1], lambda kept: AttentionState.verify(self, block[:, :kept]))
-        super().commit(n)
+        super().commit(n, slot)

@@ -1,31 +1,248 @@
-"""The one decode loop, as a generator of steps, for every frontend.
+"""The one decode loop, for a batch of rows, and the single-request generator of steps every frontend uses.
 
-Each step drafts a block [last committed token, MASK x (B-1)] with the drafter, verifies the whole block
-in one target forward, and commits the longest prefix the target agrees with plus one token of the
-target's own (`sampling.accepted_drafts`). With `drafter=None` the same loop runs with a block of 1:
-plain autoregressive decoding, so baseline and speculative numbers are like for like.
+Each step drafts a block [last committed token, MASK x (B-1)] per row with the drafter, verifies every row's
+block in one target forward, and commits, per row, the longest prefix the target agrees with plus one token of
+the target's own (`sampling.accepted_drafts`). With `drafter=None` the same loop runs with a block of 1: plain
+autoregressive decoding, so baseline and speculative numbers are like for like.
 
-The loop holds no per-request state of its own: limits, stop conditions, text, stats and RNG are the
-`Request`'s; K/V, positions and captured features are the `TargetState`'s. One host sync per step: the
-accepted count and the target's tokens, in one transfer.
+`Batch` holds the rows: each row is a `Request` (limits, stop conditions, text stream, stats, RNG, sampling
+params) in a slot of the `TargetState` (its K/V, length and captured features) with its own drafter cache. Rows
+join (prefilled into a free slot, alone) and leave (a finished or cancelled row frees its slot at once) between
+steps: continuous batching. `generate` is that loop with one row. One host sync per step: every row's accepted
+count and target tokens, in one transfer.
+
+The drafter's layers run once per row (its context cache and the number of new context rows are per row), its
+lm_head and proposal once per step for all rows (`propose_rows`); the target's verify, the dominant cost, runs
+once per step for all rows. A block policy (engine.policy) picks one block size
+per step for all rows (1: a plain step, no drafting) and learns from the rows' pooled acceptance.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step
-from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
-from dflash_cli.engine.target import TargetState, acquire_state, context_window, release_state
+from dflash_cli.engine.target import AttentionState, acquire_state, batch_limit, context_window, release_state
 from dflash_cli.errors import DflashError
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a batch: its request and where its decoding stands. `key` is the caller's handle."""
+
+    request: Request
+    key: Any = None
+    slot: int | None = None  # None: waiting to join
+    last: torch.Tensor | None = None  # [1] on device: the newest committed token, not yet in the target's state
+    # Context features the drafter has not read yet: the committed positions since its last draft (plain steps add
+    # theirs, copied out of the block buffer the next verify overwrites).
+    pending: list[torch.Tensor] = field(default_factory=list)
+    draft_cache: DraftCache | None = None
+    decode_started: float = 0.0
+
+
+class Batch:
+    """Rows decoded together (see the module docstring). `rows`: the most that decode at once (1 for targets that
+    cannot batch, `target.batch_limit`). `policy` picks each step's block size (engine.policy); without one, every
+    step verifies `block_size` (default: the drafter's). Add requests with `add`, call `step` until `idle`, then
+    `close`."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DFlashDrafter | None,
+        *,
+        rows: int = 1,
+        block_size: int | None = None,
+        tokenizer: Any = None,
+        compile: bool = False,
+        notify: Notify | None = None,
+        policy: BlockPolicy | None = None,
+    ) -> None:
+        self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
+        self.device = target.get_input_embeddings().weight.device
+        if drafter is None:
+            policy = FixedBlock(1)
+        elif policy is None:
+            policy = FixedBlock(block_size or drafter.block_size)
+        self.policy = policy  # one block size per step for every row, up to policy.max_size
+        self.block = policy.max_size
+        self.rows = 1 if batch_limit(target) is not None else max(1, rows)
+        self.compile = compile and self.rows == 1  # compiled steps run one row
+        self.state: AttentionState | None = None  # taken when the first row joins
+        self.slots: list[Row | None] = [None] * self.rows
+        self.waiting: deque[Row] = deque()
+        self.clock = PhaseClock(self.device)
+
+    @property
+    def active(self) -> list[Row]:
+        return [row for row in self.slots if row is not None]
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    @property
+    def room(self) -> int:
+        """How many more rows can join now without waiting."""
+        return self.slots.count(None) - len(self.waiting)
+
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams, key: Any = None) -> Row:
+        """Queue a request; it joins at the next step with a free slot. Raises DflashError for a request that
+        cannot run (an empty prompt, one that fills the context window)."""
+        request = Request(
+            prompt_ids, params, block_size=self.block, speculative=self.drafter is not None,
+            context_window=context_window(self.target), device=self.device, tokenizer=self.tokenizer,
+            adaptive=not isinstance(self.policy, FixedBlock),
+        )  # fmt: skip
+        row = Row(request, key)
+        self.waiting.append(row)
+        return row
+
+    def cancel(self, row: Row) -> None:
+        """Drop `row`: a waiting one leaves the queue, a decoding one frees its slot now."""
+        if row in self.waiting:
+            self.waiting.remove(row)
+        elif row.slot is not None and self.slots[row.slot] is row:
+            self.slots[row.slot] = None
+
+    def close(self) -> None:
+        """Give the target state back (its buffers stay for the next batch on this target)."""
+        self.policy.finish()
+        if self.state is not None:
+            release_state(self.state)
+            self.state = None
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Row, Step | BaseException]]:
+        """One step: admit the waiting rows that have a free slot (each prefilled alone: its first token, delivered
+        before anything else runs), or else one draft + verify for every decoding row. Returns each row's step (or
+        the exception that failed it), in order; a row whose step has a finish_reason, or that failed, has left."""
+        if self.waiting and None in self.slots:
+            events: list[tuple[Row, Step | BaseException]] = []
+            while self.waiting and None in self.slots:
+                row = self.waiting.popleft()
+                row.slot = self.slots.index(None)
+                self.slots[row.slot] = row
+                events += self._leave([row], self._prefill)
+            return events
+        return self._leave(self.active, self._decode) if self.active else []
+
+    def _leave(self, rows: list[Row], run: Any) -> list[tuple[Row, Step | BaseException]]:
+        """`run(rows)` -> each row's step, or the exception that stopped it (a failing step fails its own rows, the
+        batch goes on); the rows that finished or failed leave the batch."""
+        try:
+            outcome = run(rows)
+        except Exception as error:
+            outcome = [error] * len(rows)
+        for row, event in zip(rows, outcome):
+            if isinstance(event, BaseException) or event.finish_reason is not None:
+                self.cancel(row)
+        return list(zip(rows, outcome))
+
+    def _reserve(self, request: Request, prompt: torch.Tensor) -> AttentionState:
+        if self.state is None:
+            self.state = acquire_state(self.target)
+            layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
+            self.state.reserve(request.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify)
+            self.policy.prepare(self.state, self.drafter, prompt)  # before any row is in the state (it may use row 0)
+        else:
+            self.state.make_room(request.end, self.block)
+        return self.state
+
+    def _prefill(self, rows: list[Row]) -> list[Step]:
+        (row,) = rows
+        request, stats = row.request, row.request.stats
+        prompt = torch.tensor([request.prompt_ids], device=self.device)
+        state = self._reserve(request, prompt)
+        started = time.perf_counter()
+        # Prefill: the whole prompt once; only the last position's logits are needed.
+        logits = state.prefill(prompt, row.slot)
+        row.last = sample_tokens(logits, request.params, request.generator, request.uniforms_at(len(request.prompt_ids), 1))
+        first = int(row.last.item())
+        stats.prefill_s = stats.ttft_s = time.perf_counter() - started
+        if self.drafter is not None:
+            row.draft_cache = self.drafter.new_cache(request.end + self.block, self.block)
+            if self.compile:
+                row.draft_cache.step, row.draft_cache.notify = compiled_draft_step(self.device), self.notify
+            row.pending = [state.features(state.lengths[row.slot], row.slot)]
+        row.decode_started = time.perf_counter()
+        return [request.commit([first], verified=False)]
+
+    def _decode(self, rows: list[Row]) -> list[Step]:
+        state, drafter, clock = self.state, self.drafter, self.clock
+        starts = [state.lengths[row.slot] for row in rows]  # the position of each row's `last`
+        limits = [row.request.block_at(start) for row, start in zip(rows, starts)]
+        # One size for the step (the policy's); near its end a row's block shortens (as in the reference).
+        chosen = self.policy.choose(max(limits))
+        sizes = [min(chosen, limit) for limit in limits]
+        # Several rows share one width, and some states verify whole blocks regardless: the target is causal, so
+        # slots after a row's real block change nothing before them.
+        width = sizes[0] if len(rows) == 1 and not state.whole_blocks else self.policy.padded(chosen)
+        block_ids = torch.full((len(rows), width), drafter.mask_token_id if drafter is not None else 0, device=self.device)
+        block_ids[:, 0] = torch.cat([row.last for row in rows])
+        t_draft = clock.mark()
+        drafting = []  # (row index, size, the drafter's arguments)
+        for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
+            if drafter is not None and size > 1:
+                features = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending, dim=1)
+                row.pending.clear()
+                # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
+                drafting.append((i, size, (features, block_ids[i, :size][None], start, row.draft_cache)))
+            elif drafter is not None:
+                row.pending[-1] = row.pending[-1].clone()
+        if drafting:  # (one row: `propose` itself, which test and benchmark doubles wrap)
+            arguments = [arguments for _, _, arguments in drafting]
+            proposals = [drafter.propose(*arguments[0])] if len(arguments) == 1 else drafter.propose_rows(arguments)
+            for (i, size, _), proposal in zip(drafting, proposals):
+                block_ids[i, 1:size] = proposal[0]
+        t_verify = clock.mark()
+        logits = state.verify(block_ids, [row.slot for row in rows])
+        host_parts, posteriors = [], []
+        for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
+            # (block slot j chooses the token at position start + 1 + j: that position's own uniform)
+            uniforms = row.request.uniforms_at(start + 1, size)
+            posterior = sample_tokens(logits[i, :size], row.request.params, row.request.generator, uniforms)
+            # Draft j+1 stands while it equals the target's choice after position j.
+            host_parts += [accepted_drafts(block_ids[i, 1:size], posterior[:-1]).view(1), posterior]
+            posteriors.append(posterior)
+        t_end = clock.mark()
+        host = torch.cat(host_parts).tolist()  # the step's one host sync
+        verify_s = clock.seconds(t_verify, t_end)
+        # The rows' acceptance, pooled; a row cut short by its own end says nothing about the later positions.
+        offsets = [sum(size + 1 for size in sizes[:i]) for i in range(len(rows))]
+        full = [host[at] for at, size in zip(offsets, sizes) if size == chosen]
+        if full:
+            self.policy.observe(chosen, full[0] if len(full) == 1 else full, clock.seconds(t_draft, t_verify), verify_s)
+        draft_s = clock.seconds(t_draft, t_verify)
+        steps, at = [], 0
+        for row, size, posterior in zip(rows, sizes, posteriors):
+            accepted = host[at]
+            committed = host[at + 1 : at + accepted + 2]  # accepted drafts equal the target's own tokens, then the bonus
+            at += size + 1
+            stats = row.request.stats  # (each row waited for the whole step: its draft and verify times are the step's)
+            stats.draft_s += draft_s
+            stats.verify_s += verify_s
+            state.commit(accepted + 1, row.slot)
+            if drafter is not None:
+                # Features of the committed block positions; the bonus token's arrive with the next verify.
+                row.pending.append(state.features(accepted + 1, row.slot))
+            row.last = posterior[accepted : accepted + 1]
+            step = row.request.commit(committed, verified=True, block_size=size)
+            stats.decode_s = time.perf_counter() - row.decode_started
+            steps.append(step)
+        return steps
 
 
 @torch.inference_mode()
@@ -43,97 +260,23 @@ def generate(
 ) -> Iterator[Step]:
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
-    `compile`: run the target's and the drafter's steps compiled (engine.compiled); `notify(message)` is a
-    context manager shown while a step compiles for the first time. `policy` (engine.policy) picks each step's
-    block size, up to its `max_size`; without one, every step verifies `block_size` (default: the drafter's).
+    The batch loop with one row. `compile`: run the target's and the drafter's steps compiled
+    (engine.compiled); `notify(message)` is a context manager shown while a step compiles for the first time.
+    `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
+    `block_size` (default: the drafter's).
     """
-    device = target.get_input_embeddings().weight.device
-    if drafter is None:
-        policy = FixedBlock(1)
-    elif policy is None:
-        policy = FixedBlock(block_size or drafter.block_size)
-    request = Request(
-        prompt_ids, params, block_size=policy.max_size, speculative=drafter is not None,
-        context_window=context_window(target), device=device, tokenizer=tokenizer,
-        adaptive=not isinstance(policy, FixedBlock),
-    )  # fmt: skip
-    state = acquire_state(target)
+    batch = Batch(target, drafter, block_size=block_size, tokenizer=tokenizer, compile=compile, notify=notify, policy=policy)
+    batch.add(prompt_ids, params)
     try:
-        layer_ids = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-        state.reserve(request.end, policy.max_size, layer_ids, compile=compile, notify=notify)
-        yield from _decode(state, drafter, request, device, compile, notify, policy)
+        while True:
+            for _, step in batch.step():
+                if isinstance(step, BaseException):
+                    raise step
+                yield step
+                if step.finish_reason:
+                    return
     finally:
-        policy.finish()
-        release_state(state)
-
-
-def _decode(
-    state: TargetState, drafter: DFlashDrafter | None, request: Request, device: torch.device, compile: bool,
-    notify: Notify | None, policy: BlockPolicy,
-) -> Iterator[Step]:
-    params, stats = request.params, request.stats
-    prompt = torch.tensor([request.prompt_ids], device=device)
-    policy.prepare(state, drafter, prompt)
-    started = time.perf_counter()
-    # Prefill: the whole prompt once; only the last position's logits are needed.
-    logits = state.prefill(prompt)
-    token = sample_tokens(logits, params, request.generator, request.uniforms_at(state.length, 1))
-    first = int(token.item())
-    stats.prefill_s = stats.ttft_s = time.perf_counter() - started
-    step = request.commit([first], verified=False)
-    yield step
-    if step.finish_reason:
-        return
-
-    draft_cache = None
-    if drafter is not None:
-        draft_cache = drafter.new_cache(request.end + request.block_size, request.block_size)
-        if compile:
-            draft_cache.step, draft_cache.notify = compiled_draft_step(device), notify
-    # Context features the drafter has not read yet: the committed positions since its last draft (plain steps
-    # add theirs, copied out of the block buffer the next verify overwrites).
-    pending = [state.features(state.length)] if drafter is not None else []
-    decode_started = time.perf_counter()
-    clock = PhaseClock(device)
-    last = token  # [1] on device: the newest committed token, not yet in the target's state
-    while True:
-        start = state.length  # the position of `last`
-        # Near the end the block shortens (as in the reference); some states verify whole blocks regardless.
-        size = policy.choose(request.block_at(start))
-        width = policy.padded(size) if state.whole_blocks else size
-        block_ids = last.new_full((1, width), drafter.mask_token_id if drafter is not None else 0)
-        block_ids[0, 0] = last[0]
-        t_draft = clock.mark()
-        if drafter is not None and size > 1:
-            features = pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)
-            pending.clear()
-            # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
-            block_ids[0, 1:size] = drafter.propose(features, block_ids[0, :size][None], start, draft_cache)[0]
-        elif drafter is not None:
-            pending[-1] = pending[-1].clone()
-        t_verify = clock.mark()
-        logits = state.verify(block_ids)[:size]
-        posterior = sample_tokens(logits, params, request.generator, request.uniforms_at(start + 1, size))  # row i: start+1+i
-        # Draft j+1 stands while it equals the target's choice after position j.
-        run = accepted_drafts(block_ids[0, 1:size], posterior[:-1]).view(1)
-        t_end = clock.mark()
-        host = torch.cat([run, posterior]).tolist()  # the step's one host sync
-        accepted = host[0]
-        committed = host[1 : accepted + 2]  # accepted drafts equal the target's own tokens, then the bonus
-        draft_s, verify_s = clock.seconds(t_draft, t_verify), clock.seconds(t_verify, t_end)
-        stats.draft_s += draft_s
-        stats.verify_s += verify_s
-        policy.observe(size, accepted, draft_s, verify_s)
-        state.commit(accepted + 1)
-        if drafter is not None:
-            # Features of the committed block positions; the bonus token's arrive with the next verify.
-            pending.append(state.features(accepted + 1))
-        last = posterior[accepted : accepted + 1]
-        step = request.commit(committed, verified=True, block_size=size)
-        stats.decode_s = time.perf_counter() - decode_started
-        yield step
-        if step.finish_reason:
-            return
+        batch.close()
 
 
 def collect(steps: Iterator[Step]) -> GenerationResult:

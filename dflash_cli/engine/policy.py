@@ -172,7 +172,7 @@ class StepCosts:
         clock = PhaseClock(device)
         top = max(self.sizes)
         state.prefill(prompt)
-        length = state.length
+        length = state.lengths[0]
         features = state.features(length)
         cache = drafter.new_cache(length + top + CALIBRATION_ROUNDS * len(self.sizes) * CALIBRATION_CONTEXT, top)
         if self.key.get("compile"):

@@ -12,8 +12,15 @@ whose layers are attention layers (Llama, Qwen3 and their kin), gpt-fast style:
 - The hidden states the drafter reads are written into a preallocated buffer by forward hooks that are
   installed once per state (not per step) and act only during this state's own forwards.
 
+Rows: the buffers hold `rows` sequences ([rows, heads, capacity, head_dim]), each with its own committed length.
+A forward over one row reads and writes that row alone, exactly as a single sequence would (the same kernels and
+masks as transformers' own decoding). A forward over several rows (`verify(block, slots)`) places each row's block
+at that row's own positions and hands attention the rows' K/V up to the longest row's end, with an explicit mask
+per layer kind (causal on each row's positions; sliding or chunked where the layer is): the slots past a row's
+end are masked, and are zeros or that row's own stale K/V, never garbage (see docs/architecture.md).
+
 A model whose layers keep a recurrent state (hybrid models) implements `commit` by restoring the state after
-n tokens; a batch holds one state per row.
+n tokens; it decodes one row (`batch_rows`).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -37,25 +44,27 @@ MIN_CAPACITY = 8192
 
 
 class TargetState(ABC):
-    """The target's state for one sequence: `length` tokens committed (positions 0 .. length-1)."""
+    """The target's state for a batch of sequences, one per row (slot): `lengths[slot]` tokens committed in each
+    (positions 0 .. length-1)."""
 
-    length: int
-
-    @abstractmethod
-    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Run the prompt [1, P] from position 0 and commit it; return the logits of its last position [1, vocab]."""
+    lengths: list[int]
 
     @abstractmethod
-    def verify(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Run a block [1, q] at positions length .. length+q-1 without committing it; return its logits [q, vocab]."""
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """Run a prompt [1, P] into row `slot` from position 0 and commit it; return its last position's logits [1, vocab]."""
 
     @abstractmethod
-    def commit(self, n: int) -> None:
-        """Keep the first n positions of the last verified block; forget the rest."""
+    def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:
+        """Run one block per row [n, q], row i of `slots` at positions lengths[slot] .. +q-1, without committing
+        them; return their logits [n, q, vocab]."""
 
     @abstractmethod
-    def features(self, n: int) -> torch.Tensor:
-        """The drafter's context features of the first n positions of the last forward, [1, n, F]."""
+    def commit(self, n: int, slot: int = 0) -> None:
+        """Keep the first n positions of row `slot`'s last verified block; forget the rest."""
+
+    @abstractmethod
+    def features(self, n: int, slot: int = 0) -> torch.Tensor:
+        """The drafter's context features of row `slot`'s first n positions in the last forward, [1, n, F]."""
 
     @property
     def whole_blocks(self) -> bool:
@@ -127,7 +136,8 @@ def context_window(target: PreTrainedModel) -> int | None:
 
 
 class _KVLayer(CacheLayerMixin):
-    """One attention layer's K/V for transformers: reads and writes the owning state's buffers at its length."""
+    """One attention layer's K/V for transformers: reads and writes the owning state's buffers, in the rows and at
+    the positions of the state's current forward."""
 
     is_sliding = False  # sliding-window targets keep every position; their masks still apply the window
     # Not "compileable" in transformers' sense: that would make its masks materialize for one-token steps, which
@@ -145,19 +155,25 @@ class _KVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.state
         keys, values = state.buffers(self.index, key_states)
+        keys, values = keys[state.forward_rows], values[state.forward_rows]
+        if state.forward_positions is not None:  # several rows, each block at its own row's positions
+            rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
+            keys[rows, :, state.forward_positions] = key_states.transpose(1, 2)
+            values[rows, :, state.forward_positions] = value_states.transpose(1, 2)
+            return keys[:, :, : state.forward_end], values[:, :, : state.forward_end]
         q = key_states.shape[-2]
         if state.full_view:  # fixed shapes: the write position comes from the device-side length
             at = torch.arange(q, device=keys.device) + state.offset
             keys.index_copy_(2, at, key_states)
             values.index_copy_(2, at, value_states)
             return keys, values
-        end = state.length + q
-        keys[:, :, state.length : end].copy_(key_states)
-        values[:, :, state.length : end].copy_(value_states)
+        end = state.at + q
+        keys[:, :, state.at : end].copy_(key_states)
+        values[:, :, state.at : end].copy_(value_states)
         return keys[:, :, :end], values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.state.capacity if self.state.full_view else self.state.length + query_length), 0
+        return (self.state.capacity if self.state.full_view else self.state.at + query_length), 0
 
     def get_seq_length(self) -> int | torch.Tensor:
         return self.state.offset
@@ -166,26 +182,53 @@ class _KVLayer(CacheLayerMixin):
         return self.state.capacity
 
 
+def batch_limit(target: PreTrainedModel) -> str | None:
+    """Why `target` decodes one row at a time, or None when several rows can share its forwards."""
+    from dflash_cli.engine.hybrid import linear_cache_layers  # hybrid.py builds on this module
+
+    if linear_cache_layers(target):
+        return "hybrid targets decode one row at a time (their recurrent state rolls back per sequence)"
+    attention = target.config._attn_implementation
+    if attention not in ("sdpa", "eager"):
+        return f"{attention} attention takes no per-row mask: one row at a time (sdpa and eager batch)"
+    kinds = set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - set(MASK_KINDS)
+    if kinds:
+        return f"layers of kind {', '.join(sorted(kinds))} have no per-row mask here: one row at a time"
+    return None
+
+
+MASK_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 class AttentionState(TargetState):
     """Static K/V buffers and feature capture for a transformers attention model (see the module docstring)."""
 
     def __init__(self, target: PreTrainedModel) -> None:
         self._target = weakref.ref(target)  # the hooks this state installs on the target must not keep it alive
-        self.length = 0
+        self.rows = 1
+        self.lengths = [0]
         self.capacity = 0
         self.layers = target_decoder_layers(target)
         self.cache = Cache(layers=[_KVLayer(self, i) for i in range(len(self.layers))])
         self._keys: list[torch.Tensor | None] = [None] * len(self.layers)
         self._values: list[torch.Tensor | None] = [None] * len(self.layers)
+        # The current forward: its rows of the buffers, and either one row's committed length (`at`) or, for
+        # several rows, each query's position [n, q] and how many key positions attention reads.
+        self.forward_rows = slice(0, 1)
+        self.at = 0
+        self.forward_positions: torch.Tensor | None = None
+        self.forward_end = 0
         # compiled steps (compiled.CompiledStep) or None: eager; full_view: whole-buffer attention, for CUDA graphs
         self.step: CompiledStep | None = None
         self.full_view = False
-        self._length_t: torch.Tensor | None = None  # `length` on the device, for full_view
+        self._length_t: torch.Tensor | None = None  # `at` on the device, for full_view
         self.notify: Notify | None = None  # shows a progress line while a step compiles
         self.feature_layers: tuple[int, ...] = ()
         self._hooks: list[Any] = []
-        self._block_features: torch.Tensor | None = None  # [1, block, F]: verify steps write here
-        self._features: torch.Tensor | None = None  # what the last forward wrote (the block buffer, or the prompt's)
+        self._block_features: torch.Tensor | None = None  # [rows, block, F]: verify steps write here
+        self._features: torch.Tensor | None = None  # what the last forward wrote (the block buffer, or a prompt's)
+        self._feature_rows = slice(0, 1)  # the rows of `_features` the current forward writes
+        self._feature_slot = 0  # the slot of `_features`' first row
         self.capture = False  # this request's drafter reads features
         self._capturing = False  # inside one of this state's forwards, with capture on
         self.busy = False  # a generation is using this state (see `acquire_state`)
@@ -206,28 +249,33 @@ class AttentionState(TargetState):
 
     @property
     def offset(self) -> int | torch.Tensor:
-        """The committed length as the forward sees it: a device tensor in full_view mode (so graphs do not
-        specialize on it), else a Python int."""
-        return self._length_t if self.full_view else self.length
+        """The committed length of a one-row forward as the forward sees it: a device tensor in full_view mode
+        (so graphs do not specialize on it), else a Python int."""
+        return self._length_t if self.full_view else self.at
 
     # --- setup, between requests ---
 
     def reserve(
-        self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, compile: bool = False,
-        notify: Notify | None = None,
+        self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, rows: int = 1,
+        compile: bool = False, notify: Notify | None = None,
     ) -> None:  # fmt: skip
-        """Make room for a request of `positions` positions verified in blocks of `block_size` (the last block
-        may run past `positions`), with the drafter reading `feature_layers` (empty: no drafter). Starts the
-        state over at length 0."""
-        self.length = 0
+        """Make room for `rows` sequences of up to `positions` positions verified in blocks of `block_size` (the
+        last block may run past `positions`), with the drafter reading `feature_layers` (empty: no drafter).
+        Starts every row over at length 0. `compile` applies to one-row states."""
+        assert rows == 1 or not compile, "compiled steps run one row"
+        self.lengths = [0] * rows
         self.step = compiled_step(self.device) if compile else None
         self.notify = notify
         full_view = self.step is not None and self.device.type == "cuda"
         needed = positions + block_size
-        if needed > self.capacity or full_view != self.full_view:
-            window = context_window(self.target)
-            floor = MIN_CAPACITY if window is None else min(window + block_size, MIN_CAPACITY)
-            self.capacity = max(needed, floor)
+        if needed > self.capacity or full_view != self.full_view or rows != self.rows:
+            if rows == 1:  # a growing chat reuses one state: reserve a long context once
+                window = context_window(self.target)
+                floor = MIN_CAPACITY if window is None else min(window + block_size, MIN_CAPACITY)
+                self.capacity = max(needed, floor)
+            else:  # rows x capacity is real memory: what the rows need, grown when a longer row joins
+                self.capacity = needed
+            self.rows = rows
             self.full_view = full_view
             self._keys = [None] * len(self.layers)
             self._values = [None] * len(self.layers)
@@ -240,9 +288,23 @@ class AttentionState(TargetState):
             self._block_features = None
         # Without a drafter the hooks stay (so compiled steps keep their guards) but record nothing.
         self.capture = bool(feature_layers)
-        if self.capture and (self._block_features is None or self._block_features.shape[1] != block_size):
+        if self.capture and (self._block_features is None or self._block_features.shape[:2] != (rows, block_size)):
             width = self.target.config.get_text_config().hidden_size * len(feature_layers)
-            self._block_features = self._static(torch.empty(1, block_size, width, dtype=self.dtype, device=self.device))
+            self._block_features = self._static(torch.empty(rows, block_size, width, dtype=self.dtype, device=self.device))
+
+    def make_room(self, positions: int, block_size: int) -> None:
+        """Grow the buffers (keeping every row's K/V) so that a row of `positions` positions fits."""
+        needed = positions + block_size
+        if needed <= self.capacity:
+            return
+        assert not self.full_view, "CUDA graphs hold the buffers' addresses: a compiled state reserves up front"
+        for buffers in (self._keys, self._values):
+            for index, old in enumerate(buffers):
+                if old is not None:
+                    grown = torch.zeros((*old.shape[:2], needed, old.shape[3]), dtype=old.dtype, device=old.device)
+                    grown[:, :, : self.capacity].copy_(old)
+                    buffers[index] = grown
+        self.capacity = needed
 
     def _static(self, tensor: torch.Tensor) -> torch.Tensor:
         """Tell CUDA graphs that `tensor` keeps its address (it is written in place, never replaced)."""
@@ -254,9 +316,10 @@ class AttentionState(TargetState):
         """Layer `index`'s K/V buffers, allocated on its first write with that write's heads, head size and dtype."""
         keys = self._keys[index]
         if keys is None:
-            shape = (like.shape[0], like.shape[1], self.capacity, like.shape[3])
-            # full_view attention multiplies unwritten rows by a zero weight: zeros, so no NaN in memory survives
-            new = torch.zeros if self.full_view else torch.empty
+            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
+            # Attention over the whole buffer (full_view) or over several rows (past a shorter row's end) multiplies
+            # unwritten slots by a zero weight: zeros, so no NaN in memory survives the mask.
+            new = torch.zeros if self.full_view or self.rows > 1 else torch.empty
             keys = self._keys[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
             self._values[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
         return keys, self._values[index]
@@ -266,46 +329,96 @@ class AttentionState(TargetState):
             if self._capturing:
                 hidden = output[0] if isinstance(output, tuple) else output
                 width = hidden.shape[-1]
-                self._features[:, : hidden.shape[1], slot * width : (slot + 1) * width].copy_(hidden)
+                self._features[self._feature_rows, : hidden.shape[1], slot * width : (slot + 1) * width].copy_(hidden)
 
         return record
 
     # --- the interface ---
 
-    def _forward(self, token_ids: torch.Tensor, prefill: bool) -> torch.Tensor:
+    def _forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
+        """One forward over `rows` of the buffers (set up by the caller: `at` for one row, or the positions)."""
+        self.forward_rows = rows
         if self.capture:
             if not prefill:
-                self._features = self._block_features
+                self._features, self._feature_rows, self._feature_slot = self._block_features, rows, 0
             else:  # the prompt: its own buffer, once per request
                 width = self._block_features.shape[-1]
                 self._features = torch.empty(1, token_ids.shape[1], width, dtype=self.dtype, device=self.device)
+                self._feature_rows, self._feature_slot = slice(0, 1), rows.start
         self._capturing = self.capture
         try:
+            if self.forward_positions is not None:
+                masks = self._masks(self.forward_positions, self.forward_end)
+                out = self.target(
+                    input_ids=token_ids, position_ids=self.forward_positions, attention_mask=masks,
+                    past_key_values=self.cache, use_cache=True,
+                )  # fmt: skip
+                return out.logits
+            if self.full_view:
+                self._length_t.fill_(self.at)
             if prefill or self.step is None:
                 return run_target(self.target, token_ids, self.cache, self.offset, 1 if prefill else 0)
             return self.step(self.target, token_ids, self.cache, self.offset, notify=self.notify)
         finally:
             self._capturing = False
+            self.forward_positions = None
 
-    def _set_length(self, length: int) -> None:
-        self.length = length
-        if self.full_view:
-            self._length_t.fill_(length)
+    def _masks(self, positions: torch.Tensor, end: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Each row's queries see that row's keys at or before their own position (and within the layer's window
+        or chunk): a 4-D mask [n, 1, q, end] per layer kind, boolean for SDPA, additive for eager attention. One
+        kind: the mask itself (every model takes a 4-D mask as is); several: transformers' mapping by kind."""
+        config = self.target.config.get_text_config()
+        kinds = sorted(set(getattr(config, "layer_types", None) or ()))
+        if not kinds:  # one kind for every layer: sliding where the config has a window (Mistral, Qwen3-MoE)
+            kinds = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+        keys = torch.arange(end, device=positions.device)
+        queries = positions[:, None, :, None]
+        distance = queries - keys
+        causal = distance >= 0
+        masks = {}
+        for kind in kinds:
+            visible = causal
+            if kind == "sliding_attention":
+                visible = causal & (distance < config.sliding_window)
+            elif kind == "chunked_attention":
+                chunk = config.attention_chunk_size
+                visible = causal & (queries // chunk == keys // chunk)
+            if self.target.config._attn_implementation != "sdpa":
+                visible = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(
+                    ~visible, torch.finfo(self.dtype).min
+                )
+            masks[kind] = visible
+        return masks if len(masks) > 1 else masks[kinds[0]]
 
-    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
-        self._set_length(0)
-        logits = self._forward(token_ids, prefill=True)
-        self._set_length(token_ids.shape[1])
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        self.at = 0
+        logits = self._forward(token_ids, slice(slot, slot + 1), prefill=True)
+        self.lengths[slot] = token_ids.shape[1]
         return logits
 
-    def verify(self, block_ids: torch.Tensor) -> torch.Tensor:
-        return self._forward(block_ids, prefill=False)
+    def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:
+        if len(slots) == 1:  # one row: exactly a single sequence's forward
+            self.at = self.lengths[slots[0]]
+            return self._forward(block_ids, slice(slots[0], slots[0] + 1), prefill=False)[None]
+        # Several rows: the forward covers the slots first..last; a free slot between them runs a dummy block at
+        # positions 0.. of its own (free) row, and its logits are dropped.
+        first, last = min(slots), max(slots)
+        index = torch.tensor([slot - first for slot in slots], device=block_ids.device)
+        ids = block_ids.new_zeros((last - first + 1, block_ids.shape[1])).index_copy_(0, index, block_ids)
+        starts = [0] * (last - first + 1)
+        for slot in slots:
+            starts[slot - first] = self.lengths[slot]
+        q = block_ids.shape[1]
+        self.forward_positions = torch.tensor(starts, device=block_ids.device)[:, None] + torch.arange(q, device=block_ids.device)
+        self.forward_end = max(starts) + q
+        return self._forward(ids, slice(first, last + 1), prefill=False).index_select(0, index)
 
-    def commit(self, n: int) -> None:
-        self._set_length(self.length + n)
+    def commit(self, n: int, slot: int = 0) -> None:
+        self.lengths[slot] += n
 
-    def features(self, n: int) -> torch.Tensor:
-        return self._features[:, :n]
+    def features(self, n: int, slot: int = 0) -> torch.Tensor:
+        row = slot - self._feature_slot
+        return self._features[row : row + 1, :n]
 
     @property
     def whole_blocks(self) -> bool:

@@ -1,0 +1,211 @@
+"""Batched decoding: every row of a batch produces exactly the tokens it produces alone.
+
+Rows of mixed prompt lengths, max_tokens and stop conditions join mid-way (continuous batching) and leave as they
+finish; greedy rows (float32) must equal the same request decoded alone through `speculative_generate`, which the
+engine tests hold equal to transformers' own greedy `generate`; seeded sampling rows are reproducible and equal
+their decoding alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from dflash_cli.engine import Batch, SamplingParams, collect, generate
+from dflash_cli.engine.drafter import DraftCache
+from drafters import FORMATS, OracleDrafter, random_drafter
+
+
+@functools.cache
+def tiny_target(arch: str, seed: int, layers: int = 2):
+    common = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    config = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+class RowOracle(OracleDrafter):
+    """An oracle per row: each new draft cache (one per row, made as the row joins) takes the next continuation
+    in joining order, so every row drafts its own continuation right for `correct` slots per block."""
+
+    def __init__(self, target, continuations: list[list[int]], *, block_size: int, correct: list[int]) -> None:
+        super().__init__(target, [], block_size=block_size, correct=correct)
+        self.continuations = list(continuations)
+        self.rows: dict[int, tuple[list[int], list[int]]] = {}  # id(cache) -> (sequence, [steps])
+
+    def new_cache(self, capacity: int = 0, block_size: int | None = None) -> DraftCache:
+        cache = super().new_cache(capacity, block_size)
+        self.rows[id(cache)] = (self.continuations.pop(0), [0])
+        return cache
+
+    def propose(self, features, block_ids, start, cache):
+        self.sequence, steps = self.rows[id(cache)]
+        self.steps = steps[0]
+        steps[0] += 1
+        return super().propose(features, block_ids, start, cache)
+
+
+def run_batch(target, drafter, requests: list[tuple[list[int], SamplingParams, int]], rows: int) -> tuple[list, int]:
+    """Decode `requests` (prompt, params, the step at which it joins) in one batch of `rows`; return each
+    request's (token ids, finish reason, acceptance lengths) and the most rows that verified together."""
+    batch = Batch(target, drafter, rows=rows)
+    results: dict[int, list] = {}
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
+    widest, step = 0, 0
+    try:
+        while pending or not batch.idle:
+            while pending and requests[pending[0]][2] <= step:
+                i = pending.pop(0)
+                results[i] = [[], None, None]
+                batch.add(requests[i][0], requests[i][1], key=i)
+            decoding = len(batch.active) if not (batch.waiting and None in batch.slots) else 0
+            widest = max(widest, decoding)
+            for row, event in batch.step():
+                assert not isinstance(event, BaseException), event
+                results[row.key][0] += event.token_ids
+                if event.finish_reason:
+                    results[row.key][1] = event.finish_reason
+                    results[row.key][2] = list(event.stats.acceptance_lengths)
+            step += 1
+    finally:
+        batch.close()
+    return [tuple(results[i]) for i in range(len(requests))], widest
+
+
+def alone(target, drafter, prompt: list[int], params: SamplingParams) -> tuple:
+    result = collect(generate(target, drafter, prompt, params))
+    return result.token_ids, result.finish_reason, result.acceptance_lengths
+
+
+request_strategy = st.tuples(
+    st.lists(st.integers(1, 94), min_size=1, max_size=20),  # prompt
+    st.integers(1, 30),  # max_tokens
+    st.integers(0, 12),  # the step at which it joins
+    st.integers(-1, 20),  # stop at the token this request makes alone at this index (-1: no stop token)
+)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arch=st.sampled_from(["qwen3", "llama"]),
+    seed=st.integers(0, 3),
+    fmt=st.sampled_from(FORMATS),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    rows=st.integers(2, 4),
+    requests=st.lists(request_strategy, min_size=2, max_size=7),
+)
+def test_every_greedy_row_equals_its_decoding_alone(arch, seed, fmt, block_size, rows, requests) -> None:
+    target = tiny_target(arch, seed)
+    drafter = None if block_size == 1 else random_drafter(target, seed=seed, block_size=block_size, fmt=fmt, window=3)
+    batch_requests = []
+    for prompt, max_tokens, join, stop_at in requests:
+        free = alone(target, drafter, prompt, SamplingParams(max_new_tokens=max_tokens))[0]
+        stops = (free[stop_at],) if 0 <= stop_at < len(free) else ()
+        batch_requests.append((prompt, SamplingParams(max_new_tokens=max_tokens, stop_token_ids=stops), join))
+    expected = [alone(target, drafter, p, params)[:2] for p, params, _ in batch_requests]
+    got, _ = run_batch(target, drafter, batch_requests, rows)
+    assert [g[:2] for g in got] == expected
+
+
+def test_rows_with_partial_acceptance_join_leave_and_reuse_slots() -> None:
+    """Each row drafts its own continuation right for a varying number of slots: every step commits and rejects
+    at different depths in different rows; short rows leave and later rows take their slots (a middle slot
+    frees while the rows around it go on)."""
+    target = tiny_target("qwen3", 7, layers=3)
+    prompts = [[5, 17, 42], [8, 9, 3, 3, 11, 12, 30, 31], [1], [60, 61, 62, 63], [7, 7, 7, 7, 7, 7, 7], [2, 4]]
+    max_tokens = [40, 6, 33, 12, 25, 40]
+    joins = [0, 0, 0, 2, 3, 9]
+    free = [alone(target, None, p, SamplingParams(max_new_tokens=n))[0] for p, n in zip(prompts, max_tokens)]
+    requests = [(p, SamplingParams(max_new_tokens=n), j) for p, n, j in zip(prompts, max_tokens, joins)]
+    correct = [0, 7, 1, 4, 2]
+
+    def oracle():
+        order = sorted(range(len(prompts)), key=lambda i: joins[i])  # caches are made in joining order
+        return RowOracle(target, [prompts[i] + free[i] for i in order], block_size=8, correct=correct)
+
+    solo = []
+    for i in range(len(prompts)):
+        drafter = RowOracle(target, [prompts[i] + free[i]], block_size=8, correct=correct)
+        solo.append(alone(target, drafter, prompts[i], requests[i][1]))
+    got, widest = run_batch(target, oracle(), requests, rows=3)
+    assert widest == 3
+    assert [g[0] for g in got] == free  # lossless
+    assert got == solo  # and the same steps: each row's acceptance lengths are its own
+    assert any(1 < n < 8 for g in got for n in g[2])
+
+
+def test_sampling_rows_are_seeded_and_reproducible() -> None:
+    target = tiny_target("llama", 3)
+    drafter = random_drafter(target, block_size=4)
+    prompts = [[1, 2, 3], [40, 41], [9, 8, 7, 6, 5, 4], [11]]
+    requests = [
+        (p, SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=100 + i), i % 2) for i, p in enumerate(prompts)
+    ]
+    requests.append(([3, 3, 3], SamplingParams(max_new_tokens=24), 1))  # a greedy row among them
+    first, widest = run_batch(target, drafter, requests, rows=4)
+    second, _ = run_batch(target, drafter, requests, rows=3)
+    assert widest > 1 and [g[0] for g in first] == [g[0] for g in second]
+    assert [g[0] for g in first] == [alone(target, drafter, p, params)[0] for p, params, _ in requests]
+    reseeded = [(p, SamplingParams(**{**params.__dict__, "seed": 7}), j) for p, params, j in requests[:2]]
+    assert [g[0] for g in run_batch(target, drafter, reseeded, rows=2)[0]] != [g[0] for g in first[:2]]
+
+
+def test_a_failing_row_fails_alone_and_a_cancelled_row_frees_its_slot() -> None:
+    target = tiny_target("qwen3", 1)
+    drafter = random_drafter(target, block_size=4)
+    params = SamplingParams(max_new_tokens=20)
+    batch = Batch(target, drafter, rows=2)
+    try:
+        batch.add([1, 2, 3], params, key="keep")
+        gone = batch.add([4, 5], params, key="gone")
+        batch.step()  # both join
+        assert batch.room == 0 and [row.key for row in batch.active] == ["keep", "gone"]
+        batch.step()
+        batch.cancel(gone)
+        assert batch.room == 1 and [row.key for row in batch.active] == ["keep"]
+        batch.add([1, 200], params, key="bad")  # a token outside the vocabulary: its prefill fails
+        events = batch.step()
+        assert [(row.key, type(event)) for row, event in events] == [("bad", IndexError)]
+        assert batch.room == 1
+        tokens = []
+        while not batch.idle:
+            tokens += [t for _, event in batch.step() for t in event.token_ids]
+    finally:
+        batch.close()
+    expected = alone(target, drafter, [1, 2, 3], params)[0]
+    assert tokens == expected[-len(tokens) :] and len(tokens) < len(expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_propose_rows_equals_each_rows_own_proposal(fmt: str) -> None:
+    """The batched head (one lm_head GEMM and one proposal for all rows of a block size) proposes what each row
+    proposes alone, whatever the format (DFlash2: the selector's chain), with rows of different context lengths."""
+    target = tiny_target("qwen3", 2)
+    drafter = random_drafter(target, seed=3, block_size=4, fmt=fmt, window=3, num_layers=2)
+    width = len(drafter.config.target_layer_ids) * 32
+    torch.manual_seed(0)
+    rows = []
+    for context, start, size in ((5, 5, 4), (1, 9, 4), (3, 3, 2), (7, 7, 4)):
+        block = torch.full((1, size), drafter.mask_token_id)
+        block[0, 0] = start + 10
+        rows.append((torch.randn(1, context, width), block, start, context))
+
+    def arguments():  # fresh caches: the first draft of each row reads its whole context
+        return [(features, block, start, drafter.new_cache(64, 4)) for features, block, start, _ in rows]
+
+    alone = [drafter.propose(*row) for row in arguments()]
+    together = drafter.propose_rows(arguments())
+    assert [p.tolist() for p in together] == [p.tolist() for p in alone]
+    assert [p.shape[1] for p in together] == [3, 3, 1, 3]

@@ -76,17 +76,17 @@ class Plan:
 
         return getattr(torch, self.dtype)
 
-    def one_line(self, drafter_block_size: int | None = None) -> str:
+    def one_line(self, drafter_block_size: int | None = None, *, drafting: bool = True) -> str:
         """`cuda (hopper) bfloat16, block 16, sdpa, ~18.9 GB`; `drafter_block_size` (the loaded drafter's own)
-        fills in a block size the plan leaves to the drafter."""
+        fills in a block size the plan leaves to the drafter; `drafting=False` (the baseline) has no block."""
         device = self.device if self.device.partition(":")[0] == self.gpu_class else f"{self.device} ({self.gpu_class})"
         weights = f"{self.weights} weights, " if self.weights != self.dtype else ""
         block: Any = self.block_size or drafter_block_size
         if self.adaptive_block:
             block = f"≤{block} adaptive" if block else "adaptive up to the drafter's"
-        block = block or "from drafter"
+        block = f"block {block or 'from drafter'}" if drafting else "no drafter"
         size = f", ~{gb(self.estimated_bytes)}" if self.estimated_bytes is not None else ""
-        return f"{device} {self.dtype}, {weights}block {block}, {self.attn_implementation}{size}"
+        return f"{device} {self.dtype}, {weights}{block}, {self.attn_implementation}{size}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "reasons": list(self.reasons)}

@@ -69,7 +69,7 @@ class Session:
     def plan_line(self) -> str:
         """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the rows a
         batching frontend decodes together; the CPU thread count where it matters; whether steps are compiled."""
-        line = self.plan.one_line(self.drafter.block_size if self.drafter is not None else None)
+        line = self.plan.one_line(self.drafter.block_size if self.drafter is not None else None, drafting=self.drafter is not None)
         line += f", batch {self.batch_size}" if self.batching else ""
         return line + (f", {self.threads.label()}" if self.threads is not None else "") + (", compiled" if self.compiled else "")
 

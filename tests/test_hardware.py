@@ -181,6 +181,7 @@ def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
     fixed = make_plan(CPU_64, get_recipe("demo"), PlanOverrides(block_size=4))
     assert fixed.one_line(drafter_block_size=8).startswith("cpu float32, block 4,") and not fixed.adaptive_block
     assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block ≤16 adaptive")
+    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafting=False).startswith("cpu float32, no drafter, sdpa")
 
 
 def test_a_block_longer_than_the_drafter_was_trained_for_gets_a_note() -> None:

@@ -14,26 +14,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dflash_cli.engine import Batch, SamplingParams, collect, generate
 from dflash_cli.engine.drafter import DraftCache
 from drafters import FORMATS, OracleDrafter, random_drafter
+from tiny_models import sharp_tiny
 
 
 @functools.cache
 def tiny_target(arch: str, seed: int, layers: int = 2):
-    common = dict(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    config = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8)
-    return model
+    return sharp_tiny(arch, seed, layers)
 
 
 class RowOracle(OracleDrafter):

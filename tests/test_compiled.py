@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 import dflash_cli.engine.loop as loop_module
 import dflash_cli.engine.target as target_module
@@ -19,6 +19,7 @@ from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
 from drafters import OracleDrafter, random_drafter
+from tiny_models import hf_greedy, sharp_tiny
 from test_drafter_formats import GOLDEN_SETS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -48,25 +49,6 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _hf_greedy(target, prompt: list[int], n: int) -> list[int]:
-    out = target.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
-def _llama(seed: int):
-    config = LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8)
-    return model
-
-
 class VaryingOracle(OracleDrafter):
     """Runs its own drafter forward (compiled when the loop compiles), then proposes the target's continuation
     right for 0..3 slots depending on the position: steps commit 1 to 4 tokens, so the draft step sees 1 to 4
@@ -80,10 +62,10 @@ class VaryingOracle(OracleDrafter):
 
 def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> None:
     target_graphs, draft_graphs = traced_only
-    target = _llama(1)
+    target = sharp_tiny("llama", 1)
     params = SamplingParams(max_new_tokens=64)
     for prompt in ([1, 2, 3], list(range(5, 30))):
-        reference = _hf_greedy(target, prompt, 64)
+        reference = hf_greedy(target, prompt, 64)
         drafter = VaryingOracle(target, prompt + reference, block_size=4)
         result = collect(generate(target, drafter, prompt, params, compile=True))
         assert result.token_ids == reference
@@ -93,16 +75,16 @@ def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> Non
         assert (target_graphs.frame_count, draft_graphs.frame_count) == (1, 1)
     baseline = collect(generate(target, None, [9, 8, 7], params, compile=True))
     assert target_graphs.frame_count == 2, "the plain step is the target's second (and last) graph"
-    assert baseline.token_ids == _hf_greedy(target, [9, 8, 7], 64)
+    assert baseline.token_ids == hf_greedy(target, [9, 8, 7], 64)
 
 
 @pytest.mark.parametrize(("seed", "block_size"), [(0, 2), (1, 8)])
 def test_compiled_greedy_equals_transformers_greedy(traced_only, seed: int, block_size: int) -> None:
-    target = _llama(seed)
+    target = sharp_tiny("llama", seed)
     drafter = random_drafter(target, seed=seed, block_size=block_size)
     prompt = [1 + (seed * 7 + i * 13) % 90 for i in range(3 + seed * 5)]
     result = collect(generate(target, drafter, prompt, SamplingParams(max_new_tokens=33), compile=True))
-    assert result.token_ids == _hf_greedy(target, prompt, 33)
+    assert result.token_ids == hf_greedy(target, prompt, 33)
     assert sum(result.acceptance_lengths) == 32
 
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
 from dflash_cli.engine.drafter import DrafterConfig, default_target_layer_ids
 from dflash_cli.engine import SamplingParams, generate, sample_tokens
 from dflash_cli.errors import DflashError
 from drafters import FORMATS, OracleDrafter, random_drafter, save_random_drafter
-from tiny_models import make_tiny_qwen3, tiny_tokenizer
+from tiny_models import hf_greedy, make_tiny_qwen3, sharp_tiny, tiny_tokenizer
 
 # A copy of shared/conformance/qwen3-tiny (golden data from z-lab's reference, dflash==0.1.0).
 GOLDEN_DIR = Path(__file__).parent / "fixtures" / "qwen3-tiny"
@@ -76,28 +76,6 @@ def test_conformance_baseline_is_plain_greedy(golden, conformance_pair):
 # --- b. property: speculative greedy == transformers greedy --------------------------------------
 
 
-def _tiny_target(arch: str, seed: int, layers: int):
-    common = dict(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    config = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # sharper distributions: fewer near-ties, more varied text
-        model.get_output_embeddings().weight.mul_(8)
-    return model
-
-
-def _hf_greedy(target, prompt: list[int], n: int) -> list[int]:
-    out = target.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-        eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )
-    return out[0, len(prompt):].tolist()
-
-
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arch=st.sampled_from(["qwen3", "llama"]),
@@ -111,10 +89,10 @@ def _hf_greedy(target, prompt: list[int], n: int) -> list[int]:
     window=st.integers(1, 12),
 )
 def test_speculative_greedy_equals_transformers_greedy(arch, seed, layers, draft_layers, block_size, prompt, max_new, fmt, window):
-    target = _tiny_target(arch, seed, layers)
+    target = sharp_tiny(arch, seed, layers)
     drafter = random_drafter(target, seed=seed, num_layers=draft_layers, block_size=block_size, fmt=fmt, window=window)
     result = speculative_generate(target, drafter, prompt, max_new)
-    assert result.token_ids == _hf_greedy(target, prompt, max_new)
+    assert result.token_ids == hf_greedy(target, prompt, max_new)
     assert len(result.token_ids) == max_new and result.finish_reason == "length"
     assert all(1 <= a <= block_size for a in result.acceptance_lengths)
     assert sum(result.acceptance_lengths) == max_new - 1
@@ -123,9 +101,9 @@ def test_speculative_greedy_equals_transformers_greedy(arch, seed, layers, draft
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_good_drafter_greedy_equals_transformers_greedy(block_size):
     """A drafter that is mostly right exercises long accepts, partial accepts and rollbacks of the cache."""
-    target = _tiny_target("qwen3", 7, 3)
+    target = sharp_tiny("qwen3", 7, 3)
     prompt = [5, 17, 42, 8, 9]
-    reference = _hf_greedy(target, prompt, 60)
+    reference = hf_greedy(target, prompt, 60)
     drafter = OracleDrafter(target, prompt + reference, block_size=block_size, correct=block_size // 2)
     result = speculative_generate(target, drafter, prompt, 60)
     assert result.token_ids == reference
@@ -146,7 +124,7 @@ def test_nf4_target_speculative_equals_its_own_greedy(tmp_path):
     drafter = load_drafter(drafter_dir, target)
     for prompt in ([3, 14, 15, 92, 65], [1, 2, 3]):
         result = speculative_generate(target, drafter, prompt, 24)
-        assert result.token_ids == _hf_greedy(target, prompt, 24)
+        assert result.token_ids == hf_greedy(target, prompt, 24)
 
 
 # --- d. sampling is exact --------------------------------------------------------------------------
@@ -205,7 +183,7 @@ def test_speculative_sampling_matches_the_target_distribution(sampling_target, p
     as a statistical test each check has a false-alarm rate of 0.1% (alpha = 0.001)."""
     target, prompt, temperature, (p2, p3) = sampling_target
     if proposer == "oracle":
-        drafter = OracleDrafter(target, prompt + _hf_greedy(target, prompt, 3), block_size=4)
+        drafter = OracleDrafter(target, prompt + hf_greedy(target, prompt, 3), block_size=4)
     elif proposer == "baseline":  # checks the test itself
         drafter = None
     else:
@@ -225,7 +203,7 @@ def test_speculative_sampling_matches_the_target_distribution(sampling_target, p
 
 
 def test_seeded_sampling_is_reproducible():
-    target = _tiny_target("llama", 3, 2)
+    target = sharp_tiny("llama", 3, 2)
     drafter = random_drafter(target, block_size=4)
     runs = [speculative_generate(target, drafter, [1, 2, 3], 30, temperature=1.0, top_p=0.9, seed=42).token_ids for _ in range(2)]
     assert runs[0] == runs[1]
@@ -292,7 +270,7 @@ def test_stop_string_cuts_tokens_like_the_baseline(text_pair):
     one-token-at-a-time decoding ends them."""
     target, _, tok = text_pair
     prompt = tok.encode("Hello there")
-    reference = _hf_greedy(target, prompt, 60)
+    reference = hf_greedy(target, prompt, 60)
     oracle = OracleDrafter(target, prompt + reference, block_size=8)
     free = speculative_generate(target, None, prompt, 60, tokenizer=tok)
     for start in (5, 12, 20, 31):
@@ -333,7 +311,7 @@ def test_prompt_at_the_context_limit(tmp_path):
     result = speculative_generate(target, drafter, list(range(1, 32)), 5)
     assert len(result.token_ids) == 1 and result.finish_reason == "length"
     result = speculative_generate(target, drafter, list(range(1, 25)), 50)
-    assert len(result.token_ids) == 8 and result.token_ids == _hf_greedy(target, list(range(1, 25)), 8)
+    assert len(result.token_ids) == 8 and result.token_ids == hf_greedy(target, list(range(1, 25)), 8)
 
 
 # --- f. multi-token accept path ----------------------------------------------------------------------
@@ -341,10 +319,10 @@ def test_prompt_at_the_context_limit(tmp_path):
 
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 def test_oracle_drafter_reaches_tau_equal_to_block_size(block_size):
-    target = _tiny_target("qwen3", 1, 2)
+    target = sharp_tiny("qwen3", 1, 2)
     prompt = [3, 1, 4, 1, 5]
     n = 1 + 5 * block_size
-    reference = _hf_greedy(target, prompt, n)
+    reference = hf_greedy(target, prompt, n)
     result = speculative_generate(target, OracleDrafter(target, prompt + reference, block_size=block_size), prompt, n)
     assert result.token_ids == reference
     assert result.acceptance_lengths == [block_size] * 5
@@ -353,9 +331,9 @@ def test_oracle_drafter_reaches_tau_equal_to_block_size(block_size):
 
 @pytest.mark.parametrize("correct", [0, 1, 3])
 def test_controlled_acceptance(correct):
-    target = _tiny_target("llama", 2, 2)
+    target = sharp_tiny("llama", 2, 2)
     prompt = [7, 7, 7]
-    reference = _hf_greedy(target, prompt, 41)
+    reference = hf_greedy(target, prompt, 41)
     drafter = OracleDrafter(target, prompt + reference, block_size=8, correct=correct)
     result = speculative_generate(target, drafter, prompt, 41)
     assert result.token_ids == reference
@@ -421,7 +399,7 @@ def test_unsupported_drafter_config_names_the_field(changes, field):
 
 
 def test_mismatched_drafter_is_refused(tmp_path):
-    target = _tiny_target("qwen3", 1, 2)
+    target = sharp_tiny("qwen3", 1, 2)
     path = save_random_drafter(tmp_path / "d", target)
     raw = json.loads((path / "config.json").read_text())
     raw["dflash_config"]["target_layer_ids"] = [7]

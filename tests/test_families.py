@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from dflash_cli import speculative_generate
 from dflash_cli.cli import app
 from drafters import OracleDrafter, save_random_drafter
-from tiny_models import build_tiny, make_tiny, make_tiny_mxfp4_gpt_oss
+from tiny_models import build_tiny, hf_greedy, make_tiny, make_tiny_mxfp4_gpt_oss
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba"]  # a rejected draft must roll their state back
 FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss", "llama4", *HYBRIDS]
@@ -39,17 +39,9 @@ def target(family: str, seed: int = 1):
     return model
 
 
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-        eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
 @functools.cache
 def reference(family: str, prompt: tuple[int, ...]) -> list[int]:
-    return greedy(target(family), list(prompt), NEW_TOKENS)
+    return hf_greedy(target(family), list(prompt), NEW_TOKENS)
 
 
 PROMPT = (5, 17, 42, 8, 9, 3, 3, 11, 12)  # longer than the tiny models' sliding windows (4)
@@ -79,7 +71,7 @@ def test_any_prompt_and_acceptance_pattern_is_lossless(
     family: str, prompt: list[int], block_size: int, pattern: list[int]
 ) -> None:
     model = target(family)
-    expected = greedy(model, prompt, 24)
+    expected = hf_greedy(model, prompt, 24)
     drafter = OracleDrafter(model, prompt + expected, block_size=block_size, correct=pattern)
     assert speculative_generate(model, drafter, prompt, 24).token_ids == expected
 
@@ -111,7 +103,7 @@ def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessl
     for (name, got), (_, want) in zip(model.named_parameters(), expected_model.named_parameters(), strict=True):
         assert torch.equal(got, want), name
     prompt = list(PROMPT)
-    expected = greedy(model, prompt, 24)
+    expected = hf_greedy(model, prompt, 24)
     drafter = OracleDrafter(model, prompt + expected, block_size=8, correct=[0, 7, 3])
     assert speculative_generate(model, drafter, prompt, 24).token_ids == expected
 
@@ -127,7 +119,7 @@ def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> N
         model.get_output_embeddings().weight.mul_(12)
     prompt, temperature, runs = [1, 4, 2], 0.8, 800
     p2, p3 = _exact_marginals(model, prompt, temperature)
-    drafter = OracleDrafter(model, prompt + greedy(model, prompt, 3), block_size=4)
+    drafter = OracleDrafter(model, prompt + hf_greedy(model, prompt, 3), block_size=4)
     counts, multi = torch.zeros(2, 6), 0
     for seed in range(runs):
         result = speculative_generate(model, drafter, prompt, 3, temperature=temperature, seed=seed)

@@ -17,27 +17,7 @@ from dflash_cli.engine import policy as policy_module
 from dflash_cli.engine.policy import AdaptiveBlock, FixedBlock, StepCosts, adaptive_policy, expected_tokens, sizes_up_to
 from dflash_cli.engine.target import capture_target_features
 from drafters import FORMATS, OracleDrafter, random_drafter
-
-
-def _target(seed: int = 7, layers: int = 3):
-    config = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
-        bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8)
-    return model
-
-
-def _hf_greedy(target, prompt: list[int], n: int) -> list[int]:
-    out = target.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-        eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+from tiny_models import hf_greedy, sharp_tiny
 
 
 class Schedule(FixedBlock):
@@ -76,11 +56,11 @@ def _greedy(target, drafter, prompt, n, policy):
     window=st.integers(1, 12),
 )
 def test_greedy_is_the_targets_own_whatever_the_schedule(seed, schedule, prompt, max_new, fmt, window):
-    target = _target(seed % 50)
+    target = sharp_tiny("qwen3", seed % 50, 3)
     drafter = random_drafter(target, seed=seed, num_layers=2, block_size=8, fmt=fmt, window=window)
     policy = Schedule(schedule)
     result = _greedy(target, drafter, prompt, max_new, policy)
-    assert result.token_ids == _hf_greedy(target, prompt, max_new)
+    assert result.token_ids == hf_greedy(target, prompt, max_new)
     assert result.stats.block_sizes == policy.chosen[: len(result.stats.block_sizes)]
     assert all(1 <= a <= size for a, size in zip(result.acceptance_lengths, result.stats.block_sizes))
 
@@ -88,9 +68,9 @@ def test_greedy_is_the_targets_own_whatever_the_schedule(seed, schedule, prompt,
 @pytest.mark.parametrize("schedule", [[1, 1, 1, 8], [8, 1, 4, 1, 1, 2], [2, 1]])
 def test_a_good_drafter_accepts_across_plain_steps(schedule):
     """An oracle drafter is right for 3 slots a block: long accepts, rollbacks and plain steps in one answer."""
-    target = _target()
+    target = sharp_tiny("qwen3", 7, 3)
     prompt = [5, 17, 42, 8, 9]
-    reference = _hf_greedy(target, prompt, 60)
+    reference = hf_greedy(target, prompt, 60)
     drafter = OracleDrafter(target, prompt + reference, block_size=8, correct=3)
     result = _greedy(target, drafter, prompt, 60, Schedule(schedule))
     assert result.token_ids == reference
@@ -102,7 +82,7 @@ def test_a_good_drafter_accepts_across_plain_steps(schedule):
 def test_after_plain_steps_the_drafter_reads_the_whole_committed_context(fmt):
     """Each draft equals the one a fresh drafter cache makes from the features of every committed position (one
     target forward over them): the plain steps' features reach the drafter, none twice, none lost."""
-    target = _target(3)
+    target = sharp_tiny("qwen3", 3, 3)
     drafter = random_drafter(target, seed=5, num_layers=2, block_size=8, fmt=fmt, window=3)
     layer_ids = list(drafter.config.target_layer_ids)
     prompt = [3, 14, 15, 92, 65, 35]
@@ -145,7 +125,7 @@ def test_sampling_is_exact_with_a_switching_schedule():
         target.get_output_embeddings().weight.mul_(12)
     prompt, temperature = [1, 4, 2], 0.8
     p2, p3 = _exact_marginals(target, prompt, temperature)
-    drafter = OracleDrafter(target, prompt + _hf_greedy(target, prompt, 4), block_size=4)
+    drafter = OracleDrafter(target, prompt + hf_greedy(target, prompt, 4), block_size=4)
     runs, counts, drafted_accepts = 1200, torch.zeros(2, 6), 0
     for i in range(runs):
         policy = Schedule([1, 4] if i % 2 else [4, 1])
@@ -162,7 +142,7 @@ def test_sampling_is_exact_with_a_switching_schedule():
 @pytest.mark.parametrize("fmt", ["classic", "dflash2"])
 def test_a_seed_gives_the_same_tokens_whatever_the_block_sizes(fmt):
     """One uniform per position: a seeded answer does not depend on the schedule, nor on drafting at all."""
-    target = _target(5)
+    target = sharp_tiny("qwen3", 5, 3)
     drafter = random_drafter(target, seed=3, num_layers=1, block_size=8, fmt=fmt)
     prompt = [7, 3, 19, 4]
     params = SamplingParams(max_new_tokens=40, temperature=0.7, top_p=0.95, seed=42)
@@ -263,9 +243,9 @@ def test_costs_and_history_are_cached_per_key(block_costs_cache):
 
 
 def test_the_real_policy_calibrates_once_and_stays_lossless(block_costs_cache):
-    target = _target(9)
+    target = sharp_tiny("qwen3", 9, 3)
     prompt = [5, 17, 42, 8, 9]
-    reference = _hf_greedy(target, prompt, 50)
+    reference = hf_greedy(target, prompt, 50)
     oracle = OracleDrafter(target, prompt + reference, block_size=8, correct=[7, 7, 2, 7])
     noise = random_drafter(target, seed=1, block_size=8)
     for drafter in (oracle, noise):

@@ -2,41 +2,20 @@
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
-
 from dflash_cli.engine import SamplingParams, generate, speculative_generate
 from dflash_cli.engine.target import AttentionState, _STATES, acquire_state, release_state
 from drafters import OracleDrafter, random_drafter
-
-
-def _target(seed: int = 3, layers: int = 3):
-    config = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8)
-    return model
+from tiny_models import hf_greedy, sharp_tiny
 
 
 def _hooks(target) -> int:
     return sum(len(layer._forward_hooks) for layer in target.model.layers)
 
 
-def _greedy(target, prompt, n):
-    out = target.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
 def test_steps_write_in_place_and_rejections_only_move_the_length():
-    target = _target()
+    target = sharp_tiny("qwen3", 3, 3)
     prompt = [5, 17, 42, 8, 9]
-    reference = _greedy(target, prompt, 40)
+    reference = hf_greedy(target, prompt, 40)
     drafter = OracleDrafter(target, prompt + reference, block_size=8, correct=2)  # every step rejects 5 drafts
     hooks_before = _hooks(target)
     pointers, lengths, hooks_during = set(), [], set()
@@ -57,10 +36,10 @@ def test_steps_write_in_place_and_rejections_only_move_the_length():
 
 
 def test_state_is_reused_across_requests_and_shared_safely():
-    target = _target(seed=4)
+    target = sharp_tiny("qwen3", 4, 3)
     drafter = random_drafter(target, block_size=4)
     prompts = ([1, 2, 3], [7, 8, 9, 10, 11, 12])
-    expected = [_greedy(target, p, 20) for p in prompts]
+    expected = [hf_greedy(target, p, 20) for p in prompts]
     assert [speculative_generate(target, drafter, p, 20).token_ids for p in prompts] == expected
     state = _STATES[target]
     assert [speculative_generate(target, None, p, 20).token_ids for p in prompts] == expected
@@ -80,18 +59,18 @@ def test_state_is_reused_across_requests_and_shared_safely():
 
 
 def test_baseline_captures_no_features():
-    target = _target(seed=5)
+    target = sharp_tiny("qwen3", 5, 3)
     drafter = random_drafter(target, block_size=4)
     speculative_generate(target, drafter, [1, 2, 3], 8)
     state = _STATES[target]
     assert _hooks(target) == len(drafter.config.target_layer_ids)
     state._features = state._block_features = None  # a hook that recorded anything now would fail
-    assert speculative_generate(target, None, [1, 2, 3], 8).token_ids == _greedy(target, [1, 2, 3], 8)
+    assert speculative_generate(target, None, [1, 2, 3], 8).token_ids == hf_greedy(target, [1, 2, 3], 8)
     assert _hooks(target) == len(drafter.config.target_layer_ids), "hooks stay installed (compiled steps keep their guards)"
 
 
 def test_one_off_state_is_closed():
-    target = _target(seed=6)
+    target = sharp_tiny("qwen3", 6, 3)
     held = acquire_state(target)
     other = acquire_state(target)
     assert other is not held and isinstance(other, AttentionState)

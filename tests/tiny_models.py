@@ -7,6 +7,8 @@ Everything here builds real artifacts offline, in milliseconds:
   (safetensors, float32) plus a real byte-level BPE tokenizer with a ChatML chat template;
   `make_tiny_qwen3(dir, seed)` / `make_tiny_llama(dir, seed)` are its two oldest uses. `build_tiny(family, seed)`
   builds the same model in memory.
+- `sharp_tiny(arch, seed, layers)`: the engine tests' Qwen3 / Llama (vocabulary 96, hidden 32) with a sharpened
+  output head; `hf_greedy(model, prompt, n)`: transformers' own greedy continuation, what lossless decoding equals.
 - `make_hf_cache(hf_home, repo_id, src_dir)`: the files of `src_dir` laid out the way huggingface_hub stores a
   download (`hub/models--org--name/{blobs,refs/main,snapshots/<sha>}`), so the real hub calls find them.
 - `tiny_tokenizer()`: the tokenizer alone.
@@ -163,6 +165,36 @@ def build_tiny(family: str, seed: int = 0, **overrides: Any) -> Any:
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def sharp_tiny(arch: str, seed: int, layers: int = 2) -> Any:
+    """A random-init float32 Qwen3 (`arch="qwen3"`) or Llama of 96 tokens and hidden size 32, its output head scaled
+    by 8: sharper distributions, so fewer near-ties between the top two logits and more varied text."""
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    config = transformers.Qwen3Config(**common) if arch == "qwen3" else transformers.LlamaConfig(**common)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    """Exactly `n` tokens of transformers' greedy `generate` after `prompt` (no end-of-sequence stop)."""
+    import torch
+
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
 
 
 def make_tiny(

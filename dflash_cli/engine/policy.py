@@ -309,15 +309,12 @@ class AdaptiveBlock:
             estimates.append(base)
         return estimates
 
-    def rates(self, limit: int) -> dict[int, float]:
-        """Expected tokens per second of each size <= limit."""
-        acceptance = self.acceptance()
-        return {size: expected_tokens(acceptance, size) / self.costs.cost(size) for size in self.sizes if size <= limit}
-
     def choose(self, limit: int) -> int:
         if limit <= 1 or not self.costs.calibrated:
             return 1
-        rates = self.rates(limit)
+        acceptance = self.acceptance()
+        # expected tokens per second of each size <= limit
+        rates = {size: expected_tokens(acceptance, size) / self.costs.cost(size) for size in self.sizes if size <= limit}
         best = max(rates, key=rates.__getitem__)
         self.probing = False
         if best > 1:
@@ -327,7 +324,7 @@ class AdaptiveBlock:
             return 1
         probe = max(drafting, key=drafting.__getitem__)
         # The probe's expected loss against plain steps: its cost minus the plain time its tokens would take.
-        loss = self.costs.cost(probe) - expected_tokens(self.acceptance(), probe) * self.costs.cost(1)
+        loss = self.costs.cost(probe) - expected_tokens(acceptance, probe) * self.costs.cost(1)
         self.probing = self.banked >= loss
         return probe if self.probing else 1
 

@@ -358,8 +358,6 @@ def run_jobs(
             if not isinstance(error, (DflashError, torch.OutOfMemoryError)):
                 raise error
             # One request too big for the device fails alone; the rest of the file goes on.
-            if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
-                torch.cuda.empty_cache()
             reason = getattr(error, "message", None) or f"out of memory: {error}".splitlines()[0]
             errors.append(LineError(request.line, "generation_failed", reason, request.id))
             summary.failed += 1

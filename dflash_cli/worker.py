@@ -185,10 +185,6 @@ class Worker:
         if isinstance(event, BaseException):  # one failing generation fails its request alone; the worker serves on
             traceback.print_exception(event)
             self._end(job, Update(finish_reason="error", error=_first_line(event), stats=_copy_stats(row)))
-            import torch  # loaded already: the session's models are torch models
-
-            if isinstance(event, torch.OutOfMemoryError) and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # give the next request the memory this one could not use
         elif event.finish_reason is not None:
             self._end(job, Update(event.text, len(event.token_ids), event.finish_reason, copy.deepcopy(event.stats)))
         elif not job.cancelled:

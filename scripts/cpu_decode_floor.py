@@ -7,9 +7,10 @@ then measures in rounds, interleaved so that load from other processes hits ever
 - the floor of a plain step: the bytes it reads (weights + K/V of the context, `dflash_cli.roofline`) at the
   speed this process reads the target's own weights (a sum over them, same threads);
 - the plain step (a 1-token verify: the baseline's step) and verify steps of 2, 4, 8 tokens, through the
-  engine's own `AttentionState`: eager, compiled (`--compile`), and eager with the weights stored
-  column-major (`--compare-layout`: faster for 1-2 rows, slower for 4-8 on the CPU measured, so not used);
-  with both flags, compiled over both layouts.
+  engine's own `AttentionState` and its products (engine.kernels): eager, compiled (`--compile`), eager with
+  the products as transformers asks them (`--compare-kernel`: `F.linear` for every row count), and eager with
+  the weights stored column-major (`--compare-layout`: faster for 1-2 rows, slower for 4-8 on the CPU
+  measured, so not used); with `--compile`, compiled over each variant.
 
 Every figure is taken in wall time and in CPU time. With one thread, CPU time is the time the step actually
 ran, so its ratios hold on a machine shared with other busy processes; wall-time ratios drift with the load.
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from dflash_cli.engine.compiled import compiled_step, use_compile_cache  # noqa: E402
+from dflash_cli.engine.kernels import use_small_row_products  # noqa: E402
 from dflash_cli.engine.target import AttentionState  # noqa: E402
 from dflash_cli.roofline import read_bandwidth, step_bytes  # noqa: E402
 
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=8, help="calls per figure per round (median taken)")
     parser.add_argument("--compare-layout", action="store_true", help="also measure column-major weights")
     parser.add_argument("--compile", action="store_true", help="also measure the compiled steps")
+    parser.add_argument("--compare-kernel", action="store_true", help="also measure F.linear where the engine asks W @ x.T")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [1, *blocks]
     generator = torch.Generator().manual_seed(0)
     targets = {"eager": load(args.recipe, args.dtype)}
+    use_small_row_products(targets["eager"])  # the products as the engine asks them (engine.kernels)
+    if args.compare_kernel:
+        targets["F.linear"] = load(args.recipe, args.dtype)  # the products as transformers asks them
     if args.compare_layout:
         targets["column-major"] = column_major(load(args.recipe, args.dtype))
     reference = targets["eager"]

@@ -489,3 +489,43 @@ def test_a_batched_run_gives_every_request_its_result_alone(tmp_path: Path, mode
         alone = collect(session.stream(session.encode_request(request), params))
         assert (records[request.id]["text"], records[request.id]["finish_reason"]) == (alone.text, alone.finish_reason)
     assert {records[f"s{i}"]["text"] for i in range(3)} != {records["g0"]["text"]}
+
+
+def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(tmp_path: Path, models: tuple[Path, Path]) -> None:
+    """A device with room for one row only: the target raises torch's out-of-memory error for any forward over
+    several rows (a real forward pre-hook on the real model; nothing else is replaced). Every request still gets
+    the result it gets alone; only a request that fails alone as well goes to the errors file."""
+    import torch
+
+    from dflash_cli.engine import collect
+    from dflash_cli.session import open_session
+
+    options = RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=8, dtype="float32", batch_size=3)
+    session = open_session(options, batching=True)
+    lines = [{"id": f"r{i}", "prompt": "Tell me " * (i % 3 + 1) + str(i)} for i in range(5)]
+    lines.append({"id": "huge", "prompt": "Tell me " * 9})
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    huge = len(session.encode_request(jobs.read_requests(prompts).requests[-1]))
+    expected = {}
+    for request in jobs.read_requests(prompts).requests[:-1]:
+        params = session.sampling_params(options, **request.sampling)
+        expected[request.id] = collect(session.stream(session.encode_request(request), params)).text
+    seen_rows: list[int] = []
+
+    def one_row_fits(_module, _args, kwargs):  # noqa: ANN001
+        ids = kwargs["input_ids"]
+        seen_rows.append(ids.shape[0])
+        if ids.shape[0] > 1 or ids.shape[1] == huge:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    handle = session.target.register_forward_pre_hook(one_row_fits, with_kwargs=True)
+    try:
+        summary = run_with(session, options, prompts)
+    finally:
+        handle.remove()
+    assert max(seen_rows) > 1  # the batch did try several rows at once
+    assert summary.done == 5 and summary.failed == 1
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "p.out.jsonl")}
+    assert {i: r["text"] for i, r in records.items()} == expected
+    (error,) = read_jsonl(tmp_path / "p.errors.jsonl")
+    assert error["id"] == "huge" and "out of memory" in error["error"]["message"]

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
@@ -72,6 +73,9 @@ class Batch:
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
         self.device = target.get_input_embeddings().weight.device
+        for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
+            if model is not None:
+                use_small_row_products(model)
         if drafter is None:
             policy = FixedBlock(1)
         elif policy is None:
@@ -145,6 +149,8 @@ class Batch:
         try:
             outcome = run(rows)
         except Exception as error:
+            if isinstance(error, torch.OutOfMemoryError) and self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the next step (or these rows retried alone) gets what this one held
             outcome = [error] * len(rows)
         for row, event in zip(rows, outcome):
             if isinstance(event, BaseException) or event.finish_reason is not None:

@@ -6,14 +6,15 @@ the target's own (`sampling.accepted_drafts`). With `drafter=None` the same loop
 autoregressive decoding, so baseline and speculative numbers are like for like.
 
 `Batch` holds the rows: each row is a `Request` (limits, stop conditions, text stream, stats, RNG, sampling
-params) in a slot of the `TargetState` (its K/V, length and captured features) with its own drafter cache. Rows
+params) in a slot of the `TargetState` (its K/V, length and captured features) and of the drafter's cache. Rows
 join (prefilled into a free slot, alone) and leave (a finished or cancelled row frees its slot at once) between
 steps: continuous batching. `generate` is that loop with one row. One host sync per step: every row's accepted
 count and target tokens, in one transfer.
 
-The drafter's layers run once per row (its context cache and the number of new context rows are per row), its
-lm_head and proposal once per step for all rows (`propose_rows`); the target's verify, the dominant cost, runs
-once per step for all rows. A block policy (engine.policy) picks one block size
+The drafter runs once per step for all drafting rows (`propose_rows`: one forward over every row's new context
+rows and block, each row's context K/V in its slot of one `BatchDraftCache`); a batch of one row keeps its own
+`DraftCache` and `propose` (and the compiled draft step). The target's verify, the dominant cost, runs once per
+step for all rows. A block policy (engine.policy) picks one block size
 per step for all rows (1: a plain step, no drafting) and learns from the rows' pooled acceptance.
 """
 

@@ -33,6 +33,7 @@ class RowOracle(OracleDrafter):
     def __init__(self, target, continuations: list[list[int]], prompt_lengths: list[int], *, block_size: int, correct: list[int]) -> None:
         super().__init__(target, [], block_size=block_size, correct=correct)
         self.by_length = dict(zip(prompt_lengths, continuations, strict=True))
+        assert len(self.by_length) == len(continuations), "the prompts' lengths must differ"
         self.rows: dict = {}  # id(cache) alone, the slot in a batch -> (sequence, [steps])
 
     def propose(self, features, block_ids, start, cache):

@@ -40,6 +40,8 @@ def dflash_stats(stats: Any) -> dict[str, Any]:
         "block_size_histogram": {str(k): v for k, v in stats.size_histogram.items()},  # verify steps per block size
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
         "ttft_s": round(stats.ttft_s, 4),
+        "draft_s": round(stats.draft_s, 4),  # the decode steps' drafting and verifying time (a batch's: its steps')
+        "verify_s": round(stats.verify_s, 4),
     }
 
 

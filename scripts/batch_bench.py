@@ -1,5 +1,7 @@
 """`dflash run` on one prompt file at several --batch-size values: aggregate tok/s and per-row latency, side by side.
 
+`draft share`: the drafter's part of the decode steps' time (draft / (draft + verify), over every row's steps).
+
 Each round runs every batch size once, in turn, each into a fresh output file (the model loads in every run; the
 load is not timed), so a busy machine's noise falls on all sizes alike; ratios are taken within a round. The
 prompts are the first N of the demo's held-out prompts, sent as chat messages. Also checks that every request's
@@ -34,8 +36,11 @@ def run(recipe: str, prompts: Path, size: int, max_tokens: int, extra: list[str]
     summary = json.loads(done.stdout)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     latencies = []  # each row's own time: prefill to its last token (its wait for a free row excluded)
+    draft_s = step_s = 0.0  # every row's share of its steps (a row's draft and verify times are its steps')
     for record in records:
         stats, tokens = record["stats"], record["completion_tokens"]
+        draft_s += stats["draft_s"]
+        step_s += stats["draft_s"] + stats["verify_s"]
         rate = stats["decode_tokens_per_s"]
         latencies.append(stats["ttft_s"] + ((tokens - 1) / rate if tokens > 1 and rate else 0.0))
     return {
@@ -46,6 +51,7 @@ def run(recipe: str, prompts: Path, size: int, max_tokens: int, extra: list[str]
         "tau": summary["tau"],
         "latency_mean": statistics.mean(latencies),
         "latency_max": max(latencies),
+        "draft_share": draft_s / step_s if step_s else 0.0,
         "load": (load_before, os.getloadavg()[0]),
         "texts": {record["id"]: record["text"] for record in records},
     }
@@ -69,8 +75,8 @@ def main() -> None:
         ))  # fmt: skip
         print(f"{args.recipe}: {len(lines)} prompts, --max-tokens {args.max_tokens}, {' '.join(extra) or 'default flags'}; "
               f"load average before: {os.getloadavg()}")  # fmt: skip
-        print("| round | batch | tokens | time (s) | tok/s | vs batch " + str(args.sizes[0]) + " | tau | row latency mean / max (s) | load (1 min) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| round | batch | tokens | time (s) | tok/s | vs batch " + str(args.sizes[0]) + " | tau | draft share | row latency mean / max (s) | load (1 min) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         texts: dict[int, dict[str, str]] = {}
         for round_ in range(1, args.rounds + 1):
             base = None
@@ -80,7 +86,7 @@ def main() -> None:
                 texts.setdefault(size, result["texts"])
                 tau = f"{result['tau']:.2f}" if result["tau"] is not None else "-"
                 print(f"| {round_} | {size} | {result['tokens']} | {result['seconds']:.1f} | {result['tok_s']:.1f} | "
-                      f"{result['tok_s'] / base:.2f}x | {tau} | {result['latency_mean']:.1f} / {result['latency_max']:.1f} | "
+                      f"{result['tok_s'] / base:.2f}x | {tau} | {result['draft_share']:.0%} | {result['latency_mean']:.1f} / {result['latency_max']:.1f} | "
                       f"{result['load'][0]:.2f} -> {result['load'][1]:.2f} |", flush=True)  # fmt: skip
         same = all(texts[size] == texts[args.sizes[0]] for size in texts)
         print(f"every request's text is the same at every batch size: {'yes' if same else 'NO'}")

@@ -100,8 +100,12 @@ class OracleDrafter(DFlashDrafter):
         self.steps = 0
         self.vocab = target.config.get_text_config().vocab_size
 
-    def propose_rows(self, rows):
-        return [self.propose(*row) for row in rows]
+    def propose_rows(self, features, block_ids, starts, cache, *, sizes, slots):
+        """Each row's `propose` (a row's cache: its slot), padded to the batch's width like the real drafter's."""
+        out = torch.zeros((block_ids.shape[0], block_ids.shape[1] - 1), dtype=torch.long, device=block_ids.device)
+        for i, (context, start, size, slot) in enumerate(zip(features, starts, sizes, slots)):
+            out[i, : size - 1] = self.propose(context, block_ids[i : i + 1, :size], start, (cache, slot))[0]
+        return out
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_cli.engine import Batch, SamplingParams, collect, generate
-from dflash_cli.engine.drafter import DraftCache
 from drafters import FORMATS, OracleDrafter, random_drafter
 from tiny_models import sharp_tiny
 
@@ -27,21 +26,21 @@ def tiny_target(arch: str, seed: int, layers: int = 2):
 
 
 class RowOracle(OracleDrafter):
-    """An oracle per row: each new draft cache (one per row, made as the row joins) takes the next continuation
-    in joining order, so every row drafts its own continuation right for `correct` slots per block."""
+    """An oracle per row: a row's first draft (its context from position 0: the whole prompt) says which request it
+    is by its prompt's length (distinct here), so every row drafts its own continuation right for `correct` slots
+    per block. A row is its draft cache alone, its slot in a batch."""
 
-    def __init__(self, target, continuations: list[list[int]], *, block_size: int, correct: list[int]) -> None:
+    def __init__(self, target, continuations: list[list[int]], prompt_lengths: list[int], *, block_size: int, correct: list[int]) -> None:
         super().__init__(target, [], block_size=block_size, correct=correct)
-        self.continuations = list(continuations)
-        self.rows: dict[int, tuple[list[int], list[int]]] = {}  # id(cache) -> (sequence, [steps])
-
-    def new_cache(self, capacity: int = 0, block_size: int | None = None) -> DraftCache:
-        cache = super().new_cache(capacity, block_size)
-        self.rows[id(cache)] = (self.continuations.pop(0), [0])
-        return cache
+        self.by_length = dict(zip(prompt_lengths, continuations, strict=True))
+        assert len(self.by_length) == len(continuations), "the prompts' lengths must differ"
+        self.rows: dict = {}  # id(cache) alone, the slot in a batch -> (sequence, [steps])
 
     def propose(self, features, block_ids, start, cache):
-        self.sequence, steps = self.rows[id(cache)]
+        row = cache[1] if isinstance(cache, tuple) else id(cache)  # (the batch's cache, slot) from propose_rows
+        if start == features.shape[1]:
+            self.rows[row] = (self.by_length[start], [0])
+        self.sequence, steps = self.rows[row]
         self.steps = steps[0]
         steps[0] += 1
         return super().propose(features, block_ids, start, cache)
@@ -121,15 +120,11 @@ def test_rows_with_partial_acceptance_join_leave_and_reuse_slots() -> None:
     requests = [(p, SamplingParams(max_new_tokens=n), j) for p, n, j in zip(prompts, max_tokens, joins)]
     correct = [0, 7, 1, 4, 2]
 
-    def oracle():
-        order = sorted(range(len(prompts)), key=lambda i: joins[i])  # caches are made in joining order
-        return RowOracle(target, [prompts[i] + free[i] for i in order], block_size=8, correct=correct)
+    def oracle(which: list[int]):
+        return RowOracle(target, [prompts[i] + free[i] for i in which], [len(prompts[i]) for i in which], block_size=8, correct=correct)
 
-    solo = []
-    for i in range(len(prompts)):
-        drafter = RowOracle(target, [prompts[i] + free[i]], block_size=8, correct=correct)
-        solo.append(alone(target, drafter, prompts[i], requests[i][1]))
-    got, widest = run_batch(target, oracle(), requests, rows=3)
+    solo = [alone(target, oracle([i]), prompts[i], requests[i][1]) for i in range(len(prompts))]
+    got, widest = run_batch(target, oracle(list(range(len(prompts)))), requests, rows=3)
     assert widest == 3
     assert [g[0] for g in got] == free  # lossless
     assert got == solo  # and the same steps: each row's acceptance lengths are its own
@@ -179,23 +174,79 @@ def test_a_failing_row_fails_alone_and_a_cancelled_row_frees_its_slot() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_propose_rows_equals_each_rows_own_proposal(fmt: str) -> None:
-    """The batched head (one lm_head GEMM and one proposal for all rows of a block size) proposes what each row
-    proposes alone, whatever the format (DFlash2: the selector's chain), with rows of different context lengths."""
+def test_one_draft_forward_for_all_rows_equals_each_rows_own_draft(fmt: str) -> None:
+    """`draft_hidden_rows` (one forward of the layers for every row, in one BatchDraftCache) gives each row the
+    hidden states its own one-row `draft_hidden` gives, with its own DraftCache, and proposes the same: rows with
+    different starts, numbers of new context rows (1..8; a long first context) and block sizes (padded to the
+    step's widest), in slots that are not contiguous, a row leaving and a fresh one joining its slot, sliding rings
+    (window 3, ring 10) wrapping several times. float32: equal to rounding (the GEMMs' shapes differ)."""
+    import random
+
     target = tiny_target("qwen3", 2)
     drafter = random_drafter(target, seed=3, block_size=4, fmt=fmt, window=3, num_layers=2)
-    width = len(drafter.config.target_layer_ids) * 32
+    width = len(drafter.config.target_layer_ids) * target.config.hidden_size
+    choose = random.Random(5)
     torch.manual_seed(0)
-    rows = []
-    for context, start, size in ((5, 5, 4), (1, 9, 4), (3, 3, 2), (7, 7, 4)):
-        block = torch.full((1, size), drafter.mask_token_id)
-        block[0, 0] = start + 10
-        rows.append((torch.randn(1, context, width), block, start, context))
+    rows = drafter.new_rows(3, 4)
+    alone: dict[int, list] = {}  # slot -> [its one-row cache, its next block's start]
 
-    def arguments():  # fresh caches: the first draft of each row reads its whole context
-        return [(features, block, start, drafter.new_cache(64, 4)) for features, block, start, _ in rows]
+    def join(slot: int) -> None:
+        rows.make_room(96)
+        alone[slot] = [drafter.new_cache(96, 4), 0]
 
-    alone = [drafter.propose(*row) for row in arguments()]
-    together = drafter.propose_rows(arguments())
-    assert [p.tolist() for p in together] == [p.tolist() for p in alone]
-    assert [p.shape[1] for p in together] == [3, 3, 1, 3]
+    for slot in range(3):
+        join(slot)
+    multi_row_steps = 0
+    for step in range(14):
+        if step == 7:
+            join(1)  # row 1 leaves, a fresh row takes its slot
+        drafting = [slot for slot in range(3) if choose.random() < 0.8 or step == 0 or slot == 1 and step == 7]
+        features, starts, sizes = [], [], []
+        for slot in drafting:
+            context = choose.randint(12, 16) if alone[slot][1] == 0 else choose.randint(1, 8)
+            features.append(torch.randn(1, context, width))
+            starts.append(alone[slot][1] + context)
+            sizes.append(choose.randint(2, 4))
+            alone[slot][1] = starts[-1]
+        blocks = torch.full((len(drafting), max(sizes)), drafter.mask_token_id)
+        blocks[:, 0] = torch.tensor(starts) % 90
+        hidden = drafter.draft_hidden_rows(features, blocks, starts, rows, sizes=sizes, slots=drafting)
+        proposals = drafter.select(hidden, blocks[:, 0])
+        for i, slot in enumerate(drafting):
+            own = drafter.draft_hidden(features[i], blocks[i : i + 1, : sizes[i]], starts[i], alone[slot][0])
+            torch.testing.assert_close(hidden[i : i + 1, : sizes[i] - 1], own, rtol=1e-5, atol=1e-5)
+            assert proposals[i, : sizes[i] - 1].tolist() == drafter.select(own, blocks[i : i + 1, 0])[0].tolist()
+        multi_row_steps += len(drafting) > 1 and len(set(sizes)) > 1
+    assert max(start for _, start in alone.values()) > 4 * 10 and multi_row_steps >= 5
+
+
+def test_the_drafters_layers_run_once_per_step_for_all_rows() -> None:
+    """Counted with forward hooks on the real drafter's layers: one call per decode step, however many rows draft."""
+    target = tiny_target("qwen3", 1)
+    drafter = random_drafter(target, block_size=4, num_layers=2)
+    calls = [0] * len(drafter.layers)
+
+    def count(index: int):
+        def hook(*_: object) -> None:
+            calls[index] += 1
+
+        return hook
+
+    handles = [layer.register_forward_hook(count(i)) for i, layer in enumerate(drafter.layers)]
+    batch = Batch(target, drafter, rows=3)
+    drafting_steps, multi_row_steps = 0, 0
+    try:
+        for i, prompt in enumerate(([1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11])):
+            batch.add(prompt, SamplingParams(max_new_tokens=12 + 5 * i))
+        while not batch.idle:
+            decoding = not (batch.waiting and None in batch.slots)
+            events = batch.step()
+            drafted = [event for _, event in events if decoding and event.stats.block_sizes[-1] > 1]
+            drafting_steps += bool(drafted)
+            multi_row_steps += len(drafted) > 1
+    finally:
+        batch.close()
+        for handle in handles:
+            handle.remove()
+    assert calls == [drafting_steps] * len(drafter.layers)
+    assert multi_row_steps >= 10  # steps that drafted for several rows, in one call each

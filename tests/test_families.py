@@ -152,7 +152,7 @@ def test_every_row_of_a_batch_decodes_as_it_does_alone(family: str) -> None:
     prompts = [list(PROMPT), [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [27]]
     lengths = [NEW_TOKENS, 12, 30, 20]
     expected = [reference(family, tuple(p))[:n] for p, n in zip(prompts, lengths)]
-    drafter = RowOracle(model, [p + e for p, e in zip(prompts, expected)], block_size=8, correct=[0, 7, 3, 5, 1])
+    drafter = RowOracle(model, [p + e for p, e in zip(prompts, expected)], [len(p) for p in prompts], block_size=8, correct=[0, 7, 3, 5, 1])
     requests = [(p, SamplingParams(max_new_tokens=n), i) for i, (p, n) in enumerate(zip(prompts, lengths))]
     got, widest = run_batch(model, drafter, requests, rows=3)
     assert [g[0] for g in got] == expected

@@ -323,6 +323,12 @@ class DrafterConfig:
         )
 
 
+def ring_rows(window: int | None, block_size: int) -> int | None:
+    """A sliding layer's ring: the `window - 1` committed rows a block can still see, plus one call's context and
+    block (None: a full layer)."""
+    return None if window is None else window - 1 + 2 * block_size
+
+
 class DraftCache:
     """The drafter's K/V of committed context (after RoPE and k_norm), in buffers written in place.
 
@@ -350,8 +356,7 @@ class DraftCache:
         self.notify: Notify | None = None
 
     def ring_size(self, layer_idx: int) -> int | None:
-        window = self.windows[layer_idx]
-        return None if window is None else window - 1 + 2 * self.block_size
+        return ring_rows(self.windows[layer_idx], self.block_size)
 
     def rows(self, layer_idx: int) -> int:
         """Committed rows a later block can still see: all of them, or the last window - 1 in a sliding layer."""
@@ -403,6 +408,122 @@ class DraftCache:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
+class BatchDraftCache:
+    """The drafter's context K/V for the rows of a batch (`engine.Batch`), one row per slot, all drafted by one
+    forward (`DFlashDrafter.draft_hidden_rows`): `DraftCache`'s layout with a slot dimension in front, [slots, kv
+    heads, positions, head dim] per full layer (indexed by position) and [slots, kv heads, ring, head dim] per
+    sliding layer (position modulo the ring, one table of each ring row's position per slot, shared by the sliding
+    layers: they all write the same positions). Each forward writes every drafting row's new context and block at
+    that row's own positions; a row's end is known from its block's start, so the cache keeps no lengths.
+
+    A row that joins a slot resets nothing: its positions restart at 0, and every forward writes each position its
+    queries may see before they read it; the slot's previous row left rows at or past the new row's block end
+    (masked) or, in a ring, older than its window (each ring row's position says which). Rows joining only need room
+    (`make_room`).
+    """
+
+    def __init__(self, config: DrafterConfig, slots: int, block_size: int, device: torch.device) -> None:
+        self.windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+        self.slots = slots
+        self.capacity = 0
+        self.keys: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        self.values: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        self.ring = ring_rows(config.sliding_window, block_size) if any(w is not None for w in self.windows) else None
+        self.ring_positions = None if self.ring is None else torch.full((slots, self.ring), -1, dtype=torch.long, device=device)
+
+    def make_room(self, capacity: int) -> None:
+        """Room for `capacity` positions in every row (full layers keep what they hold)."""
+        if capacity <= self.capacity:
+            return
+        for buffers in (self.keys, self.values):
+            for index, old in enumerate(buffers):
+                if old is not None and self.windows[index] is None:
+                    grown = torch.zeros((*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device)
+                    grown[:, :, : self.capacity].copy_(old)
+                    buffers[index] = grown
+        self.capacity = capacity
+
+    def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s buffers, allocated on its first write (`like`: [1, kv heads, n, head dim]). Zeros:
+        attention multiplies the masked rows by a zero weight, and a NaN there would survive the mask."""
+        if self.keys[layer_idx] is None:
+            rows = self.capacity if self.windows[layer_idx] is None else self.ring
+            shape = (self.slots, like.shape[1], rows, like.shape[3])
+            self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class RowsForward:
+    """One drafting forward over several rows of a `BatchDraftCache`, handed to each layer's attention in place of
+    a `DraftCache` (made by `DFlashDrafter.draft_hidden_rows`). Its K/V inputs are packed, no padding: every row's
+    new context rows, then every row's block of `width` [n, width]. Row i's context sits at positions
+    starts[i] - contexts[i] .. starts[i] - 1 and its block at starts[i] .. starts[i] + width - 1, of which the first
+    sizes[i] are real: row i's queries see its keys before starts[i] + sizes[i] (and the layer's own rule), so the
+    pad slots, written like the block's but beyond its end, change nothing; their outputs are the caller's to drop.
+    """
+
+    def __init__(
+        self, cache: BatchDraftCache, contexts: Sequence[int], starts: Sequence[int], sizes: Sequence[int],
+        slots: Sequence[int], width: int, device: torch.device,
+    ) -> None:  # fmt: skip
+        # (built on the host, then moved: a few small transfers per step, not per layer)
+        starts_t, slots_t = torch.tensor(starts), torch.tensor(slots)
+        block = starts_t[:, None] + torch.arange(width)
+        positions = torch.cat([*(torch.arange(s - c, s) for s, c in zip(starts, contexts)), block.reshape(-1)])
+        token_slots = torch.cat([slots_t.repeat_interleave(torch.tensor(contexts)), slots_t.repeat_interleave(width)])
+        self.cache, self.width, self.end = cache, width, max(starts) + width
+        cache.make_room(self.end)
+        self.positions, self.token_slots = positions.to(device), token_slots.to(device)
+        self.query_positions = block.to(device)
+        self.limits = (starts_t + torch.tensor(sizes)).to(device)
+        first = slots[0]
+        contiguous = list(slots) == list(range(first, first + len(slots)))
+        self.rows: slice | torch.Tensor = slice(first, first + len(slots)) if contiguous else slots_t.to(device)
+        self.masks: dict[tuple[bool, int | None], torch.Tensor] = {}
+        if cache.ring is not None:  # each row writes its last `ring` positions (a long first context: older rows are out of every window)
+            ring_end = torch.cat([(starts_t + width).repeat_interleave(torch.tensor(contexts)), (starts_t + width).repeat_interleave(width)])
+            keep = positions >= ring_end - cache.ring
+            at = positions[keep].to(device)
+            self.ring_tokens = keep.nonzero()[:, 0].to(device)
+            self.ring_slots, self.ring_at = token_slots[keep].to(device), at % cache.ring
+            cache.ring_positions[self.ring_slots, self.ring_at] = at
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This forward's rows of a [slots, ...] tensor (a view when the slots are contiguous)."""
+        return tensor[self.rows] if isinstance(self.rows, slice) else tensor.index_select(0, self.rows)
+
+    def attend(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, causal: bool, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write layer `layer_idx`'s packed keys and values [1, kv heads, tokens, head dim] at their rows' positions;
+        return each row's keys and values to attend over [n, kv heads, keys, head dim] and the mask [n, 1, width, keys]."""
+        buffer_k, buffer_v = self.cache.buffers(layer_idx, keys)
+        keys, values = keys[0].transpose(0, 1), values[0].transpose(0, 1)  # [tokens, kv heads, head dim]
+        if self.cache.windows[layer_idx] is None:
+            buffer_k[self.token_slots, :, self.positions] = keys
+            buffer_v[self.token_slots, :, self.positions] = values
+            buffer_k, buffer_v = buffer_k[:, :, : self.end], buffer_v[:, :, : self.end]
+        else:
+            buffer_k[self.ring_slots, :, self.ring_at] = keys[self.ring_tokens]
+            buffer_v[self.ring_slots, :, self.ring_at] = values[self.ring_tokens]
+        return self.take(buffer_k), self.take(buffer_v), self.mask(causal, window)
+
+    def mask(self, causal: bool, window: int | None) -> torch.Tensor:
+        """Row i's queries see its keys before its block's end, under the layer's rule (the same for every layer of
+        one kind: made once per forward)."""
+        if (causal, window) not in self.masks:
+            if window is None:  # full layers: buffers indexed by position
+                key_positions = torch.arange(self.end, device=self.limits.device)[None]
+            else:  # rows not yet written are -1
+                key_positions = self.take(self.cache.ring_positions)
+            visible = ((key_positions >= 0) & (key_positions < self.limits[:, None]))[:, None, None]
+            if causal or window is not None:
+                visible = visible & _window_mask(self.query_positions, key_positions, causal, window)
+            self.masks[causal, window] = visible
+        return self.masks[causal, window]
+
+
 def _window_mask(
     query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool, window: int | None
 ) -> torch.Tensor:
@@ -452,17 +573,33 @@ class DraftAttention(nn.Module):
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         bsz, q_len, _ = block.shape
-        # K/V inputs: the fused context as is, then this layer's normed block. (Written over a copy of `rows`
-        # rather than concatenated: no tensor of the context's own size appears, so a compiled draft step does
-        # not specialize on one new context row.)
-        both = rows.clone()
-        both[:, -q_len:] = block
+        if isinstance(cache, RowsForward):  # several rows: `rows` is their new context packed [1, c, H], then blocks
+            both = torch.cat([rows, block.reshape(1, bsz * q_len, -1)], dim=1)
+            query_cos, query_sin = cos[0, -bsz * q_len :].view(bsz, q_len, -1), sin[0, -bsz * q_len :].view(bsz, q_len, -1)
+        else:
+            # K/V inputs: the fused context as is, then this layer's normed block. (Written over a copy of `rows`
+            # rather than concatenated: no tensor of the context's own size appears, so a compiled draft step does
+            # not specialize on one new context row.) Queries sit at the block's positions, the last q_len rows.
+            both = rows.clone()
+            both[:, -q_len:] = block
+            query_cos, query_sin = cos[:, -q_len:], sin[:, -q_len:]
         q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
         k = self.k_norm(self._heads(self.k_proj(both), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(both), self.num_kv_heads).transpose(1, 2)
-        # Queries sit at the block's positions, the last q_len rows of cos/sin.
-        q, _ = apply_rotary_pos_emb(q, q, cos[:, -q_len:], sin[:, -q_len:])
+        q, _ = apply_rotary_pos_emb(q, q, query_cos, query_sin)
         _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        if isinstance(cache, RowsForward):
+            k, v, mask = cache.attend(self.layer_idx, k, v, self.causal, self.sliding_window)
+        else:
+            k, v, mask = self._keys(k, v, positions[:, -q_len:], positions, cache, attention_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+    def _keys(
+        self, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, positions: torch.Tensor,
+        cache: DraftCache | None, attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """One sequence: the keys and values to attend over (the cache's, this call's written in) and the mask."""
         key_positions, valid = positions, None
         if cache is not None:
             k, v, ring_positions = cache.update(self.layer_idx, k, v)
@@ -473,11 +610,10 @@ class DraftAttention(nn.Module):
                 key_positions = torch.arange(k.shape[2], device=k.device)[None]
         mask = attention_mask
         if self.causal or self.sliding_window is not None:
-            rule = _window_mask(positions[:, -q_len:], key_positions, self.causal, self.sliding_window)
+            rule = _window_mask(query_positions, key_positions, self.causal, self.sliding_window)
             rule = rule if valid is None else rule & valid
             mask = rule if mask is None else mask & rule
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+        return k, v, mask
 
 
 class GroupedDynamicConv(nn.Module):
@@ -716,20 +852,37 @@ class DFlashDrafter(nn.Module):
         """Hidden states of block slots 1..q-1 [n, q-1, H] and each block's first token [n] -> the proposal [n, q-1]."""
         return self.logits(hidden).argmax(dim=-1)
 
+    def new_rows(self, slots: int, block_size: int | None = None) -> BatchDraftCache:
+        """An empty context cache for the rows of a batch: `slots` rows (each joins with `join`), verified in blocks
+        of up to `block_size` (default: the config's)."""
+        return BatchDraftCache(self.config, slots, block_size or self.config.block_size, self.fc.weight.device)
+
+    def draft_hidden_rows(
+        self, features: Sequence[torch.Tensor], block_ids: torch.Tensor, starts: Sequence[int], cache: BatchDraftCache,
+        *, sizes: Sequence[int], slots: Sequence[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """`draft_hidden` for several rows of a batch in one forward of the layers. Row i: its new context
+        features[i] [1, c_i, F] (positions starts[i] - c_i .. starts[i] - 1), its block block_ids[i] at
+        starts[i], of which the first sizes[i] are real (the rest padding, any id), in slot slots[i] of `cache`.
+        -> hidden of block slots 1..width-1 [n, width-1, H]; row i's past sizes[i] - 1 are padding."""
+        forward = RowsForward(cache, [f.shape[1] for f in features], starts, sizes, slots, block_ids.shape[1], block_ids.device)
+        context = self.fuse_context(features[0] if len(features) == 1 else torch.cat(list(features), dim=1))
+        x = self.embed(block_ids).to(context.dtype)
+        cos, sin = self.rope(forward.positions[None], x.dtype)
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, forward.query_positions, forward, None)
+        return self.norm(x)[:, 1:]
+
     @torch.no_grad()
-    def propose_rows(self, rows: Sequence[tuple[torch.Tensor, torch.Tensor, int, DraftCache]]) -> list[torch.Tensor]:
-        """`propose(features, block_ids, start, cache)` for several sequences, each with its own context cache: the
-        layers run per row (each row brings its own number of new context rows), the head and the proposal once for
-        the rows of each block size (one GEMM reads the lm_head's weights once, not once per row)."""
-        hidden = [self.draft_hidden(*row) for row in rows]
-        proposals: list[torch.Tensor | None] = [None] * len(rows)
-        for width in {h.shape[1] for h in hidden}:
-            group = [i for i, h in enumerate(hidden) if h.shape[1] == width]
-            anchors = torch.cat([rows[i][1][:, 0] for i in group])
-            chosen = self.select(torch.cat([hidden[i] for i in group]), anchors)
-            for at, i in enumerate(group):
-                proposals[i] = chosen[at : at + 1]
-        return proposals
+    def propose_rows(
+        self, features: Sequence[torch.Tensor], block_ids: torch.Tensor, starts: Sequence[int], cache: BatchDraftCache,
+        *, sizes: Sequence[int], slots: Sequence[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """`propose` for several rows of a batch (arguments: `draft_hidden_rows`): the layers, the lm_head and the
+        proposal once for all rows -> [n, width-1]; row i's proposal is its first sizes[i] - 1 (a proposal reads
+        only the slots before it, so the padding changes nothing)."""
+        hidden = self.draft_hidden_rows(features, block_ids, starts, cache, sizes=sizes, slots=slots)
+        return self.select(hidden, block_ids[:, 0])
 
     def save_pretrained(self, directory: str | Path) -> None:
         from safetensors.torch import save_file

@@ -6,14 +6,15 @@ the target's own (`sampling.accepted_drafts`). With `drafter=None` the same loop
 autoregressive decoding, so baseline and speculative numbers are like for like.
 
 `Batch` holds the rows: each row is a `Request` (limits, stop conditions, text stream, stats, RNG, sampling
-params) in a slot of the `TargetState` (its K/V, length and captured features) with its own drafter cache. Rows
+params) in a slot of the `TargetState` (its K/V, length and captured features) and of the drafter's cache. Rows
 join (prefilled into a free slot, alone) and leave (a finished or cancelled row frees its slot at once) between
 steps: continuous batching. `generate` is that loop with one row. One host sync per step: every row's accepted
 count and target tokens, in one transfer.
 
-The drafter's layers run once per row (its context cache and the number of new context rows are per row), its
-lm_head and proposal once per step for all rows (`propose_rows`); the target's verify, the dominant cost, runs
-once per step for all rows. A block policy (engine.policy) picks one block size
+The drafter runs once per step for all drafting rows (`propose_rows`: one forward over every row's new context
+rows and block, each row's context K/V in its slot of one `BatchDraftCache`); a batch of one row keeps its own
+`DraftCache` and `propose` (and the compiled draft step). The target's verify, the dominant cost, runs once per
+step for all rows. A block policy (engine.policy) picks one block size
 per step for all rows (1: a plain step, no drafting) and learns from the rows' pooled acceptance.
 """
 
@@ -84,6 +85,8 @@ class Batch:
         self.block = policy.max_size
         self.rows = 1 if batch_limit(target) is not None else max(1, rows)
         self.compile = compile and self.rows == 1  # compiled steps run one row
+        # Several rows: one context cache for all (the drafter's layers run once per step); one row: its own.
+        self.draft_rows = drafter.new_rows(self.rows, self.block) if drafter is not None and self.rows > 1 else None
         self.state: AttentionState | None = None  # taken when the first row joins
         self.slots: list[Row | None] = [None] * self.rows
         self.waiting: deque[Row] = deque()
@@ -178,10 +181,13 @@ class Batch:
         row.last = sample_tokens(logits, request.params, request.generator, request.uniforms_at(len(request.prompt_ids), 1))
         first = int(row.last.item())
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
-        if self.drafter is not None:
+        if self.draft_rows is not None:
+            self.draft_rows.make_room(request.end + self.block)
+        elif self.drafter is not None:
             row.draft_cache = self.drafter.new_cache(request.end + self.block, self.block)
             if self.compile:
                 row.draft_cache.step, row.draft_cache.notify = compiled_draft_step(self.device), self.notify
+        if self.drafter is not None:
             row.pending = [state.features(state.lengths[row.slot], row.slot)]
         row.decode_started = time.perf_counter()
         return [request.commit([first], verified=False)]
@@ -199,20 +205,27 @@ class Batch:
         block_ids = torch.full((len(rows), width), drafter.mask_token_id if drafter is not None else 0, device=self.device)
         block_ids[:, 0] = torch.cat([row.last for row in rows])
         t_draft = clock.mark()
-        drafting = []  # (row index, size, the drafter's arguments)
-        for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
+        drafting, features = [], []  # the drafting rows' indices and new context features
+        for i, (row, size) in enumerate(zip(rows, sizes)):
             if drafter is not None and size > 1:
-                features = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending, dim=1)
+                drafting.append(i)
+                features.append(row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending, dim=1))
                 row.pending.clear()
-                # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
-                drafting.append((i, size, (features, block_ids[i, :size][None], start, row.draft_cache)))
             elif drafter is not None:
                 row.pending[-1] = row.pending[-1].clone()
-        if drafting:  # (one row: `propose` itself, which test and benchmark doubles wrap)
-            arguments = [arguments for _, _, arguments in drafting]
-            proposals = [drafter.propose(*arguments[0])] if len(arguments) == 1 else drafter.propose_rows(arguments)
-            for (i, size, _), proposal in zip(drafting, proposals):
-                block_ids[i, 1:size] = proposal[0]
+        if drafting and self.draft_rows is None:  # one row: its own cache (and compiled step)
+            (i,) = drafting
+            # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
+            block_ids[i, 1 : sizes[i]] = drafter.propose(features[0], block_ids[i, : sizes[i]][None], starts[i], rows[i].draft_cache)[0]
+        elif drafting:  # one forward for every drafting row, blocks padded to the widest
+            wide = max(sizes[i] for i in drafting)
+            blocks = block_ids[:, :wide] if len(drafting) == len(rows) else block_ids[drafting, :wide]
+            proposals = drafter.propose_rows(
+                features, blocks, [starts[i] for i in drafting], self.draft_rows,
+                sizes=[sizes[i] for i in drafting], slots=[rows[i].slot for i in drafting],
+            )  # fmt: skip
+            for proposal, i in zip(proposals, drafting):
+                block_ids[i, 1 : sizes[i]] = proposal[: sizes[i] - 1]
         t_verify = clock.mark()
         logits = state.verify(block_ids, [row.slot for row in rows])
         host_parts, posteriors = [], []

@@ -55,8 +55,9 @@ from dflash_cli.engine.compiled import Notify
 from dflash_cli.engine.target import AttentionState
 
 RULE = "torch_chunk_gated_delta_rule"  # the module-level kernel transformers' Gated DeltaNet layers call
-# The replay's chunk: every row's replay pads to whole chunks of this size with zero steps, which leave a state
-# bit for bit as it is, so a row replays to the same bits alone or beside rows of other lengths.
+# The chunk of the verify's and the replay's recurrence: every row's replay pads to whole chunks of this size with
+# zero steps, which leave a state bit for bit as it is, so a row replays to the same bits alone or beside rows of
+# other lengths.
 REPLAY_CHUNK = 16
 
 
@@ -157,6 +158,10 @@ class _Recording:
                 inputs = dict(query=query, key=key, value=value, g=g, beta=beta, initial_state=initial_state.clone())
                 options = {k: v for k, v in kwargs.items() if k == "use_qk_l2norm_in_kernel"}
                 self.calls.append((layer, {**inputs, **options}, kernel))
+                # transformers' torch kernel pads a verify's few tokens to its default chunk of 64, for every row;
+                # the replay's chunk does the same math on less padding (fla's kernels take no chunk size: the
+                # kernel wrapper drops it)
+                kwargs.setdefault("chunk_size", REPLAY_CHUNK)
             return kernel(query, key, value, g, beta, initial_state=initial_state, **kwargs)
 
         return recording_kernel

@@ -122,7 +122,7 @@ def main() -> None:
                 model(input_ids=block[:, :k], position_ids=positions[:, :k], past_key_values=cache, use_cache=True,
                       logits_to_keep=1)  # fmt: skip
 
-            rollback.keep(n, block_size, rerun)
+            rollback.keep([n], block_size, lambda _row, k: rerun(k))
         elif method == "mixer":
             saved = rollback._copy_states()
             def keep_input(i: int):  # noqa: ANN202
@@ -153,7 +153,7 @@ def main() -> None:
                 stack.callback(lambda: [setattr(m, RULE, k) for m, k in kernels.items()])
                 verify(cache)
             for layer, all_states in zip(linear, states):
-                layer.keep_conv(n, block_size)
+                layer.keep_conv(torch.tensor([0]), torch.tensor([n]), block_size)
                 layer.recurrent_states[0].copy_(all_states[n - 1])
         total = clock() - t0
         for hook in hooks:

@@ -250,3 +250,40 @@ def test_the_drafters_layers_run_once_per_step_for_all_rows() -> None:
             handle.remove()
     assert calls == [drafting_steps] * len(drafter.layers)
     assert multi_row_steps >= 10  # steps that drafted for several rows, in one call each
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba"])
+def test_hybrid_rows_roll_back_each_to_its_own_count(family: str) -> None:
+    """Hybrid targets batch: rows of mixed prompt lengths and max_tokens join mid-way (one into a slot a finished
+    row left) and share each verify, each rolls its recurrent state back to its own kept count (the oracle makes
+    every step keep a different number of drafts in each row), and each row makes exactly its tokens and steps
+    alone; seeded sampling rows among them are reproducible at any batch size and equal their decoding alone."""
+    from test_families import target as family_target
+
+    from tiny_models import hf_greedy
+
+    target = family_target(family)
+    prompts = [[5, 17, 42, 8, 9, 3, 3, 11, 12], [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [27], [60, 61]]
+    max_tokens = [30, 7, 22, 18, 12]
+    joins = [0, 0, 1, 3, 4]
+    sampled = {3: 1.0, 4: 0.7}  # rows 3 and 4: sampled, seeded (temperature)
+    params = [
+        SamplingParams(max_new_tokens=n, temperature=sampled.get(i, 0.0), seed=50 + i if i in sampled else None)
+        for i, n in enumerate(max_tokens)
+    ]  # fmt: skip
+    greedy = [hf_greedy(target, p, n) for p, n in zip(prompts, max_tokens)]
+    correct = [0, 7, 1, 4, 2, 6]
+
+    def oracle(order: list[int]) -> RowOracle:  # each row drafts its own greedy continuation (known by its length)
+        return RowOracle(target, [prompts[i] + greedy[i] for i in order], [len(prompts[i]) for i in order],
+                         block_size=8, correct=correct)  # fmt: skip
+
+    requests = [(p, sp, j) for p, sp, j in zip(prompts, params, joins)]
+    solo = [alone(target, oracle([i]), prompts[i], params[i]) for i in range(len(prompts))]
+    got, widest = run_batch(target, oracle(sorted(range(len(prompts)), key=joins.__getitem__)), requests, rows=3)
+    assert widest == 3
+    assert [g[0] for i, g in enumerate(got) if i not in sampled] == [greedy[i] for i in range(len(prompts)) if i not in sampled]
+    assert got == solo  # every row: its tokens, finish reason and acceptance lengths alone
+    assert any(1 < n < 8 for i, g in enumerate(got) if i not in sampled for n in g[2])  # partial acceptance
+    again, _ = run_batch(target, oracle(sorted(range(len(prompts)), key=joins.__getitem__)), requests, rows=2)
+    assert [g[0] for g in again] == [g[0] for g in got]

@@ -49,12 +49,13 @@ def test_keeping_n_verified_tokens_leaves_the_state_of_n(family: str, kept: int)
     with rollback.verifying():
         forward(model, cache, BLOCK, len(PROMPT))
 
-    def rerun(n: int) -> None:
+    def rerun(row: int, n: int) -> None:
+        assert row == 0
         crop_attention(cache, len(PROMPT))
         forward(model, cache, BLOCK[:n], len(PROMPT))
 
     with torch.inference_mode():  # as in the decode loop
-        rollback.keep(kept, len(BLOCK), rerun)
+        rollback.keep([kept], len(BLOCK), rerun)
     crop_attention(cache, len(PROMPT) + kept)
     # the path taken: replay for Gated DeltaNet, snapshot + rerun elsewhere
     assert rollback._replayable == (family != "bamba")
@@ -109,3 +110,44 @@ def test_missing_fast_kernels_are_said_once_at_load_not_mid_answer() -> None:
                                "PyTorch implementation because `y` is not installed.", None, None)  # fmt: skip
     handlers = logging.getLogger("transformers").handlers
     assert handlers and all(not handler.filter(record) for handler in handlers)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba"])
+def test_each_row_of_a_batched_verify_keeps_its_own_count(family: str) -> None:
+    """Several rows verify in one forward (a free slot between them runs a dummy block), each keeps its own count
+    of its block, and each row's linear-attention states are those of a target that only saw that row's prompt and
+    kept tokens; a row then joining the free slot (left by an earlier row) starts from zero and leaves the other
+    rows' states as they are."""
+    from dflash_cli.engine.hybrid import HybridState
+
+    model = build_tiny(family, seed=3)
+    state = HybridState(model)
+    state.reserve(64, len(BLOCK), (), rows=4)
+    prompts = {0: PROMPT, 2: [3, 1], 3: PROMPT[::-1] + [77]}
+    blocks = {0: BLOCK, 2: BLOCK[::-1], 3: [9, 140, 2, 5, 31, 64, 7, 99]}
+    kept = {0: 3, 2: 8, 3: 1}
+    with torch.inference_mode():
+        for slot, prompt in prompts.items():
+            state.prefill(torch.tensor([prompt]), slot)
+        state.verify(torch.tensor([blocks[slot] for slot in prompts]), list(prompts))
+        for slot in prompts:
+            state.commit(kept[slot], slot)
+        assert state.lengths == [len(prompts[0]) + 3, 0, 2 + 8, len(prompts[3]) + 1]
+
+        def row_states(slot: int) -> list[torch.Tensor]:
+            return [layer.storage[kind, 0][slot] for layer in state.linear for kind in ("conv", "recurrent")]
+
+        for slot in prompts:
+            reference = hybrid_cache(model)
+            forward(model, reference, prompts[slot] + blocks[slot][: kept[slot]], 0)
+            for got, want in zip(row_states(slot), states(reference), strict=True):
+                torch.testing.assert_close(got, want[0], rtol=1e-4, atol=1e-5)
+        before = {slot: [t.clone() for t in row_states(slot)] for slot in prompts}
+        state.prefill(torch.tensor([[8, 60, 8, 61]]), 1)  # a row that joins, then leaves
+        state.prefill(torch.tensor([[4, 4, 4]]), 1)  # and the next one in its slot
+    for slot in prompts:
+        assert all(torch.equal(a, b) for a, b in zip(row_states(slot), before[slot]))
+    reference = hybrid_cache(model)
+    forward(model, reference, [4, 4, 4], 0)
+    for got, want in zip(row_states(1), states(reference), strict=True):
+        torch.testing.assert_close(got, want[0], rtol=1e-4, atol=1e-5)

@@ -1,29 +1,33 @@
 """Hybrid targets: attention layers plus linear-attention layers (Gated DeltaNet, Mamba, short convolutions),
-whose state is rolled back after a speculative verify.
+whose state is rolled back after a speculative verify, per row.
 
 An attention layer forgets a rejected draft by its length: the K/V past the committed length are never read. A
 linear-attention layer folds every token it sees into fixed-size states, in place: a convolution window (the
-last K inputs) and a recurrent state. A verify of B tokens leaves both B tokens ahead, so after it keeps n of
-them the layer must be put back to its state after n. transformers cannot do it (`is_croppable` is False once
-a recurrent state exists).
+last K inputs) and a recurrent state. A verify of B tokens leaves both B tokens ahead, so after a row keeps n of
+them the layer must be put back to that row's state after n. transformers cannot do it (`is_croppable` is False
+once a recurrent state exists).
 
 How, by measurement (docs/benchmarks.md, "Hybrid targets: rolling back the recurrent state"):
 
 - Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next and their kin: every transformers model whose layers
   call a `torch_chunk_gated_delta_rule`): while the verify runs, record what the recurrence was given (q, k, v,
-  decay, beta and the state it started from) and the convolution's inputs. To keep n tokens, run the same
-  recurrence kernel over the first n recorded steps from the recorded start, for all layers in one batched call,
-  and cut the convolution window at n. No projection, attention or MLP is recomputed: 1-5% of a verify on
-  CPU, against 25-85% for re-running the target on the kept tokens.
+  decay, beta and the state it started from) and the convolution's inputs. To keep n_r tokens in row r, run the
+  same recurrence kernel from the recorded start over each row's first n_r recorded steps, the steps after n_r
+  zeroed (decay 0 and beta 0 leave a state as it is: the kernel pads its chunks the same way), for all layers
+  and rows in one call, and cut each row's convolution window at its n_r. No projection, attention or MLP is
+  recomputed: 1-5% of a verify on CPU, against 25-85% for re-running the target on the kept tokens.
 - Any other linear-attention layer (Mamba-2 hybrids such as Bamba or Granite 4, short-convolution models): keep a
-  copy of the states from before the verify; to keep n tokens, restore it and run the target once more over the
-  n kept tokens (exact for any architecture; costs a forward of n tokens).
+  copy of the states from before the verify; to keep n tokens in a row, restore its copy and run the target once
+  more over that row's n kept tokens, row by row (exact for any architecture; a Mamba-2 state decays even on a
+  zeroed input, so rows of different n cannot share that forward by padding).
 
 Keeping all B tokens costs nothing: the verify's own final state is the right one.
 
 `HybridState` is the engine's `TargetState` for such targets: `AttentionState` (static K/V rewound by length) with
-these layers in its cache, recording during `verify` and rolling back in `commit`. It runs eager: the recording
-is Python-side (a wrapped kernel and tensor references), which CUDA graphs would not replay.
+these layers in its cache, their states per slot like the K/V ([rows, ...]: a forward sees the rows it runs, a
+prefill starts its own row from zero), recording during `verify` and rolling every row of the verify back once
+its last row has committed. It runs eager: the recording is Python-side (a wrapped kernel and tensor
+references), which CUDA graphs would not replay.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ from dflash_cli.engine.compiled import Notify
 from dflash_cli.engine.target import AttentionState
 
 RULE = "torch_chunk_gated_delta_rule"  # the module-level kernel transformers' Gated DeltaNet layers call
+# The chunk of the verify's and the replay's recurrence: every row's replay pads to whole chunks of this size with
+# zero steps, which leave a state bit for bit as it is, so a row replays to the same bits alone or beside rows of
+# other lengths.
+REPLAY_CHUNK = 16
 
 
 class RecordingLinearLayer(LinearAttentionLayer):
@@ -66,12 +74,68 @@ class RecordingLinearLayer(LinearAttentionLayer):
         self.windows[state_idx] = window
         return window
 
-    def keep_conv(self, n: int, verified: int) -> None:
-        """The convolution window after the first n of the `verified` tokens of the last forward."""
+    def keep_conv(self, rows: torch.Tensor, kept: torch.Tensor, verified: int) -> None:
+        """Rows `rows` of the forward: the convolution window after the first `kept[i]` of the `verified` tokens
+        of the last forward."""
         for state_idx, window in self.windows.items():
             kernel = self.conv_kernel_size[state_idx]
-            end = window.shape[-1] - (verified - n)
-            self.conv_states[state_idx].copy_(window[..., end - kernel : end])
+            # row i's window ends `verified - kept[i]` inputs before the recorded one's end
+            start = window.shape[-1] - verified + kept - kernel
+            index = (start[:, None] + torch.arange(kernel, device=window.device))[:, None, :]
+            cut = window.index_select(0, rows).gather(-1, index.expand(-1, window.shape[1], -1))
+            self.conv_states[state_idx].index_copy_(0, rows, cut)
+
+
+class SlotLinearLayer(RecordingLinearLayer):
+    """A linear-attention layer's states for every slot of a `HybridState` ([slots, ...] per state, like the K/V
+    buffers): `select(rows)` points the layer at the rows one forward runs (views, written in place)."""
+
+    def __init__(self, slots: Callable[[], int], number_of_states: int = 1) -> None:
+        super().__init__(number_of_states=number_of_states)
+        self.slots = slots  # how many slots the owning state holds now
+        self.rows = slice(0, 1)
+        self.storage: dict[tuple[str, int], torch.Tensor] = {}  # ("conv" | "recurrent", state_idx) -> [slots, ...]
+
+    def lazy_initialization(
+        self, conv_states: torch.Tensor | None = None, recurrent_states: torch.Tensor | None = None,
+        state_idx: int = 0, conv_kernel_size: int | None = None,
+    ) -> None:  # fmt: skip
+        if conv_states is not None:
+            self.dtype, self.device = conv_states.dtype, conv_states.device
+            kernel = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size
+            self.conv_kernel_size[state_idx] = kernel
+            shape = (self.slots(), *conv_states.shape[1:-1], kernel)
+            self.storage["conv", state_idx] = torch.zeros(shape, dtype=conv_states.dtype, device=conv_states.device)
+            self.is_conv_states_initialized[state_idx] = True
+        if recurrent_states is not None:
+            shape = (self.slots(), *recurrent_states.shape[1:])
+            self.storage["recurrent", state_idx] = recurrent_states.new_zeros(shape)
+            self.is_recurrent_states_initialized[state_idx] = True
+        self._views()
+
+    def select(self, rows: slice, fresh: bool) -> None:
+        """The next forward runs `rows`; `fresh`: it starts those rows over (a prefill), from zero states."""
+        self.rows = rows
+        self._views()
+        for state_idx in range(self.number_of_states):
+            self.has_previous_state[state_idx] = not fresh
+            if fresh:
+                for states in (self.conv_states, self.recurrent_states):
+                    if states[state_idx] is not None:
+                        states[state_idx].zero_()
+
+    def _views(self) -> None:
+        for (kind, state_idx), storage in self.storage.items():
+            states = self.conv_states if kind == "conv" else self.recurrent_states
+            states[state_idx] = storage[self.rows]
+
+    def drop(self) -> None:
+        """Forget every slot's states (the owning state changed its number of slots)."""
+        self.storage.clear()
+        for state_idx in range(self.number_of_states):
+            self.conv_states[state_idx] = self.recurrent_states[state_idx] = None
+            self.is_conv_states_initialized[state_idx] = self.is_recurrent_states_initialized[state_idx] = False
+            self.has_previous_state[state_idx] = False
 
 
 def _rule_modules(target: PreTrainedModel) -> list[ModuleType]:
@@ -94,17 +158,21 @@ class _Recording:
                 inputs = dict(query=query, key=key, value=value, g=g, beta=beta, initial_state=initial_state.clone())
                 options = {k: v for k, v in kwargs.items() if k == "use_qk_l2norm_in_kernel"}
                 self.calls.append((layer, {**inputs, **options}, kernel))
+                # transformers' torch kernel pads a verify's few tokens to its default chunk of 64, for every row;
+                # the replay's chunk does the same math on less padding (fla's kernels take no chunk size: the
+                # kernel wrapper drops it)
+                kwargs.setdefault("chunk_size", REPLAY_CHUNK)
             return kernel(query, key, value, g, beta, initial_state=initial_state, **kwargs)
 
         return recording_kernel
 
 
 class LinearStateRollback:
-    """Undo what a verify did to the linear-attention layers of `cache` beyond the tokens it keeps.
+    """Undo what a verify did to the linear-attention layers of `cache` beyond the tokens each row keeps.
 
-    Use: `with rollback.verifying(): <the verify forward>`, then `rollback.keep(n, verified, rerun)`, where
-    `rerun(n)` runs the target over the first n tokens of that block again from the restored state (only called
-    for layers the fast path does not cover).
+    Use: `with rollback.verifying(): <the verify forward>`, then `rollback.keep(kept, verified, rerun)`, where
+    `kept[i]` is what row i of that forward keeps and `rerun(i, n)` runs the target over row i's first n tokens
+    again from its restored state (only called for layers the fast path does not cover).
     """
 
     def __init__(self, target: PreTrainedModel, cache: Cache) -> None:
@@ -156,55 +224,63 @@ class LinearStateRollback:
             for layer in self.layers
         ]  # fmt: skip
 
-    def keep(self, n: int, verified: int, rerun: Callable[[int], None]) -> None:
-        """Put every linear-attention layer in its state after the first n of the `verified` tokens."""
-        if n >= verified:
+    def keep(self, kept: Sequence[int], verified: int, rerun: Callable[[int, int], None]) -> None:
+        """Put every linear-attention layer, in each row i of the last verify, in its state after the first
+        `kept[i]` of the `verified` tokens (a row that keeps them all is left as the verify left it)."""
+        rows = [i for i, n in enumerate(kept) if n < verified]
+        if not rows:
             return
         if self._replayable:
+            device = self.layers[0].recurrent_states[0].device
+            index = torch.tensor(rows, device=device)
+            counts = torch.tensor([kept[i] for i in rows], device=device)
             for layer in self.layers:
                 if isinstance(layer, RecordingLinearLayer):
-                    layer.keep_conv(n, verified)
-            self._replay(n)
+                    layer.keep_conv(index, counts, verified)
+            self._replay(index, counts, max(kept[i] for i in rows))
             return
         assert self._snapshot is not None, "keep() after a verify that recorded nothing"
         for layer, (convs, recurrents) in zip(self.layers, self._snapshot):
             for i in range(layer.number_of_states):
-                if convs[i] is not None:
-                    layer.conv_states[i].copy_(convs[i])
-                if recurrents[i] is not None:
-                    layer.recurrent_states[i].copy_(recurrents[i])
-        rerun(n)
+                for states, saved in ((layer.conv_states, convs), (layer.recurrent_states, recurrents)):
+                    if saved[i] is not None:
+                        index = torch.tensor(rows, device=saved[i].device)
+                        states[i].index_copy_(0, index, saved[i].index_select(0, index))
+        for row in rows:
+            rerun(row, kept[row])
 
-    def _replay(self, n: int) -> None:
-        """The recurrence over the first n recorded steps, from the recorded start states: one kernel call for all
-        layers whose inputs have the same shapes (all of them, in the published models)."""
+    def _replay(self, rows: torch.Tensor, kept: torch.Tensor, longest: int) -> None:
+        """The recurrence over each of `rows`' first `kept` recorded steps, from the recorded start states: one
+        kernel call for all those rows of all layers whose inputs have the same shapes (all of them, in the
+        published models)."""
         groups: dict[tuple[Any, ...], list[tuple[LinearAttentionCacheLayerMixin, dict[str, Any], Callable]]] = {}
         for layer, inputs, kernel in self._recording.calls:
             shape = (kernel, *(tuple(t.shape) for t in inputs.values() if isinstance(t, torch.Tensor)))
             groups.setdefault(shape, []).append((layer, inputs, kernel))
+        steps = torch.arange(longest, device=kept.device)[None] < kept[:, None]  # [rows, longest]: a kept step
         for calls in groups.values():
             kernel = calls[0][2]
-            stacked = {
-                name: torch.cat([inputs[name] for _, inputs, _ in calls])
-                for name in ("query", "key", "value", "g", "beta", "initial_state")
-            }
-            for name in ("query", "key", "value", "g", "beta"):
-                stacked[name] = stacked[name][:, :n]
+            stacked = {}
+            for name in ("query", "key", "value", "g", "beta", "initial_state"):
+                parts = [inputs[name].index_select(0, rows) for _, inputs, _ in calls]
+                if name != "initial_state":  # steps past a row's own count: zero (no decay, no update)
+                    parts = [part[:, :longest] for part in parts]
+                    mask = steps.reshape(*steps.shape, *[1] * (parts[0].dim() - 2))
+                    parts = [torch.where(mask, part, torch.zeros((), dtype=part.dtype, device=part.device)) for part in parts]
+                stacked[name] = torch.cat(parts)
             options = {k: v for k, v in calls[0][1].items() if k not in stacked}
             # called the way transformers calls it (q, k, v positional): kernels from fla name them otherwise.
-            # transformers' own torch kernel pads to its chunk (64 by default): a chunk the size of a draft block
-            # does the same math on less padding (fla's kernels take no chunk_size and never see it).
             q, k, v = stacked.pop("query"), stacked.pop("key"), stacked.pop("value")
-            chunk = max(16, 1 << (n - 1).bit_length())
-            _, final = kernel(q, k, v, **stacked, output_final_state=True, chunk_size=chunk, **options)
-            for row, (layer, _, _) in enumerate(calls):
-                layer.recurrent_states[0].copy_(final[row : row + 1])
+            _, final = kernel(q, k, v, **stacked, output_final_state=True, chunk_size=REPLAY_CHUNK, **options)
+            for i, (layer, _, _) in enumerate(calls):
+                layer.recurrent_states[0].index_copy_(0, rows, final[i * len(rows) : (i + 1) * len(rows)])
 
 
 def hybrid_cache(target: PreTrainedModel) -> DynamicCache:
-    """The cache a hybrid target needs: transformers' per-layer kinds from its config, with full-length attention
-    layers (sliding ones cannot be cropped back once their window is full; the masks still apply the window) and
-    linear-attention layers that keep their convolution window for `LinearStateRollback`."""
+    """A transformers cache for a hybrid target outside the engine (one sequence; benchmarks and tests): its
+    per-layer kinds from the config, with full-length attention layers (sliding ones cannot be cropped back once
+    their window is full; the masks still apply the window) and linear-attention layers that keep their
+    convolution window for `LinearStateRollback`."""
     cache = DynamicCache(config=target.config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is LinearAttentionLayer:
@@ -224,37 +300,71 @@ def linear_cache_layers(target: PreTrainedModel) -> dict[int, LinearAttentionCac
 
 class HybridState(AttentionState):
     """The target state of a hybrid model: attention K/V as in `AttentionState`, linear-attention layers in the same
-    cache, put back to the kept tokens on `commit` (see the module docstring)."""
+    cache with their states per slot, every row of a verify put back to its own kept tokens once the verify's
+    last row has committed (see the module docstring)."""
 
     def __init__(self, target: PreTrainedModel) -> None:
         super().__init__(target)
+        self.linear: list[SlotLinearLayer] = []
         for index, layer in linear_cache_layers(target).items():
-            kind = RecordingLinearLayer if type(layer) is LinearAttentionLayer else type(layer)
-            self.cache.layers[index] = kind(number_of_states=layer.number_of_states)
+            if type(layer) is LinearAttentionLayer:
+                self.cache.layers[index] = SlotLinearLayer(lambda: self.rows, number_of_states=layer.number_of_states)
+                self.linear.append(self.cache.layers[index])
+            else:  # a layer that is both (target.batch_limit keeps such targets at one row)
+                self.cache.layers[index] = type(layer)(number_of_states=layer.number_of_states)
         self.rollback = LinearStateRollback(target, self.cache)
-        self._block: torch.Tensor | None = None  # the last verified block, until it is committed
+        # The last verify until all its rows have committed: its block, slots, forward rows, and what each kept.
+        self._block: torch.Tensor | None = None
+        self._slots: list[int] = []
+        self._rows = slice(0, 1)
+        self._kept: dict[int, int] = {}
+        self._rerunning = False
 
     def reserve(
         self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, rows: int = 1,
         compile: bool = False, notify: Notify | None = None,
     ) -> None:  # fmt: skip
-        assert rows == 1, "a hybrid state holds one sequence (target.batch_limit)"
-        super().reserve(positions, block_size, feature_layers, compile=False, notify=notify)  # eager: see above
+        if rows != self.rows:
+            for layer in self.linear:
+                layer.drop()
+        self._block, self._kept = None, {}
+        super().reserve(positions, block_size, feature_layers, rows=rows, compile=False, notify=notify)  # eager: see above
 
-    def prefill(self, token_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        for layer in self.rollback.layers:  # a new sequence: no state carried over from the last request
-            layer.reset()
-        return super().prefill(token_ids, slot)
+    def _forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
+        for layer in self.linear:
+            layer.select(rows, fresh=prefill)
+        if prefill or self._rerunning:
+            return super()._forward(token_ids, rows, prefill)
+        self._rows = rows
+        with self.rollback.verifying():
+            return super()._forward(token_ids, rows, prefill)
 
     def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:
-        self._block = block_ids
-        with self.rollback.verifying():
-            return super().verify(block_ids, slots)
+        self._block, self._slots, self._kept = block_ids, list(slots), {}
+        return super().verify(block_ids, slots)
 
     def commit(self, n: int, slot: int = 0) -> None:
-        block, self._block = self._block, None
-        if block is not None and n < block.shape[1]:
-            # the fallback reruns the kept tokens from the committed length (their K/V and features come out
-            # the same as the verify's)
-            self.rollback.keep(n, block.shape[1], lambda kept: AttentionState.verify(self, block[:, :kept]))
-        super().commit(n, slot)
+        if self._block is None or slot not in self._slots:
+            return super().commit(n, slot)
+        self._kept[slot] = n
+        if len(self._kept) < len(self._slots):
+            return  # the lengths move with the rollback, once every row of the verify has said what it keeps
+        block, slots, first, self._block = self._block, self._slots, self._rows.start, None
+        width = block.shape[1]
+        kept = [width] * (self._rows.stop - first)  # free slots inside the forward's rows keep what they got
+        for slot, n in self._kept.items():
+            kept[slot - first] = n
+
+        def rerun(row: int, n: int) -> None:
+            """The fallback: row `row` of the verify again over its n kept tokens, from its restored state (the
+            attention K/V and features come out as the verify's)."""
+            slot = first + row
+            self._rerunning = True
+            try:
+                AttentionState.verify(self, block[slots.index(slot)][None, :n], [slot])
+            finally:
+                self._rerunning = False
+
+        self.rollback.keep(kept, width, rerun)
+        for slot, n in self._kept.items():
+            super().commit(n, slot)

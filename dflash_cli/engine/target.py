@@ -19,8 +19,8 @@ at that row's own positions and hands attention the rows' K/V up to the longest 
 per layer kind (causal on each row's positions; sliding or chunked where the layer is): the slots past a row's
 end are masked, and are zeros or that row's own stale K/V, never garbage (see docs/architecture.md).
 
-A model whose layers keep a recurrent state (hybrid models) implements `commit` by restoring the state after
-n tokens; it decodes one row (`batch_rows`).
+A model whose layers keep a recurrent state (hybrid models, engine/hybrid.py) keeps it per row too and
+implements `commit` by putting each row's state back to its n kept tokens.
 """
 
 from __future__ import annotations
@@ -184,20 +184,21 @@ class _KVLayer(CacheLayerMixin):
 
 def batch_limit(target: PreTrainedModel) -> str | None:
     """Why `target` decodes one row at a time, or None when several rows can share its forwards."""
-    from dflash_cli.engine.hybrid import linear_cache_layers  # hybrid.py builds on this module
-
-    if linear_cache_layers(target):
-        return "hybrid targets decode one row at a time (their recurrent state rolls back per sequence)"
     attention = target.config._attn_implementation
     if attention not in ("sdpa", "eager"):
         return f"{attention} attention takes no per-row mask: one row at a time (sdpa and eager batch)"
-    kinds = set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - set(MASK_KINDS)
+    kinds = set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - set(MASK_KINDS) - {LINEAR}
     if kinds:
-        return f"layers of kind {', '.join(sorted(kinds))} have no per-row mask here: one row at a time"
+        return f"layers of kind {', '.join(sorted(kinds))} have no per-row mask or state here: one row at a time"
     return None
 
 
 MASK_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# Linear-attention layers (hybrid targets: engine/hybrid.py keeps their state per row) take no attention mask from
+# a batched verify: a row's block is its real tokens then, at most, padding after them, which only the rows' kept
+# counts cut off (transformers' 2-D padding mask for these layers zeroes inputs, and a zeroed input still decays a
+# Mamba state: no padding may reach a kept token, and none does).
+LINEAR = "linear_attention"
 
 
 class AttentionState(TargetState):
@@ -377,6 +378,9 @@ class AttentionState(TargetState):
         causal = distance >= 0
         masks = {}
         for kind in kinds:
+            if kind == LINEAR:
+                masks[kind] = None
+                continue
             visible = causal
             if kind == "sliding_attention":
                 visible = causal & (distance < config.sliding_window)

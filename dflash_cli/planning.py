@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 # Memory the plan reserves beyond weights. The KV cache is sized for a long chat: it grows linearly with the
 # context, and 8k tokens covers a multi-turn conversation. The overhead covers cuBLAS workspaces, allocator
 # fragmentation and prefill activations (full-vocabulary logits alone are ~1.2 GB in fp32 for 2k tokens of a
-# 152k vocabulary).
+# 152k vocabulary), and a hybrid target's first row of linear-attention state with the verify's copy of it (twice
+# the recipe's `state_bytes_per_row`: 0.31 GB for Qwen3.5-27B); each further row's is counted in the batch size.
 PLAN_CONTEXT_TOKENS = 8192
 RUNTIME_OVERHEAD_BYTES = 1_500_000_000
 # Rows `dflash run` and `dflash serve` decode together at most, unless --batch-size says otherwise: where one verify
@@ -64,7 +65,7 @@ class Plan:
     native_formats: tuple[str, ...] = ()
     weights: str = ""  # what the target's weights are in memory: the dtype, "nf4", "fp8" or "mxfp4"
     adaptive_block: bool = False  # each step picks its block size up to `block_size` (engine.policy); else fixed
-    batch_size: int = 1  # rows `run` and `serve` decode together: the KV cache of that many fits beside the weights
+    batch_size: int = 1  # rows `run` and `serve` decode together: the KV cache (and state) of that many fits
 
     def __post_init__(self) -> None:
         if not self.weights:
@@ -341,19 +342,29 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
 def _choose_batch_size(
     recipe: Recipe, overrides: PlanOverrides, dtype: str, estimate: int | None, budget: int | None
 ) -> tuple[int, str]:
-    """Rows for `run` and `serve`: as many as have room for a KV cache at the plan's context beside the weights
-    (the estimate already holds one), at most MAX_BATCH_ROWS."""
+    """Rows for `run` and `serve`: as many as have room beside the weights (the estimate already holds one), at
+    most MAX_BATCH_ROWS. A row is its KV cache at the plan's context plus, on a hybrid target, its linear-attention
+    state twice: the state itself and the copy of its start that a verify records for the rollback."""
     if overrides.batch_size is not None:
         return overrides.batch_size, f"batch {overrides.batch_size} (run, serve): --batch-size"
-    row_bytes = (recipe.kv_bytes_per_token or 0) * BYTES_PER_ELEMENT[dtype] / 2 * PLAN_CONTEXT_TOKENS
-    if estimate is None or budget is None or row_bytes == 0:
+    kv_bytes = (recipe.kv_bytes_per_token or 0) * BYTES_PER_ELEMENT[dtype] / 2 * PLAN_CONTEXT_TOKENS
+    state_bytes = recipe.state_bytes_per_row or 0  # float32 recurrent state: not scaled by the dtype
+    row_bytes = kv_bytes + 2 * state_bytes
+    if estimate is None or budget is None or kv_bytes == 0:
         return MAX_BATCH_ROWS, f"batch {MAX_BATCH_ROWS} (run, serve): the KV cache size is unknown, so the default"
     rows = int(max(0, budget - estimate) // row_bytes) + 1
     batch = max(1, min(MAX_BATCH_ROWS, rows))
-    return batch, (
-        f"batch {batch} (run, serve): room for the KV cache of {rows} rows at {PLAN_CONTEXT_TOKENS} tokens "
-        f"({gb(row_bytes)} each), at most {MAX_BATCH_ROWS}; --batch-size overrides"
-    )
+    if state_bytes:
+        room = f"room for {rows} rows at {PLAN_CONTEXT_TOKENS} tokens ({_size(row_bytes)} each: KV {_size(kv_bytes)} "
+        room += f"+ recurrent state {_size(state_bytes)} x2, with the verify's copy)"
+    else:
+        room = f"room for the KV cache of {rows} rows at {PLAN_CONTEXT_TOKENS} tokens ({gb(row_bytes)} each)"
+    return batch, f"batch {batch} (run, serve): {room}, at most {MAX_BATCH_ROWS}; --batch-size overrides"
+
+
+def _size(n_bytes: float) -> str:
+    """GB, or MB below 1 GB (a row's state is 50-160 MB, which GB at one decimal would round away)."""
+    return gb(n_bytes) if n_bytes >= 1e9 else f"{n_bytes / 1e6:.0f} MB"
 
 
 def _native_hint(fmt: str) -> str:

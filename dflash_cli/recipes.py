@@ -91,6 +91,10 @@ class Recipe:
     checkpoints: dict[str, ModelRef] = field(default_factory=dict)
     drafter_bytes: int | None = None  # the drafter in bf16; it is never quantized
     kv_bytes_per_token: int | None = None  # target + drafter KV cache per token in bf16
+    # Hybrid targets: the fixed-size per-sequence state of the target's linear-attention layers, one row, in bytes
+    # (recurrent state + convolution window, in the dtypes the engine keeps them: float32 recurrent state, bf16
+    # window). Not scaled by the plan's dtype. None: no such layers, or unknown.
+    state_bytes_per_row: int | None = None
     runnable: bool = True
     not_runnable_reason: str = ""
     gpu_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -115,6 +119,7 @@ class Recipe:
             "checkpoints": {key: ref.to_dict() for key, ref in self.checkpoints.items()},
             "drafter_bytes": self.drafter_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_row": self.state_bytes_per_row,
             "runnable": self.runnable,
             "not_runnable_reason": self.not_runnable_reason,
             "gpu_overrides": {k: dict(v) for k, v in self.gpu_overrides.items()},
@@ -181,7 +186,7 @@ TOP_LEVEL_FIELDS = (
     "name", "aliases", "description", "target", "drafter", "block_size", "chat_template_kwargs", "gated", "license",
     "params_billion", "weight_bytes", "checkpoint_precision", "expert_bytes", "active_params_billion", "checkpoints",
     "drafter_bytes",
-    "kv_bytes_per_token", "runnable",
+    "kv_bytes_per_token", "state_bytes_per_row", "runnable",
     "not_runnable_reason", "gpu_overrides",
 )  # fmt: skip
 
@@ -290,6 +295,7 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
         checkpoints={key: _parse_model_ref(variants, key, allow_gguf=False) for key in checkpoints},
         drafter_bytes=fields.positive_int("drafter_bytes"),
         kv_bytes_per_token=fields.positive_int("kv_bytes_per_token"),
+        state_bytes_per_row=fields.positive_int("state_bytes_per_row"),
         runnable=runnable,
         not_runnable_reason=reason,
         gpu_overrides=_parse_gpu_overrides(fields),

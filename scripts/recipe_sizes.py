@@ -4,10 +4,11 @@
 Each target's published dimensions (model cards, config.json copies quoted in the recipe comments) are built
 into the transformers model on the meta device, and its parameters counted the way the planner needs them:
 bf16 bytes, NF4 bytes (bitsandbytes quantizes nn.Linear layers but the output head; transformers' fused MoE
-experts stay bf16), the experts alone, and the KV cache per token as dflash keeps it (every attention layer at
-full length: sliding layers too, since the decode loop rewinds its cache). Drafter sizes come from the drafter
-shapes we know (layers, taps) with the target's hidden size. These are estimates of what transformers loads;
-`dflash pull NAME --dry-run` shows the real download sizes.
+experts stay bf16), the experts alone, the KV cache per token as dflash keeps it (every attention layer at
+full length: sliding layers too, since the decode loop rewinds its cache) and, for hybrid targets, one row's
+linear-attention state. Drafter sizes come from the drafter shapes we know (layers, taps) with the target's
+hidden size. These are estimates of what transformers loads; `dflash pull NAME --dry-run` shows the real
+download sizes.
 
     python scripts/recipe_sizes.py [NAME ...]
 """
@@ -87,6 +88,19 @@ def kv_bytes_per_token(config) -> int:
     return total
 
 
+def state_bytes_per_row(config) -> int:
+    """One row's fixed-size state of the linear-attention (Gated DeltaNet) layers, as the engine keeps it: the
+    float32 recurrent state [value heads, key dim, value dim] and the bf16 conv window [channels, kernel]."""
+    text = config.get_text_config()
+    layers = sum(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or ())
+    if not layers:
+        return 0
+    recurrent = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4
+    channels = 2 * text.linear_num_key_heads * text.linear_key_head_dim
+    channels += text.linear_num_value_heads * text.linear_value_head_dim
+    return layers * (recurrent + channels * text.linear_conv_kernel_dim * 2)
+
+
 def drafter_bytes(name: str, config, layers: int, taps: int) -> tuple[int, int]:
     """(bf16 bytes, KV bytes per token) of a drafter of `layers` Qwen3-style layers on this target's hidden size."""
     text = config.get_text_config()
@@ -113,6 +127,8 @@ def main(names: list[str]) -> None:
         print(f"params_billion = {counts.total / 1e9:.2f}")
         print(f"drafter_bytes = {d_bytes:_}")
         print(f"kv_bytes_per_token = {kv_bytes_per_token(config) + d_kv:_}")
+        if state := state_bytes_per_row(config):
+            print(f"state_bytes_per_row = {state:_}")
         if counts.experts:
             print(f"expert_bytes = {counts.experts * 2:_}")
         print(f"bf16 = {counts.nbytes('bfloat16'):_}")

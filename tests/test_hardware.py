@@ -9,9 +9,18 @@ import torch
 from machines import GIB
 from machines import cuda_machine as cuda
 
+from dflash_cli.choices import BYTES_PER_ELEMENT
 from dflash_cli.errors import DflashError
 from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class
-from dflash_cli.planning import PLAN_CONTEXT_TOKENS, PlanOverrides, block_size_note, estimate_bytes, make_plan, native_formats
+from dflash_cli.planning import (
+    MAX_BATCH_ROWS,
+    PLAN_CONTEXT_TOKENS,
+    PlanOverrides,
+    block_size_note,
+    estimate_bytes,
+    make_plan,
+    native_formats,
+)
 from dflash_cli.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
 
 # What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).
@@ -338,6 +347,29 @@ def test_moe_nf4_is_counted_with_its_experts_in_bf16_so_it_never_promises_4_bit_
     message = info.value.message
     assert "~38.0 GB with the FP8 checkpoint" in message and "~69.5 GB even with NF4" in message
     assert "64.4 GB of fused expert weights in bf16" in message and "33.1 GB free" in message
+
+
+def test_each_batch_row_of_a_hybrid_target_counts_its_kv_and_twice_its_linear_attention_state() -> None:
+    """Qwen3.5-27B keeps 155 MB of DeltaNet state per row, and a verify records a copy of it for the rollback: each
+    row past the first costs its KV cache plus twice that (the first row's is in the runtime overhead)."""
+    recipe = get_recipe("qwen3.5-27b")
+    state = recipe.state_bytes_per_row
+    assert state == 48 * (48 * 128 * 128 * 4 + (2 * 16 * 128 + 48 * 128) * 4 * 2)
+    stateless = dataclasses.replace(recipe, state_bytes_per_row=None)
+    for facts in (H100, RTX_5090):
+        plan, without = make_plan(facts, recipe), make_plan(facts, stateless)
+        # the state changes the rows only, not the fit or the single-row estimate
+        assert (plan.weights, plan.estimated_bytes) == (without.weights, without.estimated_bytes)
+        room = plan.budget_bytes - plan.estimated_bytes
+        kv = recipe.kv_bytes_per_token * BYTES_PER_ELEMENT[plan.dtype] / 2 * PLAN_CONTEXT_TOKENS
+        assert without.batch_size == min(MAX_BATCH_ROWS, int(room // kv) + 1)
+        assert plan.batch_size == min(MAX_BATCH_ROWS, int(room // (kv + 2 * state)) + 1)
+        batch = next(reason for reason in plan.reasons if reason.startswith("batch "))
+        assert f"KV {kv / 1e6:.0f} MB + recurrent state {state / 1e6:.0f} MB x2" in batch
+        assert "state" not in next(reason for reason in without.reasons if reason.startswith("batch "))
+    nf4, nf4_without = make_plan(RTX_5090, recipe), make_plan(RTX_5090, stateless)
+    assert nf4.weights == "nf4" and nf4.batch_size < nf4_without.batch_size < MAX_BATCH_ROWS
+    assert make_plan(RTX_5090, recipe, PlanOverrides(batch_size=12)).batch_size == 12  # --batch-size still rules
 
 
 def test_a_published_fp8_checkpoint_is_offered_on_sm89_and_newer_only() -> None:

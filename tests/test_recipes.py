@@ -65,6 +65,31 @@ def test_shipped_recipe_facts() -> None:
     assert not get_recipe("kimi-k2.5").runnable and not get_recipe("minimax-m2.5").runnable
 
 
+# The runnable Gated DeltaNet recipes: (DeltaNet layers, value heads); all have 16 key heads of 128, values of 128
+# and a conv kernel of 4.
+HYBRID = {"qwen3.5-4b": (24, 32), "qwen3.5-9b": (24, 32), "qwen3.5-35b-a3b": (30, 32), "qwen3.6-35b-a3b": (30, 32),
+          "qwen3-coder-next": (36, 32), "qwen3.5-27b": (48, 48), "qwen3.6-27b": (48, 48), "qwen3.8-27b": (48, 48)}  # fmt: skip
+
+
+def test_hybrid_recipes_list_their_linear_attention_state_per_row() -> None:
+    """Each says how big one row's state is: per DeltaNet layer a float32 recurrent state [value heads, 128, 128]
+    and a bf16 conv window [key + key + value channels, kernel 4]; to_dict carries it. Other recipes have none."""
+    for name, (layers, value_heads) in HYBRID.items():
+        recipe = get_recipe(name)
+        per_layer = value_heads * 128 * 128 * 4 + (2 * 16 * 128 + value_heads * 128) * 4 * 2
+        assert recipe.state_bytes_per_row == layers * per_layer, name
+        assert recipe.to_dict()["state_bytes_per_row"] == recipe.state_bytes_per_row
+    for recipe in load_recipes().values():
+        if recipe.name not in HYBRID:
+            assert recipe.state_bytes_per_row is None and recipe.to_dict()["state_bytes_per_row"] is None
+
+
+def test_state_bytes_per_row_is_read_from_a_recipe_file(tmp_path: Path) -> None:
+    text = 'name = "x"\ndescription = "d"\nstate_bytes_per_row = 1_000\n[target]\nid = "a/b"\n'
+    path = write(tmp_path / "r.toml", text)
+    assert recipe_from_file(path).state_bytes_per_row == 1000
+
+
 def test_lookup_by_alias_and_any_case() -> None:
     assert get_recipe("qwen3:8b").name == "qwen3-8b"
     assert get_recipe("Qwen3-8B").name == "qwen3-8b"
@@ -112,6 +137,26 @@ BAD_RECIPES = [
         'name = "x"\ndescription = "d"\nparams_billion = -1\n[target]\nid = "a/b"\n',
         "field 'params_billion'",
         "positive",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nstate_bytes_per_row = 0\n[target]\nid = "a/b"\n',
+        "field 'state_bytes_per_row'",
+        "positive integer",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nstate_bytes_per_row = "155 MB"\n[target]\nid = "a/b"\n',
+        "field 'state_bytes_per_row'",
+        "positive integer",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nstate_bytes_per_row = 1.5e8\n[target]\nid = "a/b"\n',
+        "field 'state_bytes_per_row'",
+        "positive integer",
+    ),
+    (
+        'name = "x"\ndescription = "d"\nstate_bytes = 5\n[target]\nid = "a/b"\n',
+        "unknown field 'state_bytes'",
+        "state_bytes_per_row",
     ),
     (
         'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[weight_bytes]\nnf4 = 5\n',

@@ -254,11 +254,6 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
     """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain). `batching`: the
     frontend decodes several requests at once (run, serve)."""
     recipe = options.resolve_recipe()
-    if not recipe.runnable:
-        raise DflashError(
-            f"recipe '{recipe.name}' cannot run in dflash yet: {recipe.not_runnable_reason}",
-            fix=f"serve it with vLLM or SGLang: `dflash export vllm {recipe.name}`",
-        )
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
     threads = apply_threads(options.threads) if plan.device == "cpu" else None
     compile, compile_why = options.compile_on(plan.device)

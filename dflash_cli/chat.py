@@ -133,8 +133,9 @@ def stats_line(stats: GenerationStats) -> str:
         mode = f"DFlash adaptive block ≤{stats.block_size}: now {stats.current_block_size}, steps by size {sizes}"
     else:
         mode = f"DFlash block {stats.block_size}"
+    compiling = f" (+{stats.compile_s:.0f} s compiling, once per start)" if stats.compile_s >= 1 else ""
     return (
-        f"{stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s, "
+        f"{stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s{compiling}, "
         f"TTFT {stats.ttft_s:.2f} s, tau {stats.tau:.2f} ({mode})"
     )
 

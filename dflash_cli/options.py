@@ -46,8 +46,8 @@ class RunOptions:
         if device.startswith("cuda"):
             return True, "compile on: CUDA graphs remove the launch overhead of an eager step (--compile off to skip)"
         return False, (
-            "compile off: on a small CPU compiling takes minutes and pays only over thousands of tokens "
-            "(docs/benchmarks.md; --compile on to try)"
+            "compile off: on a CPU compiling takes minutes at every start and pays only after several thousand "
+            "tokens (docs/benchmarks.md; --compile on for a long run or serve)"
         )
 
     def plan_overrides(self) -> PlanOverrides:

@@ -42,6 +42,7 @@ def dflash_stats(stats: Any) -> dict[str, Any]:
         "ttft_s": round(stats.ttft_s, 4),
         "draft_s": round(stats.draft_s, 4),  # the decode steps' drafting and verifying time (a batch's: its steps')
         "verify_s": round(stats.verify_s, 4),
+        "compile_s": round(stats.compile_s, 4),  # steps that compiled (kept out of the rates and times above)
     }
 
 

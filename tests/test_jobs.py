@@ -285,7 +285,7 @@ def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, opt
     assert plain["completion_tokens"] <= 2 and plain["finish_reason"] in ("stop", "length")
     assert plain["prompt_tokens"] == len(session.encode_prompt("The quick brown fox"))
     stats = {"speculative", "block_size", "adaptive", "tau", "acceptance_histogram", "block_size_histogram",
-             "decode_tokens_per_s", "ttft_s", "draft_s", "verify_s"}  # fmt: skip
+             "decode_tokens_per_s", "ttft_s", "draft_s", "verify_s", "compile_s"}  # fmt: skip
     assert set(plain["stats"]) == stats
     assert plain["stats"]["speculative"] is True and plain["stats"]["block_size"] == 4
     assert sum(plain["stats"]["acceptance_histogram"].values()) >= 1

@@ -72,3 +72,24 @@ def test_speculative_greedy_on_switched_models_is_the_targets_greedy(seed: int) 
     assert result.token_ids == baseline.token_ids == hf_greedy(target, prompt, 24)
     hidden = target.config.hidden_size
     assert any(op == "aten.mm" and shapes[0][1] == hidden and shapes[1] == (hidden, 4) for op, shapes in seen.ops)
+
+
+@pytest.mark.parametrize("rows", [1, 4, SMALL_ROWS + 3])
+def test_a_compiled_step_sees_every_product_as_a_linear(rows: int) -> None:
+    """Compiled CPU steps freeze the weights and pack them for inductor's GEMM kernels, whose pattern is the
+    linear: inside a traced graph `SmallRowLinear` must ask its product as F.linear, at every row count."""
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:  # noqa: ARG001
+        graphs.append(gm)
+        return gm
+
+    layer = nn.Linear(48, 80)
+    use_small_row_products(layer)
+    x = torch.randn(1, rows, 48)
+    out = torch.compile(layer, backend=record, fullgraph=True)(x)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    calls = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert F.linear in calls and torch.mm not in calls, calls
+    torch._dynamo.reset()

@@ -7,19 +7,30 @@ minutes on a small CPU, so it is used where it pays (`--compile auto`: CUDA only
 - Target, CUDA: `mode="reduce-overhead"` (CUDA graphs), static shapes. The state hands attention its whole K/V
   buffer and keeps its length in a device tensor, so one graph serves every step of a block size.
 - Target, CPU: inductor with dynamic shapes, the state handing attention the committed prefix plus the block
-  (the prefix length is symbolic, so it never recompiles as the context grows). See docs/benchmarks.md for
-  what it costs and saves on a 2-core CPU.
+  (the prefix length is symbolic, so it never recompiles as the context grows). The weights are frozen into
+  the graph (`CPU_INDUCTOR_OPTIONS`): inductor packs each one once, at compile time, into the blocked layout of
+  its own GEMM micro-kernels, which read float32 weights for 1-8 rows near the machine's bandwidth where MKL's
+  kernels over row-major weights do not (docs/benchmarks.md: the demo's plain step from 2.1x the floor to
+  1.36x). See docs/benchmarks.md for what compiling costs and saves on a 2-core CPU.
 - Drafter: inductor with dynamic shapes on every device (the new context rows and the attended prefix change
   each step, which CUDA graphs would re-record); its first call, over the whole prompt, runs eagerly like the
   target's prefill. The proposal (argmax, DFlash2's selector chain) stays outside the graph.
 
-Compiled artifacts go to the dflash cache directory (inductor's FX graph cache), so a second start skips
-code generation; tracing still runs in each new process.
+Frozen weights are constants of the graph: the packed copies live beside the module's own parameters (which the
+eager prefill, the drafter's shared embedding and head, and any eager fallback still read), so a compiled CPU
+target holds its weights twice; and a module whose weights change after compiling keeps running the old ones
+(nothing here trains a module it has compiled).
+
+Compiled artifacts go to the dflash cache directory (inductor's caches), so a second start skips code
+generation; tracing still runs in each new process. Frozen CPU graphs hold MKL-packed constants that inductor's
+graph cache cannot pickle, so there a second start keeps only the autotuning choices and the compiled C++
+kernels, and lowers the graph again (minutes).
 """
 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -57,6 +68,14 @@ def run_drafter(drafter: Any, block_ids: torch.Tensor, rows: torch.Tensor, posit
 
 Notify = Callable[[str], ContextManager[Any]]
 
+# Inductor on a CPU: weights frozen and packed for inductor's C++ GEMM templates, each product timed against
+# MKL's once per shape and row count (the choice is kept in the inductor cache) so that the faster one runs;
+# the timing tables inductor prints for each choice are not for our users.
+CPU_INDUCTOR_OPTIONS = {
+    "freezing": True, "max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
+}  # fmt: skip
+
 
 class CompiledStep:
     """A step function (`run_target` or `run_drafter`) compiled for one device type, shared by every state.
@@ -73,6 +92,11 @@ class CompiledStep:
         options: dict[str, Any] = {"fullgraph": True, "backend": backend, "dynamic": True}
         if device_type == "cuda" and cuda_graphs:
             options.update(dynamic=False, **({"mode": "reduce-overhead"} if backend == "inductor" else {}))
+        # inductor's settings for every call (any call may compile): freezing is not applied when given as
+        # torch.compile's `options`
+        self.config = CPU_INDUCTOR_OPTIONS if device_type == "cpu" and backend == "inductor" else {}
+        if self.config:  # inductor's own deprecated call while it packs the weights: not our users' business
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
         self.eager, self.what = fn, what
         self.fn = torch.compile(fn, **options)
         self.compiled: set[tuple[int, int]] = set()
@@ -82,17 +106,25 @@ class CompiledStep:
         if self.broken is not None:
             return self.eager(*args)
         key = (id(args[0]), args[1].shape[1])
-        if key in self.compiled or notify is None:
+        if key in self.compiled:
             return self._run(*args)
-        message = f"compiling the {self.what} for blocks of {args[1].shape[1]} (first use; cached in {use_compile_cache()})"
-        with notify(message):
+        started = time.perf_counter()
+        if notify is None:
             out = self._run(*args)
+        else:
+            message = f"compiling the {self.what} for blocks of {args[1].shape[1]} (first use; cached in {use_compile_cache()})"
+            with notify(message):
+                out = self._run(*args)
         self.compiled.add(key)
+        _first_calls_s[0] += time.perf_counter() - started
         return out
 
     def _run(self, *args: Any) -> torch.Tensor:
         try:
-            return self.fn(*args)
+            if not self.config:
+                return self.fn(*args)
+            with torch._inductor.config.patch(self.config):  # about 50 us, against tens of ms for a CPU step
+                return self.fn(*args)
         except torch._dynamo.exc.TorchDynamoException as error:  # nothing ran: the graph never executed
             self.broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(f"compiling the {self.what} failed ({self.broken}); running it eagerly (--compile off)", stacklevel=3)
@@ -100,6 +132,13 @@ class CompiledStep:
 
 
 _STEPS: dict[tuple[str, str, Any], CompiledStep] = {}
+_first_calls_s = [0.0]
+
+
+def compiling_seconds() -> float:
+    """Seconds this process spent in the first call of a compiled step per (module, block size): compiling, but
+    for one step's run. The loop keeps it out of a generation's decode time."""
+    return _first_calls_s[0]
 
 
 def compiled_step(device: torch.device, backend: Any = "inductor") -> CompiledStep:

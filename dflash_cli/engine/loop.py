@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.compiled import Notify, compiled_draft_step
+from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
@@ -204,7 +204,7 @@ class Batch:
         width = sizes[0] if len(rows) == 1 and not state.whole_blocks else self.policy.padded(chosen)
         block_ids = torch.full((len(rows), width), drafter.mask_token_id if drafter is not None else 0, device=self.device)
         block_ids[:, 0] = torch.cat([row.last for row in rows])
-        t_draft = clock.mark()
+        t_draft, compiled_before = clock.mark(), compiling_seconds()
         drafting, features = [], []  # the drafting rows' indices and new context features
         for i, (row, size) in enumerate(zip(rows, sizes)):
             if drafter is not None and size > 1:
@@ -226,7 +226,7 @@ class Batch:
             )  # fmt: skip
             for proposal, i in zip(proposals, drafting):
                 block_ids[i, 1 : sizes[i]] = proposal[: sizes[i] - 1]
-        t_verify = clock.mark()
+        t_verify, compiled_drafting = clock.mark(), compiling_seconds()
         logits = state.verify(block_ids, [row.slot for row in rows])
         host_parts, posteriors = [], []
         for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
@@ -238,13 +238,16 @@ class Batch:
             posteriors.append(posterior)
         t_end = clock.mark()
         host = torch.cat(host_parts).tolist()  # the step's one host sync
-        verify_s = clock.seconds(t_verify, t_end)
+        # A step that compiled (first use of a compiled step): the compiling is not drafting or verifying.
+        compiled_after = compiling_seconds()
+        draft_s = max(0.0, clock.seconds(t_draft, t_verify) - (compiled_drafting - compiled_before))
+        verify_s = max(0.0, clock.seconds(t_verify, t_end) - (compiled_after - compiled_drafting))
+        compiling = compiled_after - compiled_before
         # The rows' acceptance, pooled; a row cut short by its own end says nothing about the later positions.
         offsets = [sum(size + 1 for size in sizes[:i]) for i in range(len(rows))]
         full = [host[at] for at, size in zip(offsets, sizes) if size == chosen]
         if full:
-            self.policy.observe(chosen, full[0] if len(full) == 1 else full, clock.seconds(t_draft, t_verify), verify_s)
-        draft_s = clock.seconds(t_draft, t_verify)
+            self.policy.observe(chosen, full[0] if len(full) == 1 else full, draft_s, verify_s)
         steps, at = [], 0
         for row, size, posterior in zip(rows, sizes, posteriors):
             accepted = host[at]
@@ -253,6 +256,8 @@ class Batch:
             stats = row.request.stats  # (each row waited for the whole step: its draft and verify times are the step's)
             stats.draft_s += draft_s
             stats.verify_s += verify_s
+            stats.compile_s += compiling
+            row.decode_started += compiling
             state.commit(accepted + 1, row.slot)
             if drafter is not None:
                 # Features of the committed block positions; the bonus token's arrive with the next verify.

@@ -24,6 +24,7 @@ class GenerationStats:
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    compile_s: float = 0.0  # steps that compiled (first use of a compiled step), kept out of decode_s
 
     @property
     def tau(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -92,4 +93,20 @@ def test_a_compiled_step_sees_every_product_as_a_linear(rows: int) -> None:
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     calls = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
     assert F.linear in calls and torch.mm not in calls, calls
+    torch._dynamo.reset()
+
+
+def test_a_dynamic_graph_is_not_guarded_on_its_row_count() -> None:
+    """The engine's CPU graphs take any block width and any number of new drafter rows in one graph (dynamic
+    shapes): the row-count rule must not become a guard that recompiles (minutes on a CPU) when a width crosses
+    the small-row range."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    layer = nn.Linear(48, 80)
+    use_small_row_products(layer)
+    step = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    for rows in (4, SMALL_ROWS + 3, 2, SMALL_ROWS):
+        x = torch.randn(1, rows, 48)
+        torch.testing.assert_close(step(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
     torch._dynamo.reset()

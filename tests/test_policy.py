@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine import policy as policy_module
-from dflash_cli.engine.policy import AdaptiveBlock, FixedBlock, StepCosts, adaptive_policy, expected_tokens, sizes_up_to
+from dflash_cli.engine.policy import (
+    AdaptiveBlock, FixedBlock, StepCosts, adaptive_policy, expected_tokens, own_block, sizes_up_to,
+)  # fmt: skip
 from dflash_cli.engine.target import capture_target_features
 from drafters import FORMATS, OracleDrafter, random_drafter
 from tiny_models import hf_greedy, sharp_tiny
@@ -264,3 +266,11 @@ def test_sizes_up_to():
     assert sizes_up_to(10) == (1, 2, 4, 8, 10)
     assert sizes_up_to(3) == (1, 2, 3)
     assert sizes_up_to(1) == (1,)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_calibration_blocks_are_strided_as_the_loops(size: int) -> None:
+    """A compiled step guards on its input's strides: a calibration block strided otherwise than the loop's would
+    make the loop's first step of that size compile again (minutes on a CPU)."""
+    block = torch.zeros(1, 8, dtype=torch.long)
+    assert own_block(block, size).stride() == torch.full((1, size), 0).stride()

@@ -29,6 +29,7 @@ kernels, and lowers the graph again (minutes).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
+from torch._dynamo.utils import counters
+from torch.fx.experimental import _config as fx_config
 
 def compile_cache_dir() -> Path:
     from platformdirs import user_cache_dir
@@ -97,6 +100,10 @@ class CompiledStep:
         self.config = CPU_INDUCTOR_OPTIONS if device_type == "cpu" and backend == "inductor" else {}
         if self.config:  # inductor's own deprecated call while it packs the weights: not our users' business
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+        # Dynamic graphs: no "duck sizing" (dims of equal size at the first compile taken for one symbol), which
+        # ties a block's width to an unrelated buffer dim that happens to match and recompiles (minutes on a
+        # CPU) when they part.
+        self.dynamic = bool(options["dynamic"])
         self.eager, self.what = fn, what
         self.fn = torch.compile(fn, **options)
         self.compiled: set[tuple[int, int]] = set()
@@ -106,24 +113,31 @@ class CompiledStep:
         if self.broken is not None:
             return self.eager(*args)
         key = (id(args[0]), args[1].shape[1])
-        if key in self.compiled:
+        if key in self.compiled or notify is None:
             return self._run(*args)
-        started = time.perf_counter()
-        if notify is None:
+        message = f"compiling the {self.what} for blocks of {args[1].shape[1]} (first use; cached in {use_compile_cache()})"
+        with notify(message):
             out = self._run(*args)
-        else:
-            message = f"compiling the {self.what} for blocks of {args[1].shape[1]} (first use; cached in {use_compile_cache()})"
-            with notify(message):
-                out = self._run(*args)
         self.compiled.add(key)
-        _first_calls_s[0] += time.perf_counter() - started
         return out
 
     def _run(self, *args: Any) -> torch.Tensor:
+        graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
-            if not self.config:
+            return self._compiled_or_eager(*args)
+        finally:
+            if counters["stats"]["unique_graphs"] != graphs:  # this call compiled a graph
+                _compiling_s[0] += time.perf_counter() - started
+
+    def _compiled_or_eager(self, *args: Any) -> torch.Tensor:
+        try:
+            if not (self.config or self.dynamic):
                 return self.fn(*args)
-            with torch._inductor.config.patch(self.config):  # about 50 us, against tens of ms for a CPU step
+            with contextlib.ExitStack() as settings:  # about 50 us, against tens of ms for a CPU step
+                if self.config:
+                    settings.enter_context(torch._inductor.config.patch(self.config))
+                if self.dynamic:
+                    settings.enter_context(fx_config.patch(use_duck_shape=False))
                 return self.fn(*args)
         except torch._dynamo.exc.TorchDynamoException as error:  # nothing ran: the graph never executed
             self.broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -132,13 +146,13 @@ class CompiledStep:
 
 
 _STEPS: dict[tuple[str, str, Any], CompiledStep] = {}
-_first_calls_s = [0.0]
+_compiling_s = [0.0]
 
 
 def compiling_seconds() -> float:
-    """Seconds this process spent in the first call of a compiled step per (module, block size): compiling, but
-    for one step's run. The loop keeps it out of a generation's decode time."""
-    return _first_calls_s[0]
+    """Seconds this process spent in calls of a compiled step that compiled a graph (the compiling, and that one
+    step's run). The loop keeps them out of a generation's decode time."""
+    return _compiling_s[0]
 
 
 def compiled_step(device: torch.device, backend: Any = "inductor") -> CompiledStep:

@@ -27,8 +27,8 @@ class SmallRowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         # A compiled CPU step packs the weights for inductor's own kernels (engine.compiled), which recognise the
-        # product only as F.linear asks it.
-        if not 1 < rows <= SMALL_ROWS or torch.compiler.is_compiling():
+        # product only as F.linear asks it. (Asked first: comparing a traced row count would guard the graph on it.)
+        if torch.compiler.is_compiling() or not 1 < rows <= SMALL_ROWS:
             return F.linear(x, self.weight, self.bias)
         out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).T).T.contiguous()
         if self.bias is not None:

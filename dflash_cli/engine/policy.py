@@ -191,12 +191,12 @@ class StepCosts:
                 start = cache.length + CALIBRATION_CONTEXT
                 t0 = clock.mark()
                 if size > 1:
-                    block[0, 1:size] = drafter.propose(context, block[:, :size].clone(), start, cache)[0]
+                    block[0, 1:size] = drafter.propose(context, own_block(block, size), start, cache)[0]
                 else:  # a plain step drafts nothing, and its context waits for the next draft
                     cache.length += CALIBRATION_CONTEXT
                 t1 = clock.mark()
                 # verify + the step's host sync; nothing is committed (the loop's prefill starts the state over)
-                torch.argmax(state.verify(block[:, :size]), dim=-1).tolist()
+                torch.argmax(state.verify(own_block(block, size)), dim=-1).tolist()
                 t2 = clock.mark()
                 if round_ > 0:
                     drafts[size].append(clock.seconds(t0, t1))
@@ -372,6 +372,12 @@ class AdaptiveBlock:
     def finish(self) -> None:
         """At the end of the generation: keep the drafter's history for later ones."""
         self.costs.save()
+
+
+def own_block(block: torch.Tensor, size: int) -> torch.Tensor:
+    """The first `size` tokens of `block` as a tensor of its own, strided as the loop's blocks are: a compiled
+    step's graph guards on its input's strides, and a plain `clone` of the slice keeps the parent's row stride."""
+    return block[:, :size].clone(memory_format=torch.contiguous_format)
 
 
 def adaptive_policy(target: Any, drafter: DFlashDrafter, max_size: int, *, compile: bool = False, notify: Any = None) -> AdaptiveBlock:

@@ -81,7 +81,7 @@ def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> Non
 
 
 def test_a_step_that_compiles_counts_as_compiling_not_decoding(traced_only) -> None:
-    """The first use of a compiled step (minutes on a CPU) is reported as `compile_s`, kept out of the decode time
+    """A step that compiles a graph (minutes on a CPU) is reported as `compile_s`, kept out of the decode time
     (tok/s) and out of the draft and verify times that the block policy and bench read."""
     target = sharp_tiny("llama", 2)
     prompt, params = [4, 5, 6], SamplingParams(max_new_tokens=24)

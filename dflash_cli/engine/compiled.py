@@ -124,13 +124,6 @@ class CompiledStep:
     def _run(self, *args: Any) -> torch.Tensor:
         graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
-            return self._compiled_or_eager(*args)
-        finally:
-            if counters["stats"]["unique_graphs"] != graphs:  # this call compiled a graph
-                _compiling_s[0] += time.perf_counter() - started
-
-    def _compiled_or_eager(self, *args: Any) -> torch.Tensor:
-        try:
             if not (self.config or self.dynamic):
                 return self.fn(*args)
             with contextlib.ExitStack() as settings:  # about 50 us, against tens of ms for a CPU step
@@ -143,6 +136,9 @@ class CompiledStep:
             self.broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(f"compiling the {self.what} failed ({self.broken}); running it eagerly (--compile off)", stacklevel=3)
             return self.eager(*args)
+        finally:
+            if counters["stats"]["unique_graphs"] != graphs:  # this call compiled a graph
+                _compiling_s[0] += time.perf_counter() - started
 
 
 _STEPS: dict[tuple[str, str, Any], CompiledStep] = {}

@@ -238,7 +238,7 @@ class Batch:
             posteriors.append(posterior)
         t_end = clock.mark()
         host = torch.cat(host_parts).tolist()  # the step's one host sync
-        # A step that compiled (first use of a compiled step): the compiling is not drafting or verifying.
+        # A step that compiled a graph: the compiling is not drafting or verifying.
         compiled_after = compiling_seconds()
         draft_s = max(0.0, clock.seconds(t_draft, t_verify) - (compiled_drafting - compiled_before))
         verify_s = max(0.0, clock.seconds(t_verify, t_end) - (compiled_after - compiled_drafting))

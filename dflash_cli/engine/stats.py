@@ -24,7 +24,7 @@ class GenerationStats:
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    compile_s: float = 0.0  # steps that compiled (first use of a compiled step), kept out of decode_s
+    compile_s: float = 0.0  # steps that compiled a graph, kept out of decode_s (and draft_s, verify_s)
 
     @property
     def tau(self) -> float:

@@ -61,6 +61,35 @@ def test_no_import_cycles() -> None:
     assert cycle is None, " -> ".join(cycle or [])
 
 
+def subpackage_graph(name: str) -> dict[str, set[str]]:
+    """The files of subpackage `name` as nodes: a cycle between two files of one subpackage is still a cycle."""
+    prefix = f"dflash_cli.{name}"
+    files = {path.stem: path for path in (PACKAGE / name).glob("*.py") if path.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for stem, path in files.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == prefix:  # `from dflash_cli.engine import target`
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix + "."):
+                found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[2] for a in node.names if a.name.startswith(prefix + "."))
+        graph[stem] = found & files.keys() - {stem}
+    return graph
+
+
+def test_no_import_cycles_between_the_files_of_a_subpackage() -> None:
+    subpackages = [init.parent.name for init in PACKAGE.glob("*/__init__.py")]
+    assert "engine" in subpackages
+    for name in subpackages:
+        graph = subpackage_graph(name)
+        assert graph, name
+        cycle = find_cycle(graph)
+        assert cycle is None, f"{name}: " + " -> ".join(cycle or [])
+    assert "target" in subpackage_graph("engine")["loop"]  # the graph sees the imports it is meant to see
+
+
 def test_the_cycle_finder_finds_cycles() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

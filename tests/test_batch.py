@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_cli.engine import Batch, SamplingParams, collect, generate
+from dflash_cli.engine.policy import FixedBlock
 from drafters import FORMATS, OracleDrafter, random_drafter
 from tiny_models import sharp_tiny
 
@@ -171,6 +172,41 @@ def test_a_failing_row_fails_alone_and_a_cancelled_row_frees_its_slot() -> None:
         batch.close()
     expected = alone(target, drafter, [1, 2, 3], params)[0]
     assert tokens == expected[-len(tokens) :] and len(tokens) < len(expected)
+
+
+class FailsToPrepareOnce(FixedBlock):
+    """A block policy whose first preparation fails, as an out-of-memory calibration would."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.prepared = 0
+
+    def prepare(self, state, drafter, prompt) -> None:
+        self.prepared += 1
+        if self.prepared == 1:
+            raise torch.OutOfMemoryError("calibrating the block costs")
+
+
+def test_a_failed_reservation_fails_its_row_and_the_next_row_reserves_again() -> None:
+    """The state is taken only once reserved and prepared: a row whose reservation failed leaves nothing half set
+    up behind it for the rows after it (an uncalibrated policy, a state without its feature buffer)."""
+    target = tiny_target("qwen3", 1)
+    drafter = random_drafter(target, block_size=4)
+    params = SamplingParams(max_new_tokens=12)
+    policy = FailsToPrepareOnce(4)
+    batch = Batch(target, drafter, rows=1, policy=policy)
+    try:
+        batch.add([1, 2, 3], params, key="first")
+        assert [(row.key, type(event)) for row, event in batch.step()] == [("first", torch.OutOfMemoryError)]
+        assert batch.state is None and batch.idle
+        batch.add([1, 2, 3], params, key="second")
+        tokens = []
+        while not batch.idle:
+            tokens += [t for _, event in batch.step() for t in event.token_ids]
+    finally:
+        batch.close()
+    assert policy.prepared == 2
+    assert tokens == alone(target, drafter, [1, 2, 3], params)[0]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -34,8 +34,9 @@ from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.request import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
+from dflash_cli.engine.states import acquire_state, release_state
 from dflash_cli.engine.stats import PhaseClock
-from dflash_cli.engine.target import AttentionState, acquire_state, batch_limit, context_window, release_state
+from dflash_cli.engine.target import AttentionState, batch_limit, context_window
 from dflash_cli.errors import DflashError
 
 
@@ -162,10 +163,15 @@ class Batch:
 
     def _reserve(self, request: Request, prompt: torch.Tensor) -> AttentionState:
         if self.state is None:
-            self.state = acquire_state(self.target)
+            state = acquire_state(self.target)
             layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
-            self.state.reserve(request.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify)
-            self.policy.prepare(self.state, self.drafter, prompt)  # before any row is in the state (it may use row 0)
+            try:
+                state.reserve(request.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify)
+                self.policy.prepare(state, self.drafter, prompt)  # before any row is in the state (it may use row 0)
+            except BaseException:  # this row fails; the next one reserves and prepares again
+                release_state(state)
+                raise
+            self.state = state
         else:
             self.state.make_room(request.end, self.block)
         return self.state

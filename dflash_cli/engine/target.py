@@ -294,15 +294,16 @@ class AttentionState(TargetState):
             self._block_features = self._static(torch.empty(rows, block_size, width, dtype=self.dtype, device=self.device))
 
     def make_room(self, positions: int, block_size: int) -> None:
-        """Grow the buffers (keeping every row's K/V) so that a row of `positions` positions fits."""
+        """Grow the buffers (keeping every row's K/V) so that a row of `positions` positions fits. CUDA graphs
+        hold the buffers' addresses: a compiled CUDA state's graphs are recorded again for the grown buffers (as
+        when `reserve` grows them for a longer chat)."""
         needed = positions + block_size
         if needed <= self.capacity:
             return
-        assert not self.full_view, "CUDA graphs hold the buffers' addresses: a compiled state reserves up front"
         for buffers in (self._keys, self._values):
             for index, old in enumerate(buffers):
                 if old is not None:
-                    grown = torch.zeros((*old.shape[:2], needed, old.shape[3]), dtype=old.dtype, device=old.device)
+                    grown = self._static(torch.zeros((*old.shape[:2], needed, old.shape[3]), dtype=old.dtype, device=old.device))
                     grown[:, :, : self.capacity].copy_(old)
                     buffers[index] = grown
         self.capacity = needed
@@ -433,28 +434,3 @@ class AttentionState(TargetState):
         for handle in self._hooks:
             handle.remove()
         self._hooks, self.feature_layers = [], ()
-
-
-_STATES: weakref.WeakKeyDictionary[PreTrainedModel, AttentionState] = weakref.WeakKeyDictionary()
-
-
-def acquire_state(target: PreTrainedModel) -> AttentionState:
-    """The target's reusable state (its buffers, hooks and compiled steps stay from one request to the next),
-    or a fresh one while another generation on the same target is still running. Release with `release_state`."""
-    state = _STATES.get(target)
-    if state is None or state.busy:
-        from dflash_cli.engine.hybrid import HybridState, linear_cache_layers  # hybrid.py builds on this module
-
-        fresh = (HybridState if linear_cache_layers(target) else AttentionState)(target)
-        if state is None:
-            _STATES[target] = fresh
-        state = fresh
-    state.busy = True
-    return state
-
-
-def release_state(state: AttentionState) -> None:
-    state.busy = False
-    target = state._target()
-    if target is None or _STATES.get(target) is not state:  # a one-off state: nothing may stay on the target
-        state.close()

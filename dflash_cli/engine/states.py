@@ -1,0 +1,34 @@
+"""One reusable decoding state per target: its buffers, hooks and compiled steps stay from one request to the
+next. The kind of state comes from the model's cache layers (`AttentionState`, or `HybridState` for targets
+with linear-attention layers); this module sits above both so that neither imports the other's user."""
+
+from __future__ import annotations
+
+import weakref
+
+from transformers import PreTrainedModel
+
+from dflash_cli.engine.hybrid import HybridState, linear_cache_layers
+from dflash_cli.engine.target import AttentionState
+
+_STATES: weakref.WeakKeyDictionary[PreTrainedModel, AttentionState] = weakref.WeakKeyDictionary()
+
+
+def acquire_state(target: PreTrainedModel) -> AttentionState:
+    """The target's reusable state, or a fresh one while another generation on the same target is still running.
+    Release with `release_state`."""
+    state = _STATES.get(target)
+    if state is None or state.busy:
+        fresh = (HybridState if linear_cache_layers(target) else AttentionState)(target)
+        if state is None:
+            _STATES[target] = fresh
+        state = fresh
+    state.busy = True
+    return state
+
+
+def release_state(state: AttentionState) -> None:
+    state.busy = False
+    target = state._target()
+    if target is None or _STATES.get(target) is not state:  # a one-off state: nothing may stay on the target
+        state.close()

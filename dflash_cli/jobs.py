@@ -14,7 +14,8 @@ skipped.
 
 Nothing is lost: every result is appended as one complete line and fsync'd as it completes; a re-run of the
 same command skips the ids the output already holds, after cutting away the torn last line a killed run may
-have left. Work runs shortest prompt first, up to `--batch-size` requests decoding together (a finished one
+have left; each result records a hash of the request it was made from, and a run whose line or command changed
+since refuses rather than keep the old result. Work runs shortest prompt first, up to `--batch-size` requests decoding together (a finished one
 makes room for the next at once), so results are not in input order: match them by id.
 Lines that cannot run go to the errors file as {"line", "id", "error": {"code", "message"}}; each run
 rewrites it (and removes it when there are none), so it always lists what is still missing.
@@ -43,6 +44,7 @@ from rich.table import Table
 from dflash_cli import responses
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.options import RunOptions
+from dflash_cli.recipes import Recipe
 from dflash_cli.requests import LineError, Request, RequestFile, read_jsonl
 
 try:
@@ -81,16 +83,21 @@ def append_record(file: IO[bytes], record: dict[str, Any]) -> None:
 
 
 def _record_id(record: Any) -> str | None:
+    """The id of a result record (ours: `id` and `text`; an OpenAI batch line: `custom_id` and `response`)."""
     if not isinstance(record, dict):
         return None
-    value = record.get("custom_id", record.get("id"))
+    value = record.get("custom_id") if "response" in record else record.get("id") if "text" in record else None
     return value if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)
 class Resume:
-    ids: set[str]  # the ids the output already holds
+    made_from: dict[str, str | None]  # the ids the output already holds -> each result's request_hash (if any)
     repaired_bytes: int  # size of the torn last line cut away (0: none)
+
+    @property
+    def ids(self) -> set[str]:
+        return set(self.made_from)
 
 
 def completed_ids(path: Path) -> Resume:
@@ -99,14 +106,14 @@ def completed_ids(path: Path) -> Resume:
     A torn line before the end, or a JSON line that is no result, means the file is not (only) ours:
     DflashError, and the file is left as it is."""
     if not path.exists():
-        return Resume(set(), 0)
+        return Resume({}, 0)
 
     def not_ours(number: int, why: str) -> DflashError:
         return DflashError(
             f"line {number} of {path} {why}", fix="move the file aside, or write the results elsewhere with -o"
         )
 
-    ids: set[str] = set()
+    made_from: dict[str, str | None] = {}
     offset, torn = 0, None  # torn: (offset, line number) of an unreadable line
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
@@ -121,16 +128,16 @@ def completed_ids(path: Path) -> Resume:
             elif record is not None:
                 request_id = _record_id(record)
                 if request_id is None:
-                    raise not_ours(number, "is JSON but not a dflash result (no id)")
-                ids.add(request_id)
+                    raise not_ours(number, "is JSON but not a dflash result (no id with a text or response)")
+                made_from[request_id] = record.get("request_hash")
             offset += len(raw)
     if torn is None:
-        return Resume(ids, 0)
+        return Resume(made_from, 0)
     with path.open("r+b") as file:
         file.truncate(torn[0])
         file.flush()
         os.fsync(file.fileno())
-    return Resume(ids, offset - torn[0])
+    return Resume(made_from, offset - torn[0])
 
 
 def _open_for_writing(path: Path, mode: str, what: str, flag: str) -> IO[bytes]:
@@ -168,7 +175,11 @@ class ResultsFile:
                 raise DflashError(
                     f"another dflash run is writing {path}", fix="wait for it to finish, or pass another -o"
                 ) from None
-        self.resume = completed_ids(path)
+        try:
+            self.resume = completed_ids(path)
+        except BaseException:  # not a results file of ours: let go of it (and of its lock)
+            self.file.close()
+            raise
 
     def append(self, record: dict[str, Any]) -> None:
         append_record(self.file, record)
@@ -183,11 +194,35 @@ class ResultsFile:
         self.close()
 
 
+def _check_errors_file(path: Path) -> None:
+    """Refuse to rewrite a file that is not an errors file of an earlier run: it is someone's data."""
+    if not path.is_file():
+        return  # nothing there yet, or something _open_for_writing explains
+    records = 0
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "line" in record and isinstance(record.get("error"), dict):
+                records += 1
+            elif not (records and not raw.endswith(b"\n")):  # (a last line after records: torn by a killed run)
+                raise DflashError(
+                    f"the errors file {path} holds something else (line {number} is not a dflash error record), "
+                    "and each run rewrites it",
+                    fix="pass another --errors, or move the file aside",
+                )
+
+
 class ErrorsFile:
     """Rewritten each run (it lists what is still missing); removed at the end when it stayed empty."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        _check_errors_file(path)
         self.file = _open_for_writing(path, "wb", "errors", "--errors")
         self.count = 0
 
@@ -228,9 +263,26 @@ def format_openai_response(request: Request, result: Any, model: str) -> dict[st
     }
 
 
-def result_record(request: Request, result: Any, model: str) -> dict[str, Any]:
+def request_hash(request: Request, options: RunOptions, target: str | None) -> str:
+    """What a result is made from: the request's input, its sampling (the line's keys over the command's flags) and
+    the target (`target_id(options)`). On resume, a result whose hash is not its request's is stale: its line or
+    the command changed since."""
+    try:
+        sampling: Any = dataclasses.asdict(options.sampling_params(**request.sampling))
+    except (DflashError, RequestError, TypeError, ValueError):  # (such a line fails when it runs)
+        sampling = dict(request.sampling)
+    made_from = {
+        "target": target,
+        "input": [request.messages, request.prompt, request.prompt_ids, dict(request.chat_template_kwargs), request.endpoint],
+        "sampling": sampling,
+    }
+    return hashlib.sha256(json.dumps(made_from, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+def result_record(request: Request, result: Any, model: str, made_from: str) -> dict[str, Any]:
+    """The output line of one result; `made_from`: its request_hash."""
     if request.endpoint is not None:
-        return format_openai_response(request, result, model)
+        return {**format_openai_response(request, result, model), "request_hash": made_from}
     return {
         "id": request.id,
         "text": result.text,
@@ -238,6 +290,7 @@ def result_record(request: Request, result: Any, model: str) -> dict[str, Any]:
         "prompt_tokens": result.stats.prompt_tokens,
         "completion_tokens": len(result.token_ids),
         "stats": responses.dflash_stats(result.stats),
+        "request_hash": made_from,
     }
 
 
@@ -343,7 +396,7 @@ def run_jobs(
             errors.append(LineError(request.line, error.code, error.message, request.id))
             summary.failed += 1
     work = deque(sorted(work, key=lambda item: (len(item[1]), item[0].line)))
-    model = session.recipe.target.id
+    model, target = session.recipe.target.id, target_id(options)
     retry: list[tuple[Request, list[int]]] = []  # rows of a failed batched step: run again alone
     with _progress(console) as progress:
         task = progress.add_task("generating", total=len(work), rate="", tau="")
@@ -364,7 +417,7 @@ def run_jobs(
             progress.update(task, advance=1)
 
         def done(request: Request, result: Any) -> None:
-            results.append(result_record(request, result, model))
+            results.append(result_record(request, result, model, request_hash(request, options, target)))
             summary.add(result)
             progress.update(task, advance=1)
 
@@ -428,41 +481,17 @@ def run_file(
     errors_path = Path(errors).expanduser() if errors else default_errors_path(output_path)
     if output_path.resolve() in (parsed.path.resolve(), errors_path.resolve()):
         raise DflashError(f"the output file {output_path} is also the input or errors file", fix="pass another -o")
+    if errors_path.resolve() == parsed.path.resolve():  # the errors file is rewritten each run
+        raise DflashError(f"the errors file {errors_path} is also the input file", fix="pass another --errors")
     say = console.print if console is not None else (lambda *args: None)
     if parsed.total == 0:
         say(f"{escape(str(parsed.path))} has no requests: nothing to do")
         return Summary(str(output_path), 0)
-    with ResultsFile(output_path) as results, ErrorsFile(errors_path) as error_log:
+    with ResultsFile(output_path) as results:
+        _refuse_stale_results(results, parsed.requests, options)
+        with ErrorsFile(errors_path) as error_log:
+            summary, skipped = _resume_and_run(results, error_log, parsed, options, console, load)
         resume = results.resume
-        if resume.repaired_bytes:
-            say(
-                f"[yellow]repaired[/] {escape(str(output_path))}: cut a torn last line ({resume.repaired_bytes} "
-                "bytes) left by an interrupted run; its request runs again"
-            )
-        pending = [request for request in parsed.requests if request.id not in resume.ids]
-        skipped = len(parsed.requests) - len(pending)
-        if skipped:
-            say(f"resuming: {skipped} of {len(parsed.requests)} requests are already in {escape(str(output_path))}")
-        for error in parsed.errors:
-            error_log.append(error)
-        # The mode this run decodes in, true even when it has nothing left to decode.
-        summary = Summary(str(output_path), 0, speculative=not options.no_spec and _has_drafter(options))
-        if pending:
-            if load is None:
-                from dflash_cli.session import open_session
-
-                load = functools.partial(open_session, batching=True)
-            load_started = time.perf_counter()
-            session = load(options, console)
-            load_s = time.perf_counter() - load_started
-            try:
-                summary = run_jobs(session, pending, results, error_log, options, console)
-            except KeyboardInterrupt:
-                say(f"interrupted: the results so far are in {escape(str(output_path))}; re-run to finish")
-                raise
-            summary.load_s = load_s
-        elif not parsed.errors:
-            say("every request is already done: nothing to do")
     summary.total, summary.skipped, summary.repaired_bytes = parsed.total, skipped, resume.repaired_bytes
     summary.failed += len(parsed.errors)
     summary.errors = str(errors_path) if summary.failed else None
@@ -470,11 +499,74 @@ def run_file(
     return summary
 
 
-def _has_drafter(options: RunOptions) -> bool:
+def _refuse_stale_results(results: ResultsFile, requests: list[Request], options: RunOptions) -> None:
+    """A result the output holds for a request that has changed since (its line, or the command's target or
+    sampling flags) would be skipped as done: refuse, before anything is written."""
+    made_from, target = results.resume.made_from, target_id(options)
+    stale = [
+        request.id for request in requests
+        if made_from.get(request.id) is not None and made_from[request.id] != request_hash(request, options, target)
+    ]  # fmt: skip
+    if stale:
+        shown = ", ".join(str(request_id) for request_id in stale[:3]) + (", ..." if len(stale) > 3 else "")
+        raise DflashError(
+            f"{len(stale)} result(s) in {results.path} were made from another prompt or other settings (ids {shown}): "
+            "resuming would keep them as they are",
+            fix="write this run's results to another file with -o (or delete those lines to run them again)",
+        )
+
+
+def _resume_and_run(
+    results: ResultsFile, error_log: ErrorsFile, parsed: RequestFile, options: RunOptions, console: Console | None,
+    load: Callable[[RunOptions, Console | None], Any] | None,
+) -> tuple[Summary, int]:  # fmt: skip
+    say = console.print if console is not None else (lambda *args: None)
+    output_path = results.path
+    resume = results.resume
+    if resume.repaired_bytes:
+        say(
+            f"[yellow]repaired[/] {escape(str(output_path))}: cut a torn last line ({resume.repaired_bytes} "
+            "bytes) left by an interrupted run; its request runs again"
+        )
+    pending = [request for request in parsed.requests if request.id not in resume.ids]
+    skipped = len(parsed.requests) - len(pending)
+    if skipped:
+        say(f"resuming: {skipped} of {len(parsed.requests)} requests are already in {escape(str(output_path))}")
+    for error in parsed.errors:
+        error_log.append(error)
+    # The mode this run decodes in, true even when it has nothing left to decode.
+    recipe = _recipe(options)
+    summary = Summary(str(output_path), 0, speculative=not options.no_spec and recipe is not None and recipe.drafter is not None)
+    if pending:
+        if load is None:
+            from dflash_cli.session import open_session
+
+            load = functools.partial(open_session, batching=True)
+        load_started = time.perf_counter()
+        session = load(options, console)
+        load_s = time.perf_counter() - load_started
+        try:
+            summary = run_jobs(session, pending, results, error_log, options, console)
+        except KeyboardInterrupt:
+            say(f"interrupted: the results so far are in {escape(str(output_path))}; re-run to finish")
+            raise
+        summary.load_s = load_s
+    elif not parsed.errors:
+        say("every request is already done: nothing to do")
+    return summary, skipped
+
+
+def _recipe(options: RunOptions) -> Recipe | None:
     try:
-        return options.resolve_recipe().drafter is not None
+        return options.resolve_recipe()
     except DflashError:  # no model named (only the library API allows that): nothing was decoded either way
-        return False
+        return None
+
+
+def target_id(options: RunOptions) -> str | None:
+    """The target the options name (what request_hash records)."""
+    recipe = _recipe(options)
+    return recipe.target.id if recipe is not None else None
 
 
 def split_positionals(options: RunOptions, prompts: str | None) -> tuple[RunOptions, str]:

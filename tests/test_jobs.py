@@ -5,6 +5,7 @@ once per module; the CLI and kill tests run `python -m dflash_cli run` in subpro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -182,28 +183,33 @@ def test_an_empty_file_is_nothing_to_do(tmp_path: Path) -> None:
 
 def test_a_torn_last_line_is_cut_away(tmp_path: Path) -> None:
     output = tmp_path / "out.jsonl"
-    good = b'{"id": "a", "text": "x"}\n{"custom_id": "b", "id": "batch_req_1"}\n'
+    good = b'{"id": "a", "text": "x"}\n{"custom_id": "b", "id": "batch_req_1", "response": {}}\n'
     output.write_bytes(good + b'{"id": "c", "te')
     resume = completed_ids(output)
     assert resume.ids == {"a", "b"} and resume.repaired_bytes == len(b'{"id": "c", "te')
     assert output.read_bytes() == good
     output.write_bytes(good + b"\x00\x00\x00\n")  # a line that ends but is garbage (a crash mid-block)
     assert completed_ids(output).repaired_bytes == 4 and output.read_bytes() == good
-    assert completed_ids(output) == jobs.Resume({"a", "b"}, 0)
+    assert completed_ids(output) == jobs.Resume({"a": None, "b": None}, 0)
 
 
 def test_a_broken_line_in_the_middle_is_not_touched(tmp_path: Path) -> None:
     output = tmp_path / "out.jsonl"
-    content = b'{"id": "a"}\nnot a result\n{"id": "b"}\n'
+    content = b'{"id": "a", "text": ""}\nnot a result\n{"id": "b", "text": ""}\n'
     output.write_bytes(content)
     with pytest.raises(DflashError, match="line 2"):
         completed_ids(output)
     assert output.read_bytes() == content
-    foreign = b'{"id": "a"}\n{"name": "not a result"}\n'  # whole JSON, so not torn: someone else's file
+    foreign = b'{"id": "a", "text": ""}\n{"name": "not a result"}\n'  # whole JSON, so not torn: someone else's file
     output.write_bytes(foreign)
     with pytest.raises(DflashError, match="line 2 .* not a dflash result"):
         completed_ids(output)
     assert output.read_bytes() == foreign
+    prompts = b'{"id": "a", "prompt": "hi"}\n'  # a prompts file given as the output: it has ids, and no results
+    output.write_bytes(prompts)
+    with pytest.raises(DflashError, match="line 1 .* not a dflash result"):
+        completed_ids(output)
+    assert output.read_bytes() == prompts
 
 
 def test_unwritable_output_fails_before_the_model_loads(tmp_path: Path) -> None:
@@ -216,6 +222,10 @@ def test_unwritable_output_fails_before_the_model_loads(tmp_path: Path) -> None:
         run_file(RunOptions(), prompts, tmp_path / "missing" / "out.jsonl", load=no_load)
     with pytest.raises(DflashError, match="also the input"):
         run_file(RunOptions(), prompts, prompts, load=no_load)
+    before = prompts.read_bytes()
+    with pytest.raises(DflashError, match="errors file .* is also the input"):
+        run_file(RunOptions(), prompts, tmp_path / "out.jsonl", errors=prompts, load=no_load)
+    assert prompts.read_bytes() == before
     if os.geteuid() != 0:  # root writes through permissions
         locked = tmp_path / "readonly.jsonl"
         locked.write_text("")
@@ -231,6 +241,18 @@ def test_two_runs_cannot_write_one_output(tmp_path: Path) -> None:
             jobs.ResultsFile(tmp_path / "out.jsonl")
     finally:
         first.close()
+
+
+def test_a_foreign_output_is_refused_and_let_go(tmp_path: Path) -> None:
+    """Refusing a file that is not ours releases it at once, even while the caller still holds the error (whose
+    traceback keeps the refused object alive)."""
+    output = tmp_path / "out.jsonl"
+    output.write_bytes(b'{"name": "not a result"}\n')
+    with pytest.raises(DflashError, match="not a dflash result") as refused:
+        jobs.ResultsFile(output)
+    output.write_bytes(b"")
+    jobs.ResultsFile(output).close()  # "another dflash run is writing" if the refused handle still held the lock
+    assert refused.value.fix
 
 
 def test_an_error_record_for_odd_input_is_one_valid_line(tmp_path: Path) -> None:
@@ -346,6 +368,45 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: A
     assert (resumed.done, resumed.skipped, resumed.repaired_bytes > 0) == (2, 2, True)
     ids = [r["id"] for r in read_jsonl(output)]
     assert sorted(ids) == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, options: RunOptions) -> None:
+    """A result is skipped on resume only if it was made from the same request: the same input, sampling (the
+    line's and the flags') and target. Otherwise the run refuses before writing anything."""
+    prompts = write_lines(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}])
+    output, errors = tmp_path / "p.out.jsonl", tmp_path / "p.errors.jsonl"
+    assert run_with(session, options, prompts).done == 2
+    assert run_file(options, prompts, load=no_load).skipped == 2  # the same requests: done
+    done = output.read_bytes()
+    errors.write_bytes(b'{"line": 9, "id": "x", "error": {"code": "c", "message": "m"}}\n')  # an earlier run's
+    changed = [
+        ([{"id": "a", "prompt": "Hello there"}, {"id": "b", "prompt": "Bye"}], options),  # a's prompt
+        ([{"id": "a", "prompt": "Hello", "temperature": 0.5}, {"id": "b", "prompt": "Bye"}], options),  # a line's key
+        ([{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}], dataclasses.replace(options, max_tokens=7)),
+    ]
+    for lines, changed_options in changed:
+        write_lines(prompts, lines)
+        with pytest.raises(DflashError, match=r"result\(s\) in .* were made from another prompt or other settings") as refused:
+            run_file(changed_options, prompts, load=no_load)
+        assert "-o" in refused.value.fix
+        assert output.read_bytes() == done and errors.exists()  # nothing written, nothing removed
+    write_lines(prompts, [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}])
+    assert run_file(dataclasses.replace(options, block_size=2), prompts, load=no_load).skipped == 2  # (lossless)
+
+
+def test_the_errors_file_is_ours_to_rewrite_or_refused(tmp_path: Path) -> None:
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    notes = tmp_path / "notes.txt"
+    for content in (b"my precious notes\n", b"no newline at the end", b'{"line": 1}\n', b'\n[1, 2]\n'):
+        notes.write_bytes(content)
+        with pytest.raises(DflashError, match="holds something else") as refused:
+            run_file(RunOptions(), prompts, tmp_path / "out.jsonl", errors=notes, load=no_load)
+        assert "--errors" in refused.value.fix and notes.read_bytes() == content
+    ours = b'{"line": 3, "id": null, "error": {"code": "invalid_json", "message": "m"}}\n'
+    for content in (b"", ours, ours + b'{"line": 4, "id"'):  # empty, an earlier run's, torn by a kill
+        notes.write_bytes(content)
+        with pytest.raises(AssertionError, match="must not load"):  # past the checks: it would generate now
+            run_file(RunOptions(), prompts, tmp_path / "out.jsonl", errors=notes, load=no_load)
 
 
 def test_the_errors_file_lists_only_what_is_still_missing(tmp_path: Path, session: Any, options: RunOptions) -> None:

@@ -610,6 +610,8 @@ def check_outputs(settings: BenchSettings) -> None:
     for flag, name in (("--output", settings.output), ("--png", settings.png)):
         if name is None:
             continue
+        if Path(name).expanduser().is_dir():
+            raise DflashError(f"{flag} {name} is a directory", fix=f"name a file, e.g. {flag} {Path(name) / ('bench.png' if flag == '--png' else 'bench.json')}")
         parent = Path(name).expanduser().resolve().parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -703,12 +705,13 @@ def describe_run(
     """What the timed part will do and about how long it takes, from the warm-up's pace; with `full_prompts`,
     what --full would cost here."""
     count = f"{prompts} prompt{'s' if prompts != 1 else ''}"
+    tokens = f"{max_tokens} token{'s' if max_tokens != 1 else ''}"
     rounds = f"{repeat} round{'s' if repeat != 1 else ''}"
     shorter = f" ({asked_tokens} would not fit a minute here)" if max_tokens < asked_tokens else ""
     seconds = prompts * repeat * sum(pace.seconds(max_tokens) for pace in paces)
     measured = ", ".join(f"{mode.label} {pace.tokens_per_s:.1f} tok/s" for mode, pace in zip(modes, paces))
     text = (
-        f"bench: {count} × up to {max_tokens} tokens{shorter} × {rounds}, {' and '.join(m.label for m in modes)}: "
+        f"bench: {count} × up to {tokens}{shorter} × {rounds}, {' and '.join(m.label for m in modes)}: "
         f"about {format_duration(seconds)} (warm-up here: {measured})"
     )
     if full_prompts is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from platformdirs import user_data_dir
 from prompt_toolkit import PromptSession
 from prompt_toolkit.application import create_app_session
@@ -272,9 +273,12 @@ def _show(session: Session, state: ChatState, arg: str) -> str:
     decoding = _decoding(session, state)
     return "\n".join([
         f"recipe    {recipe.name}: {recipe.target.id} {drafter}",
-        f"plan      {session.plan_line()}",
+        f"plan      {session.plan_line()} (at start; /set and /spec change the decoding below)",
         f"decoding  {decoding}",
-        "sampling  " + ", ".join(f"{key} {value}" for key, value in sampling_settings(params).items() if key in SAMPLING_SETTINGS),
+        "sampling  " + ", ".join(
+            f"{key} {'(none: random)' if value is None else value}"
+            for key, value in sampling_settings(params).items() if key in SAMPLING_SETTINGS
+        ),
         f"stats     {'on' if state.show_stats else 'off'}",
         f"system    {state.system if state.system else '(none)'}",
         f"messages  {len(state.messages)}",
@@ -412,6 +416,16 @@ def repl(session: Session, state: ChatState, console: Console, history: History)
             answer = reply(session, state, text.strip(), text_sink(console))
         except DflashError as error:
             console.print(str(error), style="red", markup=False, highlight=False)
+            continue
+        except torch.OutOfMemoryError as error:  # a long conversation on a small GPU: this turn goes, the chat stays
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            reason = str(error).splitlines()[0] if str(error) else "out of memory"
+            console.print(
+                f"error: out of memory in this reply ({reason}); the message was not added to the conversation\n"
+                "fix: /set max_tokens N for shorter replies, or /save FILE then /clear to start a shorter conversation",
+                style="red", markup=False, highlight=False,
+            )  # fmt: skip
             continue
         console.print()
         if answer.finish_reason in FINISH_NOTES:

@@ -52,7 +52,8 @@ app = typer.Typer(
     name="dflash",
     cls=DflashGroup,
     help="Fast self-hosted LLM inference in one command, with lossless DFlash speculative decoding.\n\n"
-    "Start with `dflash doctor` to see what this machine can run, then `dflash chat qwen3-8b`.",
+    "Start with `dflash doctor` to see what this machine can run, then `dflash chat demo` (any CPU) or a recipe it "
+    "lists as fitting (`dflash chat qwen3-8b` on a GPU).",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,  # locals can hold tokens and whole tensors
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -95,7 +96,7 @@ def _check_dtype(value: str | None) -> str | None:
     try:
         return normalize_dtype(value) if value is not None else None
     except DflashError as error:
-        raise typer.BadParameter(error.message) from None
+        raise typer.BadParameter(f"{error.message}: {error.fix}") from None
 
 
 def _check_device(value: str | None) -> str | None:
@@ -220,7 +221,8 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         str | None,
         typer.Option(
             callback=_check_quant,
-            help="none or nf4 (bitsandbytes 4-bit) (default: nf4 only where bf16 weights do not fit the GPU).",
+            help="none, nf4 (bitsandbytes 4-bit) or fp8 (the recipe's published FP8 checkpoint, `dflash pull --fp8`) "
+            "(default: nf4 only where bf16 weights do not fit the GPU).",
             rich_help_panel=PLANNING,
         ),
     ],
@@ -260,17 +262,19 @@ RUN_FLAGS = [
 ]
 
 
-def with_run_flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Give a command the shared run flags: it declares `options: RunOptions` first, plus any flags of its own."""
+def with_run_flags(command: Callable[..., Any], flag_types: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """Give a command the shared run flags: it declares `options: RunOptions` first, plus any flags of its own.
+    `flag_types` replaces shared flags' declarations for this command (the same flag, its own default)."""
     own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "options"]
     own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+    shared = [p.replace(annotation=(flag_types or {}).get(p.name, p.annotation)) for p in RUN_FLAGS]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         options = RunOptions(**{p.name: kwargs.pop(p.name) for p in RUN_FLAGS})
         return command(options, **kwargs)
 
-    wrapper.__signature__ = inspect.Signature(RUN_FLAGS + own)  # type: ignore[attr-defined]
+    wrapper.__signature__ = inspect.Signature(shared + own)  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -433,14 +437,23 @@ def _check_prompt_set(value: str | None) -> str | None:
     return value
 
 
+BENCH_MAX_TOKENS = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens", min=1, help="Most tokens to generate per prompt.", show_default="128; 512 with --full",
+        rich_help_panel=SAMPLING,
+    ),
+]
+
+
 @app.command(rich_help_panel="Run")
-@with_run_flags
+@functools.partial(with_run_flags, flag_types={"max_tokens": BENCH_MAX_TOKENS})
 def bench(
     options: RunOptions,
     ctx: typer.Context,
     before_after: Annotated[bool, typer.Option("--before-after", help="Also run the baseline (the same loop without the drafter) on the same prompts: speedup and a token-identity check.", rich_help_panel=BENCH)] = False,
     prompt_set: Annotated[str | None, typer.Option("--set", metavar="math|code|chat|all", callback=_check_prompt_set, help="Built-in prompt set, 8 prompts each (default: all).", rich_help_panel=BENCH)] = None,
-    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", callback=_existing_file, help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
+    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", callback=_existing_file, help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn: bench measures chat replies; `dflash run` reads it as plain completion), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
     full: Annotated[bool, typer.Option("--full", help="The full sweep: every prompt of the sets, up to 512 tokens, 3 rounds (minutes on a GPU, an hour or more on a CPU).", rich_help_panel=BENCH)] = False,
     repeat: Annotated[int | None, typer.Option(min=1, show_default=False, help="Timed rounds of every prompt in every mode, after one untimed warm-up per mode (default: 1; 3 with --full).", rich_help_panel=BENCH)] = None,
     block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep fixed block sizes: one DFlash run per size, with tau and speedup each, next to the adaptive default (unless --block-size fixes it).", rich_help_panel=BENCH)] = None,
@@ -533,7 +546,7 @@ def train(
             "--prompts",
             metavar="FILE",
             callback=_existing_file,
-            help='Prompts: .txt (one a line) or .jsonl read like `dflash run`: {"prompt": ...} (a user turn) or {"messages": [...]}; optional "id".',
+            help='Prompts: .txt (one a line) or .jsonl as `dflash bench --prompts` reads it: {"prompt": ...} (a user turn, where `dflash run` reads plain completion) or {"messages": [...]}; optional "id".',
         ),
     ],
     output: Annotated[
@@ -744,9 +757,7 @@ def export(
     gpu_memory: GpuMemory = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`),
-    SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`) or llama.cpp (`llama-server -m
-    TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`, with the GGUF conversion steps)."""
+    """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`), SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`) or llama.cpp (`llama-server -m TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`, with the GGUF conversion steps)."""
     from dflash_cli.export import EXPORTERS, serving_hardware
     from dflash_cli.hardware import detect_machine
 

@@ -449,6 +449,6 @@ def resolve_recipe(name: str | None, recipe_file: str | Path | None, target: str
     else:
         raise DflashError(
             "no model given",
-            fix="name a recipe (see `dflash recipes list`), e.g. `dflash chat qwen3-8b`, or pass --target X --drafter Y",
+            fix="name a recipe (see `dflash recipes list`), e.g. `dflash chat demo`, or pass --target X --drafter Y",
         )
     return with_drafter(recipe, drafter) if drafter else recipe

@@ -16,6 +16,7 @@ model loads. Turning a request into token ids is `Session.encode_request`.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError, RequestError, json_problem
-from dflash_cli.params import FIELDS, read_sampling
+from dflash_cli.params import BY_KEY, FIELDS, read_sampling
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
@@ -154,10 +155,20 @@ def _completion_prompt(value: Any, name: str) -> dict[str, Any]:
     return {"prompt": read_text(value, name)}
 
 
+# The keys some request shape reads. An unknown key that is a typo of one of them (or another library's name for
+# one) is refused: ignored, "max_token" would leave the default in force. Other unknown keys are ignored.
+READ_KEYS = frozenset({*BY_KEY, *PROMPT_KEYS, "model", "stream", "stream_options", "chat_template_kwargs", "id"})
+FOREIGN_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "random_seed": "seed"}
+
+
 def check_supported(body: Mapping[str, Any], prefix: str = "") -> None:
     for key, (is_default, why) in UNSUPPORTED.items():
         if body.get(key) is not None and not is_default(body[key]):
             raise RequestError(f"{prefix}{why}", param=prefix + key)
+    for key in sorted(body.keys() - READ_KEYS - UNSUPPORTED.keys()):
+        meant = FOREIGN_NAMES.get(key) or next(iter(difflib.get_close_matches(key, READ_KEYS, n=1, cutoff=0.85)), None)
+        if meant is not None:
+            raise RequestError(f"{prefix}{key} is not a request field: did you mean {prefix}{meant}?", param=prefix + key)
 
 
 def _template_kwargs(value: Any, name: str) -> dict[str, Any]:

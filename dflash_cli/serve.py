@@ -40,7 +40,8 @@ from dflash_cli.worker import Job, QueueFull, ShuttingDown, Update, Worker
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
-ROUTES = ("/health", "/metrics", "/v1/models", CHAT_URL, COMPLETIONS_URL)
+MODEL_URL = "/v1/models/{model:path}"  # one model's card (the openai client's models.retrieve)
+ROUTES = ("/health", "/metrics", "/v1/models", MODEL_URL, CHAT_URL, COMPLETIONS_URL)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -91,6 +92,7 @@ class Server:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route(MODEL_URL, self.model_card, methods=["GET"]),
             Route(CHAT_URL, self.chat_completions, methods=["POST"]),
             Route(COMPLETIONS_URL, self.completions, methods=["POST"]),
         ]
@@ -126,7 +128,7 @@ class Server:
                 await app(scope, receive, send)
                 return
             path = scope["path"]
-            route = path if path in ROUTES else "other"
+            route = path if path in ROUTES else MODEL_URL if path.startswith("/v1/models/") else "other"
 
             async def counting_send(message: dict[str, Any]) -> None:
                 if message["type"] == "http.response.start":
@@ -162,8 +164,8 @@ class Server:
     async def prometheus(self, request: HTTPRequest) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def models(self, request: HTTPRequest) -> Response:
-        card = {
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model,
             "object": "model",
             "created": self.created,
@@ -171,7 +173,18 @@ class Server:
             "root": self.session.recipe.target.id,
             "max_model_len": self.session.context_window,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: HTTPRequest) -> Response:
+        name = request.path_params["model"]
+        if name not in self.names:
+            raise APIError(
+                404, f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return JSONResponse(self._card())
 
     # -- completions ------------------------------------------------------------------------------------------
 

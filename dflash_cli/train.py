@@ -337,11 +337,21 @@ def save_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.op
     save_file(tensors, str(staging / "optimizer.safetensors"))
     state = {"step": step, "options": asdict(options), "optimizer_scalars": scalars, "history": history}
     (staging / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+    previous = directory.with_name(directory.name + ".previous")
     if directory.exists():
+        directory.rename(previous)
+    staging.rename(directory)  # a crash before this leaves the previous checkpoint (recover_checkpoint)
+    if previous.exists():
         import shutil
 
-        shutil.rmtree(directory)
-    staging.rename(directory)  # a crash mid-save leaves the previous checkpoint intact
+        shutil.rmtree(previous)
+
+
+def recover_checkpoint(directory: Path) -> None:
+    """Put back the previous checkpoint if a crash mid-save left it aside (save_checkpoint)."""
+    previous = directory.with_name(directory.name + ".previous")
+    if previous.exists() and not directory.exists():
+        previous.rename(directory)
 
 
 def load_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]]]:
@@ -463,7 +473,10 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     if options.block_size < 2:
         raise DflashError("--block-size must be at least 2 (the anchor plus one drafted token)")
     output = Path(options.output)
+    if output.exists() and not output.is_dir():
+        raise DflashError(f"--output {output} is a file", fix="name a directory for the run (it is created), e.g. runs/my-drafter")
     checkpoint = output / CHECKPOINT_DIR
+    recover_checkpoint(checkpoint)
     conversations, eval_conversations = split_prompts(options.prompts, options.eval_prompts_file, options.eval_prompts)
     resumable = (checkpoint / "trainer_state.json").exists()
     if resumable and not options.resume:
@@ -526,7 +539,6 @@ def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], opti
     layer_ids = drafter.config.target_layer_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     task = progress.add_task("training", total=options.steps, completed=step, info="")
-    stats: dict[str, float] = {}
     running: dict[str, float] = {}
     fast_bf16 = serving_dtype(options.device) == torch.bfloat16
     batches = _batches(samples, options.batch_size, rng)
@@ -550,11 +562,13 @@ def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], opti
         step += 1
         running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
         progress.update(task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}")
-        if step % 10 == 0:
+        if step % 10 == 0 or step == options.steps:
             history.append({"step": step, **running})
         if step % options.checkpoint_every == 0 or step == options.steps:
             save_checkpoint(checkpoint, drafter, optimizer, step, options, history)
-    return running or stats
+    if not running and history:  # resumed at its last step: nothing ran, the checkpoint's last figures stand
+        running = {key: value for key, value in history[-1].items() if key != "step"}
+    return running
 
 
 def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_ids: list[int]) -> torch.Tensor:

@@ -124,6 +124,14 @@ def test_set_and_prompts_together_is_an_error(tmp_path: Path) -> None:
         bench.load_prompts(BenchSettings(prompt_set="math", prompts_file=str(tmp_path / "x.jsonl")))
 
 
+def test_an_output_that_is_a_directory_is_refused_before_measuring(tmp_path: Path) -> None:
+    with pytest.raises(DflashError, match="--output .* is a directory") as refused:
+        bench.check_outputs(BenchSettings(output=str(tmp_path)))
+    assert "bench.json" in refused.value.fix
+    bench.check_outputs(BenchSettings(output=str(tmp_path / "new" / "bench.json")))  # a new file, its folder made
+    assert (tmp_path / "new").is_dir()
+
+
 @pytest.mark.parametrize(("text", "sizes"), [(None, ()), ("4,8,16", (4, 8, 16)), (" 8, 4,8 ", (8, 4))])
 def test_parse_block_sizes(text: str | None, sizes: tuple[int, ...]) -> None:
     assert bench.parse_block_sizes(text) == sizes

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from prompt_toolkit.application import create_app_session
 from prompt_toolkit.completion import CompleteEvent
 from prompt_toolkit.document import Document
@@ -159,6 +160,25 @@ def test_spec_on_without_a_drafter_explains(model_dirs: tuple[Path, Path]) -> No
 
 
 # --- keys: Ctrl-C, Ctrl-D, multi-line ----------------------------------------------------------------------------
+
+
+def test_out_of_memory_in_a_reply_drops_that_turn_and_the_repl_goes_on(
+    session: Session, state: ChatState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream, calls = session.stream, []
+
+    def out_of_memory_once(*args, **kwargs):
+        calls.append(args)
+        for number, step in enumerate(stream(*args, **kwargs)):
+            if number == 2 and len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")  # as a long chat would
+            yield step
+
+    monkeypatch.setattr(session, "stream", out_of_memory_once)
+    out = run_repl(session, state, f"first{ENTER}second{ENTER}/bye{ENTER}")
+    assert "out of memory in this reply (CUDA out of memory. Tried to allocate 2.00 GiB)" in out
+    assert "/set max_tokens" in out and len(calls) == 2
+    assert [m["content"] for m in state.messages if m["role"] == "user"] == ["second"]  # the failed turn left nothing
 
 
 def test_ctrl_c_stops_a_reply_keeps_the_part_said_and_the_repl_goes_on(

@@ -100,6 +100,12 @@ def test_each_input_format_is_detected() -> None:
     assert parse(b"   \r\n") is None  # blank lines are skipped
 
 
+def test_unknown_keys_are_ignored_unless_a_typo_of_a_field() -> None:
+    """Metadata beside a prompt (and other servers' fields) is the user's business; a misspelt field is not."""
+    request = parse({"prompt": "x", "category": "math", "expected": "4", "user": "u", "min_tokens": 2, "top_a": 0.1})
+    assert isinstance(request, Request) and request.sampling == {}
+
+
 def test_line_parameters_override_the_flags() -> None:
     simple = parse({"prompt": "x", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "stop": "\n"})
     assert simple.sampling == {"max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "stop_strings": ("\n",)}
@@ -153,6 +159,10 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
         ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "invalid_request",
          "one prompt per request"),
         ({"url": "/v1/completions", "body": {"prompt": "x"}}, "invalid_request", "without custom_id"),
+        ({"prompt": "x", "max_token": 3}, "invalid_request", "max_token is not a request field: did you mean max_tokens?"),
+        ({"prompt": "x", "max_new_tokens": 3}, "invalid_request", "did you mean max_tokens?"),
+        ({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}],
+          "temprature": 0.2}}, "invalid_request", "body.temprature is not a request field: did you mean body.temperature?"),
     ],
 )
 def test_invalid_lines_say_why(line: Any, code: str, reason: str) -> None:

@@ -156,6 +156,10 @@ def test_health_models_and_metrics(server: RunningServer, client: openai.OpenAI)
     assert status == 200 and health["status"] == "ok" and health["model"] == server.target
     (card,) = client.models.list().data
     assert card.id == server.target and card.owned_by == "dflash"
+    assert client.models.retrieve(server.target) == card  # GET /v1/models/{id}, ids with a slash included
+    with pytest.raises(openai.NotFoundError, match="'no-such-model' is not served here") as unknown:
+        client.models.retrieve("no-such-model")
+    assert unknown.value.code == "model_not_found"
     status, metrics = server.get("/metrics")
     assert status == 200
     for name in ("dflash_queue_depth", "dflash_requests_running", "dflash_tau_bucket", "dflash_acceptance_length_bucket",

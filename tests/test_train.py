@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -146,9 +147,24 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     assert resumed.steps == 5
     changed = load_drafter(out / "checkpoint" / "drafter", target).state_dict()
     assert any(not torch.equal(saved[k], changed[k]) for k in saved)  # two more steps ran from the saved state
+    again = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True))  # nothing left to run
+    assert again.final_loss == resumed.final_loss and math.isfinite(again.final_loss)
+
+    # A crash mid-save, between moving the previous checkpoint aside and moving the new one in: resume finds it.
+    (out / "checkpoint").rename(out / "checkpoint.previous")
+    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True)).final_loss == resumed.final_loss
+    assert (out / "checkpoint" / "trainer_state.json").is_file() and not (out / "checkpoint.previous").exists()
 
     with pytest.raises(DflashError, match="other settings"):
         train(options(tiny_qwen3_dir, prompt_file, out, steps=7, block_size=6, resume=True))
+
+
+def test_an_output_that_is_a_file_is_refused(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    with pytest.raises(DflashError, match="is a file") as refused:
+        train(options(tiny_qwen3_dir, prompt_file, taken, steps=1))
+    assert "directory" in refused.value.fix and taken.read_text() == "mine"
 
 
 def test_bad_prompt_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -32,9 +32,13 @@ class Check:
     status: str  # "pass" | "warn" | "fail"
     detail: str
     fix: str | None = None
+    items: tuple[dict[str, Any], ...] = ()  # what the detail lists, as data (`--json`): the recipes check's recipes
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.items:
+            del data["items"]
+        return data
 
 
 def exit_code(checks: list[Check]) -> int:
@@ -424,28 +428,35 @@ def check_recipes(
 ) -> Check:
     """Which recipes fit this machine, how (the planner's choice with no flags), and how fast they can decode
     here: `bandwidth(device, dtype)` is the measured weight bandwidth (None: speed not estimated)."""
-    lines, fitting = [], 0
+    lines, items, fitting = [], [], 0
     for recipe in recipes:
         if not recipe.runnable:
             lines.append(f"{recipe.name}: not runnable in dflash; `dflash export vllm {recipe.name}`")
+            items.append({"name": recipe.name, "fits": False, "runnable": False})
             continue
         try:
             plan = make_plan(facts, recipe)
         except DflashError as exc:
             lines.append(f"{recipe.name}: does not fit: {exc.message}")
+            items.append({"name": recipe.name, "fits": False, "runnable": True, "why": exc.message})
             continue
         fitting += 1
         size = f", ~{gb(plan.estimated_bytes)}" if plan.estimated_bytes else ""
         rate = bandwidth(plan.device, plan.dtype) if bandwidth else None
         speed = expected_speed(recipe, plan, rate) if rate else None
         lines.append(f"{recipe.name}: fits, {plan.device} {plan.weights}{size}" + (f"; {speed.describe()}" if speed else ""))
+        items.append({
+            "name": recipe.name, "fits": True, "runnable": True, "device": plan.device, "weights": plan.weights,
+            "estimated_bytes": plan.estimated_bytes, "max_tokens_per_s": round(speed.tokens_per_s, 1) if speed else None,
+        })  # fmt: skip
     if fitting or not recipes:
-        return Check("recipes", "pass", "\n".join(lines) or "no recipes")
+        return Check("recipes", "pass", "\n".join(lines) or "no recipes", items=tuple(items))
     return Check(
         "recipes",
         "warn",
         "\n".join(lines),
         "free memory, use a machine with a bigger GPU, or serve across GPUs with `dflash export vllm`",
+        items=tuple(items),
     )
 
 

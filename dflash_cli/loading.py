@@ -98,10 +98,6 @@ class Checkpoint:
     tensors: list[tuple[str, int, int]]
 
     @property
-    def num_params(self) -> int:
-        return sum(n for _, n, _ in self.tensors)
-
-    @property
     def stored_bytes(self) -> int:
         return sum(size for _, _, size in self.tensors)
 

@@ -1,7 +1,7 @@
 """`dflash train`: distil a DFlash drafter for any causal LM target.
 
 1. Self-distillation: the target answers every prompt (greedy, chat template applied); the answers
-   are cached in `<output>/distill.jsonl`, so an interrupted run resumes where it stopped.
+   are cached in `<output>/distill/responses.jsonl`, so an interrupted run resumes where it stopped.
 2. Training with the DFlash objective: per sequence, random anchors inside the response; each block
    is [anchor token, MASK x (B-1)] embedded with the frozen target embedding; a block attends to the
    target features strictly before its anchor and to itself (bidirectionally), never to other blocks;
@@ -117,7 +117,7 @@ def self_distill(
     feature_layer_ids: list[int] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[Sample]:
-    """The target's greedy answers to every conversation, cached batch by batch in `out_dir/distill.jsonl`.
+    """The target's greedy answers to every conversation, cached batch by batch in `out_dir/responses.jsonl`.
 
     With `feature_layer_ids`, the target features of those layers are captured during generation (every
     token the target reads passes through them anyway) and stored beside the answers, so training

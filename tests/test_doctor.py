@@ -289,6 +289,12 @@ def test_recipe_fit_report() -> None:
     assert "qwen3-8b: fits, cuda bfloat16" in on_5090.detail
     assert "kimi-k2.5: not runnable" in on_5090.detail
     assert "gpt-oss-20b: does not fit" in on_5090.detail and "MXFP4" in on_5090.detail  # no MXFP4 kernels here
+    items = {item["name"]: item for item in on_5090.to_dict()["items"]}  # --json: the same, as data
+    assert set(items) == {recipe.name for recipe in shipped}
+    assert items["qwen3-8b"]["fits"] and (items["qwen3-8b"]["device"], items["qwen3-8b"]["weights"]) == ("cuda", "bfloat16")
+    assert items["kimi-k2.5"] == {"name": "kimi-k2.5", "fits": False, "runnable": False}
+    assert not items["gpt-oss-20b"]["fits"] and "MXFP4" in items["gpt-oss-20b"]["why"]
+    assert "items" not in check_recipes(RTX_5090_CU128, []).to_dict()  # other checks keep their shape
     tiny = dataclasses.replace(RTX_5090_CU128, total_memory=4 * GIB, free_memory=3 * GIB)
     zlab = [recipe for recipe in shipped if recipe.drafter and recipe.drafter.id.startswith("z-lab/")]
     nothing = check_recipes(tiny, zlab)

@@ -853,8 +853,8 @@ class DFlashDrafter(nn.Module):
         return self.logits(hidden).argmax(dim=-1)
 
     def new_rows(self, slots: int, block_size: int | None = None) -> BatchDraftCache:
-        """An empty context cache for the rows of a batch: `slots` rows (each joins with `join`), verified in blocks
-        of up to `block_size` (default: the config's)."""
+        """An empty context cache for the rows of a batch: `slots` rows (a joining row's context starts at its
+        slot's position 0), verified in blocks of up to `block_size` (default: the config's)."""
         return BatchDraftCache(self.config, slots, block_size or self.config.block_size, self.fc.weight.device)
 
     def draft_hidden_rows(

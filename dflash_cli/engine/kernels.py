@@ -1,15 +1,15 @@
 """Which matrix-product kernel the linear layers use for the few-row products of decoding, on a CPU.
 
 A decode step multiplies 1 to 16 rows (a plain step, a verify block, a small batch) by every weight matrix, so
-its time is the time to read the weights. `F.linear(x, W)` hands MKL `x @ W.T`; for 2-15 rows MKL then takes a
+its time is the time to read the weights. `F.linear(x, W)` hands MKL `x @ W.T`; for 2-9 rows MKL then takes a
 kernel that reads float32 weights far below the machine's bandwidth, while the same product asked as
 `W @ x.T` streams them (measured on the 2-core AMD EPYC VM, SmolLM2-135M's 211 products: 2 / 4 / 8 rows in
 1.77 / 1.64 / 2.66x the weights' read time against 2.42 / 2.63 / 3.38x; docs/benchmarks.md). One row is the
-same kernel either way (bit-identical), and from 16 rows on both calls agree again.
+same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel is the faster (SMALL_ROWS).
 
 `use_small_row_products(model)` switches a model's float32 `nn.Linear` layers on the CPU to `SmallRowLinear`:
 same parameters and state dict, `W @ x.T` for up to `SMALL_ROWS` rows. Rounding differs from `F.linear` in the
-last bits for 2-15 rows (as any other kernel choice would), never for one row: a plain step is unchanged.
+last bits for 2-9 rows (as any other kernel choice would), never for one row: a plain step is unchanged.
 """
 
 from __future__ import annotations

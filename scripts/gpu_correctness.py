@@ -9,9 +9,10 @@ sets made with it for rules the public ones do not show):
   whole-buffer attention, a path no CPU test takes): DFlash's tokens and acceptance lengths must be the
   reference's, and the baseline's tokens its greedy tokens;
 - bfloat16 and NF4 (bitsandbytes, compute in bf16): DFlash against the baseline of the same precision, case by
-  case. At a case's first mismatch it records the baseline's top-2 logit margin there and the rank DFlash's token
-  has: a margin of a few bf16 ulps is a near-tie that the block's different kernel shapes rounded the other way
-  (expected outside float32); a wide margin would be a bug.
+  case. At a case's first mismatch it records the top-2 logit margin there and the rank of DFlash's token,
+  recomputed in one forward over the prefix (a third rounding of the same logits): a margin of a few bf16 ulps is
+  a near-tie that the block's different kernel shapes rounded the other way (expected outside float32); a wide
+  margin would be a bug.
 
 Usage on a GPU machine: `python scripts/gpu_correctness.py --output $OUT/correctness.json` (about a minute).
 `--device cpu --precisions float32` runs the same checks here (tests/test_gpu_correctness.py, on two sets).
@@ -68,7 +69,7 @@ def decode(target: Any, drafter: Any, prompt: list[int], tokens: int, block_size
 
 @torch.inference_mode()
 def mismatch_cause(target: Any, prompt: list[int], baseline: list[int], dflash: list[int]) -> dict[str, Any]:
-    """Where DFlash first left the baseline, and how close the baseline's choice was there."""
+    """Where DFlash first left the baseline, and how close the choice was there (one forward over the prefix)."""
     at = next(i for i, (a, b) in enumerate(zip(baseline, dflash)) if a != b)
     ids = torch.tensor([prompt + baseline[:at]], device=target.get_input_embeddings().weight.device)
     logits = target(input_ids=ids).logits[0, -1].float()

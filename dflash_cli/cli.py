@@ -615,7 +615,7 @@ def train(
 
     resolve_recipe(None, None, target, None)  # input mistakes fail here, before torch is imported
     split_prompts(prompts, eval_file, eval_prompts)
-    from dflash_cli.train import TrainOptions
+    from dflash_cli.train import TrainOptions, interrupted_training_state
     from dflash_cli.train import train as run_training
 
     options = TrainOptions(
@@ -624,7 +624,11 @@ def train(
         max_new_tokens=max_new_tokens, eval_prompts=eval_prompts, eval_prompts_file=eval_file, checkpoint_every=checkpoint_every,
         resume=resume, device=device, dtype=dtype,
     )  # fmt: skip
-    result = run_training(options, err_console)
+    try:
+        result = run_training(options, err_console)
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: {escape(interrupted_training_state(Path(output)))}")
+        raise
     known = recipe_for_target(target)  # `--target demo` is used as `dflash chat demo --drafter DIR`
     model = [known.name] if known is not None and target.strip().lower() != known.target.id.lower() else ["--target", target]
     use = shlex.join(["dflash", "chat", *model, "--drafter", result.output])

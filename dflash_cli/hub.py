@@ -200,13 +200,14 @@ def download(plan: DownloadPlan, *, console: Console | None = None, what: str = 
 
 
 def pull(
-    refs: Sequence[str | ModelRef | None], console: Console, *, dry_run: bool = False, json: bool = False
+    refs: Sequence[str | ModelRef | None], console: Console, *, dry_run: bool = False, json: bool = False,
+    print_json: bool = True,
 ) -> list[DownloadPlan]:
     """`dflash pull`: show the total size of `refs`, check disk space, then download them with a progress bar.
 
     `refs` are repo ids or ModelRefs (pinned with `.revision`), e.g. `[recipe.target, recipe.drafter]`; None
     and local directories are skipped. With `json`, prints the plans (and snapshot paths) as one JSON document
-    and no progress.
+    (unless `print_json` is False: the caller prints them with more) and no progress.
     """
     remote = [_ref_parts(ref) for ref in refs if ref is not None and not _is_local(ref)]
     plans = [plan_download(ref_id, revision) for ref_id, revision in remote]
@@ -218,7 +219,7 @@ def pull(
             download(plan, console=None if json else console)
             if not json:
                 console.print(f"[green]✓[/] {plan.repo_id} ready in {plan.path}")
-    if json:
+    if json and print_json:
         console.print_json(jsonlib.dumps([p.to_dict() for p in plans]))
     return plans
 

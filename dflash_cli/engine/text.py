@@ -30,7 +30,9 @@ class TextStream:
         before = self._decode(self.ids[self.prefix : self.read])
         new = self._decode(self.ids[self.prefix :])[len(before) :]
         if final or not new.endswith("\ufffd"):
-            self.text += new
+            # At the end, a character still missing bytes (the token limit cut it) is dropped, not shown as
+            # U+FFFD: the reply ends before it, as llama.cpp's does.
+            self.text += new.rstrip("\ufffd") if final else new
             self.prefix, self.read = self.read, len(self.ids)
             return self.text
         return self.text + new.rstrip("\ufffd")

@@ -265,8 +265,8 @@ def format_openai_response(request: Request, result: Any, model: str) -> dict[st
 
 def request_hash(request: Request, options: RunOptions, target: str | None) -> str:
     """What a result is made from: the request's input, its sampling (the line's keys over the command's flags) and
-    the target (`target_id(options)`). On resume, a result whose hash is not its request's is stale: its line or
-    the command changed since."""
+    the target the options name. On resume, a result whose hash is not its request's is stale: its line or the
+    command changed since."""
     try:
         sampling: Any = dataclasses.asdict(options.sampling_params(**request.sampling))
     except (DflashError, RequestError, TypeError, ValueError):  # (such a line fails when it runs)
@@ -374,6 +374,7 @@ def run_jobs(
     results: ResultsFile,
     errors: ErrorsFile,
     options: RunOptions,
+    made_from: dict[str, str],
     console: Console | None = None,
 ) -> Summary:
     """Generate every request, shortest prompt first, appending each result the moment it is complete.
@@ -396,7 +397,7 @@ def run_jobs(
             errors.append(LineError(request.line, error.code, error.message, request.id))
             summary.failed += 1
     work = deque(sorted(work, key=lambda item: (len(item[1]), item[0].line)))
-    model, target = session.recipe.target.id, target_id(options)
+    model = session.recipe.target.id
     retry: list[tuple[Request, list[int]]] = []  # rows of a failed batched step: run again alone
     with _progress(console) as progress:
         task = progress.add_task("generating", total=len(work), rate="", tau="")
@@ -417,7 +418,7 @@ def run_jobs(
             progress.update(task, advance=1)
 
         def done(request: Request, result: Any) -> None:
-            results.append(result_record(request, result, model, request_hash(request, options, target)))
+            results.append(result_record(request, result, model, made_from[request.id]))
             summary.add(result)
             progress.update(task, advance=1)
 
@@ -487,10 +488,15 @@ def run_file(
     if parsed.total == 0:
         say(f"{escape(str(parsed.path))} has no requests: nothing to do")
         return Summary(str(output_path), 0)
+    recipe = _recipe(options)
+    target = recipe.target.id if recipe is not None else None
+    made_from = {request.id: request_hash(request, options, target) for request in parsed.requests}
     with ResultsFile(output_path) as results:
-        _refuse_stale_results(results, parsed.requests, options)
+        _refuse_stale_results(results, made_from)
         with ErrorsFile(errors_path) as error_log:
-            summary, skipped = _resume_and_run(results, error_log, parsed, options, console, load)
+            # (the mode this run decodes in, true even when it has nothing left to decode)
+            speculative = not options.no_spec and recipe is not None and recipe.drafter is not None
+            summary, skipped = _resume_and_run(results, error_log, parsed, options, made_from, speculative, console, load)
         resume = results.resume
     summary.total, summary.skipped, summary.repaired_bytes = parsed.total, skipped, resume.repaired_bytes
     summary.failed += len(parsed.errors)
@@ -499,14 +505,12 @@ def run_file(
     return summary
 
 
-def _refuse_stale_results(results: ResultsFile, requests: list[Request], options: RunOptions) -> None:
+def _refuse_stale_results(results: ResultsFile, made_from: dict[str, str]) -> None:
     """A result the output holds for a request that has changed since (its line, or the command's target or
-    sampling flags) would be skipped as done: refuse, before anything is written."""
-    made_from, target = results.resume.made_from, target_id(options)
-    stale = [
-        request.id for request in requests
-        if made_from.get(request.id) is not None and made_from[request.id] != request_hash(request, options, target)
-    ]  # fmt: skip
+    sampling flags; `made_from`: each request's request_hash) would be skipped as done: refuse, before anything
+    is written."""
+    recorded = results.resume.made_from
+    stale = [request_id for request_id, made in made_from.items() if recorded.get(request_id) not in (None, made)]
     if stale:
         shown = ", ".join(str(request_id) for request_id in stale[:3]) + (", ..." if len(stale) > 3 else "")
         raise DflashError(
@@ -517,8 +521,8 @@ def _refuse_stale_results(results: ResultsFile, requests: list[Request], options
 
 
 def _resume_and_run(
-    results: ResultsFile, error_log: ErrorsFile, parsed: RequestFile, options: RunOptions, console: Console | None,
-    load: Callable[[RunOptions, Console | None], Any] | None,
+    results: ResultsFile, error_log: ErrorsFile, parsed: RequestFile, options: RunOptions, made_from: dict[str, str],
+    speculative: bool, console: Console | None, load: Callable[[RunOptions, Console | None], Any] | None,
 ) -> tuple[Summary, int]:  # fmt: skip
     say = console.print if console is not None else (lambda *args: None)
     output_path = results.path
@@ -534,9 +538,7 @@ def _resume_and_run(
         say(f"resuming: {skipped} of {len(parsed.requests)} requests are already in {escape(str(output_path))}")
     for error in parsed.errors:
         error_log.append(error)
-    # The mode this run decodes in, true even when it has nothing left to decode.
-    recipe = _recipe(options)
-    summary = Summary(str(output_path), 0, speculative=not options.no_spec and recipe is not None and recipe.drafter is not None)
+    summary = Summary(str(output_path), 0, speculative=speculative)
     if pending:
         if load is None:
             from dflash_cli.session import open_session
@@ -546,7 +548,7 @@ def _resume_and_run(
         session = load(options, console)
         load_s = time.perf_counter() - load_started
         try:
-            summary = run_jobs(session, pending, results, error_log, options, console)
+            summary = run_jobs(session, pending, results, error_log, options, made_from, console)
         except KeyboardInterrupt:
             say(f"interrupted: the results so far are in {escape(str(output_path))}; re-run to finish")
             raise
@@ -561,12 +563,6 @@ def _recipe(options: RunOptions) -> Recipe | None:
         return options.resolve_recipe()
     except DflashError:  # no model named (only the library API allows that): nothing was decoded either way
         return None
-
-
-def target_id(options: RunOptions) -> str | None:
-    """The target the options name (what request_hash records)."""
-    recipe = _recipe(options)
-    return recipe.target.id if recipe is not None else None
 
 
 def split_positionals(options: RunOptions, prompts: str | None) -> tuple[RunOptions, str]:

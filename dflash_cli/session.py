@@ -73,12 +73,15 @@ class Session:
         line += f", batch {self.batch_size}" if self.batching else ""
         return line + (f", {self.threads.label()}" if self.threads is not None else "") + (", compiled" if self.compiled else "")
 
+    def block_size_note(self, block_size: int | None) -> str | None:
+        """A note when `block_size` is longer than the loaded drafter was trained for (None when it is not)."""
+        return block_size_note(block_size, self.drafter.block_size if self.drafter is not None else None)
+
     @property
     def notes(self) -> list[str]:
         """Settings that run, but badly: the plan's, a block longer than the loaded drafter was trained for, a batch
         this target or compiling cannot have."""
-        trained = self.drafter.block_size if self.drafter is not None else None
-        block = block_size_note(self.plan.block_size, trained)
+        block = self.block_size_note(self.plan.block_size)
         notes = [*self.plan.notes, *([block] if block else [])]
         if self.batching and self.plan.batch_size > 1:
             limit = batch_limit(self.target)

@@ -610,9 +610,11 @@ def check_outputs(settings: BenchSettings) -> None:
     for flag, name in (("--output", settings.output), ("--png", settings.png)):
         if name is None:
             continue
-        if Path(name).expanduser().is_dir():
-            raise DflashError(f"{flag} {name} is a directory", fix=f"name a file, e.g. {flag} {Path(name) / ('bench.png' if flag == '--png' else 'bench.json')}")
-        parent = Path(name).expanduser().resolve().parent
+        path = Path(name).expanduser()
+        if path.is_dir():
+            example = path / ("bench.png" if flag == "--png" else "bench.json")
+            raise DflashError(f"{flag} {name} is a directory", fix=f"name a file, e.g. {flag} {example}")
+        parent = path.resolve().parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

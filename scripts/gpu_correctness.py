@@ -26,7 +26,6 @@ import argparse
 import json
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout: `python scripts/gpu_correctness.py`
+sys.path.insert(0, str(ROOT / "scripts"))  # (gpu_bench, also when this file is loaded by path)
 
 from dflash_cli.engine import SamplingParams, collect, generate  # noqa: E402
 from dflash_cli.loading import load_drafter  # noqa: E402
+from gpu_bench import environment, quantize_nf4  # noqa: E402  (the loader's NF4 settings, layer by layer)
 
 FIXTURES = ROOT / "tests" / "fixtures"
 PRECISIONS = ("float32", "bfloat16", "nf4")
@@ -55,9 +56,6 @@ def load_target(directory: Path, precision: str, device: str) -> Any:
     with quiet_transformers_progress():
         target = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
     if precision == "nf4":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from gpu_bench import quantize_nf4  # the loader's NF4 settings, layer by layer
-
         quantize_nf4(target, torch.bfloat16)
     return target
 
@@ -113,20 +111,6 @@ def check_set(directory: Path, precision: str, device: str, compile_modes: list[
     return result
 
 
-def environment(device: str) -> dict[str, Any]:
-    def version(package: str) -> str | None:
-        try:
-            return metadata.version(package)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": version("transformers"),
-        "bitsandbytes": version("bitsandbytes"),
-    }  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -147,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"no golden set {', '.join(sorted(missing))}: there are {', '.join(known)}")
     compiled = args.compile == "on" or (args.compile == "auto" and args.device.startswith("cuda"))
-    results: dict[str, Any] = {"environment": environment(args.device), "runs": []}
+    results: dict[str, Any] = {"environment": environment(torch.device(args.device)), "runs": []}
     ok = True
     for precision in precisions:
         for name in sets:

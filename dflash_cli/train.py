@@ -340,7 +340,7 @@ def save_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.op
     save_file(tensors, str(staging / "optimizer.safetensors"))
     state = {"step": step, "options": asdict(options), "optimizer_scalars": scalars, "history": history}
     (staging / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
-    previous = directory.with_name(directory.name + ".previous")
+    previous = previous_checkpoint(directory)
     if directory.exists():
         directory.rename(previous)
     staging.rename(directory)  # a crash before this leaves the previous checkpoint (recover_checkpoint)
@@ -362,11 +362,19 @@ def interrupted_training_state(output: Path) -> str:
     )
 
 
+def previous_checkpoint(directory: Path) -> Path:
+    """Where save_checkpoint sets the previous checkpoint aside while the new one moves in."""
+    return directory.with_name(directory.name + ".previous")
+
+
 def recover_checkpoint(directory: Path) -> None:
-    """Put back the previous checkpoint if a crash mid-save left it aside (save_checkpoint)."""
-    previous = directory.with_name(directory.name + ".previous")
+    """After a crash mid-save (save_checkpoint): put the previous checkpoint back if the new one never moved in, or
+    remove it if the new one did (else the next save could not set the checkpoint aside)."""
+    previous = previous_checkpoint(directory)
     if previous.exists() and not directory.exists():
         previous.rename(directory)
+    elif previous.exists():
+        shutil.rmtree(previous)
 
 
 def load_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]]]:

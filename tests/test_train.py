@@ -156,6 +156,10 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     (out / "checkpoint").rename(out / "checkpoint.previous")
     assert train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True)).final_loss == resumed.final_loss
     assert (out / "checkpoint" / "trainer_state.json").is_file() and not (out / "checkpoint.previous").exists()
+    # A crash after the new checkpoint moved in, before the previous one was removed: the next save still works.
+    shutil.copytree(out / "checkpoint", out / "checkpoint.previous")
+    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=6, resume=True)).steps == 6
+    assert not (out / "checkpoint.previous").exists()
 
     with pytest.raises(DflashError, match="other settings"):
         train(options(tiny_qwen3_dir, prompt_file, out, steps=7, block_size=6, resume=True))

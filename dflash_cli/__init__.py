@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "load_drafter", "speculative_generate", "DFlashDrafter", "SamplingParams", "GenerationResult"]
 
 _LAZY = {
-    "load_drafter": "dflash_cli.loading",
-    "DFlashDrafter": "dflash_cli.engine.drafter",
+    "load_drafter": "dflash_cli.loading.models",
+    "DFlashDrafter": "dflash_cli.engine.drafter.model",
     "speculative_generate": "dflash_cli.engine",
     "SamplingParams": "dflash_cli.engine",
     "GenerationResult": "dflash_cli.engine",

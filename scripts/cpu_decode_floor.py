@@ -4,7 +4,7 @@
 Loads a recipe's target the way `dflash` does (same plan, loading and thread choice), prefills a context,
 then measures in rounds, interleaved so that load from other processes hits every figure alike:
 
-- the floor of a plain step: the bytes it reads (weights + K/V of the context, `dflash_cli.roofline`) at the
+- the floor of a plain step: the bytes it reads (weights + K/V of the context, `dflash_cli.bench.roofline`) at the
   speed this process reads the target's own weights (a sum over them, same threads);
 - the plain step (a 1-token verify: the baseline's step) and verify steps of 2, 4, 8 tokens, through the
   engine's own `AttentionState` and its products (engine.kernels): eager, compiled (`--compile`), eager with
@@ -37,17 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dflash_cli.engine.compiled import compiled_step, use_compile_cache  # noqa: E402
 from dflash_cli.engine.kernels import use_small_row_products  # noqa: E402
-from dflash_cli.engine.target import AttentionState  # noqa: E402
-from dflash_cli.roofline import read_bandwidth, step_bytes  # noqa: E402
+from dflash_cli.engine.target.attention import AttentionState  # noqa: E402
+from dflash_cli.bench.roofline import read_bandwidth, step_bytes  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def load(recipe_name: str, dtype: str) -> Any:
-    from dflash_cli import loading
-    from dflash_cli.hardware import detect_machine
-    from dflash_cli.planning import PlanOverrides, make_plan
-    from dflash_cli.recipes import get_recipe
+    from dflash_cli.loading import models as loading
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import PlanOverrides, make_plan
+    from dflash_cli.setup.recipes import get_recipe
 
     recipe = get_recipe(recipe_name)
     plan = make_plan(detect_machine(), recipe, PlanOverrides(device="cpu", dtype=dtype))
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
-    from dflash_cli.threads import apply_threads
+    from dflash_cli.setup.threads import apply_threads
 
     threads = apply_threads(args.threads)
     load_before = os.getloadavg()

@@ -33,11 +33,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout: `python scripts/gpu_correctness.py`
-sys.path.insert(0, str(ROOT / "scripts"))  # (gpu_bench, also when this file is loaded by path)
 
 from dflash_cli.engine import SamplingParams, collect, generate  # noqa: E402
-from dflash_cli.loading import load_drafter  # noqa: E402
-from gpu_bench import environment, quantize_nf4  # noqa: E402  (the loader's NF4 settings, layer by layer)
+from dflash_cli.loading.models import load_drafter  # noqa: E402
+from dflash_cli.bench.gpu import environment, quantize_nf4  # noqa: E402  (the loader's NF4 settings, layer by layer)
 
 FIXTURES = ROOT / "tests" / "fixtures"
 PRECISIONS = ("float32", "bfloat16", "nf4")
@@ -50,7 +49,7 @@ def golden_sets(fixtures: Path) -> list[str]:
 def load_target(directory: Path, precision: str, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.hub import quiet_transformers_progress
+    from dflash_cli.loading.hub import quiet_transformers_progress
 
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     with quiet_transformers_progress():

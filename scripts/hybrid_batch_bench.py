@@ -28,8 +28,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cli.engine import Batch, SamplingParams  # noqa: E402
-from dflash_cli.engine.drafter import DrafterConfig, default_target_layer_ids, make_drafter  # noqa: E402
-from dflash_cli.engine.hybrid import LinearStateRollback  # noqa: E402
+from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids, make_drafter  # noqa: E402
+from dflash_cli.engine.target.hybrid import LinearStateRollback  # noqa: E402
 
 COMMON = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
               head_dim=64, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0,

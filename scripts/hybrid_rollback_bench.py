@@ -35,7 +35,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cli.engine import hybrid  # noqa: E402
-from dflash_cli.engine.hybrid import RULE, LinearStateRollback, hybrid_cache  # noqa: E402
+from dflash_cli.engine.target.hybrid import RULE, LinearStateRollback, hybrid_cache  # noqa: E402
 
 PROMPT = 128
 

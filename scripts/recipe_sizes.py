@@ -23,8 +23,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids  # noqa: E402
-from dflash_cli.loading import count_parameters  # noqa: E402
+from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+from dflash_cli.loading.models import count_parameters  # noqa: E402
 
 QWEN35 = dict(vocab_size=248320, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
               head_dim=256, max_position_embeddings=262144)

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from dflash_cli.engine.drafter import DFLASH2_ARCHITECTURE, DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids, make_drafter
+from dflash_cli.engine.drafter.model import DFLASH2_ARCHITECTURE, DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids, make_drafter
 
 FORMATS = ("classic", "swa", "swa-noncausal", "dflash2")
 

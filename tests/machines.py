@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_cli.hardware import MachineFacts
+from dflash_cli.setup.hardware import MachineFacts
 
 GIB = 1024**3
 CU126_ARCHS = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")

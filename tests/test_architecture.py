@@ -1,5 +1,8 @@
-"""The package's import graph: no cycles, counting imports inside functions and TYPE_CHECKING blocks too
-(a lazy import still ties two modules together for whoever reads or moves them)."""
+"""The package's import graph: the layer order of docs/architecture.md, and no cycles between files.
+
+Imports inside functions and TYPE_CHECKING blocks count too: a lazy import still ties two modules together for
+whoever reads or moves them.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +11,53 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_cli"
 
+# Top to bottom. A module imports only from its own layer's package or from a layer below it; two packages on one
+# layer (commands and bench) do not import each other.
+LAYERS: list[set[str]] = [
+    {"cli"},
+    {"commands", "bench"},
+    {"loading"},
+    {"setup"},
+    {"engine"},
+    {"protocol"},
+    {"errors"},
+]
+RANK = {package: len(LAYERS) - i for i, layer in enumerate(LAYERS) for package in layer}
 
-def imports_of(path: Path) -> set[str]:
-    """The dflash_cli modules `path` imports anywhere in its body."""
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The dflash_cli modules `path` imports anywhere in its body (`from a import b` counts a.b when that is a
+    module, else a)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dflash_cli":
-            if node.module == "dflash_cli":  # `from dflash_cli import bench`
-                found.update(alias.name for alias in node.names)
-            else:
-                found.add(node.module.split(".")[1])
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in known else node.module)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("dflash_cli."))
-    return found
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "dflash_cli")
+    return found & known
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Modules and subpackages (a subpackage is one node: the imports of all its files)."""
-    modules = {path.stem: [path] for path in PACKAGE.glob("*.py")}
-    modules |= {init.parent.name: sorted(init.parent.glob("*.py")) for init in PACKAGE.glob("*/__init__.py")}
-    return {
-        name: set().union(*(imports_of(path) for path in paths)) & modules.keys() - {name}
-        for name, paths in modules.items()
-    }
+    known = modules()
+    return {name: imports_of(path, set(known)) - {name} for name, path in known.items()}
+
+
+def layer_of(module: str) -> str | None:
+    """The top-level package (or module) a module belongs to; None for the package root (the lazy public API and
+    `python -m dflash_cli`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else None
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -41,7 +68,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     def visit(node: str) -> list[str] | None:
         state[node] = "open"
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
                 return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
@@ -56,47 +83,56 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles() -> None:
-    cycle = find_cycle(import_graph())
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, imported in graph.items():
+        own = layer_of(module)
+        if own is None:
+            continue
+        for other in imported:
+            theirs = layer_of(other)
+            if theirs is None or theirs == own:
+                continue
+            if RANK[theirs] >= RANK[own]:
+                bad.append(f"{module} imports {other}")
+    return sorted(bad)
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {layer_of(name) for name in modules()} - {None}
+    assert packages == set(RANK), packages ^ set(RANK)
+
+
+def test_a_lower_layer_never_imports_a_higher_one() -> None:
+    assert layer_violations(import_graph()) == []
+
+
+def test_no_import_cycles_between_files() -> None:
+    graph = import_graph()
+    # a package's __init__ re-exports its files; an edge from a file back to its own package's __init__ is the
+    # only kind of cycle that is not one (the file is loaded before the name is looked up)
+    cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
+    assert "dflash_cli.engine.target.attention" in graph["dflash_cli.engine.loop"] | graph["dflash_cli.engine.target"]
 
 
-def subpackage_graph(name: str) -> dict[str, set[str]]:
-    """The files of subpackage `name` as nodes: a cycle between two files of one subpackage is still a cycle."""
-    prefix = f"dflash_cli.{name}"
-    files = {path.stem: path for path in (PACKAGE / name).glob("*.py") if path.stem != "__init__"}
-    graph: dict[str, set[str]] = {}
-    for stem, path in files.items():
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module == prefix:  # `from dflash_cli.engine import target`
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix + "."):
-                found.add(node.module.split(".")[2])
-            elif isinstance(node, ast.Import):
-                found.update(a.name.split(".")[2] for a in node.names if a.name.startswith(prefix + "."))
-        graph[stem] = found & files.keys() - {stem}
-    return graph
-
-
-def test_no_import_cycles_between_the_files_of_a_subpackage() -> None:
-    subpackages = [init.parent.name for init in PACKAGE.glob("*/__init__.py")]
-    assert "engine" in subpackages
-    for name in subpackages:
-        graph = subpackage_graph(name)
-        assert graph, name
-        cycle = find_cycle(graph)
-        assert cycle is None, f"{name}: " + " -> ".join(cycle or [])
-    assert "target" in subpackage_graph("engine")["loop"]  # the graph sees the imports it is meant to see
-
-
-def test_the_cycle_finder_finds_cycles() -> None:
+def test_the_checks_find_what_they_look_for() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    upward = {"dflash_cli.engine.loop": {"dflash_cli.loading.session"}, "dflash_cli.bench.measure": {"dflash_cli.commands.run"}}
+    assert layer_violations(upward) == [
+        "dflash_cli.bench.measure imports dflash_cli.commands.run",
+        "dflash_cli.engine.loop imports dflash_cli.loading.session",
+    ]
 
 
-def test_shared_values_and_machine_facts_sit_at_the_bottom() -> None:
+def test_the_request_format_and_the_engine_stay_low() -> None:
     graph = import_graph()
-    assert graph["choices"] <= {"errors"}
-    assert graph["hardware"] <= {"choices", "errors"}  # machine facts know nothing of recipes or plans
-    assert "planning" not in graph["recipes"] and "hardware" not in graph["recipes"]
+    for module, imported in graph.items():
+        if layer_of(module) == "protocol":  # torch-free: the CLI reads requests before any model loads
+            source = modules()[module].read_text(encoding="utf-8")
+            assert "import torch" not in source and "transformers" not in source, module
+        if layer_of(module) == "engine":
+            assert {layer_of(other) for other in imported} <= {"engine", "protocol", "errors"}, module
+    assert {layer_of(other) for other in graph["dflash_cli.setup.hardware"]} <= {"setup", "errors"}
+    assert "dflash_cli.setup.planning" not in graph["dflash_cli.setup.recipes"]

@@ -17,11 +17,11 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from dflash_cli import bench
-from dflash_cli.bench import BASELINE, BenchReport, BenchSettings, Mode, Row, Run
-from dflash_cli.cli import app
+from dflash_cli.bench import measure as bench
+from dflash_cli.bench.measure import BASELINE, BenchReport, BenchSettings, Mode, Row, Run
+from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
-from dflash_cli.options import RunOptions
+from dflash_cli.setup.options import RunOptions
 from drafters import save_random_drafter
 from tiny_models import make_tiny_qwen3
 
@@ -488,7 +488,7 @@ def test_default_max_tokens_is_128_and_full_is_the_old_sweep(models: tuple[Path,
 def test_step_bytes_and_read_bandwidth(models: tuple[Path, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.roofline import read_bandwidth, step_bytes
+    from dflash_cli.bench.roofline import read_bandwidth, step_bytes
 
     target = AutoModelForCausalLM.from_pretrained(models[0])
     config = target.config

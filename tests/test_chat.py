@@ -19,11 +19,12 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from dflash_cli import chat, recipes
-from dflash_cli.chat import ChatState, handle_command, make_history, repl, reply
-from dflash_cli.cli import app
-from dflash_cli.options import RunOptions
-from dflash_cli.session import Session, open_session
+from dflash_cli.commands import chat
+from dflash_cli.setup import recipes
+from dflash_cli.commands.chat import ChatState, handle_command, make_history, repl, reply
+from dflash_cli.cli.app import app
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.loading.session import Session, open_session
 from drafters import save_random_drafter
 from tiny_models import make_tiny_qwen3
 

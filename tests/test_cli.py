@@ -16,10 +16,12 @@ import typer
 from huggingface_hub import constants
 from typer.testing import CliRunner
 
-from dflash_cli import __version__, doctor, recipes
-from dflash_cli.cli import RUN_FLAGS, app, with_run_flags
-from dflash_cli.hardware import MachineFacts
-from dflash_cli.options import RunOptions
+from dflash_cli import __version__
+from dflash_cli.commands import doctor
+from dflash_cli.setup import recipes
+from dflash_cli.cli.app import RUN_FLAGS, app, with_run_flags
+from dflash_cli.setup.hardware import MachineFacts
+from dflash_cli.setup.options import RunOptions
 
 REPO = Path(__file__).resolve().parents[1]
 CONFORMANCE_DRAFTER = REPO / "tests" / "fixtures" / "qwen3-tiny" / "drafter"
@@ -265,7 +267,7 @@ def test_help_does_not_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
-        "from dflash_cli.cli import app\n"
+        "from dflash_cli.cli.app import app\n"
         "for args in (['--help'], ['recipes', 'list'], ['chat', '--help']):\n"
         "    assert CliRunner().invoke(app, args).exit_code == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -298,7 +300,7 @@ def test_export_names_its_servers() -> None:
 TORCH_PROBE = (
     "import atexit, sys\n"
     "atexit.register(lambda: sys.stderr.write('\\ntorch imported: %s\\n' % ('torch' in sys.modules)))\n"
-    "from dflash_cli.cli import main\n"
+    "from dflash_cli.cli.app import main\n"
     "sys.argv[0] = 'dflash'\n"
     "main()\n"
 )
@@ -380,7 +382,7 @@ def test_export_of_a_local_drafter_says_it_must_be_copied() -> None:
 
 
 def test_pull_demo_dry_run_says_where_each_part_comes_from(offline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dflash_cli import demo
+    from dflash_cli.loading import gguf as demo
 
     monkeypatch.setattr(demo, "cache_root", lambda: tmp_path / "dflash-cache")  # nothing converted yet
     result = runner.invoke(app, ["pull", "demo", "--dry-run"], env={"COLUMNS": "300"})

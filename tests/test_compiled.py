@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import dflash_cli.engine.compiled as compiled_module
 import dflash_cli.engine.loop as loop_module
-import dflash_cli.engine.target as target_module
+import dflash_cli.engine.target.attention as target_module
 from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import make_hf_cache
 
-from dflash_cli import demo
+from dflash_cli.loading import gguf as demo
 from dflash_cli.errors import DflashError
 
 REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the demo recipe's target
@@ -61,7 +61,7 @@ def test_demo_prompt_files_are_rebuilt_exactly_and_never_overlap(tmp_path: Path)
     import json
     import runpy
 
-    assets = Path(demo.__file__).parent / "assets"
+    assets = Path(demo.__file__).resolve().parents[1] / "assets"
     script = Path(__file__).resolve().parent.parent / "scripts" / "make_demo_prompts.py"
     runpy.run_path(str(script), run_name="make_demo_prompts")["main"](tmp_path)
     for name in ("demo_prompts_train.jsonl", "demo_prompts_eval.jsonl"):

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from machines import CU126_ARCHS, CU128_ARCHS, GIB, cuda_machine
 
-from dflash_cli import doctor, recipes
-from dflash_cli.doctor import (
+from dflash_cli.commands import doctor
+from dflash_cli.setup import recipes
+from dflash_cli.commands.doctor import (
     BnbInstall,
     Check,
     SmiGpu,
@@ -34,9 +35,9 @@ from dflash_cli.doctor import (
     hub_reachable,
     run_checks,
 )
-from dflash_cli.hardware import MachineFacts, detect_machine
-from dflash_cli.planning import PlanOverrides, expected_speed, make_plan
-from dflash_cli.recipes import get_recipe, load_recipes
+from dflash_cli.setup.hardware import MachineFacts, detect_machine
+from dflash_cli.setup.planning import PlanOverrides, expected_speed, make_plan
+from dflash_cli.setup.recipes import get_recipe, load_recipes
 
 TORCH_213_RELEASES = {
     "12.6": {50, 60, 70, 75, 80, 86, 90},
@@ -309,7 +310,7 @@ def test_a_broken_user_recipe_is_a_failed_check(tmp_path: Path) -> None:
 
 
 def test_mxfp4_check_says_how_gpt_oss_will_load() -> None:
-    from dflash_cli.doctor import check_mxfp4
+    from dflash_cli.commands.doctor import check_mxfp4
 
     assert "run as stored" in check_mxfp4(dataclasses.replace(RTX_5090_CU128, mxfp4_kernels=True)).detail
     without = check_mxfp4(RTX_5090_CU128)

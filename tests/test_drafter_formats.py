@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
-from dflash_cli.engine.drafter import (
+from dflash_cli.engine.drafter.model import (
     DEFAULT_BLOCK_SIZE,
     DFlash2Drafter,
     DFlashDrafter,

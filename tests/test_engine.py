@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
-from dflash_cli.engine.drafter import DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids
 from dflash_cli.engine import SamplingParams, generate, sample_tokens
 from dflash_cli.errors import DflashError
 from drafters import FORMATS, OracleDrafter, random_drafter, save_random_drafter

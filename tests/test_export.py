@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from tiny_models import make_hf_cache
 
-from dflash_cli.engine.drafter import DrafterConfig
+from dflash_cli.engine.drafter.model import DrafterConfig
 from dflash_cli.errors import DflashError
-from dflash_cli.export import (
+from dflash_cli.commands.export import (
     ServingHardware,
     serving_hardware,
     llama_cpp_command,
@@ -20,8 +20,8 @@ from dflash_cli.export import (
     tensor_parallel_size,
     vllm_command,
 )
-from dflash_cli.hardware import MachineFacts
-from dflash_cli.recipes import ModelRef, adhoc_recipe, get_recipe
+from dflash_cli.setup.hardware import MachineFacts
+from dflash_cli.setup.recipes import ModelRef, adhoc_recipe, get_recipe
 
 ONE_H100 = ServingHardware(gpu_count=1, gpu_memory=85_000_000_000)
 
@@ -190,7 +190,7 @@ def test_llama_cpp_keeps_a_prequantized_target_as_published(tmp_path: Path) -> N
 def test_export_cli_accepts_llama_cpp_spellings() -> None:
     from typer.testing import CliRunner
 
-    from dflash_cli.cli import app
+    from dflash_cli.cli.app import app
 
     for spelling in ("llama.cpp", "llamacpp", "llama-server"):
         result = CliRunner().invoke(app, ["export", spelling, "qwen3-4b", "--json"])

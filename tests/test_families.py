@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from dflash_cli import speculative_generate
-from dflash_cli.cli import app
+from dflash_cli.cli.app import app
 from drafters import OracleDrafter, save_random_drafter
 from tiny_models import build_tiny, hf_greedy, make_tiny, make_tiny_mxfp4_gpt_oss
 
@@ -92,8 +92,8 @@ def test_dflash_chat_runs_every_family_from_local_directories(family: str, tmp_p
 def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessly(tmp_path: Path) -> None:
     """gpt-oss ships its experts as MXFP4 blocks and scales. Where transformers has no MXFP4 kernels (this CPU),
     the loader dequantizes them explicitly, to exactly the values the blocks encode, and the plan sizes them so."""
-    from dflash_cli.loading import load_target, read_checkpoint
-    from dflash_cli.planning import Plan
+    from dflash_cli.loading.models import load_target, read_checkpoint
+    from dflash_cli.setup.planning import Plan
 
     directory, expected_model = make_tiny_mxfp4_gpt_oss(tmp_path / "gpt-oss")
     checkpoint = read_checkpoint(directory)
@@ -147,7 +147,7 @@ def test_every_row_of_a_batch_decodes_as_it_does_alone(family: str) -> None:
     from test_batch import RowOracle, run_batch
 
     from dflash_cli.engine import Batch, SamplingParams
-    from dflash_cli.engine.target import batch_limit
+    from dflash_cli.engine.target.attention import batch_limit
 
     model = target(family)
     prompts = [list(PROMPT), [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [27]]

@@ -1,4 +1,4 @@
-"""scripts/gpu_bench.py in its CPU configuration (--smoke): the code path the GPU run takes, on tiny shapes.
+"""scripts/gpu_bench.py (dflash_cli.bench.gpu) in its CPU configuration (--smoke): the code path the GPU run takes, on tiny shapes.
 
 No timings are asserted. What is asserted: the results have the structure docs/benchmarks.md reads, every
 figure is there next to its target, NF4 really quantized the target, and the controlled-acceptance double
@@ -8,7 +8,6 @@ The reference comparison runs when z-lab's wheel can be had (DFLASH_REFERENCE_WH
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,17 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_cli.bench import gpu as gpu_module
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_bench.py"
 WHEEL_NAME = "dflash-0.1.0-py3-none-any.whl"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_bench"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def reference_wheel(tmp: Path) -> Path | None:
@@ -137,17 +130,15 @@ def test_reference_runs_side_by_side(smoke):
 
 
 def test_acceptance_plan_mean_and_bounds():
-    gpu_bench = load_script()
     for tau in (1.0, 2.3, 3.0, 6.5, 7.87, 15.5, 16.0, 40.0):
         for tokens in (1, 15, 127, 500):
-            plan = gpu_bench.acceptance_plan(tau, 16, tokens)
+            plan = gpu_module.acceptance_plan(tau, 16, tokens)
             assert all(1 <= a <= 16 for a in plan)
             assert sum(plan) >= tokens > sum(plan[:-1])
             assert abs(sum(plan) / len(plan) - min(tau, 16)) <= 1 / len(plan)
-    assert gpu_bench.acceptance_plan(6.5, 16, 26) == [6, 7, 6, 7]
+    assert gpu_module.acceptance_plan(6.5, 16, 26) == [6, 7, 6, 7]
 
 
 def test_bad_precision_is_refused(capsys):
-    gpu_bench = load_script()
-    assert gpu_bench.main(["--smoke", "--precisions", "fp8"]) == 2
+    assert gpu_module.main(["--smoke", "--precisions", "fp8"]) == 2
     assert "unknown precision ['fp8']" in capsys.readouterr().err

@@ -9,10 +9,10 @@ import torch
 from machines import GIB
 from machines import cuda_machine as cuda
 
-from dflash_cli.choices import BYTES_PER_ELEMENT
+from dflash_cli.setup.choices import BYTES_PER_ELEMENT
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class
-from dflash_cli.planning import (
+from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class
+from dflash_cli.setup.planning import (
     MAX_BATCH_ROWS,
     PLAN_CONTEXT_TOKENS,
     PlanOverrides,
@@ -21,7 +21,7 @@ from dflash_cli.planning import (
     make_plan,
     native_formats,
 )
-from dflash_cli.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
+from dflash_cli.setup.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
 
 # What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).
 RTX_5090 = cuda("NVIDIA GeForce RTX 5090", (12, 0), 31.4)

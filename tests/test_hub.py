@@ -16,10 +16,10 @@ from huggingface_hub import constants
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError
 from rich.console import Console
 
-from dflash_cli import hub
+from dflash_cli.loading import hub
 from dflash_cli.errors import DflashError
-from dflash_cli.hub import check_disk_space, plan_download, pull, resolve_model_dir
-from dflash_cli.recipes import ModelRef
+from dflash_cli.loading.hub import check_disk_space, plan_download, pull, resolve_model_dir
+from dflash_cli.setup.recipes import ModelRef
 from tiny_models import make_hf_cache
 
 REPO = "tiny-org/tiny-qwen3"
@@ -119,7 +119,7 @@ def test_the_pull_command_names_the_recipe_that_uses_a_repo() -> None:
 def test_offline_not_cached_in_a_clean_process_has_no_traceback(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     code = (
-        "from dflash_cli.hub import resolve_model_dir\n"
+        "from dflash_cli.loading.hub import resolve_model_dir\n"
         "from dflash_cli.errors import DflashError\n"
         "try:\n    resolve_model_dir('Qwen/Qwen3-8B')\n"
         "except DflashError as e:\n    print(e)\n"

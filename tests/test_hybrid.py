@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from dflash_cli.engine.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, linear_cache_layers
+from dflash_cli.engine.target.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, linear_cache_layers
 from tiny_models import build_tiny
 
 PROMPT = [5, 17, 42, 8, 9, 3, 3, 11, 12]
@@ -99,7 +99,7 @@ def test_hybrid_cache_layers() -> None:
 def test_missing_fast_kernels_are_said_once_at_load_not_mid_answer() -> None:
     import logging
 
-    from dflash_cli.loading import kernel_note
+    from dflash_cli.loading.models import kernel_note
 
     model = build_tiny("qwen3_5")
     note = kernel_note(model, "cuda")
@@ -118,7 +118,7 @@ def test_each_row_of_a_batched_verify_keeps_its_own_count(family: str) -> None:
     of its block, and each row's linear-attention states are those of a target that only saw that row's prompt and
     kept tokens; a row then joining the free slot (left by an earlier row) starts from zero and leaves the other
     rows' states as they are."""
-    from dflash_cli.engine.hybrid import HybridState
+    from dflash_cli.engine.target.hybrid import HybridState
 
     model = build_tiny(family, seed=3)
     state = HybridState(model)

@@ -20,12 +20,12 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from dflash_cli import jobs
-from dflash_cli.jobs import completed_ids, read_requests, run_file
-from dflash_cli.requests import LineError, Request, parse_line
-from dflash_cli.cli import app
+from dflash_cli.commands import run as jobs
+from dflash_cli.commands.run import completed_ids, read_requests, run_file
+from dflash_cli.protocol.requests import LineError, Request, parse_line
+from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
-from dflash_cli.options import RunOptions
+from dflash_cli.setup.options import RunOptions
 from drafters import save_random_drafter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def options(models: tuple[Path, Path]) -> RunOptions:
 
 @pytest.fixture(scope="module")
 def session(options: RunOptions) -> Any:
-    from dflash_cli.session import open_session
+    from dflash_cli.loading.session import open_session
 
     return open_session(options)
 
@@ -543,7 +543,7 @@ def test_a_batched_run_gives_every_request_its_result_alone(tmp_path: Path, mode
     """Mixed prompt lengths, max_tokens, stop strings and seeded sampling, decoded three at a time (rows leave and
     join all through the run): every result is the one the request gets decoded alone (float32)."""
     from dflash_cli.engine import collect
-    from dflash_cli.session import open_session
+    from dflash_cli.loading.session import open_session
 
     options = RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=12, dtype="float32", batch_size=batch_size)
     session = open_session(options, batching=True)
@@ -569,7 +569,7 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(tmp_pat
     import torch
 
     from dflash_cli.engine import collect
-    from dflash_cli.session import open_session
+    from dflash_cli.loading.session import open_session
 
     options = RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=8, dtype="float32", batch_size=3)
     session = open_session(options, batching=True)

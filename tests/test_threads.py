@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dflash_cli.threads import busy_elsewhere, plan_threads
+from dflash_cli.setup.threads import busy_elsewhere, plan_threads
 
 
 @pytest.mark.parametrize(
@@ -47,8 +47,8 @@ def test_the_plan_line_shows_the_threads(tiny_qwen3_dir) -> None:
 
     from rich.console import Console
 
-    from dflash_cli.options import RunOptions
-    from dflash_cli.session import open_session
+    from dflash_cli.setup.options import RunOptions
+    from dflash_cli.loading.session import open_session
 
     out = io.StringIO()
     session = open_session(RunOptions(target=str(tiny_qwen3_dir), device="cpu", threads=1, explain=True), Console(file=out, width=300))

@@ -13,13 +13,13 @@ import torch
 from rich.progress import Progress
 from typer.testing import CliRunner
 
-from dflash_cli import recipes
-from dflash_cli.cli import app
-from dflash_cli.engine.target import capture_target_features
-from dflash_cli.loading import load_drafter
+from dflash_cli.setup import recipes
+from dflash_cli.cli.app import app
+from dflash_cli.engine.target.attention import capture_target_features
+from dflash_cli.loading.models import load_drafter
 from dflash_cli.errors import DflashError
-from dflash_cli.train_prompts import load_prompts, split_prompts
-from dflash_cli.train import (
+from dflash_cli.commands.train_prompts import load_prompts, split_prompts
+from dflash_cli.commands.train import (
     Sample,
     TrainOptions,
     block_attention_mask,

@@ -9,10 +9,10 @@ clocks).
 
 from dflash_cli.engine.loop import Batch, Row, collect, generate, speculative_generate
 from dflash_cli.engine.policy import AdaptiveBlock, BlockPolicy, FixedBlock, adaptive_policy
-from dflash_cli.engine.request import GenerationResult, Request, Step
+from dflash_cli.engine.row import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import GenerationStats, PhaseClock
-from dflash_cli.engine.target import AttentionState, TargetState, context_window
+from dflash_cli.engine.target.attention import AttentionState, TargetState, context_window
 from dflash_cli.engine.text import TextStream
 
 __all__ = [

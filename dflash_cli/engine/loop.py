@@ -29,14 +29,14 @@ import torch
 from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
-from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.drafter.model import DFlashDrafter, DraftCache
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
-from dflash_cli.engine.request import GenerationResult, Request, Step
+from dflash_cli.engine.row import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
-from dflash_cli.engine.states import acquire_state, release_state
+from dflash_cli.engine.target import acquire_state, release_state
 from dflash_cli.engine.stats import PhaseClock
-from dflash_cli.engine.target import AttentionState, batch_limit, context_window
+from dflash_cli.engine.target.attention import AttentionState, batch_limit, context_window
 from dflash_cli.errors import DflashError
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_cli.params import SamplingParams
+from dflash_cli.protocol.params import SamplingParams
 
 __all__ = ["SamplingParams", "accepted_drafts", "sample_tokens"]
 

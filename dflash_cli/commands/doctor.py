@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError
-from dflash_cli.choices import gb
-from dflash_cli.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
-from dflash_cli.planning import expected_speed, make_plan, native_formats
-from dflash_cli.recipes import Recipe, load_recipes
+from dflash_cli.setup.choices import gb
+from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
+from dflash_cli.setup.planning import expected_speed, make_plan, native_formats
+from dflash_cli.setup.recipes import Recipe, load_recipes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
-OUR_ENTRY_POINT = "dflash_cli.cli:main"
+OUR_ENTRY_POINT = "dflash_cli.cli.app:main"
 
 
 @dataclass(frozen=True)

@@ -13,18 +13,18 @@ from typing import Any, ContextManager, Iterator, Sequence
 from rich.console import Console
 
 # First: importing threads starts its CPU-load window, which then spans the torch import below for free.
-from dflash_cli.threads import ThreadPlan, apply_threads  # isort: skip
+from dflash_cli.setup.threads import ThreadPlan, apply_threads  # isort: skip
 
 from dflash_cli.engine import Batch, SamplingParams, Step, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
-from dflash_cli.engine.target import batch_limit
+from dflash_cli.engine.target.attention import batch_limit
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.hardware import detect_machine
-from dflash_cli.loading import LoadedModels, load_models
-from dflash_cli.options import RunOptions
-from dflash_cli.planning import Plan, block_size_note, make_plan
-from dflash_cli.recipes import Recipe
-from dflash_cli.requests import Request
+from dflash_cli.setup.hardware import detect_machine
+from dflash_cli.loading.models import LoadedModels, load_models
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import Plan, block_size_note, make_plan
+from dflash_cli.setup.recipes import Recipe
+from dflash_cli.protocol.requests import Request
 
 
 @dataclass
@@ -99,7 +99,7 @@ class Session:
     def ensure_drafter(self) -> None:
         """Load the drafter on first need (a session started with --no-spec has none yet)."""
         if self.drafter is None and self.can_speculate:
-            from dflash_cli.loading import load_drafter, resolve_ref
+            from dflash_cli.loading.models import load_drafter, resolve_ref
 
             self.models.drafter_dir = resolve_ref(self.recipe.drafter, "drafter")
             self.models.drafter = load_drafter(str(self.models.drafter_dir), self.target)
@@ -263,7 +263,7 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
     speculative = not options.no_spec and recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=speculative, console=console)
     if compile:
-        from dflash_cli.engine.hybrid import linear_cache_layers
+        from dflash_cli.engine.target.hybrid import linear_cache_layers
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"

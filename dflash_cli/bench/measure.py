@@ -40,17 +40,17 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.params import sampling_settings
-from dflash_cli.requests import Request, read_prompt_file
+from dflash_cli.protocol.params import sampling_settings
+from dflash_cli.protocol.requests import Request, read_prompt_file
 
 if TYPE_CHECKING:
     import torch
 
-    from dflash_cli.options import RunOptions
-    from dflash_cli.params import SamplingParams
-    from dflash_cli.session import Session
+    from dflash_cli.setup.options import RunOptions
+    from dflash_cli.protocol.params import SamplingParams
+    from dflash_cli.loading.session import Session
 
-PROMPT_SET_DIR = Path(__file__).resolve().parent / "assets" / "bench_prompts"
+PROMPT_SET_DIR = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts"
 PROMPT_SETS = ("math", "code", "chat")
 SCHEMA = "dflash-bench/1"
 WARMUP_MAX_TOKENS = 16  # warms kernels and the allocator and measures the pace; not part of the results
@@ -444,7 +444,7 @@ def summarize(rows: Sequence[Row], peaks: dict[Mode, int | None]) -> list[ModeSu
 
 def add_bandwidth(summaries: Sequence[ModeSummary], rows: Sequence[Row], target: Any, read_bytes_per_s: float) -> None:
     """Fill each summary's bandwidth achieved and its share of the measured read bandwidth."""
-    from dflash_cli.roofline import step_bytes
+    from dflash_cli.bench.roofline import step_bytes
 
     for summary in summaries:
         mode_rows = [row for row in rows if row.mode == summary.mode]
@@ -629,7 +629,7 @@ def collect_metadata(session: Session, command: str) -> dict[str, Any]:
     import transformers
 
     from dflash_cli import __version__
-    from dflash_cli.hardware import detect_machine
+    from dflash_cli.setup.hardware import detect_machine
 
     drafter = session.drafter
     return {
@@ -754,8 +754,8 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
 
     check_outputs(settings)
     prompts = load_prompts(settings)  # bad input fails before torch and the models load
-    from dflash_cli.roofline import read_bandwidth
-    from dflash_cli.session import open_session
+    from dflash_cli.bench.roofline import read_bandwidth
+    from dflash_cli.loading.session import open_session
 
     session = open_session(options, console)
     started = time.perf_counter()

@@ -40,7 +40,7 @@ from tqdm.std import tqdm
 from dflash_cli.errors import DflashError
 
 if TYPE_CHECKING:
-    from dflash_cli.recipes import ModelRef
+    from dflash_cli.setup.recipes import ModelRef
 
 ALLOW_PATTERNS = [
     "*.safetensors",
@@ -422,7 +422,7 @@ def pull_command(repo_id: str, revision: str | None = None) -> str:
     target or drafter (`dflash pull qwen3-8b` fetches both), else the repo alone."""
     pinned = revision and revision != DEFAULT_REVISION
     if not pinned:
-        from dflash_cli.recipes import load_recipes
+        from dflash_cli.setup.recipes import load_recipes
 
         try:
             recipes = load_recipes().values()

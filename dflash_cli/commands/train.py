@@ -34,11 +34,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash_cli.engine.sampling import accepted_drafts
-from dflash_cli.engine.target import capture_layers, capture_target_features
+from dflash_cli.engine.target.attention import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
-from dflash_cli.train_prompts import split_prompts
+from dflash_cli.commands.train_prompts import split_prompts
 
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),
 # distill/ (the target's answers and captured features), metrics.json.
@@ -101,7 +101,7 @@ def encode_conversation(tokenizer: Any, messages: list[dict[str, str]], template
     """The prompt as `dflash chat` / `run` / `bench` encode it for this target (the recipe's chat template
     options included), so the drafter learns from exactly what it will be served; plain text without a template."""
     if getattr(tokenizer, "chat_template", None):
-        from dflash_cli.session import apply_chat_template
+        from dflash_cli.loading.session import apply_chat_template
 
         return apply_chat_template(tokenizer, messages, template_kwargs)
     return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
@@ -469,7 +469,7 @@ def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
 
 def target_template_kwargs(ref: str) -> dict[str, Any]:
     """The chat template options the target's recipe serves it with (none for a target no recipe uses)."""
-    from dflash_cli.recipes import adhoc_recipe
+    from dflash_cli.setup.recipes import adhoc_recipe
 
     return dict(adhoc_recipe(ref, None).chat_template_kwargs)
 
@@ -479,9 +479,9 @@ def load_target(ref: str, device: str, dtype: str = "float32", console: Console 
     (its target, with its offline source), a local directory or a repo id."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.hub import quiet_transformers_progress
-    from dflash_cli.loading import load_tokenizer, resolve_ref
-    from dflash_cli.recipes import adhoc_recipe
+    from dflash_cli.loading.hub import quiet_transformers_progress
+    from dflash_cli.loading.models import load_tokenizer, resolve_ref
+    from dflash_cli.setup.recipes import adhoc_recipe
 
     directory = resolve_ref(adhoc_recipe(ref, None).target, "target", console)
     with quiet_transformers_progress():  # its tqdm bars would tear through our progress display
@@ -617,8 +617,8 @@ def _save_final(drafter: DFlashDrafter, directory: Path) -> None:
 
 def serving_dtype(device: str) -> torch.dtype:
     """What `dflash` runs the target in by default on `device` here (planning.make_plan's choice)."""
-    from dflash_cli.hardware import detect_machine
-    from dflash_cli.planning import default_dtype
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import default_dtype
 
     kind = torch.device(device).type
     return getattr(torch, default_dtype(kind, detect_machine())[0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cli.choices import (
+from dflash_cli.setup.choices import (
     BYTES_PER_ELEMENT,
     GPU_CLASSES,
     PREQUANTIZED_FORMATS,
@@ -19,12 +19,12 @@ from dflash_cli.choices import (
     normalize_dtype,
 )
 from dflash_cli.errors import DflashError
-from dflash_cli.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
+from dflash_cli.setup.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
 
 if TYPE_CHECKING:
     import torch
 
-    from dflash_cli.recipes import Recipe
+    from dflash_cli.setup.recipes import Recipe
 
 # Memory the plan reserves beyond weights. The KV cache is sized for a long chat: it grows linearly with the
 # context, and 8k tokens covers a multi-turn conversation. The overhead covers cuBLAS workspaces, allocator

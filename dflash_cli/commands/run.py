@@ -41,11 +41,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dflash_cli import responses
+from dflash_cli.protocol import responses
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.options import RunOptions
-from dflash_cli.recipes import Recipe
-from dflash_cli.requests import LineError, Request, RequestFile, read_jsonl
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.recipes import Recipe
+from dflash_cli.protocol.requests import LineError, Request, RequestFile, read_jsonl
 
 try:
     import fcntl
@@ -541,7 +541,7 @@ def _resume_and_run(
     summary = Summary(str(output_path), 0, speculative=speculative)
     if pending:
         if load is None:
-            from dflash_cli.session import open_session
+            from dflash_cli.loading.session import open_session
 
             load = functools.partial(open_session, batching=True)
         load_started = time.perf_counter()

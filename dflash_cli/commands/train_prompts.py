@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_cli.errors import DflashError
-from dflash_cli.requests import read_prompt_file
+from dflash_cli.protocol.requests import read_prompt_file
 
 Conversation = list[dict[str, str]]
 

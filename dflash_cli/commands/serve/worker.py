@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_cli.params import SamplingParams
+from dflash_cli.protocol.params import SamplingParams
 
 
 @dataclass(frozen=True)

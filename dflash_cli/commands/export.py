@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_cli.errors import DflashError
-from dflash_cli.choices import gb
-from dflash_cli.hardware import MachineFacts
-from dflash_cli.recipes import PACKAGE_PREFIX, ModelRef, Recipe
+from dflash_cli.setup.choices import gb
+from dflash_cli.setup.hardware import MachineFacts
+from dflash_cli.setup.recipes import PACKAGE_PREFIX, ModelRef, Recipe
 
 # Weights take at most 1/1.3 of the GPUs' memory: the rest holds the KV cache, activations and CUDA graphs
 # (vLLM claims 90% of each GPU by default and sizes its KV cache from what the weights leave).
@@ -94,7 +94,7 @@ def _cached_drafter_block_size(drafter: ModelRef) -> int | None:
         directory = Path(cached).parent
     if not (directory / "config.json").is_file():
         return None
-    from dflash_cli.loading import read_drafter_config
+    from dflash_cli.loading.models import read_drafter_config
 
     return read_drafter_config(directory).block_size
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cli.planning import PlanOverrides
-from dflash_cli.recipes import Recipe, resolve_recipe
+from dflash_cli.setup.planning import PlanOverrides
+from dflash_cli.setup.recipes import Recipe, resolve_recipe
 
 COMPILE_SETTINGS = ("auto", "on", "off")
 
 if TYPE_CHECKING:
-    from dflash_cli.params import SamplingParams
+    from dflash_cli.protocol.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class RunOptions:
     def sampling_params(self, **extra: Any) -> SamplingParams:
         """engine.SamplingParams from the sampling flags (named like the request fields); `extra` adds stop
         tokens / strings."""
-        from dflash_cli.params import FIELDS, SamplingParams, read_sampling
+        from dflash_cli.protocol.params import FIELDS, SamplingParams, read_sampling
 
         flags = {field.key: getattr(self, field.key) for field in FIELDS if hasattr(self, field.key)}
         return SamplingParams(**read_sampling(flags), **extra)

@@ -14,7 +14,7 @@ import torch
 from dflash_cli.engine.stats import GenerationStats
 from dflash_cli.engine.text import TextStream
 from dflash_cli.errors import DflashError
-from dflash_cli.params import SamplingParams
+from dflash_cli.protocol.params import SamplingParams
 
 
 @dataclass

@@ -27,8 +27,22 @@ ASSET = Path(__file__).resolve().parents[1] / "dflash_cli" / "assets" / "demo_pr
 
 
 def run(recipe: str, prompts: Path, size: int, max_tokens: int, extra: list[str], out: Path) -> dict:
-    command = [sys.executable, "-m", "dflash_cli", "run", recipe, str(prompts), "-o", str(out), "--batch-size", str(size),
-               "--max-tokens", str(max_tokens), "--json", *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_cli",
+        "run",
+        recipe,
+        str(prompts),
+        "-o",
+        str(out),
+        "--batch-size",
+        str(size),
+        "--max-tokens",
+        str(max_tokens),
+        "--json",
+        *extra,
+    ]
     load_before = os.getloadavg()[0]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -69,25 +83,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         prompts = Path(scratch) / "prompts.jsonl"
         lines = ASSET.read_text().splitlines()[: args.prompts]
-        prompts.write_text("".join(
-            json.dumps({"id": f"p{i:02d}", "messages": [{"role": "user", "content": json.loads(line)["prompt"]}]}) + "\n"
-            for i, line in enumerate(lines)
-        ))  # fmt: skip
-        print(f"{args.recipe}: {len(lines)} prompts, --max-tokens {args.max_tokens}, {' '.join(extra) or 'default flags'}; "
-              f"load average before: {os.getloadavg()}")  # fmt: skip
-        print("| round | batch | tokens | time (s) | tok/s | vs batch " + str(args.sizes[0]) + " | tau | draft share | row latency mean / max (s) | load (1 min) |")
+        prompts.write_text(
+            "".join(
+                json.dumps({"id": f"p{i:02d}", "messages": [{"role": "user", "content": json.loads(line)["prompt"]}]})
+                + "\n"
+                for i, line in enumerate(lines)
+            )
+        )
+        print(
+            f"{args.recipe}: {len(lines)} prompts, --max-tokens {args.max_tokens}, {' '.join(extra) or 'default flags'}; "
+            f"load average before: {os.getloadavg()}"
+        )
+        print(
+            "| round | batch | tokens | time (s) | tok/s | vs batch "
+            + str(args.sizes[0])
+            + " | tau | draft share | row latency mean / max (s) | load (1 min) |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         texts: dict[int, dict[str, str]] = {}
         for round_ in range(1, args.rounds + 1):
             base = None
             for size in args.sizes:
-                result = run(args.recipe, prompts, size, args.max_tokens, extra, Path(scratch) / f"out-{round_}-{size}.jsonl")
+                result = run(
+                    args.recipe, prompts, size, args.max_tokens, extra, Path(scratch) / f"out-{round_}-{size}.jsonl"
+                )
                 base = base or result["tok_s"]
                 texts.setdefault(size, result["texts"])
                 tau = f"{result['tau']:.2f}" if result["tau"] is not None else "-"
-                print(f"| {round_} | {size} | {result['tokens']} | {result['seconds']:.1f} | {result['tok_s']:.1f} | "
-                      f"{result['tok_s'] / base:.2f}x | {tau} | {result['draft_share']:.0%} | {result['latency_mean']:.1f} / {result['latency_max']:.1f} | "
-                      f"{result['load'][0]:.2f} -> {result['load'][1]:.2f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {round_} | {size} | {result['tokens']} | {result['seconds']:.1f} | {result['tok_s']:.1f} | "
+                    f"{result['tok_s'] / base:.2f}x | {tau} | {result['draft_share']:.0%} | {result['latency_mean']:.1f} / {result['latency_max']:.1f} | "
+                    f"{result['load'][0]:.2f} -> {result['load'][1]:.2f} |",
+                    flush=True,
+                )
         same = all(texts[size] == texts[args.sizes[0]] for size in texts)
         print(f"every request's text is the same at every batch size: {'yes' if same else 'NO'}")
 

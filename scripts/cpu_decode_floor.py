@@ -23,22 +23,24 @@ Prints each round and the medians: plain step / floor, verify q / plain step, va
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from dflash_cli.bench.roofline import read_bandwidth, step_bytes  # noqa: E402
 from dflash_cli.engine.compiled import compiled_step, use_compile_cache  # noqa: E402
 from dflash_cli.engine.kernels import use_small_row_products  # noqa: E402
 from dflash_cli.engine.target.attention import AttentionState  # noqa: E402
-from dflash_cli.bench.roofline import read_bandwidth, step_bytes  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=8, help="calls per figure per round (median taken)")
     parser.add_argument("--compare-layout", action="store_true", help="also measure column-major weights")
     parser.add_argument("--compile", action="store_true", help="also measure the compiled steps")
-    parser.add_argument("--compare-kernel", action="store_true", help="also measure F.linear where the engine asks W @ x.T")
+    parser.add_argument(
+        "--compare-kernel", action="store_true", help="also measure F.linear where the engine asks W @ x.T"
+    )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"floor_{clock_name}"] = bytes_.total / read_bandwidth(reference, clock=clock) * 1e3
             for name, state in variants.items():
                 for q in sizes:  # verify without commit: every call writes the same slots
-                    for clock_name, ms in per_call_ms(lambda: state.verify(ids[q]), args.calls).items():
+                    for clock_name, ms in per_call_ms(functools.partial(state.verify, ids[q]), args.calls).items():
                         row[f"{name}_{q}_{clock_name}"] = ms
             rounds.append(row)
             cells = [f"{k.removesuffix('_wall')} {v:.1f}" for k, v in row.items() if k.endswith("_wall")]
@@ -146,12 +150,19 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(r[key] / (r[over] if over else 1.0) for r in rounds)
 
     summary: dict[str, Any] = {
-        "recipe": args.recipe, "dtype": args.dtype, "threads": threads.threads, "context": args.context,
+        "recipe": args.recipe,
+        "dtype": args.dtype,
+        "threads": threads.threads,
+        "context": args.context,
         "step_bytes": {"weights": bytes_.weights, "kv": bytes_.kv, "total": bytes_.total},
-        "load_average": {"before": load_before, "after": load_after}, "compile_s": compile_s, "rounds": rounds,
-    }  # fmt: skip
-    print(f"\nstep reads {bytes_.total / 1e6:.0f} MB (weights {bytes_.weights / 1e6:.0f}, K/V {bytes_.kv / 1e6:.1f}); "
-          f"{threads.label()}; medians over {args.rounds} rounds; load average {load_after[0]:.2f} at the end")  # fmt: skip
+        "load_average": {"before": load_before, "after": load_after},
+        "compile_s": compile_s,
+        "rounds": rounds,
+    }
+    print(
+        f"\nstep reads {bytes_.total / 1e6:.0f} MB (weights {bytes_.weights / 1e6:.0f}, K/V {bytes_.kv / 1e6:.1f}); "
+        f"{threads.label()}; medians over {args.rounds} rounds; load average {load_after[0]:.2f} at the end"
+    )
     for clock in CLOCKS:
         floor = median(f"floor_{clock}")
         summary[clock] = {"floor_ms": floor, "read_gb_s": bytes_.total / floor / 1e6}
@@ -167,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             ratios = ", ".join(f"verify {q} {figures[f'verify_{q}_over_plain']:.2f}x" for q in blocks)
             versus = ", ".join(f"{figures[f'step_{q}_over_eager']:.2f}" for q in sizes)
-            print(f"  {name:>21}: plain step {plain:.1f} ms = {figures['plain_over_floor']:.2f}x the floor "
-                  f"({figures['bandwidth_achieved_gb_s']:.1f} GB/s achieved); {ratios} the plain step; "
-                  f"steps {'/'.join(map(str, sizes))} vs eager {versus}")  # fmt: skip
+            print(
+                f"  {name:>21}: plain step {plain:.1f} ms = {figures['plain_over_floor']:.2f}x the floor "
+                f"({figures['bandwidth_achieved_gb_s']:.1f} GB/s achieved); {ratios} the plain step; "
+                f"steps {'/'.join(map(str, sizes))} vs eager {versus}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0

@@ -34,9 +34,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout: `python scripts/gpu_correctness.py`
 
+from dflash_cli.bench.gpu import environment, quantize_nf4  # noqa: E402  (the loader's NF4 settings, layer by layer)
 from dflash_cli.engine import SamplingParams, collect, generate  # noqa: E402
 from dflash_cli.loading.models import load_drafter  # noqa: E402
-from dflash_cli.bench.gpu import environment, quantize_nf4  # noqa: E402  (the loader's NF4 settings, layer by layer)
 
 FIXTURES = ROOT / "tests" / "fixtures"
 PRECISIONS = ("float32", "bfloat16", "nf4")
@@ -60,7 +60,9 @@ def load_target(directory: Path, precision: str, device: str) -> Any:
 
 
 def decode(target: Any, drafter: Any, prompt: list[int], tokens: int, block_size: int | None, compile: bool) -> Any:
-    steps = generate(target, drafter, prompt, SamplingParams(max_new_tokens=tokens), block_size=block_size, compile=compile)
+    steps = generate(
+        target, drafter, prompt, SamplingParams(max_new_tokens=tokens), block_size=block_size, compile=compile
+    )
     return collect(steps)
 
 
@@ -72,8 +74,13 @@ def mismatch_cause(target: Any, prompt: list[int], baseline: list[int], dflash: 
     logits = target(input_ids=ids).logits[0, -1].float()
     top = logits.topk(2)
     rank = int((logits > logits[dflash[at]]).sum())
-    return {"position": at, "baseline_token": baseline[at], "dflash_token": dflash[at], "dflash_token_rank": rank,
-            "top2_margin": float(top.values[0] - top.values[1])}  # fmt: skip
+    return {
+        "position": at,
+        "baseline_token": baseline[at],
+        "dflash_token": dflash[at],
+        "dflash_token_rank": rank,
+        "top2_margin": float(top.values[0] - top.values[1]),
+    }
 
 
 def check_set(directory: Path, precision: str, device: str, compile_modes: list[bool]) -> dict[str, Any]:
@@ -90,11 +97,15 @@ def check_set(directory: Path, precision: str, device: str, compile_modes: list[
             spec = decode(target, drafter, prompt, tokens, block, compile)
             base = decode(target, None, prompt, tokens, None, compile)
             if precision == "float32":  # the reference's own numbers, exactly
-                wrong = [what for what, ok in (
-                    ("tokens", spec.token_ids == case["new_token_ids"]),
-                    ("acceptance", spec.acceptance_lengths == case["acceptance_lengths"]),
-                    ("baseline", base.token_ids == case["greedy_new_token_ids"]),
-                ) if not ok]  # fmt: skip
+                wrong = [
+                    what
+                    for what, ok in (
+                        ("tokens", spec.token_ids == case["new_token_ids"]),
+                        ("acceptance", spec.acceptance_lengths == case["acceptance_lengths"]),
+                        ("baseline", base.token_ids == case["greedy_new_token_ids"]),
+                    )
+                    if not ok
+                ]
                 if wrong:
                     failures.append({"prompt": prompt[:4], "block_size": block, "wrong": wrong})
             elif spec.token_ids == base.token_ids:
@@ -113,10 +124,16 @@ def check_set(directory: Path, precision: str, device: str, compile_modes: list[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {', '.join(PRECISIONS)}")
+    parser.add_argument(
+        "--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {', '.join(PRECISIONS)}"
+    )
     parser.add_argument("--sets", help="comma-separated golden set names (default: all)")
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="also run compiled (auto: on CUDA only; compiling on a CPU takes minutes)")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="also run compiled (auto: on CUDA only; compiling on a CPU takes minutes)",
+    )
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     parser.add_argument("--fixtures", type=Path, default=FIXTURES, help="where the golden sets are")
     args = parser.parse_args(argv)

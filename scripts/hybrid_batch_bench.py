@@ -31,22 +31,43 @@ from dflash_cli.engine import Batch, SamplingParams  # noqa: E402
 from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids, make_drafter  # noqa: E402
 from dflash_cli.engine.target.hybrid import LinearStateRollback  # noqa: E402
 
-COMMON = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
-              head_dim=64, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-              tie_word_embeddings=False)  # fmt: skip
+COMMON = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
 
 
 def target(family: str) -> transformers.PreTrainedModel:
     if family == "qwen3_5":
         config = transformers.Qwen3_5TextConfig(
-            **COMMON, num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
-            linear_num_key_heads=4, linear_num_value_heads=8,
-        )  # fmt: skip
+            **COMMON,
+            num_hidden_layers=4,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+        )
     else:
         config = transformers.BambaConfig(
-            **COMMON, num_hidden_layers=4, attn_layer_indices=[2], mamba_n_heads=16, mamba_d_head=64,
-            mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=16,
-        )  # fmt: skip
+            **COMMON,
+            num_hidden_layers=4,
+            attn_layer_indices=[2],
+            mamba_n_heads=16,
+            mamba_d_head=64,
+            mamba_d_state=64,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+        )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
@@ -54,11 +75,19 @@ def target(family: str) -> transformers.PreTrainedModel:
 def drafter(model: transformers.PreTrainedModel, block: int):
     tc = model.config.get_text_config()
     config = DrafterConfig(
-        hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=tc.hidden_size // 4, vocab_size=tc.vocab_size,
-        num_target_layers=tc.num_hidden_layers, block_size=block, mask_token_id=tc.vocab_size - 1,
-        target_layer_ids=default_target_layer_ids(tc.num_hidden_layers, 1), max_position_embeddings=4096,
-    )  # fmt: skip
+        hidden_size=tc.hidden_size,
+        intermediate_size=2 * tc.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=tc.hidden_size // 4,
+        vocab_size=tc.vocab_size,
+        num_target_layers=tc.num_hidden_layers,
+        block_size=block,
+        mask_token_id=tc.vocab_size - 1,
+        target_layer_ids=default_target_layer_ids(tc.num_hidden_layers, 1),
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(1)
     return make_drafter(config, model).float().eval()
 
@@ -76,8 +105,10 @@ def main() -> None:
     model = target(args.family)
     draft = drafter(model, args.block)
     generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(1, 4000, (int(n),), generator=generator).tolist()
-               for n in torch.randint(16, 49, (args.requests,), generator=generator)]  # fmt: skip
+    prompts = [
+        torch.randint(1, 4000, (int(n),), generator=generator).tolist()
+        for n in torch.randint(16, 49, (args.requests,), generator=generator)
+    ]
     params = SamplingParams(max_new_tokens=24)
     rollback = {"s": 0.0}
     keep = LinearStateRollback.keep
@@ -110,8 +141,10 @@ def main() -> None:
         batch.close()
         return tokens / total, rollback["s"] / decode_s, decode_s, out
 
-    print(f"{args.family}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, fp32, block {args.block}, "
-          f"{args.requests} requests x 24 tokens, {args.threads} thread(s); load average before: {os.getloadavg()}")  # fmt: skip
+    print(
+        f"{args.family}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, fp32, block {args.block}, "
+        f"{args.requests} requests x 24 tokens, {args.threads} thread(s); load average before: {os.getloadavg()}"
+    )
     with torch.inference_mode():
         run(args.rows[-1])  # warm-up
         results: dict[int, list[tuple[float, float]]] = {}
@@ -123,13 +156,20 @@ def main() -> None:
                 texts.setdefault(rows, out)
                 base = base or tok_s
                 results.setdefault(rows, []).append((tok_s / base, share))
-                print(f"round {round_} rows {rows}: {tok_s:.1f} tok/s ({tok_s / base:.2f}x rows {args.rows[0]}), "
-                      f"rollback {share:.1%} of decode step time", flush=True)  # fmt: skip
+                print(
+                    f"round {round_} rows {rows}: {tok_s:.1f} tok/s ({tok_s / base:.2f}x rows {args.rows[0]}), "
+                    f"rollback {share:.1%} of decode step time",
+                    flush=True,
+                )
     for rows, values in results.items():
-        print(f"rows {rows}: median {statistics.median(r for r, _ in values):.2f}x, rollback share median "
-              f"{statistics.median(s for _, s in values):.1%}")  # fmt: skip
+        print(
+            f"rows {rows}: median {statistics.median(r for r, _ in values):.2f}x, rollback share median "
+            f"{statistics.median(s for _, s in values):.1%}"
+        )
     same = all(texts[rows] == texts[args.rows[0]] for rows in texts)
-    print(f"every request's tokens the same at every row count: {'yes' if same else 'NO'}; load average after: {os.getloadavg()}")
+    print(
+        f"every request's tokens the same at every row count: {'yes' if same else 'NO'}; load average after: {os.getloadavg()}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,11 +42,23 @@ PROMPT = 128
 
 def target(dtype: torch.dtype) -> transformers.PreTrainedModel:
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=32768, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, max_position_embeddings=4096,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=32768,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
@@ -79,8 +91,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, block_size = target(getattr(torch, args.dtype)), args.block
-    print(f"load {os.getloadavg()}; {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, {args.dtype}, "
-          f"block {block_size}")  # fmt: skip
+    print(
+        f"load {os.getloadavg()}; {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, {args.dtype}, "
+        f"block {block_size}"
+    )
     prompt = torch.randint(1, 32000, (1, PROMPT))
     block = torch.randint(1, 32000, (1, block_size))
     positions = torch.arange(PROMPT, PROMPT + block_size)[None]
@@ -119,12 +133,18 @@ def main() -> None:
 
             def rerun(k: int) -> None:
                 crop(cache, PROMPT)
-                model(input_ids=block[:, :k], position_ids=positions[:, :k], past_key_values=cache, use_cache=True,
-                      logits_to_keep=1)  # fmt: skip
+                model(
+                    input_ids=block[:, :k],
+                    position_ids=positions[:, :k],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
 
             rollback.keep([n], block_size, lambda _row, k: rerun(k))
         elif method == "mixer":
             saved = rollback._copy_states()
+
             def keep_input(i: int):  # noqa: ANN202
                 def hook(_module, args, kwargs):  # noqa: ANN001, ANN202
                     inputs[i] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -177,8 +197,10 @@ def main() -> None:
             ratios = sorted(extra / plain for plain, extra in results)
             verify_ms = statistics.median(plain for plain, _ in results) * 1000
             extra_ms = statistics.median(extra for _, extra in results) * 1000
-            print(f"{method:9s} {n:3d} {verify_ms:10.1f} {extra_ms:9.2f}  {statistics.median(ratios):.3f} "
-                  f"({ratios[0]:.3f}-{ratios[-1]:.3f})")  # fmt: skip
+            print(
+                f"{method:9s} {n:3d} {verify_ms:10.1f} {extra_ms:9.2f}  {statistics.median(ratios):.3f} "
+                f"({ratios[0]:.3f}-{ratios[-1]:.3f})"
+            )
     print(f"load {os.getloadavg()}")
 
 

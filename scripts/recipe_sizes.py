@@ -26,51 +26,164 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids  # noqa: E402
 from dflash_cli.loading.models import count_parameters  # noqa: E402
 
-QWEN35 = dict(vocab_size=248320, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-              head_dim=256, max_position_embeddings=262144)
-QWEN35_MOE = dict(QWEN35, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-                  linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                  moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False)
-QWEN35_27B = dict(QWEN35, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                  num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=48, tie_word_embeddings=False)
-GEMMA4 = dict(vocab_size=262144, head_dim=256, global_head_dim=512, attention_k_eq_v=True, sliding_window=1024,
-              final_logit_softcapping=30.0, hidden_size_per_layer_input=0, tie_word_embeddings=True,
-              hidden_activation="gelu_pytorch_tanh")
+QWEN35 = dict(
+    vocab_size=248320,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    head_dim=256,
+    max_position_embeddings=262144,
+)
+QWEN35_MOE = dict(
+    QWEN35,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    tie_word_embeddings=False,
+)
+QWEN35_27B = dict(
+    QWEN35,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    tie_word_embeddings=False,
+)
+GEMMA4 = dict(
+    vocab_size=262144,
+    head_dim=256,
+    global_head_dim=512,
+    attention_k_eq_v=True,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    hidden_size_per_layer_input=0,
+    tie_word_embeddings=True,
+    hidden_activation="gelu_pytorch_tanh",
+)
 
 # Drafter head shapes where the notes give them (gpt-oss drafters: 64 heads, 8 KV heads of 64); else estimated.
 DRAFTER_HEADS = {"gpt-oss-20b": (64, 8, 64), "gpt-oss-120b": (64, 8, 64)}
 
 # name: (config class, fields, drafter (layers, taps))
 TARGETS = {
-    "qwen3.5-4b": ("Qwen3_5TextConfig", dict(QWEN35, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-                   num_attention_heads=16, num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32,
-                   tie_word_embeddings=True), (6, 8)),
-    "qwen3.5-9b": ("Qwen3_5TextConfig", dict(QWEN35, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                   num_attention_heads=16, num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32,
-                   tie_word_embeddings=False), (5, 5)),
+    "qwen3.5-4b": (
+        "Qwen3_5TextConfig",
+        dict(
+            QWEN35,
+            hidden_size=2560,
+            intermediate_size=9216,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            tie_word_embeddings=True,
+        ),
+        (6, 8),
+    ),
+    "qwen3.5-9b": (
+        "Qwen3_5TextConfig",
+        dict(
+            QWEN35,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            tie_word_embeddings=False,
+        ),
+        (5, 5),
+    ),
     "qwen3.5-27b": ("Qwen3_5TextConfig", QWEN35_27B, (5, 5)),
     "qwen3.6-27b": ("Qwen3_5TextConfig", QWEN35_27B, (5, 5)),
     "qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", QWEN35_MOE, (5, 5)),
     "qwen3.6-35b-a3b": ("Qwen3_5MoeTextConfig", QWEN35_MOE, (5, 5)),
-    "qwen3-coder-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                            num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
-                            tie_word_embeddings=False), (8, 8)),
-    "qwen3-coder-next": ("Qwen3NextConfig", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-                         num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
-                         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-                         linear_num_value_heads=32, num_experts=512, num_experts_per_tok=10,
-                         moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120,
-                         tie_word_embeddings=False), (5, 5)),
+    "qwen3-coder-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            intermediate_size=6144,
+            tie_word_embeddings=False,
+        ),
+        (8, 8),
+    ),
+    "qwen3-coder-next": (
+        "Qwen3NextConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            intermediate_size=5120,
+            tie_word_embeddings=False,
+        ),
+        (5, 5),
+    ),
     "gpt-oss-20b": ("GptOssConfig", dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4), (8, 5)),
     "gpt-oss-120b": ("GptOssConfig", dict(num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4), (8, 5)),
     # DFlash2's target: assumed to have the Qwen3.6-27B architecture (not in the notes: check its config.json)
     "qwen3.8-27b": ("Qwen3_5TextConfig", QWEN35_27B, (5, 5)),
-    "gemma-4-31b": ("Gemma4TextConfig", dict(GEMMA4, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
-                    num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4), (5, 5)),
-    "gemma-4-26b-a4b": ("Gemma4TextConfig", dict(GEMMA4, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
-                        num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
-                        enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704), (5, 5)),
+    "gemma-4-31b": (
+        "Gemma4TextConfig",
+        dict(
+            GEMMA4,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=60,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            num_global_key_value_heads=4,
+        ),
+        (5, 5),
+    ),
+    "gemma-4-26b-a4b": (
+        "Gemma4TextConfig",
+        dict(
+            GEMMA4,
+            hidden_size=2816,
+            intermediate_size=2112,
+            num_hidden_layers=30,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            num_global_key_value_heads=2,
+            enable_moe_block=True,
+            num_experts=128,
+            top_k_experts=8,
+            moe_intermediate_size=704,
+        ),
+        (5, 5),
+    ),
 }
 
 
@@ -107,11 +220,19 @@ def drafter_bytes(name: str, config, layers: int, taps: int) -> tuple[int, int]:
     hidden = text.hidden_size
     estimated = (32, 8, 128) if hidden >= 4096 else (hidden // 128, max(hidden // 512, 1), 128)
     heads, kv_heads, head_dim = DRAFTER_HEADS.get(name, estimated)
-    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=getattr(text, "intermediate_size", None) or 3 * hidden,
-                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        head_dim=head_dim, vocab_size=text.vocab_size, num_target_layers=text.num_hidden_layers,
-                        block_size=16, mask_token_id=0,
-                        target_layer_ids=default_target_layer_ids(text.num_hidden_layers, taps))
+    cfg = DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=getattr(text, "intermediate_size", None) or 3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=text.vocab_size,
+        num_target_layers=text.num_hidden_layers,
+        block_size=16,
+        mask_token_id=0,
+        target_layer_ids=default_target_layer_ids(text.num_hidden_layers, taps),
+    )
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     return sum(p.numel() for p in drafter.parameters()) * 2, layers * 2 * kv_heads * head_dim * 2

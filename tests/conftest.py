@@ -2,7 +2,7 @@
 
 huggingface_hub reads HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE / HF_ENDPOINT once, at import, into
 `huggingface_hub.constants`; the fixtures patch those attributes (and the environment, for subprocesses).
-Model builders live in tiny_models.py (`from tiny_models import make_tiny_qwen3`).
+Model builders live in helpers/tiny_models.py (`from helpers.tiny_models import make_tiny_qwen3`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from fake_hub import FakeHub
-from tiny_models import make_tiny_llama, make_tiny_qwen3
+from helpers.fake_hub import FakeHub
+from helpers.tiny_models import make_tiny_llama, make_tiny_qwen3
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -119,7 +119,10 @@ def test_no_import_cycles_between_files() -> None:
 def test_the_checks_find_what_they_look_for() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    upward = {"dflash_cli.engine.loop": {"dflash_cli.loading.session"}, "dflash_cli.bench.measure": {"dflash_cli.commands.run"}}
+    upward = {
+        "dflash_cli.engine.loop": {"dflash_cli.loading.session"},
+        "dflash_cli.bench.measure": {"dflash_cli.commands.run"},
+    }
     assert layer_violations(upward) == [
         "dflash_cli.bench.measure imports dflash_cli.commands.run",
         "dflash_cli.engine.loop imports dflash_cli.loading.session",

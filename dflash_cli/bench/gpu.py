@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -92,17 +94,43 @@ class Settings:
 def smoke_settings() -> Settings:
     # float32 on the CPU: the controlled-acceptance double then hits its tau exactly (no bf16 near-ties).
     return Settings(
-        TINY, "cpu", "float32", ("float32", "nf4"), context=16, new_tokens=16, taus=(1.0, 6.5, 16.0),
-        warmup=1, reps=3, profile_steps=2, verify_sizes=(1, 2, 8), reference_precisions=("float32",),
-        reference_tokens=8, reference_repeats=1, copy_mib=16, time_budget_s=300.0,
+        TINY,
+        "cpu",
+        "float32",
+        ("float32", "nf4"),
+        context=16,
+        new_tokens=16,
+        taus=(1.0, 6.5, 16.0),
+        warmup=1,
+        reps=3,
+        profile_steps=2,
+        verify_sizes=(1, 2, 8),
+        reference_precisions=("float32",),
+        reference_tokens=8,
+        reference_repeats=1,
+        copy_mib=16,
+        time_budget_s=300.0,
     )
 
 
 def full_settings() -> Settings:
     return Settings(
-        QWEN3_8B, "cuda", "bfloat16", ("bf16", "nf4"), context=1024, new_tokens=128, taus=(1.0, 3.0, 6.5, 16.0),
-        warmup=3, reps=20, profile_steps=8, verify_sizes=tuple(range(1, 17)), reference_precisions=("bf16", "nf4"),
-        reference_tokens=48, reference_repeats=3, copy_mib=1024, time_budget_s=540.0,
+        QWEN3_8B,
+        "cuda",
+        "bfloat16",
+        ("bf16", "nf4"),
+        context=1024,
+        new_tokens=128,
+        taus=(1.0, 3.0, 6.5, 16.0),
+        warmup=3,
+        reps=20,
+        profile_steps=8,
+        verify_sizes=tuple(range(1, 17)),
+        reference_precisions=("bf16", "nf4"),
+        reference_tokens=48,
+        reference_repeats=3,
+        copy_mib=1024,
+        time_budget_s=540.0,
     )
 
 
@@ -252,8 +280,13 @@ def quantize_nf4(target: nn.Module, compute_dtype: torch.dtype) -> int:
                 if not isinstance(child, nn.Linear) or isinstance(child, bnb.nn.Linear4bit):
                     continue
                 q = bnb.nn.Linear4bit(
-                    child.in_features, child.out_features, bias=child.bias is not None,
-                    compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4", device="meta",
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=compute_dtype,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                    device="meta",
                 )
                 weight = bnb.nn.Params4bit(
                     child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", module=q
@@ -294,7 +327,7 @@ def copy_bandwidth(device: torch.device, mib: int, warmup: int, reps: int) -> di
     n = mib * 2**20 // 2
     src = torch.randn(n, dtype=torch.bfloat16, device=device)  # random, never zeros
     dst = torch.empty_like(src)
-    timing = time_calls(lambda: dst.copy_(src), device, warmup, reps)
+    timing = time_calls(functools.partial(dst.copy_, src), device, warmup, reps)
     ms = timing["events_median_ms"] or timing["median_ms"]
     moved = 2 * tensor_bytes(src)
     del src, dst
@@ -365,8 +398,7 @@ def measure_target_steps(target: nn.Module, layer_ids: list[int], prompt: torch.
     result["ar_step"]["kernel_ms"] = kernel_ms_per_call(ar, device, s.profile_steps)
     sweep_reps = max(1, s.reps // 2)
     result["verify"] = {
-        str(size): time_calls(forward(size, tuple(layer_ids)), device, s.warmup, sweep_reps)
-        for size in s.verify_sizes
+        str(size): time_calls(forward(size, tuple(layer_ids)), device, s.warmup, sweep_reps) for size in s.verify_sizes
     }
     return result
 
@@ -441,7 +473,12 @@ class ControlledAcceptanceDrafter:
 
 
 def run_generation(
-    target: nn.Module, drafter: Any, prompt_ids: list[int], max_new: int, block: int | None, device: torch.device,
+    target: nn.Module,
+    drafter: Any,
+    prompt_ids: list[int],
+    max_new: int,
+    block: int | None,
+    device: torch.device,
     compile: bool = False,
 ) -> dict[str, Any]:
     """One real `engine.generate` run, every decode step timed (wall synchronized, CUDA events)."""
@@ -470,8 +507,9 @@ def run_generation(
     }
 
 
-def profile_steps(target: nn.Module, drafter: Any, prompt_ids: list[int], max_new: int, calls: int,
-                  device: torch.device) -> float | None:
+def profile_steps(
+    target: nn.Module, drafter: Any, prompt_ids: list[int], max_new: int, calls: int, device: torch.device
+) -> float | None:
     """Device busy time per decode step, from a separate profiled run (profiling slows the host)."""
     if device.type != "cuda":
         return None
@@ -561,7 +599,7 @@ def measure_reference(
     input_ids = torch.tensor([prompt_ids], device=device)
     block = s.shape.block_size
 
-    def reference_ms_per_step(size: int, n: int) -> float:
+    def reference_ms_per_step(size: int, n: int, ref_drafter: Any = ref_drafter) -> float:
         out = ref.dflash_generate(
             ref_drafter, target, input_ids, max_new_tokens=n, stop_token_ids=None, block_size=size, return_stats=True
         )
@@ -609,8 +647,12 @@ def target_checks(run: dict[str, Any]) -> list[dict[str, Any]]:
     checks = [
         ("AR step / AR floor", ar_ms / floors["ar_floor_ms"], "<=", AR_STEP_MAX_X_FLOOR),
         ("spec step / AR floor", spec_ms / floors["ar_floor_ms"], "<=", SPEC_STEP_MAX_X_AR_FLOOR),
-        ("spec step ours / reference", run["reference"].get("spec_step_ours_x_reference"), "<=",
-         SPEC_STEP_MAX_X_REFERENCE),
+        (
+            "spec step ours / reference",
+            run["reference"].get("spec_step_ours_x_reference"),
+            "<=",
+            SPEC_STEP_MAX_X_REFERENCE,
+        ),
         ("host overhead per AR step (ms)", overhead["ar_step"], "<", HOST_OVERHEAD_MAX_MS),
         ("host overhead per spec step (ms)", overhead["spec_step"], "<", HOST_OVERHEAD_MAX_MS),
     ]
@@ -622,8 +664,14 @@ def target_checks(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def measure_precision(
-    name: str, target: nn.Module, drafter: DFlashDrafter, s: Settings, device: torch.device, gb_per_s: float,
-    deadline: float, with_reference: bool,
+    name: str,
+    target: nn.Module,
+    drafter: DFlashDrafter,
+    s: Settings,
+    device: torch.device,
+    gb_per_s: float,
+    deadline: float,
+    with_reference: bool,
 ) -> dict[str, Any]:
     dtype = getattr(torch, s.dtype)
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
@@ -672,8 +720,12 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["dflash_reference"] = "unknown version"
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, compute_capability=f"{props.major}.{props.minor}",
-                   gpu_memory_gib=props.total_memory / 2**30, multiprocessors=props.multi_processor_count)
+        env.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=props.total_memory / 2**30,
+            multiprocessors=props.multi_processor_count,
+        )
     return env
 
 
@@ -802,9 +854,12 @@ def render_table(results: dict[str, Any]) -> str:
     for name, run in results["runs"].items():
         lines += render_run(name, run)
     if results.get("nf4_vs_dense"):
-        lines.append("\nNF4 step time / dense: " + ", ".join(
-            f"{k} {v['nf4_x_dense']:.3g}x ({v['faster']} is faster)" for k, v in results["nf4_vs_dense"].items()
-        ))
+        lines.append(
+            "\nNF4 step time / dense: "
+            + ", ".join(
+                f"{k} {v['nf4_x_dense']:.3g}x ({v['faster']} is faster)" for k, v in results["nf4_vs_dense"].items()
+            )
+        )
     return "\n".join(lines)
 
 
@@ -821,7 +876,8 @@ def at_least(minimum: int) -> Callable[[str], int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Benchmark the DFlash fast path on a GPU: floor, step times, end to end, and z-lab's reference.",
-        epilog="Example (device machine): python scripts/gpu_bench.py --reference-wheel .whl/" + REFERENCE_WHEEL
+        epilog="Example (device machine): python scripts/gpu_bench.py --reference-wheel .whl/"
+        + REFERENCE_WHEEL
         + " --output $OUT/gpu_bench.json",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: every code path, in seconds")
@@ -854,8 +910,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown precision {sorted(unknown)}; choose from {', '.join(s.precisions)}", file=sys.stderr)
             return 2
         overrides["precisions"] = wanted
-    for field_name, value in (("context", args.context), ("new_tokens", args.new_tokens), ("reps", args.reps),
-                              ("time_budget_s", args.time_budget), ("compile", args.compile or None)):
+    for field_name, value in (
+        ("context", args.context),
+        ("new_tokens", args.new_tokens),
+        ("reps", args.reps),
+        ("time_budget_s", args.time_budget),
+        ("compile", args.compile or None),
+    ):
         if value is not None:
             overrides[field_name] = value
     s = replace(s, **overrides)

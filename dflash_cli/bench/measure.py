@@ -46,9 +46,9 @@ from dflash_cli.protocol.requests import Request, read_prompt_file
 if TYPE_CHECKING:
     import torch
 
-    from dflash_cli.setup.options import RunOptions
-    from dflash_cli.protocol.params import SamplingParams
     from dflash_cli.loading.session import Session
+    from dflash_cli.protocol.params import SamplingParams
+    from dflash_cli.setup.options import RunOptions
 
 PROMPT_SET_DIR = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts"
 PROMPT_SETS = ("math", "code", "chat")
@@ -198,9 +198,16 @@ def measure(session: Session, prompt_ids: Sequence[int], params: SamplingParams,
     total = time.perf_counter() - started
     s = result.stats
     return Run(
-        result.token_ids, result.finish_reason, s.ttft_s, s.decode_s, s.draft_s, s.verify_s, total,
-        list(s.acceptance_lengths), list(s.block_sizes),
-    )  # fmt: skip
+        result.token_ids,
+        result.finish_reason,
+        s.ttft_s,
+        s.decode_s,
+        s.draft_s,
+        s.verify_s,
+        total,
+        list(s.acceptance_lengths),
+        list(s.block_sizes),
+    )
 
 
 @dataclass
@@ -282,7 +289,9 @@ def run_bench(
     device = _device(session)
     if not warm:
         warm_up(session, prompts[0][1], params, modes, on_run=on_run)
-    rows: dict[tuple[Mode, str], Row] = {(mode, prompt_id): Row(prompt_id, mode, len(ids), []) for mode in modes for prompt_id, ids in prompts}
+    rows: dict[tuple[Mode, str], Row] = {
+        (mode, prompt_id): Row(prompt_id, mode, len(ids), []) for mode in modes for prompt_id, ids in prompts
+    }
     peaks: dict[Mode, int | None] = {}
     for _ in range(repeat):
         for prompt_id, ids in prompts:
@@ -407,9 +416,7 @@ def summarize(rows: Sequence[Row], peaks: dict[Mode, int | None]) -> list[ModeSu
         runs = [run for row in mode_rows for run in row.runs]
         rounds = min(len(row.runs) for row in mode_rows)
         per_round = [
-            _ratio(
-                sum(row.runs[r].decode_tokens for row in mode_rows), sum(row.runs[r].decode_s for row in mode_rows)
-            )
+            _ratio(sum(row.runs[r].decode_tokens for row in mode_rows), sum(row.runs[r].decode_s for row in mode_rows))
             for r in range(rounds)
         ]
         decode_tokens = sum(run.decode_tokens for run in runs)
@@ -430,10 +437,12 @@ def summarize(rows: Sequence[Row], peaks: dict[Mode, int | None]) -> list[ModeSu
                 histogram=_histogram(steps, mode.block_size) if mode.speculative else [],
                 identical_prompts=sum(bool(row.identical) for row in compared) if compared else None,
                 peak_memory_bytes=peaks.get(mode),
-                size_histogram=dict(sorted(Counter(
-                    size for row in mode_rows for run in row.runs for size in run.block_sizes
-                ).items())) if mode.speculative else {},
-            )  # fmt: skip
+                size_histogram=dict(
+                    sorted(Counter(size for row in mode_rows for run in row.runs for size in run.block_sizes).items())
+                )
+                if mode.speculative
+                else {},
+            )
         )
     baseline = next((s for s in summaries if s.mode == BASELINE), None)
     for summary in summaries:
@@ -701,9 +710,15 @@ def format_duration(seconds: float) -> str:
 
 
 def describe_run(
-    modes: Sequence[Mode], paces: Sequence[Pace], prompts: int, max_tokens: int, repeat: int, *,
-    asked_tokens: int, full_prompts: int | None,
-) -> str:  # fmt: skip
+    modes: Sequence[Mode],
+    paces: Sequence[Pace],
+    prompts: int,
+    max_tokens: int,
+    repeat: int,
+    *,
+    asked_tokens: int,
+    full_prompts: int | None,
+) -> str:
     """What the timed part will do and about how long it takes, from the warm-up's pace; with `full_prompts`,
     what --full would cost here."""
     count = f"{prompts} prompt{'s' if prompts != 1 else ''}"
@@ -742,7 +757,9 @@ class ProgressLines:
         elapsed = time.perf_counter() - self.started
         left = f", about {format_duration(elapsed / done * (self.total - done))} left" if done else ""
         self.console.print(
-            f"bench {self.count}: {description} ({format_duration(elapsed)} elapsed{left})", highlight=False, markup=False
+            f"bench {self.count}: {description} ({format_duration(elapsed)} elapsed{left})",
+            highlight=False,
+            markup=False,
         )
 
 
@@ -767,6 +784,7 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
     lines = ProgressLines(console) if console is not None and not interactive else None
     status = console.status("warming up") if interactive and console is not None else contextlib.nullcontext()
     with status:
+
         def on_warm_up(mode: Mode, prompt_id: str) -> None:
             if lines is not None:
                 lines.update(f"{mode.label} · warm-up")
@@ -783,7 +801,9 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
         encoded, params = encoded[:count], dataclasses.replace(params, max_new_tokens=tokens)
     if console is not None:
         full = len(prompts) if settings.sized_here else None
-        text = describe_run(modes, paces, len(encoded), params.max_new_tokens, repeat, asked_tokens=asked, full_prompts=full)
+        text = describe_run(
+            modes, paces, len(encoded), params.max_new_tokens, repeat, asked_tokens=asked, full_prompts=full
+        )
         console.print(text, highlight=False, markup=False, soft_wrap=True)
     # Progress counts budgeted tokens: an answer that ends early moves it on by its whole budget.
     total = len(modes) * len(encoded) * repeat * params.max_new_tokens
@@ -913,7 +933,9 @@ def render_table(report: BenchReport) -> Table:
             f"{summary.tau:.2f}" if summary.tau is not None else "-",
             sparkline(summary.histogram) if summary.histogram else "-",
             _identity_cell(report, summary),
-            f"{summary.bandwidth_gb_s:.1f} ({summary.floor_share:.0%})" if summary.bandwidth_gb_s is not None else "n/a",
+            f"{summary.bandwidth_gb_s:.1f} ({summary.floor_share:.0%})"
+            if summary.bandwidth_gb_s is not None
+            else "n/a",
             *([_format_bytes(summary.peak_memory_bytes)] if per_mode_memory else []),
         )
     return table
@@ -947,7 +969,9 @@ def render_identity(report: BenchReport) -> Text:
             style=style,
         )
     if report.bit_exact:
-        lines.append("in float32 greedy DFlash must reproduce the baseline: this is a bug, please report it", style=style)
+        lines.append(
+            "in float32 greedy DFlash must reproduce the baseline: this is a bug, please report it", style=style
+        )
     else:
         dtype = report.metadata["plan"]["dtype"]
         lines.append(
@@ -967,12 +991,16 @@ def render_chart(report: BenchReport, width: int = 30) -> Group:
             continue
         steps = sum(summary.histogram)
         tau = f" · tau {summary.tau:.2f}" if summary.tau is not None else ""
-        parts.append(Text(f"acceptance length, {summary.mode.label}{tau} (share of {steps} verify steps)", style="bold"))
+        parts.append(
+            Text(f"acceptance length, {summary.mode.label}{tau} (share of {steps} verify steps)", style="bold")
+        )
         for length, count in enumerate(summary.histogram, 1):
             share = count / steps if steps else 0.0
             parts.append(Text(f"  {length:>3} {bar(share, 1.0, width):<{width}} {share:6.1%}"))
         if summary.mode.adaptive and summary.size_histogram:
-            parts.append(Text(f"block sizes chosen, {summary.mode.label} (share of verify steps; 1 = no drafting)", style="bold"))
+            parts.append(
+                Text(f"block sizes chosen, {summary.mode.label} (share of verify steps; 1 = no drafting)", style="bold")
+            )
             for size, count in summary.size_histogram.items():
                 share = count / steps if steps else 0.0
                 parts.append(Text(f"  {size:>3} {bar(share, 1.0, width):<{width}} {share:6.1%}"))
@@ -1032,7 +1060,9 @@ def save_png(report: BenchReport, path: str | os.PathLike[str]) -> Path:
             lengths = range(1, len(summary.histogram) + 1)
             shares = [count / steps for count in summary.histogram]
             tau = f" (tau {summary.tau:.2f})" if summary.tau is not None else ""
-            ax.bar([x + (i - (len(spec) - 1) / 2) * width for x in lengths], shares, width, label=summary.mode.label + tau)
+            ax.bar(
+                [x + (i - (len(spec) - 1) / 2) * width for x in lengths], shares, width, label=summary.mode.label + tau
+            )
         ax.set_xlabel("tokens committed per verify step")
         ax.set_ylabel("share of verify steps")
         ax.set_title("acceptance length")

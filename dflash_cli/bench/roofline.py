@@ -9,10 +9,12 @@ against that floor, as gpt-fast reports "bandwidth achieved".
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
 
 @dataclass(frozen=True)
 class StepBytes:

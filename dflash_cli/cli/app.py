@@ -204,7 +204,9 @@ RUN_FLAG_TYPES: dict[str, Any] = {
     "device": Annotated[
         str | None,
         typer.Option(
-            callback=_check_device, help="cuda, cuda:N, mps or cpu (default: the best one here).", rich_help_panel=PLANNING
+            callback=_check_device,
+            help="cuda, cuda:N, mps or cpu (default: the best one here).",
+            rich_help_panel=PLANNING,
         ),
     ],
     "dtype": Annotated[
@@ -315,9 +317,14 @@ def chat(
     from dflash_cli.commands.chat import run_chat
 
     code = run_chat(
-        options, system=system, question=question, history=not no_history, show_stats=stats,
-        console=console, err_console=err_console,
-    )  # fmt: skip
+        options,
+        system=system,
+        question=question,
+        history=not no_history,
+        show_stats=stats,
+        console=console,
+        err_console=err_console,
+    )
     if code:
         raise typer.Exit(code)
 
@@ -330,9 +337,7 @@ def _one_shot_question(prompt: str | None) -> str | None:
     piped = "" if sys.stdin.isatty() else sys.stdin.read().strip()
     question = "\n\n".join(part for part in (prompt, piped) if part)
     if not question:
-        raise DflashError(
-            "nothing to answer: the prompt is empty", fix='pipe text in, or --prompt "..."', exit_code=2
-        )
+        raise DflashError("nothing to answer: the prompt is empty", fix='pipe text in, or --prompt "..."', exit_code=2)
     return question
 
 
@@ -342,11 +347,14 @@ def _one_shot_question(prompt: str | None) -> str | None:
 BatchSize = Annotated[
     int | None,
     typer.Option(
-        "--batch-size", min=1, show_default=False, rich_help_panel=PLANNING,
+        "--batch-size",
+        min=1,
+        show_default=False,
+        rich_help_panel=PLANNING,
         help="Requests decoded together, sharing each forward (default: the plan's: as many as have room for a KV "
         "cache at 8k tokens, at most 16; 1 = one at a time). Hybrid targets decode one at a time.",
     ),
-]  # fmt: skip
+]
 
 
 @app.command(rich_help_panel="Run")
@@ -403,10 +411,33 @@ SERVER = "Server"
 @with_run_flags
 def serve(
     options: RunOptions,
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; then set --api-key).", rich_help_panel=SERVER)] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).", rich_help_panel=SERVER)] = 8000,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="DFLASH_API_KEY", show_default=False, help="Require `Authorization: Bearer KEY` on /v1 routes (default: $DFLASH_API_KEY, else open).", rich_help_panel=SERVER)] = None,
-    max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait while the batch is full; more get HTTP 429 at once.", rich_help_panel=SERVER)] = 64,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Address to listen on (0.0.0.0: every interface; then set --api-key).", rich_help_panel=SERVER
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).", rich_help_panel=SERVER)
+    ] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="DFLASH_API_KEY",
+            show_default=False,
+            help="Require `Authorization: Bearer KEY` on /v1 routes (default: $DFLASH_API_KEY, else open).",
+            rich_help_panel=SERVER,
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Requests that may wait while the batch is full; more get HTTP 429 at once.",
+            rich_help_panel=SERVER,
+        ),
+    ] = 64,
     batch_size: BatchSize = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, for Open WebUI, editors, agents and the `openai` client.
@@ -433,14 +464,19 @@ def _check_prompt_set(value: str | None) -> str | None:
     from dflash_cli.bench.measure import PROMPT_SETS  # torch-free
 
     if value is not None and value not in (*PROMPT_SETS, "all"):
-        raise typer.BadParameter(f"unknown prompt set {value!r}: use {', '.join(PROMPT_SETS)} or all, or --prompts FILE.jsonl")
+        raise typer.BadParameter(
+            f"unknown prompt set {value!r}: use {', '.join(PROMPT_SETS)} or all, or --prompts FILE.jsonl"
+        )
     return value
 
 
 BENCH_MAX_TOKENS = Annotated[
     int,
     typer.Option(
-        "--max-tokens", min=1, help="Most tokens to generate per prompt.", show_default="128; 512 with --full",
+        "--max-tokens",
+        min=1,
+        help="Most tokens to generate per prompt.",
+        show_default="128; 512 with --full",
         rich_help_panel=SAMPLING,
     ),
 ]
@@ -451,15 +487,79 @@ BENCH_MAX_TOKENS = Annotated[
 def bench(
     options: RunOptions,
     ctx: typer.Context,
-    before_after: Annotated[bool, typer.Option("--before-after", help="Also run the baseline (the same loop without the drafter) on the same prompts: speedup and a token-identity check.", rich_help_panel=BENCH)] = False,
-    prompt_set: Annotated[str | None, typer.Option("--set", metavar="math|code|chat|all", callback=_check_prompt_set, help="Built-in prompt set, 8 prompts each (default: all).", rich_help_panel=BENCH)] = None,
-    prompts: Annotated[str | None, typer.Option("--prompts", metavar="FILE.jsonl", callback=_existing_file, help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn: bench measures chat replies; `dflash run` reads it as plain completion), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".', rich_help_panel=BENCH)] = None,
-    full: Annotated[bool, typer.Option("--full", help="The full sweep: every prompt of the sets, up to 512 tokens, 3 rounds (minutes on a GPU, an hour or more on a CPU).", rich_help_panel=BENCH)] = False,
-    repeat: Annotated[int | None, typer.Option(min=1, show_default=False, help="Timed rounds of every prompt in every mode, after one untimed warm-up per mode (default: 1; 3 with --full).", rich_help_panel=BENCH)] = None,
-    block_sizes: Annotated[str | None, typer.Option("--block-sizes", metavar="4,8,16", help="Sweep fixed block sizes: one DFlash run per size, with tau and speedup each, next to the adaptive default (unless --block-size fixes it).", rich_help_panel=BENCH)] = None,
-    limit: Annotated[int | None, typer.Option(min=1, metavar="N", help="Use only the first N prompts (a quick look).", rich_help_panel=BENCH)] = None,
-    output: Annotated[str | None, typer.Option("--output", metavar="FILE.json", help="Also save the JSON report (per-prompt rows, machine, plan, recipe, command).", rich_help_panel=BENCH)] = None,
-    png: Annotated[str | None, typer.Option("--png", metavar="FILE.png", help="Also save the charts as a PNG (needs matplotlib).", rich_help_panel=BENCH)] = None,
+    before_after: Annotated[
+        bool,
+        typer.Option(
+            "--before-after",
+            help="Also run the baseline (the same loop without the drafter) on the same prompts: speedup and a token-identity check.",
+            rich_help_panel=BENCH,
+        ),
+    ] = False,
+    prompt_set: Annotated[
+        str | None,
+        typer.Option(
+            "--set",
+            metavar="math|code|chat|all",
+            callback=_check_prompt_set,
+            help="Built-in prompt set, 8 prompts each (default: all).",
+            rich_help_panel=BENCH,
+        ),
+    ] = None,
+    prompts: Annotated[
+        str | None,
+        typer.Option(
+            "--prompts",
+            metavar="FILE.jsonl",
+            callback=_existing_file,
+            help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn: bench measures chat replies; `dflash run` reads it as plain completion), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".',
+            rich_help_panel=BENCH,
+        ),
+    ] = None,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="The full sweep: every prompt of the sets, up to 512 tokens, 3 rounds (minutes on a GPU, an hour or more on a CPU).",
+            rich_help_panel=BENCH,
+        ),
+    ] = False,
+    repeat: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Timed rounds of every prompt in every mode, after one untimed warm-up per mode (default: 1; 3 with --full).",
+            rich_help_panel=BENCH,
+        ),
+    ] = None,
+    block_sizes: Annotated[
+        str | None,
+        typer.Option(
+            "--block-sizes",
+            metavar="4,8,16",
+            help="Sweep fixed block sizes: one DFlash run per size, with tau and speedup each, next to the adaptive default (unless --block-size fixes it).",
+            rich_help_panel=BENCH,
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(min=1, metavar="N", help="Use only the first N prompts (a quick look).", rich_help_panel=BENCH),
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            "--output",
+            metavar="FILE.json",
+            help="Also save the JSON report (per-prompt rows, machine, plan, recipe, command).",
+            rich_help_panel=BENCH,
+        ),
+    ] = None,
+    png: Annotated[
+        str | None,
+        typer.Option(
+            "--png", metavar="FILE.png", help="Also save the charts as a PNG (needs matplotlib).", rich_help_panel=BENCH
+        ),
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Measure speed and acceptance: DFlash against the baseline on the same prompts.
@@ -475,13 +575,22 @@ def bench(
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     default_tokens = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT"
     if default_tokens:  # bench's own default, not chat's 512
-        options = dataclasses.replace(options, max_tokens=bench_lib.FULL_MAX_TOKENS if full else bench_lib.QUICK_MAX_TOKENS)
+        options = dataclasses.replace(
+            options, max_tokens=bench_lib.FULL_MAX_TOKENS if full else bench_lib.QUICK_MAX_TOKENS
+        )
     settings = bench_lib.BenchSettings(
-        before_after=before_after, prompt_set=prompt_set, prompts_file=prompts, repeat=repeat, full=full,
+        before_after=before_after,
+        prompt_set=prompt_set,
+        prompts_file=prompts,
+        repeat=repeat,
+        full=full,
         fit_tokens=default_tokens and not full,
-        block_sizes=bench_lib.parse_block_sizes(block_sizes), limit=limit, output=output, png=png,
+        block_sizes=bench_lib.parse_block_sizes(block_sizes),
+        limit=limit,
+        output=output,
+        png=png,
         command=shlex.join(["dflash", *sys.argv[1:]]),
-    )  # fmt: skip
+    )
     report = bench_lib.benchmark(options, settings, err_console)
     if json_output:
         _print_json(report.to_dict())
@@ -504,14 +613,20 @@ def pull(
     drafter: Drafter = None,
     recipe_file: RecipeFile = None,
     revision: Annotated[
-        str | None, typer.Option(help="Pin the target to a branch, tag or commit (with --target).", rich_help_panel=MODEL)
+        str | None,
+        typer.Option(help="Pin the target to a branch, tag or commit (with --target).", rich_help_panel=MODEL),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size; fetch nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would be downloaded and its size; fetch nothing.")
+    ] = False,
     fp8: Annotated[
         bool,
-        typer.Option("--fp8", help="Fetch the recipe's published FP8 copy of the target (what --quant fp8 loads).",
-                     rich_help_panel=MODEL),
-    ] = False,  # fmt: skip
+        typer.Option(
+            "--fp8",
+            help="Fetch the recipe's published FP8 copy of the target (what --quant fp8 loads).",
+            rich_help_panel=MODEL,
+        ),
+    ] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first.
@@ -587,7 +702,10 @@ def train(
     eval_file: Annotated[
         str | None,
         typer.Option(
-            "--eval-file", metavar="FILE", callback=_existing_file, help="Held-out prompts for tau (same formats as --prompts)."
+            "--eval-file",
+            metavar="FILE",
+            callback=_existing_file,
+            help="Held-out prompts for tau (same formats as --prompts).",
         ),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,
@@ -610,8 +728,8 @@ def train(
 
     Example (the shipped demo drafter): `dflash train --target demo --prompts prompts.jsonl --output runs/demo --steps 1500`
     """
-    from dflash_cli.setup.recipes import recipe_for_target, resolve_recipe
     from dflash_cli.commands.train_prompts import split_prompts
+    from dflash_cli.setup.recipes import recipe_for_target, resolve_recipe
 
     resolve_recipe(None, None, target, None)  # input mistakes fail here, before torch is imported
     split_prompts(prompts, eval_file, eval_prompts)
@@ -619,18 +737,35 @@ def train(
     from dflash_cli.commands.train import train as run_training
 
     options = TrainOptions(
-        target=target, prompts=prompts, output=output, layers=layers, feature_layers=feature_layers,
-        block_size=block_size, steps=steps, batch_size=batch_size, lr=lr, anchors_per_sequence=anchors,
-        max_new_tokens=max_new_tokens, eval_prompts=eval_prompts, eval_prompts_file=eval_file, checkpoint_every=checkpoint_every,
-        resume=resume, device=device, dtype=dtype,
-    )  # fmt: skip
+        target=target,
+        prompts=prompts,
+        output=output,
+        layers=layers,
+        feature_layers=feature_layers,
+        block_size=block_size,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        anchors_per_sequence=anchors,
+        max_new_tokens=max_new_tokens,
+        eval_prompts=eval_prompts,
+        eval_prompts_file=eval_file,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        device=device,
+        dtype=dtype,
+    )
     try:
         result = run_training(options, err_console)
     except KeyboardInterrupt:
         err_console.print(f"interrupted: {escape(interrupted_training_state(Path(output)))}")
         raise
     known = recipe_for_target(target)  # `--target demo` is used as `dflash chat demo --drafter DIR`
-    model = [known.name] if known is not None and target.strip().lower() != known.target.id.lower() else ["--target", target]
+    model = (
+        [known.name]
+        if known is not None and target.strip().lower() != known.target.id.lower()
+        else ["--target", target]
+    )
     use = shlex.join(["dflash", "chat", *model, "--drafter", result.output])
     if json_output:
         _print_json({**{k: v for k, v in result.to_dict().items() if k != "history"}, "chat_command": use})
@@ -641,7 +776,10 @@ def train(
         f"loss {result.final_loss:.3f}, tau on {result.eval_prompts} held-out prompts {tau}"
     )
     console.print(f"Use it: {escape(use)}", soft_wrap=True)
-    console.print(f"Measure it: {escape(shlex.join(['dflash', 'bench', *model, '--drafter', result.output, '--before-after']))}", soft_wrap=True)
+    console.print(
+        f"Measure it: {escape(shlex.join(['dflash', 'bench', *model, '--drafter', result.output, '--before-after']))}",
+        soft_wrap=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -690,15 +828,17 @@ def recipes_list(json_output: JsonFlag = False) -> None:
         )
         # every precision listed: the published checkpoint(s) and NF4 (whose MoE sizes show what NF4 cannot save)
         sizes = ", ".join(f"{key} {gb(size)}" for key, size in recipe.weight_bytes.items()) or "?"
-        rows.append((
-            recipe.name,
-            recipe.target.id,
-            recipe.drafter.id if recipe.drafter else "-",
-            str(recipe.block_size or "config"),
-            sizes,
-            "runs" if recipe.runnable else "export only",
-            ", ".join(note for note, on in flags if on),
-        ))  # fmt: skip
+        rows.append(
+            (
+                recipe.name,
+                recipe.target.id,
+                recipe.drafter.id if recipe.drafter else "-",
+                str(recipe.block_size or "config"),
+                sizes,
+                "runs" if recipe.runnable else "export only",
+                ", ".join(note for note, on in flags if on),
+            )
+        )
     if not console.is_terminal:  # piped: whole values on aligned rows, nothing folded mid-word
         widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
         for row in (header, *rows):
@@ -750,9 +890,7 @@ def _check_server(value: str) -> str:
 
 @app.command(rich_help_panel="Scale out")
 def export(
-    server: Annotated[
-        str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm, sglang or llama.cpp.")
-    ],
+    server: Annotated[str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm, sglang or llama.cpp.")],
     name: RecipeName = None,
     target: Target = None,
     drafter: Drafter = None,

@@ -28,10 +28,10 @@ from rich.console import Console
 
 from dflash_cli.engine import GenerationStats, SamplingParams
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.setup.options import RunOptions
+from dflash_cli.loading.session import Session, open_session
 from dflash_cli.protocol.params import FIELDS, read_setting, sampling_settings
 from dflash_cli.protocol.requests import read_messages
-from dflash_cli.loading.session import Session, open_session
+from dflash_cli.setup.options import RunOptions
 
 ASSISTANT_STYLE = "cyan"
 MULTILINE = '"""'
@@ -274,24 +274,35 @@ def _show(session: Session, state: ChatState, arg: str) -> str:
     recipe, params = session.recipe, state.params
     drafter = f"+ {recipe.drafter.id}" if recipe.drafter else "(no drafter)"
     decoding = _decoding(session, state)
-    return "\n".join([
-        f"recipe    {recipe.name}: {recipe.target.id} {drafter}",
-        f"plan      {session.plan_line()} (at start; /set and /spec change the decoding below)",
-        f"decoding  {decoding}",
-        "sampling  " + ", ".join(
-            f"{key} {'(none: random)' if value is None else value}"
-            for key, value in sampling_settings(params).items() if key in SAMPLING_SETTINGS
-        ),
-        f"stats     {'on' if state.show_stats else 'off'}",
-        f"system    {state.system if state.system else '(none)'}",
-        f"messages  {len(state.messages)}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"recipe    {recipe.name}: {recipe.target.id} {drafter}",
+            f"plan      {session.plan_line()} (at start; /set and /spec change the decoding below)",
+            f"decoding  {decoding}",
+            "sampling  "
+            + ", ".join(
+                f"{key} {'(none: random)' if value is None else value}"
+                for key, value in sampling_settings(params).items()
+                if key in SAMPLING_SETTINGS
+            ),
+            f"stats     {'on' if state.show_stats else 'off'}",
+            f"system    {state.system if state.system else '(none)'}",
+            f"messages  {len(state.messages)}",
+        ]
+    )
 
 
 HANDLERS: dict[str, Callable[[Session, ChatState, str], str]] = {
-    "/help": _help, "/?": _help, "/clear": _clear, "/set": _set, "/stats": _stats, "/spec": _spec,
-    "/save": _save, "/load": _load, "/show": _show,
-}  # fmt: skip
+    "/help": _help,
+    "/?": _help,
+    "/clear": _clear,
+    "/set": _set,
+    "/stats": _stats,
+    "/spec": _spec,
+    "/save": _save,
+    "/load": _load,
+    "/show": _show,
+}
 
 
 def handle_command(session: Session, state: ChatState, line: str) -> CommandResult:
@@ -427,8 +438,10 @@ def repl(session: Session, state: ChatState, console: Console, history: History)
             console.print(
                 f"error: out of memory in this reply ({reason}); the message was not added to the conversation\n"
                 "fix: /set max_tokens N for shorter replies, or /save FILE then /clear to start a shorter conversation",
-                style="red", markup=False, highlight=False,
-            )  # fmt: skip
+                style="red",
+                markup=False,
+                highlight=False,
+            )
             continue
         console.print()
         if answer.finish_reason in FINISH_NOTES:

@@ -285,9 +285,11 @@ def check_mxfp4(facts: MachineFacts) -> Check:
         return Check("mxfp4", "pass", "triton >= 3.4 and kernels installed: MXFP4 checkpoints (gpt-oss) run as stored")
     if facts.kind == "cuda" and facts.capability is not None and facts.capability >= (7, 5):
         return Check(
-            "mxfp4", "pass", "MXFP4 checkpoints (gpt-oss) load dequantized to bf16, three times their size; "
+            "mxfp4",
+            "pass",
+            "MXFP4 checkpoints (gpt-oss) load dequantized to bf16, three times their size; "
             "`pip install 'triton>=3.4' kernels` runs them as stored on this GPU",
-        )  # fmt: skip
+        )
     return Check("mxfp4", "pass", "MXFP4 checkpoints (gpt-oss) load dequantized to bf16 here (no kernels for them)")
 
 
@@ -412,7 +414,9 @@ def hub_reachable(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
 def check_hub(offline: bool, endpoint: str, unreachable: str | None) -> Check:
     """Whether models can download: HF_HUB_OFFLINE, else whether `endpoint` answered (`unreachable` is why not)."""
     if offline:
-        return Check("hugging face hub", "pass", "offline (HF_HUB_OFFLINE=1): only cached models load, the Hub is not asked")
+        return Check(
+            "hugging face hub", "pass", "offline (HF_HUB_OFFLINE=1): only cached models load, the Hub is not asked"
+        )
     if unreachable is None:
         return Check("hugging face hub", "pass", f"{endpoint} answers: models download on first use")
     return Check(
@@ -444,11 +448,20 @@ def check_recipes(
         size = f", ~{gb(plan.estimated_bytes)}" if plan.estimated_bytes else ""
         rate = bandwidth(plan.device, plan.dtype) if bandwidth else None
         speed = expected_speed(recipe, plan, rate) if rate else None
-        lines.append(f"{recipe.name}: fits, {plan.device} {plan.weights}{size}" + (f"; {speed.describe()}" if speed else ""))
-        items.append({
-            "name": recipe.name, "fits": True, "runnable": True, "device": plan.device, "weights": plan.weights,
-            "estimated_bytes": plan.estimated_bytes, "max_tokens_per_s": round(speed.tokens_per_s, 1) if speed else None,
-        })  # fmt: skip
+        lines.append(
+            f"{recipe.name}: fits, {plan.device} {plan.weights}{size}" + (f"; {speed.describe()}" if speed else "")
+        )
+        items.append(
+            {
+                "name": recipe.name,
+                "fits": True,
+                "runnable": True,
+                "device": plan.device,
+                "weights": plan.weights,
+                "estimated_bytes": plan.estimated_bytes,
+                "max_tokens_per_s": round(speed.tokens_per_s, 1) if speed else None,
+            }
+        )
     if fitting or not recipes:
         return Check("recipes", "pass", "\n".join(lines) or "no recipes", items=tuple(items))
     return Check(

@@ -136,7 +136,11 @@ def _plan_export(
         notes.append(f"{recipe.target.id} is gated: accept its license on huggingface.co and set HF_TOKEN first")
     for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)):
         if ref.path is not None:
-            where = "ships inside the dflash package on this machine" if ref.id.startswith(PACKAGE_PREFIX) else "is a local directory"
+            where = (
+                "ships inside the dflash package on this machine"
+                if ref.id.startswith(PACKAGE_PREFIX)
+                else "is a local directory"
+            )
             notes.append(
                 f"the {what} {where}: copy {ref.path} to the serving machine and keep (or edit) that path in the command"
             )

@@ -41,16 +41,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dflash_cli.protocol import responses
 from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.protocol import responses
+from dflash_cli.protocol.requests import LineError, Request, RequestFile, read_jsonl
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.recipes import Recipe
-from dflash_cli.protocol.requests import LineError, Request, RequestFile, read_jsonl
 
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; two runs on one output are then the user's to avoid
     fcntl = None  # type: ignore[assignment]
+
 
 def auto_id(number: int, raw: bytes) -> str:
     """The id of a line that has none: stable as long as the line keeps its place and text."""
@@ -149,11 +150,15 @@ def _open_for_writing(path: Path, mode: str, what: str, flag: str) -> IO[bytes]:
             fix=f"pass a path in a directory with {flag}, e.g. {flag} {parent.with_suffix('')}.{what}.jsonl",
         )
     if not parent.is_dir():
-        raise DflashError(f"the {what} directory {parent} does not exist", fix=f"mkdir -p {parent}, or pass another {flag}")
+        raise DflashError(
+            f"the {what} directory {parent} does not exist", fix=f"mkdir -p {parent}, or pass another {flag}"
+        )
     try:
         return path.open(mode)
     except IsADirectoryError:
-        raise DflashError(f"the {what} file {path} is a directory", fix=f"pass a file path: {flag} {path}/{what}.jsonl")
+        raise DflashError(
+            f"the {what} file {path} is a directory", fix=f"pass a file path: {flag} {path}/{what}.jsonl"
+        ) from None
     except OSError as error:
         raise DflashError(
             f"cannot write the {what} file {path}: {error.strerror}",
@@ -250,9 +255,13 @@ def format_openai_response(request: Request, result: Any, model: str) -> dict[st
     """A result as a line of an OpenAI batch output file."""
     endpoint = request.endpoint or ""
     body = responses.completion(
-        endpoint, id=responses.new_id(endpoint), model=model, text=result.text, finish_reason=result.finish_reason,
+        endpoint,
+        id=responses.new_id(endpoint),
+        model=model,
+        text=result.text,
+        finish_reason=result.finish_reason,
         stats=result.stats,
-    )  # fmt: skip
+    )
     stats = body.pop("dflash")  # beside the response, where it was before the server shared this shape
     return {
         "id": "batch_req_" + uuid.uuid4().hex,
@@ -273,7 +282,13 @@ def request_hash(request: Request, options: RunOptions, target: str | None) -> s
         sampling = dict(request.sampling)
     made_from = {
         "target": target,
-        "input": [request.messages, request.prompt, request.prompt_ids, dict(request.chat_template_kwargs), request.endpoint],
+        "input": [
+            request.messages,
+            request.prompt,
+            request.prompt_ids,
+            dict(request.chat_template_kwargs),
+            request.endpoint,
+        ],
         "sampling": sampling,
     }
     return hashlib.sha256(json.dumps(made_from, sort_keys=True, default=repr).encode()).hexdigest()[:16]
@@ -347,9 +362,15 @@ def summary_table(summary: Summary) -> Table:
     tau = f"{summary.tau:.2f}" if summary.tau is not None else "-"
     failed = f"[red]{summary.failed}[/]" if summary.failed else "0"
     table.add_row(
-        str(summary.total), str(summary.done), str(summary.skipped), failed, str(summary.completion_tokens),
-        f"{summary.wall_s:.1f}s", f"{summary.tokens_per_s:.1f}", tau,
-    )  # fmt: skip
+        str(summary.total),
+        str(summary.done),
+        str(summary.skipped),
+        failed,
+        str(summary.completion_tokens),
+        f"{summary.wall_s:.1f}s",
+        f"{summary.tokens_per_s:.1f}",
+        tau,
+    )
     if summary.errors:
         table.caption = f"failed requests: {escape(summary.errors)}"
     return table
@@ -496,7 +517,9 @@ def run_file(
         with ErrorsFile(errors_path) as error_log:
             # (the mode this run decodes in, true even when it has nothing left to decode)
             speculative = not options.no_spec and recipe is not None and recipe.drafter is not None
-            summary, skipped = _resume_and_run(results, error_log, parsed, options, made_from, speculative, console, load)
+            summary, skipped = _resume_and_run(
+                results, error_log, parsed, options, made_from, speculative, console, load
+            )
         resume = results.resume
     summary.total, summary.skipped, summary.repaired_bytes = parsed.total, skipped, resume.repaired_bytes
     summary.failed += len(parsed.errors)
@@ -521,9 +544,15 @@ def _refuse_stale_results(results: ResultsFile, made_from: dict[str, str]) -> No
 
 
 def _resume_and_run(
-    results: ResultsFile, error_log: ErrorsFile, parsed: RequestFile, options: RunOptions, made_from: dict[str, str],
-    speculative: bool, console: Console | None, load: Callable[[RunOptions, Console | None], Any] | None,
-) -> tuple[Summary, int]:  # fmt: skip
+    results: ResultsFile,
+    error_log: ErrorsFile,
+    parsed: RequestFile,
+    options: RunOptions,
+    made_from: dict[str, str],
+    speculative: bool,
+    console: Console | None,
+    load: Callable[[RunOptions, Console | None], Any] | None,
+) -> tuple[Summary, int]:
     say = console.print if console is not None else (lambda *args: None)
     output_path = results.path
     resume = results.resume

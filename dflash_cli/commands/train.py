@@ -34,11 +34,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from dflash_cli.commands.train_prompts import split_prompts
 from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target.attention import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
-from dflash_cli.commands.train_prompts import split_prompts
 
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),
 # distill/ (the target's answers and captured features), metrics.json.
@@ -127,7 +127,9 @@ def self_distill(
     from safetensors.torch import load_file, save_file
 
     template_kwargs = template_kwargs or {}
-    encoded = [(_cache_key(c, template_kwargs), encode_conversation(tokenizer, c, template_kwargs)) for c in conversations]
+    encoded = [
+        (_cache_key(c, template_kwargs), encode_conversation(tokenizer, c, template_kwargs)) for c in conversations
+    ]
     if feature_layer_ids:
         tokens = sum(len(ids) for _, ids in encoded) + len(encoded) * max_new_tokens
         hidden = target.config.get_text_config().hidden_size
@@ -143,7 +145,9 @@ def self_distill(
             except json.JSONDecodeError:  # a line cut short by an interrupted run: regenerate it
                 continue
             usable = record.get("features") and record.get("feature_layers") == feature_layer_ids
-            done[record["key"]] = Sample(record["prompt_ids"], record["response_ids"], record["features"] if usable else None)
+            done[record["key"]] = Sample(
+                record["prompt_ids"], record["response_ids"], record["features"] if usable else None
+            )
     files = {f for f in (s.features for s in done.values()) if f}
     names = {p.name for p in out_dir.glob("features-*.safetensors")}
     stored = {name: load_file(str(out_dir / name)) for name in files}
@@ -181,10 +185,15 @@ def self_distill(
                     sample.features = features[row, left : left + len(sample.ids) - 1].to(torch.bfloat16).contiguous()
                     tensors[_digest(key)] = sample.features
                 done[key] = sample
-                records.append({
-                    "key": key, "prompt_ids": ids, "response_ids": sample.response_ids,
-                    "features": name if features is not None else None, "feature_layers": feature_layer_ids,
-                })  # fmt: skip
+                records.append(
+                    {
+                        "key": key,
+                        "prompt_ids": ids,
+                        "response_ids": sample.response_ids,
+                        "features": name if features is not None else None,
+                        "feature_layers": feature_layer_ids,
+                    }
+                )
             if tensors:
                 save_file(tensors, str(out_dir / name))  # before the jsonl lines that point at it
                 names.add(name)
@@ -260,7 +269,9 @@ class Batch:
         return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
-def make_batch(samples: list[Sample], anchors_per_sequence: int, block_size: int, mask_id: int, pad_id: int, rng: random.Random) -> Batch:
+def make_batch(
+    samples: list[Sample], anchors_per_sequence: int, block_size: int, mask_id: int, pad_id: int, rng: random.Random
+) -> Batch:
     width = max(len(s.ids) for s in samples)
     n, B = anchors_per_sequence, block_size
     input_ids = torch.full((len(samples), width), pad_id)
@@ -284,14 +295,23 @@ def make_batch(samples: list[Sample], anchors_per_sequence: int, block_size: int
     return Batch(input_ids, block_ids.reshape(len(samples), n * B), labels, positions, masks)
 
 
-def dflash_loss(drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, gamma: float) -> tuple[torch.Tensor, dict[str, float]]:
+def dflash_loss(
+    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, gamma: float
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted block cross-entropy, plus the accuracy and acceptance length the drafts would get."""
     B = drafter.block_size
     b, n = batch.labels.shape[:2]
-    hidden = drafter(drafter.embed(batch.block_ids), drafter.fuse_context(features), batch.position_ids, attention_mask=batch.attention_mask)
+    hidden = drafter(
+        drafter.embed(batch.block_ids),
+        drafter.fuse_context(features),
+        batch.position_ids,
+        attention_mask=batch.attention_mask,
+    )
     hidden = hidden.view(b, n, B, -1)[:, :, 1:]
     logits = drafter.logits(hidden).float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100, reduction="none").view(b, n, B - 1)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(b, n, B - 1)
     valid = batch.labels != -100
     weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32, device=ce.device) / gamma) * valid
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-6)
@@ -320,7 +340,14 @@ def _lr_at(step: int, options: TrainOptions) -> float:
     return options.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def save_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, step: int, options: TrainOptions, history: list[dict[str, float]]) -> None:
+def save_checkpoint(
+    directory: Path,
+    drafter: DFlashDrafter,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    options: TrainOptions,
+    history: list[dict[str, float]],
+) -> None:
     """Drafter in the z-lab format plus optimizer tensors (safetensors) and scalars (JSON): no pickle."""
     from safetensors.torch import save_file
 
@@ -377,7 +404,9 @@ def recover_checkpoint(directory: Path) -> None:
         shutil.rmtree(previous)
 
 
-def load_checkpoint(directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]]]:
+def load_checkpoint(
+    directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer
+) -> tuple[int, list[dict[str, float]]]:
     from safetensors.torch import load_file
 
     state = json.loads((directory / "trainer_state.json").read_text())
@@ -436,7 +465,9 @@ def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlas
         mask_token_id=mask_token_id,
         target_layer_ids=default_target_layer_ids(n_target, min(options.feature_layers, n_target)),
         rms_norm_eps=tcfg.rms_norm_eps,
-        rope_theta=float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))),
+        rope_theta=float(
+            (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))
+        ),
         max_position_embeddings=tcfg.max_position_embeddings,
     )
     torch.manual_seed(options.seed)
@@ -463,7 +494,10 @@ def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
     added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in in_use)
     spare = (added or special)[-1:]  # the last added special token: the most specialised one
     if not spare:
-        raise DflashError("the tokenizer has no spare special token to use as MASK", fix="pass --mask-token-id ID (a token that never appears in chat)")
+        raise DflashError(
+            "the tokenizer has no spare special token to use as MASK",
+            fix="pass --mask-token-id ID (a token that never appears in chat)",
+        )
     return spare[0]
 
 
@@ -497,13 +531,18 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         raise DflashError("--block-size must be at least 2 (the anchor plus one drafted token)")
     output = Path(options.output)
     if output.exists() and not output.is_dir():
-        raise DflashError(f"--output {output} is a file", fix="name a directory for the run (it is created), e.g. runs/my-drafter")
+        raise DflashError(
+            f"--output {output} is a file", fix="name a directory for the run (it is created), e.g. runs/my-drafter"
+        )
     checkpoint = output / CHECKPOINT_DIR
     recover_checkpoint(checkpoint)
     conversations, eval_conversations = split_prompts(options.prompts, options.eval_prompts_file, options.eval_prompts)
     resumable = (checkpoint / "trainer_state.json").exists()
     if resumable and not options.resume:
-        raise DflashError(f"{output} already holds a training checkpoint", fix="pass --resume to continue it, or choose another --output")
+        raise DflashError(
+            f"{output} already holds a training checkpoint",
+            fix="pass --resume to continue it, or choose another --output",
+        )
     if options.resume and not resumable:
         raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
     template_kwargs = target_template_kwargs(options.target)
@@ -511,22 +550,41 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
     target, tokenizer = load_target(options.target, options.device, dtype, console)
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         samples = self_distill(
-            target, tokenizer, conversations, output / DISTILL_DIR, options.max_new_tokens, options.distill_batch_size, progress,
-            drafter.config.target_layer_ids, template_kwargs,
-        )  # fmt: skip
+            target,
+            tokenizer,
+            conversations,
+            output / DISTILL_DIR,
+            options.max_new_tokens,
+            options.distill_batch_size,
+            progress,
+            drafter.config.target_layer_ids,
+            template_kwargs,
+        )
         samples = [s for s in samples if len(s.response_ids) >= 2]
         if not samples:
-            raise DflashError("the target produced no usable responses (all shorter than 2 tokens)", fix="check the prompts and --max-new-tokens")
+            raise DflashError(
+                "the target produced no usable responses (all shorter than 2 tokens)",
+                fix="check the prompts and --max-new-tokens",
+            )
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, betas=(0.9, 0.95))
         step, history = 0, []
         if options.resume:
             step, history = load_checkpoint(checkpoint, drafter, optimizer)
             console.print(f"Resuming from step {step} ({checkpoint})")
         started = time.perf_counter()
-        stats = _train_loop(drafter, target, samples, optimizer, options, step, history, progress, checkpoint, tokenizer)
+        stats = _train_loop(
+            drafter, target, samples, optimizer, options, step, history, progress, checkpoint, tokenizer
+        )
         train_seconds = time.perf_counter() - started
     final = output / DRAFTER_DIR
     _save_final(drafter, final)
@@ -537,8 +595,19 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             del target
             target, tokenizer = load_target(options.target, options.device, str(served).removeprefix("torch."), console)
         drafter.to(served).bind(target)
-        eval_tau = evaluate_tau(target, drafter, tokenizer, eval_conversations, options.max_new_tokens, console, template_kwargs)
-    result = TrainResult(str(final), options.steps, train_seconds, stats.get("loss", float("nan")), stats.get("tau", 1.0), eval_tau, len(eval_conversations), history)
+        eval_tau = evaluate_tau(
+            target, drafter, tokenizer, eval_conversations, options.max_new_tokens, console, template_kwargs
+        )
+    result = TrainResult(
+        str(final),
+        options.steps,
+        train_seconds,
+        stats.get("loss", float("nan")),
+        stats.get("tau", 1.0),
+        eval_tau,
+        len(eval_conversations),
+        history,
+    )
     (output / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return result
 
@@ -557,7 +626,18 @@ def _batches(samples: list[Sample], batch_size: int, rng: random.Random) -> Iter
         yield from batches
 
 
-def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], optimizer: torch.optim.Optimizer, options: TrainOptions, step: int, history: list[dict[str, float]], progress: Progress, checkpoint: Path, tokenizer: Any) -> dict[str, float]:
+def _train_loop(
+    drafter: DFlashDrafter,
+    target: Any,
+    samples: list[Sample],
+    optimizer: torch.optim.Optimizer,
+    options: TrainOptions,
+    step: int,
+    history: list[dict[str, float]],
+    progress: Progress,
+    checkpoint: Path,
+    tokenizer: Any,
+) -> dict[str, float]:
     rng = random.Random(options.seed * 1_000_003 + step)  # a resumed run does not replay the same batches
     layer_ids = drafter.config.target_layer_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -584,7 +664,9 @@ def _train_loop(drafter: DFlashDrafter, target: Any, samples: list[Sample], opti
         optimizer.step()
         step += 1
         running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
-        progress.update(task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}")
+        progress.update(
+            task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}"
+        )
         if step % 10 == 0 or step == options.steps:
             history.append({"step": step, **running})
         if step % options.checkpoint_every == 0 or step == options.steps:
@@ -604,7 +686,9 @@ def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_i
         return out.to(device)
     with torch.no_grad():
         # Right padding and causal attention: real positions never see the pads, so no mask is needed.
-        _, features = capture_target_features(target, input_ids.to(device), layer_ids, use_cache=False, logits_to_keep=1)
+        _, features = capture_target_features(
+            target, input_ids.to(device), layer_ids, use_cache=False, logits_to_keep=1
+        )
     return features
 
 
@@ -624,15 +708,31 @@ def serving_dtype(device: str) -> torch.dtype:
     return getattr(torch, default_dtype(kind, detect_machine())[0])
 
 
-def evaluate_tau(target: Any, drafter: DFlashDrafter, tokenizer: Any, conversations: list[list[dict[str, str]]], max_new_tokens: int, console: Console, template_kwargs: dict[str, Any] | None = None) -> float:
+def evaluate_tau(
+    target: Any,
+    drafter: DFlashDrafter,
+    tokenizer: Any,
+    conversations: list[list[dict[str, str]]],
+    max_new_tokens: int,
+    console: Console,
+    template_kwargs: dict[str, Any] | None = None,
+) -> float:
     """Mean acceptance length over held-out prompts with the real decode loop (greedy)."""
     from dflash_cli.engine import speculative_generate
 
     stop = _stop_ids(target, tokenizer)
     lengths: list[int] = []
     drafter.eval()
-    with Progress(TextColumn("tau on held-out prompts"), BarColumn(), MofNCompleteColumn(), console=console) as progress:
+    with Progress(
+        TextColumn("tau on held-out prompts"), BarColumn(), MofNCompleteColumn(), console=console
+    ) as progress:
         for messages in progress.track(conversations):
-            result = speculative_generate(target, drafter, encode_conversation(tokenizer, messages, template_kwargs or {}), max_new_tokens, stop_token_ids=stop)
+            result = speculative_generate(
+                target,
+                drafter,
+                encode_conversation(tokenizer, messages, template_kwargs or {}),
+                max_new_tokens,
+                stop_token_ids=stop,
+            )
             lengths += result.acceptance_lengths
     return sum(lengths) / max(1, len(lengths))

@@ -33,11 +33,15 @@ def load_prompts(path: str | Path) -> list[Conversation]:
         raise DflashError(f"cannot read prompt file {path}: {exc}", fix="give a UTF-8 .txt or .jsonl file") from None
     conversations = [[{"role": "user", "content": line.strip()}] for line in lines if line.strip()]
     if not conversations:
-        raise DflashError(f"prompt file {path} holds no prompts", fix="one prompt per line (.txt) or per JSON line (.jsonl)")
+        raise DflashError(
+            f"prompt file {path} holds no prompts", fix="one prompt per line (.txt) or per JSON line (.jsonl)"
+        )
     return conversations
 
 
-def split_prompts(prompts: str | Path, eval_file: str | Path | None, eval_prompts: int) -> tuple[list[Conversation], list[Conversation]]:
+def split_prompts(
+    prompts: str | Path, eval_file: str | Path | None, eval_prompts: int
+) -> tuple[list[Conversation], list[Conversation]]:
     """(training, held-out) conversations: the first `eval_prompts` of `eval_file`, else of `prompts` (then
     left out of training)."""
     conversations = load_prompts(prompts)

@@ -33,12 +33,15 @@ import contextlib
 import os
 import time
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 from torch.fx.experimental import _config as fx_config
+
 
 def compile_cache_dir() -> Path:
     from platformdirs import user_cache_dir
@@ -52,16 +55,24 @@ def use_compile_cache() -> Path:
     return Path(directory)
 
 
-def run_target(model: Any, token_ids: torch.Tensor, cache: Any, offset: int | torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+def run_target(
+    model: Any, token_ids: torch.Tensor, cache: Any, offset: int | torch.Tensor, logits_to_keep: int = 0
+) -> torch.Tensor:
     """One target forward over `token_ids` [1, q] at positions offset .. offset+q-1; logits [q', vocab]."""
     positions = (torch.arange(token_ids.shape[1], device=token_ids.device) + offset)[None]
     out = model(
-        input_ids=token_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
+        input_ids=token_ids,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
     )
     return out.logits[0]
 
 
-def run_drafter(drafter: Any, block_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+def run_drafter(
+    drafter: Any, block_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cache: Any
+) -> torch.Tensor:
     """One drafter forward over `rows` = [fused new context ; block embeddings] [1, c+q, H] at `positions`
     -> hidden of every block slot [1, q, H] (slot 0 included: a slice here would make the compiler
     specialize on a 2-token block). One input for context and block: c is often 1, and a size-1 input (or
@@ -69,15 +80,18 @@ def run_drafter(drafter: Any, block_ids: torch.Tensor, rows: torch.Tensor, posit
     return drafter.forward_rows(rows, block_ids.shape[1], positions, cache)
 
 
-Notify = Callable[[str], ContextManager[Any]]
+Notify = Callable[[str], AbstractContextManager[Any]]
 
 # Inductor on a CPU: weights frozen and packed for inductor's C++ GEMM templates, each product timed against
 # MKL's once per shape and row count (the choice is kept in the inductor cache) so that the faster one runs;
 # the timing tables inductor prints for each choice are not for our users.
 CPU_INDUCTOR_OPTIONS = {
-    "freezing": True, "max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN",
-    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
-}  # fmt: skip
+    "freezing": True,
+    "max_autotune_gemm": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
 
 
 class CompiledStep:
@@ -89,8 +103,15 @@ class CompiledStep:
     target's step, whose shapes are fixed per block size); otherwise dynamic shapes.
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor], what: str, device_type: str, *, backend: Any = "inductor",
-                 cuda_graphs: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        what: str,
+        device_type: str,
+        *,
+        backend: Any = "inductor",
+        cuda_graphs: bool = False,
+    ) -> None:
         use_compile_cache()
         options: dict[str, Any] = {"fullgraph": True, "backend": backend, "dynamic": True}
         if device_type == "cuda" and cuda_graphs:
@@ -115,7 +136,9 @@ class CompiledStep:
         key = (id(args[0]), args[1].shape[1])
         if key in self.compiled or notify is None:
             return self._run(*args)
-        message = f"compiling the {self.what} for blocks of {args[1].shape[1]} (first use; cached in {use_compile_cache()})"
+        message = (
+            f"compiling the {self.what} for blocks of {args[1].shape[1]} (first use; cached in {use_compile_cache()})"
+        )
         with notify(message):
             out = self._run(*args)
         self.compiled.add(key)
@@ -132,7 +155,9 @@ class CompiledStep:
                 return self.fn(*args)
         except torch._dynamo.exc.TorchDynamoException as error:  # nothing ran: the graph never executed
             self.broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            warnings.warn(f"compiling the {self.what} failed ({self.broken}); running it eagerly (--compile off)", stacklevel=3)
+            warnings.warn(
+                f"compiling the {self.what} failed ({self.broken}); running it eagerly (--compile off)", stacklevel=3
+            )
             return self.eager(*args)
         finally:
             if counters["stats"]["unique_graphs"] != graphs:  # this call compiled a graph

@@ -42,7 +42,12 @@ def use_small_row_products(model: nn.Module) -> int:
     switched = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if type(module) is nn.Linear and weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if (
+            type(module) is nn.Linear
+            and weight is not None
+            and weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+        ):
             module.__class__ = SmallRowLinear
             switched += 1
     return switched

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -34,8 +35,8 @@ from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.row import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
-from dflash_cli.engine.target import acquire_state, release_state
 from dflash_cli.engine.stats import PhaseClock
+from dflash_cli.engine.target import acquire_state, release_state
 from dflash_cli.engine.target.attention import AttentionState, batch_limit, context_window
 from dflash_cli.errors import DflashError
 
@@ -110,10 +111,15 @@ class Batch:
         """Queue a request; it joins at the next step with a free slot. Raises DflashError for a request that
         cannot run (an empty prompt, one that fills the context window)."""
         request = Request(
-            prompt_ids, params, block_size=self.block, speculative=self.drafter is not None,
-            context_window=context_window(self.target), device=self.device, tokenizer=self.tokenizer,
+            prompt_ids,
+            params,
+            block_size=self.block,
+            speculative=self.drafter is not None,
+            context_window=context_window(self.target),
+            device=self.device,
+            tokenizer=self.tokenizer,
             adaptive=not isinstance(self.policy, FixedBlock),
-        )  # fmt: skip
+        )
         row = Row(request, key)
         self.waiting.append(row)
         return row
@@ -166,7 +172,9 @@ class Batch:
             state = acquire_state(self.target)
             layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
             try:
-                state.reserve(request.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify)
+                state.reserve(
+                    request.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify
+                )
                 self.policy.prepare(state, self.drafter, prompt)  # before any row is in the state (it may use row 0)
             except BaseException:  # this row fails; the next one reserves and prepares again
                 release_state(state)
@@ -184,7 +192,9 @@ class Batch:
         started = time.perf_counter()
         # Prefill: the whole prompt once; only the last position's logits are needed.
         logits = state.prefill(prompt, row.slot)
-        row.last = sample_tokens(logits, request.params, request.generator, request.uniforms_at(len(request.prompt_ids), 1))
+        row.last = sample_tokens(
+            logits, request.params, request.generator, request.uniforms_at(len(request.prompt_ids), 1)
+        )
         first = int(row.last.item())
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
         if self.draft_rows is not None:
@@ -208,7 +218,9 @@ class Batch:
         # Several rows share one width, and some states verify whole blocks regardless: the target is causal, so
         # slots after a row's real block change nothing before them.
         width = sizes[0] if len(rows) == 1 and not state.whole_blocks else self.policy.padded(chosen)
-        block_ids = torch.full((len(rows), width), drafter.mask_token_id if drafter is not None else 0, device=self.device)
+        block_ids = torch.full(
+            (len(rows), width), drafter.mask_token_id if drafter is not None else 0, device=self.device
+        )
         block_ids[:, 0] = torch.cat([row.last for row in rows])
         t_draft, compiled_before = clock.mark(), compiling_seconds()
         drafting, features = [], []  # the drafting rows' indices and new context features
@@ -222,14 +234,20 @@ class Batch:
         if drafting and self.draft_rows is None:  # one row: its own cache (and compiled step)
             (i,) = drafting
             # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
-            block_ids[i, 1 : sizes[i]] = drafter.propose(features[0], block_ids[i, : sizes[i]][None], starts[i], rows[i].draft_cache)[0]
+            block_ids[i, 1 : sizes[i]] = drafter.propose(
+                features[0], block_ids[i, : sizes[i]][None], starts[i], rows[i].draft_cache
+            )[0]
         elif drafting:  # one forward for every drafting row, blocks padded to the widest
             wide = max(sizes[i] for i in drafting)
             blocks = block_ids[:, :wide] if len(drafting) == len(rows) else block_ids[drafting, :wide]
             proposals = drafter.propose_rows(
-                features, blocks, [starts[i] for i in drafting], self.draft_rows,
-                sizes=[sizes[i] for i in drafting], slots=[rows[i].slot for i in drafting],
-            )  # fmt: skip
+                features,
+                blocks,
+                [starts[i] for i in drafting],
+                self.draft_rows,
+                sizes=[sizes[i] for i in drafting],
+                slots=[rows[i].slot for i in drafting],
+            )
             for proposal, i in zip(proposals, drafting):
                 block_ids[i, 1 : sizes[i]] = proposal[: sizes[i] - 1]
         t_verify, compiled_drafting = clock.mark(), compiling_seconds()
@@ -257,7 +275,9 @@ class Batch:
         steps, at = [], 0
         for row, size, posterior in zip(rows, sizes, posteriors):
             accepted = host[at]
-            committed = host[at + 1 : at + accepted + 2]  # accepted drafts equal the target's own tokens, then the bonus
+            committed = host[
+                at + 1 : at + accepted + 2
+            ]  # accepted drafts equal the target's own tokens, then the bonus
             at += size + 1
             stats = row.request.stats  # (each row waited for the whole step: its draft and verify times are the step's)
             stats.draft_s += draft_s
@@ -295,7 +315,9 @@ def generate(
     `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
     `block_size` (default: the drafter's).
     """
-    batch = Batch(target, drafter, block_size=block_size, tokenizer=tokenizer, compile=compile, notify=notify, policy=policy)
+    batch = Batch(
+        target, drafter, block_size=block_size, tokenizer=tokenizer, compile=compile, notify=notify, policy=policy
+    )
     batch.add(prompt_ids, params)
     try:
         while True:

@@ -35,8 +35,9 @@ import platform
 import statistics
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -138,7 +139,9 @@ class StepCosts:
         self.load = 1.0
         self.successes = [0.0] * (max(self.sizes) - 1)
         self.failures = [0.0] * (max(self.sizes) - 1)
-        self.path = cost_cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+        self.path = (
+            cost_cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+        )
         self._read()
 
     @property
@@ -227,10 +230,14 @@ class StepCosts:
     def save(self) -> None:
         """Write the costs and the history (best effort: a read-only cache only loses the saving)."""
         data = {
-            "schema": COSTS_SCHEMA, "key": self.key, "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "draft_s": self.draft_s, "verify_s": self.verify_s,
-            "successes": [round(v, 3) for v in self.successes], "failures": [round(v, 3) for v in self.failures],
-        }  # fmt: skip
+            "schema": COSTS_SCHEMA,
+            "key": self.key,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "successes": [round(v, 3) for v in self.successes],
+            "failures": [round(v, 3) for v in self.failures],
+        }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             partial = self.path.with_suffix(f".{os.getpid()}.tmp")
@@ -241,7 +248,9 @@ class StepCosts:
 
 
 def _fingerprint(config: Any) -> str:
-    return hashlib.sha256(config.encode() if isinstance(config, str) else json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        config.encode() if isinstance(config, str) else json.dumps(config, sort_keys=True, default=str).encode()
+    ).hexdigest()[:16]
 
 
 def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, Any]:
@@ -314,7 +323,9 @@ class AdaptiveBlock:
             return 1
         acceptance = self.acceptance()
         # expected tokens per second of each size <= limit
-        rates = {size: expected_tokens(acceptance, size) / self.costs.cost(size) for size in self.sizes if size <= limit}
+        rates = {
+            size: expected_tokens(acceptance, size) / self.costs.cost(size) for size in self.sizes if size <= limit
+        }
         best = max(rates, key=rates.__getitem__)
         self.probing = False
         if best > 1:
@@ -380,11 +391,20 @@ def own_block(block: torch.Tensor, size: int) -> torch.Tensor:
     return block[:, :size].clone(memory_format=torch.contiguous_format)
 
 
-def adaptive_policy(target: Any, drafter: DFlashDrafter, max_size: int, *, compile: bool = False, notify: Any = None) -> AdaptiveBlock:
+def adaptive_policy(
+    target: Any, drafter: DFlashDrafter, max_size: int, *, compile: bool = False, notify: Any = None
+) -> AdaptiveBlock:
     """A fresh adaptive policy for one generation, over the process's shared costs for this model pair."""
     return AdaptiveBlock(shared_costs(target, drafter, max_size, compile), notify)
 
 
 __all__ = [
-    "AdaptiveBlock", "BlockPolicy", "FixedBlock", "SIZES", "StepCosts", "adaptive_policy", "expected_tokens", "sizes_up_to",
-]  # fmt: skip
+    "AdaptiveBlock",
+    "BlockPolicy",
+    "FixedBlock",
+    "SIZES",
+    "StepCosts",
+    "adaptive_policy",
+    "expected_tokens",
+    "sizes_up_to",
+]

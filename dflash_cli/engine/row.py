@@ -6,8 +6,9 @@ requests can later step together (each with its own row of target state).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -61,7 +62,9 @@ class Request:
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         if not self.prompt_ids:
-            raise DflashError("the prompt is empty: nothing to continue from", fix="give a prompt of at least one token")
+            raise DflashError(
+                "the prompt is empty: nothing to continue from", fix="give a prompt of at least one token"
+            )
         if block_size < 1:
             raise DflashError(f"block size must be >= 1, got {block_size}")
         self.max_new = params.max_new_tokens

@@ -21,7 +21,10 @@ __all__ = ["SamplingParams", "accepted_drafts", "sample_tokens"]
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of `logits` [n, vocab]: argmax at temperature 0, else a draw from the filtered distribution
     (with `uniforms` [n] float64 in [0, 1): row i's token by inverse CDF at uniforms[i]; else from `generator`)."""

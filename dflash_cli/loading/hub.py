@@ -200,7 +200,11 @@ def download(plan: DownloadPlan, *, console: Console | None = None, what: str = 
 
 
 def pull(
-    refs: Sequence[str | ModelRef | None], console: Console, *, dry_run: bool = False, json: bool = False,
+    refs: Sequence[str | ModelRef | None],
+    console: Console,
+    *,
+    dry_run: bool = False,
+    json: bool = False,
     print_json: bool = True,
 ) -> list[DownloadPlan]:
     """`dflash pull`: show the total size of `refs`, check disk space, then download them with a progress bar.
@@ -445,8 +449,7 @@ def _not_cached_error(repo_id: str, revision: str, what: str, *, reason: str) ->
     else:
         why, fix = "huggingface.co cannot be reached", "check the network (or HTTPS_PROXY) and retry, " + elsewhere
     return DflashError(
-        f"{what} {repo_id} (revision {revision}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-        f"and {why}",
+        f"{what} {repo_id} (revision {revision}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}",
         fix=fix,
     )
 

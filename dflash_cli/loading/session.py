@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any
 
 from rich.console import Console
 
@@ -19,12 +21,12 @@ from dflash_cli.engine import Batch, SamplingParams, Step, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.attention import batch_limit
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.loading.models import LoadedModels, load_models
+from dflash_cli.protocol.requests import Request
+from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import Plan, block_size_note, make_plan
 from dflash_cli.setup.recipes import Recipe
-from dflash_cli.protocol.requests import Request
 
 
 @dataclass
@@ -69,9 +71,15 @@ class Session:
     def plan_line(self) -> str:
         """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the rows a
         batching frontend decodes together; the CPU thread count where it matters; whether steps are compiled."""
-        line = self.plan.one_line(self.drafter.block_size if self.drafter is not None else None, drafting=self.drafter is not None)
+        line = self.plan.one_line(
+            self.drafter.block_size if self.drafter is not None else None, drafting=self.drafter is not None
+        )
         line += f", batch {self.batch_size}" if self.batching else ""
-        return line + (f", {self.threads.label()}" if self.threads is not None else "") + (", compiled" if self.compiled else "")
+        return (
+            line
+            + (f", {self.threads.label()}" if self.threads is not None else "")
+            + (", compiled" if self.compiled else "")
+        )
 
     def block_size_note(self, block_size: int | None) -> str | None:
         """A note when `block_size` is longer than the loaded drafter was trained for (None when it is not)."""
@@ -88,8 +96,10 @@ class Session:
             if limit is not None:
                 notes.append(f"batch 1, not {self.plan.batch_size}: {limit}")
             elif self.compile:
-                notes.append(f"compile off: compiled steps run one row, and this runs batches of {self.batch_size} "
-                             "(--batch-size 1 to compile)")  # fmt: skip
+                notes.append(
+                    f"compile off: compiled steps run one row, and this runs batches of {self.batch_size} "
+                    "(--batch-size 1 to compile)"
+                )
         return notes
 
     @property
@@ -120,7 +130,7 @@ class Session:
             raise DflashError(
                 f"{self.recipe.target.id} has no tokenizer: {self.models.target_dir} holds no vocabulary file",
                 fix="re-run `dflash pull`, or pass a model directory that includes its tokenizer "
-                "(`dflash bench --prompts FILE.jsonl` also takes token ids: {\"prompt_ids\": [...]})",
+                '(`dflash bench --prompts FILE.jsonl` also takes token ids: {"prompt_ids": [...]})',
             )
         return self.tokenizer
 
@@ -143,9 +153,11 @@ class Session:
         if not getattr(self.require_tokenizer(), "chat_template", None):
             raise DflashError(
                 f"{self.recipe.target.id} has no chat template",
-                fix="use `dflash run` with plain {\"prompt\": ...} lines, or a chat (instruct) model",
+                fix='use `dflash run` with plain {"prompt": ...} lines, or a chat (instruct) model',
             )
-        return apply_chat_template(self.tokenizer, messages, {**self.recipe.chat_template_kwargs, **(template_kwargs or {})})
+        return apply_chat_template(
+            self.tokenizer, messages, {**self.recipe.chat_template_kwargs, **(template_kwargs or {})}
+        )
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
@@ -198,7 +210,12 @@ class Session:
         return SamplingParams(**fields)
 
     def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, speculative: bool = True, block_size: int | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        speculative: bool = True,
+        block_size: int | None = None,
     ) -> Iterator[Step]:
         """Decode with the drafter (speculative) or without it (baseline): the same loop either way. The block
         size: `block_size` for every step when given, else the plan's (adaptive up to it, unless --block-size)."""
@@ -207,9 +224,16 @@ class Session:
         drafter = self.drafter if speculative else None
         policy = self._policy(drafter, block_size, self.compile)
         return generate(
-            self.target, drafter, prompt_ids, params, block_size=block_size or self.block_size, tokenizer=self.tokenizer,
-            compile=self.compile, notify=self._compile_status, policy=policy,
-        )  # fmt: skip
+            self.target,
+            drafter,
+            prompt_ids,
+            params,
+            block_size=block_size or self.block_size,
+            tokenizer=self.tokenizer,
+            compile=self.compile,
+            notify=self._compile_status,
+            policy=policy,
+        )
 
     def batch(self, *, speculative: bool = True) -> Batch:
         """A batch of `batch_size` rows for frontends that decode several requests at once (run, serve): one block
@@ -218,9 +242,15 @@ class Session:
             self.ensure_drafter()
         drafter = self.drafter if speculative else None
         return Batch(
-            self.target, drafter, rows=self.batch_size, block_size=self.block_size, tokenizer=self.tokenizer,
-            compile=self.compiled, notify=self._compile_status, policy=self._policy(drafter, None, self.compiled),
-        )  # fmt: skip
+            self.target,
+            drafter,
+            rows=self.batch_size,
+            block_size=self.block_size,
+            tokenizer=self.tokenizer,
+            compile=self.compiled,
+            notify=self._compile_status,
+            policy=self._policy(drafter, None, self.compiled),
+        )
 
     def _policy(self, drafter: Any, block_size: int | None, compile: bool) -> BlockPolicy | None:
         """The adaptive block policy, unless the plan or the caller (`block_size`) fixes the block."""
@@ -228,7 +258,7 @@ class Session:
             return None
         return adaptive_policy(self.target, drafter, self.block_size, compile=compile, notify=self._compile_status)
 
-    def _compile_status(self, message: str) -> ContextManager[Any]:
+    def _compile_status(self, message: str) -> AbstractContextManager[Any]:
         """A progress line while a step compiles (nothing to show without a console)."""
         return self.console.status(message) if self.console is not None else contextlib.nullcontext()
 

@@ -31,16 +31,29 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("max_tokens", "max_new_tokens", int, ">= 1", lambda v: v >= 1, "most tokens to generate",
-          aliases=("max_completion_tokens",)),
+    Field(
+        "max_tokens",
+        "max_new_tokens",
+        int,
+        ">= 1",
+        lambda v: v >= 1,
+        "most tokens to generate",
+        aliases=("max_completion_tokens",),
+    ),
     Field("temperature", "temperature", float, ">= 0", lambda v: v >= 0, "0 = greedy (below 1e-5 too)"),
     Field("top_p", "top_p", float, "in (0, 1]", lambda v: 0 < v <= 1, "nucleus sampling; 1 = off"),
     Field("top_k", "top_k", int, ">= 0 (0 = off)", lambda v: v >= 0, "keep the K most likely tokens (-1 = off too)"),
     Field("min_p", "min_p", float, "in [0, 1)", lambda v: 0 <= v < 1, "drop tokens below this share of the top one"),
     Field("seed", "seed", int, "a 64-bit integer", lambda v: -(2**63) <= v < 2**64, "random seed (null = none)"),
-    Field("stop", "stop_strings", tuple, "a string or a list of non-empty strings", lambda v: all(v),
-          "stop before any of these strings"),
-)  # fmt: skip
+    Field(
+        "stop",
+        "stop_strings",
+        tuple,
+        "a string or a list of non-empty strings",
+        lambda v: all(v),
+        "stop before any of these strings",
+    ),
+)
 BY_KEY: dict[str, Field] = {name: field for field in FIELDS for name in (field.key, *field.aliases)}
 
 
@@ -119,7 +132,9 @@ def read_setting(key: str, text: str) -> tuple[str, Any]:
         value: Any = int(text) if field.kind is int else float(text)
     except ValueError:
         kind, example = ("a whole number", "50") if field.kind is int else ("a number", "0.7")
-        raise RequestError(f"{key} needs {kind}, got {text!r}", param=key, fix=f"for example: /set {key} {example}")
+        raise RequestError(
+            f"{key} needs {kind}, got {text!r}", param=key, fix=f"for example: /set {key} {example}"
+        ) from None
     return field.attr, read_value(field, value, key)
 
 

@@ -31,11 +31,25 @@ OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # apply_chat_template's own arguments: a request's chat_template_kwargs must not replace them
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-})  # fmt: skip
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def _number_is(default: float) -> Callable[[Any], bool]:
@@ -102,7 +116,9 @@ def read_text(value: Any, name: str, *, allow_empty: bool = False) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise RequestError(f"{name} holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape)", param=name) from None
+        raise RequestError(
+            f"{name} holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape)", param=name
+        ) from None
     return value
 
 
@@ -168,7 +184,9 @@ def check_supported(body: Mapping[str, Any], prefix: str = "") -> None:
     for key in sorted(body.keys() - READ_KEYS - UNSUPPORTED.keys()):
         meant = FOREIGN_NAMES.get(key) or next(iter(difflib.get_close_matches(key, READ_KEYS, n=1, cutoff=0.85)), None)
         if meant is not None:
-            raise RequestError(f"{prefix}{key} is not a request field: did you mean {prefix}{meant}?", param=prefix + key)
+            raise RequestError(
+                f"{prefix}{key} is not a request field: did you mean {prefix}{meant}?", param=prefix + key
+            )
 
 
 def _template_kwargs(value: Any, name: str) -> dict[str, Any]:
@@ -217,7 +235,9 @@ def read_body(body: Any, endpoint: str, *, prefix: str = "") -> Request:
     include_usage = False
     if options is not None:
         if not stream:
-            raise RequestError(f"{prefix}stream_options is only allowed with stream: true", param=prefix + "stream_options")
+            raise RequestError(
+                f"{prefix}stream_options is only allowed with stream: true", param=prefix + "stream_options"
+            )
         if not isinstance(options, dict):
             name = prefix + "stream_options"
             raise RequestError(f"{name} must be an object, got {show(options)}", param=name)
@@ -346,7 +366,9 @@ def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFi
                 if isinstance(parsed, LineError):
                     errors.append(parsed)
                 elif parsed is not None and parsed.id in first_line:
-                    message = f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
+                    message = (
+                        f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
+                    )
                     errors.append(LineError(number, "duplicate_id", message, parsed.id))
                 elif parsed is not None:
                     first_line[parsed.id] = number  # type: ignore[index]
@@ -354,7 +376,6 @@ def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFi
     except OSError as error:
         raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
     return RequestFile(path, requests, errors)
-
 
 
 PROMPT_FILE_FIX = (

@@ -163,8 +163,11 @@ def weight_bandwidth(device: str, dtype: str) -> float:
     import torch
 
     kind = device.partition(":")[0]
-    weights = torch.ones(((2**30 if kind == "cuda" else 2**28) // (4096 * BYTES_PER_ELEMENT[dtype]), 4096),
-                         dtype=getattr(torch, dtype), device=device)  # fmt: skip
+    weights = torch.ones(
+        ((2**30 if kind == "cuda" else 2**28) // (4096 * BYTES_PER_ELEMENT[dtype]), 4096),
+        dtype=getattr(torch, dtype),
+        device=device,
+    )
     vector = torch.ones(1, 4096, dtype=weights.dtype, device=device)
 
     def seconds() -> float:

@@ -52,7 +52,11 @@ class RunOptions:
 
     def plan_overrides(self) -> PlanOverrides:
         return PlanOverrides(
-            device=self.device, dtype=self.dtype, quant=self.quant, block_size=self.block_size, batch_size=self.batch_size
+            device=self.device,
+            dtype=self.dtype,
+            quant=self.quant,
+            block_size=self.block_size,
+            batch_size=self.batch_size,
         )
 
     def sampling_params(self, **extra: Any) -> SamplingParams:

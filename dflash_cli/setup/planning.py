@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import (
     BYTES_PER_ELEMENT,
     GPU_CLASSES,
@@ -18,7 +19,6 @@ from dflash_cli.setup.choices import (
     normalize_device,
     normalize_dtype,
 )
-from dflash_cli.errors import DflashError
 from dflash_cli.setup.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
 
 if TYPE_CHECKING:
@@ -279,7 +279,9 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
             f"runtime overhead), {free}"
         )
         if budget is not None and estimate > budget:
-            notes.append(f"the forced settings need ~{gb(estimate)} but {gb(budget)} is free: expect an out-of-memory error")
+            notes.append(
+                f"the forced settings need ~{gb(estimate)} but {gb(budget)} is free: expect an out-of-memory error"
+            )
 
     preferred_dtype, default_why = default_dtype(kind, facts)
     if overrides.dtype or "dtype" in tuned:
@@ -312,8 +314,10 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         if weights == recipe.checkpoint_precision:
             reasons.append(f"weights {weights}: this GPU runs the published {stored} weights as they are")
         else:
-            reasons.append(f"weights {weights}: transformers dequantizes the published {stored} weights here "
-                           f"({_native_hint(recipe.checkpoint_precision)})")  # fmt: skip
+            reasons.append(
+                f"weights {weights}: transformers dequantizes the published {stored} weights here "
+                f"({_native_hint(recipe.checkpoint_precision)})"
+            )
     if quant == "nf4" and kind != "cuda":
         notes.append(
             f"NF4 on {kind.upper()} is slow: bitsandbytes has no fast 4-bit kernels here and dequantizes every weight "
@@ -334,9 +338,21 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     reasons.append(batch_why)
     reasons += [f"warning: {note}" for note in notes]
     return Plan(
-        device, dtype, quant, block_size, attn, cls.key, estimate, budget, tuple(reasons), tuple(notes), native, weights,
-        adaptive_block=overrides.block_size is None, batch_size=batch_size,
-    )  # fmt: skip
+        device,
+        dtype,
+        quant,
+        block_size,
+        attn,
+        cls.key,
+        estimate,
+        budget,
+        tuple(reasons),
+        tuple(notes),
+        native,
+        weights,
+        adaptive_block=overrides.block_size is None,
+        batch_size=batch_size,
+    )
 
 
 def _choose_batch_size(
@@ -390,11 +406,16 @@ def _choose_block_size(
 ) -> tuple[int | None, str]:
     if overrides.block_size is not None:
         return overrides.block_size, f"block size {overrides.block_size}: --block-size (every step)"
-    adapts = "; each step picks the size (1 = no drafting) that decodes fastest here, up to it (--block-size N fixes it)"
+    adapts = (
+        "; each step picks the size (1 = no drafting) that decodes fastest here, up to it (--block-size N fixes it)"
+    )
     if "block_size" in tuned:
         return tuned["block_size"], f"block size {tuned['block_size']}: the recipe's override for {cls.key}{adapts}"
     if recipe.block_size is not None:
-        return recipe.block_size, f"block size {recipe.block_size}: the recipe (what the drafter was trained with){adapts}"
+        return (
+            recipe.block_size,
+            f"block size {recipe.block_size}: the recipe (what the drafter was trained with){adapts}",
+        )
     return None, f"block size: read from the drafter's config{adapts}"
 
 

@@ -183,12 +183,28 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 TOP_LEVEL_FIELDS = (
-    "name", "aliases", "description", "target", "drafter", "block_size", "chat_template_kwargs", "gated", "license",
-    "params_billion", "weight_bytes", "checkpoint_precision", "expert_bytes", "active_params_billion", "checkpoints",
+    "name",
+    "aliases",
+    "description",
+    "target",
+    "drafter",
+    "block_size",
+    "chat_template_kwargs",
+    "gated",
+    "license",
+    "params_billion",
+    "weight_bytes",
+    "checkpoint_precision",
+    "expert_bytes",
+    "active_params_billion",
+    "checkpoints",
     "drafter_bytes",
-    "kv_bytes_per_token", "state_bytes_per_row", "runnable",
-    "not_runnable_reason", "gpu_overrides",
-)  # fmt: skip
+    "kv_bytes_per_token",
+    "state_bytes_per_row",
+    "runnable",
+    "not_runnable_reason",
+    "gpu_overrides",
+)
 
 
 def _parse_name(fields: _Fields, key: str, value: Any) -> str:
@@ -413,7 +429,9 @@ def with_drafter(recipe: Recipe, drafter: str | None) -> Recipe:
     config decides it (or --block-size); the drafter's size is no longer known."""
     if drafter is not None and recipe.drafter is not None and drafter == recipe.drafter.id:
         return recipe
-    overrides = {cls: {k: v for k, v in values.items() if k != "block_size"} for cls, values in recipe.gpu_overrides.items()}
+    overrides = {
+        cls: {k: v for k, v in values.items() if k != "block_size"} for cls, values in recipe.gpu_overrides.items()
+    }
     described = f"drafter {drafter}" if drafter else "no drafter: baseline decoding only"
     return replace(
         recipe,

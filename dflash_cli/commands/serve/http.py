@@ -31,12 +31,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dflash_cli.protocol import responses
-from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.commands.serve.metrics import CONTENT_TYPE, ServerMetrics
-from dflash_cli.setup.options import RunOptions
-from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
 from dflash_cli.commands.serve.worker import Job, QueueFull, ShuttingDown, Update, Worker
+from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.protocol import responses
+from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
+from dflash_cli.setup.options import RunOptions
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
@@ -137,9 +137,11 @@ class Server:
 
             if path.startswith("/v1/") and not self._authorized(scope):
                 error = APIError(
-                    401, "invalid or missing API key: send the header `Authorization: Bearer KEY`",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-                )  # fmt: skip
+                    401,
+                    "invalid or missing API key: send the header `Authorization: Bearer KEY`",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await error.response()(scope, receive, counting_send)
                 return
             await app(scope, receive, counting_send)
@@ -157,8 +159,13 @@ class Server:
 
     async def health(self, request: HTTPRequest) -> Response:
         ok = self.worker.alive
-        body = {"status": "ok" if ok else "unavailable", "model": self.model, "waiting": self.worker.waiting,
-                "running": self.worker.running, "batch_size": self.worker.rows}  # fmt: skip
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": self.model,
+            "waiting": self.worker.waiting,
+            "running": self.worker.running,
+            "batch_size": self.worker.rows,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(self, request: HTTPRequest) -> Response:
@@ -181,9 +188,11 @@ class Server:
         name = request.path_params["model"]
         if name not in self.names:
             raise APIError(
-                404, f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+                404,
+                f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         return JSONResponse(self._card())
 
     # -- completions ------------------------------------------------------------------------------------------
@@ -226,10 +235,13 @@ class Server:
 
     def _busy(self) -> APIError:
         return APIError(
-            429, f"the server is busy: its queue is full ({self.worker.max_queue} waiting); retry shortly "
+            429,
+            f"the server is busy: its queue is full ({self.worker.max_queue} waiting); retry shortly "
             "(or start the server with a larger --max-queue)",
-            type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-        )  # fmt: skip
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
 
     async def _complete(self, http: HTTPRequest, endpoint: str) -> Response:
         if self.worker.full:  # refuse before reading and encoding, when it is clear already
@@ -238,9 +250,11 @@ class Server:
             request = read_body(await self._read_json(http), endpoint)
             if request.model is not None and request.model not in self.names:
                 raise APIError(
-                    404, f"model {request.model!r} is not served here; this server serves {self.model!r} "
-                    "(GET /v1/models)", param="model", code="model_not_found",
-                )  # fmt: skip
+                    404,
+                    f"model {request.model!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
+                    param="model",
+                    code="model_not_found",
+                )
             async with self.encode_lock:  # tokenizers are not built for concurrent encodes
                 prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
             params = self.session.sampling_params(self.options, **request.sampling)
@@ -290,8 +304,9 @@ class Server:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it, /metrics counts it
         text.append(update.text)
         self._check_finished(update)
-        body = responses.completion(endpoint, text="".join(text), finish_reason=update.finish_reason,
-                                    stats=update.stats, **ids)  # fmt: skip
+        body = responses.completion(
+            endpoint, text="".join(text), finish_reason=update.finish_reason, stats=update.stats, **ids
+        )
         return JSONResponse(body)
 
     def _check_finished(self, update: Update) -> None:
@@ -360,10 +375,14 @@ def _log_config() -> dict[str, Any]:
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads so a taken port fails in a second, not after a minute."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
     except (OSError, UnicodeError) as error:
-        raise DflashError(f"cannot listen on {host}: {error}", fix="pass an address of this machine: --host 127.0.0.1") from None
+        raise DflashError(
+            f"cannot listen on {host}: {error}", fix="pass an address of this machine: --host 127.0.0.1"
+        ) from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
@@ -402,9 +421,13 @@ def run_server(
         speculative = not options.no_spec and session.can_speculate
         worker = Worker(session, speculative=speculative, max_queue=max_queue)
         metrics = ServerMetrics(
-            model=session.served_name, speculative=speculative, block_size=session.block_size if speculative else 1,
-            batch_size=worker.rows, waiting=lambda: worker.waiting, running=lambda: worker.running,
-        )  # fmt: skip
+            model=session.served_name,
+            speculative=speculative,
+            block_size=session.block_size if speculative else 1,
+            batch_size=worker.rows,
+            waiting=lambda: worker.waiting,
+            running=lambda: worker.running,
+        )
         worker.on_finish = _reporter(metrics, console)
         worker.on_step = metrics.batch_rows.observe
         server = Server(session, options, worker, metrics, api_key)
@@ -413,7 +436,9 @@ def run_server(
         worker.start()
         url = url_of(sock)
         adaptive = "adaptive up to " if session.plan.adaptive_block else ""
-        mode = (f"DFlash block {adaptive}{session.block_size}" if speculative else "baseline (no drafter)") + f", batch {worker.rows}"
+        mode = (
+            f"DFlash block {adaptive}{session.block_size}" if speculative else "baseline (no drafter)"
+        ) + f", batch {worker.rows}"
         console.print(f"dflash serve: {escape(server.model)} ({mode}) at {url}/v1", soft_wrap=True)
         console.print(
             f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, /v1/models; /health, /metrics · "
@@ -421,8 +446,11 @@ def run_server(
             soft_wrap=True,
         )
         if not api_key and not _is_loopback(host):
-            console.print(f"[yellow]warning:[/] listening on {escape(host)} without --api-key: anyone who can "
-                          "reach this machine can use the model", soft_wrap=True)  # fmt: skip
+            console.print(
+                f"[yellow]warning:[/] listening on {escape(host)} without --api-key: anyone who can "
+                "reach this machine can use the model",
+                soft_wrap=True,
+            )
         uvicorn_server.run(sockets=[sock])  # returns after Ctrl-C, once open responses have ended
         worker.stop()
         worker.join(timeout=30)

@@ -27,36 +27,78 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 class ServerMetrics:
     def __init__(
-        self, *, model: str, speculative: bool, block_size: int, waiting: Callable[[], int], running: Callable[[], int],
+        self,
+        *,
+        model: str,
+        speculative: bool,
+        block_size: int,
+        waiting: Callable[[], int],
+        running: Callable[[], int],
         batch_size: int = 1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         disable_created_metrics()  # no `_created` timestamp series beside every counter: noise on a dashboard
         self.registry = registry = CollectorRegistry()
-        info = Gauge("dflash_model_info", "The served model (value 1)", ["model", "speculative", "block_size", "batch_size"],
-                     registry=registry)  # fmt: skip
+        info = Gauge(
+            "dflash_model_info",
+            "The served model (value 1)",
+            ["model", "speculative", "block_size", "batch_size"],
+            registry=registry,
+        )
         info.labels(model, str(speculative).lower(), str(block_size), str(batch_size)).set(1)
-        self.http = Counter("dflash_http_requests", "HTTP requests answered, by route and status code",
-                            ["route", "status"], registry=registry)  # fmt: skip
-        self.finished = Counter("dflash_requests_finished", "Generations ended, by finish reason "
-                                "(stop, length, cancelled: client gone or shutdown, error)", ["finish_reason"],
-                                registry=registry)  # fmt: skip
+        self.http = Counter(
+            "dflash_http_requests",
+            "HTTP requests answered, by route and status code",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.finished = Counter(
+            "dflash_requests_finished",
+            "Generations ended, by finish reason (stop, length, cancelled: client gone or shutdown, error)",
+            ["finish_reason"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of generations", registry=registry)
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", registry=registry)
         Gauge("dflash_queue_depth", "Requests waiting for the engine", registry=registry).set_function(waiting)
-        Gauge("dflash_requests_running", "Requests being decoded (rows of the batch)", registry=registry).set_function(running)
-        self.batch_rows = Histogram("dflash_batch_rows", "Rows that shared each verify step (continuous batching)",
-                                    buckets=ROWS_BUCKETS, registry=registry)  # fmt: skip
-        self.tau = Histogram("dflash_tau", "Mean tokens committed per verify step, one sample per request "
-                             "(DFlash only; 1 = no gain)", buckets=TAU_BUCKETS, registry=registry)  # fmt: skip
-        self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per verify step, bonus token "
-                                    "included (DFlash only): the acceptance histogram",
-                                    buckets=tuple(range(1, max(block_size, 1) + 1)), registry=registry)  # fmt: skip
-        self.tpot = Histogram("dflash_time_per_output_token_seconds", "Decode time per token after the first, per "
-                              "request", buckets=SECONDS_BUCKETS, registry=registry)  # fmt: skip
-        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Prefill until the first token (queue wait "
-                              "excluded)", buckets=SECONDS_BUCKETS, registry=registry)  # fmt: skip
-        self.queue_wait = Histogram("dflash_queue_wait_seconds", "Time a request waited for the engine",
-                                    buckets=SECONDS_BUCKETS, registry=registry)  # fmt: skip
+        Gauge("dflash_requests_running", "Requests being decoded (rows of the batch)", registry=registry).set_function(
+            running
+        )
+        self.batch_rows = Histogram(
+            "dflash_batch_rows",
+            "Rows that shared each verify step (continuous batching)",
+            buckets=ROWS_BUCKETS,
+            registry=registry,
+        )
+        self.tau = Histogram(
+            "dflash_tau",
+            "Mean tokens committed per verify step, one sample per request (DFlash only; 1 = no gain)",
+            buckets=TAU_BUCKETS,
+            registry=registry,
+        )
+        self.acceptance = Histogram(
+            "dflash_acceptance_length",
+            "Tokens committed per verify step, bonus token included (DFlash only): the acceptance histogram",
+            buckets=tuple(range(1, max(block_size, 1) + 1)),
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "dflash_time_per_output_token_seconds",
+            "Decode time per token after the first, per request",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "dflash_time_to_first_token_seconds",
+            "Prefill until the first token (queue wait excluded)",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "dflash_queue_wait_seconds",
+            "Time a request waited for the engine",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
 
     def answered(self, route: str, status: int) -> None:
         self.http.labels(route, str(status)).inc()

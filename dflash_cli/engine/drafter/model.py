@@ -33,18 +33,18 @@ instead samples its drafts and accepts against their distribution; both are loss
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
-from huggingface_hub.errors import StrictDataclassError
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
@@ -60,7 +60,11 @@ DEFAULT_BLOCK_SIZE = 16  # the reference's default when neither dflash_config no
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # DFlash fields the reference looks up in dflash_config first, then at the top level.
 DFLASH_FIELDS = (
-    "block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "input_embedding_scale",
+    "output_multiplier",
     "final_logit_softcapping",
 )
 
@@ -129,7 +133,7 @@ class DrafterConfig:
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         def fail(field_name: str, expected: str) -> DflashError:
             return DflashError(
                 f"{source}: unsupported drafter config field '{field_name}': expected {expected}",
@@ -186,10 +190,16 @@ class DrafterConfig:
                 fix="check the field it names in the drafter's config.json (`dflash pull` fetches a fresh copy)",
             ) from None
         if hf.num_attention_heads % hf.num_key_value_heads:
-            raise fail("num_key_value_heads", f"a divisor of num_attention_heads {hf.num_attention_heads}, got {hf.num_key_value_heads}")
+            raise fail(
+                "num_key_value_heads",
+                f"a divisor of num_attention_heads {hf.num_attention_heads}, got {hf.num_key_value_heads}",
+            )
         rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
         if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-            raise fail("rope_parameters.rope_type", f"one of default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}; got {rope_type!r}")
+            raise fail(
+                "rope_parameters.rope_type",
+                f"one of default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}; got {rope_type!r}",
+            )
         if hf.hidden_act not in ACT2FN:
             raise fail("hidden_act", f"an activation transformers knows (silu, gelu, ...), got {hf.hidden_act!r}")
         if "sliding_attention" in hf.layer_types:
@@ -206,7 +216,10 @@ class DrafterConfig:
         block_size = integer("block_size", DEFAULT_BLOCK_SIZE)
         mask_token_id = value("mask_token_id")
         if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool) or mask_token_id < 0:
-            raise fail("dflash_config.mask_token_id", f"the id of the mask token (in dflash_config or at the top level), got {mask_token_id!r}")
+            raise fail(
+                "dflash_config.mask_token_id",
+                f"the id of the mask token (in dflash_config or at the top level), got {mask_token_id!r}",
+            )
         layer_ids = value("target_layer_ids")
         n_target = raw.get("num_target_layers", dflash.get("num_target_layers"))  # the reference: top level
         if layer_ids is None:
@@ -219,16 +232,22 @@ class DrafterConfig:
         if architecture == DFLASH2_ARCHITECTURE:
             dflash2 = {name: integer(name) for name in DFLASH2_FIELDS}
             if raw["hidden_size"] % dflash2["conv_group_size"]:
-                raise fail(where("conv_group_size"), f"a divisor of hidden_size {raw['hidden_size']}, got {dflash2['conv_group_size']}")
+                raise fail(
+                    where("conv_group_size"),
+                    f"a divisor of hidden_size {raw['hidden_size']}, got {dflash2['conv_group_size']}",
+                )
             if dflash2["selector_top_k"] > raw["vocab_size"]:
-                raise fail(where("selector_top_k"), f"at most vocab_size {raw['vocab_size']}, got {dflash2['selector_top_k']}")
+                raise fail(
+                    where("selector_top_k"), f"at most vocab_size {raw['vocab_size']}, got {dflash2['selector_top_k']}"
+                )
 
         rope = dict(hf.rope_parameters or {})
         rope_theta = float(rope.pop("rope_theta", 1e6))
         rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
         consumed = set(DFLASH_FIELDS) | (set(DFLASH2_FIELDS) if dflash2 else set())
         known = (
-            {f.name for f in fields(cls)} | consumed
+            {f.name for f in fields(cls)}
+            | consumed
             | {"dflash_config", "rope_parameters", "architectures", "use_sliding_window", "is_causal"}
         )
         return cls(
@@ -266,7 +285,9 @@ class DrafterConfig:
         """The published format. Drafters made by `dflash train` get the legacy schema (top-level
         `block_size`); a drafter read from the nested schema keeps `block_size` in `dflash_config`."""
         dflash: dict[str, Any] = {
-            **self.dflash_extra, "mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
+            **self.dflash_extra,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": self.target_layer_ids,
         }
         if self.nested:
             dflash["block_size"] = self.block_size
@@ -429,7 +450,9 @@ class BatchDraftCache:
         self.keys: list[torch.Tensor | None] = [None] * config.num_hidden_layers
         self.values: list[torch.Tensor | None] = [None] * config.num_hidden_layers
         self.ring = ring_rows(config.sliding_window, block_size) if any(w is not None for w in self.windows) else None
-        self.ring_positions = None if self.ring is None else torch.full((slots, self.ring), -1, dtype=torch.long, device=device)
+        self.ring_positions = (
+            None if self.ring is None else torch.full((slots, self.ring), -1, dtype=torch.long, device=device)
+        )
 
     def make_room(self, capacity: int) -> None:
         """Room for `capacity` positions in every row (full layers keep what they hold)."""
@@ -464,9 +487,15 @@ class RowsForward:
     """
 
     def __init__(
-        self, cache: BatchDraftCache, contexts: Sequence[int], starts: Sequence[int], sizes: Sequence[int],
-        slots: Sequence[int], width: int, device: torch.device,
-    ) -> None:  # fmt: skip
+        self,
+        cache: BatchDraftCache,
+        contexts: Sequence[int],
+        starts: Sequence[int],
+        sizes: Sequence[int],
+        slots: Sequence[int],
+        width: int,
+        device: torch.device,
+    ) -> None:
         # (built on the host, then moved: a few small transfers per step, not per layer)
         starts_t, slots_t = torch.tensor(starts), torch.tensor(slots)
         block = starts_t[:, None] + torch.arange(width)
@@ -481,8 +510,15 @@ class RowsForward:
         contiguous = list(slots) == list(range(first, first + len(slots)))
         self.rows: slice | torch.Tensor = slice(first, first + len(slots)) if contiguous else slots_t.to(device)
         self.masks: dict[tuple[bool, int | None], torch.Tensor] = {}
-        if cache.ring is not None:  # each row writes its last `ring` positions (a long first context: older rows are out of every window)
-            ring_end = torch.cat([(starts_t + width).repeat_interleave(torch.tensor(contexts)), (starts_t + width).repeat_interleave(width)])
+        if (
+            cache.ring is not None
+        ):  # each row writes its last `ring` positions (a long first context: older rows are out of every window)
+            ring_end = torch.cat(
+                [
+                    (starts_t + width).repeat_interleave(torch.tensor(contexts)),
+                    (starts_t + width).repeat_interleave(width),
+                ]
+            )
             keep = positions >= ring_end - cache.ring
             at = positions[keep].to(device)
             self.ring_tokens = keep.nonzero()[:, 0].to(device)
@@ -575,7 +611,10 @@ class DraftAttention(nn.Module):
         bsz, q_len, _ = block.shape
         if isinstance(cache, RowsForward):  # several rows: `rows` is their new context packed [1, c, H], then blocks
             both = torch.cat([rows, block.reshape(1, bsz * q_len, -1)], dim=1)
-            query_cos, query_sin = cos[0, -bsz * q_len :].view(bsz, q_len, -1), sin[0, -bsz * q_len :].view(bsz, q_len, -1)
+            query_cos, query_sin = (
+                cos[0, -bsz * q_len :].view(bsz, q_len, -1),
+                sin[0, -bsz * q_len :].view(bsz, q_len, -1),
+            )
         else:
             # K/V inputs: the fused context as is, then this layer's normed block. (Written over a copy of `rows`
             # rather than concatenated: no tensor of the context's own size appears, so a compiled draft step does
@@ -596,9 +635,14 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
     def _keys(
-        self, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, positions: torch.Tensor,
-        cache: DraftCache | None, attention_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        query_positions: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftCache | None,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One sequence: the keys and values to attend over (the cache's, this call's written in) and the mask."""
         key_positions, valid = positions, None
         if cache is not None:
@@ -670,12 +714,16 @@ class DraftLayer(nn.Module):
         self.mlp_conv: GroupedDynamicConv | None = None
         if config.is_dflash2:
             assert config.conv_kernel_size is not None and config.conv_group_size is not None
-            self.attention_conv = GroupedDynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+            self.attention_conv = GroupedDynamicConv(
+                config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            )
             self.mlp_conv = GroupedDynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, *attn_args: Any) -> torch.Tensor:
         # The context goes into K/V as is: it was normed once by hidden_norm, not by input_layernorm.
-        x = x + self._sublayer(self.input_layernorm(x), self.attention_conv, lambda h: self.self_attn(h, rows, *attn_args))
+        x = x + self._sublayer(
+            self.input_layernorm(x), self.attention_conv, lambda h: self.self_attn(h, rows, *attn_args)
+        )
         return x + self._sublayer(self.post_attention_layernorm(x), self.mlp_conv, self.mlp)
 
     @staticmethod
@@ -824,7 +872,9 @@ class DFlashDrafter(nn.Module):
         `block_size` (default: the config's)."""
         return DraftCache(self.config, capacity, block_size)
 
-    def draft_hidden(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+    def draft_hidden(
+        self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache
+    ) -> torch.Tensor:
         """One drafting pass: new context features + block [last token, MASK...] -> hidden of slots 1..q-1.
 
         `start` is the position of the block's first token; the new context covers positions
@@ -858,14 +908,22 @@ class DFlashDrafter(nn.Module):
         return BatchDraftCache(self.config, slots, block_size or self.config.block_size, self.fc.weight.device)
 
     def draft_hidden_rows(
-        self, features: Sequence[torch.Tensor], block_ids: torch.Tensor, starts: Sequence[int], cache: BatchDraftCache,
-        *, sizes: Sequence[int], slots: Sequence[int],
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        features: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        starts: Sequence[int],
+        cache: BatchDraftCache,
+        *,
+        sizes: Sequence[int],
+        slots: Sequence[int],
+    ) -> torch.Tensor:
         """`draft_hidden` for several rows of a batch in one forward of the layers. Row i: its new context
         features[i] [1, c_i, F] (positions starts[i] - c_i .. starts[i] - 1), its block block_ids[i] at
         starts[i], of which the first sizes[i] are real (the rest padding, any id), in slot slots[i] of `cache`.
         -> hidden of block slots 1..width-1 [n, width-1, H]; row i's past sizes[i] - 1 are padding."""
-        forward = RowsForward(cache, [f.shape[1] for f in features], starts, sizes, slots, block_ids.shape[1], block_ids.device)
+        forward = RowsForward(
+            cache, [f.shape[1] for f in features], starts, sizes, slots, block_ids.shape[1], block_ids.device
+        )
         context = self.fuse_context(features[0] if len(features) == 1 else torch.cat(list(features), dim=1))
         x = self.embed(block_ids).to(context.dtype)
         cos, sin = self.rope(forward.positions[None], x.dtype)
@@ -875,9 +933,15 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def propose_rows(
-        self, features: Sequence[torch.Tensor], block_ids: torch.Tensor, starts: Sequence[int], cache: BatchDraftCache,
-        *, sizes: Sequence[int], slots: Sequence[int],
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        features: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        starts: Sequence[int],
+        cache: BatchDraftCache,
+        *,
+        sizes: Sequence[int],
+        slots: Sequence[int],
+    ) -> torch.Tensor:
         """`propose` for several rows of a batch (arguments: `draft_hidden_rows`): the layers, the lm_head and the
         proposal once for all rows -> [n, width-1]; row i's proposal is its first sizes[i] - 1 (a proposal reads
         only the slots before it, so the padding changes nothing)."""

@@ -8,8 +8,8 @@ import weakref
 
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.target.hybrid import HybridState, linear_cache_layers
 from dflash_cli.engine.target.attention import AttentionState
+from dflash_cli.engine.target.hybrid import HybridState, linear_cache_layers
 
 _STATES: weakref.WeakKeyDictionary[PreTrainedModel, AttentionState] = weakref.WeakKeyDictionary()
 

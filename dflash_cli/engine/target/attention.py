@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -152,7 +153,9 @@ class _KVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise AssertionError("the buffers are allocated by AttentionState")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.state
         keys, values = state.buffers(self.index, key_states)
         keys, values = keys[state.forward_rows], values[state.forward_rows]
@@ -257,9 +260,15 @@ class AttentionState(TargetState):
     # --- setup, between requests ---
 
     def reserve(
-        self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, rows: int = 1,
-        compile: bool = False, notify: Notify | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        positions: int,
+        block_size: int,
+        feature_layers: tuple[int, ...],
+        *,
+        rows: int = 1,
+        compile: bool = False,
+        notify: Notify | None = None,
+    ) -> None:
         """Make room for `rows` sequences of up to `positions` positions verified in blocks of `block_size` (the
         last block may run past `positions`), with the drafter reading `feature_layers` (empty: no drafter).
         Starts every row over at length 0. `compile` applies to one-row states."""
@@ -284,14 +293,19 @@ class AttentionState(TargetState):
             self._static(self._length_t)
         if feature_layers and feature_layers != self.feature_layers:  # a drafter reading other layers
             self.close()
-            self._hooks = [self.layers[layer].register_forward_hook(self._capture(slot)) for slot, layer in enumerate(feature_layers)]
+            self._hooks = [
+                self.layers[layer].register_forward_hook(self._capture(slot))
+                for slot, layer in enumerate(feature_layers)
+            ]
             self.feature_layers = feature_layers
             self._block_features = None
         # Without a drafter the hooks stay (so compiled steps keep their guards) but record nothing.
         self.capture = bool(feature_layers)
         if self.capture and (self._block_features is None or self._block_features.shape[:2] != (rows, block_size)):
             width = self.target.config.get_text_config().hidden_size * len(feature_layers)
-            self._block_features = self._static(torch.empty(rows, block_size, width, dtype=self.dtype, device=self.device))
+            self._block_features = self._static(
+                torch.empty(rows, block_size, width, dtype=self.dtype, device=self.device)
+            )
 
     def make_room(self, positions: int, block_size: int) -> None:
         """Grow the buffers (keeping every row's K/V) so that a row of `positions` positions fits. CUDA graphs
@@ -303,7 +317,9 @@ class AttentionState(TargetState):
         for buffers in (self._keys, self._values):
             for index, old in enumerate(buffers):
                 if old is not None:
-                    grown = self._static(torch.zeros((*old.shape[:2], needed, old.shape[3]), dtype=old.dtype, device=old.device))
+                    grown = self._static(
+                        torch.zeros((*old.shape[:2], needed, old.shape[3]), dtype=old.dtype, device=old.device)
+                    )
                     grown[:, :, : self.capacity].copy_(old)
                     buffers[index] = grown
         self.capacity = needed
@@ -352,9 +368,12 @@ class AttentionState(TargetState):
             if self.forward_positions is not None:
                 masks = self._masks(self.forward_positions, self.forward_end)
                 out = self.target(
-                    input_ids=token_ids, position_ids=self.forward_positions, attention_mask=masks,
-                    past_key_values=self.cache, use_cache=True,
-                )  # fmt: skip
+                    input_ids=token_ids,
+                    position_ids=self.forward_positions,
+                    attention_mask=masks,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                )
                 return out.logits
             if self.full_view:
                 self._length_t.fill_(self.at)
@@ -414,7 +433,9 @@ class AttentionState(TargetState):
         for slot in slots:
             starts[slot - first] = self.lengths[slot]
         q = block_ids.shape[1]
-        self.forward_positions = torch.tensor(starts, device=block_ids.device)[:, None] + torch.arange(q, device=block_ids.device)
+        self.forward_positions = torch.tensor(starts, device=block_ids.device)[:, None] + torch.arange(
+            q, device=block_ids.device
+        )
         self.forward_end = max(starts) + q
         return self._forward(ids, slice(first, last + 1), prefill=False).index_select(0, index)
 

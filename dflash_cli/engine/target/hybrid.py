@@ -97,9 +97,12 @@ class SlotLinearLayer(RecordingLinearLayer):
         self.storage: dict[tuple[str, int], torch.Tensor] = {}  # ("conv" | "recurrent", state_idx) -> [slots, ...]
 
     def lazy_initialization(
-        self, conv_states: torch.Tensor | None = None, recurrent_states: torch.Tensor | None = None,
-        state_idx: int = 0, conv_kernel_size: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        conv_states: torch.Tensor | None = None,
+        recurrent_states: torch.Tensor | None = None,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+    ) -> None:
         if conv_states is not None:
             self.dtype, self.device = conv_states.dtype, conv_states.device
             kernel = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size
@@ -219,10 +222,12 @@ class LinearStateRollback:
             return None if tensor is None else tensor.clone()
 
         return [
-            ([copy(layer.conv_states[i]) for i in range(layer.number_of_states)],
-             [copy(layer.recurrent_states[i]) for i in range(layer.number_of_states)])
+            (
+                [copy(layer.conv_states[i]) for i in range(layer.number_of_states)],
+                [copy(layer.recurrent_states[i]) for i in range(layer.number_of_states)],
+            )
             for layer in self.layers
-        ]  # fmt: skip
+        ]
 
     def keep(self, kept: Sequence[int], verified: int, rerun: Callable[[int, int], None]) -> None:
         """Put every linear-attention layer, in each row i of the last verify, in its state after the first
@@ -266,7 +271,9 @@ class LinearStateRollback:
                 if name != "initial_state":  # steps past a row's own count: zero (no decay, no update)
                     parts = [part[:, :longest] for part in parts]
                     mask = steps.reshape(*steps.shape, *[1] * (parts[0].dim() - 2))
-                    parts = [torch.where(mask, part, torch.zeros((), dtype=part.dtype, device=part.device)) for part in parts]
+                    parts = [
+                        torch.where(mask, part, torch.zeros((), dtype=part.dtype, device=part.device)) for part in parts
+                    ]
                 stacked[name] = torch.cat(parts)
             options = {k: v for k, v in calls[0][1].items() if k not in stacked}
             # called the way transformers calls it (q, k, v positional): kernels from fla name them otherwise.
@@ -321,14 +328,22 @@ class HybridState(AttentionState):
         self._rerunning = False
 
     def reserve(
-        self, positions: int, block_size: int, feature_layers: tuple[int, ...], *, rows: int = 1,
-        compile: bool = False, notify: Notify | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        positions: int,
+        block_size: int,
+        feature_layers: tuple[int, ...],
+        *,
+        rows: int = 1,
+        compile: bool = False,
+        notify: Notify | None = None,
+    ) -> None:
         if rows != self.rows:
             for layer in self.linear:
                 layer.drop()
         self._block, self._kept = None, {}
-        super().reserve(positions, block_size, feature_layers, rows=rows, compile=False, notify=notify)  # eager: see above
+        super().reserve(
+            positions, block_size, feature_layers, rows=rows, compile=False, notify=notify
+        )  # eager: see above
 
     def _forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
         for layer in self.linear:

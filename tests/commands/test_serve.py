@@ -30,11 +30,11 @@ from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
 from dflash_cli.engine import collect
-from dflash_cli.setup.options import RunOptions
 from dflash_cli.loading.session import Session, open_session
-from drafters import save_random_drafter
+from dflash_cli.setup.options import RunOptions
+from helpers.drafters import save_random_drafter
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
 MAX_TOKENS = 16  # the server's --max-tokens: the default for requests that do not say
 MAX_QUEUE = 16
@@ -87,13 +87,35 @@ def models(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> tu
 
 
 def model_flags(models: tuple[Path, Path]) -> list[str]:
-    return ["--target", str(models[0]), "--drafter", str(models[1]), "--dtype", "float32", "--max-tokens", str(MAX_TOKENS)]
+    return [
+        "--target",
+        str(models[0]),
+        "--drafter",
+        str(models[1]),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        str(MAX_TOKENS),
+    ]
 
 
 @pytest.fixture(scope="module")
 def server(models: tuple[Path, Path]) -> Iterator[RunningServer]:
-    command = [sys.executable, "-m", "dflash_cli", "serve", *model_flags(models), "--port", "0", "--api-key", KEY,
-               "--max-queue", str(MAX_QUEUE), "--batch-size", str(BATCH)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_cli",
+        "serve",
+        *model_flags(models),
+        "--port",
+        "0",
+        "--api-key",
+        KEY,
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--batch-size",
+        str(BATCH),
+    ]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
     log: list[str] = []
     started = threading.Event()
@@ -162,8 +184,14 @@ def test_health_models_and_metrics(server: RunningServer, client: openai.OpenAI)
     assert unknown.value.code == "model_not_found"
     status, metrics = server.get("/metrics")
     assert status == 200
-    for name in ("dflash_queue_depth", "dflash_requests_running", "dflash_tau_bucket", "dflash_acceptance_length_bucket",
-                 "dflash_time_per_output_token_seconds_bucket", "dflash_generation_tokens_total"):  # fmt: skip
+    for name in (
+        "dflash_queue_depth",
+        "dflash_requests_running",
+        "dflash_tau_bucket",
+        "dflash_acceptance_length_bucket",
+        "dflash_time_per_output_token_seconds_bucket",
+        "dflash_generation_tokens_total",
+    ):
         assert name in metrics
     assert 'dflash_model_info{batch_size="4",block_size="4",model="' in metrics and 'speculative="true"' in metrics
 
@@ -178,7 +206,10 @@ def test_chat_completion_whole_and_streamed(
     choice = reply.choices[0]
     assert (choice.message.role, choice.message.content) == ("assistant", expected.text)
     assert choice.finish_reason == expected.finish_reason
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(session.encode_chat(messages)), len(expected.token_ids))
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+        len(session.encode_chat(messages)),
+        len(expected.token_ids),
+    )
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     stats = reply.model_extra["dflash"]
     assert stats["speculative"] is True and stats["block_size"] == 4
@@ -186,9 +217,12 @@ def test_chat_completion_whole_and_streamed(
     assert stats["tau"] >= 1 and stats["decode_tokens_per_s"] > 0
 
     stream = client.chat.completions.create(
-        model=server.target, messages=messages, max_completion_tokens=12, stream=True,
+        model=server.target,
+        messages=messages,
+        max_completion_tokens=12,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -238,7 +272,9 @@ def test_sampling_fields_reach_the_engine(
     extra = {"top_k": 50, "min_p": 0.01}  # not OpenAI fields: sent as extra body, as vLLM's clients do
     expected = expected_chat(session, models, user("Tell me a story"), top_k=50, min_p=0.01, **fields)
     replies = [
-        client.chat.completions.create(model=server.target, messages=user("Tell me a story"), extra_body=extra, **fields)
+        client.chat.completions.create(
+            model=server.target, messages=user("Tell me a story"), extra_body=extra, **fields
+        )
         for _ in range(2)
     ]
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content == expected.text
@@ -248,7 +284,10 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, server: 
     # the tiny template writes an empty think block when enable_thinking is false: one more prompt token or more
     on = client.chat.completions.create(model=server.target, messages=user("Hi"), max_tokens=1)
     off = client.chat.completions.create(
-        model=server.target, messages=user("Hi"), max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        model=server.target,
+        messages=user("Hi"),
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
 
@@ -271,7 +310,9 @@ def test_errors_name_the_field_in_openai_shape(server: RunningServer, client: op
         assert raised.value.status_code == 400 and error["param"] == param and message in error["message"], error
         assert error["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="messages\\[0\\].role must be system, user or assistant"):
-        client.chat.completions.create(model=server.target, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])
+        client.chat.completions.create(
+            model=server.target, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]
+        )
     with pytest.raises(openai.BadRequestError, match="context window is 512") as raised:
         client.completions.create(model=server.target, prompt="word " * 600)
     assert raised.value.body["code"] == "context_length_exceeded"
@@ -303,11 +344,17 @@ def test_16_concurrent_clients_get_complete_greedy_answers(
         if questions.index(question) % 2:
             stream = client.chat.completions.create(model=server.target, messages=user(question), stream=True)
             return question, "".join(c.choices[0].delta.content or "" for c in stream)
-        return question, client.chat.completions.create(model=server.target, messages=user(question)).choices[0].message.content
+        return question, client.chat.completions.create(model=server.target, messages=user(question)).choices[
+            0
+        ].message.content
 
     def rows_per_step() -> tuple[float, float, float]:  # verify steps: all, with one row, with at most BATCH - 1
         count = server.metric("dflash_batch_rows_count")
-        return count, server.metric('dflash_batch_rows_bucket{le="1.0"}'), server.metric(f'dflash_batch_rows_bucket{{le="{BATCH - 1}.0"}}')
+        return (
+            count,
+            server.metric('dflash_batch_rows_bucket{le="1.0"}'),
+            server.metric(f'dflash_batch_rows_bucket{{le="{BATCH - 1}.0"}}'),
+        )
 
     before = rows_per_step()
     with ThreadPoolExecutor(16) as pool:
@@ -354,8 +401,14 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
     # a non-streaming client that hangs up is stopped too
     with socket.create_connection(("127.0.0.1", server.port)) as raw:
         body = json.dumps({"messages": user(prompt), "max_tokens": 300}).encode()
-        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-                    b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+        raw.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         time.sleep(0.3)
     deadline = time.monotonic() + 60
     while server.metric('dflash_requests_finished_total{finish_reason="cancelled"}') < cancelled_before + 2:
@@ -365,7 +418,9 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
     while server.metric(hung_up) < 1:  # the non-streaming one is counted as "client closed request"
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    generated = [int(m.group(1)) for m in re.finditer(r"cancelled: \d+ prompt \+ (\d+) generated", "\n".join(server.log))]
+    generated = [
+        int(m.group(1)) for m in re.finditer(r"cancelled: \d+ prompt \+ (\d+) generated", "\n".join(server.log))
+    ]
     assert len(generated) >= 2 and all(n < 300 for n in generated[-2:])  # stopped well before max_tokens
     reply = client.chat.completions.create(model=server.target, messages=user("Still there?"))
     assert reply.choices[0].message.content == expected_chat(session, models, user("Still there?")).text
@@ -374,8 +429,14 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
 def test_a_full_queue_answers_429_at_once(server: RunningServer, long_prompt: str) -> None:
     prompt = long_prompt
     body = json.dumps({"messages": user(prompt), "max_tokens": 300, "stream": True}).encode()
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-               b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     busy: list[socket.socket] = []
     try:
         deadline = time.monotonic() + 60
@@ -402,7 +463,9 @@ def test_a_full_queue_answers_429_at_once(server: RunningServer, long_prompt: st
     while (health := server.get("/health")[1])["waiting"] or health["running"]:
         assert time.monotonic() < deadline, health
         time.sleep(0.05)
-    assert server.client().chat.completions.create(model=server.target, messages=user("Now?")).choices[0].message.content
+    assert (
+        server.client().chat.completions.create(model=server.target, messages=user("Now?")).choices[0].message.content
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,9 +477,19 @@ def bad_requests(rng: random.Random, count: int) -> Iterator[tuple[str, str, byt
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     chat = {"model": None, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     bad_values: dict[str, list[Any]] = {
-        "messages": [None, [], "Hi", [1], [{}], [{"role": "user"}], [{"role": "robot", "content": "x"}],
-                     [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url"}]}],
-                     [{"role": "user", "content": "\ud800"}], {"role": "user"}],
+        "messages": [
+            None,
+            [],
+            "Hi",
+            [1],
+            [{}],
+            [{"role": "user"}],
+            [{"role": "robot", "content": "x"}],
+            [{"role": "user", "content": 5}],
+            [{"role": "user", "content": [{"type": "image_url"}]}],
+            [{"role": "user", "content": "\ud800"}],
+            {"role": "user"},
+        ],
         "max_tokens": [0, -1, 2.5, "10", True, [], {}],
         "max_completion_tokens": [0, -5, "x", 1.5, False],
         "temperature": [-0.1, "hot", [], True, 1e999, -1e999],
@@ -428,12 +501,19 @@ def bad_requests(rng: random.Random, count: int) -> Iterator[tuple[str, str, byt
         "n": [2, 0, -1, "1", 1.5],
         "stream": ["yes", 1, [], {}],
         "stream_options": [{"include_usage": True}, "x", 3],
-        "logprobs": [True, 5], "top_logprobs": [3], "tools": [[{"type": "function"}]], "echo": [True],
-        "presence_penalty": [0.5], "frequency_penalty": [-1], "logit_bias": [{"5": 10}],
-        "response_format": [{"type": "json_object"}], "best_of": [3], "suffix": ["tail"],
+        "logprobs": [True, 5],
+        "top_logprobs": [3],
+        "tools": [[{"type": "function"}]],
+        "echo": [True],
+        "presence_penalty": [0.5],
+        "frequency_penalty": [-1],
+        "logit_bias": [{"5": 10}],
+        "response_format": [{"type": "json_object"}],
+        "best_of": [3],
+        "suffix": ["tail"],
         "chat_template_kwargs": ["x", [1], {"tokenize": False}, {"add_generation_prompt": False}],
         "model": [5, "gpt-4o", "", []],
-    }  # fmt: skip
+    }
     kinds = ["field", "field", "field", "json", "json", "shape", "auth", "route", "completions"]
     for i in range(count):
         kind = kinds[i % len(kinds)]
@@ -442,32 +522,71 @@ def bad_requests(rng: random.Random, count: int) -> Iterator[tuple[str, str, byt
             body = {**chat, key: rng.choice(bad_values[key])}
             if key == "stream_options" and rng.random() < 0.5:
                 body["stream"] = False
-            yield "POST", "/v1/chat/completions", json.dumps({k: v for k, v in body.items() if k != "model" or v is not None}).encode(), auth
+            yield (
+                "POST",
+                "/v1/chat/completions",
+                json.dumps({k: v for k, v in body.items() if k != "model" or v is not None}).encode(),
+                auth,
+            )
         elif kind == "json":
             text = json.dumps(chat).encode()
             cut = text[: rng.randrange(0, len(text) - 1)]  # a proper prefix of an object is never JSON
             variants = [cut, b"\xff\xfe" + text, b"{'messages': []}", b"NaN", b'{"temperature": NaN}', b"[" * 5000]
             yield "POST", "/v1/chat/completions", rng.choice(variants), auth
         elif kind == "shape":
-            yield "POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), json.dumps(rng.choice(
-                [[], 5, "text", None, {"prompt": 3}, {"prompt": ["a", "b"]}, {"prompt": [[1], [2]]}, {"prompt": [-1]},
-                 {"prompt": [10**9]}, {}, {"prompt": "x", "messages": []}, {"prompt": ""}, {"prompt": "x", "chat_template_kwargs": {}}]
-            )).encode(), auth  # fmt: skip
+            yield (
+                "POST",
+                rng.choice(["/v1/chat/completions", "/v1/completions"]),
+                json.dumps(
+                    rng.choice(
+                        [
+                            [],
+                            5,
+                            "text",
+                            None,
+                            {"prompt": 3},
+                            {"prompt": ["a", "b"]},
+                            {"prompt": [[1], [2]]},
+                            {"prompt": [-1]},
+                            {"prompt": [10**9]},
+                            {},
+                            {"prompt": "x", "messages": []},
+                            {"prompt": ""},
+                            {"prompt": "x", "chat_template_kwargs": {}},
+                        ]
+                    )
+                ).encode(),
+                auth,
+            )
         elif kind == "auth":
-            headers = rng.choice([{}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}])
+            headers = rng.choice(
+                [{}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}]
+            )
             yield "POST", "/v1/chat/completions", json.dumps(chat).encode(), headers
         elif kind == "route":
-            yield rng.choice([("GET", "/v1/chat/completions"), ("POST", "/v1/models"), ("GET", "/v2/x"),
-                              ("DELETE", "/v1/completions"), ("GET", "/" + "a" * rng.randrange(1, 50))]) + (b"", auth)  # fmt: skip
+            yield rng.choice(
+                [
+                    ("GET", "/v1/chat/completions"),
+                    ("POST", "/v1/models"),
+                    ("GET", "/v2/x"),
+                    ("DELETE", "/v1/completions"),
+                    ("GET", "/" + "a" * rng.randrange(1, 50)),
+                ]
+            ) + (b"", auth)
         else:
-            yield "POST", "/v1/completions", json.dumps({"prompt": "x", rng.choice(["max_tokens", "top_p"]): rng.choice([0, -3, "x"])}).encode(), auth
+            yield (
+                "POST",
+                "/v1/completions",
+                json.dumps({"prompt": "x", rng.choice(["max_tokens", "top_p"]): rng.choice([0, -3, "x"])}).encode(),
+                auth,
+            )
     yield "POST", "/v1/chat/completions", b" " * (9 * 2**20), auth  # past the 8 MiB limit: 413
 
 
 def test_300_fuzzed_bad_requests_get_4xx_json_errors(
     server: RunningServer, client: openai.OpenAI, session: Session, models: tuple[Path, Path]
 ) -> None:
-    finished_before = server.metric('dflash_generation_tokens_total')
+    finished_before = server.metric("dflash_generation_tokens_total")
     statuses: dict[int, int] = {}
     for method, path, body, headers in bad_requests(random.Random(16), 300):
         status, _, raw = raw_request(server.port, method, path, body, headers)
@@ -476,7 +595,7 @@ def test_300_fuzzed_bad_requests_get_4xx_json_errors(
         assert isinstance(error["message"], str) and error["message"] and "type" in error, raw
         statuses[status] = statuses.get(status, 0) + 1
     assert set(statuses) == {400, 401, 404, 405, 413}, statuses
-    assert server.metric('dflash_generation_tokens_total') == finished_before  # nothing reached the engine
+    assert server.metric("dflash_generation_tokens_total") == finished_before  # nothing reached the engine
     reply = client.chat.completions.create(model=server.target, messages=user("Hello again"))
     assert reply.choices[0].message.content == expected_chat(session, models, user("Hello again")).text
     assert server.get("/health")[1]["status"] == "ok"

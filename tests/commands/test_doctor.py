@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from machines import CU126_ARCHS, CU128_ARCHS, GIB, cuda_machine
 
 from dflash_cli.commands import doctor
-from dflash_cli.setup import recipes
 from dflash_cli.commands.doctor import (
     BnbInstall,
     Check,
@@ -35,9 +33,11 @@ from dflash_cli.commands.doctor import (
     hub_reachable,
     run_checks,
 )
+from dflash_cli.setup import recipes
 from dflash_cli.setup.hardware import MachineFacts, detect_machine
 from dflash_cli.setup.planning import PlanOverrides, expected_speed, make_plan
 from dflash_cli.setup.recipes import get_recipe, load_recipes
+from helpers.machines import CU126_ARCHS, CU128_ARCHS, GIB, cuda_machine
 
 TORCH_213_RELEASES = {
     "12.6": {50, 60, 70, 75, 80, 86, 90},
@@ -73,9 +73,20 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
 def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
     checks = by_name(run_checks())
     expected = {
-        "python", "torch", "driver", "gpu", "bitsandbytes", "mxfp4", "transformers", "accelerate", "hf cache", "hf token",
-        "hugging face hub", "recipes", "dflash command",
-    }  # fmt: skip
+        "python",
+        "torch",
+        "driver",
+        "gpu",
+        "bitsandbytes",
+        "mxfp4",
+        "transformers",
+        "accelerate",
+        "hf cache",
+        "hf token",
+        "hugging face hub",
+        "recipes",
+        "dflash command",
+    }
     assert set(checks) == expected
     for name in ("python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache"):
         assert checks[name].status == "pass", checks[name]
@@ -262,7 +273,9 @@ def test_recipe_speed_classes() -> None:
     # A 2-core CPU streaming 10 GB/s in float32 and 4.5 GB/s in emulated bf16 (what this session's machine measured).
     bandwidth = {"float32": 10e9, "bfloat16": 4.5e9}
     cpu = dataclasses.replace(CPU, cpu_ram_total=64 * GIB, cpu_ram_available=60 * GIB)
-    lines = {line.split(":")[0]: line for line in check_recipes(cpu, shipped, lambda d, t: bandwidth[t]).detail.splitlines()}
+    lines = {
+        line.split(":")[0]: line for line in check_recipes(cpu, shipped, lambda d, t: bandwidth[t]).detail.splitlines()
+    }
     assert "~19 tok/s at most here" in lines["demo"] and "fine for chat" in lines["demo"]  # 0.54 GB per token
     assert "(32.8 GB read per token at 10 GB/s): too slow for chat" in lines["qwen3-8b"]  # fp32 fits 60 GB
     h100 = check_recipes(H100_CU126, shipped, lambda d, t: 3.0e12).detail
@@ -292,7 +305,10 @@ def test_recipe_fit_report() -> None:
     assert "gpt-oss-20b: does not fit" in on_5090.detail and "MXFP4" in on_5090.detail  # no MXFP4 kernels here
     items = {item["name"]: item for item in on_5090.to_dict()["items"]}  # --json: the same, as data
     assert set(items) == {recipe.name for recipe in shipped}
-    assert items["qwen3-8b"]["fits"] and (items["qwen3-8b"]["device"], items["qwen3-8b"]["weights"]) == ("cuda", "bfloat16")
+    assert items["qwen3-8b"]["fits"] and (items["qwen3-8b"]["device"], items["qwen3-8b"]["weights"]) == (
+        "cuda",
+        "bfloat16",
+    )
     assert items["kimi-k2.5"] == {"name": "kimi-k2.5", "fits": False, "runnable": False}
     assert not items["gpt-oss-20b"]["fits"] and "MXFP4" in items["gpt-oss-20b"]["why"]
     assert "items" not in check_recipes(RTX_5090_CU128, []).to_dict()  # other checks keep their shape

@@ -20,15 +20,15 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from dflash_cli.cli.app import app
 from dflash_cli.commands import run as jobs
 from dflash_cli.commands.run import completed_ids, read_requests, run_file
-from dflash_cli.protocol.requests import LineError, Request, parse_line
-from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.requests import LineError, Request, parse_line
 from dflash_cli.setup.options import RunOptions
-from drafters import save_random_drafter
+from helpers.drafters import save_random_drafter
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +85,22 @@ def test_each_input_format_is_detected() -> None:
     plain = parse({"prompt": "Once upon a time", "id": "p1"})
     chat = parse({"messages": [{"role": "user", "content": "Hi"}], "id": 7})
     openai_chat = parse(
-        {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}}
-    )  # fmt: skip
+        {
+            "custom_id": "c1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+        }
+    )
     openai_text = parse({"custom_id": "c2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "def f("}})
     ids = parse({"prompt_ids": [5, 6, 7], "id": "t"})
     assert (plain.id, plain.prompt, plain.is_chat, plain.endpoint) == ("p1", "Once upon a time", False, None)
     assert (chat.id, chat.messages, chat.is_chat) == ("7", ({"role": "user", "content": "Hi"},), True)
     assert (openai_chat.id, openai_chat.messages, openai_chat.endpoint) == (
-        "c1", ({"role": "user", "content": "Hi"},), "/v1/chat/completions"
-    )  # fmt: skip
+        "c1",
+        ({"role": "user", "content": "Hi"},),
+        "/v1/chat/completions",
+    )
     assert (openai_text.id, openai_text.prompt, openai_text.is_chat) == ("c2", "def f(", False)
     assert (ids.id, ids.prompt_ids, ids.is_chat) == ("t", (5, 6, 7), False)
     assert parse(b"   \r\n") is None  # blank lines are skipped
@@ -108,7 +114,13 @@ def test_unknown_keys_are_ignored_unless_a_typo_of_a_field() -> None:
 
 def test_line_parameters_override_the_flags() -> None:
     simple = parse({"prompt": "x", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "stop": "\n"})
-    assert simple.sampling == {"max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "stop_strings": ("\n",)}
+    assert simple.sampling == {
+        "max_new_tokens": 3,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 0,
+        "stop_strings": ("\n",),
+    }
     body = {"prompt": "x", "max_completion_tokens": 9, "min_p": 0.1, "seed": 4, "stop": ["a", "b"], "temperature": None}
     openai = parse({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body})
     assert openai.sampling == {"max_new_tokens": 9, "min_p": 0.1, "seed": 4, "stop_strings": ("a", "b")}
@@ -144,8 +156,11 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
         ({"prompt": "x", "max_tokens": 2.5}, "invalid_request", "max_tokens must be an integer"),
         ({"prompt": "x", "max_tokens": 0}, "invalid_request", "max_tokens must be >= 1, got 0"),
         ({"prompt": "x", "max_completion_tokens": -3}, "invalid_request", "max_completion_tokens must be >= 1"),
-        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}}, "invalid_request",
-         "body.max_tokens must be >= 1"),
+        (
+            {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}},
+            "invalid_request",
+            "body.max_tokens must be >= 1",
+        ),
         ({"prompt": "x", "temperature": 1e999}, "invalid_request", "temperature must be a finite number"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_request", "messages[0].role must be system"),
         ({"prompt_ids": [1, -2]}, "invalid_request", "prompt_ids must be a non-empty list of token ids"),
@@ -155,14 +170,32 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
         ({"prompt": "x", "stop": [1]}, "invalid_request", "stop must be a string"),
         ({"custom_id": "c", "url": "/v1/embeddings", "body": {}}, "invalid_request", "/v1/embeddings"),
         ({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {}}, "invalid_request", "POST"),
-        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}, "invalid_request", "n must be 1"),
-        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "invalid_request",
-         "one prompt per request"),
+        (
+            {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}},
+            "invalid_request",
+            "n must be 1",
+        ),
+        (
+            {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},
+            "invalid_request",
+            "one prompt per request",
+        ),
         ({"url": "/v1/completions", "body": {"prompt": "x"}}, "invalid_request", "without custom_id"),
-        ({"prompt": "x", "max_token": 3}, "invalid_request", "max_token is not a request field: did you mean max_tokens?"),
+        (
+            {"prompt": "x", "max_token": 3},
+            "invalid_request",
+            "max_token is not a request field: did you mean max_tokens?",
+        ),
         ({"prompt": "x", "max_new_tokens": 3}, "invalid_request", "did you mean max_tokens?"),
-        ({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}],
-          "temprature": 0.2}}, "invalid_request", "body.temprature is not a request field: did you mean body.temperature?"),
+        (
+            {
+                "custom_id": "c",
+                "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": "x"}], "temprature": 0.2},
+            },
+            "invalid_request",
+            "body.temprature is not a request field: did you mean body.temperature?",
+        ),
     ],
 )
 def test_invalid_lines_say_why(line: Any, code: str, reason: str) -> None:
@@ -297,14 +330,18 @@ def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, opt
             {"id": "plain", "prompt": "The quick brown fox", "max_tokens": 2},
             {"messages": [{"role": "user", "content": "Hello!"}]},
             "not json",
-            {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 3}},
+            {
+                "custom_id": "chat-1",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 3},
+            },
             b'{"prompt": "\xff"}',
             {"custom_id": "text-1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "def add(a, b):"}},
             {"id": "huge", "prompt": "word " * 200_000},  # a 1 MB line, far past the 512-token context window
             {"prompt": {"not": "text"}},
         ],
-    )  # fmt: skip
+    )
     summary = run_with(session, options, prompts)
     output, errors = tmp_path / "prompts.out.jsonl", tmp_path / "prompts.errors.jsonl"
     assert (summary.total, summary.done, summary.failed, summary.exit_code) == (8, 4, 4, 1)
@@ -316,13 +353,26 @@ def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, opt
     plain = records["plain"]
     assert plain["completion_tokens"] <= 2 and plain["finish_reason"] in ("stop", "length")
     assert plain["prompt_tokens"] == len(session.encode_prompt("The quick brown fox"))
-    stats = {"speculative", "block_size", "adaptive", "tau", "acceptance_histogram", "block_size_histogram",
-             "decode_tokens_per_s", "ttft_s", "draft_s", "verify_s", "compile_s"}  # fmt: skip
+    stats = {
+        "speculative",
+        "block_size",
+        "adaptive",
+        "tau",
+        "acceptance_histogram",
+        "block_size_histogram",
+        "decode_tokens_per_s",
+        "ttft_s",
+        "draft_s",
+        "verify_s",
+        "compile_s",
+    }
     assert set(plain["stats"]) == stats
     assert plain["stats"]["speculative"] is True and plain["stats"]["block_size"] == 4
     assert sum(plain["stats"]["acceptance_histogram"].values()) >= 1
     steps = plain["stats"]["block_size_histogram"]
-    assert plain["stats"]["adaptive"] is True and sum(steps.values()) == sum(plain["stats"]["acceptance_histogram"].values())
+    assert plain["stats"]["adaptive"] is True and sum(steps.values()) == sum(
+        plain["stats"]["acceptance_histogram"].values()
+    )
     assert records[auto]["completion_tokens"] <= options.max_tokens
 
     chat = records["chat-1"]
@@ -339,8 +389,11 @@ def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, opt
 
     failures = {e["line"]: e for e in read_jsonl(errors)}
     assert {n: e["error"]["code"] for n, e in failures.items()} == {
-        3: "invalid_json", 5: "invalid_utf8", 7: "context_length_exceeded", 8: "invalid_request"
-    }  # fmt: skip
+        3: "invalid_json",
+        5: "invalid_utf8",
+        7: "context_length_exceeded",
+        8: "invalid_request",
+    }
     assert failures[7]["id"] == "huge" and "context window is 512" in failures[7]["error"]["message"]
 
 
@@ -396,7 +449,9 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
     ]
     for lines, changed_options in changed:
         write_lines(prompts, lines)
-        with pytest.raises(DflashError, match=r"result\(s\) in .* were made from another prompt or other settings") as refused:
+        with pytest.raises(
+            DflashError, match=r"result\(s\) in .* were made from another prompt or other settings"
+        ) as refused:
             run_file(changed_options, prompts, load=no_load)
         assert "-o" in refused.value.fix
         assert output.read_bytes() == done and errors.exists()  # nothing written, nothing removed
@@ -407,7 +462,7 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
 def test_the_errors_file_is_ours_to_rewrite_or_refused(tmp_path: Path) -> None:
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     notes = tmp_path / "notes.txt"
-    for content in (b"my precious notes\n", b"no newline at the end", b'{"line": 1}\n', b'\n[1, 2]\n'):
+    for content in (b"my precious notes\n", b"no newline at the end", b'{"line": 1}\n', b"\n[1, 2]\n"):
         notes.write_bytes(content)
         with pytest.raises(DflashError, match="holds something else") as refused:
             run_file(RunOptions(), prompts, tmp_path / "out.jsonl", errors=notes, load=no_load)
@@ -438,8 +493,13 @@ def test_the_errors_file_lists_only_what_is_still_missing(tmp_path: Path, sessio
 
 def dflash_run(*args: str, cwd: Path) -> tuple[list[str], dict[str, Any]]:
     """`python -m dflash_cli run ARGS` and the subprocess keywords to run it in `cwd`."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "XDG_CACHE_HOME": str(cwd / "cache")}  # the measured block costs of tiny models stay out of the user's cache
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "XDG_CACHE_HOME": str(cwd / "cache"),
+    }  # the measured block costs of tiny models stay out of the user's cache
     return [sys.executable, "-m", "dflash_cli", "run", *args], {"cwd": cwd, "env": env}
 
 
@@ -447,7 +507,17 @@ def test_sigkill_mid_run_loses_nothing(tmp_path: Path, models: tuple[Path, Path]
     ids = [f"q{i:02d}" for i in range(16)]
     write_lines(tmp_path / "prompts.jsonl", [{"id": i, "prompt": f"Tell me about {i}"} for i in ids])
     # two rows at a time: rows finish and new ones join all through the run
-    args = ("prompts.jsonl", "--target", str(models[0]), "--drafter", str(models[1]), "--max-tokens", "6", "--batch-size", "2")
+    args = (
+        "prompts.jsonl",
+        "--target",
+        str(models[0]),
+        "--drafter",
+        str(models[1]),
+        "--max-tokens",
+        "6",
+        "--batch-size",
+        "2",
+    )
     command, kwargs = dflash_run(*args, cwd=tmp_path)
     output = tmp_path / "prompts.out.jsonl"
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kwargs)
@@ -476,9 +546,14 @@ def test_duplicate_ids_go_to_the_errors_file_and_the_rest_runs(
 ) -> None:
     prompts = write_lines(
         tmp_path / "p.jsonl",
-        [{"prompt": "a", "id": "x"}, {"prompt": "b", "id": "y"}, {"prompt": "c", "id": "x"},
-         {"custom_id": "y", "url": "/v1/completions", "body": {"prompt": "d"}}, {"prompt": "e", "id": "x"}],
-    )  # fmt: skip
+        [
+            {"prompt": "a", "id": "x"},
+            {"prompt": "b", "id": "y"},
+            {"prompt": "c", "id": "x"},
+            {"custom_id": "y", "url": "/v1/completions", "body": {"prompt": "d"}},
+            {"prompt": "e", "id": "x"},
+        ],
+    )
     summary = run_with(session, options, prompts)
     assert (summary.done, summary.failed, summary.exit_code) == (2, 3, 1)
     records = {r["id"]: r for r in read_jsonl(tmp_path / "p.out.jsonl")}
@@ -487,8 +562,10 @@ def test_duplicate_ids_go_to_the_errors_file_and_the_rest_runs(
     assert records["x"]["text"] == first
     failures = read_jsonl(tmp_path / "p.errors.jsonl")
     assert [(e["line"], e["id"], e["error"]["code"]) for e in failures] == [
-        (3, "x", "duplicate_id"), (4, "y", "duplicate_id"), (5, "x", "duplicate_id")
-    ]  # fmt: skip
+        (3, "x", "duplicate_id"),
+        (4, "y", "duplicate_id"),
+        (5, "x", "duplicate_id"),
+    ]
     assert 'id "x" is already used on line 1' in failures[0]["error"]["message"]
 
 
@@ -539,17 +616,23 @@ def test_cli_errors_and_exit_codes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_a_batched_run_gives_every_request_its_result_alone(tmp_path: Path, models: tuple[Path, Path], batch_size: int) -> None:
+def test_a_batched_run_gives_every_request_its_result_alone(
+    tmp_path: Path, models: tuple[Path, Path], batch_size: int
+) -> None:
     """Mixed prompt lengths, max_tokens, stop strings and seeded sampling, decoded three at a time (rows leave and
     join all through the run): every result is the one the request gets decoded alone (float32)."""
     from dflash_cli.engine import collect
     from dflash_cli.loading.session import open_session
 
-    options = RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=12, dtype="float32", batch_size=batch_size)
+    options = RunOptions(
+        target=str(models[0]), drafter=str(models[1]), max_tokens=12, dtype="float32", batch_size=batch_size
+    )
     session = open_session(options, batching=True)
     assert session.batch_size == batch_size
     lines = [{"id": f"g{i}", "prompt": "Tell me " * (i % 4 + 1) + str(i), "max_tokens": 4 + 3 * i} for i in range(7)]
-    lines += [{"id": f"s{i}", "prompt": f"Sample {i}", "temperature": 0.9, "seed": i, "max_tokens": 10} for i in range(3)]
+    lines += [
+        {"id": f"s{i}", "prompt": f"Sample {i}", "temperature": 0.9, "seed": i, "max_tokens": 10} for i in range(3)
+    ]
     lines.append({"id": "stop", "prompt": "Tell me 3", "stop": ["e"], "max_tokens": 20})
     prompts = write_lines(tmp_path / "p.jsonl", lines)
     summary = run_with(session, options, prompts)
@@ -562,7 +645,9 @@ def test_a_batched_run_gives_every_request_its_result_alone(tmp_path: Path, mode
     assert {records[f"s{i}"]["text"] for i in range(3)} != {records["g0"]["text"]}
 
 
-def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(tmp_path: Path, models: tuple[Path, Path]) -> None:
+def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
+    tmp_path: Path, models: tuple[Path, Path]
+) -> None:
     """A device with room for one row only: the target raises torch's out-of-memory error for any forward over
     several rows (a real forward pre-hook on the real model; nothing else is replaced). Every request still gets
     the result it gets alone; only a request that fails alone as well goes to the errors file."""

@@ -13,12 +13,12 @@ from rich.console import Console
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
-from dflash_cli.loading import models as loading
 from dflash_cli.errors import DflashError
-from dflash_cli.setup.planning import Plan
+from dflash_cli.loading import models as loading
 from dflash_cli.loading.models import load_models, load_target, load_tokenizer, read_checkpoint
+from dflash_cli.setup.planning import Plan
 from dflash_cli.setup.recipes import ModelRef, Recipe
-from tiny_models import make_hf_cache, make_tiny, make_tiny_qwen3
+from helpers.tiny_models import make_hf_cache, make_tiny, make_tiny_qwen3
 
 REPO = "tiny-org/tiny-qwen3"
 
@@ -119,7 +119,9 @@ def test_models_without_sdpa_load_with_eager_attention(tmp_path: Path) -> None:
     assert loading.attention_implementation(model.config, "eager") == ("eager", None)
 
 
-def test_prequantized_checkpoints_keep_their_stored_size_only_where_native(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+def test_prequantized_checkpoints_keep_their_stored_size_only_where_native(
+    tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
     copy = tmp_path / "q"
     shutil.copytree(tiny_qwen3_dir, copy)
     config = json.loads((copy / "config.json").read_text())
@@ -128,7 +130,9 @@ def test_prequantized_checkpoints_keep_their_stored_size_only_where_native(tiny_
     checkpoint = read_checkpoint(copy)
     assert checkpoint.prequantized == "mxfp4"
     assert checkpoint.nbytes("bfloat16", native=("mxfp4",)) == checkpoint.stored_bytes  # kept as stored
-    assert checkpoint.nbytes("bfloat16") == 2 * sum(n for _, n, _ in checkpoint.tensors)  # dequantized on a device without kernels
+    assert checkpoint.nbytes("bfloat16") == 2 * sum(
+        n for _, n, _ in checkpoint.tensors
+    )  # dequantized on a device without kernels
     with pytest.raises(DflashError, match="pre-quantized \\(mxfp4\\)"):
         load_target(copy, cpu_plan("float32", "nf4"))
 
@@ -211,7 +215,7 @@ def test_loading_display_restores_transformers_bars(tiny_qwen3_dir: Path) -> Non
 
 
 def test_load_models_with_a_local_drafter(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
-    from drafters import save_random_drafter
+    from helpers.drafters import save_random_drafter
 
     target = load_target(tiny_qwen3_dir, cpu_plan())
     drafter_dir = save_random_drafter(tmp_path / "drafter", target, block_size=4)

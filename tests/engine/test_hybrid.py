@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from dflash_cli.engine.target.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, linear_cache_layers
-from tiny_models import build_tiny
+from helpers.tiny_models import build_tiny
 
 PROMPT = [5, 17, 42, 8, 9, 3, 3, 11, 12]
 BLOCK = [7, 99, 140, 2, 64, 64, 31, 5]
@@ -106,8 +106,15 @@ def test_missing_fast_kernels_are_said_once_at_load_not_mid_answer() -> None:
     assert note is not None and "flash-linear-attention" in note  # not installed on this machine
     assert kernel_note(model, "cpu") is None  # those kernels are CUDA-only: nothing to install here
     assert kernel_note(build_tiny("qwen3"), "cuda") is None
-    record = logging.LogRecord("transformers", logging.WARNING, "", 0, "`x` is falling back to its reference "
-                               "PyTorch implementation because `y` is not installed.", None, None)  # fmt: skip
+    record = logging.LogRecord(
+        "transformers",
+        logging.WARNING,
+        "",
+        0,
+        "`x` is falling back to its reference PyTorch implementation because `y` is not installed.",
+        None,
+        None,
+    )
     handlers = logging.getLogger("transformers").handlers
     assert handlers and all(not handler.filter(record) for handler in handlers)
 

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
-from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids
 from dflash_cli.engine import SamplingParams, generate, sample_tokens
+from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids
 from dflash_cli.errors import DflashError
-from drafters import FORMATS, OracleDrafter, random_drafter, save_random_drafter
-from tiny_models import hf_greedy, make_tiny_qwen3, sharp_tiny, tiny_tokenizer
+from helpers.drafters import FORMATS, OracleDrafter, random_drafter, save_random_drafter
+from helpers.tiny_models import hf_greedy, make_tiny_qwen3, sharp_tiny, tiny_tokenizer
 
 # A copy of shared/conformance/qwen3-tiny (golden data from z-lab's reference, dflash==0.1.0).
-GOLDEN_DIR = Path(__file__).parent / "fixtures" / "qwen3-tiny"
+GOLDEN_DIR = Path(__file__).parents[1] / "fixtures" / "qwen3-tiny"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,12 @@ def test_conformance_draft_logits(golden, conformance_pair):
         assert cache.length == cache_before
         block = data[f"{step}.block_ids"]
         with torch.no_grad():
-            hidden = drafter(drafter.embed(block), drafter.fuse_context(data[f"{step}.context_features"]), data[f"{step}.position_ids"], cache)
+            hidden = drafter(
+                drafter.embed(block),
+                drafter.fuse_context(data[f"{step}.context_features"]),
+                data[f"{step}.position_ids"],
+                cache,
+            )
             logits = drafter.logits(hidden[:, 1:])
         assert torch.allclose(hidden[:, 1:], data[f"{step}.draft_final_hidden"], atol=tol, rtol=0)
         assert (logits - data[f"{step}.draft_logits"]).abs().max().item() <= tol
@@ -88,7 +93,9 @@ def test_conformance_baseline_is_plain_greedy(golden, conformance_pair):
     fmt=st.sampled_from(FORMATS),
     window=st.integers(1, 12),
 )
-def test_speculative_greedy_equals_transformers_greedy(arch, seed, layers, draft_layers, block_size, prompt, max_new, fmt, window):
+def test_speculative_greedy_equals_transformers_greedy(
+    arch, seed, layers, draft_layers, block_size, prompt, max_new, fmt, window
+):
     target = sharp_tiny(arch, seed, layers)
     drafter = random_drafter(target, seed=seed, num_layers=draft_layers, block_size=block_size, fmt=fmt, window=window)
     result = speculative_generate(target, drafter, prompt, max_new)
@@ -117,7 +124,12 @@ def test_nf4_target_speculative_equals_its_own_greedy(tmp_path):
     from transformers import BitsAndBytesConfig
 
     path = make_tiny_qwen3(tmp_path / "t", seed=3, with_tokenizer=False, num_hidden_layers=3, vocab_size=128)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=True)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=True,
+    )
     target = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32).eval()
     assert any(type(m).__name__ == "Linear4bit" for m in target.modules())
     drafter_dir = save_random_drafter(tmp_path / "d", target, num_layers=1, block_size=4, seed=1)
@@ -134,6 +146,7 @@ def _exact_marginals(target, prompt: list[int], temperature: float) -> tuple[tor
     """Exact distributions of the 2nd and 3rd generated tokens, by enumerating the first two."""
     vocab = target.config.vocab_size
     with torch.no_grad():
+
         def dist(ids):
             return torch.softmax(target(torch.tensor([ids])).logits[0, -1].double() / temperature, -1)
 
@@ -162,9 +175,20 @@ def _chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def sampling_target():
-    common = dict(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    common = dict(
+        vocab_size=6,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(11)
     target = AutoModelForCausalLM.from_config(Qwen3Config(**common), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -205,7 +229,10 @@ def test_speculative_sampling_matches_the_target_distribution(sampling_target, p
 def test_seeded_sampling_is_reproducible():
     target = sharp_tiny("llama", 3, 2)
     drafter = random_drafter(target, block_size=4)
-    runs = [speculative_generate(target, drafter, [1, 2, 3], 30, temperature=1.0, top_p=0.9, seed=42).token_ids for _ in range(2)]
+    runs = [
+        speculative_generate(target, drafter, [1, 2, 3], 30, temperature=1.0, top_p=0.9, seed=42).token_ids
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
     other = speculative_generate(target, drafter, [1, 2, 3], 30, temperature=1.0, top_p=0.9, seed=43).token_ids
     assert other != runs[0]
@@ -284,7 +311,9 @@ def test_stop_string_cuts_tokens_like_the_baseline(text_pair):
 def test_streamed_text_concatenates_to_the_final_text(text_pair):
     target, drafter, tok = text_pair
     steps = list(generate(target, drafter, tok.encode("Hello"), SamplingParams(max_new_tokens=30), tokenizer=tok))
-    assert "".join(s.text for s in steps) == tok.decode([t for s in steps for t in s.token_ids], skip_special_tokens=True)
+    assert "".join(s.text for s in steps) == tok.decode(
+        [t for s in steps for t in s.token_ids], skip_special_tokens=True
+    )
     assert steps[0].acceptance_length is None and all(s.acceptance_length for s in steps[1:])
     assert [s.finish_reason for s in steps[:-1]] == [None] * (len(steps) - 1) and steps[-1].finish_reason == "length"
 

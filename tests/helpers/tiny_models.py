@@ -19,8 +19,8 @@ Stable interface: other test files import these names; keep their signatures.
 from __future__ import annotations
 
 import functools
-import json
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -82,7 +82,10 @@ def tiny_tokenizer() -> Any:
 # sliding windows, attention sinks, K = V global layers, softcapped logits, routed experts) live in these fields,
 # not in the size. Fields not given here come from `_BASE_FIELDS`; keyword overrides win over both.
 _LINEAR_ATTENTION = dict(
-    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
     linear_num_value_heads=4,
 )
 _EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -108,28 +111,48 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         dict(num_hidden_layers=4, **_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=32),
     ),
     "qwen3_next": (
-        "Qwen3NextConfig", dict(num_hidden_layers=4, **_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=32)
+        "Qwen3NextConfig",
+        dict(num_hidden_layers=4, **_LINEAR_ATTENTION, **_EXPERTS, shared_expert_intermediate_size=32),
     ),
     "gemma4": ("Gemma4TextConfig", _GEMMA4),
     "gemma4_moe": (
-        "Gemma4TextConfig", dict(_GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+        "Gemma4TextConfig",
+        dict(_GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
     ),
     # chunked attention (window 4) and MoE; its decoder keeps the layers without a `get_decoder().layers`
     "llama4": (
         "Llama4TextConfig",
-        dict(num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128, attention_chunk_size=4,
-             interleave_moe_layer_step=1),
+        dict(
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=128,
+            attention_chunk_size=4,
+            interleave_moe_layer_step=1,
+        ),
     ),
     # a Mamba-2 hybrid (not a Gated DeltaNet): its state is rolled back by the general method
     "bamba": (
         "BambaConfig",
-        dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
-             mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=16),
+        dict(
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            mamba_d_state=8,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+        ),
     ),
     # alternating sliding (window 4 here, 128 in the real model) and full layers, learned attention sinks
     "gpt_oss": (
         "GptOssConfig",
-        dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+        dict(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
     ),
 }
 _BASE_FIELDS = dict(
@@ -174,10 +197,19 @@ def sharp_tiny(arch: str, seed: int, layers: int = 2) -> Any:
     import transformers
 
     common = dict(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     config = transformers.Qwen3Config(**common) if arch == "qwen3" else transformers.LlamaConfig(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -191,9 +223,14 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     import torch
 
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-        eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )  # fmt: skip
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -324,7 +361,12 @@ def make_tiny_mxfp4_gpt_oss(model_dir: str | os.PathLike, seed: int = 0) -> tupl
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
     }
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir, model

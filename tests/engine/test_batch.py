@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from dflash_cli.engine import Batch, SamplingParams, collect, generate
 from dflash_cli.engine.policy import FixedBlock
-from drafters import FORMATS, OracleDrafter, random_drafter
-from tiny_models import sharp_tiny
+from helpers.drafters import FORMATS, OracleDrafter, random_drafter
+from helpers.tiny_models import sharp_tiny
 
 
 @functools.cache
@@ -31,7 +31,9 @@ class RowOracle(OracleDrafter):
     is by its prompt's length (distinct here), so every row drafts its own continuation right for `correct` slots
     per block. A row is its draft cache alone, its slot in a batch."""
 
-    def __init__(self, target, continuations: list[list[int]], prompt_lengths: list[int], *, block_size: int, correct: list[int]) -> None:
+    def __init__(
+        self, target, continuations: list[list[int]], prompt_lengths: list[int], *, block_size: int, correct: list[int]
+    ) -> None:
         super().__init__(target, [], block_size=block_size, correct=correct)
         self.by_length = dict(zip(prompt_lengths, continuations, strict=True))
         assert len(self.by_length) == len(continuations), "the prompts' lengths must differ"
@@ -122,7 +124,13 @@ def test_rows_with_partial_acceptance_join_leave_and_reuse_slots() -> None:
     correct = [0, 7, 1, 4, 2]
 
     def oracle(which: list[int]):
-        return RowOracle(target, [prompts[i] + free[i] for i in which], [len(prompts[i]) for i in which], block_size=8, correct=correct)
+        return RowOracle(
+            target,
+            [prompts[i] + free[i] for i in which],
+            [len(prompts[i]) for i in which],
+            block_size=8,
+            correct=correct,
+        )
 
     solo = [alone(target, oracle([i]), prompts[i], requests[i][1]) for i in range(len(prompts))]
     got, widest = run_batch(target, oracle(list(range(len(prompts)))), requests, rows=3)
@@ -137,7 +145,8 @@ def test_sampling_rows_are_seeded_and_reproducible() -> None:
     drafter = random_drafter(target, block_size=4)
     prompts = [[1, 2, 3], [40, 41], [9, 8, 7, 6, 5, 4], [11]]
     requests = [
-        (p, SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=100 + i), i % 2) for i, p in enumerate(prompts)
+        (p, SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=100 + i), i % 2)
+        for i, p in enumerate(prompts)
     ]
     requests.append(([3, 3, 3], SamplingParams(max_new_tokens=24), 1))  # a greedy row among them
     first, widest = run_batch(target, drafter, requests, rows=4)
@@ -296,7 +305,7 @@ def test_hybrid_rows_roll_back_each_to_its_own_count(family: str) -> None:
     alone; seeded sampling rows among them are reproducible at any batch size and equal their decoding alone."""
     from test_families import target as family_target
 
-    from tiny_models import hf_greedy
+    from helpers.tiny_models import hf_greedy
 
     target = family_target(family)
     prompts = [[5, 17, 42, 8, 9, 3, 3, 11, 12], [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [27], [60, 61]]
@@ -306,19 +315,26 @@ def test_hybrid_rows_roll_back_each_to_its_own_count(family: str) -> None:
     params = [
         SamplingParams(max_new_tokens=n, temperature=sampled.get(i, 0.0), seed=50 + i if i in sampled else None)
         for i, n in enumerate(max_tokens)
-    ]  # fmt: skip
+    ]
     greedy = [hf_greedy(target, p, n) for p, n in zip(prompts, max_tokens)]
     correct = [0, 7, 1, 4, 2, 6]
 
     def oracle(order: list[int]) -> RowOracle:  # each row drafts its own greedy continuation (known by its length)
-        return RowOracle(target, [prompts[i] + greedy[i] for i in order], [len(prompts[i]) for i in order],
-                         block_size=8, correct=correct)  # fmt: skip
+        return RowOracle(
+            target,
+            [prompts[i] + greedy[i] for i in order],
+            [len(prompts[i]) for i in order],
+            block_size=8,
+            correct=correct,
+        )
 
     requests = [(p, sp, j) for p, sp, j in zip(prompts, params, joins)]
     solo = [alone(target, oracle([i]), prompts[i], params[i]) for i in range(len(prompts))]
     got, widest = run_batch(target, oracle(sorted(range(len(prompts)), key=joins.__getitem__)), requests, rows=3)
     assert widest == 3
-    assert [g[0] for i, g in enumerate(got) if i not in sampled] == [greedy[i] for i in range(len(prompts)) if i not in sampled]
+    assert [g[0] for i, g in enumerate(got) if i not in sampled] == [
+        greedy[i] for i in range(len(prompts)) if i not in sampled
+    ]
     assert got == solo  # every row: its tokens, finish reason and acceptance lengths alone
     assert any(1 < n < 8 for i, g in enumerate(got) if i not in sampled for n in g[2])  # partial acceptance
     again, _ = run_batch(target, oracle(sorted(range(len(prompts)), key=joins.__getitem__)), requests, rows=2)

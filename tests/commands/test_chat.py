@@ -19,14 +19,14 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from dflash_cli.commands import chat
-from dflash_cli.setup import recipes
-from dflash_cli.commands.chat import ChatState, handle_command, make_history, repl, reply
 from dflash_cli.cli.app import app
-from dflash_cli.setup.options import RunOptions
+from dflash_cli.commands import chat
+from dflash_cli.commands.chat import ChatState, handle_command, make_history, repl, reply
 from dflash_cli.loading.session import Session, open_session
-from drafters import save_random_drafter
-from tiny_models import make_tiny_qwen3
+from dflash_cli.setup import recipes
+from dflash_cli.setup.options import RunOptions
+from helpers.drafters import save_random_drafter
+from helpers.tiny_models import make_tiny_qwen3
 
 TOKENS = 8  # per reply: enough to stream several steps, quick on a CPU
 ENTER, ALT_ENTER, CTRL_C, CTRL_D = "\r", "\x1b\r", "\x03", "\x04"
@@ -290,7 +290,10 @@ def test_help_show_and_unknown_commands(session: Session, state: ChatState) -> N
     assert handle_command(session, state, "/?").message == help_text
     shown = handle_command(session, state, "/show").message
     assert session.plan_line() in shown and "DFlash, block adaptive up to 4" in shown and "temperature 0.0" in shown
-    assert handle_command(session, state, "/set block_size 2").ok and "DFlash, block 2" in handle_command(session, state, "/show").message
+    assert (
+        handle_command(session, state, "/set block_size 2").ok
+        and "DFlash, block 2" in handle_command(session, state, "/show").message
+    )
     assert handle_command(session, state, "/set block_size auto").ok and state.block_size is None
     unknown = handle_command(session, state, "/sav chat.json")
     assert not unknown.ok and unknown.message == "Unknown command /sav. Did you mean /save?"
@@ -322,8 +325,10 @@ def test_save_and_load_round_trip(session: Session, state: ChatState, options: R
         ('["a list"]', "holds no conversation"),
         ('{"messages": [{"role": "robot", "content": "hi"}]}', "messages[0].role must be system, user or assistant"),
         ('{"messages": [{"role": "user", "content": 3}]}', "messages[0].content must be a string"),
-        ('{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}',
-         "messages[1] is a system message"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}',
+            "messages[1] is a system message",
+        ),
         ('{"system": 3, "messages": []}', "system must be text or null"),
     ],
 )
@@ -436,8 +441,15 @@ def test_run_chat_on_a_terminal_runs_the_repl(
     console = Console(file=io.StringIO())
     with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
         pipe.send_text(f"Hello{ENTER}/show{ENTER}/bye{ENTER}")
-        code = chat.run_chat(options, system="Be brief.", question=None, history=history, show_stats=True,
-                             console=console, err_console=Console(file=io.StringIO()))  # fmt: skip
+        code = chat.run_chat(
+            options,
+            system="Be brief.",
+            question=None,
+            history=history,
+            show_stats=True,
+            console=console,
+            err_console=Console(file=io.StringIO()),
+        )
     out = console.file.getvalue()
     assert code == 0 and "dflash chat ad-hoc" in out and "system    Be brief." in out and f"{TOKENS} tokens" in out
     assert (tmp_path / "dflash" / "chat_history").exists() == history
@@ -482,4 +494,6 @@ def test_odd_settings_are_said_under_the_plan_line(options: RunOptions) -> None:
     assert plan.startswith("ad-hoc: cpu ") and "block 9" in plan
     assert note.startswith("  note: block 9 is longer than the 4 the drafter was trained with")
     plain = cli(options, "--prompt", "Hi")
-    assert "note:" not in plain.stderr and "block ≤4 adaptive" in plain.stderr.splitlines()[0]  # up to the drafter's size
+    assert (
+        "note:" not in plain.stderr and "block ≤4 adaptive" in plain.stderr.splitlines()[0]
+    )  # up to the drafter's size

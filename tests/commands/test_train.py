@@ -13,12 +13,7 @@ import torch
 from rich.progress import Progress
 from typer.testing import CliRunner
 
-from dflash_cli.setup import recipes
 from dflash_cli.cli.app import app
-from dflash_cli.engine.target.attention import capture_target_features
-from dflash_cli.loading.models import load_drafter
-from dflash_cli.errors import DflashError
-from dflash_cli.commands.train_prompts import load_prompts, split_prompts
 from dflash_cli.commands.train import (
     Sample,
     TrainOptions,
@@ -31,8 +26,22 @@ from dflash_cli.commands.train import (
     self_distill,
     train,
 )
+from dflash_cli.commands.train_prompts import load_prompts, split_prompts
+from dflash_cli.engine.target.attention import capture_target_features
+from dflash_cli.errors import DflashError
+from dflash_cli.loading.models import load_drafter
+from dflash_cli.setup import recipes
 
-PROMPTS = ["Hello!", "What is 2 + 2?", "Tell me about foxes.", "def add(a, b):", "Speculative decoding?", "Hi there", "Explain dogs.", "Why?"]
+PROMPTS = [
+    "Hello!",
+    "What is 2 + 2?",
+    "Tell me about foxes.",
+    "def add(a, b):",
+    "Speculative decoding?",
+    "Hi there",
+    "Explain dogs.",
+    "Why?",
+]
 
 
 @pytest.fixture
@@ -44,10 +53,20 @@ def prompt_file(tmp_path: Path) -> Path:
 
 def options(tiny_qwen3_dir: Path, prompt_file: Path, output: Path, **overrides) -> TrainOptions:
     base = {
-        "target": str(tiny_qwen3_dir), "prompts": str(prompt_file), "output": str(output), "block_size": 4,
-        "feature_layers": 2, "steps": 6, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "anchors_per_sequence": 4,
-        "max_new_tokens": 12, "eval_prompts": 2, "checkpoint_every": 3,
-    }  # fmt: skip
+        "target": str(tiny_qwen3_dir),
+        "prompts": str(prompt_file),
+        "output": str(output),
+        "block_size": 4,
+        "feature_layers": 2,
+        "steps": 6,
+        "batch_size": 4,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "anchors_per_sequence": 4,
+        "max_new_tokens": 12,
+        "eval_prompts": 2,
+        "checkpoint_every": 3,
+    }
     return TrainOptions(**{**base, **overrides})
 
 
@@ -77,7 +96,9 @@ def test_batch_labels_positions_and_blocks() -> None:
         assert batch.position_ids[0, 7 + 3 * i : 10 + 3 * i].tolist() == [a, a + 1, a + 2]
         labels = [ids[a + k] if a + k < len(ids) else -100 for k in (1, 2)]
         assert batch.labels[0, i].tolist() == labels
-        assert torch.equal(batch.attention_mask[0, 0, 3 * i : 3 * i + 3], block_attention_mask(7, anchors, 3)[3 * i : 3 * i + 3])
+        assert torch.equal(
+            batch.attention_mask[0, 0, 3 * i : 3 * i + 3], block_attention_mask(7, anchors, 3)[3 * i : 3 * i + 3]
+        )
     assert batch.position_ids[0, :7].tolist() == list(range(7))
 
 
@@ -94,7 +115,10 @@ def test_self_distill_caches_answers_and_features(tiny_qwen3_dir: Path, tmp_path
         torch.testing.assert_close(sample.features.float(), full[0, :-1], rtol=2e-2, atol=2e-2)
         # Greedy: the answer is the target's own continuation.
         logits = target(torch.tensor([sample.ids])).logits[0]
-        assert logits[len(sample.prompt_ids) - 1 : -1].argmax(-1).tolist() == sample.response_ids[: len(sample.ids) - len(sample.prompt_ids)]
+        assert (
+            logits[len(sample.prompt_ids) - 1 : -1].argmax(-1).tolist()
+            == sample.response_ids[: len(sample.ids) - len(sample.prompt_ids)]
+        )
     lines = (tmp_path / "responses.jsonl").read_text()
     with Progress(disable=True) as progress:
         again = self_distill(target, tokenizer, conversations, tmp_path, 6, 2, progress, [0, 1])
@@ -184,9 +208,28 @@ def test_bad_prompt_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli"
-    args = ["train", "--target", str(tiny_qwen3_dir), "--prompts", str(prompt_file), "--output", str(out),
-            "--steps", "3", "--batch-size", "4", "--block-size", "4", "--feature-layers", "2",
-            "--max-new-tokens", "8", "--eval-prompts", "2", "--json"]  # fmt: skip
+    args = [
+        "train",
+        "--target",
+        str(tiny_qwen3_dir),
+        "--prompts",
+        str(prompt_file),
+        "--output",
+        str(out),
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "4",
+        "--feature-layers",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--eval-prompts",
+        "2",
+        "--json",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -230,19 +273,43 @@ def test_prompts_are_rendered_as_the_recipe_serves_them(tiny_recipe: str, prompt
         assert key["chat_template_kwargs"] == {"enable_thinking": False}
         thinking_off = tokenizer.apply_chat_template(key["messages"], add_generation_prompt=True, enable_thinking=False)
         assert record["prompt_ids"] == thinking_off["input_ids"]
-        assert record["prompt_ids"] != tokenizer.apply_chat_template(key["messages"], add_generation_prompt=True)["input_ids"]
+        assert (
+            record["prompt_ids"]
+            != tokenizer.apply_chat_template(key["messages"], add_generation_prompt=True)["input_ids"]
+        )
 
 
 def test_train_ends_with_the_command_that_uses_the_drafter(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli"
-    args = ["train", "--target", tiny_recipe, "--prompts", str(prompt_file), "--output", str(out), "--steps", "1",
-            "--batch-size", "2", "--block-size", "4", "--feature-layers", "2", "--max-new-tokens", "4", "--eval-prompts", "2"]  # fmt: skip
+    args = [
+        "train",
+        "--target",
+        tiny_recipe,
+        "--prompts",
+        str(prompt_file),
+        "--output",
+        str(out),
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "4",
+        "--feature-layers",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-prompts",
+        "2",
+    ]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     use = f"dflash chat tiny --drafter {out / 'drafter'}"
     assert f"Use it: {use}" in result.stdout
     chat = CliRunner().invoke(app, [*use.split()[1:], "--prompt", "Hi", "--max-tokens", "3", "--stats"])
-    assert chat.exit_code == 0 and "(DFlash adaptive block ≤4: now " in chat.stderr  # the printed command works as printed
+    assert (
+        chat.exit_code == 0 and "(DFlash adaptive block ≤4: now " in chat.stderr
+    )  # the printed command works as printed
 
 
 def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:
@@ -257,7 +324,9 @@ def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:
     assert split_prompts(path, path, 2) == (everything, everything[:2])  # --eval-file: all of --prompts train
 
 
-def test_loading_the_target_draws_no_tqdm_bars_into_our_progress(tiny_qwen3_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_loading_the_target_draws_no_tqdm_bars_into_our_progress(
+    tiny_qwen3_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     from transformers.utils import logging as hf_logging
 
     load_target(str(tiny_qwen3_dir), "cpu")

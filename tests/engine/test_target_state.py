@@ -5,8 +5,8 @@ from __future__ import annotations
 from dflash_cli.engine import SamplingParams, generate, speculative_generate
 from dflash_cli.engine.target import _STATES, acquire_state, release_state
 from dflash_cli.engine.target.attention import AttentionState
-from drafters import OracleDrafter, random_drafter
-from tiny_models import hf_greedy, sharp_tiny
+from helpers.drafters import OracleDrafter, random_drafter
+from helpers.tiny_models import hf_greedy, sharp_tiny
 
 
 def _hooks(target) -> int:
@@ -31,7 +31,9 @@ def test_steps_write_in_place_and_rejections_only_move_the_length():
         # the newest token is not in the state yet: it opens the next block
         lengths.append((state.lengths[0], len(prompt) + committed - 1))
     assert len(pointers) == 1, "buffers must be written in place, never reallocated during a generation"
-    assert hooks_during == {hooks_before + len(drafter.config.target_layer_ids)}, "hooks are installed once, not per step"
+    assert hooks_during == {hooks_before + len(drafter.config.target_layer_ids)}, (
+        "hooks are installed once, not per step"
+    )
     assert all(a == b for a, b in lengths[:-1])
     assert committed == 40
 
@@ -67,7 +69,9 @@ def test_baseline_captures_no_features():
     assert _hooks(target) == len(drafter.config.target_layer_ids)
     state._features = state._block_features = None  # a hook that recorded anything now would fail
     assert speculative_generate(target, None, [1, 2, 3], 8).token_ids == hf_greedy(target, [1, 2, 3], 8)
-    assert _hooks(target) == len(drafter.config.target_layer_ids), "hooks stay installed (compiled steps keep their guards)"
+    assert _hooks(target) == len(drafter.config.target_layer_ids), (
+        "hooks stay installed (compiled steps keep their guards)"
+    )
 
 
 def test_one_off_state_is_closed():

@@ -8,20 +8,20 @@ import shlex
 from pathlib import Path
 
 import pytest
-from tiny_models import make_hf_cache
 
-from dflash_cli.engine.drafter.model import DrafterConfig
-from dflash_cli.errors import DflashError
 from dflash_cli.commands.export import (
     ServingHardware,
-    serving_hardware,
     llama_cpp_command,
+    serving_hardware,
     sglang_command,
     tensor_parallel_size,
     vllm_command,
 )
+from dflash_cli.engine.drafter.model import DrafterConfig
+from dflash_cli.errors import DflashError
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.recipes import ModelRef, adhoc_recipe, get_recipe
+from helpers.tiny_models import make_hf_cache
 
 ONE_H100 = ServingHardware(gpu_count=1, gpu_memory=85_000_000_000)
 

@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_correctness.py"
 
 
@@ -31,7 +31,10 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     golden["cases"] = golden["cases"][:2]  # (two cases are enough to see both outcomes; all run on the device)
     golden_path.write_text(json.dumps(golden))
     out = tmp_path / "ok.json"
-    assert script.main(["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]) == 0
+    assert (
+        script.main(["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)])
+        == 0
+    )
     (run,) = json.loads(out.read_text())["runs"]
     assert run["set"] == "qwen3-tiny-swa" and run["cases"] == 2
     assert run["eager"]["passed"] and run["eager"]["failures"] == [] and "compiled" not in run
@@ -39,7 +42,10 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     golden["cases"][1]["acceptance_lengths"][0] += 1  # a number the engine does not produce
     golden_path.write_text(json.dumps(golden))
     out = tmp_path / "altered.json"
-    assert script.main(["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]) == 1
+    assert (
+        script.main(["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)])
+        == 1
+    )
     (run,) = json.loads(out.read_text())["runs"]
     (failure,) = run["eager"]["failures"]
     assert failure["wrong"] == ["acceptance"] and failure["prompt"] == golden["cases"][1]["prompt_ids"][:4]
@@ -48,7 +54,7 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
 def test_a_mismatch_is_explained_by_the_baselines_margin() -> None:
     """A DFlash token that is not the baseline's: where, and how far apart the baseline's top two were there."""
     script = load_script()
-    from tiny_models import sharp_tiny
+    from helpers.tiny_models import sharp_tiny
 
     target = sharp_tiny("qwen3", 1)
     prompt = [3, 4, 5]

@@ -15,11 +15,17 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine import policy as policy_module
 from dflash_cli.engine.policy import (
-    AdaptiveBlock, FixedBlock, StepCosts, adaptive_policy, expected_tokens, own_block, sizes_up_to,
-)  # fmt: skip
+    AdaptiveBlock,
+    FixedBlock,
+    StepCosts,
+    adaptive_policy,
+    expected_tokens,
+    own_block,
+    sizes_up_to,
+)
 from dflash_cli.engine.target.attention import capture_target_features
-from drafters import FORMATS, OracleDrafter, random_drafter
-from tiny_models import hf_greedy, sharp_tiny
+from helpers.drafters import FORMATS, OracleDrafter, random_drafter
+from helpers.tiny_models import hf_greedy, sharp_tiny
 
 
 class Schedule(FixedBlock):
@@ -102,7 +108,9 @@ def test_after_plain_steps_the_drafter_reads_the_whole_committed_context(fmt):
         return out
 
     drafter.draft_hidden = checked_draft.__get__(drafter)
-    steps = generate(target, drafter, prompt, SamplingParams(max_new_tokens=40), policy=Schedule([1, 1, 4, 1, 8, 2, 1, 1, 1, 4]))
+    steps = generate(
+        target, drafter, prompt, SamplingParams(max_new_tokens=40), policy=Schedule([1, 1, 4, 1, 8, 2, 1, 1, 1, 4])
+    )
     for step in steps:
         committed.extend(step.token_ids)
     assert len(checked) >= 5
@@ -117,10 +125,19 @@ def test_sampling_is_exact_with_a_switching_schedule():
     from test_engine import _chi2_p_value, _exact_marginals
 
     config = Qwen3Config(
-        vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=6,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(11)
     target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

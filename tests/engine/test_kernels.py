@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_cli import speculative_generate
 from dflash_cli.engine.kernels import SMALL_ROWS, SmallRowLinear, use_small_row_products
-from drafters import random_drafter
-from tiny_models import hf_greedy, sharp_tiny
+from helpers.drafters import random_drafter
+from helpers.tiny_models import hf_greedy, sharp_tiny
 
 
 class _Ops(TorchDispatchMode):

@@ -8,8 +8,8 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from dflash_cli.setup import recipes
 from dflash_cli.errors import DflashError
+from dflash_cli.setup import recipes
 from dflash_cli.setup.recipes import ModelRef, adhoc_recipe, get_recipe, load_recipes, recipe_from_file, resolve_recipe
 
 ZLAB = {"qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3-coder-30b-a3b", "gpt-oss-20b"}  # the published drafters
@@ -67,8 +67,16 @@ def test_shipped_recipe_facts() -> None:
 
 # The runnable Gated DeltaNet recipes: (DeltaNet layers, value heads); all have 16 key heads of 128, values of 128
 # and a conv kernel of 4.
-HYBRID = {"qwen3.5-4b": (24, 32), "qwen3.5-9b": (24, 32), "qwen3.5-35b-a3b": (30, 32), "qwen3.6-35b-a3b": (30, 32),
-          "qwen3-coder-next": (36, 32), "qwen3.5-27b": (48, 48), "qwen3.6-27b": (48, 48), "qwen3.8-27b": (48, 48)}  # fmt: skip
+HYBRID = {
+    "qwen3.5-4b": (24, 32),
+    "qwen3.5-9b": (24, 32),
+    "qwen3.5-35b-a3b": (30, 32),
+    "qwen3.6-35b-a3b": (30, 32),
+    "qwen3-coder-next": (36, 32),
+    "qwen3.5-27b": (48, 48),
+    "qwen3.6-27b": (48, 48),
+    "qwen3.8-27b": (48, 48),
+}
 
 
 def test_hybrid_recipes_list_their_linear_attention_state_per_row() -> None:
@@ -319,8 +327,11 @@ def test_a_target_a_recipe_uses_brings_the_recipes_facts() -> None:
     qwen = get_recipe("qwen3-8b")
     same = resolve_recipe(None, None, "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16")  # the recipe's own pair
     assert (same.name, same.weight_bytes, same.block_size, same.drafter_bytes) == (
-        "ad-hoc", qwen.weight_bytes, 16, qwen.drafter_bytes,
-    )  # fmt: skip
+        "ad-hoc",
+        qwen.weight_bytes,
+        16,
+        qwen.drafter_bytes,
+    )
     assert same.chat_template_kwargs == {"enable_thinking": False}
     mine = resolve_recipe(None, None, "qwen/qwen3-8b", "runs/q/drafter")  # repo ids are case-insensitive
     assert mine.drafter == ModelRef("runs/q/drafter") and mine.block_size is None and mine.drafter_bytes is None

@@ -23,9 +23,9 @@ from dflash_cli.engine.drafter.model import (
     _window_mask,
 )
 from dflash_cli.errors import DflashError
-from drafters import random_drafter
+from helpers.drafters import random_drafter
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 # Copies of shared/conformance (made with z-lab's reference, dflash==0.1.0), and golden sets we made with the
 # same reference for rules the public ones do not show (reference-extra/README.md).
 GOLDEN_SETS = ["qwen3-tiny-swa", "qwen3-tiny-dflash2"] + sorted(
@@ -66,7 +66,9 @@ def test_golden_set_reproduces_exactly(name, targets):
     assert golden["cases"]
     for case in golden["cases"]:
         block_size = case.get("block_size")
-        result = speculative_generate(target, drafter, case["prompt_ids"], golden["max_new_tokens"], block_size=block_size)
+        result = speculative_generate(
+            target, drafter, case["prompt_ids"], golden["max_new_tokens"], block_size=block_size
+        )
         assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4], block_size)
         assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4], block_size)
         baseline = speculative_generate(target, None, case["prompt_ids"], golden["max_new_tokens"])
@@ -162,7 +164,12 @@ def test_top_level_read_as_transformers_reads_it():
     del raw["rope_theta"]
     assert DrafterConfig.from_dict(raw).rope_theta == Qwen3Config().rope_parameters["rope_theta"]
     # scaled RoPE (YaRN) is read, built by transformers, and round-trips
-    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
+    raw["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    }
     yarn = DrafterConfig.from_dict(raw)
     assert yarn.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
     assert DFlashDrafter(yarn)._rope_scale > 1.0
@@ -192,7 +199,9 @@ def test_vllm_only_keys_are_ignored_like_the_reference():
     assert cfg.dflash_extra == {"causal": True} and cfg.extra["swa_window_size"] == 2  # kept for the round trip
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-tiny-swa", "qwen3-tiny-dflash2"] + [g for g in GOLDEN_SETS if "extra" in g])
+@pytest.mark.parametrize(
+    "name", ["qwen3-tiny", "qwen3-tiny-swa", "qwen3-tiny-dflash2"] + [g for g in GOLDEN_SETS if "extra" in g]
+)
 def test_configs_round_trip(name):
     raw = _raw(name)
     raw["dflash_config"]["future_field"] = "kept"
@@ -209,7 +218,7 @@ def test_configs_round_trip(name):
 def test_legacy_output_is_unchanged_for_trained_drafters():
     """`dflash train` writes the legacy schema: the demo drafter's config, written before the 2026 formats,
     comes back byte for byte."""
-    path = Path(__file__).parents[1] / "dflash_cli" / "assets" / "demo-drafter" / "config.json"
+    path = Path(__file__).parents[2] / "dflash_cli" / "assets" / "demo-drafter" / "config.json"
     raw = json.loads(path.read_text())
     assert DrafterConfig.from_dict(raw).to_dict() == raw
 
@@ -241,7 +250,11 @@ def test_unsupported_config_is_an_error_naming_the_field(change, field):
 
 @pytest.mark.parametrize(
     ("changes", "field"),
-    [({"conv_group_size": 48}, "conv_group_size"), ({"selector_top_k": 600}, "selector_top_k"), ({"conv_kernel_size": 0}, "conv_kernel_size")],
+    [
+        ({"conv_group_size": 48}, "conv_group_size"),
+        ({"selector_top_k": 600}, "selector_top_k"),
+        ({"conv_kernel_size": 0}, "conv_kernel_size"),
+    ],
 )
 def test_unsupported_dflash2_sizes_name_the_field(changes, field):
     raw = _raw("qwen3-tiny-dflash2")
@@ -266,7 +279,9 @@ def test_dflash2_checkpoints_load_with_or_without_codebook_suffix(tmp_path, targ
         assert torch.equal(a, b), name
     saved = tmp_path / "saved"
     published.save_pretrained(saved)
-    assert set(load_file(str(saved / "model.safetensors"))) == set(load_file(str(FIXTURES / "qwen3-tiny-dflash2" / "drafter" / "model.safetensors")))
+    assert set(load_file(str(saved / "model.safetensors"))) == set(
+        load_file(str(FIXTURES / "qwen3-tiny-dflash2" / "drafter" / "model.safetensors"))
+    )
 
 
 # --- the attention rule ----------------------------------------------------------------------------------
@@ -281,14 +296,25 @@ def test_window_mask_is_the_rule_on_absolute_positions(causal, window):
     mask = _window_mask(torch.tensor([queries]), torch.tensor([keys]), causal, window)[0, 0]
     for i, qp in enumerate(queries):
         for j, kp in enumerate(keys):
-            expected = (not causal or kp <= qp) and (window is None or (qp - kp < window and (causal or kp - qp < window)))
+            expected = (not causal or kp <= qp) and (
+                window is None or (qp - kp < window and (causal or kp - qp < window))
+            )
             assert bool(mask[i, j]) == expected, (qp, kp)
 
 
 def _tiny_target(layers: int = 3, seed: int = 0):
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 

@@ -13,12 +13,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
-from dflash_cli.engine.drafter.model import DFLASH2_ARCHITECTURE, DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids, make_drafter
+from dflash_cli.engine.drafter.model import (
+    DFLASH2_ARCHITECTURE,
+    DFlashDrafter,
+    DraftCache,
+    DrafterConfig,
+    default_target_layer_ids,
+    make_drafter,
+)
 
 FORMATS = ("classic", "swa", "swa-noncausal", "dflash2")
 
@@ -29,13 +36,26 @@ def _format_fields(fmt: str, num_layers: int, window: int, hidden: int, vocab: i
     sliding = ["sliding_attention"] * num_layers
     if fmt == "dflash2":
         return dict(
-            architecture=DFLASH2_ARCHITECTURE, layer_types=sliding, sliding_window=window, is_causal=False, nested=True,
-            conv_kernel_size=2, conv_group_size=math.gcd(hidden, 8), selector_rank=8, selector_top_k=min(8, vocab),
+            architecture=DFLASH2_ARCHITECTURE,
+            layer_types=sliding,
+            sliding_window=window,
+            is_causal=False,
+            nested=True,
+            conv_kernel_size=2,
+            conv_group_size=math.gcd(hidden, 8),
+            selector_rank=8,
+            selector_top_k=min(8, vocab),
         )
     if num_layers > 1:
         sliding[-1] = "full_attention"
-    fields = dict(layer_types=sliding, sliding_window=window, nested=True, input_embedding_scale=1.25,
-                  output_multiplier=0.9, final_logit_softcapping=8.0)
+    fields = dict(
+        layer_types=sliding,
+        sliding_window=window,
+        nested=True,
+        input_embedding_scale=1.25,
+        output_multiplier=0.9,
+        final_logit_softcapping=8.0,
+    )
     if fmt == "swa-noncausal":
         fields["is_causal"] = False
     elif fmt != "swa":
@@ -44,7 +64,12 @@ def _format_fields(fmt: str, num_layers: int, window: int, hidden: int, vocab: i
 
 
 def drafter_config(
-    target, *, num_layers: int = 1, block_size: int = 4, layer_ids: list[int] | None = None, fmt: str = "classic",
+    target,
+    *,
+    num_layers: int = 1,
+    block_size: int = 4,
+    layer_ids: list[int] | None = None,
+    fmt: str = "classic",
     window: int = 3,
 ) -> DrafterConfig:
     """A drafter for `target`: the target's hidden size (its embeddings and lm_head are shared), 4 heads of its own

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from dflash_cli import speculative_generate
 from dflash_cli.cli.app import app
-from drafters import OracleDrafter, save_random_drafter
-from tiny_models import build_tiny, hf_greedy, make_tiny, make_tiny_mxfp4_gpt_oss
+from helpers.drafters import OracleDrafter, save_random_drafter
+from helpers.tiny_models import build_tiny, hf_greedy, make_tiny, make_tiny_mxfp4_gpt_oss
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba"]  # a rejected draft must roll their state back
 FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss", "llama4", *HYBRIDS]
@@ -80,14 +80,29 @@ def test_any_prompt_and_acceptance_pattern_is_lossless(
 def test_dflash_chat_runs_every_family_from_local_directories(family: str, tmp_path: Path) -> None:
     """The user's path: checkpoints on disk, loaded by our loader (attention chosen per model), one answer."""
     target_dir = make_tiny(family, tmp_path / "target", seed=2)
-    drafter_dir = save_random_drafter(tmp_path / "drafter", AutoModelForCausalLM.from_pretrained(target_dir), block_size=4)
-    args = ["chat", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "Hello there",
-            "--max-tokens", "12", "--dtype", "fp32", "--stats"]  # fmt: skip
+    drafter_dir = save_random_drafter(
+        tmp_path / "drafter", AutoModelForCausalLM.from_pretrained(target_dir), block_size=4
+    )
+    args = [
+        "chat",
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(drafter_dir),
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "12",
+        "--dtype",
+        "fp32",
+        "--stats",
+    ]
     speculative, baseline = (CliRunner().invoke(app, args + extra) for extra in ([], ["--no-spec"]))
     assert speculative.exit_code == 0, speculative.output
     assert baseline.exit_code == 0, baseline.output
     assert "DFlash adaptive block ≤4" in speculative.stderr and " tokens, " in speculative.stderr
     assert speculative.stdout == baseline.stdout  # the same answer with and without the drafter
+
 
 def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessly(tmp_path: Path) -> None:
     """gpt-oss ships its experts as MXFP4 blocks and scales. Where transformers has no MXFP4 kernels (this CPU),
@@ -113,8 +128,9 @@ def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> N
     frequencies against their exact marginals (enumerated), chi-square at alpha = 0.001, fixed seeds."""
     from test_engine import _chi2_p_value, _exact_marginals
 
-    model = build_tiny("qwen3_5", seed=11, vocab_size=6, hidden_size=32, head_dim=8, linear_key_head_dim=8,
-                       linear_value_head_dim=8)  # fmt: skip
+    model = build_tiny(
+        "qwen3_5", seed=11, vocab_size=6, hidden_size=32, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8
+    )
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(12)
     prompt, temperature, runs = [1, 4, 2], 0.8, 800
@@ -132,8 +148,20 @@ def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> N
 
 def test_a_hybrid_target_says_it_runs_eager_when_compiling_is_asked_for(tmp_path: Path) -> None:
     target_dir = make_tiny("qwen3_5", tmp_path / "target", seed=2)
-    args = ["chat", "--target", str(target_dir), "--prompt", "Hi", "--max-tokens", "3", "--dtype", "fp32",
-            "--compile", "on", "--explain"]  # fmt: skip
+    args = [
+        "chat",
+        "--target",
+        str(target_dir),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "3",
+        "--dtype",
+        "fp32",
+        "--compile",
+        "on",
+        "--explain",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "compile off: hybrid targets run eager" in result.stderr and "compiled" not in result.stderr
@@ -153,7 +181,13 @@ def test_every_row_of_a_batch_decodes_as_it_does_alone(family: str) -> None:
     prompts = [list(PROMPT), [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [27]]
     lengths = [NEW_TOKENS, 12, 30, 20]
     expected = [reference(family, tuple(p))[:n] for p, n in zip(prompts, lengths)]
-    drafter = RowOracle(model, [p + e for p, e in zip(prompts, expected)], [len(p) for p in prompts], block_size=8, correct=[0, 7, 3, 5, 1])
+    drafter = RowOracle(
+        model,
+        [p + e for p, e in zip(prompts, expected)],
+        [len(p) for p in prompts],
+        block_size=8,
+        correct=[0, 7, 3, 5, 1],
+    )
     requests = [(p, SamplingParams(max_new_tokens=n), i) for i, (p, n) in enumerate(zip(prompts, lengths))]
     got, widest = run_batch(model, drafter, requests, rows=3)
     assert [g[0] for g in got] == expected

@@ -18,7 +18,7 @@ import pytest
 
 from dflash_cli.bench import gpu as gpu_module
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_bench.py"
 WHEEL_NAME = "dflash-0.1.0-py3-none-any.whl"
 
@@ -34,7 +34,9 @@ def reference_wheel(tmp: Path) -> Path | None:
     try:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "dflash==0.1.0", "-d", str(tmp)],
-            capture_output=True, timeout=60, check=True,
+            capture_output=True,
+            timeout=60,
+            check=True,
         )
     except (subprocess.SubprocessError, OSError):
         return None
@@ -59,7 +61,7 @@ def test_every_section_is_there(smoke):
     settings = results["settings"]
     assert results["bandwidth"]["gb_per_s"] > 0
     assert list(results["runs"]) == settings["precisions"] == ["float32", "nf4"]
-    for name, run in results["runs"].items():
+    for run in results["runs"].values():
         assert "error" not in run, run.get("error")
         floors = run["floors"]
         assert 0 < floors["ar_floor_ms"] < floors["spec_floor_ms"]

@@ -6,11 +6,9 @@ import dataclasses
 
 import pytest
 import torch
-from machines import GIB
-from machines import cuda_machine as cuda
 
-from dflash_cli.setup.choices import BYTES_PER_ELEMENT
 from dflash_cli.errors import DflashError
+from dflash_cli.setup.choices import BYTES_PER_ELEMENT
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class
 from dflash_cli.setup.planning import (
     MAX_BATCH_ROWS,
@@ -22,6 +20,8 @@ from dflash_cli.setup.planning import (
     native_formats,
 )
 from dflash_cli.setup.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
+from helpers.machines import GIB
+from helpers.machines import cuda_machine as cuda
 
 # What torch reports for these cards (total memory in GiB as torch.cuda.mem_get_info returns it).
 RTX_5090 = cuda("NVIDIA GeForce RTX 5090", (12, 0), 31.4)
@@ -185,8 +185,16 @@ def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
 
 
 def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
-    assert make_plan(CPU_64, get_recipe("demo")).one_line().startswith("cpu float32, block adaptive up to the drafter's, sdpa")
-    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafter_block_size=8).startswith("cpu float32, block ≤8 adaptive,")
+    assert (
+        make_plan(CPU_64, get_recipe("demo"))
+        .one_line()
+        .startswith("cpu float32, block adaptive up to the drafter's, sdpa")
+    )
+    assert (
+        make_plan(CPU_64, get_recipe("demo"))
+        .one_line(drafter_block_size=8)
+        .startswith("cpu float32, block ≤8 adaptive,")
+    )
     fixed = make_plan(CPU_64, get_recipe("demo"), PlanOverrides(block_size=4))
     assert fixed.one_line(drafter_block_size=8).startswith("cpu float32, block 4,") and not fixed.adaptive_block
     assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block ≤16 adaptive")

@@ -1,0 +1,1 @@
+"""What the tests share: tiny models built in-process, drafter doubles, a local fake Hub, machine facts."""

@@ -37,7 +37,7 @@ from rich.progress import (
 from dflash_cli.commands.train_prompts import split_prompts
 from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash_cli.engine.sampling import accepted_drafts
-from dflash_cli.engine.target.attention import capture_layers, capture_target_features
+from dflash_cli.engine.target.base import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
 
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),

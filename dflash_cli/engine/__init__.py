@@ -12,7 +12,8 @@ from dflash_cli.engine.policy import AdaptiveBlock, BlockPolicy, FixedBlock, ada
 from dflash_cli.engine.row import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import GenerationStats, PhaseClock
-from dflash_cli.engine.target.attention import AttentionState, TargetState, context_window
+from dflash_cli.engine.target.attention import AttentionState
+from dflash_cli.engine.target.base import TargetState, context_window
 from dflash_cli.engine.text import TextStream
 
 __all__ = [

@@ -37,7 +37,8 @@ from dflash_cli.engine.row import GenerationResult, Request, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
 from dflash_cli.engine.target import acquire_state, release_state
-from dflash_cli.engine.target.attention import AttentionState, batch_limit, context_window
+from dflash_cli.engine.target.attention import AttentionState
+from dflash_cli.engine.target.base import batch_limit, context_window
 from dflash_cli.errors import DflashError
 
 

@@ -43,7 +43,7 @@ import torch
 
 if TYPE_CHECKING:
     from dflash_cli.engine.drafter.model import DFlashDrafter
-    from dflash_cli.engine.target.attention import TargetState
+    from dflash_cli.engine.target.base import TargetState
 
 SIZES = (1, 2, 4, 8, 16)  # few, so that compiled steps keep one graph per size
 PRIOR_WEIGHT = 4.0  # pseudo-steps behind the prior mean of each position's acceptance

@@ -475,7 +475,7 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     import torch
 
     from dflash_cli.engine.drafter.model import make_drafter
-    from dflash_cli.engine.target.attention import compute_dtype
+    from dflash_cli.engine.target.base import compute_dtype
 
     directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")
     config = read_drafter_config(directory)

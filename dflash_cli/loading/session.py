@@ -19,7 +19,7 @@ from dflash_cli.setup.threads import ThreadPlan, apply_threads  # isort: skip
 
 from dflash_cli.engine import Batch, SamplingParams, Step, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
-from dflash_cli.engine.target.attention import batch_limit
+from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.requests import Request

@@ -27,7 +27,7 @@ from dflash_cli.commands.train import (
     train,
 )
 from dflash_cli.commands.train_prompts import load_prompts, split_prompts
-from dflash_cli.engine.target.attention import capture_target_features
+from dflash_cli.engine.target.base import capture_target_features
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import load_drafter
 from dflash_cli.setup import recipes

@@ -175,7 +175,7 @@ def test_every_row_of_a_batch_decodes_as_it_does_alone(family: str) -> None:
     from test_batch import RowOracle, run_batch
 
     from dflash_cli.engine import Batch, SamplingParams
-    from dflash_cli.engine.target.attention import batch_limit
+    from dflash_cli.engine.target.base import batch_limit
 
     model = target(family)
     prompts = [list(PROMPT), [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [27]]

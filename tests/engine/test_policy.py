@@ -23,7 +23,7 @@ from dflash_cli.engine.policy import (
     own_block,
     sizes_up_to,
 )
-from dflash_cli.engine.target.attention import capture_target_features
+from dflash_cli.engine.target.base import capture_target_features
 from helpers.drafters import FORMATS, OracleDrafter, random_drafter
 from helpers.tiny_models import hf_greedy, sharp_tiny
 

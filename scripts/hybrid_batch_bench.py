@@ -28,7 +28,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cli.engine import Batch, SamplingParams  # noqa: E402
-from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids, make_drafter  # noqa: E402
+from dflash_cli.engine.drafter import DrafterConfig, default_target_layer_ids, make_drafter  # noqa: E402
 from dflash_cli.engine.target.hybrid import LinearStateRollback  # noqa: E402
 
 COMMON = dict(

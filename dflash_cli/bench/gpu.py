@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dflash_cli.engine import SamplingParams, Step, generate
-from dflash_cli.engine.drafter.model import DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids
 from dflash_cli.engine.target.attention import AttentionState
 
 PUBLISHED_TAU = 6.5  # z-lab's Qwen3-8B drafter on GSM8K (6.55); every configuration's taus include it
@@ -411,7 +411,7 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
     width = drafter.fc.in_features
     cache = drafter.new_cache(ctx + 2 * drafter.block_size)
     with torch.inference_mode():
-        drafter.draft(torch.randn(1, ctx, width, device=device, dtype=dtype), prompt[:, -1:], ctx, cache)
+        drafter.draft([torch.randn(1, ctx, width, device=device, dtype=dtype)], prompt[:, -1:], [ctx], cache)
     cached = cache.length
     new_rows = max(1, round(PUBLISHED_TAU))
     features = torch.randn(1, new_rows, width, device=device, dtype=dtype)
@@ -420,7 +420,7 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
 
     @torch.inference_mode()
     def run() -> None:
-        drafter.propose(features, block, cached + new_rows, cache)
+        drafter.propose([features], block, [cached + new_rows], cache)
         cache.length = cached  # a rewind is a length move
 
     result = time_calls(run, device, s.warmup, s.reps)
@@ -461,9 +461,17 @@ class ControlledAcceptanceDrafter:
         return getattr(self.inner, name)
 
     @torch.no_grad()
-    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
-        drafted = self.inner.propose(features, block_ids, start, cache)  # the real pass, so the step costs what it does
-        slots = drafted.shape[1]
+    def propose(
+        self,
+        features: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        starts: Sequence[int],
+        cache: DraftCache,
+        **rows: Any,
+    ) -> torch.Tensor:
+        # the real pass, so the step costs what it does (one sequence: the benchmark decodes one row)
+        drafted = self.inner.propose(features, block_ids, starts, cache, **rows)
+        (start,), slots = starts, drafted.shape[1]
         accept = self.plan[min(self.steps, len(self.plan) - 1)]
         self.steps += 1
         proposal = self.sequence[start + 1 : start + 1 + slots].clone()

@@ -35,7 +35,7 @@ from rich.progress import (
 )
 
 from dflash_cli.commands.train_prompts import split_prompts
-from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target.base import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
@@ -301,9 +301,10 @@ def dflash_loss(
     """Weighted block cross-entropy, plus the accuracy and acceptance length the drafts would get."""
     B = drafter.block_size
     b, n = batch.labels.shape[:2]
+    context, blocks = drafter.fuse_context(features), drafter.embed(batch.block_ids)
     hidden = drafter(
-        drafter.embed(batch.block_ids),
-        drafter.fuse_context(features),
+        torch.cat([context, blocks.to(context.dtype)], dim=1),
+        blocks.shape[1],
         batch.position_ids,
         attention_mask=batch.attention_mask,
     )

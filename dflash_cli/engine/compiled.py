@@ -77,7 +77,7 @@ def run_drafter(
     -> hidden of every block slot [1, q, H] (slot 0 included: a slice here would make the compiler
     specialize on a 2-token block). One input for context and block: c is often 1, and a size-1 input (or
     any tensor of the context's own size) would be specialized by the compiler, while c+q never is."""
-    return drafter.forward_rows(rows, block_ids.shape[1], positions, cache)
+    return drafter.forward(rows, block_ids.shape[1], positions, cache)
 
 
 Notify = Callable[[str], AbstractContextManager[Any]]

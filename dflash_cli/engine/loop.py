@@ -11,9 +11,9 @@ join (prefilled into a free slot, alone) and leave (a finished or cancelled row 
 steps: continuous batching. `generate` is that loop with one row. One host sync per step: every row's accepted
 count and target tokens, in one transfer.
 
-The drafter runs once per step for all drafting rows (`propose_rows`: one forward over every row's new context
-rows and block, each row's context K/V in its slot of one `BatchDraftCache`); a batch of one row keeps its own
-`DraftCache` and `propose` (and the compiled draft step). The target's verify, the dominant cost, runs once per
+The drafter runs once per step for all drafting rows (`propose` over one `DraftCache` with a slot per row: one
+forward over every row's new context rows and block); a batch of one row keeps a one-slot cache of its request's
+own (and the compiled draft step). The target's verify, the dominant cost, runs once per
 step for all rows. A block policy (engine.policy) picks one block size
 per step for all rows (1: a plain step, no drafting) and learns from the rows' pooled acceptance.
 """
@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
-from dflash_cli.engine.drafter.model import DFlashDrafter, DraftCache
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.row import GenerationResult, Request, Step
@@ -88,8 +88,11 @@ class Batch:
         self.block = policy.max_size
         self.rows = 1 if batch_limit(target) is not None else max(1, rows)
         self.compile = compile and self.rows == 1  # compiled steps run one row
-        # Several rows: one context cache for all (the drafter's layers run once per step); one row: its own.
-        self.draft_rows = drafter.new_rows(self.rows, self.block) if drafter is not None and self.rows > 1 else None
+        # Several rows: one context cache for all, a slot per row (the drafter's layers run once per step); one row:
+        # a one-slot cache of its request's own, sized for it (and the compiled draft step).
+        self.draft_slots = (
+            drafter.new_cache(block_size=self.block, slots=self.rows) if drafter is not None and self.rows > 1 else None
+        )
         self.state: AttentionState | None = None  # taken when the first row joins
         self.slots: list[Row | None] = [None] * self.rows
         self.waiting: deque[Row] = deque()
@@ -198,8 +201,8 @@ class Batch:
         )
         first = int(row.last.item())
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
-        if self.draft_rows is not None:
-            self.draft_rows.make_room(request.end + self.block)
+        if self.draft_slots is not None:
+            self.draft_slots.make_room(request.end + self.block)
         elif self.drafter is not None:
             row.draft_cache = self.drafter.new_cache(request.end + self.block, self.block)
             if self.compile:
@@ -232,20 +235,20 @@ class Batch:
                 row.pending.clear()
             elif drafter is not None:
                 row.pending[-1] = row.pending[-1].clone()
-        if drafting and self.draft_rows is None:  # one row: its own cache (and compiled step)
+        if drafting and self.draft_slots is None:  # one row: its own cache (and compiled step)
             (i,) = drafting
             # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
             block_ids[i, 1 : sizes[i]] = drafter.propose(
-                features[0], block_ids[i, : sizes[i]][None], starts[i], rows[i].draft_cache
+                features, block_ids[i, : sizes[i]][None], [starts[i]], rows[i].draft_cache
             )[0]
         elif drafting:  # one forward for every drafting row, blocks padded to the widest
             wide = max(sizes[i] for i in drafting)
             blocks = block_ids[:, :wide] if len(drafting) == len(rows) else block_ids[drafting, :wide]
-            proposals = drafter.propose_rows(
+            proposals = drafter.propose(
                 features,
                 blocks,
                 [starts[i] for i in drafting],
-                self.draft_rows,
+                self.draft_slots,
                 sizes=[sizes[i] for i in drafting],
                 slots=[rows[i].slot for i in drafting],
             )

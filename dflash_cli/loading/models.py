@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
     from dflash_cli.setup.planning import Plan
     from dflash_cli.setup.recipes import ModelRef, Recipe
 
@@ -422,7 +422,7 @@ def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedT
 
 
 def read_drafter_config(directory: Path) -> DrafterConfig:
-    from dflash_cli.engine.drafter.model import DrafterConfig
+    from dflash_cli.engine.drafter import DrafterConfig
 
     path = directory / "config.json"
     try:
@@ -474,7 +474,7 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     """
     import torch
 
-    from dflash_cli.engine.drafter.model import make_drafter
+    from dflash_cli.engine.drafter import make_drafter
     from dflash_cli.engine.target.base import compute_dtype
 
     directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")

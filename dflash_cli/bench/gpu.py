@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dflash_cli.engine import SamplingParams, Step, generate
-from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.setup.sizes import module_weight_bytes, tensor_bytes
 
@@ -241,19 +241,8 @@ def build_target(shape: Shape, device: torch.device, dtype: torch.dtype, seed: i
 
 
 def build_drafter(shape: Shape, target: nn.Module, dtype: torch.dtype, seed: int) -> DFlashDrafter:
-    config = DrafterConfig(
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.draft_layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab,
-        num_target_layers=shape.layers,
-        block_size=shape.block_size,
-        mask_token_id=shape.mask_token_id,
-        target_layer_ids=default_target_layer_ids(shape.layers, shape.draft_layers),
-        max_position_embeddings=shape.max_positions,
+    config = DrafterConfig.for_target(
+        target.config, layers=shape.draft_layers, block_size=shape.block_size, mask_token_id=shape.mask_token_id
     )
     torch.manual_seed(seed)
     device = target.get_input_embeddings().weight.device

@@ -35,7 +35,7 @@ from rich.progress import (
 )
 
 from dflash_cli.commands.train_prompts import split_prompts
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target.base import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
@@ -452,24 +452,17 @@ class TrainResult:
 
 def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlashDrafter:
     tcfg = target.config.get_text_config()
-    n_target = tcfg.num_hidden_layers
-    config = DrafterConfig(
-        hidden_size=tcfg.hidden_size,
-        intermediate_size=tcfg.intermediate_size,
-        num_hidden_layers=options.layers,
-        num_attention_heads=tcfg.num_attention_heads,
-        num_key_value_heads=getattr(tcfg, "num_key_value_heads", tcfg.num_attention_heads),
-        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
-        vocab_size=target.get_input_embeddings().num_embeddings,
-        num_target_layers=n_target,
+    config = DrafterConfig.for_target(
+        tcfg,
+        layers=options.layers,
         block_size=options.block_size,
         mask_token_id=mask_token_id,
-        target_layer_ids=default_target_layer_ids(n_target, min(options.feature_layers, n_target)),
+        feature_layers=options.feature_layers,
+        vocab_size=target.get_input_embeddings().num_embeddings,
         rms_norm_eps=tcfg.rms_norm_eps,
         rope_theta=float(
             (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))
         ),
-        max_position_embeddings=tcfg.max_position_embeddings,
     )
     torch.manual_seed(options.seed)
     drafter = DFlashDrafter(config)

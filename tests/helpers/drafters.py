@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids, make_drafter
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig, make_drafter
 from dflash_cli.engine.drafter.config import DFLASH2_ARCHITECTURE
 
 FORMATS = ("classic", "swa", "swa-noncausal", "dflash2")
@@ -70,19 +70,17 @@ def drafter_config(
     (targets such as Gemma 4 differ in head shape from layer to layer; the drafter never needs to match them)."""
     tc = target.config.get_text_config()
     hidden = tc.hidden_size
-    return DrafterConfig(
-        hidden_size=hidden,
+    extra = {"target_layer_ids": layer_ids} if layer_ids else {}
+    return DrafterConfig.for_target(
+        tc,
+        layers=num_layers,
+        block_size=block_size,
+        mask_token_id=tc.vocab_size - 1,
         intermediate_size=getattr(tc, "intermediate_size", None) or 2 * hidden,
-        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        vocab_size=tc.vocab_size,
-        num_target_layers=tc.num_hidden_layers,
-        block_size=block_size,
-        mask_token_id=tc.vocab_size - 1,
-        target_layer_ids=layer_ids or default_target_layer_ids(tc.num_hidden_layers, num_layers),
-        max_position_embeddings=tc.max_position_embeddings,
+        **extra,
         **_format_fields(fmt, num_layers, window, tc.hidden_size, tc.vocab_size),
     )
 

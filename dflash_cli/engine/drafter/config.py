@@ -122,6 +122,40 @@ class DrafterConfig:
         return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
 
     @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        *,
+        layers: int,
+        block_size: int,
+        mask_token_id: int,
+        feature_layers: int | None = None,
+        **fields: Any,
+    ) -> DrafterConfig:
+        """A new drafter's config shaped for a target (its transformers text config): the target's hidden size,
+        vocabulary, layer count, context length and, unless `fields` say otherwise, its attention heads and MLP
+        width; `feature_layers` of the target's layers, evenly spaced, feed it (default: one per drafter layer)."""
+        hidden, heads = target_config.hidden_size, target_config.num_attention_heads
+        n_target = target_config.num_hidden_layers
+        shaped: dict[str, Any] = {
+            "hidden_size": hidden,
+            "intermediate_size": getattr(target_config, "intermediate_size", None),
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(target_config, "head_dim", None) or hidden // heads,
+            "vocab_size": target_config.vocab_size,
+            "max_position_embeddings": target_config.max_position_embeddings,
+            "target_layer_ids": default_target_layer_ids(n_target, min(feature_layers or layers, n_target)),
+        }
+        return cls(
+            **{**shaped, **fields},
+            num_hidden_layers=layers,
+            num_target_layers=n_target,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+        )
+
+    @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         def fail(field_name: str, expected: str) -> DflashError:
             return DflashError(

@@ -135,20 +135,25 @@ class DrafterConfig:
         """A new drafter's config shaped for a target (its transformers text config): the target's hidden size,
         vocabulary, layer count, context length and, unless `fields` say otherwise, its attention heads and MLP
         width; `feature_layers` of the target's layers, evenly spaced, feed it (default: one per drafter layer)."""
-        hidden, heads = target_config.hidden_size, target_config.num_attention_heads
-        n_target = target_config.num_hidden_layers
-        shaped: dict[str, Any] = {
-            "hidden_size": hidden,
-            "intermediate_size": getattr(target_config, "intermediate_size", None),
-            "num_attention_heads": heads,
-            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(target_config, "head_dim", None) or hidden // heads,
-            "vocab_size": target_config.vocab_size,
-            "max_position_embeddings": target_config.max_position_embeddings,
-            "target_layer_ids": default_target_layer_ids(n_target, min(feature_layers or layers, n_target)),
+        hidden, n_target = target_config.hidden_size, target_config.num_hidden_layers
+        # (read only where `fields` does not say: targets whose heads differ per layer, such as Gemma 4, warn on a
+        # global read of their head counts)
+        defaults: dict[str, Any] = {
+            "intermediate_size": lambda: getattr(target_config, "intermediate_size", None),
+            "num_attention_heads": lambda: target_config.num_attention_heads,
+            "num_key_value_heads": lambda: (
+                getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads
+            ),
+            "head_dim": lambda: getattr(target_config, "head_dim", None) or hidden // target_config.num_attention_heads,
+            "vocab_size": lambda: target_config.vocab_size,
+            "max_position_embeddings": lambda: target_config.max_position_embeddings,
+            "target_layer_ids": lambda: default_target_layer_ids(n_target, min(feature_layers or layers, n_target)),
         }
+        shaped = {name: make() for name, make in defaults.items() if name not in fields}
         return cls(
-            **{**shaped, **fields},
+            hidden_size=hidden,
+            **shaped,
+            **fields,
             num_hidden_layers=layers,
             num_target_layers=n_target,
             block_size=block_size,

@@ -461,7 +461,7 @@ BENCH = "Benchmark"
 
 
 def _check_prompt_set(value: str | None) -> str | None:
-    from dflash_cli.bench.measure import PROMPT_SETS  # torch-free
+    from dflash_cli.bench import PROMPT_SETS  # torch-free
 
     if value is not None and value not in (*PROMPT_SETS, "all"):
         raise typer.BadParameter(
@@ -570,7 +570,7 @@ def bench(
 
     Examples: `dflash bench demo --before-after` · `dflash bench qwen3-8b --before-after --full --block-sizes 4,8,16 --output bench.json --png bench.png`
     """
-    from dflash_cli.bench import measure as bench_lib
+    from dflash_cli import bench as bench_lib
 
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     default_tokens = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT"

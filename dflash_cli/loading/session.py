@@ -14,9 +14,6 @@ from typing import Any
 
 from rich.console import Console
 
-# First: importing threads starts its CPU-load window, which then spans the torch import below for free.
-from dflash_cli.setup.threads import ThreadPlan, apply_threads  # isort: skip
-
 from dflash_cli.engine import Batch, SamplingParams, Step, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.base import batch_limit
@@ -27,6 +24,7 @@ from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import Plan, block_size_note, make_plan
 from dflash_cli.setup.recipes import Recipe
+from dflash_cli.setup.threads import ThreadPlan, apply_threads
 
 
 @dataclass

@@ -45,17 +45,22 @@ def _busy_now() -> tuple[float, float, float]:
     return time.perf_counter(), busy, own.user + own.system
 
 
-# Taken at import (session.py imports this module before torch), so that by the time the plan is made the
-# window already spans the imports and no sleep is needed.
-_SINCE_IMPORT = _busy_now()
+_window: list[tuple[float, float, float]] = []  # when the command started measuring (start_load_window)
+
+
+def start_load_window() -> None:
+    """Start measuring the other processes' CPU load now. The CLI calls it first thing, so that by the time the
+    plan is made the window already spans the imports of torch and transformers and no sleep is needed."""
+    _window[:] = [_busy_now()]
 
 
 def busy_elsewhere(seconds: float = SAMPLE_SECONDS, max_age: float = 30.0) -> float:
     """Cores kept busy by other processes: all busy CPU time minus this process's own, over at least `seconds`.
 
-    The window starts when this module was imported if that was under `max_age` seconds ago (a command that
-    just started), else now (a long-running process)."""
-    start = _SINCE_IMPORT if time.perf_counter() - _SINCE_IMPORT[0] <= max_age else _busy_now()
+    The window starts where `start_load_window` started it if that was under `max_age` seconds ago (a command
+    that just started), else now (a long-running process, or a caller that started none)."""
+    recent = [start for start in _window if time.perf_counter() - start[0] <= max_age]
+    start = recent[0] if recent else _busy_now()
     wait = seconds - (time.perf_counter() - start[0])
     if wait > 0:
         time.sleep(wait)

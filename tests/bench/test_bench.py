@@ -17,8 +17,12 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from dflash_cli.bench import measure as bench
-from dflash_cli.bench.measure import BASELINE, BenchReport, BenchSettings, Mode, PromptRuns, Run
+from dflash_cli.bench import measure as bench_measure
+from dflash_cli.bench import prompts as bench_prompts
+from dflash_cli.bench import report as bench_report
+from dflash_cli.bench import runner as bench_run
+from dflash_cli.bench.measure import BASELINE, Mode, PromptRuns, Run
+from dflash_cli.bench.report import BenchReport, BenchSettings
 from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.options import RunOptions
@@ -50,7 +54,7 @@ def report(models: tuple[Path, Path]) -> BenchReport:
     the real loop."""
     settings = BenchSettings(before_after=True, prompt_set="math", limit=2, repeat=2, block_sizes=(2, 4))
     # float32, where greedy identity is bit-exact (a CPU with AVX512-BF16 would otherwise plan bf16)
-    return bench.benchmark(options_for(models, dtype="float32"), settings)
+    return bench_run.benchmark(options_for(models, dtype="float32"), settings)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -58,15 +62,15 @@ def report(models: tuple[Path, Path]) -> BenchReport:
 
 
 def test_builtin_prompt_sets() -> None:
-    every = bench.load_prompt_set("all")
-    for name in bench.PROMPT_SETS:
-        prompts = bench.load_prompt_set(name)
+    every = bench_prompts.load_prompt_set("all")
+    for name in bench_prompts.PROMPT_SETS:
+        prompts = bench_prompts.load_prompt_set(name)
         assert len(prompts) == 8
         assert all(p.id.startswith(f"{name}-") and p.prompt and p.prompt.strip() for p in prompts)
         assert all(p in every for p in prompts)
     assert len({p.id for p in every}) == len(every) == 24
     with pytest.raises(DflashError, match="unknown prompt set 'maths'") as raised:
-        bench.load_prompt_set("maths")
+        bench_prompts.load_prompt_set("maths")
     assert "did you mean 'math'" in (raised.value.fix or "")
 
 
@@ -78,7 +82,7 @@ def test_prompt_file_takes_text_conversations_and_token_ids(tmp_path: Path) -> N
         {"id": 7, "prompt_ids": [3, 1, 4, 1, 5]},
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines[:2]) + "\n\n" + json.dumps(lines[2]) + "\n")
-    prompts = bench.load_prompt_file(path)
+    prompts = bench_prompts.load_prompt_file(path)
     assert [p.id for p in prompts] == ["q", "mine-2", "7"]
     assert prompts[0].prompt == "Hi there"
     assert prompts[1].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"})
@@ -112,38 +116,38 @@ def test_bad_prompt_files_say_where_and_how_to_fix(tmp_path: Path, content: str,
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(DflashError) as raised:
-        bench.load_prompt_file(path)
+        bench_prompts.load_prompt_file(path)
     assert message in raised.value.message and str(path) in raised.value.message
     assert raised.value.fix  # every error says how to fix the file
 
 
 def test_missing_prompt_file(tmp_path: Path) -> None:
     with pytest.raises(DflashError, match="does not exist"):
-        bench.load_prompt_file(tmp_path / "nope.jsonl")
+        bench_prompts.load_prompt_file(tmp_path / "nope.jsonl")
 
 
 def test_set_and_prompts_together_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(DflashError, match="--set or --prompts, not both"):
-        bench.load_prompts(BenchSettings(prompt_set="math", prompts_file=str(tmp_path / "x.jsonl")))
+        bench_run.load_prompts(BenchSettings(prompt_set="math", prompts_file=str(tmp_path / "x.jsonl")))
 
 
 def test_an_output_that_is_a_directory_is_refused_before_measuring(tmp_path: Path) -> None:
     with pytest.raises(DflashError, match="--output .* is a directory") as refused:
-        bench.check_outputs(BenchSettings(output=str(tmp_path)))
+        bench_run.check_outputs(BenchSettings(output=str(tmp_path)))
     assert "bench.json" in refused.value.fix
-    bench.check_outputs(BenchSettings(output=str(tmp_path / "new" / "bench.json")))  # a new file, its folder made
+    bench_run.check_outputs(BenchSettings(output=str(tmp_path / "new" / "bench.json")))  # a new file, its folder made
     assert (tmp_path / "new").is_dir()
 
 
 @pytest.mark.parametrize(("text", "sizes"), [(None, ()), ("4,8,16", (4, 8, 16)), (" 8, 4,8 ", (8, 4))])
 def test_parse_block_sizes(text: str | None, sizes: tuple[int, ...]) -> None:
-    assert bench.parse_block_sizes(text) == sizes
+    assert bench_run.parse_block_sizes(text) == sizes
 
 
 @pytest.mark.parametrize("text", ["1,4", "four", ",", "4;8"])
 def test_bad_block_sizes(text: str) -> None:
     with pytest.raises(DflashError, match="--block-sizes"):
-        bench.parse_block_sizes(text)
+        bench_run.parse_block_sizes(text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,11 +155,11 @@ def test_bad_block_sizes(text: str) -> None:
 
 
 def test_compare_reports_the_first_differing_position() -> None:
-    assert bench.compare([1, 2, 3], [1, 2, 3]) == bench.Comparison(True, None)
-    assert bench.compare([1, 2, 3, 4], [1, 2, 9, 4]) == bench.Comparison(False, 2)
-    assert bench.compare([5, 2], [1, 2]) == bench.Comparison(False, 0)
-    assert bench.compare([1, 2, 3], [1, 2]) == bench.Comparison(False, 2)  # one stopped early
-    assert bench.compare([1, 2], [1, 2, 3]) == bench.Comparison(False, 2)
+    assert bench_report.compare([1, 2, 3], [1, 2, 3]) == bench_report.Comparison(True, None)
+    assert bench_report.compare([1, 2, 3, 4], [1, 2, 9, 4]) == bench_report.Comparison(False, 2)
+    assert bench_report.compare([5, 2], [1, 2]) == bench_report.Comparison(False, 0)
+    assert bench_report.compare([1, 2, 3], [1, 2]) == bench_report.Comparison(False, 2)  # one stopped early
+    assert bench_report.compare([1, 2], [1, 2, 3]) == bench_report.Comparison(False, 2)
 
 
 def make_run(tokens: list[int], decode_s: float, acceptance: Sequence[int] = ()) -> Run:
@@ -175,7 +179,7 @@ def test_summary_arithmetic_on_known_runs() -> None:
             "b", dflash, 6, [make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2]), make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2])]
         ),
     ]
-    baseline, spec = bench.summarize(rows, {BASELINE: 100, dflash: 200})
+    baseline, spec = bench_report.summarize(rows, {BASELINE: 100, dflash: 200})
     assert (rows[2].identical, rows[2].first_mismatch) == (True, None)
     assert (rows[3].identical, rows[3].first_mismatch) == (False, 3)
     assert rows[2].speedup == pytest.approx((2.0 / 16) / (0.5 / 16))  # 4x
@@ -233,7 +237,7 @@ def test_json_report_schema(report: BenchReport) -> None:
     data = json.loads(json.dumps(report.to_dict()))
     assert data["schema"] == "dflash-bench/1"
     assert data["identity_expected"] is True and data["identical"] is True
-    assert data["memory"] == {"kind": bench.PROCESS_MEMORY, "unit": "bytes"}
+    assert data["memory"] == {"kind": bench_measure.PROCESS_MEMORY, "unit": "bytes"}
     metadata = data["metadata"]
     assert {"command", "created", "versions", "machine", "plan", "recipe", "drafter_block_size"} <= set(metadata)
     assert metadata["plan"]["device"] == "cpu" and metadata["recipe"]["name"] == "ad-hoc"
@@ -305,12 +309,12 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
     changed = list(original.token_ids)
     changed[2] = (changed[2] + 1) % 384
     victim.runs[0] = dataclasses.replace(original, token_ids=changed)
-    broken = dataclasses.replace(report, rows=tampered, modes=bench.summarize(tampered, {}))
+    broken = dataclasses.replace(report, rows=tampered, modes=bench_report.summarize(tampered, {}))
     assert broken.identical is False and broken.mismatches == [victim]
     assert (victim.identical, victim.first_mismatch) == (False, 2)
     assert [s.identical_prompts for s in broken.modes] == [None, 2, 2, 1]
     console = Console(record=True, width=200)
-    bench.print_report(broken, console)
+    bench_report.print_report(broken, console)
     text = console.export_text()
     assert f"prompt {victim.prompt_id}, dflash b4: differs from the baseline at generated token 2" in text
     assert f"(baseline {original.token_ids[2]}, dflash {changed[2]})" in text
@@ -321,7 +325,7 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
     plan = {**broken.metadata["plan"], "dtype": "bfloat16"}
     bf16 = dataclasses.replace(broken, metadata={**broken.metadata, "plan": plan})
     console = Console(record=True, width=200)
-    bench.print_report(bf16, console)
+    bench_report.print_report(bf16, console)
     text = console.export_text()
     assert "1/2 ~" in text and "in bfloat16 a block verify rounds differently" in text and "--dtype fp32" in text
     assert "bug" not in text
@@ -329,7 +333,7 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
 
 def test_terminal_report(report: BenchReport) -> None:
     console = Console(record=True, width=120)
-    bench.print_report(report, console)
+    bench_report.print_report(report, console)
     text = console.export_text()
     for expected in (
         "mode",
@@ -356,17 +360,17 @@ def test_terminal_report(report: BenchReport) -> None:
 
 def test_speculative_only_without_before_after(models: tuple[Path, Path]) -> None:
     settings = BenchSettings(prompt_set="code", limit=1, repeat=1)
-    only = bench.benchmark(options_for(models, block_size=3), settings)
+    only = bench_run.benchmark(options_for(models, block_size=3), settings)
     assert [s.mode.label for s in only.modes] == ["dflash b3"]  # --block-size goes through the plan
     assert only.identical is None and only.modes[0].speedup is None
-    assert "not checked" in bench.render_identity(only).plain
+    assert "not checked" in bench_report.render_identity(only).plain
 
 
 def test_sampling_says_identity_is_not_expected(models: tuple[Path, Path]) -> None:
     settings = BenchSettings(before_after=True, prompt_set="chat", limit=1, repeat=1)
-    sampled = bench.benchmark(options_for(models, temperature=0.8, seed=3), settings)
+    sampled = bench_run.benchmark(options_for(models, temperature=0.8, seed=3), settings)
     assert sampled.identity_expected is False
-    assert "not expected at temperature > 0" in bench.render_identity(sampled).plain
+    assert "not expected at temperature > 0" in bench_report.render_identity(sampled).plain
     assert sampled.to_dict()["identity_expected"] is False
 
 
@@ -379,14 +383,14 @@ def test_sampling_says_identity_is_not_expected(models: tuple[Path, Path]) -> No
 )
 def test_contradictory_modes(models: tuple[Path, Path], changes: dict, settings: BenchSettings, message: str) -> None:
     with pytest.raises(DflashError, match=message):
-        bench.benchmark(options_for(models, **changes), dataclasses.replace(settings, limit=1, repeat=1))
+        bench_run.benchmark(options_for(models, **changes), dataclasses.replace(settings, limit=1, repeat=1))
 
 
 def test_token_ids_outside_the_vocabulary(models: tuple[Path, Path], tmp_path: Path) -> None:
     path = tmp_path / "ids.jsonl"
     path.write_text('{"id": "big", "prompt_ids": [1, 2, 384]}\n')
     with pytest.raises(DflashError, match="token id 384 is outside the vocabulary"):
-        bench.benchmark(options_for(models), BenchSettings(prompts_file=str(path), repeat=1))
+        bench_run.benchmark(options_for(models), BenchSettings(prompts_file=str(path), repeat=1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -462,7 +466,7 @@ def test_cli_bad_block_sizes() -> None:
 
 def test_png(report: BenchReport, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    path = bench.save_png(report, tmp_path / "bench.png")
+    path = bench_report.save_png(report, tmp_path / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -485,7 +489,7 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
         dtype="float32",
         block_size=golden["block_size"],  # the golden run's fixed block
     )
-    result = bench.benchmark(options, BenchSettings(before_after=True, prompts_file=str(prompts), repeat=1))
+    result = bench_run.benchmark(options, BenchSettings(before_after=True, prompts_file=str(prompts), repeat=1))
     assert result.identical is True
     spec_rows = [row for row in result.rows if row.mode.speculative]
     assert [row.token_ids for row in spec_rows] == [c["new_token_ids"] for c in cases]
@@ -496,7 +500,7 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
 def test_text_prompts_on_a_target_without_tokenizer(tmp_path: Path) -> None:
     options = RunOptions(target=str(CONFORMANCE / "target"), drafter=str(CONFORMANCE / "drafter"), max_tokens=4)
     with pytest.raises(DflashError, match="is text, but .* has no tokenizer") as raised:
-        bench.benchmark(options, BenchSettings(prompt_set="math", repeat=1))
+        bench_run.benchmark(options, BenchSettings(prompt_set="math", repeat=1))
     assert "prompt_ids" in (raised.value.fix or "")
 
 
@@ -505,34 +509,34 @@ def test_text_prompts_on_a_target_without_tokenizer(tmp_path: Path) -> None:
 
 
 def test_the_quick_run_fits_the_budget_at_the_measured_pace() -> None:
-    fast = [bench.Pace(0.01, 0.001), bench.Pace(0.01, 0.001)]
-    assert bench.size_quick_run(fast, 60, 24, 3, 128, 1, shorten=True) == (24, 128)  # everything fits
+    fast = [bench_run.Pace(0.01, 0.001), bench_run.Pace(0.01, 0.001)]
+    assert bench_run.size_quick_run(fast, 60, 24, 3, 128, 1, shorten=True) == (24, 128)  # everything fits
     # 128 tokens at 10 and 5 tok/s: 12.7 + 25.4 + 2 s TTFT = 40 s a prompt -> 1 prompt of 128 tokens
-    demo = [bench.Pace(1.0, 0.1), bench.Pace(1.0, 0.2)]
-    assert bench.size_quick_run(demo, 60, 24, 3, 128, 1, shorten=True) == (1, 128)
-    assert bench.size_quick_run(demo, 130, 24, 3, 128, 1, shorten=True) == (3, 128)  # 3 prompts: one per set
-    assert bench.size_quick_run(demo, 100, 24, 3, 128, 1, shorten=True) == (2, 128)  # below a set each: any count
+    demo = [bench_run.Pace(1.0, 0.1), bench_run.Pace(1.0, 0.2)]
+    assert bench_run.size_quick_run(demo, 60, 24, 3, 128, 1, shorten=True) == (1, 128)
+    assert bench_run.size_quick_run(demo, 130, 24, 3, 128, 1, shorten=True) == (3, 128)  # 3 prompts: one per set
+    assert bench_run.size_quick_run(demo, 100, 24, 3, 128, 1, shorten=True) == (2, 128)  # below a set each: any count
     # a busy machine: 128 tokens do not fit once, so generations get shorter (64: 14.6 s + 27.6 s... -> 32)
-    busy = [bench.Pace(4.0, 0.3), bench.Pace(2.4, 0.9)]
-    assert bench.size_quick_run(busy, 60, 24, 3, 128, 1, shorten=True) == (1, 32)
-    assert bench.size_quick_run(busy, 60, 24, 3, 128, 1, shorten=False) == (1, 128)  # --max-tokens given: kept
-    assert bench.size_quick_run(demo, 130, 24, 3, 128, 2, shorten=True) == (1, 128)  # --repeat 2 halves the room
-    assert [bench.format_duration(s) for s in (0.2, 42, 150, 7200 + 300)] == ["1 s", "42 s", "2 min", "2 h 05 min"]
+    busy = [bench_run.Pace(4.0, 0.3), bench_run.Pace(2.4, 0.9)]
+    assert bench_run.size_quick_run(busy, 60, 24, 3, 128, 1, shorten=True) == (1, 32)
+    assert bench_run.size_quick_run(busy, 60, 24, 3, 128, 1, shorten=False) == (1, 128)  # --max-tokens given: kept
+    assert bench_run.size_quick_run(demo, 130, 24, 3, 128, 2, shorten=True) == (1, 128)  # --repeat 2 halves the room
+    assert [bench_run.format_duration(s) for s in (0.2, 42, 150, 7200 + 300)] == ["1 s", "42 s", "2 min", "2 h 05 min"]
 
 
 def test_the_estimate_comes_from_the_warm_up() -> None:
-    modes = [bench.BASELINE, Mode(True, 8)]
-    paces = [bench.Pace(1.0, 0.1), bench.Pace(1.0, 0.2)]
-    text = bench.describe_run(modes, paces, 3, 128, 1, asked_tokens=128, full_prompts=24)
+    modes = [bench_measure.BASELINE, Mode(True, 8)]
+    paces = [bench_run.Pace(1.0, 0.1), bench_run.Pace(1.0, 0.2)]
+    text = bench_run.describe_run(modes, paces, 3, 128, 1, asked_tokens=128, full_prompts=24)
     assert text.startswith("bench: 3 prompts × up to 128 tokens × 1 round, baseline and dflash b8: about 2 min")
     assert "(warm-up here: baseline 10.0 tok/s, dflash b8 5.0 tok/s)" in text
     assert "--full (24 prompts × 512 tokens × 3 rounds, about 3 h 06 min here)" in text
-    short = bench.describe_run(modes, paces, 1, 32, 1, asked_tokens=128, full_prompts=None)
+    short = bench_run.describe_run(modes, paces, 1, 32, 1, asked_tokens=128, full_prompts=None)
     assert "1 prompt × up to 32 tokens (128 would not fit a minute here) × 1 round" in short and "--full" not in short
 
 
 def test_the_builtin_sets_interleave_so_the_first_prompts_cover_every_set() -> None:
-    assert [p.id for p in bench.load_prompt_set("all")[:4]] == ["math-1", "code-1", "chat-1", "math-2"]
+    assert [p.id for p in bench_prompts.load_prompt_set("all")[:4]] == ["math-1", "code-1", "chat-1", "math-2"]
 
 
 def test_default_bench_is_sized_here_and_says_so(models: tuple[Path, Path]) -> None:
@@ -553,7 +557,7 @@ def test_default_bench_is_sized_here_and_says_so(models: tuple[Path, Path]) -> N
     settings = json.loads(result.stdout)["settings"]
     # a tiny model decodes thousands of tokens a second: all 24 prompts fit the minute
     assert (settings["prompt_count"], settings["repeat"], settings["max_new_tokens"]) == (24, 1, 3)
-    assert settings["sized_to_s"] == bench.QUICK_BUDGET_S
+    assert settings["sized_to_s"] == bench_report.QUICK_BUDGET_S
     plan = next(line for line in result.stderr.splitlines() if line.startswith("bench: "))
     assert "24 prompts × up to 3 tokens × 1 round, baseline and dflash auto≤4: about" in plan
     assert "(warm-up here: baseline " in result.stderr
@@ -569,7 +573,7 @@ def test_default_max_tokens_is_128_and_full_is_the_old_sweep(models: tuple[Path,
     base = ["bench", "--target", str(target), "--drafter", str(drafter), "--json"]
     quick = runner.invoke(app, [*base, "--limit", "1"])
     assert quick.exit_code == 0, quick.output
-    assert json.loads(quick.stdout)["settings"]["max_new_tokens"] == bench.QUICK_MAX_TOKENS
+    assert json.loads(quick.stdout)["settings"]["max_new_tokens"] == bench_report.QUICK_MAX_TOKENS
     full = runner.invoke(app, [*base, "--full", "--set", "chat", "--max-tokens", "2"])
     assert full.exit_code == 0, full.output
     settings = json.loads(full.stdout)["settings"]

@@ -21,6 +21,7 @@ from dflash_cli.bench import measure as bench
 from dflash_cli.bench.measure import BASELINE, BenchReport, BenchSettings, Mode, Row, Run
 from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.options import RunOptions
 from helpers.drafters import save_random_drafter
 from helpers.tiny_models import make_tiny_qwen3
@@ -41,7 +42,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def options_for(models: tuple[Path, Path], **changes: object) -> RunOptions:
     target, drafter = models
-    return RunOptions(target=str(target), drafter=str(drafter), max_tokens=8, **changes)  # type: ignore[arg-type]
+    return RunOptions(target=str(target), drafter=str(drafter), sampling=SamplingParams(max_new_tokens=8), **changes)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -479,7 +480,7 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
     options = RunOptions(
         target=str(CONFORMANCE / "target"),
         drafter=str(CONFORMANCE / "drafter"),
-        max_tokens=golden["max_new_tokens"],
+        sampling=SamplingParams(max_new_tokens=golden["max_new_tokens"]),
         dtype="float32",
         block_size=golden["block_size"],  # the golden run's fixed block
     )
@@ -492,7 +493,11 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
 
 
 def test_text_prompts_on_a_target_without_tokenizer(tmp_path: Path) -> None:
-    options = RunOptions(target=str(CONFORMANCE / "target"), drafter=str(CONFORMANCE / "drafter"), max_tokens=4)
+    options = RunOptions(
+        target=str(CONFORMANCE / "target"),
+        drafter=str(CONFORMANCE / "drafter"),
+        sampling=SamplingParams(max_new_tokens=4),
+    )
     with pytest.raises(DflashError, match="is text, but .* has no tokenizer") as raised:
         bench.benchmark(options, BenchSettings(prompt_set="math", repeat=1))
     assert "prompt_ids" in (raised.value.fix or "")

@@ -17,7 +17,6 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from dflash_cli import __version__
-from dflash_cli.cli import output
 from dflash_cli.cli.flags import (
     BENCH,
     MODEL,
@@ -38,7 +37,18 @@ from dflash_cli.cli.flags import (
     existing_file,
     with_run_flags,
 )
-from dflash_cli.cli.output import console, err_console
+from dflash_cli.cli.output import (
+    checks_table,
+    console,
+    emit,
+    err_console,
+    print_error,
+    show_fields,
+    show_rows,
+    show_summary,
+    show_text,
+    show_trained,
+)
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.recipes import load_recipes, resolve_recipe
@@ -52,7 +62,7 @@ class DflashGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except DflashError as error:
-            output.print_error(error)
+            print_error(error)
             raise typer.Exit(error.exit_code) from None
 
 
@@ -186,7 +196,7 @@ def run(
     options, prompts = jobs.split_positionals(dataclasses.replace(options, batch_size=batch_size), prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
     summary = jobs.run_file(options, prompts, output, errors, err_console)
-    output.emit(summary.to_dict(), json_output, lambda: output.show_summary(summary))
+    emit(summary.to_dict(), json_output, lambda: show_summary(summary))
     raise typer.Exit(summary.exit_code)
 
 
@@ -353,7 +363,7 @@ def bench(
         command=shlex.join(["dflash", *sys.argv[1:]]),
     )
     report = bench_lib.benchmark(options, settings, err_console)
-    output.emit(report.to_dict(), json_output, lambda: bench_lib.print_report(report, console))
+    emit(report.to_dict(), json_output, lambda: bench_lib.print_report(report, console))
     if output:
         err_console.print(f"[dim]saved {escape(str(bench_lib.write_json(report, output)))}[/]")
     if png:
@@ -519,7 +529,7 @@ def train(
         raise
     steps = next_steps(target, result.output)
     summary = {**{k: v for k, v in result.to_dict().items() if k != "history"}, "chat_command": steps["chat_command"]}
-    output.emit(summary, json_output, lambda: output.show_trained(result, steps))
+    emit(summary, json_output, lambda: show_trained(result, steps))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -534,7 +544,7 @@ def doctor(json_output: JsonFlag = False) -> None:
     from dflash_cli.commands import doctor as checks
 
     results = checks.run_checks()
-    output.emit(checks.report(results), json_output, lambda: console.print(output.checks_table(results)))
+    emit(checks.report(results), json_output, lambda: console.print(checks_table(results)))
     raise typer.Exit(checks.exit_code(results))
 
 
@@ -549,10 +559,10 @@ def recipes_list(json_output: JsonFlag = False) -> None:
 
     recipes = list(load_recipes().values())
     rows = recipe_rows(recipes)
-    output.emit(
+    emit(
         [recipe.to_dict() for recipe in recipes],
         json_output,
-        lambda: output.show_rows(COLUMNS, rows, no_wrap=("name", "status")),
+        lambda: show_rows(COLUMNS, rows, no_wrap=("name", "status")),
     )
 
 
@@ -564,7 +574,7 @@ def recipes_show(
     from dflash_cli.commands.recipes import recipe_fields
 
     recipe = resolve_recipe(name, None, None, None)
-    output.emit(recipe.to_dict(), json_output, lambda: output.show_fields(recipe_fields(recipe)))
+    emit(recipe.to_dict(), json_output, lambda: show_fields(recipe_fields(recipe)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -586,7 +596,7 @@ def export(
     from dflash_cli.commands.export import export_command
 
     command = export_command(server, resolve_recipe(name, recipe_file, target, drafter), gpus, gpu_memory)
-    output.emit(command.to_dict(), json_output, lambda: output.show_text(command.text()))
+    emit(command.to_dict(), json_output, lambda: show_text(command.text()))
 
 
 def main() -> None:

@@ -42,7 +42,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def options_for(models: tuple[Path, Path], **changes: object) -> RunOptions:
     target, drafter = models
-    return RunOptions(target=str(target), drafter=str(drafter), sampling=SamplingParams(max_new_tokens=8), **changes)  # type: ignore[arg-type]
+    changes = {"sampling": SamplingParams(max_new_tokens=8), **changes}
+    return RunOptions(target=str(target), drafter=str(drafter), **changes)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +364,9 @@ def test_speculative_only_without_before_after(models: tuple[Path, Path]) -> Non
 
 def test_sampling_says_identity_is_not_expected(models: tuple[Path, Path]) -> None:
     settings = BenchSettings(before_after=True, prompt_set="chat", limit=1, repeat=1)
-    sampled = bench.benchmark(options_for(models, temperature=0.8, seed=3), settings)
+    sampled = bench.benchmark(
+        options_for(models, sampling=SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)), settings
+    )
     assert sampled.identity_expected is False
     assert "not expected at temperature > 0" in bench.render_identity(sampled).plain
     assert sampled.to_dict()["identity_expected"] is False

@@ -21,7 +21,7 @@ __all__ = ["__version__", "load_drafter", "speculative_generate", "DFlashDrafter
 
 _LAZY = {
     "load_drafter": "dflash_cli.loading.models",
-    "DFlashDrafter": "dflash_cli.engine.drafter.model",
+    "DFlashDrafter": "dflash_cli.engine.drafter",
     "speculative_generate": "dflash_cli.engine",
     "SamplingParams": "dflash_cli.engine",
     "GenerationResult": "dflash_cli.engine",

@@ -37,10 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from dflash_cli.bench.roofline import read_bandwidth, step_bytes  # noqa: E402
+from dflash_cli.bench.roofline import read_bandwidth
 from dflash_cli.engine.compiled import compiled_step, use_compile_cache  # noqa: E402
 from dflash_cli.engine.kernels import use_small_row_products  # noqa: E402
 from dflash_cli.engine.target.attention import AttentionState  # noqa: E402
+from dflash_cli.setup.sizes import step_bytes  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

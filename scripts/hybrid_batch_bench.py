@@ -28,7 +28,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cli.engine import Batch, SamplingParams  # noqa: E402
-from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids, make_drafter  # noqa: E402
+from dflash_cli.engine.drafter import DrafterConfig, make_drafter  # noqa: E402
 from dflash_cli.engine.target.hybrid import LinearStateRollback  # noqa: E402
 
 COMMON = dict(
@@ -74,18 +74,15 @@ def target(family: str) -> transformers.PreTrainedModel:
 
 def drafter(model: transformers.PreTrainedModel, block: int):
     tc = model.config.get_text_config()
-    config = DrafterConfig(
-        hidden_size=tc.hidden_size,
+    config = DrafterConfig.for_target(
+        tc,
+        layers=1,
+        block_size=block,
+        mask_token_id=tc.vocab_size - 1,
         intermediate_size=2 * tc.hidden_size,
-        num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=tc.hidden_size // 4,
-        vocab_size=tc.vocab_size,
-        num_target_layers=tc.num_hidden_layers,
-        block_size=block,
-        mask_token_id=tc.vocab_size - 1,
-        target_layer_ids=default_target_layer_ids(tc.num_hidden_layers, 1),
         max_position_embeddings=4096,
     )
     torch.manual_seed(1)

@@ -23,7 +23,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_cli.loading.models import count_parameters  # noqa: E402
 
 QWEN35 = dict(
@@ -220,18 +220,16 @@ def drafter_bytes(name: str, config, layers: int, taps: int) -> tuple[int, int]:
     hidden = text.hidden_size
     estimated = (32, 8, 128) if hidden >= 4096 else (hidden // 128, max(hidden // 512, 1), 128)
     heads, kv_heads, head_dim = DRAFTER_HEADS.get(name, estimated)
-    cfg = DrafterConfig(
-        hidden_size=hidden,
+    cfg = DrafterConfig.for_target(
+        text,
+        layers=layers,
+        block_size=16,
+        mask_token_id=0,
+        feature_layers=taps,
         intermediate_size=getattr(text, "intermediate_size", None) or 3 * hidden,
-        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        vocab_size=text.vocab_size,
-        num_target_layers=text.num_hidden_layers,
-        block_size=16,
-        mask_token_id=0,
-        target_layer_ids=default_target_layer_ids(text.num_hidden_layers, taps),
     )
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)

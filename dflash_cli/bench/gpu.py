@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from dflash_cli.engine import SamplingParams, Step, generate
-from dflash_cli.engine.drafter.model import DFlashDrafter, DraftCache, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig
 from dflash_cli.engine.target.attention import AttentionState
+from dflash_cli.setup.sizes import module_weight_bytes, tensor_bytes
 
 PUBLISHED_TAU = 6.5  # z-lab's Qwen3-8B drafter on GSM8K (6.55); every configuration's taus include it
 PUBLISHED = f"{PUBLISHED_TAU:g}"  # its key in the end-to-end results
@@ -163,7 +164,7 @@ def p90(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
 
 
-def summarize(walls: list[float], gpus: list[float | None], issues: list[float]) -> dict[str, Any]:
+def timing_summary(walls: list[float], gpus: list[float | None], issues: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {"n": len(walls), "median_ms": statistics.median(walls), "p90_ms": p90(walls)}
     out["issue_median_ms"] = statistics.median(issues)
     if gpus and all(g is not None for g in gpus):
@@ -180,7 +181,7 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, reps: i
     for _ in range(warmup):
         fn()
     samples = [timed_call(fn, device)[1:] for _ in range(reps)]
-    return summarize(*map(list, zip(*samples)))
+    return timing_summary(*map(list, zip(*samples)))
 
 
 def kernel_ms_per_call(fn: Callable[[], Any], device: torch.device, calls: int) -> float | None:
@@ -240,19 +241,8 @@ def build_target(shape: Shape, device: torch.device, dtype: torch.dtype, seed: i
 
 
 def build_drafter(shape: Shape, target: nn.Module, dtype: torch.dtype, seed: int) -> DFlashDrafter:
-    config = DrafterConfig(
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.draft_layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab,
-        num_target_layers=shape.layers,
-        block_size=shape.block_size,
-        mask_token_id=shape.mask_token_id,
-        target_layer_ids=default_target_layer_ids(shape.layers, shape.draft_layers),
-        max_position_embeddings=shape.max_positions,
+    config = DrafterConfig.for_target(
+        target.config, layers=shape.draft_layers, block_size=shape.block_size, mask_token_id=shape.mask_token_id
     )
     torch.manual_seed(seed)
     device = target.get_input_embeddings().weight.device
@@ -299,26 +289,6 @@ def quantize_nf4(target: nn.Module, compute_dtype: torch.dtype) -> int:
     return count
 
 
-def tensor_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def weight_bytes(module: nn.Module, exclude: tuple[torch.Tensor, ...] = ()) -> int:
-    """Bytes of the weights as stored (NF4: packed 4-bit data plus its quantization statistics)."""
-    total = 0
-    for p in module.parameters():
-        if any(p is e for e in exclude):
-            continue
-        total += tensor_bytes(p)
-        state = getattr(p, "quant_state", None)
-        if state is not None:
-            total += tensor_bytes(state.absmax) + tensor_bytes(state.code)
-            nested = getattr(state, "state2", None)
-            if nested is not None:
-                total += tensor_bytes(nested.absmax) + tensor_bytes(nested.code)
-    return total
-
-
 # --- the floor ------------------------------------------------------------------------------------------
 
 
@@ -344,9 +314,9 @@ def step_floors(
     """Fewest bytes one step must read from device memory, and that over the measured bandwidth."""
     embed = target.get_input_embeddings().weight
     row = embed.shape[1] * embed.element_size()  # a lookup reads one row per token, not the table
-    target_weights = weight_bytes(target, exclude=(embed,))
-    lm_head = weight_bytes(target.get_output_embeddings())
-    draft_weights = weight_bytes(drafter)
+    target_weights = module_weight_bytes(target, exclude=(embed,))
+    lm_head = module_weight_bytes(target.get_output_embeddings())
+    draft_weights = module_weight_bytes(drafter)
     block = shape.block_size
     draft_kv = 2 * shape.draft_layers * shape.kv_heads * shape.head_dim * (context + block) * embed.element_size()
     ar = target_weights + row + kv_bytes(shape, context, dtype)
@@ -411,7 +381,7 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
     width = drafter.fc.in_features
     cache = drafter.new_cache(ctx + 2 * drafter.block_size)
     with torch.inference_mode():
-        drafter.draft(torch.randn(1, ctx, width, device=device, dtype=dtype), prompt[:, -1:], ctx, cache)
+        drafter.draft([torch.randn(1, ctx, width, device=device, dtype=dtype)], prompt[:, -1:], [ctx], cache)
     cached = cache.length
     new_rows = max(1, round(PUBLISHED_TAU))
     features = torch.randn(1, new_rows, width, device=device, dtype=dtype)
@@ -420,7 +390,7 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
 
     @torch.inference_mode()
     def run() -> None:
-        drafter.propose(features, block, cached + new_rows, cache)
+        drafter.propose([features], block, [cached + new_rows], cache)
         cache.length = cached  # a rewind is a length move
 
     result = time_calls(run, device, s.warmup, s.reps)
@@ -461,9 +431,17 @@ class ControlledAcceptanceDrafter:
         return getattr(self.inner, name)
 
     @torch.no_grad()
-    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
-        drafted = self.inner.propose(features, block_ids, start, cache)  # the real pass, so the step costs what it does
-        slots = drafted.shape[1]
+    def propose(
+        self,
+        features: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        starts: Sequence[int],
+        cache: DraftCache,
+        **rows: Any,
+    ) -> torch.Tensor:
+        # the real pass, so the step costs what it does (one sequence: the benchmark decodes one row)
+        drafted = self.inner.propose(features, block_ids, starts, cache, **rows)
+        (start,), slots = starts, drafted.shape[1]
         accept = self.plan[min(self.steps, len(self.plan) - 1)]
         self.steps += 1
         proposal = self.sequence[start + 1 : start + 1 + slots].clone()
@@ -503,7 +481,7 @@ def run_generation(
         "tau": stats.tau,
         "decode_tokens_per_s": stats.decode_tokens_per_s,
         "ms_per_step_mean": 1e3 * stats.decode_s / max(1, len(stats.acceptance_lengths)),
-        "step": summarize(walls, gpus, issues) if walls else None,
+        "step": timing_summary(walls, gpus, issues) if walls else None,
     }
 
 

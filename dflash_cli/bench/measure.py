@@ -211,7 +211,7 @@ def measure(session: Session, prompt_ids: Sequence[int], params: SamplingParams,
 
 
 @dataclass
-class Row:
+class PromptRuns:
     """One prompt in one mode, over the repetitions; the identity and speedup fields compare it to the baseline."""
 
     prompt_id: str
@@ -280,7 +280,7 @@ def run_bench(
     repeat: int,
     on_run: Callable[[Mode, str], None] | None = None,
     warm: bool = False,
-) -> tuple[list[Row], dict[Mode, int | None]]:
+) -> tuple[list[PromptRuns], dict[Mode, int | None]]:
     """Warm up each mode (unless `warm`: done already), then `repeat` rounds; a round runs every prompt in every
     mode, the modes one after the other on each prompt (so a change of load hits them alike).
 
@@ -289,8 +289,8 @@ def run_bench(
     device = _device(session)
     if not warm:
         warm_up(session, prompts[0][1], params, modes, on_run=on_run)
-    rows: dict[tuple[Mode, str], Row] = {
-        (mode, prompt_id): Row(prompt_id, mode, len(ids), []) for mode in modes for prompt_id, ids in prompts
+    rows: dict[tuple[Mode, str], PromptRuns] = {
+        (mode, prompt_id): PromptRuns(prompt_id, mode, len(ids), []) for mode in modes for prompt_id, ids in prompts
     }
     peaks: dict[Mode, int | None] = {}
     for _ in range(repeat):
@@ -393,7 +393,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def compare_with_baseline(rows: Sequence[Row]) -> None:
+def compare_with_baseline(rows: Sequence[PromptRuns]) -> None:
     """Fill each DFlash row's identical / first_mismatch / speedup from the baseline row of the same prompt."""
     baseline = {row.prompt_id: row for row in rows if row.mode == BASELINE}
     for row in rows:
@@ -405,10 +405,10 @@ def compare_with_baseline(rows: Sequence[Row]) -> None:
         row.speedup = _ratio(reference.time_per_output_token_s, row.time_per_output_token_s)
 
 
-def summarize(rows: Sequence[Row], peaks: dict[Mode, int | None]) -> list[ModeSummary]:
+def summarize(rows: Sequence[PromptRuns], peaks: dict[Mode, int | None]) -> list[ModeSummary]:
     """One summary per mode (in the order the rows came), after comparing every row with the baseline."""
     compare_with_baseline(rows)
-    by_mode: dict[Mode, list[Row]] = {}
+    by_mode: dict[Mode, list[PromptRuns]] = {}
     for row in rows:
         by_mode.setdefault(row.mode, []).append(row)
     summaries = []
@@ -451,9 +451,11 @@ def summarize(rows: Sequence[Row], peaks: dict[Mode, int | None]) -> list[ModeSu
     return summaries
 
 
-def add_bandwidth(summaries: Sequence[ModeSummary], rows: Sequence[Row], target: Any, read_bytes_per_s: float) -> None:
+def add_bandwidth(
+    summaries: Sequence[ModeSummary], rows: Sequence[PromptRuns], target: Any, read_bytes_per_s: float
+) -> None:
     """Fill each summary's bandwidth achieved and its share of the measured read bandwidth."""
-    from dflash_cli.bench.roofline import step_bytes
+    from dflash_cli.setup.sizes import step_bytes
 
     for summary in summaries:
         mode_rows = [row for row in rows if row.mode == summary.mode]
@@ -497,14 +499,14 @@ class BenchSettings:
 @dataclass
 class BenchReport:
     modes: list[ModeSummary]
-    rows: list[Row]
+    rows: list[PromptRuns]
     settings: dict[str, Any]
     metadata: dict[str, Any]
     memory_kind: str
     identity_expected: bool  # greedy decoding: DFlash must reproduce the baseline's tokens
 
     @property
-    def mismatches(self) -> list[Row]:
+    def mismatches(self) -> list[PromptRuns]:
         return [row for row in self.rows if row.identical is False]
 
     @property
@@ -531,7 +533,7 @@ class BenchReport:
         }
 
 
-def _row_dict(row: Row) -> dict[str, Any]:
+def _row_dict(row: PromptRuns) -> dict[str, Any]:
     return {
         "prompt_id": row.prompt_id,
         "mode": row.mode.label,

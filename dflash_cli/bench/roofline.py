@@ -1,8 +1,8 @@
-"""The memory-bandwidth floor of a decode step: what a step must read, and how fast this machine reads.
+"""The memory-bandwidth floor of a decode step: how fast this machine reads what a step must read.
 
 At batch 1 a plain decode step reads every weight once (the input embedding only for its one row, unless
-it doubles as the output head) plus the K/V of the context, and does little arithmetic per byte: its time
-cannot drop below bytes / read bandwidth (the "floor"). `dflash bench` and `scripts/cpu_decode_floor.py` report steps
+it doubles as the output head) plus the K/V of the context (`setup.sizes.step_bytes`), and does little arithmetic
+per byte: its time cannot drop below bytes / read bandwidth (the "floor"). `dflash bench` and `scripts/cpu_decode_floor.py` report steps
 against that floor, as gpt-fast reports "bandwidth achieved".
 """
 
@@ -10,38 +10,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-
-@dataclass(frozen=True)
-class StepBytes:
-    weights: int
-    kv: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv
-
-
-def step_bytes(target: Any, context_tokens: int) -> StepBytes:
-    """Bytes a one-token step of `target` reads with `context_tokens` positions of K/V behind it."""
-    embedding = target.get_input_embeddings().weight
-    head = target.get_output_embeddings()
-    tied = head is not None and head.weight is embedding
-    weights = 0
-    for param in {id(p): p for p in target.parameters()}.values():
-        if param is embedding and not tied:
-            weights += embedding.shape[-1] * embedding.element_size()  # one row is looked up
-        else:
-            weights += param.numel() * param.element_size()
-    config = target.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * embedding.element_size()
-    return StepBytes(weights, per_token * context_tokens)
 
 
 def read_bandwidth(target: Any, repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:

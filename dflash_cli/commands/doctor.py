@@ -22,6 +22,7 @@ from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
 from dflash_cli.setup.planning import expected_speed, make_plan, native_formats
 from dflash_cli.setup.recipes import Recipe, load_recipes
+from dflash_cli.setup.sizes import recipe_stored_bytes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
 OUR_ENTRY_POINT = "dflash_cli.cli.app:main"
@@ -355,19 +356,15 @@ def _fits(facts: MachineFacts, recipe: Recipe) -> bool:
     return True
 
 
-def download_bytes(recipe: Recipe) -> int:
-    return recipe.weight_bytes.get(recipe.checkpoint_precision, 0) + (recipe.drafter_bytes or 0)
-
-
 def check_hf_cache(cache_dir: Path, free_bytes: int, recipes: list[Recipe]) -> Check:
     """Whether the cache's disk holds the largest of `recipes` (those this machine can run)."""
     detail = f"{cache_dir}: {gb(free_bytes)} free on its disk"
-    largest = max((r for r in recipes if r.runnable), key=download_bytes, default=None)
-    if largest is not None and free_bytes < download_bytes(largest):
+    largest = max((r for r in recipes if r.runnable), key=recipe_stored_bytes, default=None)
+    if largest is not None and free_bytes < recipe_stored_bytes(largest):
         return Check(
             "hf cache",
             "warn",
-            f"{detail}; {largest.name} downloads {gb(download_bytes(largest))}",
+            f"{detail}; {largest.name} downloads {gb(recipe_stored_bytes(largest))}",
             "free disk space, or point HF_HOME at a bigger disk (export HF_HOME=/big/disk/huggingface)",
         )
     return Check("hf cache", "pass", detail)

@@ -36,7 +36,7 @@ from rich.progress import (
 )
 
 from dflash_cli.commands.train_prompts import split_prompts
-from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target.base import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
@@ -260,20 +260,20 @@ def sample_anchors(prompt_len: int, seq_len: int, count: int, rng: random.Random
 
 
 @dataclass
-class Batch:
+class TrainingBatch:
     input_ids: torch.Tensor  # [b, S] right padded
     block_ids: torch.Tensor  # [b, n*B]: anchor token, then MASK
     labels: torch.Tensor  # [b, n, B-1]: tokens at anchor+1..anchor+B-1, -100 where absent
     position_ids: torch.Tensor  # [b, S + n*B]
     attention_mask: torch.Tensor  # [b, 1, n*B, S + n*B]
 
-    def to(self, device: torch.device) -> Batch:
-        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
+    def to(self, device: torch.device) -> TrainingBatch:
+        return TrainingBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def make_batch(
     samples: list[Sample], anchors_per_sequence: int, block_size: int, mask_id: int, pad_id: int, rng: random.Random
-) -> Batch:
+) -> TrainingBatch:
     width = max(len(s.ids) for s in samples)
     n, B = anchors_per_sequence, block_size
     input_ids = torch.full((len(samples), width), pad_id)
@@ -294,18 +294,19 @@ def make_batch(
         positions[row, :width] = torch.arange(width)
         positions[row, width:] = (torch.tensor(padded)[:, None] + torch.arange(B)[None, :]).reshape(-1)
         masks[row, 0] = block_attention_mask(width, padded, B)
-    return Batch(input_ids, block_ids.reshape(len(samples), n * B), labels, positions, masks)
+    return TrainingBatch(input_ids, block_ids.reshape(len(samples), n * B), labels, positions, masks)
 
 
 def dflash_loss(
-    drafter: DFlashDrafter, features: torch.Tensor, batch: Batch, gamma: float
+    drafter: DFlashDrafter, features: torch.Tensor, batch: TrainingBatch, gamma: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted block cross-entropy, plus the accuracy and acceptance length the drafts would get."""
     B = drafter.block_size
     b, n = batch.labels.shape[:2]
+    context, blocks = drafter.fuse_context(features), drafter.embed(batch.block_ids)
     hidden = drafter(
-        drafter.embed(batch.block_ids),
-        drafter.fuse_context(features),
+        torch.cat([context, blocks.to(context.dtype)], dim=1),
+        blocks.shape[1],
         batch.position_ids,
         attention_mask=batch.attention_mask,
     )
@@ -453,24 +454,17 @@ class TrainResult:
 
 def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlashDrafter:
     tcfg = target.config.get_text_config()
-    n_target = tcfg.num_hidden_layers
-    config = DrafterConfig(
-        hidden_size=tcfg.hidden_size,
-        intermediate_size=tcfg.intermediate_size,
-        num_hidden_layers=options.layers,
-        num_attention_heads=tcfg.num_attention_heads,
-        num_key_value_heads=getattr(tcfg, "num_key_value_heads", tcfg.num_attention_heads),
-        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
-        vocab_size=target.get_input_embeddings().num_embeddings,
-        num_target_layers=n_target,
+    config = DrafterConfig.for_target(
+        tcfg,
+        layers=options.layers,
         block_size=options.block_size,
         mask_token_id=mask_token_id,
-        target_layer_ids=default_target_layer_ids(n_target, min(options.feature_layers, n_target)),
+        feature_layers=options.feature_layers,
+        vocab_size=target.get_input_embeddings().num_embeddings,
         rms_norm_eps=tcfg.rms_norm_eps,
         rope_theta=float(
             (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))
         ),
-        max_position_embeddings=tcfg.max_position_embeddings,
     )
     torch.manual_seed(options.seed)
     drafter = DFlashDrafter(config)
@@ -510,21 +504,19 @@ def target_template_kwargs(ref: str) -> dict[str, Any]:
     return dict(adhoc_recipe(ref, None).chat_template_kwargs)
 
 
-def load_target(ref: str, device: str, dtype: str = "float32", console: Console | None = None) -> tuple[Any, Any]:
-    """The frozen target in `dtype` and its tokenizer. `ref` is what `--target` takes everywhere: a recipe name
+def open_target(ref: str, device: str, dtype: str, console: Console | None = None) -> tuple[Any, Any]:
+    """The frozen target and its tokenizer, loaded as every command loads it (`loading.models.load_target`: the
+    plan's precision and quantization, the memory check). `ref` is what `--target` takes everywhere: a recipe name
     (its target, with its offline source), a local directory or a repo id."""
-    from transformers import AutoModelForCausalLM
-
-    from dflash_cli.loading.hub import quiet_transformers_progress
-    from dflash_cli.loading.models import load_tokenizer, resolve_ref
+    from dflash_cli.loading.models import load_target, load_tokenizer, resolve_ref
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import PlanOverrides, make_plan
     from dflash_cli.setup.recipes import adhoc_recipe
 
-    directory = resolve_ref(adhoc_recipe(ref, None).target, "target", console)
-    with quiet_transformers_progress():  # its tqdm bars would tear through our progress display
-        target = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), use_safetensors=True)
-    target = target.to(device).eval()
-    target.requires_grad_(False)
-    return target, load_tokenizer(directory)
+    recipe = adhoc_recipe(ref, None)
+    plan = make_plan(detect_machine(), recipe, PlanOverrides(device=device, dtype=dtype))
+    directory = resolve_ref(recipe.target, "target", console)
+    return load_target(directory, plan, console=console), load_tokenizer(directory)
 
 
 def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
@@ -550,7 +542,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     template_kwargs = target_template_kwargs(options.target)
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
-    target, tokenizer = load_target(options.target, options.device, dtype, console)
+    target, tokenizer = open_target(options.target, options.device, dtype, console)
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
     columns = (
         TextColumn("{task.description}"),
@@ -595,7 +587,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         served = serving_dtype(options.device)
         if served != target.dtype:  # reload: casting the training copy back up would keep its rounding
             del target
-            target, tokenizer = load_target(options.target, options.device, str(served).removeprefix("torch."), console)
+            target, tokenizer = open_target(options.target, options.device, str(served).removeprefix("torch."), console)
         drafter.to(served).bind(target)
         eval_tau = evaluate_tau(
             target, drafter, tokenizer, eval_conversations, options.max_new_tokens, console, template_kwargs

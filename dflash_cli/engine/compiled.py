@@ -39,8 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from torch._dynamo.utils import counters
 from torch.fx.experimental import _config as fx_config
+
+# The keyword a transformers model's forward takes its cache by: transformers 5.24 renamed `past_key_values` to
+# `cache` (the old name warns on every forward until it goes, in 5.40). A constant, so a compiled step sees no branch.
+CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 
 def compile_cache_dir() -> Path:
@@ -63,8 +69,8 @@ def run_target(
     out = model(
         input_ids=token_ids,
         position_ids=positions,
-        past_key_values=cache,
         use_cache=True,
+        **{CACHE_ARGUMENT: cache},
         logits_to_keep=logits_to_keep,
     )
     return out.logits[0]
@@ -77,7 +83,7 @@ def run_drafter(
     -> hidden of every block slot [1, q, H] (slot 0 included: a slice here would make the compiler
     specialize on a 2-token block). One input for context and block: c is often 1, and a size-1 input (or
     any tensor of the context's own size) would be specialized by the compiler, while c+q never is."""
-    return drafter.forward_rows(rows, block_ids.shape[1], positions, cache)
+    return drafter.forward(rows, block_ids.shape[1], positions, cache)
 
 
 Notify = Callable[[str], AbstractContextManager[Any]]

@@ -1,19 +1,19 @@
-"""The one decode loop, for a batch of rows, and the single-request generator of steps every frontend uses.
+"""The one decode loop, for a batch of rows, and the single-generation generator of steps every frontend uses.
 
 Each step drafts a block [last committed token, MASK x (B-1)] per row with the drafter, verifies every row's
 block in one target forward, and commits, per row, the longest prefix the target agrees with plus one token of
 the target's own (`sampling.accepted_drafts`). With `drafter=None` the same loop runs with a block of 1: plain
 autoregressive decoding, so baseline and speculative numbers are like for like.
 
-`Batch` holds the rows: each row is a `Request` (limits, stop conditions, text stream, stats, RNG, sampling
+`Batch` holds the rows: each row is a `Generation` (limits, stop conditions, text stream, stats, RNG, sampling
 params) in a slot of the `TargetState` (its K/V, length and captured features) and of the drafter's cache. Rows
 join (prefilled into a free slot, alone) and leave (a finished or cancelled row frees its slot at once) between
 steps: continuous batching. `generate` is that loop with one row. One host sync per step: every row's accepted
 count and target tokens, in one transfer.
 
-The drafter runs once per step for all drafting rows (`propose_rows`: one forward over every row's new context
-rows and block, each row's context K/V in its slot of one `BatchDraftCache`); a batch of one row keeps its own
-`DraftCache` and `propose` (and the compiled draft step). The target's verify, the dominant cost, runs once per
+The drafter runs once per step for all drafting rows (`propose` over one `DraftCache` with a slot per row: one
+forward over every row's new context rows and block); a batch of one row keeps a one-slot cache of its generation's
+own (and the compiled draft step). The target's verify, the dominant cost, runs once per
 step for all rows. A block policy (engine.policy) picks one block size
 per step for all rows (1: a plain step, no drafting) and learns from the rows' pooled acceptance.
 """
@@ -30,10 +30,10 @@ import torch
 from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
-from dflash_cli.engine.drafter.model import DFlashDrafter, DraftCache
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
-from dflash_cli.engine.row import GenerationResult, Request, Step
+from dflash_cli.engine.row import Generation, GenerationResult, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
 from dflash_cli.engine.target import acquire_state, release_state
@@ -44,9 +44,9 @@ from dflash_cli.errors import DflashError
 
 @dataclass(eq=False)
 class Row:
-    """One sequence of a batch: its request and where its decoding stands. `key` is the caller's handle."""
+    """One sequence of a batch: its generation and where its decoding stands. `key` is the caller's handle."""
 
-    request: Request
+    generation: Generation
     key: Any = None
     slot: int | None = None  # None: waiting to join
     last: torch.Tensor | None = None  # [1] on device: the newest committed token, not yet in the target's state
@@ -60,7 +60,7 @@ class Row:
 class Batch:
     """Rows decoded together (see the module docstring). `rows`: the most that decode at once (1 for targets that
     cannot batch, `target.batch_limit`). `policy` picks each step's block size (engine.policy); without one, every
-    step verifies `block_size` (default: the drafter's). Add requests with `add`, call `step` until `idle`, then
+    step verifies `block_size` (default: the drafter's). Add generations with `add`, call `step` until `idle`, then
     `close`."""
 
     def __init__(
@@ -88,8 +88,11 @@ class Batch:
         self.block = policy.max_size
         self.rows = 1 if batch_limit(target) is not None else max(1, rows)
         self.compile = compile and self.rows == 1  # compiled steps run one row
-        # Several rows: one context cache for all (the drafter's layers run once per step); one row: its own.
-        self.draft_rows = drafter.new_rows(self.rows, self.block) if drafter is not None and self.rows > 1 else None
+        # Several rows: one context cache for all, a slot per row (the drafter's layers run once per step); one row:
+        # a one-slot cache of its generation's own, sized for it (and the compiled draft step).
+        self.draft_slots = (
+            drafter.new_cache(block_size=self.block, slots=self.rows) if drafter is not None and self.rows > 1 else None
+        )
         self.state: AttentionState | None = None  # taken when the first row joins
         self.slots: list[Row | None] = [None] * self.rows
         self.waiting: deque[Row] = deque()
@@ -109,9 +112,9 @@ class Batch:
         return self.slots.count(None) - len(self.waiting)
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, key: Any = None) -> Row:
-        """Queue a request; it joins at the next step with a free slot. Raises DflashError for a request that
+        """Queue a generation; it joins at the next step with a free slot. Raises DflashError for a generation that
         cannot run (an empty prompt, one that fills the context window)."""
-        request = Request(
+        generation = Generation(
             prompt_ids,
             params,
             block_size=self.block,
@@ -121,7 +124,7 @@ class Batch:
             tokenizer=self.tokenizer,
             adaptive=not isinstance(self.policy, FixedBlock),
         )
-        row = Row(request, key)
+        row = Row(generation, key)
         self.waiting.append(row)
         return row
 
@@ -168,13 +171,13 @@ class Batch:
                 self.cancel(row)
         return list(zip(rows, outcome))
 
-    def _reserve(self, request: Request, prompt: torch.Tensor) -> AttentionState:
+    def _reserve(self, generation: Generation, prompt: torch.Tensor) -> AttentionState:
         if self.state is None:
             state = acquire_state(self.target)
             layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter is not None else ()
             try:
                 state.reserve(
-                    request.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify
+                    generation.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify
                 )
                 self.policy.prepare(state, self.drafter, prompt)  # before any row is in the state (it may use row 0)
             except BaseException:  # this row fails; the next one reserves and prepares again
@@ -182,37 +185,37 @@ class Batch:
                 raise
             self.state = state
         else:
-            self.state.make_room(request.end, self.block)
+            self.state.make_room(generation.end, self.block)
         return self.state
 
     def _prefill(self, rows: list[Row]) -> list[Step]:
         (row,) = rows
-        request, stats = row.request, row.request.stats
-        prompt = torch.tensor([request.prompt_ids], device=self.device)
-        state = self._reserve(request, prompt)
+        generation, stats = row.generation, row.generation.stats
+        prompt = torch.tensor([generation.prompt_ids], device=self.device)
+        state = self._reserve(generation, prompt)
         started = time.perf_counter()
         # Prefill: the whole prompt once; only the last position's logits are needed.
         logits = state.prefill(prompt, row.slot)
         row.last = sample_tokens(
-            logits, request.params, request.generator, request.uniforms_at(len(request.prompt_ids), 1)
+            logits, generation.params, generation.generator, generation.uniforms_at(len(generation.prompt_ids), 1)
         )
         first = int(row.last.item())
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
-        if self.draft_rows is not None:
-            self.draft_rows.make_room(request.end + self.block)
+        if self.draft_slots is not None:
+            self.draft_slots.make_room(generation.end + self.block)
         elif self.drafter is not None:
-            row.draft_cache = self.drafter.new_cache(request.end + self.block, self.block)
+            row.draft_cache = self.drafter.new_cache(generation.end + self.block, self.block)
             if self.compile:
                 row.draft_cache.step, row.draft_cache.notify = compiled_draft_step(self.device), self.notify
         if self.drafter is not None:
             row.pending = [state.features(state.lengths[row.slot], row.slot)]
         row.decode_started = time.perf_counter()
-        return [request.commit([first], verified=False)]
+        return [generation.commit([first], verified=False)]
 
     def _decode(self, rows: list[Row]) -> list[Step]:
         state, drafter, clock = self.state, self.drafter, self.clock
         starts = [state.lengths[row.slot] for row in rows]  # the position of each row's `last`
-        limits = [row.request.block_at(start) for row, start in zip(rows, starts)]
+        limits = [row.generation.block_at(start) for row, start in zip(rows, starts)]
         # One size for the step (the policy's); near its end a row's block shortens (as in the reference).
         chosen = self.policy.choose(max(limits))
         sizes = [min(chosen, limit) for limit in limits]
@@ -232,20 +235,20 @@ class Batch:
                 row.pending.clear()
             elif drafter is not None:
                 row.pending[-1] = row.pending[-1].clone()
-        if drafting and self.draft_rows is None:  # one row: its own cache (and compiled step)
+        if drafting and self.draft_slots is None:  # one row: its own cache (and compiled step)
             (i,) = drafting
             # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
             block_ids[i, 1 : sizes[i]] = drafter.propose(
-                features[0], block_ids[i, : sizes[i]][None], starts[i], rows[i].draft_cache
+                features, block_ids[i, : sizes[i]][None], [starts[i]], rows[i].draft_cache
             )[0]
         elif drafting:  # one forward for every drafting row, blocks padded to the widest
             wide = max(sizes[i] for i in drafting)
             blocks = block_ids[:, :wide] if len(drafting) == len(rows) else block_ids[drafting, :wide]
-            proposals = drafter.propose_rows(
+            proposals = drafter.propose(
                 features,
                 blocks,
                 [starts[i] for i in drafting],
-                self.draft_rows,
+                self.draft_slots,
                 sizes=[sizes[i] for i in drafting],
                 slots=[rows[i].slot for i in drafting],
             )
@@ -256,8 +259,8 @@ class Batch:
         host_parts, posteriors = [], []
         for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
             # (block slot j chooses the token at position start + 1 + j: that position's own uniform)
-            uniforms = row.request.uniforms_at(start + 1, size)
-            posterior = sample_tokens(logits[i, :size], row.request.params, row.request.generator, uniforms)
+            uniforms = row.generation.uniforms_at(start + 1, size)
+            posterior = sample_tokens(logits[i, :size], row.generation.params, row.generation.generator, uniforms)
             # Draft j+1 stands while it equals the target's choice after position j.
             host_parts += [accepted_drafts(block_ids[i, 1:size], posterior[:-1]).view(1), posterior]
             posteriors.append(posterior)
@@ -280,7 +283,9 @@ class Batch:
                 at + 1 : at + accepted + 2
             ]  # accepted drafts equal the target's own tokens, then the bonus
             at += size + 1
-            stats = row.request.stats  # (each row waited for the whole step: its draft and verify times are the step's)
+            stats = (
+                row.generation.stats
+            )  # (each row waited for the whole step: its draft and verify times are the step's)
             stats.draft_s += draft_s
             stats.verify_s += verify_s
             stats.compile_s += compiling
@@ -290,7 +295,7 @@ class Batch:
                 # Features of the committed block positions; the bonus token's arrive with the next verify.
                 row.pending.append(state.features(accepted + 1, row.slot))
             row.last = posterior[accepted : accepted + 1]
-            step = row.request.commit(committed, verified=True, block_size=size)
+            step = row.generation.commit(committed, verified=True, block_size=size)
             stats.decode_s = time.perf_counter() - row.decode_started
             steps.append(step)
         return steps

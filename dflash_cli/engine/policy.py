@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from dflash_cli.engine.drafter.model import DFlashDrafter
+    from dflash_cli.engine.drafter import DFlashDrafter
     from dflash_cli.engine.target.base import TargetState
 
 SIZES = (1, 2, 4, 8, 16)  # few, so that compiled steps keep one graph per size
@@ -184,7 +184,9 @@ class StepCosts:
             cache.step, cache.notify = compiled_draft_step(device), notify
         block = prompt.new_full((1, top), drafter.mask_token_id)
         block[0, 0] = prompt[0, -1]
-        drafter.propose(features, block, length, cache)  # the prompt's context, once (the loop's first draft, untimed)
+        drafter.propose(
+            [features], block, [length], cache
+        )  # the prompt's context, once (the loop's first draft, untimed)
         context = features[:, -CALIBRATION_CONTEXT:].clone()
         drafts: dict[int, list[float]] = {size: [] for size in self.sizes}
         verifies: dict[int, list[float]] = {size: [] for size in self.sizes}
@@ -194,7 +196,7 @@ class StepCosts:
                 start = cache.length + CALIBRATION_CONTEXT
                 t0 = clock.mark()
                 if size > 1:
-                    block[0, 1:size] = drafter.propose(context, own_block(block, size), start, cache)[0]
+                    block[0, 1:size] = drafter.propose([context], own_block(block, size), [start], cache)[0]
                 else:  # a plain step drafts nothing, and its context waits for the next draft
                     cache.length += CALIBRATION_CONTEXT
                 t1 = clock.mark()

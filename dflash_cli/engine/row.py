@@ -1,7 +1,7 @@
 """One generation's own state, apart from the models: limits, stop conditions, text stream, stats and RNG.
 
-Nothing here touches a model, so the loop keeps no per-request state in locals or closures, and several
-requests can later step together (each with its own row of target state).
+Nothing here touches a model, so the loop keeps no per-generation state in locals or closures, and several
+generations can later step together (each with its own row of target state).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ class GenerationResult:
         return self.stats.acceptance_lengths
 
 
-class Request:
+class Generation:
     """A prompt and everything that decides when its generation ends and what it reports.
 
     `max_new` is `params.max_new_tokens` capped by the context window; positions run from 0 (the first prompt
-    token) to `end` - 1 (the last token this request may produce).
+    token) to `end` - 1 (the last token this generation may produce).
     """
 
     def __init__(
@@ -94,7 +94,7 @@ class Request:
 
     @property
     def end(self) -> int:
-        """One past the last position this request may fill: prompt plus the most new tokens."""
+        """One past the last position this generation may fill: prompt plus the most new tokens."""
         return len(self.prompt_ids) + self.max_new
 
     def uniforms_at(self, start: int, n: int) -> torch.Tensor | None:

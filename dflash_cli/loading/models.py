@@ -27,42 +27,25 @@ from dflash_cli.loading.hub import (
     resolve_model_dir,
     safetensors_files,
 )
-from dflash_cli.setup.choices import BYTES_PER_ELEMENT, PREQUANTIZED_FORMATS
+from dflash_cli.setup.choices import PREQUANTIZED_FORMATS
+from dflash_cli.setup.sizes import (
+    BYTES_PER_ELEMENT,
+    NF4_BYTES_PER_PARAM,
+    NF4_BYTES_PER_TENSOR,
+    RUNTIME_OVERHEAD,
+    ParameterCounts,
+)
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from dflash_cli.engine.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
     from dflash_cli.setup.planning import Plan
     from dflash_cli.setup.recipes import ModelRef, Recipe
 
-# Headroom over the weights when the planner gave no estimate: activations, KV cache of a short context,
-# allocator slack.
-RUNTIME_OVERHEAD = 1.10
-# NF4 stores 4 bits per weight plus one absmax per 64 weights (double quantization shrinks those to 8 bits).
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # or a sentencepiece / tiktoken `*.model`
-
-
-@dataclass(frozen=True)
-class ParameterCounts:
-    """A causal LM's parameters as transformers builds it, grouped by what bitsandbytes NF4 does with them."""
-
-    linear: int  # weights of nn.Linear layers other than the output head: quantized to 4 bits
-    experts: int  # fused expert weights (3-D parameters outside Linear and convolution layers): left as they are
-    other: int  # embeddings, the output head, norms, biases, routers, convolutions: left as they are
-
-    @property
-    def total(self) -> int:
-        return self.linear + self.experts + self.other
-
-    def nbytes(self, dtype: str, quant: str = "none") -> int:
-        dtype_bytes = BYTES_PER_ELEMENT[dtype]
-        if quant == "nf4":
-            return int(self.linear * NF4_BYTES_PER_PARAM + (self.experts + self.other) * dtype_bytes)
-        return self.total * dtype_bytes
 
 
 def count_parameters(config: Any) -> ParameterCounts:
@@ -76,7 +59,7 @@ def count_parameters(config: Any) -> ParameterCounts:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
-    counts = {"linear": 0, "experts": 0, "other": 0}
+    counts = {"linear": 0, "experts": 0, "other": 0, "linear_tensors": 0}
     seen: set[int] = set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -90,6 +73,7 @@ def count_parameters(config: Any) -> ParameterCounts:
             else:
                 kind = "other"
             counts[kind] += param.numel()
+            counts["linear_tensors"] += kind == "linear"
     return ParameterCounts(**counts)
 
 
@@ -136,7 +120,7 @@ class Checkpoint:
         for name, numel, _ in self.tensors:
             # by name: a per-expert weight (".experts.") is fused on load, and bitsandbytes leaves fused experts
             quantized = quant == "nf4" and name.endswith("proj.weight") and ".experts." not in name
-            total += numel * (NF4_BYTES_PER_PARAM if quantized else dtype_bytes)
+            total += numel * NF4_BYTES_PER_PARAM + NF4_BYTES_PER_TENSOR if quantized else numel * dtype_bytes
         return int(total)
 
 
@@ -422,7 +406,7 @@ def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedT
 
 
 def read_drafter_config(directory: Path) -> DrafterConfig:
-    from dflash_cli.engine.drafter.model import DrafterConfig
+    from dflash_cli.engine.drafter import DrafterConfig
 
     path = directory / "config.json"
     try:
@@ -474,7 +458,7 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     """
     import torch
 
-    from dflash_cli.engine.drafter.model import make_drafter
+    from dflash_cli.engine.drafter import make_drafter
     from dflash_cli.engine.target.base import compute_dtype
 
     directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")

@@ -26,7 +26,6 @@ PREQUANTIZED_FORMATS = ("fp8", "mxfp4")
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def normalize_dtype(name: str) -> str:

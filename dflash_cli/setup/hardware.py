@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.setup.choices import BYTES_PER_ELEMENT, GPU_CLASSES
+from dflash_cli.setup.choices import GPU_CLASSES
+from dflash_cli.setup.sizes import BYTES_PER_ELEMENT
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import (
-    BYTES_PER_ELEMENT,
     GPU_CLASSES,
     PREQUANTIZED_FORMATS,
     QUANTS,
@@ -20,19 +19,19 @@ from dflash_cli.setup.choices import (
     normalize_dtype,
 )
 from dflash_cli.setup.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
+from dflash_cli.setup.sizes import BYTES_PER_ELEMENT, recipe_weight_bytes, runtime_bytes, scaled_from_bf16
 
 if TYPE_CHECKING:
     import torch
 
     from dflash_cli.setup.recipes import Recipe
 
-# Memory the plan reserves beyond weights. The KV cache is sized for a long chat: it grows linearly with the
-# context, and 8k tokens covers a multi-turn conversation. The overhead covers cuBLAS workspaces, allocator
+# The KV cache the plan reserves is sized for a long chat: it grows linearly with the context, and 8k tokens covers
+# a multi-turn conversation. The runtime overhead (sizes.RUNTIME_OVERHEAD_BYTES) covers cuBLAS workspaces, allocator
 # fragmentation and prefill activations (full-vocabulary logits alone are ~1.2 GB in fp32 for 2k tokens of a
 # 152k vocabulary), and a hybrid target's first row of linear-attention state with the verify's copy of it (twice
 # the recipe's `state_bytes_per_row`: 0.31 GB for Qwen3.5-27B); each further row's is counted in the batch size.
 PLAN_CONTEXT_TOKENS = 8192
-RUNTIME_OVERHEAD_BYTES = 1_500_000_000
 # Rows `dflash run` and `dflash serve` decode together at most, unless --batch-size says otherwise: where one verify
 # of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (docs/benchmarks.md).
 MAX_BATCH_ROWS = 16
@@ -120,32 +119,15 @@ def weights_format(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ..
 
 
 def target_weight_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
-    """The target's weights as they will be in memory, from the recipe's sizes; None when it does not list them.
-    NF4 sizes count the fused expert weights at the compute dtype: bitsandbytes leaves them as they are."""
-    scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
-    weights_in = weights_format(recipe, dtype, quant, native)
-    if weights_in == "nf4":
-        weights = recipe.weight_bytes.get("nf4")
-        if weights is not None and recipe.expert_bytes:
-            weights += recipe.expert_bytes * (scale - 1)  # the listed size holds them in bf16
-    elif weights_in in recipe.weight_bytes and weights_in not in BYTES_PER_ELEMENT:
-        weights = recipe.weight_bytes[weights_in]  # a pre-quantized checkpoint, kept as stored
-    else:
-        weights = recipe.weight_bytes["bf16"] * scale if "bf16" in recipe.weight_bytes else None
-    return None if weights is None else int(weights)
+    """The target's weights as they will be in memory (`sizes.recipe_weight_bytes` in the format this plan holds
+    them in); None when the recipe does not list its sizes."""
+    return recipe_weight_bytes(recipe, weights_format(recipe, dtype, quant, native), dtype)
 
 
 def estimate_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
-    """Memory to run `recipe` in `dtype` with `quant` on a device running `native` formats as stored: weights,
-    bf16-sized drafter and KV cache scaled to `dtype`, the overhead. None when the recipe does not say how big
-    the target is."""
-    scale = BYTES_PER_ELEMENT[dtype] / 2  # recipe sizes are bf16 sizes
-    weights = target_weight_bytes(recipe, dtype, quant, native)
-    if weights is None:
-        return None
-    drafter = (recipe.drafter_bytes or 0) * scale if recipe.drafter is not None else 0
-    kv_cache = (recipe.kv_bytes_per_token or 0) * scale * PLAN_CONTEXT_TOKENS
-    return int(weights + drafter + kv_cache + RUNTIME_OVERHEAD_BYTES)
+    """Memory to run `recipe` in `dtype` with `quant` on a device running `native` formats as stored
+    (`sizes.runtime_bytes` at the plan's context). None when the recipe does not say how big the target is."""
+    return runtime_bytes(recipe, target_weight_bytes(recipe, dtype, quant, native), dtype, PLAN_CONTEXT_TOKENS)
 
 
 def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str]:
@@ -363,7 +345,7 @@ def _choose_batch_size(
     state twice: the state itself and the copy of its start that a verify records for the rollback."""
     if overrides.batch_size is not None:
         return overrides.batch_size, f"batch {overrides.batch_size} (run, serve): --batch-size"
-    kv_bytes = (recipe.kv_bytes_per_token or 0) * BYTES_PER_ELEMENT[dtype] / 2 * PLAN_CONTEXT_TOKENS
+    kv_bytes = scaled_from_bf16(recipe.kv_bytes_per_token or 0, dtype) * PLAN_CONTEXT_TOKENS
     state_bytes = recipe.state_bytes_per_row or 0  # float32 recurrent state: not scaled by the dtype
     row_bytes = kv_bytes + 2 * state_bytes
     if estimate is None or budget is None or kv_bytes == 0:

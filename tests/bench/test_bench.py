@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from dflash_cli.bench import measure as bench
-from dflash_cli.bench.measure import BASELINE, BenchReport, BenchSettings, Mode, Row, Run
+from dflash_cli.bench.measure import BASELINE, BenchReport, BenchSettings, Mode, PromptRuns, Run
 from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
@@ -169,11 +169,13 @@ def test_summary_arithmetic_on_known_runs() -> None:
     dflash = Mode(True, 4)
     rows = [
         # prompt a: 9 tokens (8 after the first); baseline 0.8 s and 1.2 s, DFlash 0.2 s and 0.3 s
-        Row("a", BASELINE, 5, [make_run(list(range(9)), 0.8), make_run(list(range(9)), 1.2)]),
-        Row("b", BASELINE, 6, [make_run(list(range(5)), 0.4), make_run(list(range(5)), 0.4)]),
-        Row("a", dflash, 5, [make_run(list(range(9)), 0.2, [4, 4]), make_run(list(range(9)), 0.3, [4, 4])]),
+        PromptRuns("a", BASELINE, 5, [make_run(list(range(9)), 0.8), make_run(list(range(9)), 1.2)]),
+        PromptRuns("b", BASELINE, 6, [make_run(list(range(5)), 0.4), make_run(list(range(5)), 0.4)]),
+        PromptRuns("a", dflash, 5, [make_run(list(range(9)), 0.2, [4, 4]), make_run(list(range(9)), 0.3, [4, 4])]),
         # prompt b: DFlash diverged at position 3
-        Row("b", dflash, 6, [make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2]), make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2])]),
+        PromptRuns(
+            "b", dflash, 6, [make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2]), make_run([0, 1, 2, 7, 4], 0.2, [1, 1, 2])]
+        ),
     ]
     baseline, spec = bench.summarize(rows, {BASELINE: 100, dflash: 200})
     assert (rows[2].identical, rows[2].first_mismatch) == (True, None)
@@ -586,7 +588,8 @@ def test_default_max_tokens_is_128_and_full_is_the_old_sweep(models: tuple[Path,
 def test_step_bytes_and_read_bandwidth(models: tuple[Path, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.bench.roofline import read_bandwidth, step_bytes
+    from dflash_cli.bench.roofline import read_bandwidth
+    from dflash_cli.setup.sizes import step_bytes
 
     target = AutoModelForCausalLM.from_pretrained(models[0])
     config = target.config

@@ -17,7 +17,7 @@ from dflash_cli.commands.export import (
     tensor_parallel_size,
     vllm_command,
 )
-from dflash_cli.engine.drafter.model import DrafterConfig
+from dflash_cli.engine.drafter import DrafterConfig
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.recipes import ModelRef, adhoc_recipe, get_recipe

@@ -20,9 +20,9 @@ from dflash_cli.commands.train import (
     block_attention_mask,
     dflash_loss,
     interrupted_training_state,
-    load_target,
     make_batch,
     new_drafter,
+    open_target,
     self_distill,
     train,
 )
@@ -103,7 +103,7 @@ def test_batch_labels_positions_and_blocks() -> None:
 
 
 def test_self_distill_caches_answers_and_features(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
-    target, tokenizer = load_target(str(tiny_qwen3_dir), "cpu")
+    target, tokenizer = open_target(str(tiny_qwen3_dir), "cpu", "float32")
     conversations = load_prompts_from(PROMPTS[:3], tmp_path)
     with Progress(disable=True) as progress:
         first = self_distill(target, tokenizer, conversations, tmp_path, 6, 2, progress, [0, 1])
@@ -135,7 +135,7 @@ def load_prompts_from(prompts: list[str], directory: Path) -> list:
 
 def test_loss_goes_down(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     opts = options(tiny_qwen3_dir, prompt_file, tmp_path)
-    target, _ = load_target(opts.target, "cpu")
+    target, _ = open_target(opts.target, "cpu", "float32")
     drafter = new_drafter(target, opts, mask_token_id=5)
     samples = [Sample([1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]), Sample([4, 5], [11, 12, 13, 14, 11, 12, 13, 14])]
     batch = make_batch(samples, 4, opts.block_size, drafter.mask_token_id, 0, random.Random(0))
@@ -159,7 +159,7 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     assert result.steps == 3 and result.eval_prompts == 2 and 1.0 <= result.eval_tau <= 4
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval_tau"] == result.eval_tau
-    target, _ = load_target(str(tiny_qwen3_dir), "cpu")
+    target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
     drafter = load_drafter(out / "drafter", target)
     assert drafter.block_size == 4 and json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
@@ -265,7 +265,7 @@ def tiny_recipe(tiny_qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.Monkey
 def test_prompts_are_rendered_as_the_recipe_serves_them(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     train(options(Path(tiny_recipe), prompt_file, out, target=tiny_recipe, steps=1, eval_prompts=0))
-    _, tokenizer = load_target(tiny_recipe, "cpu")
+    _, tokenizer = open_target(tiny_recipe, "cpu", "float32")
     records = [json.loads(line) for line in (out / "distill" / "responses.jsonl").read_text().splitlines()]
     assert len(records) == len(PROMPTS)
     for record in records:
@@ -329,7 +329,7 @@ def test_loading_the_target_draws_no_tqdm_bars_into_our_progress(
 ) -> None:
     from transformers.utils import logging as hf_logging
 
-    load_target(str(tiny_qwen3_dir), "cpu")
+    open_target(str(tiny_qwen3_dir), "cpu", "float32")
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # restored for whoever uses transformers next
 

@@ -39,14 +39,13 @@ class RowOracle(OracleDrafter):
         assert len(self.by_length) == len(continuations), "the prompts' lengths must differ"
         self.rows: dict = {}  # id(cache) alone, the slot in a batch -> (sequence, [steps])
 
-    def propose(self, features, block_ids, start, cache):
-        row = cache[1] if isinstance(cache, tuple) else id(cache)  # (the batch's cache, slot) from propose_rows
-        if start == features.shape[1]:
+    def row_proposal(self, context, size, start, row):
+        if start == context.shape[1]:
             self.rows[row] = (self.by_length[start], [0])
         self.sequence, steps = self.rows[row]
         self.steps = steps[0]
         steps[0] += 1
-        return super().propose(features, block_ids, start, cache)
+        return super().row_proposal(context, size, start, row)
 
 
 def run_batch(target, drafter, requests: list[tuple[list[int], SamplingParams, int]], rows: int) -> tuple[list, int]:
@@ -220,8 +219,8 @@ def test_a_failed_reservation_fails_its_row_and_the_next_row_reserves_again() ->
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_one_draft_forward_for_all_rows_equals_each_rows_own_draft(fmt: str) -> None:
-    """`draft_hidden_rows` (one forward of the layers for every row, in one BatchDraftCache) gives each row the
-    hidden states its own one-row `draft_hidden` gives, with its own DraftCache, and proposes the same: rows with
+    """`draft_hidden` over a cache of a slot per row (one forward of the layers for every row) gives each row the
+    hidden states `draft_hidden` gives it alone, in a one-slot cache of its own, and proposes the same: rows with
     different starts, numbers of new context rows (1..8; a long first context) and block sizes (padded to the
     step's widest), in slots that are not contiguous, a row leaving and a fresh one joining its slot, sliding rings
     (window 3, ring 10) wrapping several times. float32: equal to rounding (the GEMMs' shapes differ)."""
@@ -232,7 +231,7 @@ def test_one_draft_forward_for_all_rows_equals_each_rows_own_draft(fmt: str) -> 
     width = len(drafter.config.target_layer_ids) * target.config.hidden_size
     choose = random.Random(5)
     torch.manual_seed(0)
-    rows = drafter.new_rows(3, 4)
+    rows = drafter.new_cache(block_size=4, slots=3)
     alone: dict[int, list] = {}  # slot -> [its one-row cache, its next block's start]
 
     def join(slot: int) -> None:
@@ -255,10 +254,10 @@ def test_one_draft_forward_for_all_rows_equals_each_rows_own_draft(fmt: str) -> 
             alone[slot][1] = starts[-1]
         blocks = torch.full((len(drafting), max(sizes)), drafter.mask_token_id)
         blocks[:, 0] = torch.tensor(starts) % 90
-        hidden = drafter.draft_hidden_rows(features, blocks, starts, rows, sizes=sizes, slots=drafting)
+        hidden = drafter.draft_hidden(features, blocks, starts, rows, sizes=sizes, slots=drafting)
         proposals = drafter.select(hidden, blocks[:, 0])
         for i, slot in enumerate(drafting):
-            own = drafter.draft_hidden(features[i], blocks[i : i + 1, : sizes[i]], starts[i], alone[slot][0])
+            own = drafter.draft_hidden([features[i]], blocks[i : i + 1, : sizes[i]], [starts[i]], alone[slot][0])
             torch.testing.assert_close(hidden[i : i + 1, : sizes[i] - 1], own, rtol=1e-5, atol=1e-5)
             assert proposals[i, : sizes[i] - 1].tolist() == drafter.select(own, blocks[i : i + 1, 0])[0].tolist()
         multi_row_steps += len(drafting) > 1 and len(set(sizes)) > 1

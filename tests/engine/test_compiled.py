@@ -58,10 +58,10 @@ class VaryingOracle(OracleDrafter):
     right for 0..3 slots depending on the position: steps commit 1 to 4 tokens, so the draft step sees 1 to 4
     new context rows."""
 
-    def propose(self, features, block_ids, start, cache):
-        self.draft_hidden(features, block_ids, start, cache)
-        self.correct = random.Random(start).randrange(4)
-        return super().propose(features, block_ids, start, cache)
+    def propose(self, features, block_ids, starts, cache, **rows):
+        self.draft_hidden(features, block_ids, starts, cache, **rows)
+        self.correct = random.Random(starts[0]).randrange(4)
+        return super().propose(features, block_ids, starts, cache, **rows)
 
 
 def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> None:

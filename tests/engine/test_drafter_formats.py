@@ -14,14 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
-from dflash_cli.engine.drafter.model import (
-    DEFAULT_BLOCK_SIZE,
-    DFlash2Drafter,
-    DFlashDrafter,
-    DrafterConfig,
-    GroupedDynamicConv,
-    _window_mask,
-)
+from dflash_cli.engine.drafter import DFlash2Drafter, DFlashDrafter, DrafterConfig
+from dflash_cli.engine.drafter.cache import window_mask as _window_mask
+from dflash_cli.engine.drafter.config import DEFAULT_BLOCK_SIZE
+from dflash_cli.engine.drafter.layers import GroupedDynamicConv
 from dflash_cli.errors import DflashError
 from helpers.drafters import random_drafter
 
@@ -322,7 +318,8 @@ def _block_hidden(drafter: DFlashDrafter, features: torch.Tensor, block: torch.T
     """All block slots' hidden (slot 0 included), one call, no cache."""
     positions = torch.arange(start - features.shape[1], start + block.shape[1])[None]
     with torch.no_grad():
-        return drafter(drafter.embed(block), drafter.fuse_context(features), positions)
+        context = drafter.fuse_context(features)
+        return drafter(torch.cat([context, drafter.embed(block).to(context.dtype)], dim=1), block.shape[1], positions)
 
 
 def _one_layer_drafter(target, *, layer_type: str, is_causal, window):
@@ -386,16 +383,18 @@ def test_cached_drafting_equals_one_pass_and_sliding_caches_stay_bounded(fmt, wi
         start = done + new
         block = torch.tensor([[3 + step, 95, 95, 95]])
         with torch.no_grad():
-            stepped = drafter.draft(features[:, done:start], block, start, cache)
-            whole = drafter.draft(features[:, :start], block, start, drafter.new_cache())
+            stepped = drafter.draft([features[:, done:start]], block, [start], cache)
+            whole = drafter.draft([features[:, :start]], block, [start], drafter.new_cache())
         assert torch.allclose(stepped, whole, atol=1e-5, rtol=0), step
         done = start
         assert cache.length == done
         for i in range(len(drafter.layers)):
             bound = drafter.config.layer_window(i)
-            assert cache.rows(i) == (done if bound is None else min(done, bound - 1)), (i, cache.rows(i))
-            if bound is not None:  # the ring: the window's rows plus one call's context and block
-                assert cache.slots(i) == bound - 1 + 2 * drafter.block_size
+            held = cache.keys[i].shape[-2]
+            if bound is None:  # every committed position
+                assert held >= done, (i, held)
+            else:  # the ring: the window's rows plus one call's context and block
+                assert held == bound - 1 + 2 * drafter.block_size, (i, held)
 
 
 def test_long_conversation_keeps_sliding_layers_bounded():
@@ -405,16 +404,18 @@ def test_long_conversation_keeps_sliding_layers_bounded():
     caches = []
     original = drafter.propose
 
-    def spy(features, block_ids, start, cache):
+    def spy(features, block_ids, starts, cache, **rows):
         caches.append(cache)
-        return original(features, block_ids, start, cache)
+        return original(features, block_ids, starts, cache, **rows)
 
     drafter.propose = spy
     prompt = [(7 * i) % 90 + 1 for i in range(300)]
     speculative_generate(target, drafter, prompt, 40)
     cache = caches[-1]
-    assert cache.rows(0) == 5 and cache.rows(1) == cache.length >= 300
-    assert cache.slots(0) == 5 + 2 * 4, "the sliding layer's buffer stays window-sized however long the context"
+    assert cache.length >= 300 and cache.keys[1].shape[-2] >= cache.length
+    assert cache.keys[0].shape[-2] == 5 + 2 * 4, (
+        "the sliding layer's buffer stays window-sized however long the context"
+    )
 
 
 # --- DFlash2: convolution and candidate selector --------------------------------------------------------
@@ -493,8 +494,8 @@ def test_dflash2_proposals_are_the_selector_chain():
         drafter.candidate_selector.predecessor_codebook.mul_(5)
     torch.manual_seed(5)
     features, block = torch.randn(1, 12, drafter.fc.in_features), torch.tensor([[4] + [95] * 7])
-    proposed = drafter.propose(features, block, 12, drafter.new_cache())
-    hidden = drafter.draft_hidden(features, block, 12, drafter.new_cache())
+    proposed = drafter.propose([features], block, [12], drafter.new_cache())
+    hidden = drafter.draft_hidden([features], block, [12], drafter.new_cache())
     with torch.no_grad():
         expected = _brute_force_chain(drafter.candidate_selector, hidden[0], drafter.logits(hidden)[0], 4)
     assert proposed[0].tolist() == expected

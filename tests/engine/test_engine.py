@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
 from dflash_cli.engine import SamplingParams, generate, sample_tokens
-from dflash_cli.engine.drafter.model import DrafterConfig, default_target_layer_ids
+from dflash_cli.engine.drafter import DrafterConfig, default_target_layer_ids
 from dflash_cli.errors import DflashError
 from helpers.drafters import FORMATS, OracleDrafter, random_drafter, save_random_drafter
 from helpers.tiny_models import hf_greedy, make_tiny_qwen3, sharp_tiny, tiny_tokenizer
@@ -57,12 +57,9 @@ def test_conformance_draft_logits(golden, conformance_pair):
         assert cache.length == cache_before
         block = data[f"{step}.block_ids"]
         with torch.no_grad():
-            hidden = drafter(
-                drafter.embed(block),
-                drafter.fuse_context(data[f"{step}.context_features"]),
-                data[f"{step}.position_ids"],
-                cache,
-            )
+            context = drafter.fuse_context(data[f"{step}.context_features"])
+            rows = torch.cat([context, drafter.embed(block).to(context.dtype)], dim=1)
+            hidden = drafter(rows, block.shape[1], data[f"{step}.position_ids"], cache)
             logits = drafter.logits(hidden[:, 1:])
         assert torch.allclose(hidden[:, 1:], data[f"{step}.draft_final_hidden"], atol=tol, rtol=0)
         assert (logits - data[f"{step}.draft_logits"]).abs().max().item() <= tol

@@ -98,11 +98,12 @@ def test_after_plain_steps_the_drafter_reads_the_whole_committed_context(fmt):
     checked = []
     draft = type(drafter).draft_hidden  # every format drafts through it
 
-    def checked_draft(self, features, block_ids, start, cache):
-        out = draft(self, features, block_ids, start, cache)
+    def checked_draft(self, features, block_ids, starts, cache, **rows):
+        out = draft(self, features, block_ids, starts, cache, **rows)
+        (start,) = starts
         ids = torch.tensor([committed[:start]])
         _, all_features = capture_target_features(target, ids, layer_ids)
-        fresh = draft(self, all_features, block_ids, start, self.new_cache(start + 8, 8))
+        fresh = draft(self, [all_features], block_ids, starts, self.new_cache(start + 8, 8))
         torch.testing.assert_close(out, fresh, rtol=1e-4, atol=1e-4)
         checked.append(start)
         return out

@@ -18,14 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_cli.engine.drafter.model import (
-    DFLASH2_ARCHITECTURE,
-    DFlashDrafter,
-    DraftCache,
-    DrafterConfig,
-    default_target_layer_ids,
-    make_drafter,
-)
+from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig, make_drafter
+from dflash_cli.engine.drafter.config import DFLASH2_ARCHITECTURE
 
 FORMATS = ("classic", "swa", "swa-noncausal", "dflash2")
 
@@ -76,19 +70,17 @@ def drafter_config(
     (targets such as Gemma 4 differ in head shape from layer to layer; the drafter never needs to match them)."""
     tc = target.config.get_text_config()
     hidden = tc.hidden_size
-    return DrafterConfig(
-        hidden_size=hidden,
+    extra = {"target_layer_ids": layer_ids} if layer_ids else {}
+    return DrafterConfig.for_target(
+        tc,
+        layers=num_layers,
+        block_size=block_size,
+        mask_token_id=tc.vocab_size - 1,
         intermediate_size=getattr(tc, "intermediate_size", None) or 2 * hidden,
-        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        vocab_size=tc.vocab_size,
-        num_target_layers=tc.num_hidden_layers,
-        block_size=block_size,
-        mask_token_id=tc.vocab_size - 1,
-        target_layer_ids=layer_ids or default_target_layer_ids(tc.num_hidden_layers, num_layers),
-        max_position_embeddings=tc.max_position_embeddings,
+        **extra,
         **_format_fields(fmt, num_layers, window, tc.hidden_size, tc.vocab_size),
     )
 
@@ -125,22 +117,26 @@ class OracleDrafter(DFlashDrafter):
         self.steps = 0
         self.vocab = target.config.get_text_config().vocab_size
 
-    def propose_rows(self, features, block_ids, starts, cache, *, sizes, slots):
-        """Each row's `propose` (a row's cache: its slot), padded to the batch's width like the real drafter's."""
+    @torch.no_grad()
+    def propose(self, features, block_ids, starts, cache: DraftCache, *, sizes=None, slots=None) -> torch.Tensor:
+        """Each row's continuation (row i: its first sizes[i] - 1 slots), padded to the block's width like the real
+        drafter's. A row is known by its slot of a shared cache, or by its one-slot cache."""
+        sizes = [block_ids.shape[1]] * len(starts) if sizes is None else sizes
+        rows = [id(cache)] if cache.slots == 1 else (range(len(starts)) if slots is None else slots)
         out = torch.zeros((block_ids.shape[0], block_ids.shape[1] - 1), dtype=torch.long, device=block_ids.device)
-        for i, (context, start, size, slot) in enumerate(zip(features, starts, sizes, slots)):
-            out[i, : size - 1] = self.propose(context, block_ids[i : i + 1, :size], start, (cache, slot))[0]
+        for i, (context, start, size, row) in enumerate(zip(features, starts, sizes, rows)):
+            out[i, : size - 1] = torch.tensor(self.row_proposal(context, size, start, row))
         return out
 
-    @torch.no_grad()
-    def propose(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+    def row_proposal(self, context: torch.Tensor, size: int, start: int, row: object) -> list[int]:
+        """Row `row`'s proposal for a block of `size` at `start` (`context`: its new context features)."""
         correct = self.correct
         if isinstance(correct, Sequence):
             correct = correct[self.steps % len(correct)]
         self.steps += 1
         proposal = []
-        for j in range(block_ids.shape[1] - 1):
+        for j in range(size - 1):
             pos = start + 1 + j
             right = self.sequence[pos] if pos < len(self.sequence) else 0
             proposal.append(right if correct is None or j < correct else (right + 1) % self.vocab)
-        return torch.tensor([proposal], device=block_ids.device)
+        return proposal

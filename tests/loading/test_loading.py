@@ -91,7 +91,8 @@ def test_checkpoint_sizes_come_from_the_safetensors_headers(tiny_qwen3_dir: Path
     assert sum(n for _, n, _ in checkpoint.tensors) == params
     assert checkpoint.nbytes("float32") == 4 * params
     assert checkpoint.nbytes("bfloat16") == 2 * params
-    assert checkpoint.nbytes("float32", "nf4") < checkpoint.nbytes("float32") // 2
+    # about half: 4-bit linears, float32 embeddings and norms, and the per-tensor tables that weigh on tiny tensors
+    assert checkpoint.nbytes("float32", "nf4") < 0.55 * checkpoint.nbytes("float32")
 
 
 def test_nf4_size_of_a_moe_target_is_what_bitsandbytes_really_leaves(tmp_path: Path) -> None:

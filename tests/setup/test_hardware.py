@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from dflash_cli.errors import DflashError
-from dflash_cli.setup.choices import BYTES_PER_ELEMENT
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class
 from dflash_cli.setup.planning import (
     MAX_BATCH_ROWS,
@@ -20,6 +19,7 @@ from dflash_cli.setup.planning import (
     native_formats,
 )
 from dflash_cli.setup.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
+from dflash_cli.setup.sizes import BYTES_PER_ELEMENT
 from helpers.machines import GIB
 from helpers.machines import cuda_machine as cuda
 

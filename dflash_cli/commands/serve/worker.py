@@ -210,7 +210,7 @@ class Worker:
 
 def _copy_stats(row: Any) -> Any:
     """The row's numbers so far, or None when it never started (its prefill did not run)."""
-    return copy.deepcopy(row.request.stats) if row.slot is not None else None
+    return copy.deepcopy(row.generation.stats) if row.slot is not None else None
 
 
 def _first_line(error: BaseException) -> str:

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from dflash_cli.engine.compiled import CompiledStep, Notify, compiled_step, run_target
+from dflash_cli.engine.compiled import CACHE_ARGUMENT, CompiledStep, Notify, compiled_step, run_target
 from dflash_cli.engine.target.base import (
     LINEAR,
     TargetState,
@@ -264,8 +264,8 @@ class AttentionState(TargetState):
                     input_ids=token_ids,
                     position_ids=self.forward_positions,
                     attention_mask=masks,
-                    past_key_values=self.cache,
                     use_cache=True,
+                    **{CACHE_ARGUMENT: self.cache},
                 )
                 return out.logits
             if self.full_view:

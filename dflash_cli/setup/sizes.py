@@ -1,0 +1,134 @@
+"""Every byte count in one place: weights as loaded (per dtype; NF4 with its quantization data; a pre-quantized
+checkpoint as stored), the runtime's headroom, and the bytes a decode step reads. The planner, the loader's memory
+check, `pull`, `doctor`, the roofline and the GPU benchmark all count here, so they agree on a model's size
+(tests/setup/test_sizes.py). Only the functions that inspect a loaded module touch torch, and they import nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash_cli.setup.recipes import Recipe
+
+BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
+# NF4 (bitsandbytes, double quantization) stores 4 bits per weight and an 8-bit absmax per block of 64 weights, with
+# a float32 absmax per 256 of those; and per tensor the float32 code tables of NF4 (16 entries) and of the 8-bit
+# absmax (256 entries).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_BYTES_PER_TENSOR = (16 + 256) * 4
+# The runtime beside the weights and the KV cache the planner reserves: CUDA context, allocator slack, activations.
+RUNTIME_OVERHEAD_BYTES = 1_500_000_000
+# Headroom over the weights where no recipe sizes a model (an ad-hoc target): activations, the KV cache of a short
+# context, allocator slack.
+RUNTIME_OVERHEAD = 1.10
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A causal LM's parameters as transformers builds it, grouped by what bitsandbytes NF4 does with them."""
+
+    linear: int  # weights of nn.Linear layers other than the output head: quantized to 4 bits
+    experts: int  # fused expert weights (3-D parameters outside Linear and convolution layers): left as they are
+    other: int  # embeddings, the output head, norms, biases, routers, convolutions: left as they are
+    linear_tensors: int = 0  # how many weights `linear` holds (NF4 adds its code tables per tensor)
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.experts + self.other
+
+    def nbytes(self, dtype: str, quant: str = "none") -> int:
+        """Weight bytes once loaded as `dtype`, the linear layers NF4-quantized when `quant == "nf4"`."""
+        dtype_bytes = BYTES_PER_ELEMENT[dtype]
+        if quant == "nf4":
+            quantized = self.linear * NF4_BYTES_PER_PARAM + self.linear_tensors * NF4_BYTES_PER_TENSOR
+            return int(quantized + (self.experts + self.other) * dtype_bytes)
+        return self.total * dtype_bytes
+
+
+def scaled_from_bf16(bf16_bytes: float, dtype: str) -> float:
+    """A size the recipes list in bf16, in `dtype`."""
+    return bf16_bytes * BYTES_PER_ELEMENT[dtype] / 2
+
+
+def recipe_weight_bytes(recipe: Recipe, weights_in: str, dtype: str) -> int | None:
+    """A recipe's target weights held in `weights_in` ("nf4", a pre-quantized format kept as stored, or the compute
+    dtype) with compute dtype `dtype`, from the recipe's listed sizes (bf16 sizes, made with `ParameterCounts` by
+    scripts/recipe_sizes.py); None when it lists none. NF4 counts the fused expert weights at the compute dtype:
+    bitsandbytes leaves them as they are, and the listed NF4 size holds them in bf16."""
+    if weights_in == "nf4":
+        weights = recipe.weight_bytes.get("nf4")
+        if weights is not None and recipe.expert_bytes:
+            weights += scaled_from_bf16(recipe.expert_bytes, dtype) - recipe.expert_bytes
+    elif weights_in in recipe.weight_bytes and weights_in not in BYTES_PER_ELEMENT:
+        weights = recipe.weight_bytes[weights_in]
+    else:
+        weights = scaled_from_bf16(recipe.weight_bytes["bf16"], dtype) if "bf16" in recipe.weight_bytes else None
+    return None if weights is None else int(weights)
+
+
+def runtime_bytes(recipe: Recipe, weights: int | None, dtype: str, context_tokens: int) -> int | None:
+    """Memory to run a recipe whose target holds `weights` bytes: those, its drafter and the KV cache of
+    `context_tokens` positions in `dtype`, and the runtime's overhead. None when the weights are unknown."""
+    if weights is None:
+        return None
+    drafter = scaled_from_bf16(recipe.drafter_bytes or 0, dtype) if recipe.drafter is not None else 0
+    kv_cache = scaled_from_bf16(recipe.kv_bytes_per_token or 0, dtype) * context_tokens
+    return int(weights + drafter + kv_cache + RUNTIME_OVERHEAD_BYTES)
+
+
+def recipe_stored_bytes(recipe: Recipe) -> int:
+    """What a recipe's models take on disk (what fetching them downloads): the target's checkpoint as stored, and its
+    drafter."""
+    return recipe.weight_bytes.get(recipe.checkpoint_precision, 0) + (recipe.drafter_bytes or 0)
+
+
+def tensor_bytes(tensor: Any) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def module_weight_bytes(module: Any, exclude: tuple[Any, ...] = ()) -> int:
+    """Bytes of a loaded module's weights as they are held (NF4: the packed 4-bit data plus its quantization
+    statistics, the nested ones of double quantization too); each shared tensor once."""
+    total = 0
+    for param in {id(p): p for p in module.parameters()}.values():
+        if any(param is e for e in exclude):
+            continue
+        total += tensor_bytes(param)
+        state = getattr(param, "quant_state", None)
+        if state is not None:
+            total += tensor_bytes(state.absmax) + tensor_bytes(state.code)
+            nested = getattr(state, "state2", None)
+            if nested is not None:
+                total += tensor_bytes(nested.absmax) + tensor_bytes(nested.code)
+    return total
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    weights: int
+    kv: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def kv_bytes_per_token(config: Any, element_size: int) -> int:
+    """K and V of one position in every layer of a transformers text config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
+
+
+def step_bytes(target: Any, context_tokens: int) -> StepBytes:
+    """Bytes a one-token decode step of a loaded `target` reads with `context_tokens` positions of K/V behind it:
+    every weight as held, except that an input embedding which is not also the output head is read for one row."""
+    embedding = target.get_input_embeddings().weight
+    head = target.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
+    weights = module_weight_bytes(target)
+    if not tied:
+        weights -= tensor_bytes(embedding) - embedding.shape[-1] * embedding.element_size()
+    per_token = kv_bytes_per_token(target.config.get_text_config(), embedding.element_size())
+    return StepBytes(weights, per_token * context_tokens)

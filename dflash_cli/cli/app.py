@@ -1,4 +1,5 @@
-"""The `dflash` command line: thin typer commands over importable functions.
+"""The `dflash` command line: typer wiring only. Each command parses its flags (cli/flags.py), calls its
+`dflash_cli.commands` module, and hands the result to cli/output.py, which prints it as JSON or for a person.
 
 Startup stays fast: torch, transformers and the engine are imported inside the commands that need them, so
 `dflash --help` and `dflash recipes list` never load them.
@@ -6,34 +7,52 @@ Startup stays fast: torch, transformers and the engine are imported inside the c
 
 import dataclasses
 import functools
-import inspect
-import json
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from typer.core import TyperGroup
 
 from dflash_cli import __version__
+from dflash_cli.cli.flags import (
+    BENCH,
+    MODEL,
+    SERVER,
+    BatchSize,
+    BenchMaxTokens,
+    Drafter,
+    GpuMemory,
+    Gpus,
+    JsonFlag,
+    RecipeFile,
+    RecipeName,
+    Target,
+    check_device,
+    check_dtype,
+    check_prompt_set,
+    check_server,
+    existing_file,
+    with_run_flags,
+)
+from dflash_cli.cli.output import (
+    checks_table,
+    console,
+    emit,
+    err_console,
+    print_error,
+    show_fields,
+    show_rows,
+    show_summary,
+    show_text,
+    show_trained,
+)
 from dflash_cli.errors import DflashError
-from dflash_cli.setup.choices import QUANTS, gb, normalize_device, normalize_dtype
-from dflash_cli.setup.options import COMPILE_SETTINGS, RunOptions
-from dflash_cli.setup.recipes import load_recipes, resolve_recipe, user_recipe_dir
-
-console = Console()
-err_console = Console(stderr=True)
-
-
-def report_error(error: DflashError) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(error.message)}")
-    if error.fix:
-        err_console.print(f"[yellow]fix:[/] {escape(error.fix)}")
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.recipes import load_recipes, resolve_recipe
+from dflash_cli.setup.threads import start_load_window
 
 
 class DflashGroup(TyperGroup):
@@ -44,7 +63,7 @@ class DflashGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except DflashError as error:
-            report_error(error)
+            print_error(error)
             raise typer.Exit(error.exit_code) from None
 
 
@@ -74,210 +93,9 @@ def _main(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    pass
-
-
-def _print_json(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Shared flags. Model selection is used by every command that names a model; the run flags by chat, run and
-# bench (through @with_run_flags). Defaults come from RunOptions, so each flag is defined exactly once.
-
-
-def _check_quant(value: str | None) -> str | None:
-    if value is not None and value not in QUANTS:
-        raise typer.BadParameter(f"use one of {', '.join(QUANTS)}")
-    return value
-
-
-def _check_dtype(value: str | None) -> str | None:
-    try:
-        return normalize_dtype(value) if value is not None else None
-    except DflashError as error:
-        raise typer.BadParameter(f"{error.message}: {error.fix}") from None
-
-
-def _check_device(value: str | None) -> str | None:
-    try:
-        return normalize_device(value) if value is not None else None
-    except DflashError as error:
-        raise typer.BadParameter(f"{error.message}: {error.fix}") from None
-
-
-def _existing_file(value: str | None) -> str | None:
-    """A file the command reads: missing is a usage error (exit 2), found before any model or torch loads."""
-    if value is not None and not Path(value).expanduser().is_file():
-        what = "is a directory, not a file" if Path(value).expanduser().is_dir() else "does not exist"
-        raise typer.BadParameter(f"{value} {what}")
-    return value
-
-
-def _check_compile(value: str) -> str:
-    if value not in COMPILE_SETTINGS:
-        raise typer.BadParameter(f"use one of {', '.join(COMPILE_SETTINGS)}")
-    return value
-
-
-MODEL, SAMPLING, PLANNING = "Model", "Sampling", "Planning"
-RecipeName = Annotated[
-    str | None,
-    typer.Argument(
-        metavar="NAME", show_default=False, help="Recipe name or alias (`dflash recipes list`), or a recipe .toml file."
-    ),
-]
-Target = Annotated[
-    str | None,
-    typer.Option(
-        "--target", help="Target model: Hugging Face repo id or local directory (ad-hoc recipe).", rich_help_panel=MODEL
-    ),
-]
-Drafter = Annotated[
-    str | None,
-    typer.Option("--drafter", help="DFlash drafter for --target: repo id or local directory.", rich_help_panel=MODEL),
-]
-RecipeFile = Annotated[
-    str | None,
-    typer.Option("--recipe", metavar="FILE.toml", help="Load a recipe from a TOML file.", rich_help_panel=MODEL),
-]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
-
-RUN_FLAG_TYPES: dict[str, Any] = {
-    "recipe_name": RecipeName,
-    "target": Target,
-    "drafter": Drafter,
-    "recipe_file": RecipeFile,
-    "max_tokens": Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)
-    ],
-    "temperature": Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            help="0 = greedy. Output follows the target's distribution at any temperature "
-            "(speculative decoding is lossless).",
-            rich_help_panel=SAMPLING,
-        ),
-    ],
-    "top_p": Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            max=1.0,
-            help="Nucleus sampling: keep tokens up to this total probability (1 = off).",
-            rich_help_panel=SAMPLING,
-        ),
-    ],
-    "top_k": Annotated[
-        int, typer.Option(min=0, help="Keep only the K most likely tokens (0 = off).", rich_help_panel=SAMPLING)
-    ],
-    "min_p": Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            max=1.0,
-            help="Drop tokens below this fraction of the top token's probability (0 = off).",
-            rich_help_panel=SAMPLING,
-        ),
-    ],
-    "seed": Annotated[
-        int | None, typer.Option(help="Random seed, for reproducible sampling.", rich_help_panel=SAMPLING)
-    ],
-    "block_size": Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Verify N tokens every step (default: adaptive, each step picks the size that decodes fastest here, "
-            "1 = no drafting, up to the recipe's block, else the drafter config's).",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-    "no_spec": Annotated[
-        bool,
-        typer.Option(
-            "--no-spec",
-            help="Baseline: decode with the target alone (the same loop, no drafter).",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-    "device": Annotated[
-        str | None,
-        typer.Option(
-            callback=_check_device,
-            help="cuda, cuda:N, mps or cpu (default: the best one here).",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-    "dtype": Annotated[
-        str | None,
-        typer.Option(
-            callback=_check_dtype,
-            help="bfloat16, float16 or float32 (default: bf16 on GPUs and CPUs that have it, "
-            "fp16 on older GPUs and MPS, fp32 on other CPUs). fp32 makes greedy DFlash bit-identical to "
-            "the baseline; in bf16/fp16 a near-tie can round differently in a block.",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-    "quant": Annotated[
-        str | None,
-        typer.Option(
-            callback=_check_quant,
-            help="none, nf4 (bitsandbytes 4-bit) or fp8 (the recipe's published FP8 checkpoint, `dflash pull --fp8`) "
-            "(default: nf4 only where bf16 weights do not fit the GPU).",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-    "explain": Annotated[
-        bool,
-        typer.Option(
-            "--explain",
-            help="Print the plan (device, dtype, quantization, block size) and why.",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-    "threads": Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="CPU threads for torch (default: the cores other processes leave free; more threads than free "
-            "cores make decoding stall).",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-    "compile": Annotated[
-        str,
-        typer.Option(
-            callback=_check_compile,
-            metavar="auto|on|off",
-            help="Compile the target's decode steps (torch.compile; CUDA graphs on GPUs). auto: on CUDA only. "
-            "On a CPU compiled steps run about 1.5x faster, but compiling takes minutes at every start (worth it "
-            "for a long `run` or `serve`).",
-            rich_help_panel=PLANNING,
-        ),
-    ],
-}
-RUN_FLAGS = [
-    inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=RUN_FLAG_TYPES[f.name])
-    for f in dataclasses.fields(RunOptions)
-    if f.name in RUN_FLAG_TYPES  # the rest are flags of some commands only (`--batch-size`: run and serve)
-]
-
-
-def with_run_flags(command: Callable[..., Any], flag_types: dict[str, Any] | None = None) -> Callable[..., Any]:
-    """Give a command the shared run flags: it declares `options: RunOptions` first, plus any flags of its own.
-    `flag_types` replaces shared flags' declarations for this command (the same flag, its own default)."""
-    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "options"]
-    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
-    shared = [p.replace(annotation=(flag_types or {}).get(p.name, p.annotation)) for p in RUN_FLAGS]
-
-    @functools.wraps(command)
-    def wrapper(**kwargs: Any) -> Any:
-        options = RunOptions(**{p.name: kwargs.pop(p.name) for p in RUN_FLAGS})
-        return command(options, **kwargs)
-
-    wrapper.__signature__ = inspect.Signature(shared + own)  # type: ignore[attr-defined]
-    return wrapper
+    # Other processes' CPU load is measured from here on, so that the thread plan, made after torch and the model
+    # are loaded, needs no wait of its own.
+    start_load_window()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -344,18 +162,6 @@ def _one_shot_question(prompt: str | None) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 # run
 
-BatchSize = Annotated[
-    int | None,
-    typer.Option(
-        "--batch-size",
-        min=1,
-        show_default=False,
-        rich_help_panel=PLANNING,
-        help="Requests decoded together, sharing each forward (default: the plan's: as many as have room for a KV "
-        "cache at 8k tokens, at most 16; 1 = one at a time). Hybrid targets decode one at a time.",
-    ),
-]
-
 
 @app.command(rich_help_panel="Run")
 @with_run_flags
@@ -393,18 +199,12 @@ def run(
     options, prompts = jobs.split_positionals(dataclasses.replace(options, batch_size=batch_size), prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
     summary = jobs.run_file(options, prompts, output, errors, err_console)
-    if json_output:
-        _print_json(summary.to_dict())
-    elif summary.total:
-        console.print(jobs.summary_table(summary))
+    emit(summary.to_dict(), json_output, lambda: show_summary(summary))
     raise typer.Exit(summary.exit_code)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # serve
-
-
-SERVER = "Server"
 
 
 @app.command(rich_help_panel="Run")
@@ -457,33 +257,8 @@ def serve(
 # bench
 
 
-BENCH = "Benchmark"
-
-
-def _check_prompt_set(value: str | None) -> str | None:
-    from dflash_cli.bench import PROMPT_SETS  # torch-free
-
-    if value is not None and value not in (*PROMPT_SETS, "all"):
-        raise typer.BadParameter(
-            f"unknown prompt set {value!r}: use {', '.join(PROMPT_SETS)} or all, or --prompts FILE.jsonl"
-        )
-    return value
-
-
-BENCH_MAX_TOKENS = Annotated[
-    int,
-    typer.Option(
-        "--max-tokens",
-        min=1,
-        help="Most tokens to generate per prompt.",
-        show_default="128; 512 with --full",
-        rich_help_panel=SAMPLING,
-    ),
-]
-
-
 @app.command(rich_help_panel="Run")
-@functools.partial(with_run_flags, flag_types={"max_tokens": BENCH_MAX_TOKENS})
+@functools.partial(with_run_flags, flag_types={"max_tokens": BenchMaxTokens})
 def bench(
     options: RunOptions,
     ctx: typer.Context,
@@ -500,7 +275,7 @@ def bench(
         typer.Option(
             "--set",
             metavar="math|code|chat|all",
-            callback=_check_prompt_set,
+            callback=check_prompt_set,
             help="Built-in prompt set, 8 prompts each (default: all).",
             rich_help_panel=BENCH,
         ),
@@ -510,7 +285,7 @@ def bench(
         typer.Option(
             "--prompts",
             metavar="FILE.jsonl",
-            callback=_existing_file,
+            callback=existing_file,
             help='Your prompts, one JSON object a line: {"prompt": ...} (a user turn: bench measures chat replies; `dflash run` reads it as plain completion), {"messages": [...]} or {"prompt_ids": [...]} (token ids: no tokenizer needed); optional "id".',
             rich_help_panel=BENCH,
         ),
@@ -575,9 +350,8 @@ def bench(
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     default_tokens = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") == "DEFAULT"
     if default_tokens:  # bench's own default, not chat's 512
-        options = dataclasses.replace(
-            options, max_tokens=bench_lib.FULL_MAX_TOKENS if full else bench_lib.QUICK_MAX_TOKENS
-        )
+        max_tokens = bench_lib.FULL_MAX_TOKENS if full else bench_lib.QUICK_MAX_TOKENS
+        options = dataclasses.replace(options, sampling=options.sampling_params(max_new_tokens=max_tokens))
     settings = bench_lib.BenchSettings(
         before_after=before_after,
         prompt_set=prompt_set,
@@ -592,10 +366,7 @@ def bench(
         command=shlex.join(["dflash", *sys.argv[1:]]),
     )
     report = bench_lib.benchmark(options, settings, err_console)
-    if json_output:
-        _print_json(report.to_dict())
-    else:
-        bench_lib.print_report(report, console)
+    emit(report.to_dict(), json_output, lambda: bench_lib.print_report(report, console))
     if output:
         err_console.print(f"[dim]saved {escape(str(bench_lib.write_json(report, output)))}[/]")
     if png:
@@ -660,7 +431,7 @@ def train(
         typer.Option(
             "--prompts",
             metavar="FILE",
-            callback=_existing_file,
+            callback=existing_file,
             help='Prompts: .txt (one a line) or .jsonl as `dflash bench --prompts` reads it: {"prompt": ...} (a user turn, where `dflash run` reads plain completion) or {"messages": [...]}; optional "id".',
         ),
     ],
@@ -704,17 +475,17 @@ def train(
         typer.Option(
             "--eval-file",
             metavar="FILE",
-            callback=_existing_file,
+            callback=existing_file,
             help="Held-out prompts for tau (same formats as --prompts).",
         ),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --output.")] = False,
-    device: Annotated[str, typer.Option(callback=_check_device, help="cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option(callback=check_device, help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[
         str | None,
         typer.Option(
-            callback=_check_dtype,
+            callback=check_dtype,
             show_default=False,
             help="Target dtype while it writes answers and features (default: the one dflash serves it in here: "
             "bf16 on GPUs and CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs).",
@@ -729,11 +500,10 @@ def train(
     Example (the shipped demo drafter): `dflash train --target demo --prompts prompts.jsonl --output runs/demo --steps 1500`
     """
     from dflash_cli.commands.train_prompts import split_prompts
-    from dflash_cli.setup.recipes import recipe_for_target, resolve_recipe
 
     resolve_recipe(None, None, target, None)  # input mistakes fail here, before torch is imported
     split_prompts(prompts, eval_file, eval_prompts)
-    from dflash_cli.commands.train import TrainOptions, interrupted_training_state
+    from dflash_cli.commands.train import TrainOptions, interrupted_training_state, next_steps
     from dflash_cli.commands.train import train as run_training
 
     options = TrainOptions(
@@ -760,26 +530,9 @@ def train(
     except KeyboardInterrupt:
         err_console.print(f"interrupted: {escape(interrupted_training_state(Path(output)))}")
         raise
-    known = recipe_for_target(target)  # `--target demo` is used as `dflash chat demo --drafter DIR`
-    model = (
-        [known.name]
-        if known is not None and target.strip().lower() != known.target.id.lower()
-        else ["--target", target]
-    )
-    use = shlex.join(["dflash", "chat", *model, "--drafter", result.output])
-    if json_output:
-        _print_json({**{k: v for k, v in result.to_dict().items() if k != "history"}, "chat_command": use})
-        return
-    tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
-    console.print(
-        f"[green]Drafter saved[/] in {escape(result.output)}: {result.steps} steps in {result.train_seconds:.0f}s, "
-        f"loss {result.final_loss:.3f}, tau on {result.eval_prompts} held-out prompts {tau}"
-    )
-    console.print(f"Use it: {escape(use)}", soft_wrap=True)
-    console.print(
-        f"Measure it: {escape(shlex.join(['dflash', 'bench', *model, '--drafter', result.output, '--before-after']))}",
-        soft_wrap=True,
-    )
+    steps = next_steps(target, result.output)
+    summary = {**{k: v for k, v in result.to_dict().items() if k != "history"}, "chat_command": steps["chat_command"]}
+    emit(summary, json_output, lambda: show_trained(result, steps))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -794,15 +547,7 @@ def doctor(json_output: JsonFlag = False) -> None:
     from dflash_cli.commands import doctor as checks
 
     results = checks.run_checks()
-    if json_output:
-        _print_json({"checks": [c.to_dict() for c in results], "exit_code": checks.exit_code(results)})
-    else:
-        style = {"pass": "[green]pass[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fail[/]"}
-        table = Table("check", "status", "detail", title="dflash doctor", title_justify="left")
-        for check in results:
-            fix = f"\n[yellow]fix:[/] {escape(check.fix)}" if check.fix else ""
-            table.add_row(check.name, style[check.status], escape(check.detail) + fix)
-        console.print(table)
+    emit(checks.report(results), json_output, lambda: console.print(checks_table(results)))
     raise typer.Exit(checks.exit_code(results))
 
 
@@ -813,43 +558,15 @@ def doctor(json_output: JsonFlag = False) -> None:
 @recipes_app.command("list")
 def recipes_list(json_output: JsonFlag = False) -> None:
     """List the built-in and user recipes."""
+    from dflash_cli.commands.recipes import COLUMNS, recipe_rows
+
     recipes = list(load_recipes().values())
-    if json_output:
-        _print_json([recipe.to_dict() for recipe in recipes])
-        return
-    user_dir = str(user_recipe_dir())
-    header = ("name", "target", "drafter", "block", "weights", "status", "notes")
-    rows = []
-    for recipe in recipes:
-        flags = (
-            ("gated", recipe.gated),
-            ("MoE", bool(recipe.expert_bytes)),
-            ("user", recipe.source.startswith(user_dir)),
-        )
-        # every precision listed: the published checkpoint(s) and NF4 (whose MoE sizes show what NF4 cannot save)
-        sizes = ", ".join(f"{key} {gb(size)}" for key, size in recipe.weight_bytes.items()) or "?"
-        rows.append(
-            (
-                recipe.name,
-                recipe.target.id,
-                recipe.drafter.id if recipe.drafter else "-",
-                str(recipe.block_size or "config"),
-                sizes,
-                "runs" if recipe.runnable else "export only",
-                ", ".join(note for note, on in flags if on),
-            )
-        )
-    if not console.is_terminal:  # piped: whole values on aligned rows, nothing folded mid-word
-        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-        for row in (header, *rows):
-            typer.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        return
-    table = Table()
-    for column in header:
-        table.add_column(column, overflow="fold", no_wrap=column in ("name", "status"))
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    rows = recipe_rows(recipes)
+    emit(
+        [recipe.to_dict() for recipe in recipes],
+        json_output,
+        lambda: show_rows(COLUMNS, rows, no_wrap=("name", "status")),
+    )
 
 
 @recipes_app.command("show")
@@ -857,40 +574,19 @@ def recipes_show(
     name: Annotated[str, typer.Argument(help="Recipe name, alias, or .toml file.")], json_output: JsonFlag = False
 ) -> None:
     """Show everything a recipe says: models, block size, chat template options, sizes, GPU overrides."""
+    from dflash_cli.commands.recipes import recipe_fields
+
     recipe = resolve_recipe(name, None, None, None)
-    if json_output:
-        _print_json(recipe.to_dict())
-        return
-    for key, value in recipe.to_dict().items():
-        # TOML's spelling (true, false) and "-" for an unset field, never Python's False / None
-        shown = "-" if value in (None, "") else value if isinstance(value, str) else json.dumps(value)
-        console.print(f"[bold]{key}[/]: {escape(shown)}", soft_wrap=True)
+    emit(recipe.to_dict(), json_output, lambda: show_fields(recipe_fields(recipe)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # export
 
 
-Gpus = Annotated[int | None, typer.Option(min=1, help="GPUs on the serving machine (default: this machine's).")]
-GpuMemory = Annotated[
-    float | None,
-    typer.Option("--gpu-memory", min=1.0, help="GB per GPU on the serving machine (default: this machine's, else 80)."),
-]
-
-
-SERVER_ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama-server": "llama.cpp"}
-
-
-def _check_server(value: str) -> str:
-    value = SERVER_ALIASES.get(value.lower(), value.lower())
-    if value not in ("vllm", "sglang", "llama.cpp"):
-        raise typer.BadParameter("use vllm, sglang or llama.cpp")
-    return value
-
-
 @app.command(rich_help_panel="Scale out")
 def export(
-    server: Annotated[str, typer.Argument(metavar="SERVER", callback=_check_server, help="vllm, sglang or llama.cpp.")],
+    server: Annotated[str, typer.Argument(metavar="SERVER", callback=check_server, help="vllm, sglang or llama.cpp.")],
     name: RecipeName = None,
     target: Target = None,
     drafter: Drafter = None,
@@ -900,12 +596,10 @@ def export(
     json_output: JsonFlag = False,
 ) -> None:
     """Print the command that serves a recipe with DFlash on vLLM (`vllm serve ... --speculative-config`), SGLang (`python -m sglang.launch_server ... --speculative-algorithm DFLASH`) or llama.cpp (`llama-server -m TARGET.gguf -md DRAFTER.gguf --spec-type draft-dflash`, with the GGUF conversion steps)."""
-    from dflash_cli.commands.export import EXPORTERS, serving_hardware
-    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.commands.export import export_command
 
-    recipe = resolve_recipe(name, recipe_file, target, drafter)
-    command = EXPORTERS[server](recipe, serving_hardware(detect_machine(), gpus, gpu_memory))
-    typer.echo(command.to_json() if json_output else command.text())
+    command = export_command(server, resolve_recipe(name, recipe_file, target, drafter), gpus, gpu_memory)
+    emit(command.to_dict(), json_output, lambda: show_text(command.text()))
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """`dflash doctor`: pass / warn / fail checks of this machine, each failure with its fix.
 
 Every check is a function of plain inputs (machine facts, versions, paths), so tests fabricate failing
-machines; `run_checks()` gathers the real inputs. Rendering (table or JSON) lives in cli.py.
+machines; `run_checks()` gathers the real inputs and `report` is what `--json` prints. The table is drawn in
+cli/output.py.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class Check:
 
 def exit_code(checks: list[Check]) -> int:
     return 1 if any(check.status == "fail" for check in checks) else 0
+
+
+def report(checks: list[Check]) -> dict[str, Any]:
+    return {"checks": [check.to_dict() for check in checks], "exit_code": exit_code(checks)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

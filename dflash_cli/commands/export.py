@@ -11,10 +11,11 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import gb
-from dflash_cli.setup.hardware import MachineFacts
+from dflash_cli.setup.hardware import MachineFacts, detect_machine
 from dflash_cli.setup.recipes import PACKAGE_PREFIX, ModelRef, Recipe
 
 # Weights take at most 1/1.3 of the GPUs' memory: the rest holds the KV cache, activations and CUDA graphs
@@ -44,8 +45,8 @@ class ExportedCommand:
     def text(self) -> str:
         return "\n".join([*(f"# {note}" for note in self.notes), self.shell])
 
-    def to_json(self) -> str:
-        return json.dumps({"command": self.argv, "shell": self.shell, "notes": self.notes}, indent=2)
+    def to_dict(self) -> dict[str, Any]:
+        return {"command": self.argv, "shell": self.shell, "notes": self.notes}
 
 
 def serving_hardware(
@@ -214,3 +215,12 @@ def llama_cpp_command(recipe: Recipe, hardware: ServingHardware) -> ExportedComm
 
 
 EXPORTERS = {"vllm": vllm_command, "sglang": sglang_command, "llama.cpp": llama_cpp_command}
+SERVER_ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama-server": "llama.cpp"}
+
+
+def export_command(
+    server: str, recipe: Recipe, gpus: int | None = None, gpu_memory_gb: float | None = None
+) -> ExportedCommand:
+    """The command that serves `recipe` on `server` (an EXPORTERS key), sized for this machine's GPUs unless
+    `gpus` / `gpu_memory_gb` describe the serving machine."""
+    return EXPORTERS[server](recipe, serving_hardware(detect_machine(), gpus, gpu_memory_gb))

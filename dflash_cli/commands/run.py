@@ -39,7 +39,6 @@ from typing import IO, Any
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
@@ -354,26 +353,6 @@ class Summary:
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s, "tau": self.tau}
-
-
-def summary_table(summary: Summary) -> Table:
-    table = Table("requests", "done", "skipped", "failed", "tokens", "time", "tok/s", "mean tau", title_justify="left")
-    table.title = f"dflash run: {escape(summary.output)}"
-    tau = f"{summary.tau:.2f}" if summary.tau is not None else "-"
-    failed = f"[red]{summary.failed}[/]" if summary.failed else "0"
-    table.add_row(
-        str(summary.total),
-        str(summary.done),
-        str(summary.skipped),
-        failed,
-        str(summary.completion_tokens),
-        f"{summary.wall_s:.1f}s",
-        f"{summary.tokens_per_s:.1f}",
-        tau,
-    )
-    if summary.errors:
-        table.caption = f"failed requests: {escape(summary.errors)}"
-    return table
 
 
 def _progress(console: Console | None) -> Progress:

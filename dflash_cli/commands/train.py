@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shlex
 import shutil
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target.base import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
+from dflash_cli.setup.recipes import recipe_for_target
 
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),
 # distill/ (the target's answers and captured features), metrics.json.
@@ -728,3 +730,18 @@ def evaluate_tau(
             )
             lengths += result.acceptance_lengths
     return sum(lengths) / max(1, len(lengths))
+
+
+def next_steps(target: str, drafter_dir: str) -> dict[str, str]:
+    """The commands that chat with and measure a trained drafter. A recipe given by name (`--target demo`) is used
+    by name with `--drafter DIR`; a repo id or directory as `--target`."""
+    known = recipe_for_target(target)
+    model = (
+        [known.name]
+        if known is not None and target.strip().lower() != known.target.id.lower()
+        else ["--target", target]
+    )
+    return {
+        "chat_command": shlex.join(["dflash", "chat", *model, "--drafter", drafter_dir]),
+        "bench_command": shlex.join(["dflash", "bench", *model, "--drafter", drafter_dir, "--before-after"]),
+    }

@@ -59,7 +59,9 @@ BY_KEY: dict[str, Field] = {name: field for field in FIELDS for name in (field.k
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 256
+    # The defaults are the CLI's (`--max-tokens` 512, greedy): RunOptions holds one of these, so a flag's default
+    # and a request's are the same value.
+    max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -1,17 +1,16 @@
-"""RunOptions: the flags `dflash chat`, `run` and `bench` share, as one value the frontends receive."""
+"""RunOptions: the flags `dflash chat`, `run`, `serve` and `bench` share, as one value the frontends receive."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.planning import PlanOverrides
 from dflash_cli.setup.recipes import Recipe, resolve_recipe
 
 COMPILE_SETTINGS = ("auto", "on", "off")
-
-if TYPE_CHECKING:
-    from dflash_cli.protocol.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -20,12 +19,7 @@ class RunOptions:
     target: str | None = None
     drafter: str | None = None
     recipe_file: str | None = None
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()  # the sampling flags, named like the request fields (params.FIELDS)
     block_size: int | None = None
     no_spec: bool = False  # baseline: the same loop without the drafter
     device: str | None = None
@@ -59,10 +53,7 @@ class RunOptions:
             batch_size=self.batch_size,
         )
 
-    def sampling_params(self, **extra: Any) -> SamplingParams:
-        """engine.SamplingParams from the sampling flags (named like the request fields); `extra` adds stop
-        tokens / strings."""
-        from dflash_cli.protocol.params import FIELDS, SamplingParams, read_sampling
-
-        flags = {field.key: getattr(self, field.key) for field in FIELDS if hasattr(self, field.key)}
-        return SamplingParams(**read_sampling(flags), **extra)
+    def sampling_params(self, **changes: Any) -> SamplingParams:
+        """The sampling of one request: the flags' values with `changes` (SamplingParams attributes: a request's
+        own fields, stop tokens / strings)."""
+        return dataclasses.replace(self.sampling, **changes)

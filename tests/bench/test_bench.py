@@ -25,6 +25,7 @@ from dflash_cli.bench.measure import BASELINE, Mode, PromptRuns, Run
 from dflash_cli.bench.report import BenchReport, BenchSettings
 from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.options import RunOptions
 from helpers.drafters import save_random_drafter
 from helpers.tiny_models import make_tiny_qwen3
@@ -45,7 +46,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def options_for(models: tuple[Path, Path], **changes: object) -> RunOptions:
     target, drafter = models
-    return RunOptions(target=str(target), drafter=str(drafter), max_tokens=8, **changes)  # type: ignore[arg-type]
+    changes = {"sampling": SamplingParams(max_new_tokens=8), **changes}
+    return RunOptions(target=str(target), drafter=str(drafter), **changes)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +370,9 @@ def test_speculative_only_without_before_after(models: tuple[Path, Path]) -> Non
 
 def test_sampling_says_identity_is_not_expected(models: tuple[Path, Path]) -> None:
     settings = BenchSettings(before_after=True, prompt_set="chat", limit=1, repeat=1)
-    sampled = bench_run.benchmark(options_for(models, temperature=0.8, seed=3), settings)
+    sampled = bench_run.benchmark(
+        options_for(models, sampling=SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)), settings
+    )
     assert sampled.identity_expected is False
     assert "not expected at temperature > 0" in bench_report.render_identity(sampled).plain
     assert sampled.to_dict()["identity_expected"] is False
@@ -485,7 +489,7 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
     options = RunOptions(
         target=str(CONFORMANCE / "target"),
         drafter=str(CONFORMANCE / "drafter"),
-        max_tokens=golden["max_new_tokens"],
+        sampling=SamplingParams(max_new_tokens=golden["max_new_tokens"]),
         dtype="float32",
         block_size=golden["block_size"],  # the golden run's fixed block
     )
@@ -498,7 +502,11 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
 
 
 def test_text_prompts_on_a_target_without_tokenizer(tmp_path: Path) -> None:
-    options = RunOptions(target=str(CONFORMANCE / "target"), drafter=str(CONFORMANCE / "drafter"), max_tokens=4)
+    options = RunOptions(
+        target=str(CONFORMANCE / "target"),
+        drafter=str(CONFORMANCE / "drafter"),
+        sampling=SamplingParams(max_new_tokens=4),
+    )
     with pytest.raises(DflashError, match="is text, but .* has no tokenizer") as raised:
         bench_run.benchmark(options, BenchSettings(prompt_set="math", repeat=1))
     assert "prompt_ids" in (raised.value.fix or "")

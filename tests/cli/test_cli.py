@@ -17,8 +17,10 @@ from huggingface_hub import constants
 from typer.testing import CliRunner
 
 from dflash_cli import __version__
-from dflash_cli.cli.app import RUN_FLAGS, app, with_run_flags
+from dflash_cli.cli.app import app
+from dflash_cli.cli.flags import RUN_FLAGS, with_run_flags
 from dflash_cli.commands import doctor
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.options import RunOptions
@@ -104,21 +106,39 @@ def test_run_flags_build_one_run_options() -> None:
     assert seen["extra"] == 5
     assert seen["options"] == RunOptions(
         recipe_name="qwen3-8b",
-        temperature=0.7,
-        top_k=20,
-        seed=1,
+        sampling=SamplingParams(temperature=0.7, top_k=20, seed=1),
         quant="nf4",
         dtype="bfloat16",
         block_size=8,
         no_spec=True,
         explain=True,
     )
-    # every option is a shared flag, but --batch-size: only `run` and `serve` decode several requests at once
-    assert [p.name for p in RUN_FLAGS] == [f.name for f in dataclasses.fields(RunOptions) if f.name != "batch_size"]
+    # every option is a shared flag, its sampling one flag per request field but `stop`, and --batch-size is not:
+    # only `run` and `serve` decode several requests at once
+    sampling = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"]
+    options = [f.name for f in dataclasses.fields(RunOptions) if f.name != "batch_size"]
+    assert [p.name for p in RUN_FLAGS] == options[:4] + sampling + options[5:]
+    assert options[4] == "sampling"
+
+
+def test_run_flag_defaults_are_the_sampling_defaults() -> None:
+    """One default per sampling field: the flag's (`--help`), RunOptions' and a request's without the field."""
+    defaults = {p.name: p.default for p in RUN_FLAGS}
+    assert defaults["max_tokens"] == SamplingParams().max_new_tokens == RunOptions().sampling_params().max_new_tokens
+    assert (defaults["temperature"], defaults["top_p"], defaults["seed"]) == (0.0, 1.0, None)
+    result = runner.invoke(app, ["chat", "--help"], env={"COLUMNS": "200"})
+    assert f"[default: {SamplingParams().max_new_tokens}]" in result.stdout
+
+
+def test_a_sampling_flag_outside_its_range_is_an_error_before_loading(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["chat", str(tmp_path / "no-model"), "--top-p", "0", "--prompt", "hi"])
+    assert result.exit_code == 1
+    assert "top_p must be in (0, 1], got 0.0" in result.output
 
 
 def test_run_options_feed_the_planner_and_the_sampler() -> None:
-    options = RunOptions(recipe_name="qwen3:8b", max_tokens=64, temperature=0.5, quant="nf4", device="cpu")
+    sampling = SamplingParams(max_new_tokens=64, temperature=0.5)
+    options = RunOptions(recipe_name="qwen3:8b", sampling=sampling, quant="nf4", device="cpu")
     assert options.resolve_recipe().name == "qwen3-8b"
     assert (options.plan_overrides().quant, options.plan_overrides().device) == ("nf4", "cpu")
     params = options.sampling_params(stop_token_ids=(2,))

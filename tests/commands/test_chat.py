@@ -23,6 +23,7 @@ from dflash_cli.cli.app import app
 from dflash_cli.commands import chat
 from dflash_cli.commands.chat import ChatState, handle_command, make_history, repl, reply
 from dflash_cli.loading.session import Session, open_session
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
 from dflash_cli.setup.options import RunOptions
 from helpers.drafters import save_random_drafter
@@ -42,7 +43,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def options(model_dirs: tuple[Path, Path]) -> RunOptions:
-    return RunOptions(target=str(model_dirs[0]), drafter=str(model_dirs[1]), max_tokens=TOKENS)
+    return RunOptions(
+        target=str(model_dirs[0]), drafter=str(model_dirs[1]), sampling=SamplingParams(max_new_tokens=TOKENS)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +155,7 @@ def test_spec_on_loads_the_drafter_of_a_no_spec_session(options: RunOptions) -> 
 
 
 def test_spec_on_without_a_drafter_explains(model_dirs: tuple[Path, Path]) -> None:
-    options = RunOptions(target=str(model_dirs[0]), max_tokens=TOKENS)
+    options = RunOptions(target=str(model_dirs[0]), sampling=SamplingParams(max_new_tokens=TOKENS))
     session = open_session(options)
     state = ChatState.start(session, options)
     result = handle_command(session, state, "/spec on")

@@ -21,9 +21,11 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
+from dflash_cli.cli.output import summary_table
 from dflash_cli.commands import run as jobs
 from dflash_cli.commands.run import completed_ids, read_requests, run_file
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.protocol.requests import LineError, Request, parse_line
 from dflash_cli.setup.options import RunOptions
 from helpers.drafters import save_random_drafter
@@ -42,7 +44,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> tu
 
 @pytest.fixture(scope="module")
 def options(models: tuple[Path, Path]) -> RunOptions:
-    return RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=6)
+    return RunOptions(target=str(models[0]), drafter=str(models[1]), sampling=SamplingParams(max_new_tokens=6))
 
 
 @pytest.fixture(scope="module")
@@ -373,7 +375,7 @@ def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, opt
     assert plain["stats"]["adaptive"] is True and sum(steps.values()) == sum(
         plain["stats"]["acceptance_histogram"].values()
     )
-    assert records[auto]["completion_tokens"] <= options.max_tokens
+    assert records[auto]["completion_tokens"] <= options.sampling.max_new_tokens
 
     chat = records["chat-1"]
     assert chat["id"].startswith("batch_req_") and chat["error"] is None
@@ -421,7 +423,7 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: A
     again = run_file(options, prompts, load=no_load)  # all done: the model is not even loaded
     assert (again.done, again.skipped, again.exit_code) == (0, 3, 0)
     console = Console(record=True, width=200)
-    console.print(jobs.summary_table(again))
+    console.print(summary_table(again))
     assert re.search(r"│ 3 +│ 0 +│ 3 +│ 0 +│", console.export_text())
 
     kept = output.read_bytes().splitlines(keepends=True)[:2]
@@ -445,7 +447,10 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
     changed = [
         ([{"id": "a", "prompt": "Hello there"}, {"id": "b", "prompt": "Bye"}], options),  # a's prompt
         ([{"id": "a", "prompt": "Hello", "temperature": 0.5}, {"id": "b", "prompt": "Bye"}], options),  # a line's key
-        ([{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}], dataclasses.replace(options, max_tokens=7)),
+        (
+            [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}],
+            dataclasses.replace(options, sampling=SamplingParams(max_new_tokens=7)),
+        ),
     ]
     for lines, changed_options in changed:
         write_lines(prompts, lines)
@@ -625,7 +630,11 @@ def test_a_batched_run_gives_every_request_its_result_alone(
     from dflash_cli.loading.session import open_session
 
     options = RunOptions(
-        target=str(models[0]), drafter=str(models[1]), max_tokens=12, dtype="float32", batch_size=batch_size
+        target=str(models[0]),
+        drafter=str(models[1]),
+        sampling=SamplingParams(max_new_tokens=12),
+        dtype="float32",
+        batch_size=batch_size,
     )
     session = open_session(options, batching=True)
     assert session.batch_size == batch_size
@@ -656,7 +665,13 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
     from dflash_cli.engine import collect
     from dflash_cli.loading.session import open_session
 
-    options = RunOptions(target=str(models[0]), drafter=str(models[1]), max_tokens=8, dtype="float32", batch_size=3)
+    options = RunOptions(
+        target=str(models[0]),
+        drafter=str(models[1]),
+        sampling=SamplingParams(max_new_tokens=8),
+        dtype="float32",
+        batch_size=3,
+    )
     session = open_session(options, batching=True)
     lines = [{"id": f"r{i}", "prompt": "Tell me " * (i % 3 + 1) + str(i)} for i in range(5)]
     lines.append({"id": "huge", "prompt": "Tell me " * 9})

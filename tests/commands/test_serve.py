@@ -31,6 +31,7 @@ from typer.testing import CliRunner
 from dflash_cli.cli.app import app
 from dflash_cli.engine import collect
 from dflash_cli.loading.session import Session, open_session
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.options import RunOptions
 from helpers.drafters import save_random_drafter
 
@@ -147,7 +148,12 @@ def session(models: tuple[Path, Path]) -> Session:
 
 
 def local_options(models: tuple[Path, Path]) -> RunOptions:
-    return RunOptions(target=str(models[0]), drafter=str(models[1]), dtype="float32", max_tokens=MAX_TOKENS)
+    return RunOptions(
+        target=str(models[0]),
+        drafter=str(models[1]),
+        dtype="float32",
+        sampling=SamplingParams(max_new_tokens=MAX_TOKENS),
+    )
 
 
 @pytest.fixture(scope="module")

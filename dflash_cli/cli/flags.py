@@ -1,0 +1,291 @@
+"""The flags commands share, declared once, and the validators that turn bad values into usage errors (exit 2).
+
+Model selection is used by every command that names a model; the run flags by chat, run, serve and bench (through
+`with_run_flags`), their defaults read from RunOptions and SamplingParams. A command declares only its own flags.
+Validators run while typer parses, before any model or torch loads.
+"""
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from dflash_cli.errors import DflashError
+from dflash_cli.protocol.params import FIELDS, SamplingParams, read_sampling
+from dflash_cli.setup.choices import QUANTS, normalize_device, normalize_dtype
+from dflash_cli.setup.options import COMPILE_SETTINGS, RunOptions
+
+MODEL, SAMPLING, PLANNING, SERVER, BENCH = "Model", "Sampling", "Planning", "Server", "Benchmark"
+
+
+def check_quant(value: str | None) -> str | None:
+    if value is not None and value not in QUANTS:
+        raise typer.BadParameter(f"use one of {', '.join(QUANTS)}")
+    return value
+
+
+def check_dtype(value: str | None) -> str | None:
+    try:
+        return normalize_dtype(value) if value is not None else None
+    except DflashError as error:
+        raise typer.BadParameter(f"{error.message}: {error.fix}") from None
+
+
+def check_device(value: str | None) -> str | None:
+    try:
+        return normalize_device(value) if value is not None else None
+    except DflashError as error:
+        raise typer.BadParameter(f"{error.message}: {error.fix}") from None
+
+
+def existing_file(value: str | None) -> str | None:
+    """A file the command reads: missing is a usage error (exit 2), found before any model or torch loads."""
+    if value is not None and not Path(value).expanduser().is_file():
+        what = "is a directory, not a file" if Path(value).expanduser().is_dir() else "does not exist"
+        raise typer.BadParameter(f"{value} {what}")
+    return value
+
+
+def check_compile(value: str) -> str:
+    if value not in COMPILE_SETTINGS:
+        raise typer.BadParameter(f"use one of {', '.join(COMPILE_SETTINGS)}")
+    return value
+
+
+def check_prompt_set(value: str | None) -> str | None:
+    from dflash_cli.bench import PROMPT_SETS  # torch-free
+
+    if value is not None and value not in (*PROMPT_SETS, "all"):
+        raise typer.BadParameter(
+            f"unknown prompt set {value!r}: use {', '.join(PROMPT_SETS)} or all, or --prompts FILE.jsonl"
+        )
+    return value
+
+
+def check_server(value: str) -> str:
+    """An export server by name or alias (`llamacpp`), as the exporters name it."""
+    from dflash_cli.commands.export import EXPORTERS, SERVER_ALIASES  # torch-free
+
+    value = SERVER_ALIASES.get(value.lower(), value.lower())
+    if value not in EXPORTERS:
+        *others, last = EXPORTERS
+        raise typer.BadParameter(f"use {', '.join(others)} or {last}")
+    return value
+
+
+RecipeName = Annotated[
+    str | None,
+    typer.Argument(
+        metavar="NAME", show_default=False, help="Recipe name or alias (`dflash recipes list`), or a recipe .toml file."
+    ),
+]
+Target = Annotated[
+    str | None,
+    typer.Option(
+        "--target", help="Target model: Hugging Face repo id or local directory (ad-hoc recipe).", rich_help_panel=MODEL
+    ),
+]
+Drafter = Annotated[
+    str | None,
+    typer.Option("--drafter", help="DFlash drafter for --target: repo id or local directory.", rich_help_panel=MODEL),
+]
+RecipeFile = Annotated[
+    str | None,
+    typer.Option("--recipe", metavar="FILE.toml", help="Load a recipe from a TOML file.", rich_help_panel=MODEL),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+BatchSize = Annotated[
+    int | None,
+    typer.Option(
+        "--batch-size",
+        min=1,
+        show_default=False,
+        rich_help_panel=PLANNING,
+        help="Requests decoded together, sharing each forward (default: the plan's: as many as have room for a KV "
+        "cache at 8k tokens, at most 16; 1 = one at a time). Hybrid targets decode one at a time.",
+    ),
+]
+# bench's --max-tokens: the same flag with bench's own default, which depends on --full (measure.QUICK_MAX_TOKENS)
+BenchMaxTokens = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens",
+        min=1,
+        help="Most tokens to generate per prompt.",
+        show_default="128; 512 with --full",
+        rich_help_panel=SAMPLING,
+    ),
+]
+Gpus = Annotated[int | None, typer.Option(min=1, help="GPUs on the serving machine (default: this machine's).")]
+GpuMemory = Annotated[
+    float | None,
+    typer.Option("--gpu-memory", min=1.0, help="GB per GPU on the serving machine (default: this machine's, else 80)."),
+]
+
+# The run flags by parameter name: RunOptions' fields, and for its `sampling` the keys of params.FIELDS.
+RUN_FLAG_TYPES: dict[str, Any] = {
+    "recipe_name": RecipeName,
+    "target": Target,
+    "drafter": Drafter,
+    "recipe_file": RecipeFile,
+    "max_tokens": Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per reply.", rich_help_panel=SAMPLING)
+    ],
+    "temperature": Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="0 = greedy. Output follows the target's distribution at any temperature "
+            "(speculative decoding is lossless).",
+            rich_help_panel=SAMPLING,
+        ),
+    ],
+    "top_p": Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Nucleus sampling: keep tokens up to this total probability (1 = off).",
+            rich_help_panel=SAMPLING,
+        ),
+    ],
+    "top_k": Annotated[
+        int, typer.Option(min=0, help="Keep only the K most likely tokens (0 = off).", rich_help_panel=SAMPLING)
+    ],
+    "min_p": Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Drop tokens below this fraction of the top token's probability (0 = off).",
+            rich_help_panel=SAMPLING,
+        ),
+    ],
+    "seed": Annotated[
+        int | None, typer.Option(help="Random seed, for reproducible sampling.", rich_help_panel=SAMPLING)
+    ],
+    "block_size": Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Verify N tokens every step (default: adaptive, each step picks the size that decodes fastest here, "
+            "1 = no drafting, up to the recipe's block, else the drafter config's).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "no_spec": Annotated[
+        bool,
+        typer.Option(
+            "--no-spec",
+            help="Baseline: decode with the target alone (the same loop, no drafter).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "device": Annotated[
+        str | None,
+        typer.Option(
+            callback=check_device,
+            help="cuda, cuda:N, mps or cpu (default: the best one here).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "dtype": Annotated[
+        str | None,
+        typer.Option(
+            callback=check_dtype,
+            help="bfloat16, float16 or float32 (default: bf16 on GPUs and CPUs that have it, "
+            "fp16 on older GPUs and MPS, fp32 on other CPUs). fp32 makes greedy DFlash bit-identical to "
+            "the baseline; in bf16/fp16 a near-tie can round differently in a block.",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "quant": Annotated[
+        str | None,
+        typer.Option(
+            callback=check_quant,
+            help="none, nf4 (bitsandbytes 4-bit) or fp8 (the recipe's published FP8 checkpoint, `dflash pull --fp8`) "
+            "(default: nf4 only where bf16 weights do not fit the GPU).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "explain": Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Print the plan (device, dtype, quantization, block size) and why.",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "threads": Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="CPU threads for torch (default: the cores other processes leave free; more threads than free "
+            "cores make decoding stall).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "compile": Annotated[
+        str,
+        typer.Option(
+            callback=check_compile,
+            metavar="auto|on|off",
+            help="Compile the target's decode steps (torch.compile; CUDA graphs on GPUs). auto: on CUDA only. "
+            "On a CPU compiled steps run about 1.5x faster, but compiling takes minutes at every start (worth it "
+            "for a long `run` or `serve`).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+}
+
+
+def _flag(name: str, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=RUN_FLAG_TYPES[name])
+
+
+# `stop` is a request field, not a flag; `--batch-size` a flag of `run` and `serve` only (they declare it).
+SAMPLING_FLAGS = [field for field in FIELDS if field.key in RUN_FLAG_TYPES]
+OPTION_FLAGS = [option for option in dataclasses.fields(RunOptions) if option.name in RUN_FLAG_TYPES]
+
+
+def _run_flags() -> list[inspect.Parameter]:
+    """RunOptions' fields as flags, in their order, its `sampling` spread into one flag per sampling field."""
+    flags = []
+    for option in dataclasses.fields(RunOptions):
+        if option.name == "sampling":
+            flags += [_flag(field.key, getattr(option.default, field.attr)) for field in SAMPLING_FLAGS]
+        elif option.name in RUN_FLAG_TYPES:
+            flags.append(_flag(option.name, option.default))
+    return flags
+
+
+RUN_FLAGS = _run_flags()
+
+
+def run_options(flags: dict[str, Any]) -> RunOptions:
+    """RunOptions from the run flags' values by parameter name; the sampling ones are read as a request's fields
+    (the same checks and errors)."""
+    sampling = read_sampling({field.key: flags[field.key] for field in SAMPLING_FLAGS})
+    return RunOptions(
+        **{option.name: flags[option.name] for option in OPTION_FLAGS}, sampling=SamplingParams(**sampling)
+    )
+
+
+def with_run_flags(command: Callable[..., Any], flag_types: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """Give a command the shared run flags: it declares `options: RunOptions` first, plus any flags of its own.
+    `flag_types` replaces shared flags' declarations for this command (the same flag, its own default)."""
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "options"]
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+    shared = [p.replace(annotation=(flag_types or {}).get(p.name, p.annotation)) for p in RUN_FLAGS]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        options = run_options({p.name: kwargs.pop(p.name) for p in RUN_FLAGS})
+        return command(options, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(shared + own)  # type: ignore[attr-defined]
+    return wrapper

@@ -1,0 +1,114 @@
+"""Everything the CLI prints: the two consoles, errors as `error:` / `fix:` lines, and each command's result, as
+JSON (`--json`) or for a person, through `emit`.
+
+Commands return data; the views here turn it into tables and lines. Results go to stdout; progress, notes and
+errors to stderr, so `--json` and piped output stay parseable.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from dflash_cli.errors import DflashError
+
+if TYPE_CHECKING:
+    from dflash_cli.commands.doctor import Check
+    from dflash_cli.commands.run import Summary
+    from dflash_cli.commands.train import TrainResult
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def print_error(error: DflashError) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(error.message)}")
+    if error.fix:
+        err_console.print(f"[yellow]fix:[/] {escape(error.fix)}")
+
+
+def emit(data: Any, as_json: bool, show: Callable[[], None]) -> None:
+    """A command's result: `data` as indented JSON with --json, else `show()` prints it for a person. Every command
+    prints its result here, so --json means the same thing everywhere."""
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        show()
+
+
+def show_text(text: str) -> None:
+    """Plain text as is: no markup, no wrapping (commands meant to be copied)."""
+    typer.echo(text)
+
+
+def show_fields(fields: Sequence[tuple[str, str]]) -> None:
+    for key, value in fields:
+        console.print(f"[bold]{key}[/]: {escape(value)}", soft_wrap=True)
+
+
+def show_rows(header: Sequence[str], rows: Sequence[Sequence[str]], *, no_wrap: Sequence[str] = ()) -> None:
+    """A table: on a terminal drawn and folded to its width; piped, whole values on aligned rows, nothing folded
+    mid-word (for grep and cut). `no_wrap`: columns never folded on a terminal."""
+    if not console.is_terminal:
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            typer.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return
+    table = Table()
+    for column in header:
+        table.add_column(column, overflow="fold", no_wrap=column in no_wrap)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+STATUS_STYLE = {"pass": "[green]pass[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fail[/]"}
+
+
+def checks_table(checks: Sequence[Check]) -> Table:
+    table = Table("check", "status", "detail", title="dflash doctor", title_justify="left")
+    for check in checks:
+        fix = f"\n[yellow]fix:[/] {escape(check.fix)}" if check.fix else ""
+        table.add_row(check.name, STATUS_STYLE[check.status], escape(check.detail) + fix)
+    return table
+
+
+def summary_table(summary: Summary) -> Table:
+    table = Table("requests", "done", "skipped", "failed", "tokens", "time", "tok/s", "mean tau", title_justify="left")
+    table.title = f"dflash run: {escape(summary.output)}"
+    tau = f"{summary.tau:.2f}" if summary.tau is not None else "-"
+    failed = f"[red]{summary.failed}[/]" if summary.failed else "0"
+    table.add_row(
+        str(summary.total),
+        str(summary.done),
+        str(summary.skipped),
+        failed,
+        str(summary.completion_tokens),
+        f"{summary.wall_s:.1f}s",
+        f"{summary.tokens_per_s:.1f}",
+        tau,
+    )
+    if summary.errors:
+        table.caption = f"failed requests: {escape(summary.errors)}"
+    return table
+
+
+def show_summary(summary: Summary) -> None:
+    if summary.total:  # an empty prompts file: nothing ran, nothing to tabulate
+        console.print(summary_table(summary))
+
+
+def show_trained(result: TrainResult, next_steps: dict[str, str]) -> None:
+    tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
+    console.print(
+        f"[green]Drafter saved[/] in {escape(result.output)}: {result.steps} steps in {result.train_seconds:.0f}s, "
+        f"loss {result.final_loss:.3f}, tau on {result.eval_prompts} held-out prompts {tau}"
+    )
+    console.print(f"Use it: {escape(next_steps['chat_command'])}", soft_wrap=True)
+    console.print(f"Measure it: {escape(next_steps['bench_command'])}", soft_wrap=True)

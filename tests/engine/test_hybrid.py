@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
+from dflash_cli.engine.compiled import CACHE_ARGUMENT
 from dflash_cli.engine.target.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, linear_cache_layers
 from helpers.tiny_models import build_tiny
 
@@ -27,7 +28,7 @@ def crop_attention(cache, length: int) -> None:
 @torch.inference_mode()
 def forward(model, cache, ids: list[int], start: int):
     positions = torch.arange(start, start + len(ids))[None]
-    return model(input_ids=torch.tensor([ids]), position_ids=positions, past_key_values=cache, use_cache=True)
+    return model(input_ids=torch.tensor([ids]), position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache})
 
 
 def states(cache) -> list[torch.Tensor]:

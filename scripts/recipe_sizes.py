@@ -24,7 +24,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_cli.loading.models import count_parameters  # noqa: E402
+from dflash_cli.loading.checkpoint import count_parameters  # noqa: E402
 
 QWEN35 = dict(
     vocab_size=248320,

@@ -405,7 +405,7 @@ def pull(
     Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files:
     run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time.
     """
-    from dflash_cli.loading.models import pull_recipe
+    from dflash_cli.commands.pull import pull_recipe
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
     if fp8:
@@ -414,7 +414,8 @@ def pull(
         recipe = dataclasses.replace(recipe, target=recipe.checkpoints["fp8"])
     if revision is not None:
         recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, revision=revision))
-    pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
+    parts = pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
+    emit([part.data for part in parts], json_output, lambda: [console.print(part.line) for part in parts if part.line])
 
 
 # ---------------------------------------------------------------------------------------------------------------

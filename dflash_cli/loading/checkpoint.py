@@ -1,0 +1,203 @@
+"""Reading a checkpoint without loading it: a model directory's config and safetensors headers (`Checkpoint`: its
+tensors, its size in each precision through `setup.sizes`, whether it is pre-quantized), parameter counts from a
+meta-device build, and a DFlash drafter's config and weights. Every file is checked (present, parses, whole)
+before a byte of it is used; a broken one is a DflashError that says how to fetch it again."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash_cli.errors import DflashError
+from dflash_cli.loading.hub import (
+    check_model_dir,
+    safetensors_files,
+)
+from dflash_cli.setup.sizes import (
+    BYTES_PER_ELEMENT,
+    NF4_BYTES_PER_PARAM,
+    NF4_BYTES_PER_TENSOR,
+    ParameterCounts,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflash_cli.engine.drafter import DrafterConfig
+
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
+
+
+def count_parameters(config: Any) -> ParameterCounts:
+    """Build the model of `config` on the meta device (no memory, no weights) and sort its parameters the way
+    bitsandbytes treats them: transformers 5 fuses MoE experts into 3-D tensors, which bitsandbytes (it replaces
+    nn.Linear only) leaves in the compute dtype, so NF4 saves nothing on them."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    counts = {"linear": 0, "experts": 0, "other": 0, "linear_tensors": 0}
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied embeddings are one tensor
+                continue
+            seen.add(id(param))
+            if isinstance(module, nn.Linear) and module is not head and name == "weight":
+                kind = "linear"
+            elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
+                kind = "experts"
+            else:
+                kind = "other"
+            counts[kind] += param.numel()
+            counts["linear_tensors"] += kind == "linear"
+    return ParameterCounts(**counts)
+
+
+@dataclass
+class Checkpoint:
+    """What the files of a model directory say, read without loading any tensor."""
+
+    path: Path
+    config: dict[str, Any]
+    weight_files: list[Path]
+    # per tensor: (name, number of elements, bytes stored); enough to size the model in any dtype or quantization
+    tensors: list[tuple[str, int, int]]
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(size for _, _, size in self.tensors)
+
+    @property
+    def prequantized(self) -> str | None:
+        """The quantization the checkpoint is published in ("mxfp4", "fp8", ...), None for plain weights."""
+        quantization = self.config.get("quantization_config")
+        return quantization.get("quant_method") if isinstance(quantization, dict) else None
+
+    @functools.cached_property
+    def parameter_counts(self) -> ParameterCounts | None:
+        """The model's parameters as transformers builds it; None where the config is not a transformers model."""
+        from transformers import AutoConfig
+
+        try:
+            return count_parameters(AutoConfig.from_pretrained(self.path))
+        except Exception:  # noqa: BLE001 - any failure here only means: size it from the tensors instead
+            return None
+
+    def nbytes(self, dtype: str, quant: str = "none", native: tuple[str, ...] = ()) -> int:
+        """Weight bytes once loaded as `dtype`, NF4-quantizing the linear layers when `quant == "nf4"`. A
+        pre-quantized checkpoint that the device runs natively (`native`) keeps its stored size."""
+        if self.prequantized is not None and (self.prequantized == quant or self.prequantized in native):
+            return self.stored_bytes
+        counts = self.parameter_counts
+        if counts is not None:
+            return counts.nbytes(dtype, quant)
+        dtype_bytes = BYTES_PER_ELEMENT[dtype]
+        total = 0.0
+        for name, numel, _ in self.tensors:
+            # by name: a per-expert weight (".experts.") is fused on load, and bitsandbytes leaves fused experts
+            quantized = quant == "nf4" and name.endswith("proj.weight") and ".experts." not in name
+            total += numel * NF4_BYTES_PER_PARAM + NF4_BYTES_PER_TENSOR if quantized else numel * dtype_bytes
+        return int(total)
+
+
+def read_checkpoint(model_dir: Path) -> Checkpoint:
+    """Parse config.json and every safetensors header of `model_dir`; DflashError for any broken file."""
+    check_model_dir(model_dir)
+    config_path = model_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DflashError(
+            f"{config_path} is not valid JSON ({exc})",
+            fix="delete it and re-run `dflash pull`, or restore it from the original model",
+        ) from None
+    if not isinstance(config, dict):
+        raise DflashError(f"{config_path} does not hold a JSON object", fix="restore it from the original model")
+    weight_files = safetensors_files(model_dir)
+    tensors = [t for f in weight_files for t in _safetensors_tensors(f)]
+    return Checkpoint(model_dir, config, weight_files, tensors)
+
+
+def corrupt_file_error(where: str, detail: str) -> DflashError:
+    return DflashError(
+        f"{where} is corrupt or truncated ({detail})",
+        fix="delete it and re-run `dflash pull` (an interrupted download leaves such files), "
+        "or copy it again from the original model",
+    )
+
+
+def _safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
+    """(name, numel, stored bytes) of each tensor in a safetensors file, checking the file holds every byte its
+    header claims."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_len <= min(size - 8, _MAX_HEADER_BYTES):
+            raise corrupt_file_error(f"file {path}", f"{size} bytes, no complete safetensors header")
+        try:
+            header = json.loads(f.read(header_len))
+            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
+            data_end = max((v["data_offsets"][1] for _, v in entries), default=0)
+            tensors = [(k, math.prod(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0]) for k, v in entries]
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise corrupt_file_error(f"file {path}", "unreadable safetensors header") from None
+    if size < 8 + header_len + data_end:
+        raise corrupt_file_error(
+            f"file {path}", f"{size} bytes on disk, its header describes {8 + header_len + data_end}"
+        )
+    return tensors
+
+
+def read_drafter_config(directory: Path) -> DrafterConfig:
+    from dflash_cli.engine.drafter import DrafterConfig
+
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DflashError(
+            f"no config.json in drafter directory {directory}", fix="point at a DFlash drafter directory or repo id"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise DflashError(
+            f"{path} is not valid JSON ({exc})", fix="delete the file and download the drafter again (`dflash pull`)"
+        ) from None
+    return DrafterConfig.from_dict(raw, source=str(path))
+
+
+def read_drafter_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
+    if not files:
+        raise DflashError(
+            f"no .safetensors weights in drafter directory {directory}",
+            fix="only safetensors checkpoints are loaded; download the drafter again",
+        )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = directory / name
+        if not path.exists():
+            raise DflashError(f"drafter shard {path} is missing", fix="download the drafter again (`dflash pull`)")
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError) as exc:
+            raise DflashError(
+                f"drafter weights {path} are corrupt or truncated ({exc})",
+                fix="delete the file and download the drafter again (`dflash pull`)",
+            ) from None
+    return state

@@ -578,6 +578,11 @@ def split_positionals(options: RunOptions, prompts: str | None) -> tuple[RunOpti
     name = options.recipe_name
     if prompts is None and name is not None and not name.endswith(".toml"):
         if name.endswith((".jsonl", ".json")) or Path(name).expanduser().is_file():
+            if options.target is None and options.recipe_file is None:
+                raise DflashError(
+                    "no model given: the recipe comes before the prompts file",
+                    fix=f"dflash run demo {name} (any recipe of `dflash recipes list`), or --target X --drafter Y",
+                )
             return dataclasses.replace(options, recipe_name=None), name
     if prompts is None:
         raise DflashError(

@@ -145,9 +145,16 @@ def read_messages(value: Any, name: str = "messages") -> tuple[dict[str, str], .
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise RequestError(
-                f"{where}.role must be system, user or assistant, got {show(role)} "
-                "(tool and function messages are not supported)",
+                f"{where}.role must be {', '.join(ROLES)}, got {show(role)} "
+                "(tool and function messages are not supported yet)",
                 param=f"{where}.role",
+            )
+        if message.get("tool_calls") or message.get("function_call"):  # an agent's history replayed
+            key = "tool_calls" if message.get("tool_calls") else "function_call"
+            raise RequestError(
+                f"{where}.{key}: tool calling is not supported yet (an assistant turn that calls tools, as agents "
+                "replay their history)",
+                param=f"{where}.{key}",
             )
         messages.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
     return tuple(messages)

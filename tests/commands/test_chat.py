@@ -326,7 +326,10 @@ def test_save_and_load_round_trip(session: Session, state: ChatState, options: R
         (None, "cannot read"),
         ("{not json", "is not JSON"),
         ('["a list"]', "holds no conversation"),
-        ('{"messages": [{"role": "robot", "content": "hi"}]}', "messages[0].role must be system, user or assistant"),
+        (
+            '{"messages": [{"role": "robot", "content": "hi"}]}',
+            "messages[0].role must be system, developer, user, assistant",
+        ),
         ('{"messages": [{"role": "user", "content": 3}]}', "messages[0].content must be a string"),
         (
             '{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}',

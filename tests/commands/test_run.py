@@ -317,6 +317,15 @@ def test_positional_prompts_file_is_not_taken_for_a_recipe() -> None:
         jobs.split_positionals(RunOptions(recipe_name="qwen3-8b"), None)
 
 
+def test_a_prompts_file_without_a_model_says_where_the_recipe_goes(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(app, ["run", str(prompts)])
+    assert result.exit_code == 1 and "the recipe comes before the prompts file" in result.stderr
+    assert f"dflash run demo {prompts}" in " ".join(result.stderr.split()) and "dflash chat" not in result.stderr
+    assert not list(tmp_path.glob("*.out.jsonl"))  # nothing written
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Generation on the tiny model
 

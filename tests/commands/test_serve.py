@@ -315,7 +315,7 @@ def test_errors_name_the_field_in_openai_shape(server: RunningServer, client: op
         error = raised.value.body
         assert raised.value.status_code == 400 and error["param"] == param and message in error["message"], error
         assert error["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].role must be system, user or assistant"):
+    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].role must be system, developer, user, assistant"):
         client.chat.completions.create(
             model=server.target, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]
         )

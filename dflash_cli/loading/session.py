@@ -166,7 +166,9 @@ class Session:
 
         Raises RequestError for a request this model cannot take. With `prompt_as_chat` a plain `prompt` is sent
         as a user turn when the model has a chat template (bench measures chat replies)."""
-        field = "messages" if request.is_chat else "prompt_ids" if request.prompt_ids is not None else "prompt"
+        field = request.prompt_field or (
+            "messages" if request.is_chat else "prompt_ids" if request.prompt_ids is not None else "prompt"
+        )
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
             vocab = self.target.get_input_embeddings().num_embeddings

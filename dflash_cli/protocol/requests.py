@@ -88,6 +88,7 @@ class Request:
     messages: tuple[dict[str, str], ...] | None = None  # a conversation, rendered with the chat template
     prompt: str | None = None  # plain completion: the text as is
     prompt_ids: tuple[int, ...] | None = None  # token ids as they are
+    prompt_field: str | None = None  # the field the prompt came in, where its name says otherwise (for errors)
     sampling: Mapping[str, Any] = field(default_factory=dict)  # the SamplingParams fields it sets, by attribute
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # over the recipe's own
     stream: bool = False
@@ -173,8 +174,8 @@ def _completion_prompt(value: Any, name: str) -> dict[str, Any]:
         value = value[0]
     elif isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
         raise RequestError(f"{name}: one prompt per request (send one request per prompt)", param=name)
-    if isinstance(value, list):
-        return {"prompt_ids": read_prompt_ids(value, name)}
+    if isinstance(value, list):  # token ids, given as the prompt: errors about them name `prompt`
+        return {"prompt_ids": read_prompt_ids(value, name), "prompt_field": name}
     return {"prompt": read_text(value, name)}
 
 

@@ -254,6 +254,9 @@ def test_completions_whole_and_streamed(
     chunks = list(client.completions.create(model=server.target, prompt=[prompt], stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary") as outside:
+        client.completions.create(model=server.target, prompt=[ids[0], 10**6])
+    assert outside.value.body["param"] == "prompt"  # the field the client sent, not our name for token ids
 
 
 def test_stop_strings_cut_the_reply(

@@ -397,7 +397,7 @@ def run_jobs(
             errors.append(LineError(request.line, error.code, error.message, request.id))
             summary.failed += 1
     work = deque(sorted(work, key=lambda item: (len(item[1]), item[0].line)))
-    model = session.recipe.target.id
+    model = session.served_name  # as `dflash serve` names it: the recipe, or an ad-hoc target's id
     retry: list[tuple[Request, list[int]]] = []  # rows of a failed batched step: run again alone
     with _progress(console) as progress:
         task = progress.add_task("generating", total=len(work), rate="", tau="")

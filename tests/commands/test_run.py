@@ -334,6 +334,21 @@ def run_with(session: Any, options: RunOptions, prompts: Path, **kwargs: Any) ->
     return run_file(options, prompts, load=lambda o, c: session, **kwargs)
 
 
+def test_openai_batch_results_name_the_model_as_serve_does(tmp_path: Path, models: tuple[Path, Path]) -> None:
+    from dflash_cli.loading.session import open_session
+
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text(
+        f'name = "tiny"\ndescription = "d"\n[target]\nid = "{models[0]}"\n[drafter]\nid = "{models[1]}"\n'
+    )
+    options = RunOptions(recipe_file=str(recipe), sampling=SamplingParams(max_new_tokens=2))
+    session = open_session(options)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}}
+    run_with(session, options, write_lines(tmp_path / "p.jsonl", [line]))
+    (record,) = read_jsonl(tmp_path / "p.out.jsonl")
+    assert record["response"]["body"]["model"] == session.served_name == "tiny"
+
+
 def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, options: RunOptions) -> None:
     prompts = write_lines(
         tmp_path / "prompts.jsonl",

@@ -448,7 +448,16 @@ def render_chart(report: BenchReport, width: int = 30) -> Group:
 
 
 def print_report(report: BenchReport, console: Console) -> None:
-    console.print(render_table(report))
+    table = render_table(report)
+    # Piped (a file, `| tee`), the table is drawn at the width it needs: folded to the default 80 columns its
+    # numbers would be cut short ("tau 1.…").
+    narrow = console.width
+    if not console.is_terminal:
+        console.width = max(narrow, console.measure(table, options=console.options.update(width=1000)).maximum)
+    try:
+        console.print(table)
+    finally:
+        console.width = narrow
     if report.memory_kind != CUDA_MEMORY:
         peak = max((s.peak_memory_bytes or 0 for s in report.modes), default=0) or None
         console.print(f"peak memory: {_format_bytes(peak)} ({report.memory_kind})")

@@ -333,6 +333,18 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
     assert "bug" not in text
 
 
+def test_piped_report_keeps_every_number_whole(report: BenchReport) -> None:
+    """Not a terminal (stdout to a file): the table is not cut to 80 columns mid-number."""
+    import io
+
+    piped = Console(file=io.StringIO(), width=80, force_terminal=False)
+    bench_report.print_report(report, piped)
+    text = piped.file.getvalue()
+    assert "…" not in text
+    summary = report.modes[-1]
+    assert f"{summary.tau:.2f}" in text
+
+
 def test_terminal_report(report: BenchReport) -> None:
     console = Console(record=True, width=120)
     bench_report.print_report(report, console)

@@ -352,5 +352,4 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
         },
         metadata=metadata,
         memory_kind=memory_kind(device),
-        identity_expected=params.temperature == 0,
     )

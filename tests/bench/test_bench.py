@@ -331,6 +331,11 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
     text = console.export_text()
     assert "1/2 ~" in text and "in bfloat16 a block verify rounds differently" in text and "--dtype fp32" in text
     assert "bug" not in text
+    assert "identity rate in bfloat16 (exact identity is expected in float32 only): " in text
+    assert "dflash b2 2/2, dflash b4 1/2" in text
+    data = bf16.to_dict()  # greedy, but not float32: identity is a measured rate, not an expectation
+    assert data["identity_expected"] is False and broken.to_dict()["identity_expected"] is True
+    assert [m["identity_rate"] for m in data["modes"] if m["mode"] == "dflash b4"] == [0.5]
 
 
 def test_piped_report_keeps_every_number_whole(report: BenchReport) -> None:

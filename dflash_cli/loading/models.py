@@ -130,17 +130,22 @@ def _loading_display(console: Console | None, message: str) -> Iterator[None]:
 
 
 def load_target(
-    model_dir: Path, plan: Plan, *, console: Console | None = None, check_free_memory: bool = True
+    model_dir: Path,
+    plan: Plan,
+    *,
+    console: Console | None = None,
+    check_free_memory: bool = True,
+    checkpoint: Checkpoint | None = None,
 ) -> PreTrainedModel:
     """The target model from `model_dir` in `plan`'s dtype, quantization and device; eval mode, grads off.
 
     With a console, a spinner names the model while it loads. `check_free_memory=False` skips the memory check
-    (load_models checks target and drafter together).
+    (load_models checks target and drafter together); `checkpoint`: the directory's, if the caller read it already.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    checkpoint = read_checkpoint(model_dir)
+    checkpoint = checkpoint or read_checkpoint(model_dir)
     config = _check_architecture(checkpoint)
     name = display_name(model_dir)
     size = checkpoint.nbytes(plan.dtype, plan.quant, plan.native_formats)
@@ -347,7 +352,7 @@ def load_models(
         else int((checkpoint.nbytes(plan.dtype, "nf4") + drafter_bytes) * RUNTIME_OVERHEAD)
     )
     check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""), nf4)
-    target = load_target(target_dir, plan, console=console, check_free_memory=False)
+    target = load_target(target_dir, plan, console=console, check_free_memory=False, checkpoint=checkpoint)
     # A target without vocabulary files still decodes token ids (`dflash bench --prompts` with prompt_ids, the
     # conformance pair); what needs text asks Session.require_tokenizer, which says what is missing.
     tokenizer = load_tokenizer(target_dir, recipe) if has_vocabulary(target_dir) else None

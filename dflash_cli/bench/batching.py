@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ASSET = Path(__file__).resolve().parents[1] / "dflash_cli" / "assets" / "demo_prompts_eval.jsonl"
+ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_prompts_eval.jsonl"
 
 
 def run(recipe: str, prompts: Path, size: int, max_tokens: int, extra: list[str], out: Path) -> dict:
@@ -71,14 +71,14 @@ def run(recipe: str, prompts: Path, size: int, max_tokens: int, extra: list[str]
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="demo")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
-    args, extra = parser.parse_known_args()
+    args, extra = parser.parse_known_args(argv)
     extra = [flag for flag in extra if flag != "--"]
     with tempfile.TemporaryDirectory() as scratch:
         prompts = Path(scratch) / "prompts.jsonl"
@@ -118,7 +118,4 @@ def main() -> None:
                 )
         same = all(texts[size] == texts[args.sizes[0]] for size in texts)
         print(f"every request's text is the same at every batch size: {'yes' if same else 'NO'}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

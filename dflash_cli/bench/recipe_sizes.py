@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Sizes for recipes/*.toml, derived from the published architectures (no download).
 
 Each target's published dimensions (model cards, config.json copies quoted in the recipe comments) are built
@@ -16,15 +15,12 @@ download sizes.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_cli.loading.models import count_parameters  # noqa: E402
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
+from dflash_cli.loading.models import count_parameters
 
 QWEN35 = dict(
     vocab_size=248320,
@@ -236,7 +232,8 @@ def drafter_bytes(name: str, config, layers: int, taps: int) -> tuple[int, int]:
     return sum(p.numel() for p in drafter.parameters()) * 2, layers * 2 * kv_heads * head_dim * 2
 
 
-def main(names: list[str]) -> None:
+def main(argv: list[str] | None = None) -> int:
+    names = sys.argv[1:] if argv is None else argv
     for name in names or TARGETS:
         class_name, fields, (layers, taps) = TARGETS[name]
         config = getattr(transformers, class_name)(**fields)
@@ -256,7 +253,4 @@ def main(names: list[str]) -> None:
         # 128x128 block; embeddings, output head and norms stay bf16
         quantized = counts.linear + counts.experts
         print(f"fp8 = {int(quantized * (1 + 4 / 128**2) + counts.other * 2):_}\n")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return 0

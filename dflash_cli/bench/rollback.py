@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What rolling back a hybrid target's recurrent state costs, per verify step, as a fraction of the verify.
 
 A Qwen3.5-9B-proportioned target (random weights; 3 Gated DeltaNet layers + 1 gated attention layer, hidden 2048,
@@ -25,40 +24,37 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_cli.engine import hybrid  # noqa: E402
-from dflash_cli.engine.target.hybrid import RULE, LinearStateRollback, hybrid_cache  # noqa: E402
+from dflash_cli.engine.target import hybrid
+from dflash_cli.engine.target.hybrid import RULE, LinearStateRollback, hybrid_cache
 
 PROMPT = 128
+SHAPE = dict(  # the target's configuration (Qwen3.5-9B proportions)
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
 
 
 def target(dtype: torch.dtype) -> transformers.PreTrainedModel:
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=32768,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        max_position_embeddings=4096,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    config = transformers.Qwen3_5TextConfig(**SHAPE)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
@@ -83,12 +79,12 @@ def per_token_rule(query, key, value, g, beta, initial_state=None, use_qk_l2norm
     return out.transpose(1, 2).to(query.dtype), torch.stack(states)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, block_size = target(getattr(torch, args.dtype)), args.block
     print(
@@ -202,7 +198,4 @@ def main() -> None:
                 f"({ratios[0]:.3f}-{ratios[-1]:.3f})"
             )
     print(f"load {os.getloadavg()}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

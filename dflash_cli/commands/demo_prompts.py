@@ -2,9 +2,11 @@
 
 Sources: templates and word lists written here, and paragraphs of Python's own reference text
 (`pydoc_data.topics`, PSF licence, shipped with every Python). Deterministic (seeded), so the
-files in dflash_cli/assets/ can be rebuilt exactly:
+files in dflash_cli/assets/ can be rebuilt exactly (tests/loading/test_gguf.py checks it):
 
     python scripts/make_demo_prompts.py dflash_cli/assets
+
+No torch and no other dflash_cli module here: the prompts are plain text for `dflash train`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "dflash_cli" / "assets" / "bench_prompts"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts"
 
 SUBJECTS = [
     "photosynthesis",
@@ -334,7 +336,7 @@ def build_prompts() -> list[str]:
     return sorted({" ".join(p.split()) for p in prompts})
 
 
-def main(out_dir: Path, held_out: int = 64) -> None:
+def write_prompt_files(out_dir: Path, held_out: int = 64) -> None:
     prompts = build_prompts()
     random.Random(0).shuffle(prompts)
     # The second batch goes after the first, so the held-out set and the first batch's order stay as they were.
@@ -350,5 +352,8 @@ def main(out_dir: Path, held_out: int = 64) -> None:
         print(f"{out_dir / name}: {len(chunk)} prompts")
 
 
-if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "dflash_cli/assets"))
+def main(argv: list[str] | None = None) -> int:
+    """`python scripts/make_demo_prompts.py [OUT_DIR]` (default dflash_cli/assets, relative to where it runs)."""
+    argv = sys.argv[1:] if argv is None else argv
+    write_prompt_files(Path(argv[0] if argv else "dflash_cli/assets"))
+    return 0

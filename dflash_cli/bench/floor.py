@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The engine's target steps against the memory-bandwidth floor, on this CPU.
 
 Loads a recipe's target the way `dflash` does (same plan, loading and thread choice), prefills a context,
@@ -27,7 +26,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,13 +33,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
 from dflash_cli.bench.roofline import read_bandwidth
-from dflash_cli.engine.compiled import compiled_step, use_compile_cache  # noqa: E402
-from dflash_cli.engine.kernels import use_small_row_products  # noqa: E402
-from dflash_cli.engine.target.attention import AttentionState  # noqa: E402
-from dflash_cli.setup.sizes import step_bytes  # noqa: E402
+from dflash_cli.engine.compiled import compiled_step, use_compile_cache
+from dflash_cli.engine.kernels import use_small_row_products
+from dflash_cli.engine.target.attention import AttentionState
+from dflash_cli.setup.sizes import step_bytes
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -187,7 +183,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Correctness on a device (issue 18, part 2): the golden sets, exactly, and the greedy identity rate in bf16 and
 NF4 with what causes each mismatch. One invocation, one JSON document.
 
@@ -15,7 +14,8 @@ sets made with it for rules the public ones do not show):
   margin would be a bug.
 
 Usage on a GPU machine: `python scripts/gpu_correctness.py --output $OUT/correctness.json` (about a minute).
-`--device cpu --precisions float32` runs the same checks here (tests/test_gpu_correctness.py, on two sets).
+`--device cpu --precisions float32` runs the same checks here (tests/bench/test_gpu_correctness.py, on one set).
+The script wraps this module; the golden sets are read from the checkout's tests/fixtures (`--fixtures`).
 The greedy identity rate on a real model over the bench prompt sets is `dflash bench demo --before-after --full
 --dtype bfloat16 --json` (per prompt: identical, first_mismatch).
 """
@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout: `python scripts/gpu_correctness.py`
+from dflash_cli.bench.gpu import environment, quantize_nf4  # (the loader's NF4 settings, layer by layer)
+from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.loading.models import load_drafter
 
-from dflash_cli.bench.gpu import environment, quantize_nf4  # noqa: E402  (the loader's NF4 settings, layer by layer)
-from dflash_cli.engine import SamplingParams, collect, generate  # noqa: E402
-from dflash_cli.loading.models import load_drafter  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 FIXTURES = ROOT / "tests" / "fixtures"
 PRECISIONS = ("float32", "bfloat16", "nf4")
@@ -162,7 +160,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         args.output.write_text(json.dumps(results, indent=1) + "\n")
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,29 +1,19 @@
-"""scripts/gpu_correctness.py on the CPU: the checks the GPU run makes (golden sets exactly in float32; identity
-and mismatch causes outside it), on one golden set, eagerly. It must pass on our engine and fail on a golden set
-whose recorded numbers are not what the engine produces."""
+"""scripts/gpu_correctness.py (dflash_cli.bench.correctness) on the CPU: the checks the GPU run makes (golden sets
+exactly in float32; identity and mismatch causes outside it), on one golden set, eagerly. It must pass on our engine
+and fail on a golden set whose recorded numbers are not what the engine produces."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
+from dflash_cli.bench import correctness
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_correctness.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_correctness", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_correctness"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
-    script = load_script()
     fixtures = tmp_path / "fixtures"
     shutil.copytree(ROOT / "tests" / "fixtures" / "qwen3-tiny-swa", fixtures / "qwen3-tiny-swa")
     golden_path = fixtures / "qwen3-tiny-swa" / "golden.json"
@@ -32,7 +22,9 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     golden_path.write_text(json.dumps(golden))
     out = tmp_path / "ok.json"
     assert (
-        script.main(["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)])
+        correctness.main(
+            ["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]
+        )
         == 0
     )
     (run,) = json.loads(out.read_text())["runs"]
@@ -43,7 +35,9 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     golden_path.write_text(json.dumps(golden))
     out = tmp_path / "altered.json"
     assert (
-        script.main(["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)])
+        correctness.main(
+            ["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]
+        )
         == 1
     )
     (run,) = json.loads(out.read_text())["runs"]
@@ -53,7 +47,6 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
 
 def test_a_mismatch_is_explained_by_the_baselines_margin() -> None:
     """A DFlash token that is not the baseline's: where, and how far apart the baseline's top two were there."""
-    script = load_script()
     from helpers.tiny_models import sharp_tiny
 
     target = sharp_tiny("qwen3", 1)
@@ -62,6 +55,6 @@ def test_a_mismatch_is_explained_by_the_baselines_margin() -> None:
 
     baseline = collect(generate(target, None, prompt, SamplingParams(max_new_tokens=6))).token_ids
     other = baseline[:2] + [(baseline[2] + 1) % 90] + baseline[3:]
-    cause = script.mismatch_cause(target, prompt, baseline, other)
+    cause = correctness.mismatch_cause(target, prompt, baseline, other)
     assert (cause["position"], cause["baseline_token"], cause["dflash_token"]) == (2, baseline[2], other[2])
     assert cause["dflash_token_rank"] >= 1 and cause["top2_margin"] > 0  # the baseline's token was the top one

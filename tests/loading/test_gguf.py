@@ -56,14 +56,14 @@ def test_wheel_without_the_gguf_is_a_clear_error(offline: Path, cache: Path) -> 
 
 
 def test_demo_prompt_files_are_rebuilt_exactly_and_never_overlap(tmp_path: Path) -> None:
-    """The drafter's prompt files come from scripts/make_demo_prompts.py, byte for byte; its held-out prompts and
-    the bench prompts are never trained on."""
+    """The drafter's prompt files come from scripts/make_demo_prompts.py (commands.demo_prompts), byte for byte; its
+    held-out prompts and the bench prompts are never trained on."""
     import json
-    import runpy
+
+    from dflash_cli.commands import demo_prompts
 
     assets = Path(demo.__file__).resolve().parents[1] / "assets"
-    script = Path(__file__).resolve().parents[2] / "scripts" / "make_demo_prompts.py"
-    runpy.run_path(str(script), run_name="make_demo_prompts")["main"](tmp_path)
+    assert demo_prompts.main([str(tmp_path)]) == 0
     for name in ("demo_prompts_train.jsonl", "demo_prompts_eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (assets / name).read_bytes(), name
 

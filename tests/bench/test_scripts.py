@@ -1,0 +1,168 @@
+"""scripts/: thin wrappers over the package, and each benchmark behind them run on tiny shapes in seconds.
+
+The benchmarks' figures are timings, which no test can check; what is checked is that each one runs through the
+engine's code it measures (a benchmark that imports what the engine no longer has, or calls it the old way, fails
+here), that its output has the lines and fields docs/benchmarks.md quotes, and the properties it reports (the
+same tokens at every row count, the recipe sizes a recipe lists)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
+def test_every_script_is_a_thin_wrapper(script: Path) -> None:
+    """A script imports one module's `main` and calls it: the code lives in the package, where the tests and the
+    layer checks see it."""
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    ours = [node for node in imports if node.module.startswith("dflash_cli")]
+    assert [[alias.name for alias in node.names] for node in ours] == [["main"]], script.name
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    assert functions == [], script.name
+    module = __import__(ours[0].module, fromlist=["main"])
+    assert callable(module.main)
+
+
+def test_a_wrapper_runs_from_a_checkout(tmp_path: Path) -> None:
+    """The wrapper finds the package beside it (no install needed) and passes its arguments on."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_demo_prompts.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "demo_prompts_eval.jsonl: 64 prompts" in done.stdout
+    assert (tmp_path / "demo_prompts_eval.jsonl").read_bytes() == (
+        ROOT / "dflash_cli" / "assets" / "demo_prompts_eval.jsonl"
+    ).read_bytes()
+
+
+def test_recipe_sizes_are_the_ones_a_recipe_lists(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash_cli.bench import recipe_sizes
+
+    assert recipe_sizes.main(["qwen3.5-4b"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# qwen3.5-4b: 4.21 B params loaded")
+    printed = dict(line.split(" = ") for line in out.splitlines() if " = " in line)
+    from dflash_cli.setup.recipes import tomllib
+
+    recipe = tomllib.loads((ROOT / "recipes" / "qwen3.5-4b.toml").read_text())
+    for key in ("drafter_bytes", "kv_bytes_per_token", "state_bytes_per_row"):
+        assert int(printed[key].replace("_", "")) == recipe[key], key
+    assert float(printed["params_billion"]) == recipe["params_billion"]
+    assert int(printed["bf16"].replace("_", "")) == recipe["weight_bytes"]["bf16"]
+    assert {"nf4", "fp8"} <= set(printed) and "expert_bytes" not in printed  # a dense target: no experts
+
+
+def test_cpu_decode_floor_measures_every_variant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scripts/cpu_decode_floor.py on a tiny Qwen3 in place of the recipe's target."""
+    from dflash_cli.bench import floor
+    from helpers.tiny_models import build_tiny
+
+    loaded: list[tuple[str, str]] = []
+    monkeypatch.setattr(floor, "load", lambda recipe, dtype: loaded.append((recipe, dtype)) or build_tiny("qwen3"))
+    out = tmp_path / "floor.json"
+    argv = ["--threads", "1", "--context", "8", "--blocks", "2,4", "--rounds", "1", "--calls", "1"]
+    assert floor.main([*argv, "--compare-kernel", "--compare-layout", "--json", str(out)]) == 0
+    assert loaded == [("demo", "float32")] * 3  # eager, F.linear, column-major
+    summary = json.loads(out.read_text())
+    assert summary["threads"] == 1 and summary["context"] == 8 and len(summary["rounds"]) == 1
+    assert summary["step_bytes"]["total"] == summary["step_bytes"]["weights"] + summary["step_bytes"]["kv"] > 0
+    for clock in ("wall", "cpu"):
+        assert summary[clock]["floor_ms"] > 0
+        for variant in ("eager", "F.linear", "column-major"):
+            figures = summary[clock][variant]
+            assert figures["plain_ms"] > 0 and figures["verify_2_over_plain"] > 0 and figures["verify_4_over_plain"] > 0
+            assert set(figures) >= {"step_1_over_eager", "step_2_over_eager", "step_4_over_eager"}
+        assert summary[clock]["eager"]["step_2_over_eager"] == 1.0
+    text = capsys.readouterr().out
+    assert "round 1 (wall ms): floor" in text and "[cpu time] floor" in text
+    assert re.search(r"column-major: plain step [\d.]+ ms = [\d.]+x the floor", text)
+
+
+def test_batch_bench_tabulates_every_size_and_compares_the_texts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scripts/batch_bench.py with `dflash run` replaced by a double that writes what the command writes; the
+    table and the text check are the script's own. At batch size 4 the double's texts differ: the check says so."""
+    from dflash_cli.bench import batching
+
+    commands: list[list[str]] = []
+
+    def fake_run(command: list[str], **_: object) -> subprocess.CompletedProcess:
+        commands.append(command)
+        size, out = int(command[command.index("--batch-size") + 1]), Path(command[command.index("-o") + 1])
+        prompts = [json.loads(line) for line in Path(command[5]).read_text().splitlines()]
+        stats = {"draft_s": 1.0, "verify_s": 3.0, "decode_tokens_per_s": 10.0, "ttft_s": 0.5}
+        records = [
+            {"id": p["id"], "text": f"answer {i}" + ("!" if size == 4 else ""), "completion_tokens": 11, "stats": stats}
+            for i, p in enumerate(prompts)
+        ]
+        out.write_text("".join(json.dumps(record) + "\n" for record in records))
+        summary = {"completion_tokens": 11 * len(records), "generate_s": 4.0 / size, "tokens_per_s": 10.0 * size}
+        return subprocess.CompletedProcess(command, 0, json.dumps({**summary, "tau": 1.5}), "")
+
+    monkeypatch.setattr(batching.subprocess, "run", fake_run)
+    argv = ["--sizes", "1", "2", "4", "--rounds", "1", "--prompts", "3", "--max-tokens", "11", "--", "--threads", "1"]
+    assert batching.main(argv) == 0
+    assert [c[c.index("--batch-size") + 1] for c in commands] == ["1", "2", "4"]
+    assert all(c[2:5] == ["dflash_cli", "run", "demo"] and c[-3:] == ["--json", "--threads", "1"] for c in commands)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("demo: 3 prompts, --max-tokens 11, --threads 1;")
+    # 33 tokens; draft share 1 / (1 + 3); each row: 0.5 s to its first token, 10 more at 10 tok/s
+    assert lines[3].startswith("| 1 | 1 | 33 | 4.0 | 10.0 | 1.00x | 1.50 | 25% | 1.5 / 1.5 |")
+    assert lines[4].startswith("| 1 | 2 | 33 | 2.0 | 20.0 | 2.00x |") and lines[5].startswith("| 1 | 4 | 33 | 1.0 |")
+    assert lines[6] == "every request's text is the same at every batch size: NO"
+
+
+def test_hybrid_batch_bench_gives_every_row_count_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dflash_cli.bench import hybrid_batch
+    from dflash_cli.engine.target.hybrid import LinearStateRollback
+
+    keep = LinearStateRollback.keep
+    monkeypatch.setattr(hybrid_batch, "COMMON", {**hybrid_batch.COMMON, "hidden_size": 64, "intermediate_size": 128})
+    argv = ["--rows", "1", "3", "--requests", "3", "--rounds", "1", "--block", "4", "--threads", "1"]
+    assert hybrid_batch.main(argv) == 0
+    assert LinearStateRollback.keep is keep  # the timing is put back
+    out = capsys.readouterr().out
+    assert re.search(r"round 1 rows 1: [\d.]+ tok/s \(1\.00x rows 1\), rollback [\d.]+% of decode step time", out)
+    shares = [float(share) for share in re.findall(r"round 1 rows \d: .*rollback ([\d.]+)%", out)]
+    assert len(shares) == 2 and all(share > 0 for share in shares)  # every step rolled back
+    assert "rows 3: median" in out
+    assert "every request's tokens the same at every row count: yes" in out
+
+
+def test_hybrid_rollback_bench_runs_every_method(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dflash_cli.bench import rollback
+
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16, linear_key_head_dim=16)
+    small.update(linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    monkeypatch.setattr(rollback, "SHAPE", {**rollback.SHAPE, **small})
+    monkeypatch.setattr(rollback, "PROMPT", 16)
+    assert rollback.main(["--block", "8", "--repeats", "1"]) == 0
+    rows = re.findall(r"^(\w+) +(\d+) +([\d.]+) +(-?[\d.]+)  -?[\d.]+ \(", capsys.readouterr().out, re.MULTILINE)
+    assert [(method, int(n)) for method, n, _, _ in rows] == [
+        (method, n) for method in ("replay", "rerun", "mixer", "pertoken") for n in (1, 2, 4, 7)
+    ]
+    assert all(float(verify_ms) > 0 for _, _, verify_ms, _ in rows)

@@ -207,7 +207,8 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         str | None,
         typer.Option(
             callback=check_quant,
-            help="none, nf4 (bitsandbytes 4-bit) or fp8 (the recipe's published FP8 checkpoint, `dflash pull --fp8`) "
+            help="none, nf4 (bitsandbytes 4-bit, CUDA), fp8 (the recipe's published FP8 checkpoint, `dflash pull "
+            "--fp8`), or int4 / int8 (weight-only, the CPU's fast 4-/8-bit kernels; bf16 compute) "
             "(default: nf4 only where bf16 weights do not fit the GPU).",
             rich_help_panel=PLANNING,
         ),

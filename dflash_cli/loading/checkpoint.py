@@ -19,6 +19,7 @@ from dflash_cli.loading.hub import (
 )
 from dflash_cli.setup.sizes import (
     BYTES_PER_ELEMENT,
+    CPU_QUANT_BYTES_PER_PARAM,
     NF4_BYTES_PER_PARAM,
     NF4_BYTES_PER_TENSOR,
     ParameterCounts,
@@ -92,7 +93,8 @@ class Checkpoint:
             return None
 
     def nbytes(self, dtype: str, quant: str = "none", native: tuple[str, ...] = ()) -> int:
-        """Weight bytes once loaded as `dtype`, NF4-quantizing the linear layers when `quant == "nf4"`. A
+        """Weight bytes once loaded as `dtype`, quantizing the linear layers when `quant` is "nf4", "int4" or
+        "int8". A
         pre-quantized checkpoint that the device runs natively (`native`) keeps its stored size."""
         if self.prequantized is not None and (self.prequantized == quant or self.prequantized in native):
             return self.stored_bytes
@@ -103,8 +105,13 @@ class Checkpoint:
         total = 0.0
         for name, numel, _ in self.tensors:
             # by name: a per-expert weight (".experts.") is fused on load, and bitsandbytes leaves fused experts
-            quantized = quant == "nf4" and name.endswith("proj.weight") and ".experts." not in name
-            total += numel * NF4_BYTES_PER_PARAM + NF4_BYTES_PER_TENSOR if quantized else numel * dtype_bytes
+            quantized = quant in ("nf4", *CPU_QUANT_BYTES_PER_PARAM) and name.endswith("proj.weight")
+            if not quantized or ".experts." in name:
+                total += numel * dtype_bytes
+            elif quant == "nf4":
+                total += numel * NF4_BYTES_PER_PARAM + NF4_BYTES_PER_TENSOR
+            else:
+                total += numel * CPU_QUANT_BYTES_PER_PARAM[quant]
         return int(total)
 
 

@@ -29,7 +29,7 @@ from dflash_cli.loading.hub import (
     quiet_transformers_progress,
     resolve_model_dir,
 )
-from dflash_cli.setup.choices import PREQUANTIZED_FORMATS
+from dflash_cli.setup.choices import CPU_QUANTS, PREQUANTIZED_FORMATS
 from dflash_cli.setup.sizes import (
     RUNTIME_OVERHEAD,
 )
@@ -179,7 +179,7 @@ def load_target(
             bnb_4bit_compute_dtype=plan.torch_dtype,
             bnb_4bit_use_double_quant=True,
         )
-    weights = prequantized if kept else ("nf4" if plan.quant == "nf4" else plan.dtype)
+    weights = prequantized if kept else (plan.quant if plan.quant in ("nf4", *CPU_QUANTS) else plan.dtype)
     message = f"loading {name} ({format_bytes(size)}, {weights} weights) on {plan.device}"
     try:
         with _loading_display(console, message):
@@ -190,6 +190,11 @@ def load_target(
         raise DflashError(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
         ) from None
+    if plan.quant in CPU_QUANTS:
+        from dflash_cli.engine.quantized import quantize_linears
+
+        with _loading_display(console, f"quantizing {name} to {plan.quant}"):
+            quantize_linears(model, plan.quant, plan.torch_dtype)
     note = kernel_note(model, plan.device)
     if note and console is not None:
         console.print(f"[dim]{note}[/dim]")

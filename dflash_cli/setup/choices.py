@@ -18,8 +18,10 @@ GPU_CLASSES = {
     "cpu": "CPU only",
 }
 DEVICE_KINDS = ("cuda", "mps", "cpu")
-# "none": the checkpoint as published; "nf4": bitsandbytes 4-bit; "fp8": the recipe's published FP8 checkpoint.
-QUANTS = ("none", "nf4", "fp8")
+# "none": the checkpoint as published; "nf4": bitsandbytes 4-bit; "fp8": the recipe's published FP8 checkpoint;
+# "int4" / "int8": weight-only 4-bit (groups of 32) / 8-bit (per channel) on torch's packed CPU kernels.
+QUANTS = ("none", "nf4", "fp8", "int4", "int8")
+CPU_QUANTS = ("int4", "int8")
 # Pre-quantized checkpoint formats: a device runs them as stored only where transformers has kernels for them;
 # elsewhere transformers dequantizes them to bf16 on load.
 PREQUANTIZED_FORMATS = ("fp8", "mxfp4")

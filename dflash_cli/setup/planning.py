@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import (
+    CPU_QUANTS,
     GPU_CLASSES,
     PREQUANTIZED_FORMATS,
     QUANTS,
@@ -189,6 +190,8 @@ def _candidates(
         pairs = [(dtype, q) for q in dict.fromkeys(q for _, q in pairs)]
     if quant is not None:
         pairs = [(d, quant) for d in dict.fromkeys(d for d, _ in pairs)]
+    if quant in CPU_QUANTS and dtype is None:
+        pairs = [("bfloat16", quant)]  # the packed kernels want bf16 activations (engine.quantized)
     return pairs
 
 
@@ -205,10 +208,15 @@ def _check_forced_quant(recipe: Recipe, quant: str, kind: str, facts: MachineFac
                 f"--quant fp8: FP8 weights need a CUDA GPU of compute capability 8.9 or newer; this is {cls.label}",
                 fix="use --quant none (bf16) or --quant nf4",
             )
-    if quant == "nf4" and recipe.checkpoint_precision != "bf16":
+    if quant in CPU_QUANTS and kind != "cpu":
         raise DflashError(
-            f"--quant nf4: {recipe.target.id} is published pre-quantized ({recipe.checkpoint_precision}), and "
-            "bitsandbytes cannot quantize it again",
+            f"--quant {quant}: the int4/int8 weight-only kernels run on the CPU; this plan runs on {cls.label}",
+            fix="use --quant nf4 on a CUDA GPU (bitsandbytes), or --device cpu",
+        )
+    if quant in ("nf4", *CPU_QUANTS) and recipe.checkpoint_precision != "bf16":
+        raise DflashError(
+            f"--quant {quant}: {recipe.target.id} is published pre-quantized ({recipe.checkpoint_precision}), and "
+            "dflash does not quantize it again",
             fix="drop --quant: the planner keeps the published weights or dequantizes them to bf16",
         )
 
@@ -266,10 +274,18 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
             )
 
     preferred_dtype, default_why = default_dtype(kind, facts)
+    if quant in CPU_QUANTS and dtype != "bfloat16":
+        raise DflashError(
+            f"--quant {quant} computes in bfloat16: with {dtype} activations its kernels run 10-30x slower than "
+            "unquantized weights",
+            fix=f"drop --dtype (or pass --dtype bf16) with --quant {quant}, or drop --quant for {dtype} weights",
+        )
     if overrides.dtype or "dtype" in tuned:
         dtype_why = "--dtype" if overrides.dtype else recipe_override
     elif dtype == preferred_dtype:
         dtype_why = default_why
+    elif quant in CPU_QUANTS:
+        dtype_why = f"the {quant} kernels take bf16 activations (fp32 ones are 10-30x slower)"
     else:
         dtype_why = f"{preferred_dtype} would not fit; {dtype} needs half the memory"
     reasons.append(f"dtype {dtype}: {dtype_why}")
@@ -286,6 +302,10 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         quant_why = f"the {first} weights do not fit (~{gb(estimates[0][2] or 0)} in all)"
     detail = {
         "nf4": f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute",
+        "int4": "; weight-only 4-bit in groups of 32 (torch's packed CPU kernel), bf16 compute; the embedding "
+        "stays bf16",
+        "int8": "; weight-only 8-bit per output channel (torch's packed CPU kernel), bf16 compute; the embedding "
+        "stays bf16",
         "fp8": f"; the published FP8 checkpoint {recipe.checkpoints['fp8'].id if 'fp8' in recipe.checkpoints else ''}",
     }.get(quant, "")
     if quant == "nf4" and recipe.expert_bytes:

@@ -17,6 +17,9 @@ BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
 # absmax (256 entries).
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_BYTES_PER_TENSOR = (16 + 256) * 4
+# CPU weight-only formats (engine.quantized): int4 stores 4 bits per weight and a bf16 scale and zero per group of
+# 32; int8 one byte per weight and a bf16 scale per output channel (counted per weight: under 1%).
+CPU_QUANT_BYTES_PER_PARAM = {"int4": 0.5 + 4 / 32, "int8": 1.0}
 # The runtime beside the weights and the KV cache the planner reserves: CUDA context, allocator slack, activations.
 RUNTIME_OVERHEAD_BYTES = 1_500_000_000
 # Headroom over the weights where no recipe sizes a model (an ad-hoc target): activations, the KV cache of a short
@@ -38,11 +41,15 @@ class ParameterCounts:
         return self.linear + self.experts + self.other
 
     def nbytes(self, dtype: str, quant: str = "none") -> int:
-        """Weight bytes once loaded as `dtype`, the linear layers NF4-quantized when `quant == "nf4"`."""
+        """Weight bytes once loaded as `dtype`, the linear layers quantized when `quant` is "nf4", "int4" or
+        "int8" (the output head counted in `other`, at the compute dtype: the CPU formats quantize a copy of a
+        tied head, so this is their upper bound)."""
         dtype_bytes = BYTES_PER_ELEMENT[dtype]
         if quant == "nf4":
             quantized = self.linear * NF4_BYTES_PER_PARAM + self.linear_tensors * NF4_BYTES_PER_TENSOR
             return int(quantized + (self.experts + self.other) * dtype_bytes)
+        if quant in CPU_QUANT_BYTES_PER_PARAM:
+            return int(self.linear * CPU_QUANT_BYTES_PER_PARAM[quant] + (self.experts + self.other) * dtype_bytes)
         return self.total * dtype_bytes
 
 
@@ -55,13 +62,16 @@ def recipe_weight_bytes(recipe: Recipe, weights_in: str, dtype: str) -> int | No
     """A recipe's target weights held in `weights_in` ("nf4", a pre-quantized format kept as stored, or the compute
     dtype) with compute dtype `dtype`, from the recipe's listed sizes (bf16 sizes, made with `ParameterCounts` by
     scripts/recipe_sizes.py); None when it lists none. NF4 counts the fused expert weights at the compute dtype:
-    bitsandbytes leaves them as they are, and the listed NF4 size holds them in bf16."""
+    bitsandbytes leaves them as they are, and the listed NF4 size holds them in bf16. The CPU formats ("int4",
+    "int8") take their listed size, else the bf16 size (an upper bound: quantizing only shrinks)."""
     if weights_in == "nf4":
         weights = recipe.weight_bytes.get("nf4")
         if weights is not None and recipe.expert_bytes:
             weights += scaled_from_bf16(recipe.expert_bytes, dtype) - recipe.expert_bytes
     elif weights_in in recipe.weight_bytes and weights_in not in BYTES_PER_ELEMENT:
         weights = recipe.weight_bytes[weights_in]
+    elif weights_in in CPU_QUANT_BYTES_PER_PARAM:
+        weights = recipe.weight_bytes.get("bf16")
     else:
         weights = scaled_from_bf16(recipe.weight_bytes["bf16"], dtype) if "bf16" in recipe.weight_bytes else None
     return None if weights is None else int(weights)
@@ -89,8 +99,9 @@ def tensor_bytes(tensor: Any) -> int:
 
 def module_weight_bytes(module: Any, exclude: tuple[Any, ...] = ()) -> int:
     """Bytes of a loaded module's weights as they are held (NF4: the packed 4-bit data plus its quantization
-    statistics, the nested ones of double quantization too); each shared tensor once."""
-    total = 0
+    statistics, the nested ones of double quantization too; the CPU formats: the buffers each layer names in
+    `weight_buffers`); each shared tensor once."""
+    total = sum(tensor_bytes(getattr(m, name)) for m in module.modules() for name in getattr(m, "weight_buffers", ()))
     for param in {id(p): p for p in module.parameters()}.values():
         if any(param is e for e in exclude):
             continue
@@ -126,7 +137,7 @@ def step_bytes(target: Any, context_tokens: int) -> StepBytes:
     every weight as held, except that an input embedding which is not also the output head is read for one row."""
     embedding = target.get_input_embeddings().weight
     head = target.get_output_embeddings()
-    tied = head is not None and head.weight is embedding
+    tied = head is not None and getattr(head, "weight", None) is embedding  # a quantized head holds its own copy
     weights = module_weight_bytes(target)
     if not tied:
         weights -= tensor_bytes(embedding) - embedding.shape[-1] * embedding.element_size()

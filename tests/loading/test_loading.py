@@ -85,6 +85,28 @@ def test_nf4_on_cpu_through_bitsandbytes(tiny_llama_dir: Path) -> None:
     assert not torch.equal(nf4, fp32)
 
 
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_cpu_weight_only_quant_loads_packed_linears_in_bf16(tiny_qwen3_dir: Path, quant: str) -> None:
+    from dflash_cli.engine.quantized import Int4Linear, Int8Linear
+    from dflash_cli.setup.sizes import module_weight_bytes
+
+    model = load_target(tiny_qwen3_dir, cpu_plan("bfloat16", quant))
+    kind = Int4Linear if quant == "int4" else Int8Linear
+    assert sum(isinstance(m, kind) for m in model.modules()) == 2 * 7 + 1  # every projection and the head
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    reference = load_target(tiny_qwen3_dir, cpu_plan("bfloat16"))
+    ids = torch.tensor([[5, 17, 99, 3, 250, 42]])
+    with torch.no_grad():
+        quantized, plain = model(ids).logits.float(), reference(ids).logits.float()
+    assert torch.nn.functional.cosine_similarity(quantized.flatten(), plain.flatten(), dim=0) > 0.95
+    assert not torch.equal(quantized, plain)
+    # what the loader estimated is an upper bound of what the model holds
+    assert module_weight_bytes(model) <= read_checkpoint(tiny_qwen3_dir).nbytes("bfloat16", quant)
+    assert read_checkpoint(tiny_qwen3_dir).nbytes("bfloat16", quant) < read_checkpoint(tiny_qwen3_dir).nbytes(
+        "bfloat16"
+    )
+
+
 def test_checkpoint_sizes_come_from_the_safetensors_headers(tiny_qwen3_dir: Path) -> None:
     checkpoint = read_checkpoint(tiny_qwen3_dir)
     model = load_target(tiny_qwen3_dir, cpu_plan())

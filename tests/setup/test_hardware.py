@@ -235,7 +235,7 @@ def test_unknown_dtype_and_quant_are_errors() -> None:
     with pytest.raises(DflashError, match="unknown dtype"):
         make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(dtype="int8"))
     with pytest.raises(DflashError, match="unknown quantization"):
-        make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(quant="int4"))
+        make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(quant="q3_k"))
 
 
 def test_block_size_precedence_user_then_gpu_override_then_recipe_then_drafter() -> None:
@@ -436,3 +436,30 @@ def test_gpt_oss_runs_its_mxfp4_weights_where_the_kernels_are_and_bf16_elsewhere
 def test_nf4_is_refused_for_a_prequantized_checkpoint() -> None:
     with pytest.raises(DflashError, match="published pre-quantized \\(mxfp4\\)"):
         make_plan(H100, get_recipe("gpt-oss-20b"), PlanOverrides(quant="nf4"))
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_cpu_weight_only_quant_computes_in_bf16_and_says_why(quant: str) -> None:
+    plan = make_plan(CPU_64, get_recipe("demo"), PlanOverrides(quant=quant))  # no bf16 instructions: fp32 default
+    assert (plan.device, plan.dtype, plan.quant, plan.weights) == ("cpu", "bfloat16", quant, quant)
+    assert f"{quant} weights" in plan.one_line()
+    explained = "\n".join(plan.reasons)
+    assert "bf16 activations" in explained and "torch's packed CPU kernel" in explained
+    with pytest.raises(DflashError, match=f"--quant {quant} computes in bfloat16") as err:
+        make_plan(CPU_64, get_recipe("demo"), PlanOverrides(quant=quant, dtype="float32"))
+    assert "--dtype bf16" in err.value.fix
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_cpu_weight_only_quant_is_refused_on_a_gpu_with_the_gpu_format_as_fix(quant: str) -> None:
+    with pytest.raises(DflashError, match="run on the CPU") as err:
+        make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(quant=quant))
+    assert "--quant nf4" in err.value.fix
+    plan = make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(quant=quant, device="cpu"))
+    assert plan.quant == quant and plan.device == "cpu"
+
+
+def test_cpu_weight_only_quant_never_estimates_more_than_bf16() -> None:
+    bf16 = make_plan(CPU_64, get_recipe("qwen3-8b"), PlanOverrides(dtype="bf16")).estimated_bytes
+    int4 = make_plan(CPU_64, get_recipe("qwen3-8b"), PlanOverrides(quant="int4")).estimated_bytes
+    assert int4 is not None and bf16 is not None and int4 <= bf16

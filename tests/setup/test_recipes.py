@@ -207,7 +207,7 @@ BAD_RECIPES = [
         "hopper",
     ),
     (
-        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.hopper]\nquant = "int8"\n',
+        'name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.hopper]\nquant = "q8_0"\n',
         "field 'gpu_overrides.hopper.quant'",
         "nf4",
     ),

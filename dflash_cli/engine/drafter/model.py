@@ -76,7 +76,8 @@ class DFlashDrafter(nn.Module):
         head = self.target.get_output_embeddings()
         # As rows of a 2-D matrix: a 3-D slice such as hidden[:, 1:] keeps its parent's batch stride, and
         # CPU linear sends such inputs down a batched-matmul path about 10x slower than one GEMM.
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
+        # In the target's activation dtype (its embedding's): a quantized head holds no float weight to ask.
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
         logits = head(rows)
         logits = logits.view(*hidden.shape[:-1], logits.shape[-1])
         if self.config.output_multiplier != 1.0:

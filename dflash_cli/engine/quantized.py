@@ -1,0 +1,140 @@
+"""4-bit and 8-bit weight-only linears for the CPU, on torch's own packed kernels.
+
+A decode step on a CPU reads every weight once per step, so its time is the weights' bytes over the memory
+bandwidth; 4-bit weights read a quarter of bf16's. torch ships the kernels llama.cpp-style weight-only layouts
+need: `_weight_int4pack_mm_for_cpu` (int4, asymmetric, one scale and zero per group of 32 inputs, weights packed
+once for the machine's SIMD width) and `_weight_int8pack_mm` (int8, one scale per output channel). Measured on
+the 2-core AVX512-BF16 VM against MKL's bf16 product (docs/benchmarks.md): a 576x1536 product at one row 82 /
+50 / 51 us (bf16 / int8 / int4), the 576x49152 lm_head 5.9 / 3.2 / 1.5 ms; both kernels cost time in proportion
+to the rows, so verify blocks of 8-16 rows are slower than bf16's. torchao's CPU layouts call the same two kernels;
+we use them directly rather than add the dependency. Both want bf16 activations: with float32 ones they run
+10-30x slower than the dense product, so a quantized target computes in bf16 (planning enforces it).
+
+`Int4Linear.from_groups` takes the (codes, scale, min) of formats that store w = q * scale + min per group of 32,
+GGUF's Q4_1 among them, without a detour through float weights; `Int4Linear.quantize` makes those groups from a
+float weight by min-max (the same rule Q4_1 uses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+GROUP_SIZE = 32  # inputs per int4 scale/zero group (Q4_1's block)
+KINDS = ("int4", "int8")
+_INNER_K_TILES = 2  # the CPU packing's tile parameter (any of 2, 4, 8 packs the same; 2 allows K % 64 == 0)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ dequant(W).T + b with W held as packed int4 codes and per-group (scale, zero) in the compute dtype."""
+
+    weight_buffers = ("packed", "scales_zeros")  # what its weight is held in (setup.sizes counts them)
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)  # [in/GROUP_SIZE, out, 2]: w = (q - 8) * scale + zero
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_groups(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None) -> Int4Linear:  # fmt: skip
+        """From codes [out, in] in 0..15 and per-group scales and mins [out, in/GROUP_SIZE] (w = q * scale + min)."""
+        out_features, in_features = codes.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)
+        # The kernel's rule is w = (q - 8) * scale + zero, so zero = min + 8 * scale.
+        zeros = mins.float() + 8 * scales.float()
+        scales_zeros = torch.stack([scales.float(), zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        return cls(packed, scales_zeros, out_features, in_features, None if bias is None else bias.to(dtype))
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int4Linear:
+        """Min-max int4 per group of GROUP_SIZE inputs: the group's min maps to 0 and its max to 15."""
+        weight = linear.weight.detach().float()
+        groups = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=1e-12)
+        codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).reshape(weight.shape)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls.from_groups(codes, scales, low, dtype, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight [out, in] this layer multiplies by (for tests and loss reports)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_zeros).T
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}"
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (W_int8 * scale).T + b, symmetric int8 with one scale per output channel."""
+
+    weight_buffers = ("weight_int8", "scales")
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_int8", weight)
+        self.register_buffer("scales", scales)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls(codes.contiguous(), scales.to(dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+def quantizable(linear: nn.Module, kind: str) -> bool:
+    """Whether the kernel of `kind` can take this layer: a plain CPU `nn.Linear`; int4's packing also wants the
+    outputs in multiples of 16 and the inputs in whole groups of 64."""
+    if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+        return False
+    out_features, in_features = linear.weight.shape
+    if kind == "int4":
+        return in_features % (GROUP_SIZE * _INNER_K_TILES) == 0 and out_features % 16 == 0
+    return True
+
+
+def quantize_linears(model: nn.Module, kind: str, dtype: torch.dtype, skip: Iterable[nn.Module] = ()) -> int:
+    """Replace `model`'s quantizable linears (all but those in `skip`) by `kind` ("int4" | "int8") layers that
+    compute in `dtype`, in place; returns how many. Tied weights (an lm_head sharing the embedding) are quantized
+    as the head's own copy: the embedding keeps its float table."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown weight-only quantization {kind!r}; use one of {KINDS}")
+    layer = Int4Linear if kind == "int4" else Int8Linear
+    skipped = {id(m) for m in skip}
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) not in skipped and quantizable(child, kind):
+                setattr(parent, name, layer.quantize(child, dtype))
+                replaced += 1
+    return replaced

@@ -1,0 +1,102 @@
+"""engine/quantized.py: int4 / int8 weight-only linears on torch's packed CPU kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from dflash_cli import speculative_generate
+from dflash_cli.engine.quantized import GROUP_SIZE, Int4Linear, Int8Linear, quantizable, quantize_linears
+from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
+from helpers.drafters import FORMATS, random_drafter
+from helpers.tiny_models import hf_greedy
+
+
+def quantizable_tiny(seed: int, tied: bool = False) -> transformers.PreTrainedModel:
+    """A float32 Qwen3 whose every linear has the shapes the int4 packing takes (outputs x16, inputs x64), its head
+    scaled for sharp distributions (few near-ties)."""
+    config = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=tied,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4)
+    return model
+
+
+def test_int4_groups_round_trip_exactly_and_the_kernel_multiplies_by_them() -> None:
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (48, 128))
+    scales = torch.rand(48, 128 // GROUP_SIZE) * 0.1 + 0.01
+    mins = torch.randn(48, 128 // GROUP_SIZE) * 0.1
+    layer = Int4Linear.from_groups(codes, scales, mins, torch.float32)
+    expected = codes.float() * scales.repeat_interleave(GROUP_SIZE, 1) + mins.repeat_interleave(GROUP_SIZE, 1)
+    torch.testing.assert_close(layer.dequantized(), expected, rtol=0, atol=1e-6)
+    x = torch.randn(2, 3, 128)
+    torch.testing.assert_close(layer(x), x @ expected.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_weights_stay_within_half_a_step_of_the_float_ones(kind: str) -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(128, 32, bias=True)
+    layer = (Int4Linear if kind == "int4" else Int8Linear).quantize(linear, torch.float32)
+    error = (layer.dequantized() - linear.weight).abs()
+    if kind == "int4":
+        groups = linear.weight.detach().reshape(32, -1, GROUP_SIZE)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(GROUP_SIZE, 1)
+    else:
+        step = (linear.weight.detach().abs().amax(1, keepdim=True) / 127).expand(-1, 128)
+    assert (error <= step / 2 + 1e-6).all()
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(layer(x), x @ layer.dequantized().T + linear.bias, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(layer.dequantized(), linear.weight)  # it did quantize
+
+
+def test_only_cpu_linears_of_packable_shapes_are_quantized() -> None:
+    assert quantizable(nn.Linear(64, 16), "int4") and quantizable(nn.Linear(64, 24), "int8")
+    assert not quantizable(nn.Linear(64, 24), "int4")  # outputs not a multiple of 16
+    assert not quantizable(nn.Linear(32, 16), "int4")  # inputs not whole groups of 64
+    assert not quantizable(nn.Embedding(16, 64), "int8")
+    with pytest.raises(ValueError, match="unknown weight-only quantization"):
+        quantize_linears(nn.Linear(64, 16), "int3", torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_tied_head_is_quantized_as_its_own_copy_and_the_bytes_shrink(kind: str) -> None:
+    model = quantizable_tiny(2, tied=True)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    before = module_weight_bytes(model)
+    assert quantize_linears(model, kind, torch.float32) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    assert torch.equal(model.get_input_embeddings().weight, embedding)  # the embedding keeps its float table
+    assert isinstance(model.get_output_embeddings(), Int4Linear if kind == "int4" else Int8Linear)
+    after = module_weight_bytes(model)
+    assert 0 < after < before
+    # a decode step reads the quantized head and one embedding row (no longer the same tensor)
+    assert step_bytes(model, 0).weights == after - embedding.numel() * 4 + embedding.shape[1] * 4
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_speculative_greedy_on_a_quantized_target_equals_its_own_greedy(kind: str, fmt: str) -> None:
+    """Lossless against the quantized target itself (float32 activations: exact comparisons)."""
+    target = quantizable_tiny(3)
+    quantize_linears(target, kind, torch.float32)
+    for seed, prompt in enumerate(([3, 14, 15, 92, 65], [1, 2, 3], [7] * 12)):
+        drafter = random_drafter(target, seed=seed, num_layers=1, block_size=4, fmt=fmt)
+        result = speculative_generate(target, drafter, prompt, 24)
+        assert result.token_ids == hf_greedy(target, prompt, 24)
+
+
+def test_a_bf16_quantized_target_decodes_with_the_drafter() -> None:
+    """The dtype the planner runs them in: the drafter reads the quantized head in the embedding's dtype."""
+    target = quantizable_tiny(4).to(torch.bfloat16)
+    quantize_linears(target, "int4", torch.bfloat16)
+    drafter = random_drafter(target, seed=0, num_layers=1, block_size=4, dtype=torch.bfloat16)
+    result = speculative_generate(target, drafter, [3, 14, 15], 16)
+    assert len(result.token_ids) == 16 and all(0 <= t < 128 for t in result.token_ids)

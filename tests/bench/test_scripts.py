@@ -166,3 +166,17 @@ def test_hybrid_rollback_bench_runs_every_method(
         (method, n) for method in ("replay", "rerun", "mixer", "pertoken") for n in (1, 2, 4, 7)
     ]
     assert all(float(verify_ms) > 0 for _, _, verify_ms, _ in rows)
+
+
+def test_quant_loss_reports_each_format_against_bf16(tiny_qwen3_dir: Path, tmp_path: Path, capsys) -> None:
+    from dflash_cli.bench import quant_loss
+
+    out = tmp_path / "loss.json"
+    argv = ["--target", str(tiny_qwen3_dir), "--prompts", "2", "--tokens", "6", "--json", str(out)]
+    assert quant_loss.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| int4 |" in table and "| int8 |" in table
+    results = json.loads(out.read_text())["results"]
+    assert results["bf16"]["mean_logprob_diff"] == 0 and results["bf16"]["identical_greedy"] == 1
+    for quant in ("int4", "int8"):
+        assert 0 <= results[quant]["argmax_agreement"] <= 1 and results[quant]["mean_kl"] > 0  # it did quantize

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The quality cost of `--quant int4` / `int8` against bf16 on the bench prompts: `python scripts/quant_loss.py [--prompts N] [--tokens N] [--json FILE]`, run from a checkout.
+"""The quality cost of bf16 and `--quant int4` / `int8` against float32 on the bench prompts: `python scripts/quant_loss.py [--prompts N] [--tokens N] [--json FILE]`, run from a checkout.
 The code is `dflash_cli.bench.quant_loss` (its docstring says what it reports and how)."""
 
 import sys

@@ -1,14 +1,15 @@
-"""What the CPU's weight-only formats (`--quant int4` / `int8`) cost in quality, against the same target in bf16.
+"""What the CPU's weight-only formats (`--quant int4` / `int8`) cost in quality, against bf16 and float32.
 
-For each prompt of the bench sets (math, code, chat, interleaved), the bf16 target's greedy continuation is the
-reference. Each quantized copy then reads prompt + reference in one forward (teacher forcing), and we report:
+The reference is the target in float32 (for the demo offline: its GGUF's Q4_1 weights, exactly). For each prompt
+of the bench sets (math, code, chat, interleaved), its greedy continuation is the reference text; bf16, int4 and
+int8 (bf16 compute) then read prompt + reference in one forward (teacher forcing), and we report for each:
 
-- `argmax agreement`: the share of reference positions where the quantized target's top token is the reference
-  token (bf16's own figure is given too: a long forward and token-by-token decoding round differently in bf16);
-- `mean logprob diff`: the mean over those positions of log p_bf16(token) - log p_quant(token) (nats; > 0: the
-  quantized model finds the reference less likely);
-- `mean KL`: KL(p_bf16 || p_quant) per position (nats);
-- `identical greedy`: the share of prompts whose quantized greedy continuation equals the reference entirely.
+- `argmax agreement`: the share of reference positions where its top token is the reference token (float32's own
+  figure is given too: one long forward and token-by-token decoding may round a near-tie differently);
+- `mean logprob diff`: the mean over those positions of log p_ref(token) - log p(token) (nats; > 0: it finds the
+  reference less likely);
+- `mean KL`: KL(p_ref || p) per position (nats);
+- `identical greedy`: the share of prompts whose own greedy continuation equals the reference entirely.
 
     python scripts/quant_loss.py                     # the demo target, 24 prompts, 64 tokens each
     python scripts/quant_loss.py --prompts 6 --tokens 32 --json out.json
@@ -28,15 +29,15 @@ from dflash_cli.engine.loop import speculative_generate
 QUANTS = ("int4", "int8")
 
 
-def load(recipe_name: str | None, target: str | None, quant: str) -> tuple[Any, Any]:
-    """The target and tokenizer as `dflash` loads them on this CPU: bf16 compute, `quant` ("none", "int4", "int8")."""
+def load(recipe_name: str | None, target: str | None, quant: str, dtype: str = "bfloat16") -> tuple[Any, Any]:
+    """The target and tokenizer as `dflash` loads them on this CPU in `dtype`, `quant` ("none", "int4", "int8")."""
     from dflash_cli.loading import models as loading
     from dflash_cli.setup.hardware import detect_machine
     from dflash_cli.setup.planning import PlanOverrides, make_plan
     from dflash_cli.setup.recipes import resolve_recipe
 
     recipe = resolve_recipe(recipe_name if target is None else None, None, target, None)
-    plan = make_plan(detect_machine(), recipe, PlanOverrides(device="cpu", dtype="bfloat16", quant=quant))
+    plan = make_plan(detect_machine(), recipe, PlanOverrides(device="cpu", dtype=dtype, quant=quant))
     model_dir = loading.resolve_ref(recipe.target, "target")
     return loading.load_target(model_dir, plan), loading.load_tokenizer(model_dir, recipe)
 
@@ -69,7 +70,7 @@ def compare(reference: torch.Tensor, other: torch.Tensor, tokens: torch.Tensor) 
 
 
 def measure(models: dict[str, Any], prompts: list[list[int]], tokens: int) -> dict[str, Any]:
-    """The figures above, per model name (the first, "bf16", is the reference), averaged over prompts."""
+    """The figures above, per model name (the first is the reference), averaged over prompts."""
     names = list(models)
     sums: dict[str, dict[str, float]] = {name: {} for name in names}
     identical = dict.fromkeys(names, 0)
@@ -94,7 +95,7 @@ def measure(models: dict[str, Any], prompts: list[list[int]], tokens: int) -> di
 
 def render(results: dict[str, Any], prompts: int, tokens: int) -> str:
     lines = [
-        f"# {prompts} prompts x {tokens} tokens, against the bf16 target's greedy continuation",
+        f"# {prompts} prompts x {tokens} tokens, against the float32 target's greedy continuation",
         "| weights | argmax agreement | mean logprob diff (nats) | mean KL (nats) | identical greedy |",
         "|---|---|---|---|---|",
     ]
@@ -116,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    reference, tokenizer = load(args.recipe, args.target, "none")
-    models = {"bf16": reference, **{q: load(args.recipe, args.target, q)[0] for q in args.quant}}
+    reference, tokenizer = load(args.recipe, args.target, "none", "float32")
+    models = {"fp32": reference, "bf16": load(args.recipe, args.target, "none")[0]}
+    models |= {q: load(args.recipe, args.target, q)[0] for q in args.quant}
     prompts = encoded_prompts(tokenizer, args.prompts)
     results = measure(models, prompts, args.tokens)
     print(render(results, len(prompts), args.tokens))

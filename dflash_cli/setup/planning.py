@@ -244,6 +244,11 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     dtype = overrides.dtype or tuned.get("dtype")
     dtype = normalize_dtype(dtype) if dtype else None
     quant = overrides.quant or tuned.get("quant")
+    if quant in CPU_QUANTS and not overrides.quant and (dtype not in (None, "bfloat16") or not facts.cpu_bf16):
+        # A recipe's CPU format computes in bf16: it yields to a --dtype and to CPUs without bf16 instructions.
+        why = f"--dtype {dtype}" if dtype not in (None, "bfloat16") else "this CPU has no bf16 instructions"
+        reasons.append(f"{recipe_override} ({quant}) skipped: it computes in bf16, and {why}")
+        quant, tuned = None, {k: v for k, v in tuned.items() if k != "quant"}
     if quant is not None and quant not in QUANTS:
         raise DflashError(f"unknown quantization {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
     if quant is not None:

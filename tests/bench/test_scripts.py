@@ -177,6 +177,6 @@ def test_quant_loss_reports_each_format_against_bf16(tiny_qwen3_dir: Path, tmp_p
     table = capsys.readouterr().out
     assert "| int4 |" in table and "| int8 |" in table
     results = json.loads(out.read_text())["results"]
-    assert results["bf16"]["mean_logprob_diff"] == 0 and results["bf16"]["identical_greedy"] == 1
-    for quant in ("int4", "int8"):
+    assert results["fp32"]["mean_logprob_diff"] == 0 and results["fp32"]["identical_greedy"] == 1
+    for quant in ("bf16", "int4", "int8"):
         assert 0 <= results[quant]["argmax_agreement"] <= 1 and results[quant]["mean_kl"] > 0  # it did quantize

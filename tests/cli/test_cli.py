@@ -148,7 +148,7 @@ def test_run_options_feed_the_planner_and_the_sampler() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--quant", "int8"], "none, nf4"),
+        (["--quant", "q8_0"], "none, nf4"),
         (["--dtype", "int4"], "unknown dtype"),
         (["--temperature", "-1"], "--temperature"),
     ],
@@ -336,7 +336,7 @@ TORCH_PROBE = (
         (["chat", "demo", "--device", "banana", "--prompt", "hi"], "unknown device 'banana'"),
         (["chat", "demo", "--device", "cuda:x", "--prompt", "hi"], "unknown device"),
         (["chat", "demo", "--dtype", "banana", "--prompt", "hi"], "unknown dtype"),
-        (["chat", "demo", "--quant", "int8", "--prompt", "hi"], "none, nf4"),
+        (["chat", "demo", "--quant", "q8_0", "--prompt", "hi"], "none, nf4"),
         (["chat", "demo"], "nothing to answer"),  # stdin is /dev/null: not a terminal, and empty
         (["bench", "demo", "--set", "poetry"], "unknown prompt set 'poetry'"),
         (["bench", "demo", "--prompts", "missing.jsonl"], "missing.jsonl does not exist"),

@@ -100,3 +100,18 @@ def test_a_bf16_quantized_target_decodes_with_the_drafter() -> None:
     drafter = random_drafter(target, seed=0, num_layers=1, block_size=4, dtype=torch.bfloat16)
     result = speculative_generate(target, drafter, [3, 14, 15], 16)
     assert len(result.token_ids) == 16 and all(0 <= t < 128 for t in result.token_ids)
+
+
+def test_int4_of_a_dequantized_q4_1_gguf_tensor_is_that_q4_1_tensor() -> None:
+    """GGUF's Q4_1 stores each group of 32 as min + q * (max - min) / 15, so its codes span 0..15 and min-max
+    int4 over the dequantized weights (what the demo's converted checkpoint holds) finds the same groups again."""
+    gguf = pytest.importorskip("gguf")
+    torch.manual_seed(5)
+    weight = (torch.randn(48, 256) * 0.05).numpy()
+    kind = gguf.GGMLQuantizationType.Q4_1
+    dequantized = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weight, kind), kind)).float()
+    linear = nn.Linear(256, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(dequantized)
+    assert not torch.equal(dequantized, torch.from_numpy(weight))  # Q4_1 did round
+    torch.testing.assert_close(Int4Linear.quantize(linear, torch.float32).dequantized(), dequantized, rtol=0, atol=2e-7)

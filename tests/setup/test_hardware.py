@@ -463,3 +463,19 @@ def test_cpu_weight_only_quant_never_estimates_more_than_bf16() -> None:
     bf16 = make_plan(CPU_64, get_recipe("qwen3-8b"), PlanOverrides(dtype="bf16")).estimated_bytes
     int4 = make_plan(CPU_64, get_recipe("qwen3-8b"), PlanOverrides(quant="int4")).estimated_bytes
     assert int4 is not None and bf16 is not None and int4 <= bf16
+
+
+def test_the_demo_runs_int4_on_a_bf16_cpu_and_yields_to_dtype_and_quant_flags() -> None:
+    bf16_cpu = dataclasses.replace(CPU_64, cpu_bf16=True)
+    demo = get_recipe("demo")
+    plan = make_plan(bf16_cpu, demo)
+    assert (plan.dtype, plan.quant) == ("bfloat16", "int4")
+    assert any(r.startswith("quant int4: the recipe's override for cpu") for r in plan.reasons)
+    assert (make_plan(bf16_cpu, demo, PlanOverrides(quant="none")).quant, plan.dtype) == ("none", "bfloat16")
+    fp32 = make_plan(bf16_cpu, demo, PlanOverrides(dtype="fp32"))
+    assert (fp32.dtype, fp32.quant) == ("float32", "none")
+    assert any("(int4) skipped" in r and "--dtype float32" in r for r in fp32.reasons)
+    no_bf16 = make_plan(CPU_64, demo)
+    assert (no_bf16.dtype, no_bf16.quant) == ("float32", "none")
+    assert any("no bf16 instructions" in r for r in no_bf16.reasons)
+    assert make_plan(H100, demo).quant == "none"  # a GPU class: the CPU override does not apply

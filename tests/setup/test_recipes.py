@@ -382,3 +382,12 @@ def test_a_repo_id_where_a_recipe_name_goes_points_at_target() -> None:
 def test_ambiguous_or_missing_model_choice(args: tuple, message: str) -> None:
     with pytest.raises(DflashError, match=message):
         resolve_recipe(*args)
+
+
+def test_a_cpu_quant_override_on_a_gpu_class_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.hopper]\nquant = "int4"\n')
+    with pytest.raises(DflashError, match="gpu_overrides.hopper.quant"):
+        recipe_from_file(path)
+    path.write_text('name = "x"\ndescription = "d"\n[target]\nid = "a/b"\n[gpu_overrides.cpu]\nquant = "int4"\n')
+    assert recipe_from_file(path).gpu_overrides == {"cpu": {"quant": "int4"}}

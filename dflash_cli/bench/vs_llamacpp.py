@@ -110,14 +110,17 @@ def parse_speculative(output: str) -> dict[str, float]:
     return figures | ({"accept": float(accept.group(1)) / 100} if accept else {})
 
 
-def dflash_runner(quant: str | None, speculative: bool, tokens: int, threads: int) -> Callable[[], dict[str, float]]:
-    """One decode of PROMPT through the path `dflash chat demo` takes; returns its decode tokens/s and tau."""
+def dflash_runner(
+    quant: str | None, speculative: bool, prompt_text: str, tokens: int, threads: int
+) -> Callable[[], dict[str, float]]:
+    """One decode of `prompt_text` (chat template applied) through the path `dflash chat demo` takes; returns its
+    decode tokens/s and tau."""
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
 
     options = RunOptions(recipe_name="demo", quant=quant, threads=threads, compile="off", no_spec=not speculative)
     session = open_session(options)
-    prompt = session.encode_chat([{"role": "user", "content": PROMPT}])
+    prompt = session.encode_prompt(prompt_text)
     params = session.sampling_params(options, max_new_tokens=tokens, stop_token_ids=())
 
     def once() -> dict[str, float]:
@@ -178,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     drafter_gguf = convert(source, drafter_dir, work / "demo-drafter-bf16.gguf", target_dir)
     target_q4 = cache_root() / "downloads" / Path(demo.target.gguf_fallback["file"]).name  # what the demo ships
 
+    from dflash_cli.loading.models import load_tokenizer
+
+    # Both tools read the same text: the chat template rendered once (llama.cpp's example takes a raw prompt).
+    prompt_text = load_tokenizer(target_dir).apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
     threads = str(args.threads)
     configs: dict[str, Callable[[], dict[str, float]]] = {}
     for name, gguf in (("bf16", target_bf16), ("Q4_1", target_q4)):
@@ -186,16 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         configs[f"llama.cpp plain {name}"] = lambda cmd=cmd: {"tok_s": parse_llama_bench(run(cmd).stdout)}
     for n_max in args.draft_max:
         cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(target_bf16), "-md", str(drafter_gguf),
-               "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max), "-p", PROMPT, "-n", str(args.tokens),
-               "-t", threads, "-td", threads, "--temp", "0", "-no-cnv"]  # fmt: skip
+               "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max), "-p", prompt_text, "-n",
+               str(args.tokens), "-t", threads, "-td", threads, "--temp", "0", "--ignore-eos"]  # fmt: skip
         configs[f"llama.cpp dflash n_max={n_max}"] = lambda cmd=cmd: parse_speculative(
             (lambda done: done.stdout + done.stderr)(run(cmd))
         )
     log("loading dflash's configurations")
-    configs["dflash plain bf16"] = dflash_runner("none", False, args.tokens, args.threads)
-    configs["dflash plain int4"] = dflash_runner("int4", False, args.tokens, args.threads)
-    configs["dflash dflash bf16"] = dflash_runner("none", True, args.tokens, args.threads)
-    configs["dflash dflash default"] = dflash_runner(None, True, args.tokens, args.threads)
+    configs["dflash plain bf16"] = dflash_runner("none", False, prompt_text, args.tokens, args.threads)
+    configs["dflash plain int4"] = dflash_runner("int4", False, prompt_text, args.tokens, args.threads)
+    configs["dflash dflash bf16"] = dflash_runner("none", True, prompt_text, args.tokens, args.threads)
+    configs["dflash dflash default"] = dflash_runner(None, True, prompt_text, args.tokens, args.threads)
 
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for round_ in range(args.rounds):

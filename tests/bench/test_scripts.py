@@ -180,3 +180,17 @@ def test_quant_loss_reports_each_format_against_bf16(tiny_qwen3_dir: Path, tmp_p
     assert results["fp32"]["mean_logprob_diff"] == 0 and results["fp32"]["identical_greedy"] == 1
     for quant in ("bf16", "int4", "int8"):
         assert 0 <= results[quant]["argmax_agreement"] <= 1 and results[quant]["mean_kl"] > 0  # it did quantize
+
+
+def test_vs_llamacpp_reads_both_llama_cpp_outputs() -> None:
+    """The two lines of llama.cpp's output the side-by-side reads, in the formats of its sources (llama-bench's
+    JSON records; speculative-simple.cpp's `decoded %4d tokens in %8.3f seconds, speed: %8.3f t/s`)."""
+    from dflash_cli.bench import vs_llamacpp
+
+    bench = [{"n_prompt": 0, "n_gen": 128, "avg_ts": 101.5, "stddev_ts": 1.2}]
+    assert vs_llamacpp.parse_llama_bench(json.dumps(bench)) == 101.5
+    log = "encoded   31 tokens in    0.101 seconds, speed:  306.9 t/s\n"
+    log += "decoded  128 tokens in    1.600 seconds, speed:   80.000 t/s\n\nn_draft   = 3\naccept    = 41.250%\n"
+    assert vs_llamacpp.parse_speculative(log) == {"tokens": 128.0, "tok_s": 80.0, "accept": 0.4125}
+    with pytest.raises(RuntimeError, match="no speed line"):
+        vs_llamacpp.parse_speculative("error: unknown argument")

@@ -138,3 +138,15 @@ def quantize_linears(model: nn.Module, kind: str, dtype: torch.dtype, skip: Iter
                 setattr(parent, name, layer.quantize(child, dtype))
                 replaced += 1
     return replaced
+
+
+def quantize_target(target: nn.Module, kind: str, dtype: torch.dtype) -> int:
+    """`quantize_linears` for a transformers causal LM, its output head in int8 whatever `kind`: GGUF's 4-bit
+    files keep their output matrix at 6-8 bits (the demo's is Q8_0), and a 4-bit head is where 4 bits cost the
+    most quality (docs/benchmarks.md). Returns how many linears were replaced."""
+    head = target.get_output_embeddings()
+    replaced = quantize_linears(target, kind, dtype, skip=[head] if head is not None else [])
+    if head is not None and quantizable(head, "int8"):
+        target.set_output_embeddings(Int8Linear.quantize(head, dtype))
+        replaced += 1
+    return replaced

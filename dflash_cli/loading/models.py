@@ -191,10 +191,10 @@ def load_target(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
         ) from None
     if plan.quant in CPU_QUANTS:
-        from dflash_cli.engine.quantized import quantize_linears
+        from dflash_cli.engine.quantized import quantize_target
 
         with _loading_display(console, f"quantizing {name} to {plan.quant}"):
-            quantize_linears(model, plan.quant, plan.torch_dtype)
+            quantize_target(model, plan.quant, plan.torch_dtype)
     note = kernel_note(model, plan.device)
     if note and console is not None:
         console.print(f"[dim]{note}[/dim]")

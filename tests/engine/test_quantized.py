@@ -8,7 +8,14 @@ import transformers
 from torch import nn
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine.quantized import GROUP_SIZE, Int4Linear, Int8Linear, quantizable, quantize_linears
+from dflash_cli.engine.quantized import (
+    GROUP_SIZE,
+    Int4Linear,
+    Int8Linear,
+    quantizable,
+    quantize_linears,
+    quantize_target,
+)
 from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
 from helpers.drafters import FORMATS, random_drafter
 from helpers.tiny_models import hf_greedy
@@ -68,13 +75,15 @@ def test_only_cpu_linears_of_packable_shapes_are_quantized() -> None:
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_a_tied_head_is_quantized_as_its_own_copy_and_the_bytes_shrink(kind: str) -> None:
+def test_a_tied_head_is_quantized_as_its_own_int8_copy_and_the_bytes_shrink(kind: str) -> None:
     model = quantizable_tiny(2, tied=True)
     embedding = model.get_input_embeddings().weight.detach().clone()
     before = module_weight_bytes(model)
-    assert quantize_linears(model, kind, torch.float32) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    assert quantize_target(model, kind, torch.float32) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
     assert torch.equal(model.get_input_embeddings().weight, embedding)  # the embedding keeps its float table
-    assert isinstance(model.get_output_embeddings(), Int4Linear if kind == "int4" else Int8Linear)
+    layer = Int4Linear if kind == "int4" else Int8Linear
+    assert isinstance(model.model.layers[1].mlp.down_proj, layer)
+    assert isinstance(model.get_output_embeddings(), Int8Linear)  # 8 bits for the head, as GGUF's 4-bit files do
     after = module_weight_bytes(model)
     assert 0 < after < before
     # a decode step reads the quantized head and one embedding row (no longer the same tensor)
@@ -86,7 +95,7 @@ def test_a_tied_head_is_quantized_as_its_own_copy_and_the_bytes_shrink(kind: str
 def test_speculative_greedy_on_a_quantized_target_equals_its_own_greedy(kind: str, fmt: str) -> None:
     """Lossless against the quantized target itself (float32 activations: exact comparisons)."""
     target = quantizable_tiny(3)
-    quantize_linears(target, kind, torch.float32)
+    quantize_target(target, kind, torch.float32)
     for seed, prompt in enumerate(([3, 14, 15, 92, 65], [1, 2, 3], [7] * 12)):
         drafter = random_drafter(target, seed=seed, num_layers=1, block_size=4, fmt=fmt)
         result = speculative_generate(target, drafter, prompt, 24)
@@ -96,7 +105,7 @@ def test_speculative_greedy_on_a_quantized_target_equals_its_own_greedy(kind: st
 def test_a_bf16_quantized_target_decodes_with_the_drafter() -> None:
     """The dtype the planner runs them in: the drafter reads the quantized head in the embedding's dtype."""
     target = quantizable_tiny(4).to(torch.bfloat16)
-    quantize_linears(target, "int4", torch.bfloat16)
+    quantize_target(target, "int4", torch.bfloat16)
     drafter = random_drafter(target, seed=0, num_layers=1, block_size=4, dtype=torch.bfloat16)
     result = speculative_generate(target, drafter, [3, 14, 15], 16)
     assert len(result.token_ids) == 16 and all(0 <= t < 128 for t in result.token_ids)

@@ -92,7 +92,8 @@ def test_cpu_weight_only_quant_loads_packed_linears_in_bf16(tiny_qwen3_dir: Path
 
     model = load_target(tiny_qwen3_dir, cpu_plan("bfloat16", quant))
     kind = Int4Linear if quant == "int4" else Int8Linear
-    assert sum(isinstance(m, kind) for m in model.modules()) == 2 * 7 + 1  # every projection and the head
+    assert sum(isinstance(m, kind) for m in model.modules()) == 2 * 7 + (quant == "int8")  # each projection
+    assert isinstance(model.get_output_embeddings(), Int8Linear)  # and the head, in 8 bits
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16
     reference = load_target(tiny_qwen3_dir, cpu_plan("bfloat16"))
     ids = torch.tensor([[5, 17, 99, 3, 250, 42]])

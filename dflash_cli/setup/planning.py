@@ -307,8 +307,8 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         quant_why = f"the {first} weights do not fit (~{gb(estimates[0][2] or 0)} in all)"
     detail = {
         "nf4": f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute",
-        "int4": "; weight-only 4-bit in groups of 32 (torch's packed CPU kernel), bf16 compute; the embedding "
-        "stays bf16",
+        "int4": "; weight-only 4-bit in groups of 32 (torch's packed CPU kernel), bf16 compute; the output head "
+        "int8 and the embedding bf16",
         "int8": "; weight-only 8-bit per output channel (torch's packed CPU kernel), bf16 compute; the embedding "
         "stays bf16",
         "fp8": f"; the published FP8 checkpoint {recipe.checkpoints['fp8'].id if 'fp8' in recipe.checkpoints else ''}",

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dflash_cli.engine.grammar import GrammarState
 from dflash_cli.engine.stats import GenerationStats
 from dflash_cli.engine.text import TextStream
 from dflash_cli.errors import DflashError
@@ -59,6 +60,7 @@ class Generation:
         device: torch.device,
         tokenizer: Any = None,
         adaptive: bool = False,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         if not self.prompt_ids:
@@ -76,6 +78,7 @@ class Generation:
                 )
             self.max_new = min(self.max_new, context_window - len(self.prompt_ids))
         self.params = params
+        self.grammar = grammar  # the output constraint's state over the committed tokens (engine.grammar)
         self.block_size = block_size
         self.stop_ids = frozenset(params.stop_token_ids)
         self.text = TextStream(tokenizer, params.stop_strings)
@@ -115,6 +118,10 @@ class Generation:
             if token in self.stop_ids:
                 ids, finish = ids[: i + 1], "stop"
                 break
+        if self.grammar is not None:
+            ids = ids[: self.grammar.accept(ids)]
+            if self.grammar.terminated:  # the constrained output is complete (its end token included)
+                finish = "stop"
         if finish is None and self.stats.generated_tokens + len(ids) >= self.max_new:
             ids, finish = ids[: self.max_new - self.stats.generated_tokens], "length"
         delta, stop_string_at = self.text.push(ids)

@@ -1,0 +1,116 @@
+"""Constrained decoding (response_format, forced tool calls), exact under speculation.
+
+A row with a grammar keeps an xgrammar matcher over its committed tokens. Before a verify's logits are sampled,
+every position of the row's block is masked with the grammar's state after the block's preceding tokens: the
+matcher advances over the drafts, filling one bitmask row per position, then rolls back; after the step it
+accepts the committed tokens. A draft the grammar rejects ends the masks there: the target's masked choice before
+it cannot equal it, so nothing after it is committed. Sampling then runs on the masked logits as plain decoding
+does (the same loop with a block of 1), so a row decodes exactly what constrained plain decoding would: token for
+token at temperature 0, in distribution above it.
+
+xgrammar rather than llguidance, measured on the demo's tokenizer (49k tokens, 2-core CPU, a 3-field schema):
+masks 0.01-0.03 ms a position against llguidance's 0.05-0.1 ms, schema compile 5-12 ms, a matcher with native
+rollback; llguidance's first mask on a tokenizer took ~2 s. It is also what vLLM and SGLang use.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.protocol.params import Grammar
+
+# JSON is constrained to one layout, `{"a": 1, "b": [2, 3]}` (OpenAI's own): free whitespace lets small models loop
+# on newlines inside an object until max_tokens.
+JSON_LAYOUT = dict(any_whitespace=False)
+
+
+@functools.cache
+def _compiler(tokenizer: Any, vocab_size: int) -> Any:
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    return xgrammar.GrammarCompiler(info, max_threads=1)
+
+
+def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
+    """The compiled grammar (xgrammar caches them per tokenizer). Raises RequestError naming `grammar.field` for a
+    schema or tool format the grammar library cannot take."""
+    if tokenizer is None:
+        raise DflashError("a grammar (response_format or a forced tool call) needs the model's tokenizer")
+    compiler = _compiler(tokenizer, vocab_size)
+    try:
+        if grammar.kind == "json":
+            return compiler.compile_json_schema('{"type": "object"}', **JSON_LAYOUT)
+        if grammar.kind == "json_schema":
+            return compiler.compile_json_schema(grammar.source, **JSON_LAYOUT)
+        if grammar.kind == "structural_tag":
+            return compiler.compile_structural_tag(grammar.source)
+    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's errors for schemas it does not support
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise RequestError(
+            f"{grammar.field}: the grammar library cannot use this: {reason}", param=grammar.field
+        ) from None
+    raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+
+
+class GrammarState:
+    """One row's matcher and its bitmask buffer (a row per block position). `stop_ids` end the grammar (the
+    row's own stop tokens; empty: the tokenizer's end of sequence)."""
+
+    def __init__(self, compiled: Any, *, block_size: int, vocab_size: int, stop_ids: Sequence[int] = ()) -> None:
+        import xgrammar
+
+        self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None)
+        self.bitmask = xgrammar.allocate_token_bitmask(block_size, vocab_size)
+        self.vocab_size = vocab_size
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def mask(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> None:
+        """Mask `logits` [n, vocab] in place: row j with the grammar's state after drafts[:j] (n - 1 drafts). Rows
+        past a draft the grammar rejects stay as they are: they cannot be committed."""
+        import xgrammar
+
+        filled = advanced = 0
+        for j in range(logits.shape[0]):
+            if j:
+                # (a draft outside the previous position's mask is rejected here, before the matcher sees it)
+                if not self._allows(j - 1, drafts[j - 1]) or not self.matcher.accept_token(drafts[j - 1]):
+                    break
+                advanced += 1
+                if self.matcher.is_terminated():  # nothing follows the grammar's end
+                    break
+            self.matcher.fill_next_token_bitmask(self.bitmask, j)
+            filled += 1
+        self.matcher.rollback(advanced)
+        bitmask = self.bitmask[:filled].to(logits.device, non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(
+            logits[:filled], bitmask, vocab_size=min(self.vocab_size, logits.shape[-1])
+        )
+
+    def _allows(self, row: int, token: int) -> bool:
+        return token < self.vocab_size and bool((int(self.bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+    def accept(self, ids: Sequence[int]) -> int:
+        """Advance over committed `ids`; returns how many of them stand (up to the one that ends the grammar)."""
+        for n, token in enumerate(ids):
+            if self.matcher.is_terminated():
+                return n
+            if not self.matcher.accept_token(token):  # masking makes this unreachable; say so rather than drift
+                raise RuntimeError(f"the grammar rejected committed token {token}")
+        return len(ids)
+
+
+def grammar_state(params: Any, tokenizer: Any, *, block_size: int, vocab_size: int) -> GrammarState | None:
+    """The row's grammar state for `params.grammar` (None without one)."""
+    if params.grammar is None:
+        return None
+    compiled = compile_grammar(params.grammar, tokenizer, vocab_size)
+    return GrammarState(compiled, block_size=block_size, vocab_size=vocab_size, stop_ids=params.stop_token_ids)

@@ -1,0 +1,166 @@
+"""Constrained decoding under speculation is exactly constrained plain decoding.
+
+A tiny float32 Qwen3 with the real byte-level tokenizer, a JSON schema: greedy rows with every drafter format (and an
+oracle drafter that drafts the constrained answer right for a varying number of slots, so blocks are accepted in
+part) equal the same loop without a drafter, alone and in a batch beside unconstrained rows; every output parses
+and validates; at temperature > 0 the first tokens' frequencies match the target's masked distribution
+(chi-square), computed here from the model's own logits and the grammar's masks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jsonschema
+import pytest
+import torch
+import xgrammar
+from scipy.stats import chisquare
+
+from dflash_cli.engine import Batch, SamplingParams, collect, generate
+from dflash_cli.engine.grammar import compile_grammar
+from dflash_cli.errors import RequestError
+from dflash_cli.protocol.params import Grammar
+from helpers.drafters import FORMATS, OracleDrafter, random_drafter
+from helpers.tiny_models import build_tiny, tiny_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+    },
+    "required": ["ok", "n", "tag", "name"],
+    "additionalProperties": False,
+}
+GRAMMAR = Grammar("json_schema", json.dumps(SCHEMA))
+PROMPTS = ["Hello! How can I help", "The quick brown fox", "def add(a, b):"]
+
+
+@functools.cache
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@functools.cache
+def target(seed: int = 1):
+    model = build_tiny("qwen3", seed=seed)
+    with torch.no_grad():  # sharper than random init: varied text, few near-ties
+        model.get_output_embeddings().weight.mul_(4)
+    return model
+
+
+def params(grammar: Grammar | None = GRAMMAR, **changes) -> SamplingParams:
+    return SamplingParams(
+        **{"max_new_tokens": 80, "stop_token_ids": (tokenizer().eos_token_id,), "grammar": grammar, **changes}
+    )
+
+
+def decode(drafter, prompt: str, sampling: SamplingParams, block_size: int | None = None):
+    ids = tokenizer()(prompt)["input_ids"]
+    return collect(generate(target(), drafter, ids, sampling, tokenizer=tokenizer(), block_size=block_size))
+
+
+def test_plain_constrained_output_is_complete_json_that_validates() -> None:
+    for prompt in PROMPTS:
+        result = decode(None, prompt, params())
+        assert result.finish_reason == "stop"
+        jsonschema.validate(json.loads(result.text), SCHEMA)
+        unconstrained = decode(None, prompt, params(grammar=None, max_new_tokens=20))
+        assert not unconstrained.text.startswith("{")  # the grammar, not the model, made it JSON
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_with_each_drafter_format_equals_constrained_plain(fmt: str, block_size: int) -> None:
+    drafter = random_drafter(target(), seed=block_size, block_size=block_size, fmt=fmt, window=3)
+    for prompt in PROMPTS:
+        plain = decode(None, prompt, params())
+        spec = decode(drafter, prompt, params())
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
+        jsonschema.validate(json.loads(spec.text), SCHEMA)
+
+
+@pytest.mark.parametrize("correct", [None, [0, 1, 3, 7, 2], [5, 0]])
+def test_partly_accepted_blocks_roll_the_grammar_back(correct) -> None:
+    """An oracle drafts the constrained answer right for `correct` slots, then a wrong token (often one the grammar
+    rejects): acceptance varies, and the matcher advances over drafts and rolls back over the rejected ones."""
+    for prompt in PROMPTS:
+        ids = tokenizer()(prompt)["input_ids"]
+        plain = decode(None, prompt, params())
+        drafter = OracleDrafter(target(), ids + plain.token_ids, block_size=8, correct=correct)
+        spec = decode(drafter, prompt, params())
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
+        if correct is None:
+            assert max(spec.acceptance_lengths) == 8  # whole blocks stood: the drafts went through the matcher
+
+
+def test_batched_rows_with_and_without_grammars_equal_each_alone() -> None:
+    drafter = random_drafter(target(), seed=3, block_size=4, fmt="classic")
+    requests = [(p, params()) for p in PROMPTS] + [(PROMPTS[0], params(grammar=None, max_new_tokens=30))]
+    requests.append((PROMPTS[1], params(grammar=Grammar("json"), max_new_tokens=40)))
+    alone = [decode(drafter, p, sampling).token_ids for p, sampling in requests]
+    batch = Batch(target(), drafter, rows=3, tokenizer=tokenizer())
+    got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    try:
+        for i, (prompt, sampling) in enumerate(requests):
+            batch.add(tokenizer()(prompt)["input_ids"], sampling, key=i)
+        while not batch.idle:
+            for row, event in batch.step():
+                assert not isinstance(event, BaseException), event
+                got[row.key] += event.token_ids
+    finally:
+        batch.close()
+    assert [got[i] for i in range(len(requests))] == alone
+    assert isinstance(json.loads(tokenizer().decode(got[4], skip_special_tokens=True)), dict)
+
+
+def _masked_probs(ids: list[int], matcher, temperature: float) -> torch.Tensor:
+    bitmask = xgrammar.allocate_token_bitmask(1, target().config.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    with torch.no_grad():
+        logits = target()(torch.tensor([ids])).logits[0, -1:].float()
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+    return torch.softmax(logits[0] / temperature, dim=-1)
+
+
+def test_sampling_under_a_grammar_has_the_targets_masked_distribution() -> None:
+    """Chi-square on the first two tokens under `"n": integer` style output: frequencies from speculative sampling
+    (one seed per run) against the exact masked distribution from the model's logits."""
+    schema = {"type": "integer"}
+    grammar = Grammar("json_schema", json.dumps(schema))
+    prompt = tokenizer()("What is 2 + 2? The answer is")["input_ids"]
+    temperature, runs = 1.5, 600
+    compiled = compile_grammar(grammar, tokenizer(), target().config.vocab_size)
+    exact: dict[tuple[int, int], float] = {}
+    first = _masked_probs(prompt, xgrammar.GrammarMatcher(compiled), temperature)
+    for a in torch.nonzero(first).flatten().tolist():
+        matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=[tokenizer().eos_token_id])
+        assert matcher.accept_token(a)
+        second = _masked_probs(prompt + [a], matcher, temperature)
+        for b in torch.nonzero(second).flatten().tolist():
+            exact[(a, b)] = first[a].item() * second[b].item()
+    drafter = random_drafter(target(), seed=0, block_size=4)
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(runs):
+        sampling = params(grammar, temperature=temperature, seed=seed, max_new_tokens=2)
+        pair = tuple(collect(generate(target(), drafter, prompt, sampling, tokenizer=tokenizer())).token_ids)
+        assert pair in exact, pair  # a pair the masks allow
+        counts[pair] = counts.get(pair, 0) + 1
+    # categories with >= 5 expected draws, the rest pooled
+    keys = sorted(exact, key=exact.get, reverse=True)
+    big = [k for k in keys if exact[k] * runs >= 5]
+    observed = [counts.get(k, 0) for k in big] + [runs - sum(counts.get(k, 0) for k in big)]
+    expected = [exact[k] * runs for k in big] + [runs * (1 - sum(exact[k] for k in big))]
+    assert len(big) >= 4
+    assert chisquare(observed, expected).pvalue > 0.001
+
+
+def test_a_schema_the_grammar_library_rejects_names_the_field() -> None:
+    bad = Grammar("json_schema", '{"type": "object", "properties": {"a": {"type": "strnig"}}}', "response_format")
+    with pytest.raises(RequestError) as caught:
+        compile_grammar(bad, tokenizer(), target().config.vocab_size)
+    assert caught.value.param == "response_format"

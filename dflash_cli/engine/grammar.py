@@ -16,6 +16,8 @@ rollback; llguidance's first mask on a tokenizer took ~2 s. It is also what vLLM
 from __future__ import annotations
 
 import functools
+import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +29,7 @@ from dflash_cli.protocol.params import Grammar
 # JSON is constrained to one layout, `{"a": 1, "b": [2, 3]}` (OpenAI's own): free whitespace lets small models loop
 # on newlines inside an object until max_tokens.
 JSON_LAYOUT = dict(any_whitespace=False)
+JSON_WHITESPACE = 1  # the same bound inside tool-call arguments (the format's own structure sets the rest)
 
 
 @functools.cache
@@ -48,14 +51,45 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
             return compiler.compile_json_schema('{"type": "object"}', **JSON_LAYOUT)
         if grammar.kind == "json_schema":
             return compiler.compile_json_schema(grammar.source, **JSON_LAYOUT)
-        if grammar.kind == "structural_tag":
-            return compiler.compile_structural_tag(grammar.source)
+        if grammar.kind == "tool_calls":
+            return compiler.compile_structural_tag(_tool_call_tag(grammar.source))
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's errors for schemas it does not support
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # (xgrammar's time and source line)
         raise RequestError(
             f"{grammar.field}: the grammar library cannot use this: {reason}", param=grammar.field
         ) from None
     raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+
+
+def _tool_call_tag(source: str) -> str:
+    """xgrammar's structural tag for a forced tool call in the model's format (`source`: the format's xgrammar name,
+    the tools, the choice: "required" or a function's name, and whether calls may be parallel)."""
+    import xgrammar
+
+    spec = json.loads(source)
+    choice = spec["choice"]
+    if choice != "required":
+        choice = {"type": "function", "function": {"name": choice}}
+    tag = xgrammar.get_model_structural_tag(
+        spec["format"],
+        tools=spec["tools"],
+        tool_choice=choice,
+        reasoning="disabled",
+        max_whitespace_cnt=JSON_WHITESPACE,
+        parallel_tool_calls=spec["parallel"],
+    )
+    tag = json.loads(tag.model_dump_json())
+    calls = tag["format"]
+    if calls["type"] == "triggered_tags":  # (text may come first there; a forced reply opens with its call)
+        tag["format"] = {
+            "type": "tags_with_separator",
+            "tags": calls["tags"],
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": calls["stop_after_first"],
+        }
+    return json.dumps(tag)
 
 
 class GrammarState:

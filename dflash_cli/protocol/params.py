@@ -60,8 +60,8 @@ BY_KEY: dict[str, Field] = {name: field for field in FIELDS for name in (field.k
 @dataclass(frozen=True)
 class Grammar:
     """An output constraint, torch-free (engine.grammar compiles it). `kind`: "json" (any JSON object),
-    "json_schema" (`source`: the schema as JSON text) or "structural_tag" (`source`: an xgrammar structural tag as
-    JSON text: a tool-call format). `field` is the request field it came from, as the user wrote it (for errors)."""
+    "json_schema" (`source`: the schema as JSON text) or "tool_calls" (`source`: JSON text of the model's
+    tool-call format, the tools, the choice and whether calls may be parallel: a forced tool call). `field` is the request field it came from, as the user wrote it (for errors)."""
 
     kind: str
     source: str = ""

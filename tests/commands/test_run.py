@@ -164,7 +164,7 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
             "body.max_tokens must be >= 1",
         ),
         ({"prompt": "x", "temperature": 1e999}, "invalid_request", "temperature must be a finite number"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_request", "messages[0].role must be system"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "invalid_request", "messages[0].role must be system"),
         ({"prompt_ids": [1, -2]}, "invalid_request", "prompt_ids must be a non-empty list of token ids"),
         ({"prompt": "x", "logprobs": True}, "invalid_request", "logprobs are not supported"),
         ({"prompt": "x", "top_p": 2}, "invalid_request", "top_p"),

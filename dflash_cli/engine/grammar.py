@@ -129,6 +129,30 @@ class GrammarState:
             logits[:filled], bitmask, vocab_size=min(self.vocab_size, logits.shape[-1])
         )
 
+    def draft(self, logits: torch.Tensor) -> torch.Tensor:
+        """A drafter's proposal under the grammar: from its logits [k, vocab] for the k slots after the row's last
+        committed token, slot j's most likely token the grammar allows after the proposal's slots before it. It
+        only changes which drafts the target checks (speed), never what is committed."""
+        import xgrammar
+
+        tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        advanced = 0
+        for j in range(logits.shape[0]):
+            self.matcher.fill_next_token_bitmask(self.bitmask, j)
+            row = logits[j : j + 1]
+            xgrammar.apply_token_bitmask_inplace(
+                row, self.bitmask[j : j + 1].to(row.device), vocab_size=self.vocab_size
+            )
+            token = int(row.argmax())
+            tokens[j:] = token
+            if not self.matcher.accept_token(token):
+                break
+            advanced += 1
+            if self.matcher.is_terminated():
+                break
+        self.matcher.rollback(advanced)
+        return tokens
+
     def _allows(self, row: int, token: int) -> bool:
         return token < self.vocab_size and bool((int(self.bitmask[row, token // 32]) >> (token % 32)) & 1)
 

@@ -243,11 +243,17 @@ class Batch:
         if drafting and self.draft_slots is None:  # one row: its own cache (and compiled step)
             (i,) = drafting
             # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
+            grammar = rows[i].generation.grammar  # (drafts chosen under the row's grammar: more of them stand)
             block_ids[i, 1 : sizes[i]] = drafter.propose(
-                features, block_ids[i, : sizes[i]][None], [starts[i]], rows[i].draft_cache
+                features,
+                block_ids[i, : sizes[i]][None],
+                [starts[i]],
+                rows[i].draft_cache,
+                **({"constraints": [grammar]} if grammar is not None else {}),
             )[0]
         elif drafting:  # one forward for every drafting row, blocks padded to the widest
             wide = max(sizes[i] for i in drafting)
+            grammars = [rows[i].generation.grammar for i in drafting]
             blocks = block_ids[:, :wide] if len(drafting) == len(rows) else block_ids[drafting, :wide]
             proposals = drafter.propose(
                 features,
@@ -256,6 +262,7 @@ class Batch:
                 self.draft_slots,
                 sizes=[sizes[i] for i in drafting],
                 slots=[rows[i].slot for i in drafting],
+                **({"constraints": grammars} if any(grammars) else {}),
             )
             for proposal, i in zip(proposals, drafting):
                 block_ids[i, 1 : sizes[i]] = proposal[: sizes[i] - 1]

@@ -114,6 +114,9 @@ class Generation:
         """Apply the stop conditions to newly committed ids and make the step event. `verified`: the ids came
         from a verify step (the prefill's first token has no acceptance length) of `block_size` tokens."""
         finish = None
+        # The limit first: a stop token a block commits past it is one plain decoding never makes.
+        if self.stats.generated_tokens + len(ids) >= self.max_new:
+            ids, finish = ids[: self.max_new - self.stats.generated_tokens], "length"
         for i, token in enumerate(ids):
             if token in self.stop_ids:
                 ids, finish = ids[: i + 1], "stop"
@@ -122,8 +125,6 @@ class Generation:
             ids = ids[: self.grammar.accept(ids)]
             if self.grammar.terminated:  # the constrained output is complete (its end token included)
                 finish = "stop"
-        if finish is None and self.stats.generated_tokens + len(ids) >= self.max_new:
-            ids, finish = ids[: self.max_new - self.stats.generated_tokens], "length"
         delta, stop_string_at = self.text.push(ids)
         if stop_string_at is not None:
             ids, finish = ids[:stop_string_at], "stop"

@@ -164,3 +164,22 @@ def test_a_schema_the_grammar_library_rejects_names_the_field() -> None:
     with pytest.raises(RequestError) as caught:
         compile_grammar(bad, tokenizer(), target().config.vocab_size)
     assert caught.value.param == "response_format"
+
+
+def test_drafts_chosen_under_the_grammar_stand_more_often_and_change_nothing() -> None:
+    """The drafter's proposal is picked under the row's grammar: the same tokens come out, more drafts stand."""
+    from dflash_cli.engine.drafter import DFlashDrafter
+
+    class Unconstrained(DFlashDrafter):
+        def propose(self, *args, constraints=None, **kwargs):
+            return super().propose(*args, **kwargs)
+
+    drafter = random_drafter(target(), seed=5, block_size=8)
+    plain = Unconstrained(drafter.config, target()).eval()
+    plain.load_state_dict(drafter.state_dict())
+    taus = []
+    for proposer in (plain, drafter):
+        results = [decode(proposer, prompt, params()) for prompt in PROMPTS]
+        taus.append(sum(len(r.token_ids) for r in results) / sum(len(r.acceptance_lengths) for r in results))
+        assert [r.token_ids for r in results] == [decode(None, p, params()).token_ids for p in PROMPTS]
+    assert taus[1] > taus[0] + 0.5, taus

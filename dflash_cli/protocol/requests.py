@@ -532,8 +532,10 @@ def read_prompt_file(path: str | Path, command: str) -> list[Request]:
         more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
         raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=PROMPT_FILE_FIX)
     for prompt in parsed.requests:
-        if prompt.sampling or prompt.endpoint is not None:
-            what = ", ".join(field.key for field in FIELDS if field.attr in prompt.sampling) or "an OpenAI batch line"
+        if prompt.sampling or prompt.endpoint is not None or prompt.tools is not None:
+            keys = [field.key for field in FIELDS if field.attr in prompt.sampling]
+            keys += ["response_format"] * ("grammar" in prompt.sampling) + ["tools"] * (prompt.tools is not None)
+            what = ", ".join(keys) or "an OpenAI batch line"
             raise DflashError(
                 f"{path}:{prompt.line}: sets {what}, but `dflash {command}` runs every prompt with the same settings",
                 fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",

@@ -724,3 +724,47 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
     assert {i: r["text"] for i, r in records.items()} == expected
     (error,) = read_jsonl(tmp_path / "p.errors.jsonl")
     assert error["id"] == "huge" and "out of memory" in error["error"]["message"]
+
+
+def test_response_format_lines_give_json_that_validates_and_bad_schemas_are_named(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    lines = [
+        {
+            "custom_id": "batch",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 40,
+                "response_format": response_format,
+            },
+        },
+        {
+            "id": "plain",
+            "messages": [{"role": "user", "content": "Hey"}],
+            "max_tokens": 40,
+            "response_format": response_format,
+        },
+        {
+            "id": "bad",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}},
+        },
+    ]
+    summary = run_with(session, options, write_lines(tmp_path / "p.jsonl", lines))
+    assert summary.failed == 1
+    records = {result_id(r): r for r in read_jsonl(tmp_path / "p.out.jsonl")}
+    body = records["batch"]["response"]["body"]
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+    jsonschema.validate(json.loads(records["plain"]["text"]), schema)
+    (error,) = read_jsonl(tmp_path / "p.errors.jsonl")
+    assert error["id"] == "bad" and "response_format.json_schema.schema" in error["error"]["message"]

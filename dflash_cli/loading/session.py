@@ -21,7 +21,7 @@ from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
 from dflash_cli.protocol.requests import Request
-from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply
+from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply, template_format
 from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import Plan, block_size_note, make_plan
@@ -174,9 +174,12 @@ class Session:
 
     @property
     def tool_format(self) -> str | None:
-        """The format this model writes tool calls in: the recipe's, or hermes where the template renders no tools
-        (we render them, in that format); None: unknown, tools are refused."""
-        return self.recipe.tool_parser if self.renders_tools else "hermes"
+        """The format this model writes tool calls in: the recipe's, else the one its template renders calls in,
+        or hermes where the template renders no tools (we render them, in that format); None: unknown, tools are
+        refused."""
+        if not self.renders_tools:
+            return "hermes"
+        return self.recipe.tool_parser or template_format(self.tokenizer.chat_template)
 
     def request_params(self, options: RunOptions, request: Request) -> SamplingParams:
         """A request's sampling params (its fields over the options') with its grammar (response_format, or the

@@ -312,6 +312,22 @@ class Harmony(ToolFormat):
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Qwen3Coder(), Llama3Json(), Gemma4(), Harmony())}
 
 
+# What a chat template writes for a tool call, most specific first: a template names its own format.
+TEMPLATE_SIGNS = (
+    ("to=functions.", "harmony"),
+    ("<|tool_call>", "gemma4"),
+    ("<function=", "qwen3_coder"),
+    ("<tool_call>", "hermes"),
+    ("<|python_tag|>", "llama3_json"),
+)
+
+
+def template_format(template: str) -> str | None:
+    """The tool-call format a chat template renders calls in (for a model whose recipe names none); None: not
+    one of ours."""
+    return next((name for sign, name in TEMPLATE_SIGNS if sign in template), None)
+
+
 def parse_reply(text: str, tools: Tools, format: str) -> tuple[str | None, list[ToolCall]]:
     """A whole reply as (content, tool_calls): content None when the reply is only calls (OpenAI's shape)."""
     content, calls = FORMATS[format].parse(text, tools)

@@ -234,3 +234,13 @@ def test_hermes_fallback_puts_tools_in_the_system_message_and_results_in_user_tu
 def test_a_last_call_cut_off_by_max_tokens_leaves_the_complete_ones() -> None:
     text = render("hermes", CALLS[:1]) + '\n<tool_call>\n{"name": "get_ti'
     assert [c.name for c in parse_reply(text, TOOLS, "hermes")[1]] == ["get_weather"]
+
+
+def test_a_template_names_its_own_tool_call_format() -> None:
+    from dflash_cli.protocol.tools import template_format
+
+    for fmt, section in SECTIONS.items():
+        if fmt != "llama3_json":  # (Llama 3.1's custom-tool JSON has no sign; its template's is the python tag)
+            assert template_format("{% if tools %}...{% endif %}" + section) == fmt
+    assert template_format("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
+    assert template_format("{% for message in messages %}{{ message.content }}{% endfor %}") is None

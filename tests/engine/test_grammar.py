@@ -98,8 +98,9 @@ def test_partly_accepted_blocks_roll_the_grammar_back(correct) -> None:
             assert max(spec.acceptance_lengths) == 8  # whole blocks stood: the drafts went through the matcher
 
 
-def test_batched_rows_with_and_without_grammars_equal_each_alone() -> None:
-    drafter = random_drafter(target(), seed=3, block_size=4, fmt="classic")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batched_rows_with_and_without_grammars_equal_each_alone(fmt: str) -> None:
+    drafter = random_drafter(target(), seed=3, block_size=4, fmt=fmt, window=3)
     requests = [(p, params()) for p in PROMPTS] + [(PROMPTS[0], params(grammar=None, max_new_tokens=30))]
     requests.append((PROMPTS[1], params(grammar=Grammar("json"), max_new_tokens=40)))
     alone = [decode(drafter, p, sampling).token_ids for p, sampling in requests]

@@ -196,8 +196,9 @@ class DFlashDrafter(nn.Module):
         hidden = self.draft_hidden(features, block_ids, starts, cache, sizes=sizes, slots=slots)
         proposal = self.select(hidden, block_ids[:, 0])
         for i, grammar in enumerate(constraints or ()):
-            if grammar is not None:
-                proposal[i] = grammar.draft(self.logits(hidden[i]))
+            if grammar is not None:  # (its real slots only: the padding's proposals are dropped)
+                real = hidden.shape[1] if sizes is None else sizes[i] - 1
+                proposal[i, :real] = grammar.draft(self.logits(hidden[i, :real]))
         return proposal
 
     def select(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:

@@ -258,7 +258,8 @@ class Server:
                 )
             async with self.encode_lock:  # tokenizers are not built for concurrent encodes
                 prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
-            params = self.session.request_params(self.options, request)
+                # (off the event loop: a new schema compiles in milliseconds, a first grammar reads the vocabulary)
+                params = await anyio.to_thread.run_sync(self.session.request_params, self.options, request)
         except RequestError as error:
             raise APIError(400, error.message, param=error.param, code=error.code) from None
         except DflashError as error:

@@ -768,3 +768,37 @@ def test_response_format_lines_give_json_that_validates_and_bad_schemas_are_name
     jsonschema.validate(json.loads(records["plain"]["text"]), schema)
     (error,) = read_jsonl(tmp_path / "p.errors.jsonl")
     assert error["id"] == "bad" and "response_format.json_schema.schema" in error["error"]["message"]
+
+
+def test_tool_lines_give_tool_calls_in_both_shapes(tmp_path: Path, models: tuple[Path, Path]) -> None:
+    """A forced call on the tiny model (its template renders no tools: they go into the system message in the
+    hermes format, ~600 of its byte-level tokens, so its window is widened here) comes back as tool_calls."""
+    import shutil
+
+    from dflash_cli.loading.session import open_session
+
+    directory = shutil.copytree(models[0], tmp_path / "target")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    options = RunOptions(target=str(directory), drafter=str(models[1]), sampling=SamplingParams(max_new_tokens=120))
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"key": {"enum": ["a", "b"]}}, "required": ["key"]},
+        },
+    }
+    forced = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+    messages = [{"role": "user", "content": "find"}]
+    lines = [
+        {"custom_id": "batch", "url": "/v1/chat/completions", "body": {"messages": messages, **forced}},
+        {"id": "plain", "messages": messages, **forced},
+    ]
+    run_with(open_session(options), options, write_lines(tmp_path / "p.jsonl", lines))
+    records = {result_id(r): r for r in read_jsonl(tmp_path / "p.out.jsonl")}
+    choice = records["batch"]["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+    plain = records["plain"]
+    assert plain["finish_reason"] == "tool_calls" and plain["text"] is None
+    assert json.loads(plain["tool_calls"][0]["function"]["arguments"])["key"] in ("a", "b")

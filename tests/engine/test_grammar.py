@@ -198,3 +198,36 @@ def test_other_families_constrained_greedy_equals_plain(family: str) -> None:
     assert spec.token_ids == plain.token_ids
     if plain.finish_reason == "stop":
         jsonschema.validate(json.loads(plain.text), SCHEMA)
+
+
+FORCED_REPLIES = {  # a forced call in each format, as the grammar shapes it (and as the family's template writes it)
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "harmony": '<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORCED_REPLIES))
+def test_a_forced_call_is_what_the_format_parses(fmt: str) -> None:
+    """The grammar for tool_choice "required" (xgrammar's structural tag for the family) accepts the family's call
+    text and nothing before it, and that text parses back into the call: grammar and parser agree on the format."""
+    from dflash_cli.protocol.tools import FORMATS, Tools, parse_reply
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    spec = {"format": FORMATS[fmt].grammar, "tools": [tool], "choice": "required", "parallel": False}
+    compiled = compile_grammar(
+        Grammar("tool_calls", json.dumps(spec), "tool_choice"), tokenizer(), target().config.vocab_size
+    )
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert matcher.accept_string(FORCED_REPLIES[fmt])
+    if fmt != "harmony":  # (harmony's reply may open with an analysis message)
+        assert not xgrammar.GrammarMatcher(compiled).accept_string("Sure! " + FORCED_REPLIES[fmt])
+    content, (call,) = parse_reply(FORCED_REPLIES[fmt], Tools((tool,)), fmt)
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and not content

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.protocol.params import Grammar
+from dflash_cli.protocol.params import Grammar, SamplingParams
 
 # JSON is constrained to one layout, `{"a": 1, "b": [2, 3]}` (OpenAI's own): free whitespace lets small models loop
 # on newlines inside an object until max_tokens.
@@ -166,7 +166,7 @@ class GrammarState:
         return len(ids)
 
 
-def grammar_state(params: Any, tokenizer: Any, *, block_size: int, vocab_size: int) -> GrammarState | None:
+def grammar_state(params: SamplingParams, tokenizer: Any, *, block_size: int, vocab_size: int) -> GrammarState | None:
     """The row's grammar state for `params.grammar` (None without one)."""
     if params.grammar is None:
         return None

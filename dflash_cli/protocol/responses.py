@@ -114,11 +114,11 @@ def chunk(
     return body
 
 
-def tool_call_chunks(endpoint: str, calls: Sequence[ToolCall], **ids: Any) -> list[dict[str, Any]]:
-    """A reply's tool calls as OpenAI streams them: per call, one chunk with its id, type and name (arguments
-    empty), then one with its arguments."""
+def tool_call_chunks(endpoint: str, calls: Sequence[ToolCall], start: int = 0, **ids: Any) -> list[dict[str, Any]]:
+    """A reply's tool calls as OpenAI streams them: per call, one chunk with its index (from `start`), id, type
+    and name (arguments empty), then one with its arguments."""
     out = []
-    for index, call in enumerate(calls):
+    for index, call in enumerate(calls, start):
         head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
         out.append(chunk(endpoint, tool_call=head, **ids))
         out.append(chunk(endpoint, tool_call={"index": index, "function": {"arguments": call.arguments}}, **ids))

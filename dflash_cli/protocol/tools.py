@@ -136,11 +136,13 @@ def _arguments(value: Any) -> str | None:
 
 class ToolFormat:
     """A family's tool-call syntax. `markers`: text that opens a call (a stream holds back from there);
-    `whole`: a reply is a call from its first character or not at all (stream nothing until it ends);
+    `close`: what ends one call; `whole`: a reply is a call from its first character or not at all (stream
+    nothing until it ends);
     `grammar`: xgrammar's name for the format, for tool_choice required / a named function (None: not offered)."""
 
     name = ""
     markers: tuple[str, ...] = ()
+    close = ""  # what ends one call (a stream sends each call once it closes); "": the reply's end does
     whole = False
     grammar: str | None = None
 
@@ -152,7 +154,7 @@ class ToolFormat:
 class Hermes(ToolFormat):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call (Qwen3's template)."""
 
-    name, markers, grammar = "hermes", ("<tool_call>",), "qwen_3"
+    name, markers, close, grammar = "hermes", ("<tool_call>",), "</tool_call>", "qwen_3"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
@@ -177,7 +179,7 @@ class Qwen3Coder(ToolFormat):
     """`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`: a
     value is text, read as JSON where the function's schema says it is not a string (Qwen3.5/3.6's template)."""
 
-    name, markers, grammar = "qwen3_coder", ("<tool_call>",), "qwen_3_coder"
+    name, markers, close, grammar = "qwen3_coder", ("<tool_call>",), "</tool_call>", "qwen_3_coder"
     BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
@@ -229,7 +231,7 @@ class Gemma4(ToolFormat):
     """`<|tool_call>call:NAME{key:value,...}<tool_call|>` (Gemma 4's template): keys bare, strings between
     `<|"|>` marks, numbers, booleans and null bare, nested `{}` and `[]`."""
 
-    name, markers, grammar = "gemma4", ("<|tool_call>",), None
+    name, markers, close, grammar = "gemma4", ("<|tool_call>",), "<tool_call|>", None
     BLOCK = re.compile(r"<\|tool_call>call:([\w.-]+)(\{.*?\})<tool_call\|>", re.DOTALL)
     QUOTE = '<|"|>'
 
@@ -336,11 +338,14 @@ def parse_reply(text: str, tools: Tools, format: str) -> tuple[str | None, list[
 
 class ToolStream:
     """A reply streamed under tools: `feed(text)` returns the content safe to send now (text before anything that
-    may open a call); `finish()` parses what was held back into (content, calls)."""
+    may open a call); `ready()` the calls closed since it was last asked; `finish()` parses what was held back
+    into (content, the calls not given out yet)."""
 
     def __init__(self, tools: Tools, format: str) -> None:
         self.tools, self.format = tools, FORMATS[format]
         self.text, self.sent, self.holding = "", 0, False
+        self.given: list[ToolCall] = []  # calls handed out by ready()
+        self.closed = 0  # the end of the last call given out
 
     def feed(self, delta: str) -> str:
         self.text += delta
@@ -364,15 +369,29 @@ class ToolStream:
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
+    def ready(self) -> list[ToolCall]:
+        """The calls that closed since the last time (each given out once, with its id)."""
+        end = self.text.rfind(self.format.close) if self.holding and self.format.close else -1
+        if end < 0 or end + len(self.format.close) <= self.closed:
+            return []
+        calls = self.format.parse(self.text[: end + len(self.format.close)], self.tools)[1]
+        if len(calls) <= len(self.given):  # (a closed block that does not parse: it stays held)
+            return []
+        new, self.closed = calls[len(self.given) :], end + len(self.format.close)
+        self.given += new
+        return new
+
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content not sent yet, and the calls."""
+        """The content not sent yet, and the calls not given out by `ready`."""
         if not self.holding:
             return self._release(len(self.text)), []
         content, calls = self.format.parse(self.text, self.tools)
+        if len(calls) < len(self.given):  # what came after the calls given out does not parse: it is content
+            return self.text[self.closed :].strip(), []
         if not calls:  # the held text was no call after all: all of it is content
             return self._release(len(self.text)), []
         sent = self.text[: self.sent]
-        return (content[len(sent) :] if content.startswith(sent) else ""), calls
+        return (content[len(sent) :] if content.startswith(sent) else ""), calls[len(self.given) :]
 
 
 class _PlainText(ToolFormat):

@@ -146,14 +146,23 @@ def test_a_stream_sends_the_content_and_holds_back_the_calls(fmt: str) -> None:
     text = render(fmt, CALLS, prefix)
     for cut in (1, 3, 7):
         stream = ToolStream(TOOLS, fmt)
-        sent = "".join(stream.feed(text[i : i + cut]) for i in range(0, len(text), cut))
-        rest, calls = stream.finish()
+        sent, calls, first_at = "", [], None
+        for i in range(0, len(text), cut):
+            sent += stream.feed(text[i : i + cut])
+            ready = stream.ready()
+            if ready and first_at is None:
+                first_at = i + cut
+            calls += ready
+        rest, last = stream.finish()
         assert (sent + rest).strip() == prefix.strip()
-        assert [c.name for c in calls] == ["get_weather", "get_time"]
+        assert [c.name for c in calls + last] == ["get_weather", "get_time"]
+        if FORMATS[fmt].close:  # the first call went out once it closed, before the reply ended
+            assert first_at is not None and first_at < len(text)
+            assert text[:first_at].count(FORMATS[fmt].close) == 1
     plain = "A plain < answer with <tool no call."
     stream = ToolStream(TOOLS, fmt)
     sent = "".join(stream.feed(ch) for ch in plain)
-    assert sent + stream.finish()[0] == plain and stream.finish()[1] == []
+    assert sent + stream.finish()[0] == plain and stream.finish()[1] == [] and stream.ready() == []
 
 
 def test_read_tools_checks_the_fields_by_name() -> None:
@@ -244,3 +253,12 @@ def test_a_template_names_its_own_tool_call_format() -> None:
             assert template_format("{% if tools %}...{% endif %}" + section) == fmt
     assert template_format("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
     assert template_format("{% for message in messages %}{{ message.content }}{% endfor %}") is None
+
+
+def test_a_stream_whose_later_call_breaks_keeps_the_calls_given_and_returns_the_rest_as_content() -> None:
+    good = render("hermes", CALLS[:1])
+    stream = ToolStream(TOOLS, "hermes")
+    assert stream.feed(good) == "" and [c.name for c in stream.ready()] == ["get_weather"]
+    stream.feed("\n<tool_call>\n{broken}\n</tool_call>")
+    assert stream.ready() == []
+    assert stream.finish() == ("<tool_call>\n{broken}\n</tool_call>", [])

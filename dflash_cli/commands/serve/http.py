@@ -357,6 +357,10 @@ class Server:
                     text, fed = tools.feed(raw[fed:]), max(fed, len(raw))
                 if text:
                     yield sse(responses.chunk(endpoint, text=text, with_usage=usage, **ids))
+                if tools is not None:  # each call as soon as it closes
+                    given = len(tools.given)
+                    for part in responses.tool_call_chunks(endpoint, tools.ready(), given, with_usage=usage, **ids):
+                        yield sse(part)
                 if update.finish_reason is None:
                     continue
                 try:
@@ -366,12 +370,13 @@ class Server:
                     break
                 finish_reason = update.finish_reason
                 if tools is not None:
+                    given = len(tools.given)
                     rest, calls = tools.finish()
                     if rest:
                         yield sse(responses.chunk(endpoint, text=rest, with_usage=usage, **ids))
-                    for part in responses.tool_call_chunks(endpoint, calls, with_usage=usage, **ids):
+                    for part in responses.tool_call_chunks(endpoint, calls, given, with_usage=usage, **ids):
                         yield sse(part)
-                    finish_reason = "tool_calls" if calls else finish_reason
+                    finish_reason = "tool_calls" if tools.given or calls else finish_reason
                 last = responses.chunk(endpoint, finish_reason=finish_reason, with_usage=usage, **ids)
                 last["dflash"] = responses.dflash_stats(update.stats)
                 yield sse(last)

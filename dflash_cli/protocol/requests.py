@@ -72,7 +72,10 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (_is(False), "echo is not supported"),
     "suffix": (_is(""), "suffix (fill-in-the-middle) is not supported"),
     "functions": (_is([]), "functions (the deprecated function calling) are not supported: use tools"),
-    "function_call": (_is("none"), "function_call (the deprecated function calling) is not supported: use tool_choice"),
+    "function_call": (
+        lambda v: v in ("none", "auto"),
+        "function_call (the deprecated function calling) is not supported: use tool_choice",
+    ),
     "logit_bias": (_is({}), "logit_bias is not supported"),
     "presence_penalty": (_number_is(0), "presence_penalty is not supported (it would change the distribution)"),
     "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (it would change the distribution)"),

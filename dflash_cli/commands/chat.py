@@ -27,9 +27,10 @@ from prompt_toolkit.output import create_output
 from rich.console import Console
 
 from dflash_cli.engine import GenerationStats, SamplingParams
+from dflash_cli.engine.grammar import compile_grammar
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.session import Session, open_session
-from dflash_cli.protocol.params import FIELDS, read_setting, sampling_settings
+from dflash_cli.protocol.params import FIELDS, Grammar, read_setting, sampling_settings
 from dflash_cli.protocol.requests import read_messages
 from dflash_cli.setup.options import RunOptions
 
@@ -40,7 +41,11 @@ COMMANDS = {  # name -> (arguments, what it does); the order of /help
     "/help": ("", "this help (also /?)"),
     "/bye": ("", "leave (also /exit, /quit, Ctrl+D)"),
     "/clear": ("", "forget the conversation, keep the system prompt"),
-    "/set": ("KEY VALUE", "temperature, top_p, top_k, min_p, max_tokens, seed, block_size (N or auto), or system TEXT"),
+    "/set": (
+        "KEY VALUE",
+        "temperature, top_p, top_k, min_p, max_tokens, seed, block_size (N or auto), format (text, json or "
+        "a JSON schema file), or system TEXT",
+    ),
     "/stats": ("", "toggle a footer after each reply: tokens, tok/s, TTFT, tau"),
     "/spec": ("on|off", "decode with the DFlash drafter (on) or the target alone (off)"),
     "/save": ("FILE", "write the conversation as JSON"),
@@ -49,7 +54,7 @@ COMMANDS = {  # name -> (arguments, what it does); the order of /help
 }
 # /set KEY: the request fields (params.FIELDS) that take one value, then chat's own
 SAMPLING_SETTINGS = tuple(field.key for field in FIELDS if field.kind is not tuple)
-SETTINGS = (*SAMPLING_SETTINGS, "block_size", "system")
+SETTINGS = (*SAMPLING_SETTINGS, "block_size", "format", "system")
 FINISH_NOTES = {
     "interrupted": "[interrupted]",
     "length": "[cut at the token limit: /set max_tokens N for longer replies]",
@@ -173,6 +178,8 @@ def _set(session: Session, state: ChatState, arg: str) -> str:
         raise DflashError(unknown, fix=f"/set KEY VALUE, KEY one of: {', '.join(SETTINGS)}")
     if not value:
         raise DflashError(f"/set {key} needs a value")
+    if key == "format":
+        return _set_format(session, state, value)
     if key == "block_size":
         if value.lower() == "auto":
             state.block_size = None
@@ -190,6 +197,28 @@ def _set(session: Session, state: ChatState, arg: str) -> str:
         name, parsed = read_setting(key, value)
         state.params = dataclasses.replace(state.params, **{name: parsed})
     return f"{key} = {value}"
+
+
+def _set_format(session: Session, state: ChatState, value: str) -> str:
+    """/set format text | json | FILE: replies as text, as a JSON object, or as JSON that follows the schema in FILE."""
+    if value.lower() == "text":
+        grammar = None
+    elif value.lower() == "json":
+        grammar = Grammar("json", field="format")
+    else:
+        path = Path(value).expanduser()
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise DflashError(
+                f"format {value!r}: not text, json, or a readable JSON schema file ({error})",
+                fix="/set format json, or /set format schema.json",
+            ) from None
+        grammar = Grammar("json_schema", json.dumps(schema), field="format")
+    if grammar is not None:
+        compile_grammar(grammar, session.require_tokenizer(), session.target.config.get_text_config().vocab_size)
+    state.params = dataclasses.replace(state.params, grammar=grammar)
+    return f"format = {value}" + (" (replies are constrained to it)" if grammar is not None else "")
 
 
 def _stats(session: Session, state: ChatState, arg: str) -> str:
@@ -285,11 +314,18 @@ def _show(session: Session, state: ChatState, arg: str) -> str:
                 for key, value in sampling_settings(params).items()
                 if key in SAMPLING_SETTINGS
             ),
+            f"format    {_format_name(params.grammar)}",
             f"stats     {'on' if state.show_stats else 'off'}",
             f"system    {state.system if state.system else '(none)'}",
             f"messages  {len(state.messages)}",
         ]
     )
+
+
+def _format_name(grammar: Grammar | None) -> str:
+    if grammar is None:
+        return "text"
+    return "json" if grammar.kind == "json" else "JSON schema " + grammar.source[:60]
 
 
 HANDLERS: dict[str, Callable[[Session, ChatState, str], str]] = {

@@ -43,8 +43,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
 from dflash_cli.protocol.requests import LineError, Request, RequestFile, read_jsonl
+from dflash_cli.protocol.tools import ToolCall
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.recipes import Recipe
+
+Reply = tuple[str | None, list[ToolCall]]  # a reply's content and tool calls
 
 try:
     import fcntl
@@ -250,16 +253,18 @@ class ErrorsFile:
 # Result records
 
 
-def format_openai_response(request: Request, result: Any, model: str) -> dict[str, Any]:
+def format_openai_response(request: Request, result: Any, model: str, reply: Reply) -> dict[str, Any]:
     """A result as a line of an OpenAI batch output file."""
     endpoint = request.endpoint or ""
+    content, calls = reply
     body = responses.completion(
         endpoint,
         id=responses.new_id(endpoint),
         model=model,
-        text=result.text,
+        text=content,
         finish_reason=result.finish_reason,
         stats=result.stats,
+        tool_calls=calls,
     )
     stats = body.pop("dflash")  # beside the response, where it was before the server shared this shape
     return {
@@ -287,20 +292,28 @@ def request_hash(request: Request, options: RunOptions, target: str | None) -> s
             request.prompt_ids,
             dict(request.chat_template_kwargs),
             request.endpoint,
+            request.tools,
         ],
         "sampling": sampling,
     }
     return hashlib.sha256(json.dumps(made_from, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-def result_record(request: Request, result: Any, model: str, made_from: str) -> dict[str, Any]:
-    """The output line of one result; `made_from`: its request_hash."""
+def result_record(
+    request: Request, result: Any, model: str, made_from: str, reply: Reply | None = None
+) -> dict[str, Any]:
+    """The output line of one result; `made_from`: its request_hash; `reply`: its content and tool calls (under
+    tools; else the text)."""
+    reply = reply or (result.text, [])
     if request.endpoint is not None:
-        return {**format_openai_response(request, result, model), "request_hash": made_from}
+        return {**format_openai_response(request, result, model, reply), "request_hash": made_from}
+    content, calls = reply
+    tools = {"tool_calls": [call.to_dict() for call in calls]} if calls else {}
     return {
         "id": request.id,
-        "text": result.text,
-        "finish_reason": result.finish_reason,
+        "text": content,
+        **tools,
+        "finish_reason": "tool_calls" if calls else result.finish_reason,
         "prompt_tokens": result.stats.prompt_tokens,
         "completion_tokens": len(result.token_ids),
         "stats": responses.dflash_stats(result.stats),
@@ -392,7 +405,9 @@ def run_jobs(
     work: deque[tuple[Request, list[int]]] = deque()
     for request in requests:
         try:
-            work.append((request, session.encode_request(request)))
+            prompt_ids = session.encode_request(request)
+            session.request_params(options, request)  # a grammar this tokenizer cannot take fails here, by name
+            work.append((request, prompt_ids))
         except RequestError as error:  # a prompt this model cannot take: too long, ids outside its vocabulary, ...
             errors.append(LineError(request.line, error.code, error.message, request.id))
             summary.failed += 1
@@ -418,7 +433,8 @@ def run_jobs(
             progress.update(task, advance=1)
 
         def done(request: Request, result: Any) -> None:
-            results.append(result_record(request, result, model, made_from[request.id]))
+            reply = session.parse_reply(request, result.token_ids, result.text)
+            results.append(result_record(request, result, model, made_from[request.id], reply))
             summary.add(result)
             progress.update(task, advance=1)
 
@@ -427,8 +443,8 @@ def run_jobs(
             while work or not batch.idle:
                 while work and batch.room > 0:
                     request, prompt_ids = work.popleft()
-                    params = session.sampling_params(options, **request.sampling)
                     try:
+                        params = session.request_params(options, request)
                         row = batch.add(prompt_ids, params)
                     except DflashError as error:
                         failed(request, error)
@@ -454,8 +470,8 @@ def run_jobs(
         finally:
             batch.close()
         for request, prompt_ids in retry:
-            params = session.sampling_params(options, **request.sampling)
             try:
+                params = session.request_params(options, request)
                 result = collect(session.stream(prompt_ids, params, speculative=speculative))
             except (DflashError, torch.OutOfMemoryError) as error:
                 failed(request, error)

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.grammar import grammar_state
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.row import Generation, GenerationResult, Step
@@ -77,6 +78,7 @@ class Batch:
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
         self.device = target.get_input_embeddings().weight.device
+        self.vocab_size = target.config.get_text_config().vocab_size  # the logits' width (grammar bitmasks)
         for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
             if model is not None:
                 use_small_row_products(model)
@@ -123,6 +125,7 @@ class Batch:
             device=self.device,
             tokenizer=self.tokenizer,
             adaptive=not isinstance(self.policy, FixedBlock),
+            grammar=grammar_state(params, self.tokenizer, block_size=self.block, vocab_size=self.vocab_size),
         )
         row = Row(generation, key)
         self.waiting.append(row)
@@ -196,6 +199,8 @@ class Batch:
         started = time.perf_counter()
         # Prefill: the whole prompt once; only the last position's logits are needed.
         logits = state.prefill(prompt, row.slot)
+        if generation.grammar is not None:
+            generation.grammar.mask(logits)
         row.last = sample_tokens(
             logits, generation.params, generation.generator, generation.uniforms_at(len(generation.prompt_ids), 1)
         )
@@ -238,11 +243,17 @@ class Batch:
         if drafting and self.draft_slots is None:  # one row: its own cache (and compiled step)
             (i,) = drafting
             # (the drafter sees the real block; [None] gives it the strides of a [1, size] tensor of its own)
+            grammar = rows[i].generation.grammar  # (drafts chosen under the row's grammar: more of them stand)
             block_ids[i, 1 : sizes[i]] = drafter.propose(
-                features, block_ids[i, : sizes[i]][None], [starts[i]], rows[i].draft_cache
+                features,
+                block_ids[i, : sizes[i]][None],
+                [starts[i]],
+                rows[i].draft_cache,
+                **({"constraints": [grammar]} if grammar is not None else {}),
             )[0]
         elif drafting:  # one forward for every drafting row, blocks padded to the widest
             wide = max(sizes[i] for i in drafting)
+            grammars = [rows[i].generation.grammar for i in drafting]
             blocks = block_ids[:, :wide] if len(drafting) == len(rows) else block_ids[drafting, :wide]
             proposals = drafter.propose(
                 features,
@@ -251,6 +262,7 @@ class Batch:
                 self.draft_slots,
                 sizes=[sizes[i] for i in drafting],
                 slots=[rows[i].slot for i in drafting],
+                **({"constraints": grammars} if any(grammars) else {}),
             )
             for proposal, i in zip(proposals, drafting):
                 block_ids[i, 1 : sizes[i]] = proposal[: sizes[i] - 1]
@@ -258,6 +270,8 @@ class Batch:
         logits = state.verify(block_ids, [row.slot for row in rows])
         host_parts, posteriors = [], []
         for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
+            if row.generation.grammar is not None:  # each position under the grammar's state after the drafts before it
+                row.generation.grammar.mask(logits[i, :size], block_ids[i, 1:size].tolist())
             # (block slot j chooses the token at position start + 1 + j: that position's own uniform)
             uniforms = row.generation.uniforms_at(start + 1, size)
             posterior = sample_tokens(logits[i, :size], row.generation.params, row.generation.generator, uniforms)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dflash_cli.engine.grammar import GrammarState
 from dflash_cli.engine.stats import GenerationStats
 from dflash_cli.engine.text import TextStream
 from dflash_cli.errors import DflashError
@@ -59,6 +60,7 @@ class Generation:
         device: torch.device,
         tokenizer: Any = None,
         adaptive: bool = False,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         if not self.prompt_ids:
@@ -76,6 +78,7 @@ class Generation:
                 )
             self.max_new = min(self.max_new, context_window - len(self.prompt_ids))
         self.params = params
+        self.grammar = grammar  # the output constraint's state over the committed tokens (engine.grammar)
         self.block_size = block_size
         self.stop_ids = frozenset(params.stop_token_ids)
         self.text = TextStream(tokenizer, params.stop_strings)
@@ -111,12 +114,17 @@ class Generation:
         """Apply the stop conditions to newly committed ids and make the step event. `verified`: the ids came
         from a verify step (the prefill's first token has no acceptance length) of `block_size` tokens."""
         finish = None
+        # The limit first: a stop token a block commits past it is one plain decoding never makes.
+        if self.stats.generated_tokens + len(ids) >= self.max_new:
+            ids, finish = ids[: self.max_new - self.stats.generated_tokens], "length"
         for i, token in enumerate(ids):
             if token in self.stop_ids:
                 ids, finish = ids[: i + 1], "stop"
                 break
-        if finish is None and self.stats.generated_tokens + len(ids) >= self.max_new:
-            ids, finish = ids[: self.max_new - self.stats.generated_tokens], "length"
+        if self.grammar is not None:
+            ids = ids[: self.grammar.accept(ids)]
+            if self.grammar.terminated:  # the constrained output is complete (its end token included)
+                finish = "stop"
         delta, stop_string_at = self.text.push(ids)
         if stop_string_at is not None:
             ids, finish = ids[:stop_string_at], "stop"

@@ -19,7 +19,9 @@ from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.models import LoadedModels, load_models
+from dflash_cli.protocol.params import Grammar
 from dflash_cli.protocol.requests import Request
+from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply, template_format
 from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import Plan, block_size_note, make_plan
@@ -144,18 +146,87 @@ class Session:
         return self.recipe.target.id if self.recipe.name == "ad-hoc" else self.recipe.name
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: Tools | None = None,
     ) -> list[int]:
         """Apply the chat template to the whole conversation, ready for the assistant's reply. `template_kwargs`
-        (a request's chat_template_kwargs) go over the recipe's."""
+        (a request's chat_template_kwargs) go over the recipe's. `tools` and tool turns go through the template
+        where it renders them, else in the hermes format (protocol.tools.hermes_messages)."""
         if not getattr(self.require_tokenizer(), "chat_template", None):
             raise DflashError(
                 f"{self.recipe.target.id} has no chat template",
                 fix='use `dflash run` with plain {"prompt": ...} lines, or a chat (instruct) model',
             )
-        return apply_chat_template(
-            self.tokenizer, messages, {**self.recipe.chat_template_kwargs, **(template_kwargs or {})}
-        )
+        kwargs = {**self.recipe.chat_template_kwargs, **(template_kwargs or {})}
+        if self.renders_tools:
+            if tools is not None:
+                kwargs["tools"] = [dict(tool) for tool in tools.functions]
+        elif tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = hermes_messages(messages, tools)
+        return apply_chat_template(self.tokenizer, messages, kwargs)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools itself (transformers' test: the template reads `tools`)."""
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    @property
+    def tool_format(self) -> str | None:
+        """The format this model writes tool calls in: the recipe's, else the one its template renders calls in,
+        or hermes where the template renders no tools (we render them, in that format); None: unknown, tools are
+        refused."""
+        if not self.renders_tools:
+            return "hermes"
+        return self.recipe.tool_parser or template_format(self.tokenizer.chat_template)
+
+    def request_params(self, options: RunOptions, request: Request) -> SamplingParams:
+        """A request's sampling params (its fields over the options') with its grammar (response_format, or the
+        forced tool call) compiled for this tokenizer. Raises RequestError naming the field it cannot take."""
+        from dflash_cli.engine.grammar import compile_grammar
+
+        changes = dict(request.sampling)
+        tools = request.tools
+        if tools is not None:
+            if self.tool_format is None:
+                raise RequestError(
+                    f"tools: {self.recipe.name} has no known tool-call format (its recipe sets no tool_parser)",
+                    param="tools",
+                    fix=f"set tool_parser in the recipe to one of {', '.join(FORMATS)}",
+                )
+            if tools.forced:
+                changes["grammar"] = self._tool_grammar(tools)
+        params = self.sampling_params(options, **changes)
+        if params.grammar is not None:
+            vocab = self.target.config.get_text_config().vocab_size
+            compile_grammar(params.grammar, self.require_tokenizer(), vocab)  # (cached for the generation)
+        return params
+
+    def _tool_grammar(self, tools: Tools) -> Grammar:
+        import json
+
+        tag = FORMATS[self.tool_format].grammar
+        if tag is None:
+            raise RequestError(
+                f"tool_choice {tools.choice!r}: forcing a call is not supported for the {self.tool_format} format; "
+                "use auto",
+                param="tool_choice",
+            )
+        spec = {"format": tag, "tools": list(tools.functions), "choice": tools.choice, "parallel": tools.parallel}
+        return Grammar("tool_calls", json.dumps(spec, sort_keys=True), field="tool_choice")
+
+    def reply_text(self, token_ids: Sequence[int]) -> str:
+        """Generated ids as a tool parser reads them: special tokens kept (they delimit calls), end-of-turn ids
+        left out."""
+        stops = set(self.stop_token_ids)
+        return self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
+
+    def parse_reply(self, request: Request, token_ids: Sequence[int], text: str) -> tuple[str | None, list[ToolCall]]:
+        """The reply's content and tool calls: (text, []) for a request without tools."""
+        if request.tools is None or self.tool_format is None:
+            return text, []
+        return parse_reply(self.reply_text(token_ids), request.tools, self.tool_format)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
@@ -184,7 +255,7 @@ class Session:
             try:
                 if chat:
                     messages = request.messages or [{"role": "user", "content": request.prompt or ""}]
-                    ids = self.encode_chat(messages, dict(request.chat_template_kwargs))
+                    ids = self.encode_chat(messages, dict(request.chat_template_kwargs), request.tools)
                 else:
                     ids = self.encode_prompt(request.prompt or "")
             except RequestError:
@@ -264,7 +335,7 @@ class Session:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: Sequence[dict[str, str]], template_kwargs: dict[str, Any]
+    tokenizer: Any, messages: Sequence[dict[str, Any]], template_kwargs: dict[str, Any]
 ) -> list[int]:
     """Token ids of the conversation, ready for the assistant's reply, rendered with the template options (the
     recipe's, such as `enable_thinking = false` for the Qwen3 drafters, and a request's over them). `dflash train` renders its prompts with this too, so a

@@ -58,6 +58,17 @@ BY_KEY: dict[str, Field] = {name: field for field in FIELDS for name in (field.k
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """An output constraint, torch-free (engine.grammar compiles it). `kind`: "json" (any JSON object),
+    "json_schema" (`source`: the schema as JSON text) or "tool_calls" (`source`: JSON text of the model's
+    tool-call format, the tools, the choice and whether calls may be parallel: a forced tool call). `field` is the request field it came from, as the user wrote it (for errors)."""
+
+    kind: str
+    source: str = ""
+    field: str = "response_format"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     # The defaults are the CLI's (`--max-tokens` 512, greedy): RunOptions holds one of these, so a flag's default
     # and a request's are the same value.
@@ -69,6 +80,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    grammar: Grammar | None = None  # decode under this constraint (exactly: the target's logits are masked)
 
     def __post_init__(self) -> None:
         for field in FIELDS:

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError, RequestError, json_problem
-from dflash_cli.protocol.params import BY_KEY, FIELDS, read_sampling
+from dflash_cli.protocol.params import BY_KEY, FIELDS, Grammar, read_sampling
+from dflash_cli.protocol.tools import Tools, read_tools
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # apply_chat_template's own arguments: a request's chat_template_kwargs must not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -70,10 +71,11 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_logprobs": (_number_is(0), "top_logprobs are not supported"),
     "echo": (_is(False), "echo is not supported"),
     "suffix": (_is(""), "suffix (fill-in-the-middle) is not supported"),
-    "tools": (_is([]), "tools (function calling) are not supported"),
-    "functions": (_is([]), "functions (function calling) are not supported"),
-    "tool_choice": (lambda v: v in ("none", "auto"), "tool_choice: function calling is not supported"),
-    "response_format": (lambda v: v == {"type": "text"}, 'response_format: only {"type": "text"} is supported'),
+    "functions": (_is([]), "functions (the deprecated function calling) are not supported: use tools"),
+    "function_call": (
+        lambda v: v in ("none", "auto"),
+        "function_call (the deprecated function calling) is not supported: use tool_choice",
+    ),
     "logit_bias": (_is({}), "logit_bias is not supported"),
     "presence_penalty": (_number_is(0), "presence_penalty is not supported (it would change the distribution)"),
     "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (it would change the distribution)"),
@@ -85,12 +87,13 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 class Request:
     """One generation request, whichever frontend it came through."""
 
-    messages: tuple[dict[str, str], ...] | None = None  # a conversation, rendered with the chat template
+    messages: tuple[dict[str, Any], ...] | None = None  # a conversation, rendered with the chat template
     prompt: str | None = None  # plain completion: the text as is
     prompt_ids: tuple[int, ...] | None = None  # token ids as they are
     prompt_field: str | None = None  # the field the prompt came in, where its name says otherwise (for errors)
     sampling: Mapping[str, Any] = field(default_factory=dict)  # the SamplingParams fields it sets, by attribute
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # over the recipe's own
+    tools: Tools | None = None  # function tools the reply may call (rendered by the chat template)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
     model: str | None = None
@@ -134,8 +137,41 @@ def _content(value: Any, name: str) -> str:
     return read_text(value, name, allow_empty=True)
 
 
-def read_messages(value: Any, name: str = "messages") -> tuple[dict[str, str], ...]:
-    """A conversation: a non-empty list of {"role": system|developer|user|assistant, "content": text}."""
+def _tool_calls(value: Any, name: str) -> list[dict[str, Any]]:
+    """An assistant turn's tool_calls, as chat templates read them: arguments as an object."""
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"{name} must be a non-empty list of tool calls", param=name)
+    calls = []
+    for i, call in enumerate(value):
+        where = f"{name}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(
+                f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=where
+            )
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise RequestError(
+                f"{where}.function.arguments is not valid JSON", param=f"{where}.function.arguments"
+            ) from None
+        if not isinstance(arguments, dict):
+            raise RequestError(f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments")
+        call_id = call.get("id")
+        calls.append(
+            {
+                "id": call_id if isinstance(call_id, str) else f"call_{i}",
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return calls
+
+
+def read_messages(value: Any, name: str = "messages") -> tuple[dict[str, Any], ...]:
+    """A conversation: a non-empty list of {"role": system|developer|user|assistant|tool, "content": text}; an
+    assistant turn may carry tool_calls (its content null), a tool turn its tool_call_id."""
     if not isinstance(value, list) or not value:
         raise RequestError(f'{name} must be a non-empty list of {{"role", "content"}} objects', param=name)
     messages = []
@@ -146,18 +182,30 @@ def read_messages(value: Any, name: str = "messages") -> tuple[dict[str, str], .
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise RequestError(
-                f"{where}.role must be {', '.join(ROLES)}, got {show(role)} "
-                "(tool and function messages are not supported yet)",
+                f"{where}.role must be {', '.join(ROLES)}, got {show(role)} (function messages are not supported: "
+                "use tool)",
                 param=f"{where}.role",
             )
-        if message.get("tool_calls") or message.get("function_call"):  # an agent's history replayed
-            key = "tool_calls" if message.get("tool_calls") else "function_call"
+        if message.get("function_call"):
             raise RequestError(
-                f"{where}.{key}: tool calling is not supported yet (an assistant turn that calls tools, as agents "
-                "replay their history)",
-                param=f"{where}.{key}",
+                f"{where}.function_call: the deprecated function calling is not supported: use tool_calls",
+                param=f"{where}.function_call",
             )
-        messages.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+        calls = message.get("tool_calls")
+        if calls and role != "assistant":
+            raise RequestError(f"{where}.tool_calls: only assistant turns call tools", param=f"{where}.tool_calls")
+        content = message.get("content")
+        turn: dict[str, Any] = {
+            "role": ROLES[role],
+            "content": "" if content is None and calls else _content(content, f"{where}.content"),
+        }
+        if calls:
+            turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(message.get(key), str):
+                    turn[key] = message[key]
+        messages.append(turn)
     return tuple(messages)
 
 
@@ -181,7 +229,21 @@ def _completion_prompt(value: Any, name: str) -> dict[str, Any]:
 
 # The keys some request shape reads. An unknown key that is a typo of one of them (or another library's name for
 # one) is refused: ignored, "max_token" would leave the default in force. Other unknown keys are ignored.
-READ_KEYS = frozenset({*BY_KEY, *PROMPT_KEYS, "model", "stream", "stream_options", "chat_template_kwargs", "id"})
+READ_KEYS = frozenset(
+    {
+        *BY_KEY,
+        *PROMPT_KEYS,
+        "model",
+        "stream",
+        "stream_options",
+        "chat_template_kwargs",
+        "id",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
+)
 FOREIGN_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "random_seed": "seed"}
 
 
@@ -206,6 +268,74 @@ def _template_kwargs(value: Any, name: str) -> dict[str, Any]:
     if reserved:
         raise RequestError(f"{name} cannot set {', '.join(reserved)}", param=name)
     return dict(value)
+
+
+# JSON schema keywords the grammar (xgrammar) would ignore without a word: refused by name, so a strict schema is
+# either followed or refused
+IGNORED_SCHEMA_KEYWORDS = frozenset(
+    {"not", "if", "then", "else", "dependentSchemas", "dependentRequired", "unevaluatedProperties", "unevaluatedItems"}
+)
+
+
+def check_schema(schema: Any, name: str) -> None:
+    """Refuse what the grammar would not enforce: the keywords above, and a $ref outside the schema."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_schema(item, f"{name}[{i}]")
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            where = f"{name}.{key}"
+            if key in IGNORED_SCHEMA_KEYWORDS:
+                raise RequestError(f"{where}: the JSON schema keyword {key!r} is not supported", param=where)
+            if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+                raise RequestError(f"{where}: only references inside the schema (#/...) are supported", param=where)
+            if key not in ("enum", "const", "default", "examples"):  # (values, not schemas)
+                check_schema(value, where)
+
+
+def read_response_format(value: Any, name: str = "response_format") -> Grammar | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema (its schema; strict or not, the output
+    follows it)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json", field=name)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError(
+                f'{name}.json_schema must be an object {{"name", "schema", "strict"}}', param=f"{name}.json_schema"
+            )
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise RequestError(
+                f"{name}.json_schema.schema must be a JSON schema object", param=f"{name}.json_schema.schema"
+            )
+        check_schema(schema, f"{name}.json_schema.schema")
+        return Grammar("json_schema", json.dumps(schema, ensure_ascii=False), field=f"{name}.json_schema.schema")
+    raise RequestError(
+        f'{name} must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": "json_schema", "json_schema": '
+        f"{{...}}}}, got {show(value)}",
+        param=name,
+    )
+
+
+def _constraints(source: Mapping[str, Any], prefix: str, chat: bool) -> dict[str, Any]:
+    """The request's grammar and tools: Request fields (the grammar rides in `sampling`)."""
+    grammar = read_response_format(source.get("response_format"), prefix + "response_format")
+    tools = read_tools(source, prefix)
+    if tools is not None and not chat:
+        raise RequestError(f"{prefix}tools need a conversation (messages, {CHAT_URL})", param=prefix + "tools")
+    if tools is not None and tools.forced and grammar is not None:
+        raise RequestError(
+            f"{prefix}response_format cannot be combined with a forced tool_choice: the reply is a tool call",
+            param=prefix + "response_format",
+        )
+    sampling = read_sampling(source, prefix=prefix)
+    return {"sampling": {**sampling, "grammar": grammar} if grammar is not None else sampling, "tools": tools}
 
 
 def _flag(body: Mapping[str, Any], key: str, name: str) -> bool:
@@ -252,7 +382,7 @@ def read_body(body: Any, endpoint: str, *, prefix: str = "") -> Request:
         include_usage = _flag(options, "include_usage", prefix + "stream_options.include_usage")
     return Request(
         **prompt,
-        sampling=read_sampling(body, prefix=prefix),
+        **_constraints(body, prefix, endpoint == CHAT_URL),
         chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs"), prefix + "chat_template_kwargs"),
         stream=stream,
         include_usage=include_usage,
@@ -303,7 +433,7 @@ def read_line(line: Any) -> Request:
         raise RequestError('chat_template_kwargs needs "messages"', param="chat_template_kwargs")
     return Request(
         **prompt,
-        sampling=read_sampling(line),
+        **_constraints(line, "", kind == "messages"),
         chat_template_kwargs=_template_kwargs(line.get("chat_template_kwargs"), "chat_template_kwargs"),
         id=_read_id(line["id"], "id") if line.get("id") is not None else None,
     )
@@ -405,8 +535,10 @@ def read_prompt_file(path: str | Path, command: str) -> list[Request]:
         more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
         raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=PROMPT_FILE_FIX)
     for prompt in parsed.requests:
-        if prompt.sampling or prompt.endpoint is not None:
-            what = ", ".join(field.key for field in FIELDS if field.attr in prompt.sampling) or "an OpenAI batch line"
+        if prompt.sampling or prompt.endpoint is not None or prompt.tools is not None:
+            keys = [field.key for field in FIELDS if field.attr in prompt.sampling]
+            keys += ["response_format"] * ("grammar" in prompt.sampling) + ["tools"] * (prompt.tools is not None)
+            what = ", ".join(keys) or "an OpenAI batch line"
             raise DflashError(
                 f"{path}:{prompt.line}: sets {what}, but `dflash {command}` runs every prompt with the same settings",
                 fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",

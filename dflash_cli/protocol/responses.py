@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from dflash_cli.protocol.requests import CHAT_URL
+from dflash_cli.protocol.tools import ToolCall
 
 
 def new_id(endpoint: str) -> str:
@@ -47,11 +49,24 @@ def dflash_stats(stats: Any) -> dict[str, Any]:
 
 
 def completion(
-    endpoint: str, *, id: str, model: str, text: str, finish_reason: str, stats: Any, created: int | None = None
+    endpoint: str,
+    *,
+    id: str,
+    model: str,
+    text: str | None,
+    finish_reason: str,
+    stats: Any,
+    created: int | None = None,
+    tool_calls: Sequence[ToolCall] = (),
 ) -> dict[str, Any]:
-    """A whole (not streamed) chat.completion or text_completion."""
+    """A whole (not streamed) chat.completion or text_completion. With `tool_calls` the message carries them (its
+    content None when the reply is only calls) and the finish reason is "tool_calls"."""
     if endpoint == CHAT_URL:
-        kind, choice = "chat.completion", {"message": {"role": "assistant", "content": text}}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = [call.to_dict() for call in tool_calls]
+            finish_reason = "tool_calls"
+        kind, choice = "chat.completion", {"message": message}
     else:
         kind, choice = "text_completion", {"text": text}
     return {
@@ -75,11 +90,15 @@ def chunk(
     first: bool = False,
     finish_reason: str | None = None,
     with_usage: bool = False,
+    tool_call: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk: text, or the first (the assistant role) or last (finish_reason) one."""
+    """One streamed chunk: text, a tool call's delta (`{"index", "id"?, "type"?, "function": {"name"?,
+    "arguments"}}`), or the first (the assistant role) or last (finish_reason) one."""
     if endpoint == CHAT_URL:
         kind = "chat.completion.chunk"
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
         choice: dict[str, Any] = {"delta": delta}
     else:
         kind, choice = "text_completion", {"text": text}
@@ -93,6 +112,17 @@ def chunk(
     if with_usage:  # OpenAI: with stream_options.include_usage every chunk has "usage", null until the last
         body["usage"] = None
     return body
+
+
+def tool_call_chunks(endpoint: str, calls: Sequence[ToolCall], start: int = 0, **ids: Any) -> list[dict[str, Any]]:
+    """A reply's tool calls as OpenAI streams them: per call, one chunk with its index (from `start`), id, type
+    and name (arguments empty), then one with its arguments."""
+    out = []
+    for index, call in enumerate(calls, start):
+        head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        out.append(chunk(endpoint, tool_call=head, **ids))
+        out.append(chunk(endpoint, tool_call={"index": index, "function": {"arguments": call.arguments}}, **ids))
+    return out
 
 
 def usage_chunk(endpoint: str, *, id: str, model: str, created: int, stats: Any) -> dict[str, Any]:

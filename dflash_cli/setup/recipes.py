@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.tools import FORMATS as TOOL_FORMATS
 from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, CPU_QUANTS, DTYPES, GPU_CLASSES, QUANTS
 
 if sys.version_info >= (3, 11):
@@ -77,6 +78,7 @@ class Recipe:
     aliases: tuple[str, ...] = ()
     block_size: int | None = None  # None: read from the drafter's config
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tool_parser: str | None = None  # the model's tool-call format (protocol.tools.FORMATS); None: tools refused
     gated: bool = False
     license: str = "unknown"
     params_billion: float | None = None
@@ -109,6 +111,7 @@ class Recipe:
             "drafter": None if self.drafter is None else self.drafter.to_dict(),
             "block_size": self.block_size,
             "chat_template_kwargs": dict(self.chat_template_kwargs),
+            "tool_parser": self.tool_parser,
             "gated": self.gated,
             "license": self.license,
             "params_billion": self.params_billion,
@@ -190,6 +193,7 @@ TOP_LEVEL_FIELDS = (
     "drafter",
     "block_size",
     "chat_template_kwargs",
+    "tool_parser",
     "gated",
     "license",
     "params_billion",
@@ -290,6 +294,10 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
     if active is not None and not (0 < active <= (params or math.inf)):
         raise fields.error("active_params_billion", "a positive number no larger than params_billion")
 
+    tool_parser = fields.get("tool_parser", str, f"a tool-call format: {', '.join(TOOL_FORMATS)}", None)
+    if tool_parser is not None and tool_parser not in TOOL_FORMATS:
+        raise fields.error("tool_parser", f"a tool-call format: {', '.join(TOOL_FORMATS)}")
+
     runnable = fields.get("runnable", bool, "true or false", True)
     reason = fields.get("not_runnable_reason", str, "a sentence saying why dflash cannot run it", "")
     if not runnable and not reason.strip():
@@ -303,6 +311,7 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
         drafter=_parse_model_ref(fields, "drafter", allow_gguf=False) if "drafter" in data else None,
         block_size=fields.positive_int("block_size"),
         chat_template_kwargs=fields.table("chat_template_kwargs", {}),
+        tool_parser=tool_parser,
         gated=fields.get("gated", bool, "true or false", False),
         license=fields.get("license", str, "a license name such as 'apache-2.0'", "unknown"),
         params_billion=None if params is None else float(params),

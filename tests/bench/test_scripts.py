@@ -194,3 +194,24 @@ def test_vs_llamacpp_reads_both_llama_cpp_outputs() -> None:
     assert vs_llamacpp.parse_speculative(log) == {"tokens": 128.0, "tok_s": 80.0, "accept": 0.4125}
     with pytest.raises(RuntimeError, match="no speed line"):
         vs_llamacpp.parse_speculative("error: unknown argument")
+
+
+def test_grammar_bench_runs_every_mode_and_the_constrained_ones_agree(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """scripts/grammar_bench.py's modes on the tiny Qwen3 with a random drafter, float32: the three constrained
+    modes give the same text (only the drafts differ), the grammar's time is counted, text mode has none."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_cli.bench import grammar
+    from dflash_cli.loading.session import open_session
+    from dflash_cli.setup.options import RunOptions
+    from helpers.drafters import save_random_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    drafter = save_random_drafter(tmp_path / "drafter", target, block_size=4)
+    options = RunOptions(target=str(tiny_qwen3_dir), drafter=str(drafter), dtype="float32")
+    session = open_session(options)
+    message, schema = grammar.PROMPTS[3]
+    results = {mode: grammar.run_mode(session, options, mode, message, schema, 24) for mode in grammar.MODES}
+    assert len({results[mode]["text"] for mode in grammar.MODES[1:]}) == 1
+    assert results["text"]["grammar_s"] == 0 and all(results[m]["grammar_s"] > 0 for m in grammar.MODES[1:])
+    assert results["schema, no drafter"]["tau"] == 1.0 and results["schema"]["steps"] > 0

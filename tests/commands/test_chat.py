@@ -3,6 +3,7 @@ commands, Ctrl-C, history, and the one-shot (piped / --prompt) mode through the 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -503,3 +504,26 @@ def test_odd_settings_are_said_under_the_plan_line(options: RunOptions) -> None:
     assert (
         "note:" not in plain.stderr and "block ≤4 adaptive" in plain.stderr.splitlines()[0]
     )  # up to the drafter's size
+
+
+def test_set_format_constrains_the_next_replies(session: Session, state: ChatState, tmp_path: Path) -> None:
+    import jsonschema
+
+    state.params = dataclasses.replace(state.params, max_new_tokens=60)
+    assert handle_command(session, state, "/set format json").ok
+    assert "format    json" in handle_command(session, state, "/show").message
+    text = reply(session, state, "Hi", lambda _: None).text
+    assert isinstance(json.loads(text), dict)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    assert handle_command(session, state, f"/set format {path}").ok
+    jsonschema.validate(json.loads(reply(session, state, "Again", lambda _: None).text), schema)
+    bad = handle_command(session, state, f"/set format {tmp_path / 'missing.json'}")
+    assert not bad.ok and "not text, json, or a readable JSON schema file" in bad.message
+    assert handle_command(session, state, "/set format text").ok and state.params.grammar is None

@@ -164,7 +164,7 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
             "body.max_tokens must be >= 1",
         ),
         ({"prompt": "x", "temperature": 1e999}, "invalid_request", "temperature must be a finite number"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_request", "messages[0].role must be system"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "invalid_request", "messages[0].role must be system"),
         ({"prompt_ids": [1, -2]}, "invalid_request", "prompt_ids must be a non-empty list of token ids"),
         ({"prompt": "x", "logprobs": True}, "invalid_request", "logprobs are not supported"),
         ({"prompt": "x", "top_p": 2}, "invalid_request", "top_p"),
@@ -724,3 +724,81 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
     assert {i: r["text"] for i, r in records.items()} == expected
     (error,) = read_jsonl(tmp_path / "p.errors.jsonl")
     assert error["id"] == "huge" and "out of memory" in error["error"]["message"]
+
+
+def test_response_format_lines_give_json_that_validates_and_bad_schemas_are_named(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    lines = [
+        {
+            "custom_id": "batch",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 40,
+                "response_format": response_format,
+            },
+        },
+        {
+            "id": "plain",
+            "messages": [{"role": "user", "content": "Hey"}],
+            "max_tokens": 40,
+            "response_format": response_format,
+        },
+        {
+            "id": "bad",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}},
+        },
+    ]
+    summary = run_with(session, options, write_lines(tmp_path / "p.jsonl", lines))
+    assert summary.failed == 1
+    records = {result_id(r): r for r in read_jsonl(tmp_path / "p.out.jsonl")}
+    body = records["batch"]["response"]["body"]
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+    jsonschema.validate(json.loads(records["plain"]["text"]), schema)
+    (error,) = read_jsonl(tmp_path / "p.errors.jsonl")
+    assert error["id"] == "bad" and "response_format.json_schema.schema" in error["error"]["message"]
+
+
+def test_tool_lines_give_tool_calls_in_both_shapes(tmp_path: Path, models: tuple[Path, Path]) -> None:
+    """A forced call on the tiny model (its template renders no tools: they go into the system message in the
+    hermes format, ~600 of its byte-level tokens, so its window is widened here) comes back as tool_calls."""
+    import shutil
+
+    from dflash_cli.loading.session import open_session
+
+    directory = shutil.copytree(models[0], tmp_path / "target")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    options = RunOptions(target=str(directory), drafter=str(models[1]), sampling=SamplingParams(max_new_tokens=120))
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"key": {"enum": ["a", "b"]}}, "required": ["key"]},
+        },
+    }
+    forced = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+    messages = [{"role": "user", "content": "find"}]
+    lines = [
+        {"custom_id": "batch", "url": "/v1/chat/completions", "body": {"messages": messages, **forced}},
+        {"id": "plain", "messages": messages, **forced},
+    ]
+    run_with(open_session(options), options, write_lines(tmp_path / "p.jsonl", lines))
+    records = {result_id(r): r for r in read_jsonl(tmp_path / "p.out.jsonl")}
+    choice = records["batch"]["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+    plain = records["plain"]
+    assert plain["finish_reason"] == "tool_calls" and plain["text"] is None
+    assert json.loads(plain["tool_calls"][0]["function"]["arguments"])["key"] in ("a", "b")

@@ -40,6 +40,7 @@ KEY = "test-key-123"
 MAX_TOKENS = 16  # the server's --max-tokens: the default for requests that do not say
 MAX_QUEUE = 16
 BATCH = 4  # the server's --batch-size: rows decoded together
+WINDOW = 2048  # the served model's context window
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -80,11 +81,17 @@ def raw_request(
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> tuple[Path, Path]:
+    import shutil
+
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    # a longer window than the shared tiny model's: tools in the system prompt take ~600 of its byte-level tokens
+    directory = shutil.copytree(tiny_qwen3_dir, tmp_path_factory.mktemp("serve") / "target")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": WINDOW}))
+    target = AutoModelForCausalLM.from_pretrained(directory)
     drafter = save_random_drafter(tmp_path_factory.mktemp("serve") / "drafter", target, block_size=4)
-    return tiny_qwen3_dir, drafter
+    return directory, drafter
 
 
 def model_flags(models: tuple[Path, Path]) -> list[str]:
@@ -320,10 +327,26 @@ def test_errors_name_the_field_in_openai_shape(server: RunningServer, client: op
         assert error["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="messages\\[0\\].role must be system, developer, user, assistant"):
         client.chat.completions.create(
-            model=server.target, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]
+            model=server.target, messages=[{"role": "function", "content": "x", "name": "f"}]
         )
-    with pytest.raises(openai.BadRequestError, match="context window is 512") as raised:
-        client.completions.create(model=server.target, prompt="word " * 600)
+    schemas = [
+        ({"type": "strnig"}, "response_format.json_schema.schema", 'Unsupported type "strnig"'),
+        (
+            {"type": "object", "properties": {"a": {"not": {}}}},
+            "response_format.json_schema.schema.properties.a.not",
+            "'not'",
+        ),
+    ]
+    for schema, param, message in schemas:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(
+                model=server.target,
+                messages=user("Hi"),
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            )
+        assert raised.value.body["param"] == param and message in raised.value.body["message"], raised.value.body
+    with pytest.raises(openai.BadRequestError, match=f"context window is {WINDOW}") as raised:
+        client.completions.create(model=server.target, prompt="word " * (WINDOW + 100))
     assert raised.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError, match="this server serves") as raised:
         client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
@@ -517,7 +540,12 @@ def bad_requests(rng: random.Random, count: int) -> Iterator[tuple[str, str, byt
         "presence_penalty": [0.5],
         "frequency_penalty": [-1],
         "logit_bias": [{"5": 10}],
-        "response_format": [{"type": "json_object"}],
+        "response_format": [
+            {"type": "json_objekt"},
+            "json",
+            {"type": "json_schema"},
+            {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+        ],
         "best_of": [3],
         "suffix": ["tail"],
         "chat_template_kwargs": ["x", [1], {"tokenize": False}, {"add_generation_prompt": False}],
@@ -646,9 +674,128 @@ def test_worker_queue_bounds_cancellation_and_stop(session: Session, models: tup
         time.sleep(0.01)
     expected = expected_chat(session, models, user("Hi"))
     assert "".join(u.text for u in updates["c"]) == expected.text
-    assert sum(u.tokens for u in updates["c"]) == len(expected.token_ids) and updates["c"][-1].stats.speculative
+    assert sum(len(u.token_ids) for u in updates["c"]) == len(expected.token_ids) and updates["c"][-1].stats.speculative
     worker.stop()
     worker.join(10)
     with pytest.raises(ShuttingDown):
         worker.submit(jobs["b"])
     assert not worker.alive
+
+
+# -- tools and structured output -------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "maximum": 9}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+RECORD = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_replies_validate_and_equal_constrained_plain_decoding(
+    client: openai.OpenAI, server: RunningServer, session: Session, models: tuple[Path, Path]
+) -> None:
+    import jsonschema
+
+    from dflash_cli.protocol.requests import read_body
+
+    body = {
+        "messages": user("Describe it"),
+        "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD, "strict": True}},
+    }
+    reply = client.chat.completions.create(model=server.target, **body)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), RECORD)
+    assert reply.choices[0].finish_reason == "stop"
+    # the server speculates; the same request decoded plainly (no drafter) here gives the same tokens
+    request = read_body(body, "/v1/chat/completions")
+    params = session.request_params(local_options(models), request)
+    plain = collect(session.stream(session.encode_request(request), params, speculative=False))
+    assert reply.choices[0].message.content == plain.text
+    streamed = client.chat.completions.create(model=server.target, stream=True, **body)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain.text
+    json_object = client.chat.completions.create(
+        model=server.target, messages=user("Hi"), max_tokens=60, response_format={"type": "json_object"}
+    )
+    if json_object.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(json_object.choices[0].message.content), dict)
+
+
+def test_forced_tool_calls_come_back_as_tool_calls_whole_and_streamed(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    """The tiny model's template renders no tools: they go into its system prompt in the hermes format, and a
+    forced call is constrained by the function's schema, so even a random model calls it with valid arguments."""
+    import jsonschema
+
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = client.chat.completions.create(
+            model=server.target,
+            messages=user("Weather?"),
+            tools=[WEATHER],
+            tool_choice=choice,
+            parallel_tool_calls=False,  # (one call, then the end: a random model would go on calling)
+            max_tokens=200,
+        )
+        (call,) = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        assert call.id.startswith("call_") and reply.choices[0].message.content is None
+    chunks = list(
+        client.chat.completions.create(
+            model=server.target,
+            messages=user("Weather?"),
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            stream=True,
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].index == 0
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(arguments) == json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tool_conversation_round_trips_and_auto_may_answer_in_text(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    history = [
+        *user("Weather in Paris?"),
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 24C"},
+    ]
+    reply = client.chat.completions.create(model=server.target, messages=history, tools=[WEATHER], max_tokens=8)
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert (choice.message.content is not None) or choice.message.tool_calls
+    none = client.chat.completions.create(
+        model=server.target, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
+    assert none.choices[0].message.tool_calls is None
+    assert none.usage.prompt_tokens < reply.usage.prompt_tokens  # no tools in its prompt

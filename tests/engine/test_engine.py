@@ -446,3 +446,18 @@ def test_mismatched_drafter_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(DflashError, match="target layers"):
         load_drafter(path, target)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5])
+def test_a_stop_token_past_max_tokens_is_not_committed(limit: int) -> None:
+    """A block may carry the token after the limit; when that token is a stop token, plain decoding never makes it
+    (it stops at the limit, finish "length"), so neither may speculation."""
+    target = sharp_tiny("qwen3", 0)
+    prompt = [3, 14, 15, 92, 65]
+    free = speculative_generate(target, None, prompt, 12).token_ids
+    for stop in (free[limit], free[limit - 1]):
+        expected = speculative_generate(target, None, prompt, limit, stop_token_ids=(stop,))
+        drafter = OracleDrafter(target, prompt + free, block_size=8)
+        got = speculative_generate(target, drafter, prompt, limit, stop_token_ids=(stop,))
+        assert (got.token_ids, got.finish_reason) == (expected.token_ids, expected.finish_reason)
+        assert len(got.token_ids) <= limit

@@ -118,9 +118,12 @@ class OracleDrafter(DFlashDrafter):
         self.vocab = target.config.get_text_config().vocab_size
 
     @torch.no_grad()
-    def propose(self, features, block_ids, starts, cache: DraftCache, *, sizes=None, slots=None) -> torch.Tensor:
+    def propose(
+        self, features, block_ids, starts, cache: DraftCache, *, sizes=None, slots=None, constraints=None
+    ) -> torch.Tensor:
         """Each row's continuation (row i: its first sizes[i] - 1 slots), padded to the block's width like the real
-        drafter's. A row is known by its slot of a shared cache, or by its one-slot cache."""
+        drafter's. A row is known by its slot of a shared cache, or by its one-slot cache. (`constraints`: the
+        rows' grammars, which an oracle has no use for.)"""
         sizes = [block_ids.shape[1]] * len(starts) if sizes is None else sizes
         rows = [id(cache)] if cache.slots == 1 else (range(len(starts)) if slots is None else slots)
         out = torch.zeros((block_ids.shape[0], block_ids.shape[1] - 1), dtype=torch.long, device=block_ids.device)

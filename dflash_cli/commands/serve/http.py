@@ -36,6 +36,7 @@ from dflash_cli.commands.serve.worker import Job, QueueFull, ShuttingDown, Updat
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
 from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
+from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
@@ -257,7 +258,8 @@ class Server:
                 )
             async with self.encode_lock:  # tokenizers are not built for concurrent encodes
                 prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
-            params = self.session.sampling_params(self.options, **request.sampling)
+                # (off the event loop: a new schema compiles in milliseconds, a first grammar reads the vocabulary)
+                params = await anyio.to_thread.run_sync(self.session.request_params, self.options, request)
         except RequestError as error:
             raise APIError(400, error.message, param=error.param, code=error.code) from None
         except DflashError as error:
@@ -279,10 +281,14 @@ class Server:
         if request.stream:
             stream = self._stream(job, updates, request, ids)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await self._whole(http, job, updates, endpoint, ids)
+        return await self._whole(http, job, updates, request, ids)
+
+    async def _reply_text(self, token_ids: list[int]) -> str:
+        async with self.encode_lock:  # (the tokenizer, one call at a time)
+            return self.session.reply_text(token_ids)
 
     async def _whole(
-        self, http: HTTPRequest, job: Job, updates: asyncio.Queue[Update], endpoint: str, ids: dict[str, Any]
+        self, http: HTTPRequest, job: Job, updates: asyncio.Queue[Update], request: Request, ids: dict[str, Any]
     ) -> Response:
         gone = asyncio.Event()
 
@@ -294,18 +300,31 @@ class Server:
 
         watcher = asyncio.create_task(cancel_on_disconnect())
         text: list[str] = []
+        token_ids: list[int] = []
         try:
             while (update := await updates.get()).finish_reason is None:
                 text.append(update.text)
+                token_ids += update.token_ids
         finally:
             watcher.cancel()
             self.worker.cancel(job)  # a no-op when the job is done; stops it when this handler is cancelled
         if gone.is_set():
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it, /metrics counts it
         text.append(update.text)
+        token_ids += update.token_ids
         self._check_finished(update)
+        content: str | None = "".join(text)
+        calls: list[Any] = []
+        if request.tools is not None:
+            async with self.encode_lock:
+                content, calls = self.session.parse_reply(request, token_ids, content)
         body = responses.completion(
-            endpoint, text="".join(text), finish_reason=update.finish_reason, stats=update.stats, **ids
+            request.endpoint or CHAT_URL,
+            text=content,
+            finish_reason=update.finish_reason,
+            stats=update.stats,
+            tool_calls=calls,
+            **ids,
         )
         return JSONResponse(body)
 
@@ -320,13 +339,28 @@ class Server:
     ) -> AsyncIterator[str]:
         """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
         endpoint, usage = request.endpoint or CHAT_URL, request.include_usage
+        # Under tools the text is read raw (special tokens kept) and held back from where a call may start.
+        tools = ToolStream(request.tools, self.session.tool_format) if request.tools is not None else None
+        token_ids: list[int] = []
+        fed = 0  # raw characters given to `tools`
         try:
             if endpoint == CHAT_URL:
                 yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
             while True:
                 update = await updates.get()
-                if update.text:
-                    yield sse(responses.chunk(endpoint, text=update.text, with_usage=usage, **ids))
+                text = update.text
+                if tools is not None:
+                    token_ids += update.token_ids
+                    raw = await self._reply_text(token_ids)
+                    if update.finish_reason is None and raw.endswith("\ufffd"):  # a character cut in two: wait
+                        raw = raw[:fed]
+                    text, fed = tools.feed(raw[fed:]), max(fed, len(raw))
+                if text:
+                    yield sse(responses.chunk(endpoint, text=text, with_usage=usage, **ids))
+                if tools is not None:  # each call as soon as it closes
+                    given = len(tools.given)
+                    for part in responses.tool_call_chunks(endpoint, tools.ready(), given, with_usage=usage, **ids):
+                        yield sse(part)
                 if update.finish_reason is None:
                     continue
                 try:
@@ -334,7 +368,16 @@ class Server:
                 except APIError as error:  # the status is sent already: the error goes in the stream, as vLLM's
                     yield sse(responses.error(error.message, error.type, code=error.code))
                     break
-                last = responses.chunk(endpoint, finish_reason=update.finish_reason, with_usage=usage, **ids)
+                finish_reason = update.finish_reason
+                if tools is not None:
+                    given = len(tools.given)
+                    rest, calls = tools.finish()
+                    if rest:
+                        yield sse(responses.chunk(endpoint, text=rest, with_usage=usage, **ids))
+                    for part in responses.tool_call_chunks(endpoint, calls, given, with_usage=usage, **ids):
+                        yield sse(part)
+                    finish_reason = "tool_calls" if tools.given or calls else finish_reason
+                last = responses.chunk(endpoint, finish_reason=finish_reason, with_usage=usage, **ids)
                 last["dflash"] = responses.dflash_stats(update.stats)
                 yield sse(last)
                 if usage:

@@ -26,7 +26,7 @@ from dflash_cli.protocol.params import SamplingParams
 @dataclass(frozen=True)
 class Update:
     text: str = ""  # text to show, decoded and held back where a stop string may be starting
-    tokens: int = 0  # tokens this update commits
+    token_ids: tuple[int, ...] = ()  # the tokens this update commits
     finish_reason: str | None = None  # on the last update: "stop", "length", "cancelled" or "error"
     stats: Any = None  # on the last update: the generation's engine GenerationStats (None if it never started)
     error: str | None = None  # with finish_reason "error": what went wrong
@@ -186,9 +186,9 @@ class Worker:
             traceback.print_exception(event)
             self._end(job, Update(finish_reason="error", error=_first_line(event), stats=_copy_stats(row)))
         elif event.finish_reason is not None:
-            self._end(job, Update(event.text, len(event.token_ids), event.finish_reason, copy.deepcopy(event.stats)))
+            self._end(job, Update(event.text, tuple(event.token_ids), event.finish_reason, copy.deepcopy(event.stats)))
         elif not job.cancelled:
-            self._send(job, Update(event.text, len(event.token_ids)))
+            self._send(job, Update(event.text, tuple(event.token_ids)))
 
     def _end(self, job: Job, update: Update) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -187,12 +188,19 @@ class DFlashDrafter(nn.Module):
         *,
         sizes: Sequence[int] | None = None,
         slots: Sequence[int] | None = None,
+        constraints: Sequence[Any] | None = None,
     ) -> torch.Tensor:
         """The draft token ids for block slots 1..width-1 [n, width-1] (arguments: `draft_hidden`): what the engine
         verifies, at any temperature, whatever the format. Row i's proposal is its first sizes[i] - 1 (a proposal
-        reads only the slots before it, so the padding changes nothing)."""
+        reads only the slots before it, so the padding changes nothing). `constraints[i]` (an engine.grammar
+        GrammarState, or None) chooses row i's proposal from its logits under its grammar instead."""
         hidden = self.draft_hidden(features, block_ids, starts, cache, sizes=sizes, slots=slots)
-        return self.select(hidden, block_ids[:, 0])
+        proposal = self.select(hidden, block_ids[:, 0])
+        for i, grammar in enumerate(constraints or ()):
+            if grammar is not None:  # (its real slots only: the padding's proposals are dropped)
+                real = hidden.shape[1] if sizes is None else sizes[i] - 1
+                proposal[i, :real] = grammar.draft(self.logits(hidden[i, :real]))
+        return proposal
 
     def select(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states of block slots 1..q-1 [n, q-1, H] and each block's first token [n] -> the proposal [n, q-1]."""

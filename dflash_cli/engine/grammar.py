@@ -1,0 +1,174 @@
+"""Constrained decoding (response_format, forced tool calls), exact under speculation.
+
+A row with a grammar keeps an xgrammar matcher over its committed tokens. Before a verify's logits are sampled,
+every position of the row's block is masked with the grammar's state after the block's preceding tokens: the
+matcher advances over the drafts, filling one bitmask row per position, then rolls back; after the step it
+accepts the committed tokens. A draft the grammar rejects ends the masks there: the target's masked choice before
+it cannot equal it, so nothing after it is committed. Sampling then runs on the masked logits as plain decoding
+does (the same loop with a block of 1), so a row decodes exactly what constrained plain decoding would: token for
+token at temperature 0, in distribution above it.
+
+xgrammar rather than llguidance, measured on the demo's tokenizer (49k tokens, 2-core CPU, a 3-field schema):
+masks 0.01-0.03 ms a position against llguidance's 0.05-0.1 ms, schema compile 5-12 ms, a matcher with native
+rollback; llguidance's first mask on a tokenizer took ~2 s. It is also what vLLM and SGLang use.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.protocol.params import Grammar, SamplingParams
+
+# JSON is constrained to one layout, `{"a": 1, "b": [2, 3]}` (OpenAI's own): free whitespace lets small models loop
+# on newlines inside an object until max_tokens.
+JSON_LAYOUT = dict(any_whitespace=False)
+JSON_WHITESPACE = 1  # the same bound inside tool-call arguments (the format's own structure sets the rest)
+
+
+@functools.cache
+def _compiler(tokenizer: Any, vocab_size: int) -> Any:
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    return xgrammar.GrammarCompiler(info, max_threads=1)
+
+
+def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
+    """The compiled grammar (xgrammar caches them per tokenizer). Raises RequestError naming `grammar.field` for a
+    schema or tool format the grammar library cannot take."""
+    if tokenizer is None:
+        raise DflashError("a grammar (response_format or a forced tool call) needs the model's tokenizer")
+    compiler = _compiler(tokenizer, vocab_size)
+    try:
+        if grammar.kind == "json":
+            return compiler.compile_json_schema('{"type": "object"}', **JSON_LAYOUT)
+        if grammar.kind == "json_schema":
+            return compiler.compile_json_schema(grammar.source, **JSON_LAYOUT)
+        if grammar.kind == "tool_calls":
+            return compiler.compile_structural_tag(_tool_call_tag(grammar.source))
+    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's errors for schemas it does not support
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # (xgrammar's time and source line)
+        raise RequestError(
+            f"{grammar.field}: the grammar library cannot use this: {reason}", param=grammar.field
+        ) from None
+    raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+
+
+def _tool_call_tag(source: str) -> str:
+    """xgrammar's structural tag for a forced tool call in the model's format (`source`: the format's xgrammar name,
+    the tools, the choice: "required" or a function's name, and whether calls may be parallel)."""
+    import xgrammar
+
+    spec = json.loads(source)
+    choice = spec["choice"]
+    if choice != "required":
+        choice = {"type": "function", "function": {"name": choice}}
+    tag = xgrammar.get_model_structural_tag(
+        spec["format"],
+        tools=spec["tools"],
+        tool_choice=choice,
+        reasoning="disabled",
+        max_whitespace_cnt=JSON_WHITESPACE,
+        parallel_tool_calls=spec["parallel"],
+    )
+    tag = json.loads(tag.model_dump_json())
+    calls = tag["format"]
+    if calls["type"] == "triggered_tags":  # (text may come first there; a forced reply opens with its call)
+        tag["format"] = {
+            "type": "tags_with_separator",
+            "tags": calls["tags"],
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": calls["stop_after_first"],
+        }
+    return json.dumps(tag)
+
+
+class GrammarState:
+    """One row's matcher and its bitmask buffer (a row per block position). `stop_ids` end the grammar (the
+    row's own stop tokens; empty: the tokenizer's end of sequence)."""
+
+    def __init__(self, compiled: Any, *, block_size: int, vocab_size: int, stop_ids: Sequence[int] = ()) -> None:
+        import xgrammar
+
+        self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None)
+        self.bitmask = xgrammar.allocate_token_bitmask(block_size, vocab_size)
+        self.vocab_size = vocab_size
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def mask(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> None:
+        """Mask `logits` [n, vocab] in place: row j with the grammar's state after drafts[:j] (n - 1 drafts). Rows
+        past a draft the grammar rejects stay as they are: they cannot be committed."""
+        import xgrammar
+
+        filled = advanced = 0
+        for j in range(logits.shape[0]):
+            if j:
+                # (a draft outside the previous position's mask is rejected here, before the matcher sees it)
+                if not self._allows(j - 1, drafts[j - 1]) or not self.matcher.accept_token(drafts[j - 1]):
+                    break
+                advanced += 1
+                if self.matcher.is_terminated():  # nothing follows the grammar's end
+                    break
+            self.matcher.fill_next_token_bitmask(self.bitmask, j)
+            filled += 1
+        self.matcher.rollback(advanced)
+        bitmask = self.bitmask[:filled].to(logits.device, non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(
+            logits[:filled], bitmask, vocab_size=min(self.vocab_size, logits.shape[-1])
+        )
+
+    def draft(self, logits: torch.Tensor) -> torch.Tensor:
+        """A drafter's proposal under the grammar: from its logits [k, vocab] for the k slots after the row's last
+        committed token, slot j's most likely token the grammar allows after the proposal's slots before it. It
+        only changes which drafts the target checks (speed), never what is committed."""
+        import xgrammar
+
+        tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        advanced = 0
+        for j in range(logits.shape[0]):
+            self.matcher.fill_next_token_bitmask(self.bitmask, j)
+            row = logits[j : j + 1]
+            xgrammar.apply_token_bitmask_inplace(
+                row, self.bitmask[j : j + 1].to(row.device), vocab_size=self.vocab_size
+            )
+            token = int(row.argmax())
+            tokens[j:] = token
+            if not self.matcher.accept_token(token):
+                break
+            advanced += 1
+            if self.matcher.is_terminated():
+                break
+        self.matcher.rollback(advanced)
+        return tokens
+
+    def _allows(self, row: int, token: int) -> bool:
+        return token < self.vocab_size and bool((int(self.bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+    def accept(self, ids: Sequence[int]) -> int:
+        """Advance over committed `ids`; returns how many of them stand (up to the one that ends the grammar)."""
+        for n, token in enumerate(ids):
+            if self.matcher.is_terminated():
+                return n
+            if not self.matcher.accept_token(token):  # masking makes this unreachable; say so rather than drift
+                raise RuntimeError(f"the grammar rejected committed token {token}")
+        return len(ids)
+
+
+def grammar_state(params: SamplingParams, tokenizer: Any, *, block_size: int, vocab_size: int) -> GrammarState | None:
+    """The row's grammar state for `params.grammar` (None without one)."""
+    if params.grammar is None:
+        return None
+    compiled = compile_grammar(params.grammar, tokenizer, vocab_size)
+    return GrammarState(compiled, block_size=block_size, vocab_size=vocab_size, stop_ids=params.stop_token_ids)

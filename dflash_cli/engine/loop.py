@@ -33,6 +33,7 @@ from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_se
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
+from dflash_cli.engine.prefix import Held, choose_slot, common_prefix
 from dflash_cli.engine.row import Generation, GenerationResult, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
@@ -54,6 +55,9 @@ class Row:
     # theirs, copied out of the block buffer the next verify overwrites).
     pending: list[torch.Tensor] = field(default_factory=list)
     draft_cache: DraftCache | None = None
+    drafted: int = 0  # the drafter's cache holds the context of positions 0 .. drafted-1
+    ids: list[int] = field(default_factory=list)  # the token ids at the row's committed positions in the target
+    last_id: int = 0  # `last` on the host
     decode_started: float = 0.0
 
 
@@ -74,8 +78,10 @@ class Batch:
         compile: bool = False,
         notify: Notify | None = None,
         policy: BlockPolicy | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
+        self.prefix_cache = prefix_cache  # a joining row keeps what its slot holds of its prompt (engine.prefix)
         self.device = target.get_input_embeddings().weight.device
         for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
             if model is not None:
@@ -129,18 +135,36 @@ class Batch:
         return row
 
     def cancel(self, row: Row) -> None:
-        """Drop `row`: a waiting one leaves the queue, a decoding one frees its slot now."""
+        """Drop `row`: a waiting one leaves the queue, a decoding one frees its slot now (what it committed stays
+        there for a later request with the same prefix)."""
         if row in self.waiting:
             self.waiting.remove(row)
         elif row.slot is not None and self.slots[row.slot] is row:
-            self.slots[row.slot] = None
+            self._free(row, keep=True)
 
     def close(self) -> None:
-        """Give the target state back (its buffers stay for the next batch on this target)."""
+        """Give the target state back (its buffers, and what its rows hold, stay for the next batch on this
+        target)."""
         self.policy.finish()
+        for row in self.active:  # between steps: each row's state is whole
+            self._free(row, keep=True)
         if self.state is not None:
             release_state(self.state)
             self.state = None
+
+    def _free(self, row: Row, *, keep: bool) -> None:
+        """Free `row`'s slot; `keep`: what the row committed stays there for a later request (engine.prefix)."""
+        self.slots[row.slot] = None
+        if self.state is None or not row.ids:  # it never prefilled
+            return
+        if not keep:
+            self.state.forget(row.slot)
+            return
+        pending = None
+        if row.pending:  # (copied: the last verify's features live in a buffer the next verify overwrites)
+            pending = torch.cat(row.pending, dim=1) if len(row.pending) > 1 else row.pending[0].clone()
+        cache = row.draft_cache if row.draft_cache is not None else self.draft_slots
+        self.state.held[row.slot] = Held(row.ids, self.drafter, cache, row.drafted, pending)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Row, Step | BaseException]]:
@@ -151,7 +175,9 @@ class Batch:
             events: list[tuple[Row, Step | BaseException]] = []
             while self.waiting and None in self.slots:
                 row = self.waiting.popleft()
-                row.slot = self.slots.index(None)
+                free = [slot for slot, taken in enumerate(self.slots) if taken is None]
+                held = self.state.held if self.state is not None and self.prefix_cache else None
+                row.slot = free[0] if held is None else choose_slot(free, held, row.generation.prompt_ids)
                 self.slots[row.slot] = row
                 events += self._leave([row], self._prefill)
             return events
@@ -167,8 +193,10 @@ class Batch:
                 torch.cuda.empty_cache()  # the next step (or these rows retried alone) gets what this one held
             outcome = [error] * len(rows)
         for row, event in zip(rows, outcome):
-            if isinstance(event, BaseException) or event.finish_reason is not None:
-                self.cancel(row)
+            if isinstance(event, BaseException):  # its state may be half-written: nothing stays
+                self._free(row, keep=False)
+            elif event.finish_reason is not None:
+                self._free(row, keep=True)
         return list(zip(rows, outcome))
 
     def _reserve(self, generation: Generation, prompt: torch.Tensor) -> AttentionState:
@@ -194,23 +222,55 @@ class Batch:
         prompt = torch.tensor([generation.prompt_ids], device=self.device)
         state = self._reserve(generation, prompt)
         started = time.perf_counter()
-        # Prefill: the whole prompt once; only the last position's logits are needed.
-        logits = state.prefill(prompt, row.slot)
+        kept, unread = self._resume(row, state)
+        # Prefill: the prompt after the positions the slot kept; only the last position's logits are needed.
+        logits = state.prefill(prompt[:, kept:], row.slot, kept)
         row.last = sample_tokens(
             logits, generation.params, generation.generator, generation.uniforms_at(len(generation.prompt_ids), 1)
         )
-        first = int(row.last.item())
+        row.last_id = int(row.last.item())
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
+        row.ids = list(generation.prompt_ids)
+        if self.drafter is not None:
+            prefilled = state.features(len(row.ids) - kept, row.slot)
+            row.pending = [prefilled] if unread is None else [unread, prefilled]
+        row.decode_started = time.perf_counter()
+        return [generation.commit([row.last_id], verified=False)]
+
+    def _resume(self, row: Row, state: AttentionState) -> tuple[int, torch.Tensor | None]:
+        """Where `row`'s prefill starts: the positions of its prompt its slot already holds (engine.prefix), short
+        of the last (whose logits give the first token), as far as the target state (`resumable`) and the drafter's
+        cache (`rewind`) can continue from. Sets up the row's drafter context: its cache rewound to the kept
+        positions it has read; returns their count and the kept features it has not read (None: none)."""
+        prompt, generation = row.generation.prompt_ids, row.generation
+        held = state.held[row.slot] if self.prefix_cache else None
+        cache, slot = self.draft_slots, row.slot
         if self.draft_slots is not None:
             self.draft_slots.make_room(generation.end + self.block)
-        elif self.drafter is not None:
-            row.draft_cache = self.drafter.new_cache(generation.end + self.block, self.block)
+        elif self.drafter is not None:  # one row: its slot's own cache when it fits, else a new one
+            cache, slot = held.draft_cache if held is not None and held.drafter is self.drafter else None, 0
+            if cache is None or cache.slots != 1 or cache.block_size != self.block:
+                cache = self.drafter.new_cache(generation.end + self.block, self.block)
+            cache.make_room(generation.end + self.block)
             if self.compile:
-                row.draft_cache.step, row.draft_cache.notify = compiled_draft_step(self.device), self.notify
+                cache.step, cache.notify = compiled_draft_step(self.device), self.notify
+            row.draft_cache = cache
+        matched = min(common_prefix(held.ids, prompt), len(prompt) - 1) if held is not None else 0
+        kept = matched
+        if self.drafter is not None and kept > 0:
+            read = min(kept, held.drafted)
+            if held.drafter is not self.drafter or held.draft_cache is not cache:
+                kept = 0  # the drafter has no context for these positions
+            elif cache.rewind(slot, read, len(prompt)) < read:  # a ring evicted rows the next block sees
+                kept = cache.rewind(slot, read, len(prompt))
+        kept = state.resumable(row.slot, kept)
+        unread = None
         if self.drafter is not None:
-            row.pending = [state.features(state.lengths[row.slot], row.slot)]
-        row.decode_started = time.perf_counter()
-        return [generation.commit([first], verified=False)]
+            row.drafted = cache.rewind(slot, min(kept, held.drafted) if kept > 0 else 0, len(prompt))
+            if kept > row.drafted:
+                unread = held.pending[:, : kept - row.drafted]  # (then row.drafted == held.drafted)
+        generation.stats.cached_tokens, generation.stats.unreused_tokens = kept, matched - kept
+        return kept, unread
 
     def _decode(self, rows: list[Row]) -> list[Step]:
         state, drafter, clock = self.state, self.drafter, self.clock
@@ -231,6 +291,7 @@ class Batch:
         for i, (row, size) in enumerate(zip(rows, sizes)):
             if drafter is not None and size > 1:
                 drafting.append(i)
+                row.drafted = starts[i]
                 features.append(row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending, dim=1))
                 row.pending.clear()
             elif drafter is not None:
@@ -291,6 +352,8 @@ class Batch:
             stats.compile_s += compiling
             row.decode_started += compiling
             state.commit(accepted + 1, row.slot)
+            row.ids += [row.last_id, *committed[:accepted]]  # the block's kept tokens, now in the state
+            row.last_id = committed[accepted]
             if drafter is not None:
                 # Features of the committed block positions; the bonus token's arrive with the next verify.
                 row.pending.append(state.features(accepted + 1, row.slot))
@@ -313,16 +376,25 @@ def generate(
     compile: bool = False,
     notify: Notify | None = None,
     policy: BlockPolicy | None = None,
+    prefix_cache: bool = True,
 ) -> Iterator[Step]:
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
     The batch loop with one row. `compile`: run the target's and the drafter's steps compiled
     (engine.compiled); `notify(message)` is a context manager shown while a step compiles for the first time.
     `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
-    `block_size` (default: the drafter's).
+    `block_size` (default: the drafter's). `prefix_cache`: continue from what the target's state holds of the
+    prompt (the last generation's prompt and output: a conversation's earlier turns), see engine.prefix.
     """
     batch = Batch(
-        target, drafter, block_size=block_size, tokenizer=tokenizer, compile=compile, notify=notify, policy=policy
+        target,
+        drafter,
+        block_size=block_size,
+        tokenizer=tokenizer,
+        compile=compile,
+        notify=notify,
+        policy=policy,
+        prefix_cache=prefix_cache,
     )
     batch.add(prompt_ids, params)
     try:

@@ -96,6 +96,22 @@ class DraftCache:
                     buffers[index] = grown
         self.capacity = capacity
 
+    def rewind(self, slot: int, length: int, resume: int) -> int:
+        """Keep slot `slot`'s context positions 0 .. length-1 for a sequence whose next block starts at `resume`
+        (the positions from `length` on are written again before any query reads them); return how many it keeps.
+        A full layer keeps them all; a ring may have evicted, for positions written after `length`, older rows the
+        next block still sees: then it keeps only the positions out of that block's window (at most `length`)."""
+        if self.ring is not None:
+            window = max(w for w in self.windows if w is not None)
+            seen = max(0, resume - window + 1)  # the oldest position the next block sees
+            if seen < length:
+                positions = torch.arange(seen, length, device=self.ring_positions.device)
+                if not bool((self.ring_positions[slot, positions % self.ring] == positions).all()):
+                    length = seen
+        if self.slots == 1:
+            self.length = length
+        return length
+
     def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s buffers, allocated on its first write (`like`: [1, kv heads, n, head dim])."""
         if self.keys[layer_idx] is None:

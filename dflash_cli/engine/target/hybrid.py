@@ -345,6 +345,10 @@ class HybridState(AttentionState):
             positions, block_size, feature_layers, rows=rows, compile=False, notify=notify
         )  # eager: see above
 
+    def resumable(self, slot: int, length: int) -> int:
+        """Nothing yet: the recurrent state holds only the row's last position."""
+        return 0
+
     def _forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
         for layer in self.linear:
             layer.select(rows, fresh=prefill)

@@ -109,6 +109,16 @@ BatchSize = Annotated[
         "cache at 8k tokens, at most 16; 1 = one at a time). Hybrid targets decode one at a time.",
     ),
 ]
+# chat, run and serve: bench times every prompt's whole prefill, always
+NoPrefixCache = Annotated[
+    bool,
+    typer.Option(
+        "--no-prefix-cache",
+        rich_help_panel=PLANNING,
+        help="Prefill every prompt from its first token. By default a request continues from what a slot already "
+        "holds of its prompt (a conversation's earlier turns, a shared system prompt), exactly.",
+    ),
+]
 # bench's --max-tokens: the same flag with bench's own default, which depends on --full (measure.QUICK_MAX_TOKENS)
 BenchMaxTokens = Annotated[
     int,

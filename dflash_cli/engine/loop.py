@@ -164,7 +164,7 @@ class Batch:
         if row.pending:  # (copied: the last verify's features live in a buffer the next verify overwrites)
             pending = torch.cat(row.pending, dim=1) if len(row.pending) > 1 else row.pending[0].clone()
         cache = row.draft_cache if row.draft_cache is not None else self.draft_slots
-        self.state.held[row.slot] = Held(row.ids, self.drafter, cache, row.drafted, pending)
+        self.state.hold(row.slot, Held(row.ids, self.drafter, cache, row.drafted, pending))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Row, Step | BaseException]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
-from dflash_cli.engine import Batch, SamplingParams, Step, generate
+from dflash_cli.engine import Batch, SamplingParams, Step, forget_prefixes, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.errors import DflashError, RequestError
@@ -36,6 +36,7 @@ class Session:
     compile: bool = False  # run the target's steps compiled (engine.compiled)
     console: Console | None = None  # where a progress line shows while a step compiles
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
+    prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
 
     @property
     def target(self) -> Any:
@@ -233,7 +234,12 @@ class Session:
             compile=self.compile,
             notify=self._compile_status,
             policy=policy,
+            prefix_cache=self.prefix_cache,
         )
+
+    def forget_prefixes(self) -> None:
+        """The next request prefills its whole prompt (chat's /clear and /load start over)."""
+        forget_prefixes(self.target)
 
     def batch(self, *, speculative: bool = True) -> Batch:
         """A batch of `batch_size` rows for frontends that decode several requests at once (run, serve): one block
@@ -250,6 +256,7 @@ class Session:
             compile=self.compiled,
             notify=self._compile_status,
             policy=self._policy(drafter, None, self.compiled),
+            prefix_cache=self.prefix_cache,
         )
 
     def _policy(self, drafter: Any, block_size: int | None, compile: bool) -> BlockPolicy | None:
@@ -297,7 +304,7 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
-    session = Session(recipe, plan, models, threads, compile, console, batching)
+    session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:

@@ -29,6 +29,7 @@ class RunOptions:
     threads: int | None = None  # CPU threads; None: the cores other processes leave free
     compile: str = "auto"  # compile the target's steps: auto (on CUDA only), on, off
     batch_size: int | None = None  # rows `run` and `serve` decode together; None: the plan's
+    prefix_cache: bool = True  # chat, run, serve: continue from what a slot holds of a prompt (engine.prefix)
 
     def resolve_recipe(self) -> Recipe:
         return resolve_recipe(self.recipe_name, self.recipe_file, self.target, self.drafter)

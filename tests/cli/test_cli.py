@@ -113,10 +113,10 @@ def test_run_flags_build_one_run_options() -> None:
         no_spec=True,
         explain=True,
     )
-    # every option is a shared flag, its sampling one flag per request field but `stop`, and --batch-size is not:
-    # only `run` and `serve` decode several requests at once
+    # every option is a shared flag, its sampling one flag per request field but `stop`; --batch-size is not (only
+    # `run` and `serve` decode several requests at once), nor --no-prefix-cache (bench prefills every prompt whole)
     sampling = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"]
-    options = [f.name for f in dataclasses.fields(RunOptions) if f.name != "batch_size"]
+    options = [f.name for f in dataclasses.fields(RunOptions) if f.name not in ("batch_size", "prefix_cache")]
     assert [p.name for p in RUN_FLAGS] == options[:4] + sampling + options[5:]
     assert options[4] == "sampling"
 

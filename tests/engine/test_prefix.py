@@ -213,15 +213,25 @@ def test_seeded_sampling_is_the_same_with_and_without_reuse() -> None:
     assert with_reuse == without and cached[-1] > 0
 
 
-def test_a_hybrid_target_decodes_exactly_with_reuse_on() -> None:
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "bamba"])
+def test_a_hybrid_target_reuses_at_its_snapshots_exactly(family) -> None:
+    """Recurrent states cannot go back to any position: a conversation continues from the snapshot at its last
+    reply's end; a request that ends inside a turn continues from the last snapshot before it (a prompt's end)."""
     from test_families import target as family_target
 
-    target = family_target("qwen3_5")
+    target = family_target(family)
     drafter = random_drafter(target, fmt="classic", block_size=4)
     params = SamplingParams(max_new_tokens=12)
     prompts = conversation(target, drafter, [5, 17, 42, 8, 9], params, 3)
-    with_reuse, without, _ = turns(target, drafter, prompts, params)
+    inside = prompts[2][: len(prompts[1]) + 5] + [3]  # inside the second turn's reply: back to its prompt's end
+    with_reuse, without, cached = turns(target, drafter, [*prompts, inside], params)
     assert with_reuse == without
+    assert cached[1] == len(prompts[0]) + 12 - 1 and cached[2] == len(prompts[1]) + 12 - 1
+    assert cached[3] == len(prompts[1])
+    # the same prompt again: the slot holds all of it, but a prompt's last token is always prefilled and there is
+    # no snapshot before it (they sit at the prompt's end and the reply's): nothing reused, and the stats say so
+    _, stats = decode(target, drafter, inside, params, reuse=True)
+    assert (stats.cached_tokens, stats.unreused_tokens) == (0, len(inside) - 1)
 
 
 def test_the_slot_with_the_longest_common_prefix_is_chosen() -> None:

@@ -35,8 +35,12 @@ class TargetState(ABC):
         them for K/V, which a length rewinds."""
         return length
 
+    def hold(self, slot: int, held: Any) -> None:
+        """Row `slot`'s generation has left it: `held` says what it holds for a later request."""
+        self.held[slot] = held
+
     def forget(self, slot: int) -> None:
-        """Row `slot` holds nothing a later request may reuse (it ran something else)."""
+        """Row `slot` holds nothing a later request may reuse."""
         self.held[slot] = None
 
     @abstractmethod

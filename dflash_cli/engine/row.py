@@ -111,7 +111,7 @@ class Generation:
         """Apply the stop conditions to newly committed ids and make the step event. `verified`: the ids came
         from a verify step (the prefill's first token has no acceptance length) of `block_size` tokens."""
         finish = None
-        for i, token in enumerate(ids):
+        for i, token in enumerate(ids[: self.max_new - self.stats.generated_tokens]):  # a stop past the limit: "length"
             if token in self.stop_ids:
                 ids, finish = ids[: i + 1], "stop"
                 break

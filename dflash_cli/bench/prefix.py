@@ -1,18 +1,18 @@
 """Prefix reuse (issue 30), measured: time to first token with and without it.
 
 `chat`: a conversation of N turns through the Session API `dflash chat` uses (the demo's held-out prompts as the
-user's messages). Each turn runs twice, back to back: with prefix reuse (continuing from the slot, which holds the
-last turn), then prefilling the whole prompt (`prefix_cache` off); both leave the same state (the same tokens:
-checked), so the next turn's reuse continues from either. Prints each turn's prompt length, reused tokens and
-TTFT both ways, then the last turn's TTFT over the first turn's, each way.
+user's messages), after one warm-up reply. Each turn runs twice, back to back: with prefix reuse (continuing from
+the slot, which holds the last turn), then prefilling the whole prompt (`prefix_cache` off); in float32 both give
+the same reply (checked; bf16 may round a near-tie differently) and leave the same state. Prints each turn's
+prompt length, reused tokens and TTFT both ways, then the last turn's TTFT over the first turn's, each way.
 
 `serve`: `dflash serve` in a subprocess (127.0.0.1, a free port), then R requests one after another, streamed,
 that share a system prompt of about S tokens (the demo's prompts, joined) and each ask their own question. TTFT is
-the client's: request sent to the first text chunk. The same again with `--no-prefix-cache`. Prints each request's
+the client's: request sent to the first token's chunk (the one after the role's, which comes before the prefill). The same again with `--no-prefix-cache`. Prints each request's
 TTFT and `usage.prompt_tokens_details.cached_tokens`, then requests 2..R's TTFT as a share of the first's.
 
     python scripts/prefix_bench.py [chat|serve|both] [--recipe demo] [--turns 10] [--requests 8]
-        [--system-tokens 1500] [--max-tokens 32] [-- FLAGS]
+        [--system-tokens 1500] [--max-tokens 32] [--dtype float32] [-- FLAGS]
 
 FLAGS after `--` go to `dflash serve` (e.g. `-- --batch-size 1`); the chat runs the recipe's plan.
 """
@@ -51,6 +51,8 @@ def chat(options: RunOptions, turns: int, max_tokens: int) -> None:
         f"{session.recipe.name}: {session.plan_line()}; {turns} turns, --max-tokens {max_tokens}; "
         f"load {os.getloadavg()[0]:.2f}"
     )
+    collect(session.stream(session.encode_chat([{"role": "user", "content": "Hi"}]), params))  # warm-up
+    session.forget_prefixes()
     print("| turn | prompt tokens | reused | TTFT with reuse (s) | TTFT without (s) |")
     print("| --- | --- | --- | --- | --- |")
     ttft: dict[bool, list[float]] = {True: [], False: []}
@@ -176,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", help="the plan's dtype unless given (float32: replies identical both ways)")
     args, extra = parser.parse_known_args(argv)
     extra = [flag for flag in extra if flag != "--"]
     if args.what in ("chat", "both"):
-        chat(RunOptions(recipe_name=args.recipe), args.turns, args.max_tokens)
+        chat(RunOptions(recipe_name=args.recipe, dtype=args.dtype), args.turns, args.max_tokens)
     if args.what in ("serve", "both"):
-        serve([args.recipe], args.requests, args.system_tokens, args.max_tokens, extra)
+        dtype = ["--dtype", args.dtype] if args.dtype else []
+        serve([args.recipe], args.requests, args.system_tokens, args.max_tokens, [*dtype, *extra])
     return 0

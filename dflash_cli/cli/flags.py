@@ -119,6 +119,18 @@ NoPrefixCache = Annotated[
         "holds of its prompt (a conversation's earlier turns, a shared system prompt), exactly.",
     ),
 ]
+CacheRam = Annotated[
+    int | None,
+    typer.Option(
+        "--cache-ram",
+        min=0,
+        metavar="MiB",
+        show_default=False,
+        rich_help_panel=PLANNING,
+        help="Host memory for prefixes beyond the slots (a request that shares more with one is copied back into a "
+        "slot; least recently used out first). Default: the plan's (a quarter of the free RAM, at most 8192); 0 = none.",
+    ),
+]
 # bench's --max-tokens: the same flag with bench's own default, which depends on --full (measure.QUICK_MAX_TOKENS)
 BenchMaxTokens = Annotated[
     int,

@@ -9,6 +9,7 @@ clocks).
 
 from dflash_cli.engine.loop import Batch, Row, collect, generate, speculative_generate
 from dflash_cli.engine.policy import AdaptiveBlock, BlockPolicy, FixedBlock, adaptive_policy
+from dflash_cli.engine.prefix import PrefixStore
 from dflash_cli.engine.row import Generation, GenerationResult, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import GenerationStats, PhaseClock
@@ -26,6 +27,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "PhaseClock",
+    "PrefixStore",
     "Generation",
     "Row",
     "SamplingParams",

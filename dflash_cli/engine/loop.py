@@ -31,9 +31,10 @@ from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.drafter.cache import ring_rows
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
-from dflash_cli.engine.prefix import Held, choose_slot, common_prefix
+from dflash_cli.engine.prefix import Held, PrefixStore, Stored, choose_slot, common_prefix, to_host
 from dflash_cli.engine.row import Generation, GenerationResult, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
@@ -79,9 +80,11 @@ class Batch:
         notify: Notify | None = None,
         policy: BlockPolicy | None = None,
         prefix_cache: bool = True,
+        prefix_store: PrefixStore | None = None,
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
         self.prefix_cache = prefix_cache  # a joining row keeps what its slot holds of its prompt (engine.prefix)
+        self.prefix_store = prefix_store if prefix_cache else None  # prefixes beyond the slots, in host memory
         self.device = target.get_input_embeddings().weight.device
         for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
             if model is not None:
@@ -175,9 +178,7 @@ class Batch:
             events: list[tuple[Row, Step | BaseException]] = []
             while self.waiting and None in self.slots:
                 row = self.waiting.popleft()
-                free = [slot for slot, taken in enumerate(self.slots) if taken is None]
-                held = self.state.held if self.state is not None and self.prefix_cache else None
-                row.slot = free[0] if held is None else choose_slot(free, held, row.generation.prompt_ids)
+                row.slot = self.slots.index(None)  # for now: its prefill places it (`_place`)
                 self.slots[row.slot] = row
                 events += self._leave([row], self._prefill)
             return events
@@ -222,6 +223,8 @@ class Batch:
         prompt = torch.tensor([generation.prompt_ids], device=self.device)
         state = self._reserve(generation, prompt)
         started = time.perf_counter()
+        if self.prefix_cache:
+            self._place(row, state)
         kept, unread = self._resume(row, state)
         # Prefill: the prompt after the positions the slot kept; only the last position's logits are needed.
         logits = state.prefill(prompt[:, kept:], row.slot, kept)
@@ -236,6 +239,62 @@ class Batch:
             row.pending = [prefilled] if unread is None else [unread, prefilled]
         row.decode_started = time.perf_counter()
         return [generation.commit([row.last_id], verified=False)]
+
+    def _place(self, row: Row, state: AttentionState) -> None:
+        """Move a joining row to the free slot with the longest common prefix with its prompt (engine.prefix); or,
+        when a stored prefix shares more, to an empty or the least recently used slot, the stored prefix copied
+        back into it (what that slot held goes to the store)."""
+        prompt = row.generation.prompt_ids
+        free = [slot for slot, taken in enumerate(self.slots) if taken is None or taken is row]
+        slot = choose_slot(free, state.held, prompt)
+        store = self.prefix_store if state.storable else None
+        if store is not None:
+            stored, shared = store.best(prompt, self._fits)
+            held = state.held[slot]
+            if stored is not None and shared > (common_prefix(held.ids, prompt) if held is not None else 0):
+                slot = choose_slot(free, state.held, ())
+                self._stash(state, slot)
+                self._restore(state, slot, store.take(stored), row.generation.end)
+        self.slots[row.slot], self.slots[slot], row.slot = None, row, slot
+
+    def _fits(self, stored: Stored) -> bool:
+        """Whether a stored prefix's drafter context is this batch's drafter's, in a ring of this batch's size."""
+        if stored.held.drafter is not self.drafter:
+            return False
+        if stored.ring_positions is None or self.drafter is None:
+            return True
+        ring = (
+            self.draft_slots.ring
+            if self.draft_slots is not None
+            else ring_rows(self.drafter.config.sliding_window, self.block)
+        )
+        return stored.ring_positions.shape[0] == ring
+
+    def _stash(self, state: AttentionState, slot: int) -> None:
+        """Copy what `slot` holds into the prefix store (host memory) before a request overwrites it."""
+        held = state.held[slot]
+        if held is None or self.prefix_store is None or not state.storable:
+            return
+        keys, values = state.copy_out(slot, len(held.ids))
+        draft, ring = [], None
+        if held.draft_cache is not None and held.drafted > 0:
+            draft, ring = held.draft_cache.copy_out(0 if held.draft_cache.slots == 1 else slot, held.drafted)
+        pending = None if held.pending is None else to_host(held.pending)
+        kept = Held(held.ids, held.drafter, None, held.drafted, pending)
+        self.prefix_store.add(Stored(kept, keys, values, draft, ring))
+
+    def _restore(self, state: AttentionState, slot: int, stored: Stored, end: int) -> None:
+        """Copy a stored prefix back into `slot` (for a row that may reach position `end`): the slot then holds it."""
+        state.make_room(len(stored.held.ids), self.block)
+        state.copy_in(slot, stored.keys, stored.values)
+        held, cache = stored.held, self.draft_slots
+        if self.drafter is not None:
+            if cache is None:  # one row: a cache of its own
+                cache = self.drafter.new_cache(end + self.block, self.block)
+            if held.drafted > 0:
+                cache.copy_in(0 if cache.slots == 1 else slot, stored.draft, stored.ring_positions)
+        pending = None if held.pending is None else held.pending.to(self.device, non_blocking=True)
+        state.hold(slot, Held(held.ids, held.drafter, cache, held.drafted, pending))
 
     def _resume(self, row: Row, state: AttentionState) -> tuple[int, torch.Tensor | None]:
         """Where `row`'s prefill starts: the positions of its prompt its slot already holds (engine.prefix), short
@@ -269,6 +328,8 @@ class Batch:
             row.drafted = cache.rewind(slot, min(kept, held.drafted) if kept > 0 else 0, len(prompt))
             if kept > row.drafted:
                 unread = held.pending[:, : kept - row.drafted]  # (then row.drafted == held.drafted)
+        if held is not None and kept < len(held.ids):  # the prefill overwrites the rest: keep it in the store
+            self._stash(state, row.slot)
         generation.stats.cached_tokens, generation.stats.unreused_tokens = kept, matched - kept
         return kept, unread
 
@@ -377,6 +438,7 @@ def generate(
     notify: Notify | None = None,
     policy: BlockPolicy | None = None,
     prefix_cache: bool = True,
+    prefix_store: PrefixStore | None = None,
 ) -> Iterator[Step]:
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
@@ -384,7 +446,8 @@ def generate(
     (engine.compiled); `notify(message)` is a context manager shown while a step compiles for the first time.
     `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
     `block_size` (default: the drafter's). `prefix_cache`: continue from what the target's state holds of the
-    prompt (the last generation's prompt and output: a conversation's earlier turns), see engine.prefix.
+    prompt (the last generation's prompt and output: a conversation's earlier turns), see engine.prefix;
+    `prefix_store` keeps more prefixes than the state's slot, in host memory.
     """
     batch = Batch(
         target,
@@ -395,6 +458,7 @@ def generate(
         notify=notify,
         policy=policy,
         prefix_cache=prefix_cache,
+        prefix_store=prefix_store,
     )
     batch.add(prompt_ids, params)
     try:

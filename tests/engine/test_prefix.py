@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_cli.engine import Batch, SamplingParams, collect, generate
+from dflash_cli.engine import Batch, PrefixStore, SamplingParams, collect, generate
 from dflash_cli.engine.prefix import Held, choose_slot, common_prefix
 from helpers.drafters import FORMATS, random_drafter
 from helpers.tiny_models import sharp_tiny
@@ -138,11 +138,11 @@ def test_batched_requests_reuse_their_slots_exactly(rows, fmt) -> None:
     assert sum(c > 0 for c in cached[rows:]) >= rows  # later turns found their slots
 
 
-def run_batch(target, drafter, prompts, params, rows: int, *, reuse: bool, join_every: int = 2):
+def run_batch(target, drafter, prompts, params, rows: int, *, reuse: bool, join_every: int = 2, store=None):
     """The prompts through one batch of `rows`, one joining every `join_every` steps; each one's outcome (tokens,
     finish reason, acceptance lengths) and the batch's proposals (sorted: rows may sit in other slots without
     reuse), and each one's reused count."""
-    batch = Batch(target, drafter, rows=rows, prefix_cache=reuse)
+    batch = Batch(target, drafter, rows=rows, prefix_cache=reuse, prefix_store=store)
     results: dict[int, list] = {}
     waiting, step = list(range(len(prompts))), 0
     with Recorder(drafter) as proposals:
@@ -254,3 +254,54 @@ def test_a_follow_up_keeps_the_prompt_and_the_reply_that_reached_the_state() -> 
     again, stats = decode(target, None, follow, SamplingParams(max_new_tokens=6), reuse=True)
     assert stats.cached_tokens == 8 + 6 - 1  # the prompt and every reply token but the newest (not in the state)
     assert again == decode(target, None, follow, SamplingParams(max_new_tokens=6), reuse=False)[0]
+
+
+@pytest.mark.parametrize("fmt", ["classic", "swa", "dflash2"])
+def test_more_conversations_than_slots_come_back_from_the_store_exactly(fmt) -> None:
+    """Four conversations through two slots: each turn finds its last turn in the prefix store (host memory) and
+    continues from it there, as exactly as from a slot."""
+    target = tiny_target()
+    drafter = random_drafter(target, fmt=fmt, block_size=4, window=6)
+    params = SamplingParams(max_new_tokens=12)
+    starts = [[5, 6, 7, 8], [60, 61, 62], [9, 9, 9, 9, 9], [30, 31]]
+    chats = [conversation(target, drafter, s, params, 3, seed=i) for i, s in enumerate(starts)]
+    requests = [chat[turn] for turn in range(3) for chat in chats]
+    store = PrefixStore(2**30)
+    got, cached = run_batch(target, drafter, requests, params, 2, reuse=True, store=store)
+    assert got == run_batch(target, drafter, requests, params, 2, reuse=False)[0]
+    assert all(cached[i] >= len(requests[i - 4]) for i in range(4, 12)), cached  # every later turn
+    assert store.entries and store.used == sum(stored.nbytes for stored in store.entries)
+
+
+def test_one_row_alternating_between_conversations_uses_the_store() -> None:
+    """Chat-like: one slot, two conversations taking turns; the one not in the slot waits in the store."""
+    target = tiny_target("llama", 1)
+    drafter = random_drafter(target, fmt="swa", block_size=4, window=6)
+    params = SamplingParams(max_new_tokens=10)
+    a = conversation(target, drafter, [3, 1, 4, 1, 5], params, 3, seed=1)
+    b = conversation(target, drafter, [2, 7, 1, 8], params, 3, seed=2)
+    store = PrefixStore(2**30)
+    for turn, prompt in enumerate([a[0], b[0], a[1], b[1], a[2], b[2]]):
+        with Recorder(drafter) as proposals:
+            result = collect(generate(target, drafter, prompt, params, prefix_store=store))
+        assert (result.token_ids, proposals) == decode(target, drafter, prompt, params, reuse=False)[0][::3]
+        assert turn < 2 or result.stats.cached_tokens >= len((a if turn % 2 == 0 else b)[turn // 2 - 1])
+
+
+def test_the_store_stays_within_its_bound_least_recently_used_out_first() -> None:
+    target = tiny_target()
+    params = SamplingParams(max_new_tokens=8)
+    prompts = [[i, i + 1, i + 2, i + 3] * 3 for i in range(10, 60, 10)]
+    one = PrefixStore(2**30)
+    run_batch(target, None, prompts[:2], params, 1, reuse=True, store=one)
+    size = one.entries[0].nbytes  # a 12-token prompt and 7 more tokens, every layer's K/V
+    store = PrefixStore(int(2.5 * size))
+    for prompt in prompts:
+        run_batch(target, None, [prompt], params, 1, reuse=True, store=store)
+        assert store.used <= store.limit and len(store.entries) <= 2
+    assert [stored.held.ids[:12] for stored in store.entries] == prompts[-3:-1]  # the newest, oldest first
+    again, cached = run_batch(target, None, [prompts[-2]], params, 1, reuse=True, store=store)
+    assert cached == [11] and again[0] == run_batch(target, None, [prompts[-2]], params, 1, reuse=False)[0][0]
+    small = PrefixStore(size - 1)
+    small.add(one.entries[0])
+    assert small.entries == [] and small.used == 0  # larger than the whole store: not kept

@@ -436,3 +436,12 @@ def test_gpt_oss_runs_its_mxfp4_weights_where_the_kernels_are_and_bf16_elsewhere
 def test_nf4_is_refused_for_a_prequantized_checkpoint() -> None:
     with pytest.raises(DflashError, match="published pre-quantized \\(mxfp4\\)"):
         make_plan(H100, get_recipe("gpt-oss-20b"), PlanOverrides(quant="nf4"))
+
+
+def test_the_prefix_store_takes_a_quarter_of_the_free_ram_at_most_8_gib() -> None:
+    recipe = get_recipe("demo")
+    assert make_plan(CPU_64, recipe).cache_ram_mib == 8192
+    small = dataclasses.replace(CPU_64, cpu_ram_available=8 * GIB)
+    plan = make_plan(small, recipe)
+    assert plan.cache_ram_mib == 2048 and any(r.startswith("prefix store 2048 MiB") for r in plan.reasons)
+    assert make_plan(small, recipe, PlanOverrides(cache_ram_mib=0)).cache_ram_mib == 0  # --cache-ram 0

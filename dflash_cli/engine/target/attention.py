@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dflash_cli.engine.compiled import CACHE_ARGUMENT, CompiledStep, Notify, compiled_step, run_target
+from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
     TargetState,
@@ -236,6 +237,25 @@ class AttentionState(TargetState):
             keys = self._keys[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
             self._values[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
         return keys, self._values[index]
+
+    def copy_out(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Host copies of row `slot`'s K/V at positions 0 .. n-1, per layer [kv heads, n, head dim] (a prefix store)."""
+        keys = [to_host(k[slot, :, :n]) for k in self._keys if k is not None]
+        return keys, [to_host(v[slot, :, :n]) for v in self._values if v is not None]
+
+    def copy_in(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write `copy_out`'s K/V back into row `slot` at positions 0 .. n-1 and make it its length."""
+        n = keys[0].shape[1]
+        for index, (k, v) in enumerate(zip(keys, values)):
+            buffer_k, buffer_v = self.buffers(index, k[None].to(self.device))
+            buffer_k[slot, :, :n].copy_(k, non_blocking=True)
+            buffer_v[slot, :, :n].copy_(v, non_blocking=True)
+        self.lengths[slot] = n
+
+    @property
+    def storable(self) -> bool:
+        """Whether a row's state is all in its K/V (`copy_out` keeps all of it)."""
+        return True
 
     def _capture(self, slot: int) -> Any:
         def record(_module: nn.Module, _args: Any, output: Any) -> None:

@@ -356,6 +356,10 @@ class HybridState(AttentionState):
             positions, block_size, feature_layers, rows=rows, compile=False, notify=notify
         )  # eager: see above
 
+    @property
+    def storable(self) -> bool:
+        return False  # its linear-attention states and snapshots stay in their slot (no prefix store)
+
     def resumable(self, slot: int, length: int) -> int:
         """The latest snapshot at or before `length` (0: none; a prefill from 0 needs none)."""
         return max((at for at in self.snapshots[slot] if at <= length), default=0)

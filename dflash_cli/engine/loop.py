@@ -158,9 +158,9 @@ class Batch:
     def _free(self, row: Row, *, keep: bool) -> None:
         """Free `row`'s slot; `keep`: what the row committed stays there for a later request (engine.prefix)."""
         self.slots[row.slot] = None
-        if self.state is None or not row.ids:  # it never prefilled
+        if self.state is None:
             return
-        if not keep:
+        if not keep or not row.ids:  # failed (maybe half-written), or failed before its prefill ended
             self.state.forget(row.slot)
             return
         pending = None
@@ -320,8 +320,8 @@ class Batch:
             read = min(kept, held.drafted)
             if held.drafter is not self.drafter or held.draft_cache is not cache:
                 kept = 0  # the drafter has no context for these positions
-            elif cache.rewind(slot, read, len(prompt)) < read:  # a ring evicted rows the next block sees
-                kept = cache.rewind(slot, read, len(prompt))
+            elif (usable := cache.rewind(slot, read, len(prompt))) < read:  # a ring evicted rows the next block sees
+                kept = usable
         kept = state.resumable(row.slot, kept)
         unread = None
         if self.drafter is not None:

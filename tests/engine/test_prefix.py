@@ -216,7 +216,8 @@ def test_seeded_sampling_is_the_same_with_and_without_reuse() -> None:
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "bamba"])
 def test_a_hybrid_target_reuses_at_its_snapshots_exactly(family) -> None:
     """Recurrent states cannot go back to any position: a conversation continues from the snapshot at its last
-    reply's end; a request that ends inside a turn continues from the last snapshot before it (a prompt's end)."""
+    reply's end; a request that ends inside a turn continues from the last snapshot before it (at a prompt's last
+    token), and the same prompt again from its own."""
     from test_families import target as family_target
 
     target = family_target(family)
@@ -227,11 +228,11 @@ def test_a_hybrid_target_reuses_at_its_snapshots_exactly(family) -> None:
     with_reuse, without, cached = turns(target, drafter, [*prompts, inside], params)
     assert with_reuse == without
     assert cached[1] == len(prompts[0]) + 12 - 1 and cached[2] == len(prompts[1]) + 12 - 1
-    assert cached[3] == len(prompts[1])
-    # the same prompt again: the slot holds all of it, but a prompt's last token is always prefilled and there is
-    # no snapshot before it (they sit at the prompt's end and the reply's): nothing reused, and the stats say so
-    _, stats = decode(target, drafter, inside, params, reuse=True)
-    assert (stats.cached_tokens, stats.unreused_tokens) == (0, len(inside) - 1)
+    # (the snapshot before the prompt's last token, which a prompt always prefills; 6 tokens not reusable)
+    assert cached[3] == len(prompts[1]) - 1
+    _, stats = decode(target, drafter, inside, params, reuse=True)  # the same prompt again
+    assert (stats.cached_tokens, stats.unreused_tokens) == (len(inside) - 1, 0)
+    assert decode(target, drafter, inside, params, reuse=False)[0] == with_reuse[3]
 
 
 def test_the_slot_with_the_longest_common_prefix_is_chosen() -> None:

@@ -324,8 +324,9 @@ class HybridState(AttentionState):
                 self.cache.layers[index] = type(layer)(number_of_states=layer.number_of_states)
         self.rollback = LinearStateRollback(target, self.cache)
         # Prefix reuse: the linear-attention states cannot go back to any position, so each slot keeps copies of
-        # them at the positions a next request most often continues from, the end of a prompt and of a reply
-        # (dflash-mlx's rule): per slot, position -> (layer, state key) -> state. Layers that are both kinds (one
+        # them at the positions a next request most often continues from, a prompt's end (before its last token,
+        # which is always prefilled) and a reply's (dflash-mlx's rule): per slot, position -> (layer, state key) ->
+        # state. Layers that are both kinds (one
         # row) keep no per-slot states here: such targets reuse nothing.
         self.snapshots: list[dict[int, dict[tuple[int, tuple[str, int]], torch.Tensor]]] = [{}]
         self.snapshotting = len(self.linear) == len(linear_cache_layers(target))
@@ -366,7 +367,9 @@ class HybridState(AttentionState):
 
     def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
         """A prefill from a snapshot position `start` (`resumable`) restores that snapshot first; snapshots after
-        `start` no longer hold (the row's positions from there on change). Snapshots the prompt's end."""
+        `start` no longer hold (the row's positions from there on change). Snapshots the prompt but its last token
+        (a prompt always prefills its last token: the same prompt again, or a longer one, continues from there):
+        the prompt runs in two forwards, the last token alone, and the drafter reads both's features."""
         snapshots = self.snapshots[slot]
         for at in [at for at in snapshots if at > start or start == 0]:
             del snapshots[at]
@@ -375,10 +378,19 @@ class HybridState(AttentionState):
                 self.linear[i].storage[key][slot].copy_(saved)
         self._resuming = start > 0
         try:
-            logits = super().prefill(token_ids, slot, start)
+            n = token_ids.shape[1]
+            if n > 1 and self.snapshotting:
+                super().prefill(token_ids[:, :-1], slot, start)
+                head = self._features
+                self._snapshot(slot)
+                self._resuming = True
+                logits = super().prefill(token_ids[:, -1:], slot, start + n - 1)
+                if self.capture:
+                    self._features = torch.cat([head, self._features], dim=1)
+            else:
+                logits = super().prefill(token_ids, slot, start)
         finally:
             self._resuming = False
-        self._snapshot(slot)
         return logits
 
     def hold(self, slot: int, held: Any) -> None:

@@ -135,6 +135,14 @@ def server(models: tuple[Path, Path]) -> Iterator[RunningServer]:
     match = re.search(r" at (http://127\.0\.0\.1:\d+)/v1", "\n".join(log))
     assert match and process.poll() is None, "\n".join(log)
     running = RunningServer(process, match.group(1), str(models[0]), log)
+    deadline = time.monotonic() + 60
+    while True:  # the line is printed once the socket is bound; it accepts once uvicorn runs
+        try:
+            running.get("/health")
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "\n".join(log)
+            time.sleep(0.05)
     yield running
     process.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
     assert process.wait(timeout=60) == 0, "\n".join(log[-20:])

@@ -520,4 +520,7 @@ def speculative_generate(
         stop_token_ids=tuple(stop_token_ids or ()),
         stop_strings=tuple(stop_strings),
     )
-    return collect(generate(target, drafter, input_ids, params, block_size=block_size, tokenizer=tokenizer))
+    # Each call prefills its whole prompt: the same arguments give the same output whatever ran before, in any
+    # dtype (a reused prefix is exact in float32; in bf16 a near-tie may round differently).
+    steps = generate(target, drafter, input_ids, params, block_size=block_size, tokenizer=tokenizer, prefix_cache=False)
+    return collect(steps)

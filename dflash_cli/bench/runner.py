@@ -269,7 +269,7 @@ def benchmark(options: RunOptions, settings: BenchSettings, console: Console | N
     from dflash_cli.bench.roofline import read_bandwidth
     from dflash_cli.loading.session import open_session
 
-    session = open_session(options, console)
+    session = open_session(dataclasses.replace(options, prefix_cache=False), console)  # each prefill timed whole
     started = time.perf_counter()
     modes = plan_modes(session, options, settings)
     params = session.sampling_params(options)

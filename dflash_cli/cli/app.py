@@ -23,10 +23,12 @@ from dflash_cli.cli.flags import (
     SERVER,
     BatchSize,
     BenchMaxTokens,
+    CacheRam,
     Drafter,
     GpuMemory,
     Gpus,
     JsonFlag,
+    NoPrefixCache,
     RecipeFile,
     RecipeName,
     Target,
@@ -120,6 +122,8 @@ def chat(
     stats: Annotated[
         bool, typer.Option("--stats", help="A footer after each reply: tokens, tok/s, TTFT, tau (toggle: /stats).")
     ] = False,
+    no_prefix_cache: NoPrefixCache = False,
+    cache_ram: CacheRam = None,
 ) -> None:
     """Chat with a model in the terminal, accelerated by its DFlash drafter.
 
@@ -130,6 +134,7 @@ def chat(
     With --prompt or piped stdin it answers once and exits, only the reply on stdout:
     `echo "Why is the sky blue?" | dflash chat demo`
     """
+    options = dataclasses.replace(options, prefix_cache=not no_prefix_cache, cache_ram_mib=cache_ram)
     options.resolve_recipe()  # input mistakes fail here, in a fraction of a second, before torch is imported
     question = _one_shot_question(prompt)
     from dflash_cli.commands.chat import run_chat
@@ -185,6 +190,8 @@ def run(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
     batch_size: BatchSize = None,
+    no_prefix_cache: NoPrefixCache = False,
+    cache_ram: CacheRam = None,
 ) -> None:
     """Generate for every line of a JSONL file, loading the model once. Resumable: re-run to finish.
 
@@ -196,7 +203,10 @@ def run(
     """
     from dflash_cli.commands import run as jobs
 
-    options, prompts = jobs.split_positionals(dataclasses.replace(options, batch_size=batch_size), prompts)
+    options = dataclasses.replace(
+        options, batch_size=batch_size, prefix_cache=not no_prefix_cache, cache_ram_mib=cache_ram
+    )
+    options, prompts = jobs.split_positionals(options, prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
     summary = jobs.run_file(options, prompts, output, errors, err_console)
     emit(summary.to_dict(), json_output, lambda: show_summary(summary))
@@ -239,6 +249,8 @@ def serve(
         ),
     ] = 64,
     batch_size: BatchSize = None,
+    no_prefix_cache: NoPrefixCache = False,
+    cache_ram: CacheRam = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, for Open WebUI, editors, agents and the `openai` client.
 
@@ -246,7 +258,9 @@ def serve(
 
     Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
     """
-    options = dataclasses.replace(options, batch_size=batch_size)
+    options = dataclasses.replace(
+        options, batch_size=batch_size, prefix_cache=not no_prefix_cache, cache_ram_mib=cache_ram
+    )
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     from dflash_cli.commands.serve.http import run_server
 

@@ -109,6 +109,28 @@ BatchSize = Annotated[
         "cache at 8k tokens, at most 16; 1 = one at a time). Hybrid targets decode one at a time.",
     ),
 ]
+# chat, run and serve: bench times every prompt's whole prefill, always
+NoPrefixCache = Annotated[
+    bool,
+    typer.Option(
+        "--no-prefix-cache",
+        rich_help_panel=PLANNING,
+        help="Prefill every prompt from its first token. By default a request continues from what a slot already "
+        "holds of its prompt (a conversation's earlier turns, a shared system prompt), exactly.",
+    ),
+]
+CacheRam = Annotated[
+    int | None,
+    typer.Option(
+        "--cache-ram",
+        min=0,
+        metavar="MiB",
+        show_default=False,
+        rich_help_panel=PLANNING,
+        help="Host memory for prefixes beyond the slots (a request that shares more with one is copied back into a "
+        "slot; least recently used out first). Default: the plan's (a quarter of the free RAM, at most 8192); 0 = none.",
+    ),
+]
 # bench's --max-tokens: the same flag with bench's own default, which depends on --full (measure.QUICK_MAX_TOKENS)
 BenchMaxTokens = Annotated[
     int,

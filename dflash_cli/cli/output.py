@@ -80,7 +80,18 @@ def checks_table(checks: Sequence[Check]) -> Table:
 
 
 def summary_table(summary: Summary) -> Table:
-    table = Table("requests", "done", "skipped", "failed", "tokens", "time", "tok/s", "mean tau", title_justify="left")
+    table = Table(
+        "requests",
+        "done",
+        "skipped",
+        "failed",
+        "tokens",
+        "reused prompt",
+        "time",
+        "tok/s",
+        "mean tau",
+        title_justify="left",
+    )
     table.title = f"dflash run: {escape(summary.output)}"
     tau = f"{summary.tau:.2f}" if summary.tau is not None else "-"
     failed = f"[red]{summary.failed}[/]" if summary.failed else "0"
@@ -90,6 +101,7 @@ def summary_table(summary: Summary) -> Table:
         str(summary.skipped),
         failed,
         str(summary.completion_tokens),
+        f"{summary.cached_tokens}/{summary.prompt_tokens}",
         f"{summary.wall_s:.1f}s",
         f"{summary.tokens_per_s:.1f}",
         tau,

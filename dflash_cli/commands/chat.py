@@ -40,13 +40,13 @@ EXIT_COMMANDS = ("/bye", "/exit", "/quit")
 COMMANDS = {  # name -> (arguments, what it does); the order of /help
     "/help": ("", "this help (also /?)"),
     "/bye": ("", "leave (also /exit, /quit, Ctrl+D)"),
-    "/clear": ("", "forget the conversation, keep the system prompt"),
+    "/clear": ("", "forget the conversation (and what the model kept of it), keep the system prompt"),
     "/set": (
         "KEY VALUE",
         "temperature, top_p, top_k, min_p, max_tokens, seed, block_size (N or auto), format (text, json or "
         "a JSON schema file), or system TEXT",
     ),
-    "/stats": ("", "toggle a footer after each reply: tokens, tok/s, TTFT, tau"),
+    "/stats": ("", "toggle a footer after each reply: tokens, tok/s, TTFT, reused prompt tokens, tau"),
     "/spec": ("on|off", "decode with the DFlash drafter (on) or the target alone (off)"),
     "/save": ("FILE", "write the conversation as JSON"),
     "/load": ("FILE", "read a conversation written by /save"),
@@ -140,9 +140,12 @@ def stats_line(stats: GenerationStats) -> str:
     else:
         mode = f"DFlash block {stats.block_size}"
     compiling = f" (+{stats.compile_s:.0f} s compiling, once per start)" if stats.compile_s >= 1 else ""
+    # the prompt tokens the last turns left in place (prefix reuse), and those the state could not continue from
+    unreused = f", {stats.unreused_tokens} not reusable" if stats.unreused_tokens else ""
     return (
         f"{stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tok/s{compiling}, "
-        f"TTFT {stats.ttft_s:.2f} s, tau {stats.tau:.2f} ({mode})"
+        f"TTFT {stats.ttft_s:.2f} s (prompt {stats.prompt_tokens}, {stats.cached_tokens} reused{unreused}), "
+        f"tau {stats.tau:.2f} ({mode})"
     )
 
 
@@ -164,6 +167,7 @@ def _help(session: Session, state: ChatState, arg: str) -> str:
 
 def _clear(session: Session, state: ChatState, arg: str) -> str:
     state.messages.clear()
+    session.forget_prefixes()
     return "Conversation cleared" + (" (the system prompt stays)." if state.system else ".")
 
 
@@ -288,6 +292,7 @@ def _load(session: Session, state: ChatState, arg: str) -> str:
         raise DflashError("/load needs a file name", fix="/load chat.json")
     path = Path(arg).expanduser()
     state.system, state.messages = load_conversation(path)
+    session.forget_prefixes()
     return f"Loaded {len(state.messages)} messages from {path}" + (" (with a system prompt)." if state.system else ".")
 
 
@@ -483,7 +488,7 @@ def repl(session: Session, state: ChatState, console: Console, history: History)
         if answer.finish_reason in FINISH_NOTES:
             console.print(FINISH_NOTES[answer.finish_reason], style="dim", markup=False, highlight=False)
         if state.show_stats:
-            console.print(stats_line(answer.stats), style="dim", markup=False, highlight=False)
+            console.print(stats_line(answer.stats), style="dim", markup=False, highlight=False, soft_wrap=True)
 
 
 def answer_once(session: Session, state: ChatState, question: str, console: Console, err_console: Console) -> int:
@@ -491,7 +496,7 @@ def answer_once(session: Session, state: ChatState, question: str, console: Cons
     answer = reply(session, state, question, text_sink(console))
     console.file.write("\n")
     if state.show_stats:
-        err_console.print(stats_line(answer.stats), style="dim", markup=False, highlight=False)
+        err_console.print(stats_line(answer.stats), style="dim", markup=False, highlight=False, soft_wrap=True)
     return 130 if answer.finish_reason == "interrupted" else 0
 
 

@@ -334,6 +334,7 @@ class Summary:
     failed: int = 0  # in the errors file
     errors: str | None = None  # the errors file, when some request failed
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a slot already held (prefix reuse): not prefilled
     completion_tokens: int = 0
     accepted_tokens: int = 0  # tokens committed by verify steps (each reply's first token is not)
     verify_steps: int = 0
@@ -346,6 +347,7 @@ class Summary:
     def add(self, result: Any) -> None:
         self.done += 1
         self.prompt_tokens += result.stats.prompt_tokens
+        self.cached_tokens += result.stats.cached_tokens
         self.completion_tokens += len(result.token_ids)
         self.accepted_tokens += sum(result.stats.acceptance_lengths)
         self.verify_steps += len(result.stats.acceptance_lengths)

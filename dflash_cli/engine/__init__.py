@@ -9,9 +9,11 @@ clocks).
 
 from dflash_cli.engine.loop import Batch, Row, collect, generate, speculative_generate
 from dflash_cli.engine.policy import AdaptiveBlock, BlockPolicy, FixedBlock, adaptive_policy
+from dflash_cli.engine.prefix import PrefixStore
 from dflash_cli.engine.row import Generation, GenerationResult, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import GenerationStats, PhaseClock
+from dflash_cli.engine.target import forget_prefixes
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.base import TargetState, context_window
 from dflash_cli.engine.text import TextStream
@@ -25,6 +27,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "PhaseClock",
+    "PrefixStore",
     "Generation",
     "Row",
     "SamplingParams",
@@ -35,6 +38,7 @@ __all__ = [
     "adaptive_policy",
     "collect",
     "context_window",
+    "forget_prefixes",
     "generate",
     "sample_tokens",
     "speculative_generate",

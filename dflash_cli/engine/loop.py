@@ -31,9 +31,11 @@ from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
+from dflash_cli.engine.drafter.cache import ring_rows
 from dflash_cli.engine.grammar import grammar_state
 from dflash_cli.engine.kernels import use_small_row_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
+from dflash_cli.engine.prefix import Held, PrefixStore, Stored, choose_slot, common_prefix, to_host
 from dflash_cli.engine.row import Generation, GenerationResult, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
 from dflash_cli.engine.stats import PhaseClock
@@ -55,6 +57,9 @@ class Row:
     # theirs, copied out of the block buffer the next verify overwrites).
     pending: list[torch.Tensor] = field(default_factory=list)
     draft_cache: DraftCache | None = None
+    drafted: int = 0  # the drafter's cache holds the context of positions 0 .. drafted-1
+    ids: list[int] = field(default_factory=list)  # the token ids at the row's committed positions in the target
+    last_id: int = 0  # `last` on the host
     decode_started: float = 0.0
 
 
@@ -75,8 +80,12 @@ class Batch:
         compile: bool = False,
         notify: Notify | None = None,
         policy: BlockPolicy | None = None,
+        prefix_cache: bool = True,
+        prefix_store: PrefixStore | None = None,
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
+        self.prefix_cache = prefix_cache  # a joining row keeps what its slot holds of its prompt (engine.prefix)
+        self.prefix_store = prefix_store if prefix_cache else None  # prefixes beyond the slots, in host memory
         self.device = target.get_input_embeddings().weight.device
         self.vocab_size = target.config.get_text_config().vocab_size  # the logits' width (grammar bitmasks)
         for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
@@ -132,18 +141,36 @@ class Batch:
         return row
 
     def cancel(self, row: Row) -> None:
-        """Drop `row`: a waiting one leaves the queue, a decoding one frees its slot now."""
+        """Drop `row`: a waiting one leaves the queue, a decoding one frees its slot now (what it committed stays
+        there for a later request with the same prefix)."""
         if row in self.waiting:
             self.waiting.remove(row)
         elif row.slot is not None and self.slots[row.slot] is row:
-            self.slots[row.slot] = None
+            self._free(row, keep=True)
 
     def close(self) -> None:
-        """Give the target state back (its buffers stay for the next batch on this target)."""
+        """Give the target state back (its buffers, and what its rows hold, stay for the next batch on this
+        target)."""
         self.policy.finish()
+        for row in self.active:  # between steps: each row's state is whole
+            self._free(row, keep=True)
         if self.state is not None:
             release_state(self.state)
             self.state = None
+
+    def _free(self, row: Row, *, keep: bool) -> None:
+        """Free `row`'s slot; `keep`: what the row committed stays there for a later request (engine.prefix)."""
+        self.slots[row.slot] = None
+        if self.state is None:
+            return
+        if not keep or not row.ids:  # failed (maybe half-written), or failed before its prefill ended
+            self.state.forget(row.slot)
+            return
+        pending = None
+        if row.pending:  # (copied: the last verify's features live in a buffer the next verify overwrites)
+            pending = torch.cat(row.pending, dim=1) if len(row.pending) > 1 else row.pending[0].clone()
+        cache = row.draft_cache if row.draft_cache is not None else self.draft_slots
+        self.state.hold(row.slot, Held(row.ids, self.drafter, cache, row.drafted, pending))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Row, Step | BaseException]]:
@@ -154,7 +181,7 @@ class Batch:
             events: list[tuple[Row, Step | BaseException]] = []
             while self.waiting and None in self.slots:
                 row = self.waiting.popleft()
-                row.slot = self.slots.index(None)
+                row.slot = self.slots.index(None)  # for now: its prefill places it (`_place`)
                 self.slots[row.slot] = row
                 events += self._leave([row], self._prefill)
             return events
@@ -170,8 +197,10 @@ class Batch:
                 torch.cuda.empty_cache()  # the next step (or these rows retried alone) gets what this one held
             outcome = [error] * len(rows)
         for row, event in zip(rows, outcome):
-            if isinstance(event, BaseException) or event.finish_reason is not None:
-                self.cancel(row)
+            if isinstance(event, BaseException):  # its state may be half-written: nothing stays
+                self._free(row, keep=False)
+            elif event.finish_reason is not None:
+                self._free(row, keep=True)
         return list(zip(rows, outcome))
 
     def _reserve(self, generation: Generation, prompt: torch.Tensor) -> AttentionState:
@@ -197,25 +226,117 @@ class Batch:
         prompt = torch.tensor([generation.prompt_ids], device=self.device)
         state = self._reserve(generation, prompt)
         started = time.perf_counter()
-        # Prefill: the whole prompt once; only the last position's logits are needed.
-        logits = state.prefill(prompt, row.slot)
+        if self.prefix_cache:
+            self._place(row, state)
+        kept, unread = self._resume(row, state)
+        # Prefill: the prompt after the positions the slot kept; only the last position's logits are needed.
+        logits = state.prefill(prompt[:, kept:], row.slot, kept)
         if generation.grammar is not None:
             generation.grammar.mask(logits)
         row.last = sample_tokens(
             logits, generation.params, generation.generator, generation.uniforms_at(len(generation.prompt_ids), 1)
         )
-        first = int(row.last.item())
+        row.last_id = int(row.last.item())
         stats.prefill_s = stats.ttft_s = time.perf_counter() - started
+        row.ids = list(generation.prompt_ids)
+        if self.drafter is not None:
+            prefilled = state.features(len(row.ids) - kept, row.slot)
+            row.pending = [prefilled] if unread is None else [unread, prefilled]
+        row.decode_started = time.perf_counter()
+        return [generation.commit([row.last_id], verified=False)]
+
+    def _place(self, row: Row, state: AttentionState) -> None:
+        """Move a joining row to the free slot with the longest common prefix with its prompt (engine.prefix); or,
+        when a stored prefix shares more, to an empty or the least recently used slot, the stored prefix copied
+        back into it (what that slot held goes to the store)."""
+        prompt = row.generation.prompt_ids
+        free = [slot for slot, taken in enumerate(self.slots) if taken is None or taken is row]
+        slot = choose_slot(free, state.held, prompt)
+        store = self.prefix_store if state.storable else None
+        if store is not None:
+            stored, shared = store.best(prompt, self._fits)
+            held = state.held[slot]
+            if stored is not None and shared > (common_prefix(held.ids, prompt) if held is not None else 0):
+                slot = choose_slot(free, state.held, ())
+                self._stash(state, slot)
+                self._restore(state, slot, store.take(stored), row.generation.end)
+        self.slots[row.slot], self.slots[slot], row.slot = None, row, slot
+
+    def _fits(self, stored: Stored) -> bool:
+        """Whether a stored prefix's drafter context is this batch's drafter's, in a ring of this batch's size."""
+        if stored.held.drafter is not self.drafter:
+            return False
+        if stored.ring_positions is None or self.drafter is None:
+            return True
+        ring = (
+            self.draft_slots.ring
+            if self.draft_slots is not None
+            else ring_rows(self.drafter.config.sliding_window, self.block)
+        )
+        return stored.ring_positions.shape[0] == ring
+
+    def _stash(self, state: AttentionState, slot: int) -> None:
+        """Copy what `slot` holds into the prefix store (host memory) before a request overwrites it."""
+        held = state.held[slot]
+        if held is None or self.prefix_store is None or not state.storable:
+            return
+        keys, values = state.copy_out(slot, len(held.ids))
+        draft, ring = [], None
+        if held.draft_cache is not None and held.drafted > 0:
+            draft, ring = held.draft_cache.copy_out(0 if held.draft_cache.slots == 1 else slot, held.drafted)
+        pending = None if held.pending is None else to_host(held.pending)
+        kept = Held(held.ids, held.drafter, None, held.drafted, pending)
+        self.prefix_store.add(Stored(kept, keys, values, draft, ring))
+
+    def _restore(self, state: AttentionState, slot: int, stored: Stored, end: int) -> None:
+        """Copy a stored prefix back into `slot` (for a row that may reach position `end`): the slot then holds it."""
+        state.make_room(len(stored.held.ids), self.block)
+        state.copy_in(slot, stored.keys, stored.values)
+        held, cache = stored.held, self.draft_slots
+        if self.drafter is not None:
+            if cache is None:  # one row: a cache of its own
+                cache = self.drafter.new_cache(end + self.block, self.block)
+            if held.drafted > 0:
+                cache.copy_in(0 if cache.slots == 1 else slot, stored.draft, stored.ring_positions)
+        pending = None if held.pending is None else held.pending.to(self.device, non_blocking=True)
+        state.hold(slot, Held(held.ids, held.drafter, cache, held.drafted, pending))
+
+    def _resume(self, row: Row, state: AttentionState) -> tuple[int, torch.Tensor | None]:
+        """Where `row`'s prefill starts: the positions of its prompt its slot already holds (engine.prefix), short
+        of the last (whose logits give the first token), as far as the target state (`resumable`) and the drafter's
+        cache (`rewind`) can continue from. Sets up the row's drafter context: its cache rewound to the kept
+        positions it has read; returns their count and the kept features it has not read (None: none)."""
+        prompt, generation = row.generation.prompt_ids, row.generation
+        held = state.held[row.slot] if self.prefix_cache else None
+        cache, slot = self.draft_slots, row.slot
         if self.draft_slots is not None:
             self.draft_slots.make_room(generation.end + self.block)
-        elif self.drafter is not None:
-            row.draft_cache = self.drafter.new_cache(generation.end + self.block, self.block)
+        elif self.drafter is not None:  # one row: its slot's own cache when it fits, else a new one
+            cache, slot = held.draft_cache if held is not None and held.drafter is self.drafter else None, 0
+            if cache is None or cache.slots != 1 or cache.block_size != self.block:
+                cache = self.drafter.new_cache(generation.end + self.block, self.block)
+            cache.make_room(generation.end + self.block)
             if self.compile:
-                row.draft_cache.step, row.draft_cache.notify = compiled_draft_step(self.device), self.notify
+                cache.step, cache.notify = compiled_draft_step(self.device), self.notify
+            row.draft_cache = cache
+        matched = min(common_prefix(held.ids, prompt), len(prompt) - 1) if held is not None else 0
+        kept = matched
+        if self.drafter is not None and kept > 0:
+            read = min(kept, held.drafted)
+            if held.drafter is not self.drafter or held.draft_cache is not cache:
+                kept = 0  # the drafter has no context for these positions
+            elif (usable := cache.rewind(slot, read, len(prompt))) < read:  # a ring evicted rows the next block sees
+                kept = usable
+        kept = state.resumable(row.slot, kept)
+        unread = None
         if self.drafter is not None:
-            row.pending = [state.features(state.lengths[row.slot], row.slot)]
-        row.decode_started = time.perf_counter()
-        return [generation.commit([first], verified=False)]
+            row.drafted = cache.rewind(slot, min(kept, held.drafted) if kept > 0 else 0, len(prompt))
+            if kept > row.drafted:
+                unread = held.pending[:, : kept - row.drafted]  # (then row.drafted == held.drafted)
+        if held is not None and kept < len(held.ids):  # the prefill overwrites the rest: keep it in the store
+            self._stash(state, row.slot)
+        generation.stats.cached_tokens, generation.stats.unreused_tokens = kept, matched - kept
+        return kept, unread
 
     def _decode(self, rows: list[Row]) -> list[Step]:
         state, drafter, clock = self.state, self.drafter, self.clock
@@ -236,6 +357,7 @@ class Batch:
         for i, (row, size) in enumerate(zip(rows, sizes)):
             if drafter is not None and size > 1:
                 drafting.append(i)
+                row.drafted = starts[i]
                 features.append(row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending, dim=1))
                 row.pending.clear()
             elif drafter is not None:
@@ -305,6 +427,8 @@ class Batch:
             stats.compile_s += compiling
             row.decode_started += compiling
             state.commit(accepted + 1, row.slot)
+            row.ids += [row.last_id, *committed[:accepted]]  # the block's kept tokens, now in the state
+            row.last_id = committed[accepted]
             if drafter is not None:
                 # Features of the committed block positions; the bonus token's arrive with the next verify.
                 row.pending.append(state.features(accepted + 1, row.slot))
@@ -327,16 +451,28 @@ def generate(
     compile: bool = False,
     notify: Notify | None = None,
     policy: BlockPolicy | None = None,
+    prefix_cache: bool = True,
+    prefix_store: PrefixStore | None = None,
 ) -> Iterator[Step]:
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
     The batch loop with one row. `compile`: run the target's and the drafter's steps compiled
     (engine.compiled); `notify(message)` is a context manager shown while a step compiles for the first time.
     `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
-    `block_size` (default: the drafter's).
+    `block_size` (default: the drafter's). `prefix_cache`: continue from what the target's state holds of the
+    prompt (the last generation's prompt and output: a conversation's earlier turns), see engine.prefix;
+    `prefix_store` keeps more prefixes than the state's slot, in host memory.
     """
     batch = Batch(
-        target, drafter, block_size=block_size, tokenizer=tokenizer, compile=compile, notify=notify, policy=policy
+        target,
+        drafter,
+        block_size=block_size,
+        tokenizer=tokenizer,
+        compile=compile,
+        notify=notify,
+        policy=policy,
+        prefix_cache=prefix_cache,
+        prefix_store=prefix_store,
     )
     batch.add(prompt_ids, params)
     try:
@@ -398,4 +534,7 @@ def speculative_generate(
         stop_token_ids=tuple(stop_token_ids or ()),
         stop_strings=tuple(stop_strings),
     )
-    return collect(generate(target, drafter, input_ids, params, block_size=block_size, tokenizer=tokenizer))
+    # Each call prefills its whole prompt: the same arguments give the same output whatever ran before, in any
+    # dtype (a reused prefix is exact in float32; in bf16 a near-tie may round differently).
+    steps = generate(target, drafter, input_ids, params, block_size=block_size, tokenizer=tokenizer, prefix_cache=False)
+    return collect(steps)

@@ -13,6 +13,10 @@ import torch
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its slot held (engine.prefix): kept, not prefilled
+    # prompt tokens its slot held but the state could not continue from (a hybrid's recurrent state between its
+    # snapshots, a drafter's ring that evicted what the next block sees)
+    unreused_tokens: int = 0
     generated_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     block_size: int = 1  # the largest block a step may verify (every step's, unless adaptive)

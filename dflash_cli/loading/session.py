@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
 
-from dflash_cli.engine import Batch, SamplingParams, Step, generate
+from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_prefixes, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.errors import DflashError, RequestError
@@ -38,6 +38,8 @@ class Session:
     compile: bool = False  # run the target's steps compiled (engine.compiled)
     console: Console | None = None  # where a progress line shows while a step compiles
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
+    prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
+    _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
     def target(self) -> Any:
@@ -304,7 +306,24 @@ class Session:
             compile=self.compile,
             notify=self._compile_status,
             policy=policy,
+            prefix_cache=self.prefix_cache,
+            prefix_store=self.prefix_store,
         )
+
+    def forget_prefixes(self) -> None:
+        """The next request prefills its whole prompt (chat's /clear and /load start over)."""
+        forget_prefixes(self.target)
+        if self._prefix_store is not None:
+            self._prefix_store.clear()
+
+    @property
+    def prefix_store(self) -> PrefixStore | None:
+        """Prefixes beyond the slots, in host memory, up to the plan's `cache_ram_mib` (None: none kept)."""
+        if not self.prefix_cache or self.plan.cache_ram_mib == 0:
+            return None
+        if self._prefix_store is None:
+            self._prefix_store = PrefixStore(self.plan.cache_ram_mib * 2**20)
+        return self._prefix_store
 
     def batch(self, *, speculative: bool = True) -> Batch:
         """A batch of `batch_size` rows for frontends that decode several requests at once (run, serve): one block
@@ -321,6 +340,8 @@ class Session:
             compile=self.compiled,
             notify=self._compile_status,
             policy=self._policy(drafter, None, self.compiled),
+            prefix_cache=self.prefix_cache,
+            prefix_store=self.prefix_store,
         )
 
     def _policy(self, drafter: Any, block_size: int | None, compile: bool) -> BlockPolicy | None:
@@ -368,7 +389,7 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
-    session = Session(recipe, plan, models, threads, compile, console, batching)
+    session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:

@@ -23,11 +23,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(stats: Any) -> dict[str, Any]:
+    """OpenAI's usage of one generation (an engine GenerationStats): `cached_tokens`, the prompt tokens its slot
+    already held (prefix reuse), as OpenAI reports its prompt cache."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
     }
 
 
@@ -42,6 +45,8 @@ def dflash_stats(stats: Any) -> dict[str, Any]:
         "block_size_histogram": {str(k): v for k, v in stats.size_histogram.items()},  # verify steps per block size
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
         "ttft_s": round(stats.ttft_s, 4),
+        "cached_tokens": stats.cached_tokens,  # prompt tokens reused from a slot (prefix reuse), not prefilled
+        "unreused_tokens": stats.unreused_tokens,  # prompt tokens a slot held but could not continue from
         "draft_s": round(stats.draft_s, 4),  # the decode steps' drafting and verifying time (a batch's: its steps')
         "verify_s": round(stats.verify_s, 4),
         "compile_s": round(stats.compile_s, 4),  # steps that compiled (kept out of the rates and times above)
@@ -75,7 +80,7 @@ def completion(
         "created": now() if created is None else created,
         "model": model,
         "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(stats.prompt_tokens, stats.generated_tokens),
+        "usage": usage(stats),
         "dflash": dflash_stats(stats),
     }
 
@@ -133,7 +138,7 @@ def usage_chunk(endpoint: str, *, id: str, model: str, created: int, stats: Any)
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(stats.prompt_tokens, stats.generated_tokens),
+        "usage": usage(stats),
         "dflash": dflash_stats(stats),
     }
 

@@ -29,6 +29,8 @@ class RunOptions:
     threads: int | None = None  # CPU threads; None: the cores other processes leave free
     compile: str = "auto"  # compile the target's steps: auto (on CUDA only), on, off
     batch_size: int | None = None  # rows `run` and `serve` decode together; None: the plan's
+    prefix_cache: bool = True  # chat, run, serve: continue from what a slot holds of a prompt (engine.prefix)
+    cache_ram_mib: int | None = None  # chat, run, serve: the prefix store's bound in host memory; None: the plan's
 
     def resolve_recipe(self) -> Recipe:
         return resolve_recipe(self.recipe_name, self.recipe_file, self.target, self.drafter)
@@ -51,6 +53,7 @@ class RunOptions:
             quant=self.quant,
             block_size=self.block_size,
             batch_size=self.batch_size,
+            cache_ram_mib=self.cache_ram_mib,
         )
 
     def sampling_params(self, **changes: Any) -> SamplingParams:

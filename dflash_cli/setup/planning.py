@@ -36,6 +36,9 @@ PLAN_CONTEXT_TOKENS = 8192
 # Rows `dflash run` and `dflash serve` decode together at most, unless --batch-size says otherwise: where one verify
 # of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (docs/benchmarks.md).
 MAX_BATCH_ROWS = 16
+# The prefix store's default bound (prefixes beyond the slots, in host memory): llama-server's --cache-ram default,
+# or a quarter of the RAM free at start where that is less.
+CACHE_RAM_MIB = 8192
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class PlanOverrides:
     quant: str | None = None
     block_size: int | None = None
     batch_size: int | None = None
+    cache_ram_mib: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Plan:
     weights: str = ""  # what the target's weights are in memory: the dtype, "nf4", "fp8" or "mxfp4"
     adaptive_block: bool = False  # each step picks its block size up to `block_size` (engine.policy); else fixed
     batch_size: int = 1  # rows `run` and `serve` decode together: the KV cache (and state) of that many fits
+    cache_ram_mib: int = CACHE_RAM_MIB  # the prefix store's bound in host memory (engine.prefix.PrefixStore); 0: none
 
     def __post_init__(self) -> None:
         if not self.weights:
@@ -343,6 +348,8 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     reasons.append(f"attention {attn}: {attn_why}")
     batch_size, batch_why = _choose_batch_size(recipe, overrides, dtype, estimate, budget)
     reasons.append(batch_why)
+    cache_ram, cache_why = _choose_cache_ram(facts, overrides)
+    reasons.append(cache_why)
     reasons += [f"warning: {note}" for note in notes]
     return Plan(
         device,
@@ -359,6 +366,20 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         weights,
         adaptive_block=overrides.block_size is None,
         batch_size=batch_size,
+        cache_ram_mib=cache_ram,
+    )
+
+
+def _choose_cache_ram(facts: MachineFacts, overrides: PlanOverrides) -> tuple[int, str]:
+    """The prefix store's bound: prefixes that no longer fit the slots, kept in host memory for a later request."""
+    if overrides.cache_ram_mib is not None:
+        return overrides.cache_ram_mib, f"prefix store {overrides.cache_ram_mib} MiB of host memory: --cache-ram"
+    mib = CACHE_RAM_MIB
+    if facts.cpu_ram_available is not None:
+        mib = min(mib, facts.cpu_ram_available // 4 // 2**20)
+    return mib, (
+        f"prefix store {mib} MiB of host memory (prefixes beyond the slots): a quarter of the free RAM, at most "
+        f"{CACHE_RAM_MIB}; --cache-ram N overrides, 0 keeps none"
     )
 
 

@@ -215,3 +215,37 @@ def test_grammar_bench_runs_every_mode_and_the_constrained_ones_agree(tiny_qwen3
     assert len({results[mode]["text"] for mode in grammar.MODES[1:]}) == 1
     assert results["text"]["grammar_s"] == 0 and all(results[m]["grammar_s"] > 0 for m in grammar.MODES[1:])
     assert results["schema, no drafter"]["tau"] == 1.0 and results["schema"]["steps"] > 0
+
+
+def test_prefix_bench_times_chat_turns_and_served_requests_both_ways(
+    tiny_qwen3_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/prefix_bench.py on a tiny model (short questions: its context is 512 tokens): the chat turns (the same
+    replies both ways, later turns reusing the earlier ones) and a real `dflash serve` with and without
+    --no-prefix-cache (cached_tokens from the usage)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_cli.bench import prefix
+
+    monkeypatch.setattr(prefix, "questions", lambda: [f"Question {i}: why is the sky blue?" for i in range(12)])
+    from dflash_cli.protocol.params import SamplingParams
+    from dflash_cli.setup.options import RunOptions
+    from helpers.drafters import save_random_drafter
+
+    drafter = save_random_drafter(
+        tmp_path / "drafter", AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir), block_size=4
+    )
+    model = ["--target", str(tiny_qwen3_dir), "--drafter", str(drafter)]
+    options = RunOptions(target=model[1], drafter=model[3], dtype="float32", sampling=SamplingParams())
+    prefix.chat(options, 3, 4)
+    prefix.serve(model, 3, 60, 4, ["--dtype", "float32", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "differ" not in out
+    turns = re.findall(r"^\| (\d) \| (\d+) \| (\d+) \| [\d.]+ \| [\d.]+ \|$", out, re.M)
+    assert [int(turn) for turn, _, _ in turns] == [1, 2, 3]
+    assert all(int(reused) >= int(turns[i][1]) for i, (_, _, reused) in enumerate(turns[1:]))
+    assert "with reuse: last turn's TTFT / first turn's = " in out and "without reuse: last turn's" in out
+    served = re.findall(r"^\| (\d) \| (\d+) \| (\d+) \| [\d.]+ \| \d+% \| [\d.]+ \|$", out, re.M)
+    assert len(served) == 6  # both ways
+    assert all(int(cached) > 20 for _, _, cached in served[1:3]) and all(c == "0" for _, _, c in served[3:])
+    assert "--no-prefix-cache: requests 2-3 TTFT = " in out

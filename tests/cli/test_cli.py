@@ -73,6 +73,15 @@ def test_run_commands_share_the_run_flags(command: str) -> None:
         assert flag in result.stdout, flag
 
 
+@pytest.mark.parametrize("command", ["chat", "run", "serve", "bench"])
+def test_prefix_flags_belong_to_the_commands_that_reuse_prefixes(command: str) -> None:
+    """chat, run and serve continue from what a slot holds; bench times every prompt's whole prefill."""
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    reuses = command != "bench"
+    assert ("--no-prefix-cache" in result.stdout, "--cache-ram" in result.stdout) == (reuses, reuses)
+
+
 def test_run_flags_build_one_run_options() -> None:
     seen: dict = {}
     probe = typer.Typer()
@@ -113,10 +122,11 @@ def test_run_flags_build_one_run_options() -> None:
         no_spec=True,
         explain=True,
     )
-    # every option is a shared flag, its sampling one flag per request field but `stop`, and --batch-size is not:
-    # only `run` and `serve` decode several requests at once
+    # every option is a shared flag, its sampling one flag per request field but `stop`; --batch-size is not (only
+    # `run` and `serve` decode several requests at once), nor --no-prefix-cache (bench prefills every prompt whole)
     sampling = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"]
-    options = [f.name for f in dataclasses.fields(RunOptions) if f.name != "batch_size"]
+    own = ("batch_size", "prefix_cache", "cache_ram_mib")
+    options = [f.name for f in dataclasses.fields(RunOptions) if f.name not in own]
     assert [p.name for p in RUN_FLAGS] == options[:4] + sampling + options[5:]
     assert options[4] == "sampling"
 
@@ -141,6 +151,7 @@ def test_run_options_feed_the_planner_and_the_sampler() -> None:
     options = RunOptions(recipe_name="qwen3:8b", sampling=sampling, quant="nf4", device="cpu")
     assert options.resolve_recipe().name == "qwen3-8b"
     assert (options.plan_overrides().quant, options.plan_overrides().device) == ("nf4", "cpu")
+    assert dataclasses.replace(options, cache_ram_mib=512).plan_overrides().cache_ram_mib == 512
     params = options.sampling_params(stop_token_ids=(2,))
     assert (params.max_new_tokens, params.temperature, params.stop_token_ids) == (64, 0.5, (2,))
 

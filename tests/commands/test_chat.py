@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
 from dflash_cli.commands import chat
-from dflash_cli.commands.chat import ChatState, handle_command, make_history, repl, reply
+from dflash_cli.commands.chat import ChatState, handle_command, make_history, repl, reply, stats_line
 from dflash_cli.loading.session import Session, open_session
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
@@ -125,6 +125,26 @@ def test_repl_streams_replies_and_the_stats_footer(session: Session, state: Chat
     assert "tau 1.00 (DFlash adaptive block ≤4: now " in footer and "[cut at the token limit: /set max_tokens" in footer
     assert "tokens," not in out[: out.index(second)]  # no footer before /stats
     assert "\x1b" not in out  # not a terminal: no colours or cursor codes
+
+
+def test_a_turn_reuses_the_conversation_before_it_and_clear_starts_over(
+    session: Session, state: ChatState, options: RunOptions
+) -> None:
+    """Each turn keeps the earlier turns in the model (prefix reuse: the footer says how many prompt tokens) and
+    answers exactly as a fresh conversation would; /clear starts over."""
+    first = reply(session, state, "Hello!", lambda _: None)
+    second = reply(session, state, "And then?", lambda _: None)
+    # the first turn's prompt stays in place, and its reply as far as the template renders the same ids (this random
+    # model's replies are byte fragments that do not survive a round trip through text)
+    assert second.stats.cached_tokens >= first.stats.prompt_tokens
+    assert f"{second.stats.cached_tokens} reused" in stats_line(second.stats)
+    session.prefix_cache = False  # the same turn, prefilled whole
+    try:
+        assert second.text == expected_reply(session, options, state.messages[:-1])
+    finally:
+        session.prefix_cache = True
+    handle_command(session, state, "/clear")
+    assert reply(session, state, "And then?", lambda _: None).stats.cached_tokens == 0
 
 
 def test_text_sink_colours_only_on_a_terminal() -> None:

@@ -388,6 +388,8 @@ def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, opt
         "block_size_histogram",
         "decode_tokens_per_s",
         "ttft_s",
+        "cached_tokens",
+        "unreused_tokens",
         "draft_s",
         "verify_s",
         "compile_s",
@@ -644,6 +646,25 @@ def test_cli_errors_and_exit_codes(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_requests_that_share_a_prefix_reuse_it_unless_no_prefix_cache(
+    tmp_path: Path, models: tuple[Path, Path]
+) -> None:
+    lines = [{"id": f"q{i}", "prompt": "You are a careful assistant. " * 6 + f"Question {i}"} for i in range(4)]
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    flags = ["run", str(prompts), "--target", str(models[0]), "--drafter", str(models[1]), "--json"]
+    flags += ["--dtype", "float32", "--max-tokens", "6", "--batch-size", "2"]
+    summaries, texts = [], []
+    for extra in ([], ["--no-prefix-cache"]):
+        output = tmp_path / f"out{len(extra)}.jsonl"
+        result = CliRunner().invoke(app, [*flags, "-o", str(output), *extra])
+        assert result.exit_code == 0, result.output
+        summaries.append(json.loads(result.stdout))
+        texts.append({r["id"]: (r["text"], r["stats"]["cached_tokens"]) for r in read_jsonl(output)})
+    assert summaries[0]["cached_tokens"] > 0 and summaries[1]["cached_tokens"] == 0
+    assert {k: text for k, (text, _) in texts[0].items()} == {k: text for k, (text, _) in texts[1].items()}
+    assert sum(cached for _, cached in texts[0].values()) == summaries[0]["cached_tokens"]
+
+
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_a_batched_run_gives_every_request_its_result_alone(
     tmp_path: Path, models: tuple[Path, Path], batch_size: int
@@ -695,6 +716,7 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
         sampling=SamplingParams(max_new_tokens=8),
         dtype="float32",
         batch_size=3,
+        prefix_cache=False,  # the huge request's whole prompt is what runs out of memory, not a reused part
     )
     session = open_session(options, batching=True)
     lines = [{"id": f"r{i}", "prompt": "Tell me " * (i % 3 + 1) + str(i)} for i in range(5)]

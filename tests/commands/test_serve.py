@@ -142,6 +142,14 @@ def server(models: tuple[Path, Path]) -> Iterator[RunningServer]:
     match = re.search(r" at (http://127\.0\.0\.1:\d+)/v1", "\n".join(log))
     assert match and process.poll() is None, "\n".join(log)
     running = RunningServer(process, match.group(1), str(models[0]), log)
+    deadline = time.monotonic() + 60
+    while True:  # the line is printed once the socket is bound; it accepts once uvicorn runs
+        try:
+            running.get("/health")
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "\n".join(log)
+            time.sleep(0.05)
     yield running
     process.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
     assert process.wait(timeout=60) == 0, "\n".join(log[-20:])
@@ -244,6 +252,41 @@ def test_chat_completion_whole_and_streamed(
     assert finish == [expected.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_shared_system_prompt_is_reused_and_reported(
+    server: RunningServer, client: openai.OpenAI, session: Session, models: tuple[Path, Path]
+) -> None:
+    """Requests that share a system prompt continue from the slot that holds it: `cached_tokens` in the usage (whole
+    and streamed), the /metrics counters, and the same answers as a prefill from the first token."""
+    system = {"role": "system", "content": "You answer questions about the weather. " * 12}
+    hits, reused = (
+        server.metric("dflash_prefix_cache_hits_total"),
+        server.metric("dflash_prefix_cache_reused_tokens_total"),
+    )
+    client.chat.completions.create(model=server.target, messages=[system, *user("Is it sunny?")], max_tokens=4)
+    messages = [system, *user("Will it rain tomorrow?")]
+    session.prefix_cache = False
+    try:
+        expected = expected_chat(session, models, messages, max_new_tokens=6)
+    finally:
+        session.prefix_cache = True
+    reply = client.chat.completions.create(model=server.target, messages=messages, max_tokens=6)
+    assert reply.choices[0].message.content == expected.text
+    shared = common_prefix_length(session.encode_chat([system, *user("Is it sunny?")]), session.encode_chat(messages))
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert shared > 20 and cached == shared == reply.model_extra["dflash"]["cached_tokens"]
+    stream = client.chat.completions.create(
+        model=server.target, messages=messages, max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
+    usage = list(stream)[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # all of it but its last token
+    assert server.metric("dflash_prefix_cache_hits_total") >= hits + 2
+    assert server.metric("dflash_prefix_cache_reused_tokens_total") >= reused + cached + usage.prompt_tokens - 1
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def test_completions_whole_and_streamed(

@@ -108,6 +108,21 @@ def test_compiled_greedy_equals_transformers_greedy(traced_only, seed: int, bloc
     assert sum(result.acceptance_lengths) == 32
 
 
+def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
+    """Prefix reuse with compiled steps: the first draft of a later turn (a context of many kept and new rows, in
+    the compiled draft step) gives what an eager whole prefill gives."""
+    target = sharp_tiny("qwen3", 0)
+    drafter = random_drafter(target, fmt="swa", block_size=4, window=6)
+    params = SamplingParams(max_new_tokens=12)
+    prompt = [5, 6, 7, 8, 9]
+    for turn in range(3):
+        compiled = collect(generate(target, drafter, prompt, params, compile=True))
+        eager = collect(generate(target, drafter, prompt, params, prefix_cache=False))
+        assert (compiled.token_ids, compiled.acceptance_lengths) == (eager.token_ids, eager.acceptance_lengths)
+        assert turn == 0 or compiled.stats.cached_tokens >= len(prompt) - 3
+        prompt = prompt + compiled.token_ids + [11, 12]
+
+
 def _check_golden_sets(names: list[str], shown: list[str]) -> set[int]:
     """Every case of each golden set, both steps compiled, on one target object (every set was made on the same
     target, whose copies are byte-identical). Returns the block sizes used."""

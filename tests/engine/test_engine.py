@@ -336,6 +336,18 @@ def test_max_tokens_is_exact(text_pair):
         assert len(result.token_ids) == n and result.finish_reason == "length"
 
 
+def test_a_stop_token_just_past_max_tokens_ends_by_length(text_pair):
+    """A verify commits several tokens at once: an end-of-turn token right after the limit is not one of them."""
+    target, _, _ = text_pair
+    free = speculative_generate(target, None, [1, 2], 30).token_ids
+    stop = free[12]
+    limit = free.index(stop)
+    oracle = OracleDrafter(target, [1, 2] + free, block_size=8)
+    for drafter in (None, oracle):
+        result = speculative_generate(target, drafter, [1, 2], limit, stop_token_ids=[stop])
+        assert (result.token_ids, result.finish_reason) == (free[:limit], "length")
+
+
 def test_empty_prompt_is_a_clear_error(text_pair):
     target, drafter, _ = text_pair
     with pytest.raises(DflashError, match="empty"):

@@ -479,3 +479,12 @@ def test_the_demo_runs_int4_on_a_bf16_cpu_and_yields_to_dtype_and_quant_flags() 
     assert (no_bf16.dtype, no_bf16.quant) == ("float32", "none")
     assert any("no bf16 instructions" in r for r in no_bf16.reasons)
     assert make_plan(H100, demo).quant == "none"  # a GPU class: the CPU override does not apply
+
+
+def test_the_prefix_store_takes_a_quarter_of_the_free_ram_at_most_8_gib() -> None:
+    recipe = get_recipe("demo")
+    assert make_plan(CPU_64, recipe).cache_ram_mib == 8192
+    small = dataclasses.replace(CPU_64, cpu_ram_available=8 * GIB)
+    plan = make_plan(small, recipe)
+    assert plan.cache_ram_mib == 2048 and any(r.startswith("prefix store 2048 MiB") for r in plan.reasons)
+    assert make_plan(small, recipe, PlanOverrides(cache_ram_mib=0)).cache_ram_mib == 0  # --cache-ram 0

@@ -514,7 +514,8 @@ def _reporter(metrics: ServerMetrics, console: Console) -> Callable[[Job, Update
         tau = f", tau {stats.tau:.2f}" if stats.speculative else ""
         console.print(
             f"[dim]{job.id} {update.finish_reason}: {stats.prompt_tokens} prompt + {stats.generated_tokens} "
-            f"generated tokens, {stats.decode_tokens_per_s:.1f} tok/s{tau}, waited {waited:.2f} s[/]",
+            f"generated tokens, {stats.cached_tokens} prompt tokens reused, {stats.decode_tokens_per_s:.1f} "
+            f"tok/s{tau}, waited {waited:.2f} s[/]",
             soft_wrap=True,
         )
 

@@ -58,6 +58,15 @@ class ServerMetrics:
             registry=registry,
         )
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of generations", registry=registry)
+        self.prefix_hits = Counter(
+            "dflash_prefix_cache_hits", "Generations that reused a prefix a slot held (prefix reuse)", registry=registry
+        )
+        self.prefix_misses = Counter(
+            "dflash_prefix_cache_misses", "Generations that prefilled their whole prompt", registry=registry
+        )
+        self.cached_tokens = Counter(
+            "dflash_prefix_cache_reused_tokens", "Prompt tokens reused from a slot, not prefilled", registry=registry
+        )
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", registry=registry)
         Gauge("dflash_queue_depth", "Requests waiting for the engine", registry=registry).set_function(waiting)
         Gauge("dflash_requests_running", "Requests being decoded (rows of the batch)", registry=registry).set_function(
@@ -110,6 +119,8 @@ class ServerMetrics:
         if stats is None:
             return
         self.prompt_tokens.inc(stats.prompt_tokens)
+        (self.prefix_hits if stats.cached_tokens else self.prefix_misses).inc()
+        self.cached_tokens.inc(stats.cached_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
         if stats.generated_tokens:
             self.ttft.observe(stats.ttft_s)

@@ -81,6 +81,7 @@ class DraftCache:
             None if self.ring is None else torch.full((slots, self.ring), -1, dtype=torch.long, device=device)
         )
         self.length = 0  # a single sequence's committed context (slot 0, `update`)
+        self.device = device or torch.device("cpu")  # where the drafter runs (its buffers)
         self.step: CompiledStep | None = None  # the compiled draft step (engine.compiled) of a single sequence
         self.notify: Notify | None = None
 
@@ -95,6 +96,49 @@ class DraftCache:
                     grown[:, :, : self.capacity].copy_(old)
                     buffers[index] = grown
         self.capacity = capacity
+
+    def rewind(self, slot: int, length: int, resume: int) -> int:
+        """Keep slot `slot`'s context positions 0 .. length-1 for a sequence whose next block starts at `resume`
+        (the positions from `length` on are written again before any query reads them); return how many it keeps.
+        A full layer keeps them all; a ring may have evicted, for positions written after `length`, older rows the
+        next block still sees: then it keeps only the positions out of that block's window (at most `length`)."""
+        if self.ring is not None:
+            window = max(w for w in self.windows if w is not None)
+            seen = max(0, resume - window + 1)  # the oldest position the next block sees
+            if seen < length:
+                positions = torch.arange(seen, length, device=self.ring_positions.device)
+                if not bool((self.ring_positions[slot, positions % self.ring] == positions).all()):
+                    length = seen
+        if self.slots == 1:
+            self.length = length
+        return length
+
+    def copy_out(self, slot: int, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """Host copies of slot `slot`'s context rows of positions 0 .. n-1 (a prefix store): per layer its K/V
+        [kv heads, n, dim] (a ring: its rows, [kv heads, ring, dim]), and the ring rows' positions."""
+        from dflash_cli.engine.prefix import to_host
+
+        rows = []
+        for keys, values, window in zip(self.keys, self.values, self.windows):
+            if keys is None:
+                return [], None  # (never drafted: nothing to keep)
+            cut = slice(None) if window is not None else slice(0, n)
+            rows.append((to_host(keys[slot, :, cut]), to_host(values[slot, :, cut])))
+        ring = None if self.ring_positions is None else to_host(self.ring_positions[slot])
+        return rows, ring
+
+    def copy_in(
+        self, slot: int, rows: list[tuple[torch.Tensor, torch.Tensor]], ring_positions: torch.Tensor | None
+    ) -> None:
+        """Write `copy_out`'s rows back into slot `slot` (a ring of the same size)."""
+        for index, (keys, values) in enumerate(rows):
+            if self.windows[index] is None:
+                self.make_room(keys.shape[1])
+            buffer_k, buffer_v = self.buffers(index, keys[None].to(self.device))
+            buffer_k[slot, :, : keys.shape[1]].copy_(keys, non_blocking=True)
+            buffer_v[slot, :, : keys.shape[1]].copy_(values, non_blocking=True)
+        if ring_positions is not None:
+            self.ring_positions[slot].copy_(ring_positions, non_blocking=True)
 
     def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s buffers, allocated on its first write (`like`: [1, kv heads, n, head dim])."""

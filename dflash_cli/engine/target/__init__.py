@@ -27,6 +27,14 @@ def acquire_state(target: PreTrainedModel) -> AttentionState:
     return state
 
 
+def forget_prefixes(target: PreTrainedModel) -> None:
+    """What the slots of `target`'s reusable state hold is no longer offered to later requests (engine.prefix)."""
+    state = _STATES.get(target)
+    if state is not None:
+        for slot in range(len(state.held)):
+            state.forget(slot)
+
+
 def release_state(state: AttentionState) -> None:
     state.busy = False
     target = state._target()

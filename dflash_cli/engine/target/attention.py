@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dflash_cli.engine.compiled import CACHE_ARGUMENT, CompiledStep, Notify, compiled_step, run_target
+from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
     TargetState,
@@ -104,6 +105,7 @@ class AttentionState(TargetState):
         self._target = weakref.ref(target)  # the hooks this state installs on the target must not keep it alive
         self.rows = 1
         self.lengths = [0]
+        self.held: list[Any] = [None]
         self.capacity = 0
         self.layers = target_decoder_layers(target)
         self.cache = Cache(layers=[_KVLayer(self, i) for i in range(len(self.layers))])
@@ -164,9 +166,9 @@ class AttentionState(TargetState):
     ) -> None:
         """Make room for `rows` sequences of up to `positions` positions verified in blocks of `block_size` (the
         last block may run past `positions`), with the drafter reading `feature_layers` (empty: no drafter).
-        Starts every row over at length 0. `compile` applies to one-row states."""
+        What the rows hold (their K/V, `lengths` and `held`) stays unless the buffers are allocated again.
+        `compile` applies to one-row states."""
         assert rows == 1 or not compile, "compiled steps run one row"
-        self.lengths = [0] * rows
         self.step = compiled_step(self.device) if compile else None
         self.notify = notify
         full_view = self.step is not None and self.device.type == "cuda"
@@ -179,6 +181,7 @@ class AttentionState(TargetState):
             else:  # rows x capacity is real memory: what the rows need, grown when a longer row joins
                 self.capacity = needed
             self.rows = rows
+            self.lengths, self.held = [0] * rows, [None] * rows
             self.full_view = full_view
             self._keys = [None] * len(self.layers)
             self._values = [None] * len(self.layers)
@@ -234,6 +237,25 @@ class AttentionState(TargetState):
             keys = self._keys[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
             self._values[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
         return keys, self._values[index]
+
+    def copy_out(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Host copies of row `slot`'s K/V at positions 0 .. n-1, per layer [kv heads, n, head dim] (a prefix store)."""
+        keys = [to_host(k[slot, :, :n]) for k in self._keys if k is not None]
+        return keys, [to_host(v[slot, :, :n]) for v in self._values if v is not None]
+
+    def copy_in(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write `copy_out`'s K/V back into row `slot` at positions 0 .. n-1 and make it its length."""
+        n = keys[0].shape[1]
+        for index, (k, v) in enumerate(zip(keys, values)):
+            buffer_k, buffer_v = self.buffers(index, k[None].to(self.device))
+            buffer_k[slot, :, :n].copy_(k, non_blocking=True)
+            buffer_v[slot, :, :n].copy_(v, non_blocking=True)
+        self.lengths[slot] = n
+
+    @property
+    def storable(self) -> bool:
+        """Whether a row's state is all in its K/V (`copy_out` keeps all of it)."""
+        return True
 
     def _capture(self, slot: int) -> Any:
         def record(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -307,24 +329,23 @@ class AttentionState(TargetState):
             masks[kind] = visible
         return masks if len(masks) > 1 else masks[kinds[0]]
 
-    def prefill(self, token_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        self.at = 0
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
+        self.at = start
+        self.held[slot] = None  # the row's positions from `start` on change: the loop says what it holds after
         logits = self._forward(token_ids, slice(slot, slot + 1), prefill=True)
-        self.lengths[slot] = token_ids.shape[1]
+        self.lengths[slot] = start + token_ids.shape[1]
         return logits
 
     def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:
         if len(slots) == 1:  # one row: exactly a single sequence's forward
             self.at = self.lengths[slots[0]]
             return self._forward(block_ids, slice(slots[0], slots[0] + 1), prefill=False)[None]
-        # Several rows: the forward covers the slots first..last; a free slot between them runs a dummy block at
-        # positions 0.. of its own (free) row, and its logits are dropped.
+        # Several rows: the forward covers the slots first..last; a free slot between them runs a dummy block
+        # after its own (free) row's length, where it overwrites nothing that row holds, and its logits are dropped.
         first, last = min(slots), max(slots)
         index = torch.tensor([slot - first for slot in slots], device=block_ids.device)
         ids = block_ids.new_zeros((last - first + 1, block_ids.shape[1])).index_copy_(0, index, block_ids)
-        starts = [0] * (last - first + 1)
-        for slot in slots:
-            starts[slot - first] = self.lengths[slot]
+        starts = self.lengths[first : last + 1]
         q = block_ids.shape[1]
         self.forward_positions = torch.tensor(starts, device=block_ids.device)[:, None] + torch.arange(
             q, device=block_ids.device

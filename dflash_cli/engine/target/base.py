@@ -21,10 +21,27 @@ class TargetState(ABC):
     (positions 0 .. length-1)."""
 
     lengths: list[int]
+    # Per slot: what the loop keeps of the row that left it, for the next request there (engine.prefix.Held), or
+    # None. Dropped with the buffers when they are allocated again.
+    held: list[Any]
 
     @abstractmethod
-    def prefill(self, token_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """Run a prompt [1, P] into row `slot` from position 0 and commit it; return its last position's logits [1, vocab]."""
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
+        """Run prompt tokens [1, P] into row `slot` at positions start .. start+P-1 (the row keeps its first `start`
+        positions: `resumable`) and commit them; return the last position's logits [1, vocab]."""
+
+    def resumable(self, slot: int, length: int) -> int:
+        """How many of row `slot`'s committed positions, at most `length`, a prefill can continue from: all of
+        them for K/V, which a length rewinds."""
+        return length
+
+    def hold(self, slot: int, held: Any) -> None:
+        """Row `slot`'s generation has left it: `held` says what it holds for a later request."""
+        self.held[slot] = held
+
+    def forget(self, slot: int) -> None:
+        """Row `slot` holds nothing a later request may reuse."""
+        self.held[slot] = None
 
     @abstractmethod
     def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:

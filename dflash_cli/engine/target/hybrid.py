@@ -59,6 +59,9 @@ RULE = "torch_chunk_gated_delta_rule"  # the module-level kernel transformers' G
 # zero steps, which leave a state bit for bit as it is, so a row replays to the same bits alone or beside rows of
 # other lengths.
 REPLAY_CHUNK = 16
+# Snapshots of a slot's linear-attention states kept for prefix reuse (the newest): a conversation's last prompt
+# and reply ends, and the turn before.
+SNAPSHOTS = 4
 
 
 class RecordingLinearLayer(LinearAttentionLayer):
@@ -320,6 +323,14 @@ class HybridState(AttentionState):
             else:  # a layer that is both (target.batch_limit keeps such targets at one row)
                 self.cache.layers[index] = type(layer)(number_of_states=layer.number_of_states)
         self.rollback = LinearStateRollback(target, self.cache)
+        # Prefix reuse: the linear-attention states cannot go back to any position, so each slot keeps copies of
+        # them at the positions a next request most often continues from, a prompt's end (before its last token,
+        # which is always prefilled) and a reply's (dflash-mlx's rule): per slot, position -> (layer, state key) ->
+        # state. Layers that are both kinds (one
+        # row) keep no per-slot states here: such targets reuse nothing.
+        self.snapshots: list[dict[int, dict[tuple[int, tuple[str, int]], torch.Tensor]]] = [{}]
+        self.snapshotting = len(self.linear) == len(linear_cache_layers(target))
+        self._resuming = False
         # The last verify until all its rows have committed: its block, slots, forward rows, and what each kept.
         self._block: torch.Tensor | None = None
         self._slots: list[int] = []
@@ -340,14 +351,72 @@ class HybridState(AttentionState):
         if rows != self.rows:
             for layer in self.linear:
                 layer.drop()
+            self.snapshots = [{} for _ in range(rows)]
         self._block, self._kept = None, {}
         super().reserve(
             positions, block_size, feature_layers, rows=rows, compile=False, notify=notify
         )  # eager: see above
 
+    @property
+    def storable(self) -> bool:
+        return False  # its linear-attention states and snapshots stay in their slot (no prefix store)
+
+    def resumable(self, slot: int, length: int) -> int:
+        """The latest snapshot at or before `length` (0: none; a prefill from 0 needs none)."""
+        return max((at for at in self.snapshots[slot] if at <= length), default=0)
+
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
+        """A prefill from a snapshot position `start` (`resumable`) restores that snapshot first; snapshots after
+        `start` no longer hold (the row's positions from there on change). Snapshots the prompt but its last token
+        (a prompt always prefills its last token: the same prompt again, or a longer one, continues from there):
+        the prompt runs in two forwards, the last token alone, and the drafter reads both's features."""
+        snapshots = self.snapshots[slot]
+        for at in [at for at in snapshots if at > start or start == 0]:
+            del snapshots[at]
+        if start > 0:
+            for (i, key), saved in snapshots[start].items():
+                self.linear[i].storage[key][slot].copy_(saved)
+        self._resuming = start > 0
+        try:
+            n = token_ids.shape[1]
+            if n > 1 and self.snapshotting:
+                super().prefill(token_ids[:, :-1], slot, start)
+                head = self._features
+                self._snapshot(slot)
+                self._resuming = True
+                logits = super().prefill(token_ids[:, -1:], slot, start + n - 1)
+                if self.capture:
+                    self._features = torch.cat([head, self._features], dim=1)
+            else:
+                logits = super().prefill(token_ids, slot, start)
+        finally:
+            self._resuming = False
+        return logits
+
+    def hold(self, slot: int, held: Any) -> None:
+        super().hold(slot, held)
+        self._snapshot(slot)  # the reply's end
+
+    def forget(self, slot: int) -> None:
+        super().forget(slot)
+        self.snapshots[slot].clear()
+
+    def _snapshot(self, slot: int) -> None:
+        """Copy row `slot`'s linear-attention states at its length; keep the newest SNAPSHOTS per slot."""
+        if not self.snapshotting:
+            return
+        snapshots = self.snapshots[slot]
+        snapshots[self.lengths[slot]] = {
+            (i, key): storage[slot].clone()
+            for i, layer in enumerate(self.linear)
+            for key, storage in layer.storage.items()
+        }
+        for at in sorted(snapshots)[:-SNAPSHOTS]:
+            del snapshots[at]
+
     def _forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
         for layer in self.linear:
-            layer.select(rows, fresh=prefill)
+            layer.select(rows, fresh=prefill and not self._resuming)
         if prefill or self._rerunning:
             return super()._forward(token_ids, rows, prefill)
         self._rows = rows

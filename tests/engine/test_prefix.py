@@ -1,0 +1,308 @@
+"""Prefix reuse (engine.prefix): a request keeps what its slot holds of its prompt and prefills the rest, exactly.
+
+Every request here is decoded twice, with reuse and without (`prefix_cache=False`: a prefill from position 0): the
+tokens, finish reasons and acceptance lengths must be the same (float32), and so must each draft the drafter
+proposes, which shows that its first draft after a reuse saw the whole conversation (its kept context cache, its
+ring, the features it had not read yet) as it does without reuse.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_cli.engine import Batch, PrefixStore, SamplingParams, collect, generate
+from dflash_cli.engine.prefix import Held, choose_slot, common_prefix
+from helpers.drafters import FORMATS, random_drafter
+from helpers.tiny_models import sharp_tiny
+
+
+@functools.cache
+def tiny_target(arch: str = "qwen3", seed: int = 0):
+    return sharp_tiny(arch, seed, 2)
+
+
+class Recorder:
+    """Records every proposal of `drafter` (row by row) while installed."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.proposals = drafter, []
+        self.propose = drafter.propose if drafter is not None else None
+
+    def __enter__(self) -> list:
+        def recording(features, block_ids, starts, cache, *, sizes=None, slots=None):
+            out = self.propose(features, block_ids, starts, cache, sizes=sizes, slots=slots)
+            sizes = sizes or [block_ids.shape[1]] * len(starts)
+            self.proposals += [(start, row[: size - 1].tolist()) for start, row, size in zip(starts, out, sizes)]
+            return out
+
+        if self.drafter is not None:
+            self.drafter.propose = recording
+        return self.proposals
+
+    def __exit__(self, *exc) -> None:
+        if self.drafter is not None:
+            del self.drafter.propose
+
+
+def decode(target, drafter, prompt, params, *, reuse: bool):
+    with Recorder(drafter) as proposals:
+        result = collect(generate(target, drafter, prompt, params, prefix_cache=reuse))
+    return (result.token_ids, result.finish_reason, result.acceptance_lengths, proposals), result.stats
+
+
+def turns(target, drafter, prompts, params):
+    """Each prompt decoded with reuse (in order, on one state) and without; both outcomes and the reused counts."""
+    with_reuse, cached = [], []
+    for prompt in prompts:
+        outcome, stats = decode(target, drafter, prompt, params, reuse=True)
+        with_reuse.append(outcome)
+        cached.append(stats.cached_tokens)
+    without = [decode(target, drafter, prompt, params, reuse=False)[0] for prompt in prompts]
+    return with_reuse, without, cached
+
+
+def conversation(target, drafter, first, params, count: int, seed: int = 0) -> list[list[int]]:
+    """A chat's prompts: each turn is the last prompt, its reply, and a new user message."""
+    rng = random.Random(seed)
+    prompts, prompt = [], list(first)
+    for _ in range(count):
+        prompts.append(prompt)
+        reply = collect(generate(target, drafter, prompt, params, prefix_cache=False)).token_ids
+        prompt = prompt + reply + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 6))]
+    return prompts
+
+
+@pytest.mark.parametrize("fmt", [None, *FORMATS])
+def test_a_conversation_with_reuse_decodes_exactly_as_without(fmt) -> None:
+    target = tiny_target()
+    drafter = None if fmt is None else random_drafter(target, fmt=fmt, block_size=4, window=3)
+    params = SamplingParams(max_new_tokens=17)
+    prompts = conversation(target, drafter, [5, 6, 7, 8, 9, 10], params, 5)
+    with_reuse, without, cached = turns(target, drafter, prompts, params)
+    assert with_reuse == without
+    # every later turn keeps the last turn's prompt and all of its reply that reached the state
+    assert all(cached[i] >= len(prompts[i - 1]) + 17 - 1 for i in range(1, len(prompts))), cached
+    if drafter is not None:
+        assert any(len(p) > 1 for p in with_reuse[-1][3])
+
+
+@pytest.mark.parametrize("fmt", ["classic", "swa", "dflash2"])
+def test_truncated_and_diverging_prompts_reuse_what_still_holds(fmt) -> None:
+    """A prompt that ends inside the last one, one that diverges early, one that diverges late, and one the
+    slot holds whole (it still prefills its last token: the first token comes from its logits)."""
+    target = tiny_target("llama", 1)
+    drafter = random_drafter(target, fmt=fmt, block_size=4, window=3)
+    params = SamplingParams(max_new_tokens=20)
+    base = conversation(target, drafter, [3, 1, 4, 1, 5, 9, 2, 6], params, 3, seed=1)[-1]
+    prompts = [base, base[:20], base[:5] + [77, 78], base[:-3] + [44], base[:20], base[:-1], base[:-1]]
+    with_reuse, without, cached = turns(target, drafter, prompts, params)
+    assert with_reuse == without
+    assert cached[1] > 0
+    # the whole prompt but its last token P-1; a ring, after the reply it wrote, no longer holds the other row the
+    # next block sees (window 3: P-2), which is prefilled again
+    assert cached[-1] == len(prompts[-1]) - 1 - (0 if fmt == "classic" else 1)
+
+
+def test_a_sliding_ring_that_evicted_the_rows_a_block_sees_keeps_less() -> None:
+    """Going back far inside a long conversation: the drafter's ring no longer holds the rows before the kept
+    point, so the request keeps only what lies out of the next block's window (and says how much it could not)."""
+    target = tiny_target()
+    drafter = random_drafter(target, fmt="swa", block_size=4, window=3)
+    params = SamplingParams(max_new_tokens=30)
+    first = list(range(10, 50))
+    outcome, stats = decode(target, drafter, first, params, reuse=True)
+    back = first[:30] + [7]  # the next block starts at 31 and sees 29 and 30: long evicted
+    again, stats = decode(target, drafter, back, params, reuse=True)
+    assert stats.cached_tokens == 31 - 3 + 1 and stats.unreused_tokens == 30 - stats.cached_tokens
+    assert again == decode(target, drafter, back, params, reuse=False)[0]
+
+
+@pytest.mark.parametrize(("rows", "fmt"), [(2, "classic"), (3, "swa")])
+def test_batched_requests_reuse_their_slots_exactly(rows, fmt) -> None:
+    """Several conversations through one batch, each turn placed in the slot that holds its last turn (the
+    longest common prefix), decoded exactly as without reuse."""
+    target = tiny_target()
+    drafter = random_drafter(target, fmt=fmt, block_size=4, window=6)
+    params = SamplingParams(max_new_tokens=12)
+    starts = [[5, 6, 7, 8], [60, 61, 62], [9, 9, 9, 9, 9], [30, 31]]
+    chats = [conversation(target, drafter, s, params, 3, seed=i) for i, s in enumerate(starts[:rows])]
+    requests = [chat[turn] for turn in range(3) for chat in chats]  # turn by turn, chats interleaved
+    got, cached = run_batch(target, drafter, requests, params, rows, reuse=True)
+    assert got == run_batch(target, drafter, requests, params, rows, reuse=False)[0]
+    assert sum(c > 0 for c in cached[rows:]) >= rows  # later turns found their slots
+
+
+def run_batch(target, drafter, prompts, params, rows: int, *, reuse: bool, join_every: int = 2, store=None):
+    """The prompts through one batch of `rows`, one joining every `join_every` steps; each one's outcome (tokens,
+    finish reason, acceptance lengths) and the batch's proposals (sorted: rows may sit in other slots without
+    reuse), and each one's reused count."""
+    batch = Batch(target, drafter, rows=rows, prefix_cache=reuse, prefix_store=store)
+    results: dict[int, list] = {}
+    waiting, step = list(range(len(prompts))), 0
+    with Recorder(drafter) as proposals:
+        try:
+            while waiting or not batch.idle:
+                if waiting and step % join_every == 0:
+                    i = waiting.pop(0)
+                    results[i] = [[], None, None, 0]
+                    batch.add(prompts[i], params, key=i)
+                for row, event in batch.step():
+                    assert not isinstance(event, BaseException), event
+                    results[row.key][0] += event.token_ids
+                    if event.finish_reason:
+                        stats = event.stats
+                        results[row.key][1:] = [
+                            event.finish_reason,
+                            list(stats.acceptance_lengths),
+                            stats.cached_tokens,
+                        ]
+                step += 1
+        finally:
+            batch.close()
+    outcomes = [tuple(results[i][:3]) for i in range(len(prompts))]
+    return (outcomes, sorted(proposals)), [results[i][3] for i in range(len(prompts))]
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["extend", "truncate", "diverge", "share", "new"]),
+        st.integers(0, 3),  # which earlier prompt
+        st.integers(1, 12),  # how many tokens
+    ),
+    min_size=3,
+    max_size=9,
+)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(FORMATS), rows=st.integers(1, 3), ops=operations, seed=st.integers(0, 3))
+def test_interleaved_conversations_share_extend_truncate_and_diverge(fmt, rows, ops, seed) -> None:
+    target = tiny_target("qwen3", seed % 2)
+    drafter = random_drafter(target, fmt=fmt, block_size=4, window=6, seed=seed)
+    params = SamplingParams(max_new_tokens=10)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 90) for _ in range(6)]]
+    for op, which, n in ops:
+        base = prompts[which % len(prompts)]
+        new = [rng.randrange(1, 90) for _ in range(n)]
+        prompts.append(
+            {
+                "extend": base + new,
+                "truncate": base[: max(1, len(base) - n)],
+                "diverge": base[: max(1, len(base) - n)] + new,
+                "share": base[: min(len(base), n)] + new,
+                "new": new,
+            }[op]
+        )
+    got, _ = run_batch(target, drafter, prompts, params, rows, reuse=True, join_every=3)
+    assert got == run_batch(target, drafter, prompts, params, rows, reuse=False, join_every=3)[0]
+
+
+def test_seeded_sampling_is_the_same_with_and_without_reuse() -> None:
+    target = tiny_target("llama", 2)
+    drafter = random_drafter(target, fmt="classic", block_size=4)
+    params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=11)
+    prompts = conversation(target, drafter, [4, 8, 15, 16, 23, 42], SamplingParams(max_new_tokens=20), 4)
+    with_reuse, without, cached = turns(target, drafter, prompts, params)
+    assert with_reuse == without and cached[-1] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "bamba"])
+def test_a_hybrid_target_reuses_at_its_snapshots_exactly(family) -> None:
+    """Recurrent states cannot go back to any position: a conversation continues from the snapshot at its last
+    reply's end; a request that ends inside a turn continues from the last snapshot before it (at a prompt's last
+    token), and the same prompt again from its own."""
+    from test_families import target as family_target
+
+    target = family_target(family)
+    drafter = random_drafter(target, fmt="classic", block_size=4)
+    params = SamplingParams(max_new_tokens=12)
+    prompts = conversation(target, drafter, [5, 17, 42, 8, 9], params, 3)
+    inside = prompts[2][: len(prompts[1]) + 5] + [3]  # inside the second turn's reply: back to its prompt's end
+    with_reuse, without, cached = turns(target, drafter, [*prompts, inside], params)
+    assert with_reuse == without
+    assert cached[1] == len(prompts[0]) + 12 - 1 and cached[2] == len(prompts[1]) + 12 - 1
+    # (the snapshot before the prompt's last token, which a prompt always prefills; 6 tokens not reusable)
+    assert cached[3] == len(prompts[1]) - 1
+    _, stats = decode(target, drafter, inside, params, reuse=True)  # the same prompt again
+    assert (stats.cached_tokens, stats.unreused_tokens) == (len(inside) - 1, 0)
+    assert decode(target, drafter, inside, params, reuse=False)[0] == with_reuse[3]
+
+
+def test_the_slot_with_the_longest_common_prefix_is_chosen() -> None:
+    held = [Held([1, 2, 3, 4]), None, Held([1, 2, 9]), Held([7])]
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3 and common_prefix([], [1]) == 0
+    assert choose_slot([0, 1, 2, 3], held, [1, 2, 3, 5]) == 0
+    assert choose_slot([1, 2, 3], held, [1, 2, 9, 9]) == 2
+    assert choose_slot([0, 1, 2, 3], held, [50]) == 1  # nothing in common: an empty slot
+    held[1] = Held([8])
+    assert choose_slot([0, 1, 2, 3], held, [50]) == 0  # then the least recently used
+
+
+def test_a_follow_up_keeps_the_prompt_and_the_reply_that_reached_the_state() -> None:
+    """Without a drafter too: the next prompt keeps the last prompt and every reply token but the newest (sampled
+    from the last verify, it never entered the state), and prefills the rest."""
+    target = tiny_target()
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    first, stats = decode(target, None, prompt[0].tolist(), SamplingParams(max_new_tokens=6), reuse=True)
+    follow = prompt[0].tolist() + first[0] + [3, 4]
+    again, stats = decode(target, None, follow, SamplingParams(max_new_tokens=6), reuse=True)
+    assert stats.cached_tokens == 8 + 6 - 1  # the prompt and every reply token but the newest (not in the state)
+    assert again == decode(target, None, follow, SamplingParams(max_new_tokens=6), reuse=False)[0]
+
+
+@pytest.mark.parametrize("fmt", ["classic", "swa", "dflash2"])
+def test_more_conversations_than_slots_come_back_from_the_store_exactly(fmt) -> None:
+    """Four conversations through two slots: each turn finds its last turn in the prefix store (host memory) and
+    continues from it there, as exactly as from a slot."""
+    target = tiny_target()
+    drafter = random_drafter(target, fmt=fmt, block_size=4, window=6)
+    params = SamplingParams(max_new_tokens=12)
+    starts = [[5, 6, 7, 8], [60, 61, 62], [9, 9, 9, 9, 9], [30, 31]]
+    chats = [conversation(target, drafter, s, params, 3, seed=i) for i, s in enumerate(starts)]
+    requests = [chat[turn] for turn in range(3) for chat in chats]
+    store = PrefixStore(2**30)
+    got, cached = run_batch(target, drafter, requests, params, 2, reuse=True, store=store)
+    assert got == run_batch(target, drafter, requests, params, 2, reuse=False)[0]
+    assert all(cached[i] >= len(requests[i - 4]) for i in range(4, 12)), cached  # every later turn
+    assert store.entries and store.used == sum(stored.nbytes for stored in store.entries)
+
+
+def test_one_row_alternating_between_conversations_uses_the_store() -> None:
+    """Chat-like: one slot, two conversations taking turns; the one not in the slot waits in the store."""
+    target = tiny_target("llama", 1)
+    drafter = random_drafter(target, fmt="swa", block_size=4, window=6)
+    params = SamplingParams(max_new_tokens=10)
+    a = conversation(target, drafter, [3, 1, 4, 1, 5], params, 3, seed=1)
+    b = conversation(target, drafter, [2, 7, 1, 8], params, 3, seed=2)
+    store = PrefixStore(2**30)
+    for turn, prompt in enumerate([a[0], b[0], a[1], b[1], a[2], b[2]]):
+        with Recorder(drafter) as proposals:
+            result = collect(generate(target, drafter, prompt, params, prefix_store=store))
+        assert (result.token_ids, proposals) == decode(target, drafter, prompt, params, reuse=False)[0][::3]
+        assert turn < 2 or result.stats.cached_tokens >= len((a if turn % 2 == 0 else b)[turn // 2 - 1])
+
+
+def test_the_store_stays_within_its_bound_least_recently_used_out_first() -> None:
+    target = tiny_target()
+    params = SamplingParams(max_new_tokens=8)
+    prompts = [[i, i + 1, i + 2, i + 3] * 3 for i in range(10, 60, 10)]
+    one = PrefixStore(2**30)
+    run_batch(target, None, prompts[:2], params, 1, reuse=True, store=one)
+    size = one.entries[0].nbytes  # a 12-token prompt and 7 more tokens, every layer's K/V
+    store = PrefixStore(int(2.5 * size))
+    for prompt in prompts:
+        run_batch(target, None, [prompt], params, 1, reuse=True, store=store)
+        assert store.used <= store.limit and len(store.entries) <= 2
+    assert [stored.held.ids[:12] for stored in store.entries] == prompts[-3:-1]  # the newest, oldest first
+    again, cached = run_batch(target, None, [prompts[-2]], params, 1, reuse=True, store=store)
+    assert cached == [11] and again[0] == run_batch(target, None, [prompts[-2]], params, 1, reuse=False)[0][0]
+    small = PrefixStore(size - 1)
+    small.add(one.entries[0])
+    assert small.entries == [] and small.used == 0  # larger than the whole store: not kept

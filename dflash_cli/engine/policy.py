@@ -256,7 +256,9 @@ def _fingerprint(config: Any) -> str:
 
 
 def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, Any]:
-    """What step costs depend on: this machine and device, both models, the dtype, threads and compile mode."""
+    """What step costs depend on: this machine and device, both models, the dtype, the kinds of layer that hold the
+    target's weights (a CPU int4 target has the config and dtype of its bf16 self, and other costs), threads and
+    compile mode."""
     device = target.get_input_embeddings().weight.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -269,10 +271,19 @@ def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, An
         "target_config": _fingerprint(target.config.to_json_string(use_diff=False)),
         "drafter_config": _fingerprint(drafter.config.to_dict()),
         "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
+        "weights": sorted({kind for m in target.modules() if (kind := _weight_kind(m)) is not None}),
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "torch": torch.__version__,
     }
+
+
+def _weight_kind(module: torch.nn.Module) -> str | None:
+    """How a linear layer holds its weight: engine.quantized's layer, else the weight's class (a plain Parameter
+    whatever product the layer asks for, bitsandbytes' Params4bit); None for other modules."""
+    if hasattr(module, "weight_buffers"):
+        return type(module).__name__
+    return type(module.weight).__name__ if isinstance(module, torch.nn.Linear) else None
 
 
 _COSTS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], StepCosts]] = weakref.WeakKeyDictionary()

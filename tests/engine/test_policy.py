@@ -19,6 +19,7 @@ from dflash_cli.engine.policy import (
     FixedBlock,
     StepCosts,
     adaptive_policy,
+    cost_key,
     expected_tokens,
     own_block,
     sizes_up_to,
@@ -260,6 +261,30 @@ def test_costs_and_history_are_cached_per_key(block_costs_cache):
     assert not StepCosts(key, (1, 2, 4)).calibrated  # a broken file is ignored (and rewritten later)
     again.path.write_text(json.dumps({"schema": policy_module.COSTS_SCHEMA, "key": key, "draft_s": 3}))
     assert not StepCosts(key, (1, 2, 4)).calibrated
+
+
+def test_a_quantized_target_gets_its_own_step_costs() -> None:
+    """int4 weights keep the target's config and activation dtype, but not its step costs."""
+    from dflash_cli.engine.quantized import quantize_target
+
+    target = AutoModelForCausalLM.from_config(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    ).eval()
+    drafter = random_drafter(target, seed=0, num_layers=1, block_size=4)
+    plain = cost_key(target, drafter, compile=False)
+    quantize_target(target, "int4", torch.float32)
+    quantized = cost_key(target, drafter, compile=False)
+    assert plain["dtype"] == quantized["dtype"] and plain["target_config"] == quantized["target_config"]
+    assert plain["weights"] == ["Parameter"] and quantized["weights"] == ["Int4Linear", "Int8Linear"]
 
 
 def test_the_real_policy_calibrates_once_and_stays_lossless(block_costs_cache):

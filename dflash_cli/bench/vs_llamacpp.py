@@ -110,6 +110,11 @@ def parse_speculative(output: str) -> dict[str, float]:
     return figures | ({"accept": float(accept.group(1)) / 100} if accept else {})
 
 
+def run_speculative(cmd: list[str]) -> dict[str, float]:
+    done = run(cmd)
+    return parse_speculative(done.stdout + done.stderr)  # llama.cpp logs to stderr
+
+
 def dflash_runner(
     quant: str | None, speculative: bool, prompt_text: str, tokens: int, threads: int
 ) -> Callable[[], dict[str, float]]:
@@ -197,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(target_bf16), "-md", str(drafter_gguf),
                "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max), "-p", prompt_text, "-n",
                str(args.tokens), "-t", threads, "-td", threads, "--temp", "0", "--ignore-eos"]  # fmt: skip
-        configs[f"llama.cpp dflash n_max={n_max}"] = lambda cmd=cmd: parse_speculative(
-            (lambda done: done.stdout + done.stderr)(run(cmd))
-        )
+        configs[f"llama.cpp dflash n_max={n_max}"] = lambda cmd=cmd: run_speculative(cmd)
     log("loading dflash's configurations")
     configs["dflash plain bf16"] = dflash_runner("none", False, prompt_text, args.tokens, args.threads)
     configs["dflash plain int4"] = dflash_runner("int4", False, prompt_text, args.tokens, args.threads)

@@ -131,6 +131,15 @@ def _arguments(value: Any) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
+def _json_call(value: Any, *keys: str) -> ToolCall | None:
+    """A call written as a JSON object `{"name": ..., KEY: arguments}`, its arguments under the first of `keys` it
+    has; None: not a call."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = _arguments(next((value[key] for key in keys if key in value), {}))
+    return None if arguments is None else ToolCall(value["name"], arguments, call_id())
+
+
 # -- the formats -----------------------------------------------------------------------------------------------
 
 
@@ -161,17 +170,15 @@ class Hermes(ToolFormat):
         calls, blocks = [], list(self.BLOCK.finditer(text))
         for block in blocks:
             try:
-                call = json.loads(block.group(1).strip())
+                value = json.loads(block.group(1).strip())
             except ValueError:
                 if block is blocks[-1] and calls and not block.group(0).endswith("</tool_call>"):
                     break  # a last call cut off (max_tokens): the complete ones stand
                 return text, []
-            arguments = (
-                _arguments(call.get("arguments", call.get("parameters", {}))) if isinstance(call, dict) else None
-            )
-            if arguments is None or not isinstance(call.get("name"), str):
+            call = _json_call(value, "arguments", "parameters")
+            if call is None:
                 return text, []
-            calls.append(ToolCall(call["name"], arguments, call_id()))
+            calls.append(call)
         return (self.BLOCK.sub("", text).strip(), calls) if calls else (text, [])
 
 
@@ -214,15 +221,13 @@ class Llama3Json(ToolFormat):
         decoder, calls, at = json.JSONDecoder(), [], 0
         while at < len(body):
             try:
-                call, at = decoder.raw_decode(body, at)
+                value, at = decoder.raw_decode(body, at)
             except ValueError:
                 return text, []
-            arguments = (
-                _arguments(call.get("parameters", call.get("arguments", {}))) if isinstance(call, dict) else None
-            )
-            if arguments is None or not isinstance(call.get("name"), str):
+            call = _json_call(value, "parameters", "arguments")
+            if call is None:
                 return text, []
-            calls.append(ToolCall(call["name"], arguments, call_id()))
+            calls.append(call)
             at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
         return "", calls
 

@@ -326,8 +326,7 @@ class HybridState(AttentionState):
         # Prefix reuse: the linear-attention states cannot go back to any position, so each slot keeps copies of
         # them at the positions a next request most often continues from, a prompt's end (before its last token,
         # which is always prefilled) and a reply's (dflash-mlx's rule): per slot, position -> (layer, state key) ->
-        # state. Layers that are both kinds (one
-        # row) keep no per-slot states here: such targets reuse nothing.
+        # state. Layers that are both kinds (one row) keep no per-slot states here: such targets reuse nothing.
         self.snapshots: list[dict[int, dict[tuple[int, tuple[str, int]], torch.Tensor]]] = [{}]
         self.snapshotting = len(self.linear) == len(linear_cache_layers(target))
         self._resuming = False

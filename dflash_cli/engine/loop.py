@@ -33,7 +33,7 @@ from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_se
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.drafter.cache import ring_rows
 from dflash_cli.engine.grammar import grammar_state
-from dflash_cli.engine.kernels import use_small_row_products
+from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.prefix import Held, PrefixStore, Stored, choose_slot, common_prefix, to_host
 from dflash_cli.engine.row import Generation, GenerationResult, Step
@@ -90,7 +90,7 @@ class Batch:
         self.vocab_size = target.config.get_text_config().vocab_size  # the logits' width (grammar bitmasks)
         for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
             if model is not None:
-                use_small_row_products(model)
+                use_cpu_products(model)
         if drafter is None:
             policy = FixedBlock(1)
         elif policy is None:

@@ -257,8 +257,8 @@ def _fingerprint(config: Any) -> str:
 
 def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, Any]:
     """What step costs depend on: this machine and device, both models, the dtype, the kinds of layer that hold the
-    target's weights (a CPU int4 target has the config and dtype of its bf16 self, and other costs), threads and
-    compile mode."""
+    target's weights (a CPU int4 target has the config and dtype of its bf16 self, and other costs), its attention,
+    threads and compile mode."""
     device = target.get_input_embeddings().weight.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -272,6 +272,7 @@ def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, An
         "drafter_config": _fingerprint(drafter.config.to_dict()),
         "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
         "weights": sorted({kind for m in target.modules() if (kind := _weight_kind(m)) is not None}),
+        "attention": target.config._attn_implementation,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "torch": torch.__version__,

@@ -338,13 +338,20 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
 
     block_size, block_why = _choose_block_size(recipe, overrides, tuned, cls)
     reasons.append(block_why)
-    attn = tuned.get("attn_implementation", "sdpa")
-    attn_why = (
-        recipe_override
-        if "attn_implementation" in tuned
-        else "PyTorch's fused attention: on every device, no extra package to install (a model transformers runs "
-        "without an SDPA path, such as gpt-oss with its attention sinks, loads with eager attention)"
-    )
+    attn = tuned.get("attn_implementation", "eager" if kind == "cpu" else "sdpa")
+    if "attn_implementation" in tuned:
+        attn_why = recipe_override
+    elif kind == "cpu":
+        attn_why = (
+            "on a CPU, eager attention gives each row the same numbers however many queries and keys a step holds "
+            "(the same text alone or batched, streamed or not, with or without drafts); PyTorch's fused CPU kernel "
+            "rounds a row by the step's shape, and decodes no faster (docs/benchmarks.md)"
+        )
+    else:
+        attn_why = (
+            "PyTorch's fused attention, no extra package to install (a model transformers runs without an SDPA "
+            "path, such as gpt-oss with its attention sinks, loads with eager attention)"
+        )
     reasons.append(f"attention {attn}: {attn_why}")
     batch_size, batch_why = _choose_batch_size(recipe, overrides, dtype, estimate, budget)
     reasons.append(batch_why)

@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 from test_batch import run_batch
+from test_prefix import conversation, turns
 
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.policy import FixedBlock
@@ -90,3 +91,14 @@ def test_a_prompt_prefilled_in_chunks_continues_as_prefilled_whole(monkeypatch: 
     monkeypatch.setattr(attention, "PREFILL_SCORES_BYTES", 1)  # chunks of MIN_PREFILL_CHUNK queries
     assert attention.AttentionState(target).prefill_chunk(len(prompt)) == attention.MIN_PREFILL_CHUNK
     assert alone(target, drafter, prompt, params) == whole == alone(target, None, prompt, params)
+
+
+def test_a_conversation_reusing_its_prefix_decodes_as_without() -> None:
+    """A chat's later turns continue from the K/V its earlier turns left (one-token and block steps, another
+    prefill's chunks): in bf16 the replies equal a fresh prefill's, token for token."""
+    target = bf16_target("qwen3", 2)
+    drafter = random_drafter(target, seed=4, block_size=4, dtype=torch.bfloat16)
+    params = SamplingParams(max_new_tokens=30)
+    prompts = conversation(target, drafter, [5, 6, 7, 8, 9, 10], params, 4)
+    with_reuse, without, cached = turns(target, drafter, prompts, params)
+    assert with_reuse == without and all(n > 0 for n in cached[1:])

@@ -184,11 +184,20 @@ def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
     assert not make_plan(CPU_64, get_recipe("qwen3-8b")).notes  # the planner's own choices need no note
 
 
+def test_a_cpu_plan_runs_eager_attention_and_says_why() -> None:
+    """Eager attention on a CPU: a row's numbers then do not depend on the step's shape (engine.kernels); a recipe's
+    override still wins, and GPUs keep the fused kernel."""
+    plan = make_plan(CPU_64, get_recipe("demo"))
+    assert plan.attn_implementation == "eager"
+    assert any(r.startswith("attention eager:") and "alone or batched" in r for r in plan.reasons), plan.reasons
+    assert make_plan(H100, get_recipe("qwen3-8b")).attn_implementation == "sdpa"
+
+
 def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
     assert (
         make_plan(CPU_64, get_recipe("demo"))
         .one_line()
-        .startswith("cpu float32, block adaptive up to the drafter's, sdpa")
+        .startswith("cpu float32, block adaptive up to the drafter's, eager")
     )
     assert (
         make_plan(CPU_64, get_recipe("demo"))
@@ -198,7 +207,7 @@ def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
     fixed = make_plan(CPU_64, get_recipe("demo"), PlanOverrides(block_size=4))
     assert fixed.one_line(drafter_block_size=8).startswith("cpu float32, block 4,") and not fixed.adaptive_block
     assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block ≤16 adaptive")
-    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafting=False).startswith("cpu float32, no drafter, sdpa")
+    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafting=False).startswith("cpu float32, no drafter, eager")
 
 
 def test_a_block_longer_than_the_drafter_was_trained_for_gets_a_note() -> None:

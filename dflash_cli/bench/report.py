@@ -442,6 +442,8 @@ def _rounding_cause(report: BenchReport) -> str:
         return f"{plan['device']}: fused attention and matrix kernels pick their tiling by the step's shape"
     if plan["attn_implementation"] != "eager":
         return f"attention {plan['attn_implementation']}: its kernel rounds a row by the step's queries and keys"
+    if plan["dtype"] == "float16":
+        return "float16 on a CPU: its products round a row by the product's row count"
     return "linear-attention layers: a prompt runs their chunked recurrence, a step the one-token one"
 
 

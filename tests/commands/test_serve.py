@@ -138,7 +138,11 @@ def running_server(flags: list[str]) -> Iterator[RunningServer]:
         except ConnectionRefusedError:
             assert time.monotonic() < deadline, "\n".join(log)
             time.sleep(0.05)
-    yield running
+    try:
+        yield running
+    except BaseException:
+        process.kill()  # a failed test leaves no server behind
+        raise
     process.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
     assert process.wait(timeout=60) == 0, "\n".join(log[-20:])
     reader.join(10)

@@ -17,6 +17,7 @@ from rich.console import Console
 from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_prefixes, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.base import batch_limit
+from dflash_cli.engine.text import TextStream
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
@@ -223,6 +224,10 @@ class Session:
         left out."""
         stops = set(self.stop_token_ids)
         return self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
+
+    def reply_text_stream(self) -> TextStream:
+        """`reply_text` a step at a time: `push(ids)[0]` is the new raw text (a short window decoded per step)."""
+        return TextStream(self.require_tokenizer(), (), special=True, skip_ids=self.stop_token_ids)
 
     def parse_reply(self, request: Request, token_ids: Sequence[int], text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's content and tool calls: (text, []) for a request without tools."""

@@ -18,6 +18,7 @@ from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_p
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.engine.text import TextStream
+from dflash_cli.engine.threads import DecodeThreads, decode_threads
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
@@ -40,6 +41,7 @@ class Session:
     console: Console | None = None  # where a progress line shows while a step compiles
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
     prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
+    decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -81,8 +83,13 @@ class Session:
         return (
             line
             + (f", {self.threads.label()}" if self.threads is not None else "")
+            + (f" ({self.decode_threads.threads} decoding)" if self._fewer_decode_threads else "")
             + (", compiled" if self.compiled else "")
         )
+
+    @property
+    def _fewer_decode_threads(self) -> bool:
+        return self.decode_threads is not None and self.decode_threads.threads != self.decode_threads.offered
 
     def block_size_note(self, block_size: int | None) -> str | None:
         """A note when `block_size` is longer than the loaded drafter was trained for (None when it is not)."""
@@ -313,6 +320,7 @@ class Session:
             policy=policy,
             prefix_cache=self.prefix_cache,
             prefix_store=self.prefix_store,
+            decode_threads=self.decode_threads.threads if self.decode_threads is not None else None,
         )
 
     def forget_prefixes(self) -> None:
@@ -347,6 +355,7 @@ class Session:
             policy=self._policy(drafter, None, self.compiled),
             prefix_cache=self.prefix_cache,
             prefix_store=self.prefix_store,
+            decode_threads=self.decode_threads.threads if self.decode_threads is not None else None,
         )
 
     def _policy(self, drafter: Any, block_size: int | None, compile: bool) -> BlockPolicy | None:
@@ -395,11 +404,16 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
+    if threads is not None and options.threads is None and threads.threads > 1 and not compile:
+        message = "Measuring how many threads decode fastest (once on this machine)..."
+        with console.status(message) if console is not None else contextlib.nullcontext():
+            session.decode_threads = decode_threads(models.target, threads.threads)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
         if options.explain:
-            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), compile_why):
+            decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()
+            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), *decoding, compile_why):
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

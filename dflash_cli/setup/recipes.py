@@ -110,6 +110,11 @@ class Recipe:
     # (recurrent state + convolution window, in the dtypes the engine keeps them: float32 recurrent state, bf16
     # window). Not scaled by the plan's dtype. None: no such layers, or unknown.
     state_bytes_per_row: int | None = None
+    # The target's shape where a prefill's activations come from (sizes.prefill_activation_bytes): query heads of
+    # an attention layer (the most of any layer), and the MLP's width per token (a MoE: its routed experts' and
+    # shared expert's together). None: unknown, and the estimate leaves the activations out.
+    attention_heads: int | None = None
+    mlp_width: int | None = None
     runnable: bool = True
     not_runnable_reason: str = ""
     gpu_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -136,6 +141,8 @@ class Recipe:
             "drafter_bytes": self.drafter_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "state_bytes_per_row": self.state_bytes_per_row,
+            "attention_heads": self.attention_heads,
+            "mlp_width": self.mlp_width,
             "runnable": self.runnable,
             "not_runnable_reason": self.not_runnable_reason,
             "gpu_overrides": {k: dict(v) for k, v in self.gpu_overrides.items()},
@@ -218,6 +225,8 @@ TOP_LEVEL_FIELDS = (
     "drafter_bytes",
     "kv_bytes_per_token",
     "state_bytes_per_row",
+    "attention_heads",
+    "mlp_width",
     "runnable",
     "not_runnable_reason",
     "gpu_overrides",
@@ -336,6 +345,8 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
         drafter_bytes=fields.positive_int("drafter_bytes"),
         kv_bytes_per_token=fields.positive_int("kv_bytes_per_token"),
         state_bytes_per_row=fields.positive_int("state_bytes_per_row"),
+        attention_heads=fields.positive_int("attention_heads"),
+        mlp_width=fields.positive_int("mlp_width"),
         runnable=runnable,
         not_runnable_reason=reason,
         gpu_overrides=_parse_gpu_overrides(fields),

@@ -105,8 +105,8 @@ class Plan:
         if self.adaptive_block:
             block = f"≤{block} adaptive" if block else "adaptive up to the drafter's"
         block = f"block {block or 'from drafter'}" if drafting else "no drafter"
-        at = f" at {PLAN_CONTEXT_TOKENS:,} tokens"
-        size = f", ~{gb(self.memory.with_rows(rows))}{at}" if self.memory is not None else ""
+        memory = self.memory
+        size = f", ~{gb(memory.with_rows(rows))} at {memory.context_tokens:,} tokens" if memory is not None else ""
         return f"{device} {self.dtype}, {weights}{block}, {self.attn_implementation}{size}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -308,7 +308,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         )
         host = "" if kind == "cpu" else " of host memory"
         reasons.append(
-            f"memory: ~{gb(memory.total)} needed for a request of {PLAN_CONTEXT_TOKENS:,} tokens "
+            f"memory: ~{gb(memory.total)} needed for a request of {memory.context_tokens:,} tokens "
             f"({', '.join(f'{name} {_size(size)}' for name, size in parts)}; the prefix store's own bound{host} is "
             f"on top: --cache-ram), {free}"
         )
@@ -435,7 +435,7 @@ def _choose_batch_size(overrides: PlanOverrides, memory: MemoryEstimate | None, 
             room = f"room for the KV cache of {rows} rows at {PLAN_CONTEXT_TOKENS} tokens ({gb(memory.next_row)} each)"
         why = f"{room}, at most {MAX_BATCH_ROWS}; --batch-size overrides"
     if memory is not None and batch > 1:  # the buffers hold every row at the longest row's length
-        why += f"; ~{gb(memory.with_rows(batch))} once a request reaches {PLAN_CONTEXT_TOKENS:,} tokens"
+        why += f"; ~{gb(memory.with_rows(batch))} once a request reaches {memory.context_tokens:,} tokens"
     return batch, f"batch {batch} (run, serve): {why}"
 
 

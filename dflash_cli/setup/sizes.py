@@ -1,8 +1,7 @@
 """Every byte count in one place: weights as loaded (per dtype; NF4 with its quantization data; a pre-quantized
 checkpoint as stored), what running a recipe at a context costs (`memory_estimate`), and the bytes a decode step
-reads. The planner, the loader's memory
-check, `pull`, `doctor`, the roofline and the GPU benchmark all count here, so they agree on a model's size
-(tests/setup/test_sizes.py). Only the functions that inspect a loaded module touch torch, and they import nothing."""
+reads. The planner, the loader's memory check, `pull`, `doctor`, the roofline and the GPU benchmark all count here,
+so they agree on a model's size (tests/setup/test_sizes.py). Only the functions that inspect a loaded module touch torch, and they import nothing."""
 
 from __future__ import annotations
 

@@ -77,7 +77,9 @@ class Session:
         """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the rows a
         batching frontend decodes together; the CPU thread count where it matters; whether steps are compiled."""
         line = self.plan.one_line(
-            self.drafter.block_size if self.drafter is not None else None, drafting=self.drafter is not None
+            self.drafter.block_size if self.drafter is not None else None,
+            drafting=self.drafter is not None,
+            rows=self.batch_size if self.batching else 1,
         )
         line += f", batch {self.batch_size}" if self.batching else ""
         return (

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash_cli.engine.target.base import cache_zeros
+
 if TYPE_CHECKING:
     from dflash_cli.engine.compiled import CompiledStep, Notify
     from dflash_cli.engine.drafter.config import DrafterConfig
@@ -92,7 +94,7 @@ class DraftCache:
         for buffers in (self.keys, self.values):
             for index, old in enumerate(buffers):
                 if old is not None and self.windows[index] is None:
-                    grown = torch.zeros((*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device)
+                    grown = cache_zeros((*old.shape[:2], capacity, old.shape[3]), old.dtype, old.device)
                     grown[:, :, : self.capacity].copy_(old)
                     buffers[index] = grown
         self.capacity = capacity
@@ -147,8 +149,8 @@ class DraftCache:
                 self.ring_positions = self.ring_positions.to(like.device)
             rows = self.capacity if self.windows[layer_idx] is None else self.ring
             shape = (self.slots, like.shape[1], rows, like.shape[3])
-            self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.keys[layer_idx] = cache_zeros(shape, like.dtype, like.device)
+            self.values[layer_idx] = cache_zeros(shape, like.dtype, like.device)
         return self.keys[layer_idx], self.values[layer_idx]
 
     def update(

@@ -39,6 +39,7 @@ from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
     TargetState,
+    cache_zeros,
     compute_dtype,
     context_window,
     target_decoder_layers,
@@ -220,9 +221,7 @@ class AttentionState(TargetState):
         for buffers in (self._keys, self._values):
             for index, old in enumerate(buffers):
                 if old is not None:
-                    grown = self._static(
-                        torch.zeros((*old.shape[:2], needed, old.shape[3]), dtype=old.dtype, device=old.device)
-                    )
+                    grown = self._static(cache_zeros((*old.shape[:2], needed, old.shape[3]), old.dtype, old.device))
                     grown[:, :, : self.capacity].copy_(old)
                     buffers[index] = grown
         self.capacity = needed
@@ -240,9 +239,12 @@ class AttentionState(TargetState):
             shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
             # Attention over the whole buffer (full_view) or over several rows (past a shorter row's end) multiplies
             # unwritten slots by a zero weight: zeros, so no NaN in memory survives the mask.
-            new = torch.zeros if self.full_view or self.rows > 1 else torch.empty
-            keys = self._keys[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
-            self._values[index] = self._static(new(shape, dtype=like.dtype, device=like.device))
+            for buffers in (self._keys, self._values):
+                if self.full_view or self.rows > 1:
+                    buffers[index] = self._static(cache_zeros(shape, like.dtype, like.device))
+                else:
+                    buffers[index] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            keys = self._keys[index]
         return keys, self._values[index]
 
     def copy_out(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -395,6 +395,7 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
         if options.explain:
-            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), compile_why):
+            source = (models.target_source,) if models.target_source else ()
+            for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), compile_why):
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

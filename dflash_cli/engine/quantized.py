@@ -100,7 +100,7 @@ class Int8Linear(nn.Module):
         """Symmetric int8 per output channel of a float weight [out, in]."""
         weight = weight.float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        codes = (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # in place: a head is large
         return cls(codes.contiguous(), scales.to(dtype), None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

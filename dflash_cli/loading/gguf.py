@@ -144,7 +144,7 @@ def load_int4_target(gguf: Path, config_dir: Path, dtype: torch.dtype) -> PreTra
 
     def float32(hf_name: str) -> torch.Tensor:
         found, blocks = raw(hf_name)
-        values = np.array(dequantize(blocks, GGMLQuantizationType[found.kind]), dtype=np.float32)  # a copy
+        values = np.require(dequantize(blocks, GGMLQuantizationType[found.kind]), np.float32, ["W"])  # off the map
         return torch.from_numpy(values.reshape(found.shape))
 
     head = model.get_output_embeddings()

@@ -248,15 +248,24 @@ def _unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def ready_copy(repo_id: str) -> Path | None:
-    """A usable copy of `repo_id` already on this machine (its Hugging Face snapshot, else our converted copy),
-    found without fetching anything; None when first use would have to fetch it."""
+def ready_copy(repo_id: str, int4_gguf: dict[str, str] | None = None) -> Path | None:
+    """A usable copy of `repo_id` already on this machine (its Hugging Face snapshot, else our converted copy, else
+    for an int4 plan with `int4_gguf` its gguf_fallback: the downloaded GGUF with its tokenizer saved), found
+    without fetching anything; None when first use would have to fetch it."""
     from dflash_cli.loading.hub import resolve_model_dir
 
     try:
         return resolve_model_dir(repo_id, what="target", allow_download=False)
     except DflashError:
-        return _converted_copy(repo_id)
+        pass
+    converted = _converted_copy(repo_id)
+    if converted is not None or int4_gguf is None:
+        return converted
+    # `int4_gguf_source` saves the tokenizer only for a GGUF the direct read takes
+    gguf_ready = (cache_root() / "downloads" / Path(int4_gguf["file"]).name).is_file()
+    directory = converted_dir(repo_id)
+    tokenizer_ready = all((directory / name).is_file() for name in ("config.json", "tokenizer_config.json"))
+    return directory if gguf_ready and tokenizer_ready else None
 
 
 def _converted_copy(repo_id: str) -> Path | None:

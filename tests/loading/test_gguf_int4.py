@@ -211,3 +211,29 @@ def test_a_float_plan_still_converts_once(offline: Path, cache: Path) -> None:
     assert loaded.target_dir == demo.converted_dir(REPO_ID)
     assert (loaded.target_dir / "model.safetensors").is_file()
     assert isinstance(loaded.target.model.layers[0].mlp.down_proj, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("cpu_bf16", [True, False])
+def test_pull_makes_the_float_copy_only_where_the_plan_needs_float_weights(
+    offline: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, cpu_bf16: bool
+) -> None:
+    """`dflash pull demo`: on a CPU with bf16 the demo's plan is int4, so the GGUF and its tokenizer are enough."""
+    from rich.console import Console
+
+    from dflash_cli.commands.pull import pull_recipe
+    from dflash_cli.setup import hardware
+    from dflash_cli.setup.hardware import MachineFacts
+    from dflash_cli.setup.recipes import get_recipe
+
+    cpu = MachineFacts(kind="cpu", cpu_ram_total=64 * 2**30, cpu_ram_available=60 * 2**30, cpu_bf16=cpu_bf16)
+    monkeypatch.setattr(hardware, "detect_machine", lambda: cpu)
+    demo_recipe = get_recipe("demo")
+    fallback = demo_recipe.target.gguf_fallback
+    (cache / "downloads").mkdir(parents=True)
+    write_gguf(tiny_llama(seed=7, tied=True), cache / "downloads" / Path(fallback["file"]).name)
+    console = Console(stderr=True, quiet=True)
+    assert pull_recipe(demo_recipe, console, dry_run=True)[0].data["path"] is None
+    target = pull_recipe(demo_recipe, console)[0]
+    assert target.data["path"] == str(demo.converted_dir(demo_recipe.target.id))
+    assert (demo.converted_dir(demo_recipe.target.id) / "model.safetensors").is_file() is not cpu_bf16
+    assert pull_recipe(demo_recipe, console, dry_run=True)[0].data["path"] == target.data["path"]

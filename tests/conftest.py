@@ -30,12 +30,13 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def block_costs_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The adaptive block policy's measured step costs go to a temporary directory, not the user's cache."""
+    """Measured step costs (the adaptive block policy's, the decode threads') go to a temporary directory, not the
+    user's cache."""
     from dflash_cli.engine import policy
 
     directory = tmp_path_factory.mktemp("block-costs")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(policy, "cost_cache_dir", lambda: directory)
+        patch.setattr(policy, "cost_cache_dir", lambda what="block-costs": directory / what)
         yield directory
 
 

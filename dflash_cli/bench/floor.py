@@ -35,7 +35,7 @@ import torch
 
 from dflash_cli.bench.roofline import read_bandwidth
 from dflash_cli.engine.compiled import compiled_step, use_compile_cache
-from dflash_cli.engine.kernels import use_small_row_products
+from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.setup.sizes import step_bytes
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [1, *blocks]
     generator = torch.Generator().manual_seed(0)
     targets = {"eager": load(args.recipe, args.dtype)}
-    use_small_row_products(targets["eager"])  # the products as the engine asks them (engine.kernels)
+    use_cpu_products(targets["eager"])  # the products as the engine asks them (engine.kernels)
     if args.compare_kernel:
         targets["F.linear"] = load(args.recipe, args.dtype)  # the products as transformers asks them
     if args.compare_layout:

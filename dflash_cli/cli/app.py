@@ -572,16 +572,13 @@ def doctor(json_output: JsonFlag = False) -> None:
 
 @recipes_app.command("list")
 def recipes_list(json_output: JsonFlag = False) -> None:
-    """List the built-in and user recipes."""
-    from dflash_cli.commands.recipes import COLUMNS, recipe_rows
+    """List the built-in and user recipes.
 
-    recipes = list(load_recipes().values())
-    rows = recipe_rows(recipes)
-    emit(
-        [recipe.to_dict() for recipe in recipes],
-        json_output,
-        lambda: show_rows(COLUMNS, rows, no_wrap=("name", "status")),
-    )
+    block: the most tokens a step verifies: the recipe's, else what its drafter's config.json sets (read where it is local or in the Hugging Face cache, never downloaded); `drafter's` where that config is not downloaded yet (`dflash pull NAME` fetches it). --json adds it as `drafter_block_size` (null: unknown)."""
+    from dflash_cli.commands.recipes import COLUMNS, recipe_listing, recipe_rows
+
+    listings = [recipe_listing(recipe) for recipe in load_recipes().values()]
+    emit(listings, json_output, lambda: show_rows(COLUMNS, recipe_rows(listings), no_wrap=("name", "status")))
 
 
 @recipes_app.command("show")

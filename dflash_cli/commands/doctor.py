@@ -447,7 +447,8 @@ def check_recipes(
             items.append({"name": recipe.name, "fits": False, "runnable": True, "why": exc.message})
             continue
         fitting += 1
-        size = f", ~{gb(plan.estimated_bytes)}" if plan.estimated_bytes else ""
+        memory = plan.memory
+        size = f", ~{gb(memory.total)} at {memory.context_tokens:,} tokens" if memory is not None else ""
         rate = bandwidth(plan.device, plan.dtype) if bandwidth else None
         speed = expected_speed(recipe, plan, rate) if rate else None
         lines.append(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError
@@ -83,21 +82,14 @@ def _location(ref: ModelRef) -> str:
 
 
 def _cached_drafter_block_size(drafter: ModelRef) -> int | None:
-    """The drafter config's block size, when its config.json is local or already in the Hugging Face cache."""
-    if drafter.path is not None:
-        directory = drafter.path
-    else:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(drafter.id, "config.json", revision=drafter.revision)
-        if not isinstance(cached, str):  # None (never fetched) or the "known to be missing" marker
-            return None
-        directory = Path(cached).parent
-    if not (directory / "config.json").is_file():
+    """The drafter config's block size, when its config.json is local or already in the Hugging Face cache (a
+    broken one is an error: the server would refuse it)."""
+    config = drafter.local_file("config.json")
+    if config is None:
         return None
     from dflash_cli.loading.checkpoint import read_drafter_config
 
-    return read_drafter_config(directory).block_size
+    return read_drafter_config(config.parent).block_size
 
 
 def _plan_export(

@@ -3,33 +3,44 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from dflash_cli.setup.choices import gb
-from dflash_cli.setup.recipes import Recipe, user_recipe_dir
+from dflash_cli.setup.recipes import Recipe, drafter_block_size, user_recipe_dir
 
 COLUMNS = ("name", "target", "drafter", "block", "weights", "status", "notes")
+# The block column where the recipe leaves the block size to a drafter whose config is not on this machine yet.
+UNKNOWN_BLOCK = "drafter's"
 
 
-def recipe_rows(recipes: list[Recipe]) -> list[tuple[str, ...]]:
-    """One row of COLUMNS per recipe."""
+def recipe_listing(recipe: Recipe) -> dict[str, Any]:
+    """A recipe as `recipes list --json` shows it: everything it says, and its drafter config's own block size
+    (`drafter_block_size`, null where that config is not on this machine)."""
+    return {**recipe.to_dict(), "drafter_block_size": drafter_block_size(recipe)}
+
+
+def recipe_rows(listings: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """One row of COLUMNS per `recipe_listing`: the block is the recipe's, else its drafter config's."""
     user_dir = str(user_recipe_dir())
     rows = []
-    for recipe in recipes:
+    for listing in listings:
         flags = (
-            ("gated", recipe.gated),
-            ("MoE", bool(recipe.expert_bytes)),
-            ("user", recipe.source.startswith(user_dir)),
+            ("gated", listing["gated"]),
+            ("MoE", bool(listing["expert_bytes"])),
+            ("user", listing["source"].startswith(user_dir)),
         )
         # every precision listed: the published checkpoint(s) and NF4 (whose MoE sizes show what NF4 cannot save)
-        sizes = ", ".join(f"{key} {gb(size)}" for key, size in recipe.weight_bytes.items()) or "?"
+        sizes = ", ".join(f"{key} {gb(size)}" for key, size in listing["weight_bytes"].items()) or "?"
+        drafter = listing["drafter"]
+        block = listing["block_size"] or listing["drafter_block_size"] or (UNKNOWN_BLOCK if drafter else "-")
         rows.append(
             (
-                recipe.name,
-                recipe.target.id,
-                recipe.drafter.id if recipe.drafter else "-",
-                str(recipe.block_size or "config"),
+                listing["name"],
+                listing["target"]["id"],
+                drafter["id"] if drafter else "-",
+                str(block),
                 sizes,
-                "runs" if recipe.runnable else "export only",
+                "runs" if listing["runnable"] else "export only",
                 ", ".join(note for note, on in flags if on),
             )
         )

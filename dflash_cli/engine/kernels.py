@@ -7,9 +7,17 @@ kernel that reads float32 weights far below the machine's bandwidth, while the s
 1.77 / 1.64 / 2.66x the weights' read time against 2.42 / 2.63 / 3.38x; docs/benchmarks.md). One row is the
 same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel is the faster (SMALL_ROWS).
 
-`use_small_row_products(model)` switches a model's float32 `nn.Linear` layers on the CPU to `SmallRowLinear`:
-same parameters and state dict, `W @ x.T` for up to `SMALL_ROWS` rows. Rounding differs from `F.linear` in the
-last bits for 2-9 rows (as any other kernel choice would), never for one row: a plain step is unchanged.
+bf16 is the other way round: MKL's one-row bf16 product (a matrix-vector kernel) rounds differently from its
+product for 2 or more rows, and every row count from 2 on gives a row the same bits (measured on the demo target's
+211 products up to 300 rows, one and two threads; the first to differ was a down_proj, 1536 inputs). So a bf16
+product of one row runs as two (the row twice) at the same cost (13.0 against 13.1 ms for the demo's 211 products):
+then a row's output does not depend on how many rows its step holds (a plain step, a verify block, a batch, a
+prefill chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md). float32 has
+no such rule here: MKL's float32 kernels round a row by the product's row count at every size.
+
+`use_cpu_products(model)` switches a model's plain CPU `nn.Linear` layers in place, same parameters and state
+dict: float32 ones to `SmallRowLinear` (`W @ x.T` for 2 to `SMALL_ROWS` rows; its rounding differs from `F.linear`
+in the last bits there, never for one row), bf16 ones to `TwoRowLinear`.
 """
 
 from __future__ import annotations
@@ -36,18 +44,29 @@ class SmallRowLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def use_small_row_products(model: nn.Module) -> int:
-    """Switch `model`'s plain float32 CPU linears to `SmallRowLinear` in place; returns how many. Quantized or
-    other linear subclasses, other dtypes and devices keep theirs (their kernels differ)."""
+class TwoRowLinear(nn.Linear):
+    """bf16 `nn.Linear` that computes a one-row product as two rows, the row twice (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Compiled steps leave the product to inductor's kernels (as SmallRowLinear does).
+        if torch.compiler.is_compiling() or x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        twice = x.reshape(1, -1).expand(2, -1)
+        return F.linear(twice, self.weight, self.bias)[:1].reshape(*x.shape[:-1], self.out_features)
+
+
+CPU_PRODUCTS = {torch.float32: SmallRowLinear, torch.bfloat16: TwoRowLinear}
+
+
+def use_cpu_products(model: nn.Module) -> int:
+    """Switch `model`'s plain float32 and bf16 CPU linears to `CPU_PRODUCTS`' layers in place; returns how many.
+    Quantized or other linear subclasses, other dtypes and devices keep theirs (their kernels differ)."""
     switched = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (
-            type(module) is nn.Linear
-            and weight is not None
-            and weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-        ):
-            module.__class__ = SmallRowLinear
-            switched += 1
+        if type(module) is nn.Linear and weight is not None and weight.device.type == "cpu":
+            product = CPU_PRODUCTS.get(weight.dtype)
+            if product is not None:
+                module.__class__ = product
+                switched += 1
     return switched

@@ -20,6 +20,7 @@ per step for all rows (1: a plain step, no drafting) and learns from the rows' p
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -33,7 +34,7 @@ from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_se
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.drafter.cache import ring_rows
 from dflash_cli.engine.grammar import grammar_state
-from dflash_cli.engine.kernels import use_small_row_products
+from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.prefix import Held, PrefixStore, Stored, choose_slot, common_prefix, to_host
 from dflash_cli.engine.row import Generation, GenerationResult, Step
@@ -82,15 +83,18 @@ class Batch:
         policy: BlockPolicy | None = None,
         prefix_cache: bool = True,
         prefix_store: PrefixStore | None = None,
+        decode_threads: int | None = None,
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
+        # CPU threads: prompts at torch's count now, decode steps at `decode_threads` (engine.threads)
+        self.threads = {False: torch.get_num_threads(), True: decode_threads or torch.get_num_threads()}
         self.prefix_cache = prefix_cache  # a joining row keeps what its slot holds of its prompt (engine.prefix)
         self.prefix_store = prefix_store if prefix_cache else None  # prefixes beyond the slots, in host memory
         self.device = target.get_input_embeddings().weight.device
         self.vocab_size = target.config.get_text_config().vocab_size  # the logits' width (grammar bitmasks)
         for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
             if model is not None:
-                use_small_row_products(model)
+                use_cpu_products(model)
         if drafter is None:
             policy = FixedBlock(1)
         elif policy is None:
@@ -152,6 +156,8 @@ class Batch:
         """Give the target state back (its buffers, and what its rows hold, stay for the next batch on this
         target)."""
         self.policy.finish()
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads[False])
         for row in self.active:  # between steps: each row's state is whole
             self._free(row, keep=True)
         if self.state is not None:
@@ -177,7 +183,10 @@ class Batch:
         """One step: admit the waiting rows that have a free slot (each prefilled alone: its first token, delivered
         before anything else runs), or else one draft + verify for every decoding row. Returns each row's step (or
         the exception that failed it), in order; a row whose step has a finish_reason, or that failed, has left."""
-        if self.waiting and None in self.slots:
+        prefilling = bool(self.waiting and None in self.slots)
+        if self.device.type == "cpu" and torch.get_num_threads() != self.threads[not prefilling]:
+            torch.set_num_threads(self.threads[not prefilling])
+        if prefilling:
             events: list[tuple[Row, Step | BaseException]] = []
             while self.waiting and None in self.slots:
                 row = self.waiting.popleft()
@@ -203,6 +212,17 @@ class Batch:
                 self._free(row, keep=True)
         return list(zip(rows, outcome))
 
+    @contextlib.contextmanager
+    def _decoding_threads(self) -> Iterator[None]:
+        """The block runs at the decode thread count (on a CPU), then at the count before."""
+        before = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads[True])
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
     def _reserve(self, generation: Generation, prompt: torch.Tensor) -> AttentionState:
         if self.state is None:
             state = acquire_state(self.target)
@@ -211,7 +231,8 @@ class Batch:
                 state.reserve(
                     generation.end, self.block, layer_ids, rows=self.rows, compile=self.compile, notify=self.notify
                 )
-                self.policy.prepare(state, self.drafter, prompt)  # before any row is in the state (it may use row 0)
+                with self._decoding_threads():  # (it times decode steps)
+                    self.policy.prepare(state, self.drafter, prompt)  # before any row is in the state (may use row 0)
             except BaseException:  # this row fails; the next one reserves and prepares again
                 release_state(state)
                 raise
@@ -453,6 +474,7 @@ def generate(
     policy: BlockPolicy | None = None,
     prefix_cache: bool = True,
     prefix_store: PrefixStore | None = None,
+    decode_threads: int | None = None,
 ) -> Iterator[Step]:
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
@@ -461,7 +483,8 @@ def generate(
     `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
     `block_size` (default: the drafter's). `prefix_cache`: continue from what the target's state holds of the
     prompt (the last generation's prompt and output: a conversation's earlier turns), see engine.prefix;
-    `prefix_store` keeps more prefixes than the state's slot, in host memory.
+    `prefix_store` keeps more prefixes than the state's slot, in host memory. `decode_threads`: the CPU thread
+    count of decode steps (engine.threads; prompts run at torch's count).
     """
     batch = Batch(
         target,
@@ -473,6 +496,7 @@ def generate(
         policy=policy,
         prefix_cache=prefix_cache,
         prefix_store=prefix_store,
+        decode_threads=decode_threads,
     )
     batch.add(prompt_ids, params)
     try:

@@ -118,10 +118,11 @@ def expected_tokens(acceptance: Sequence[float], size: int) -> float:
 # Costs
 
 
-def cost_cache_dir() -> Path:
+def cost_cache_dir(what: str = "block-costs") -> Path:
+    """Where measured costs are kept: `what` names the measurement (engine.threads keeps its own)."""
     from platformdirs import user_cache_dir
 
-    return Path(user_cache_dir("dflash")) / "block-costs"
+    return Path(user_cache_dir("dflash")) / what
 
 
 class StepCosts:
@@ -256,9 +257,14 @@ def _fingerprint(config: Any) -> str:
 
 
 def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, Any]:
-    """What step costs depend on: this machine and device, both models, the dtype, the kinds of layer that hold the
-    target's weights (a CPU int4 target has the config and dtype of its bf16 self, and other costs), threads and
-    compile mode."""
+    """What step costs depend on: the target's steps here (`target_key`) and the drafter."""
+    return {**target_key(target, compile), "drafter_config": _fingerprint(drafter.config.to_dict())}
+
+
+def target_key(target: Any, compile: bool) -> dict[str, Any]:
+    """What a target's step costs depend on: this machine and device, the model, the dtype, the kinds of layer that
+    hold its weights (a CPU int4 target has the config and dtype of its bf16 self, and other costs), its attention,
+    threads and compile mode."""
     device = target.get_input_embeddings().weight.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -269,9 +275,9 @@ def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, An
         "device": f"{device.type}: {where}",
         "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
         "target_config": _fingerprint(target.config.to_json_string(use_diff=False)),
-        "drafter_config": _fingerprint(drafter.config.to_dict()),
         "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
         "weights": sorted({kind for m in target.modules() if (kind := _weight_kind(m)) is not None}),
+        "attention": target.config._attn_implementation,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "torch": torch.__version__,

@@ -14,8 +14,13 @@ class TextStream:
     bytes waits for its next token. Text that may yet turn out to start a stop string is held back.
     """
 
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
+    def __init__(
+        self, tokenizer: Any, stop_strings: Sequence[str], *, special: bool = False, skip_ids: Sequence[int] = ()
+    ) -> None:
+        """`special`: keep special tokens in the text (a tool parser reads them); `skip_ids`: ids never shown (the
+        end-of-turn ids, for a tool parser's raw text)."""
         self.tokenizer = tokenizer
+        self.special, self.skip_ids = special, frozenset(skip_ids)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.hold = max((len(s) for s in self.stop_strings), default=1) - 1
         self.ids: list[int] = []
@@ -24,7 +29,7 @@ class TextStream:
         self.emitted = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=not self.special)
 
     def _current(self, final: bool = False) -> str:
         """All text so far. Text up to a character still missing bytes is kept; the rest waits."""
@@ -47,6 +52,8 @@ class TextStream:
         is hit, the text up to it and how many of `ids` it took to complete the stop string."""
         if self.tokenizer is None:
             return "", None
+        if self.skip_ids:
+            ids = [i for i in ids if i not in self.skip_ids]
         self.ids.extend(ids)
         current = self._current()
         at = self._find_stop(current) if self.stop_strings else None

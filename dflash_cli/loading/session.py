@@ -17,6 +17,8 @@ from rich.console import Console
 from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_prefixes, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target.base import batch_limit
+from dflash_cli.engine.text import TextStream
+from dflash_cli.engine.threads import DecodeThreads, decode_threads
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
@@ -39,6 +41,7 @@ class Session:
     console: Console | None = None  # where a progress line shows while a step compiles
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
     prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
+    decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -74,14 +77,21 @@ class Session:
         """The plan as it runs: the loaded drafter's own block size fills in what the plan left to it; the rows a
         batching frontend decodes together; the CPU thread count where it matters; whether steps are compiled."""
         line = self.plan.one_line(
-            self.drafter.block_size if self.drafter is not None else None, drafting=self.drafter is not None
+            self.drafter.block_size if self.drafter is not None else None,
+            drafting=self.drafter is not None,
+            rows=self.batch_size if self.batching else 1,
         )
         line += f", batch {self.batch_size}" if self.batching else ""
         return (
             line
             + (f", {self.threads.label()}" if self.threads is not None else "")
+            + (f" ({self.decode_threads.threads} decoding)" if self._fewer_decode_threads else "")
             + (", compiled" if self.compiled else "")
         )
+
+    @property
+    def _fewer_decode_threads(self) -> bool:
+        return self.decode_threads is not None and self.decode_threads.threads != self.decode_threads.offered
 
     def block_size_note(self, block_size: int | None) -> str | None:
         """A note when `block_size` is longer than the loaded drafter was trained for (None when it is not)."""
@@ -224,6 +234,10 @@ class Session:
         stops = set(self.stop_token_ids)
         return self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
 
+    def reply_text_stream(self) -> TextStream:
+        """`reply_text` a step at a time: `push(ids)[0]` is the new raw text (a short window decoded per step)."""
+        return TextStream(self.require_tokenizer(), (), special=True, skip_ids=self.stop_token_ids)
+
     def parse_reply(self, request: Request, token_ids: Sequence[int], text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's content and tool calls: (text, []) for a request without tools."""
         if request.tools is None or self.tool_format is None:
@@ -308,6 +322,7 @@ class Session:
             policy=policy,
             prefix_cache=self.prefix_cache,
             prefix_store=self.prefix_store,
+            decode_threads=self.decode_threads.threads if self.decode_threads is not None else None,
         )
 
     def forget_prefixes(self) -> None:
@@ -342,6 +357,7 @@ class Session:
             policy=self._policy(drafter, None, self.compiled),
             prefix_cache=self.prefix_cache,
             prefix_store=self.prefix_store,
+            decode_threads=self.decode_threads.threads if self.decode_threads is not None else None,
         )
 
     def _policy(self, drafter: Any, block_size: int | None, compile: bool) -> BlockPolicy | None:
@@ -390,12 +406,17 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
+    if threads is not None and options.threads is None and threads.threads > 1 and not compile:
+        message = "Measuring how many threads decode fastest (once on this machine)..."
+        with console.status(message) if console is not None else contextlib.nullcontext():
+            session.decode_threads = decode_threads(models.target, threads.threads)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
         if options.explain:
             source = (models.target_source,) if models.target_source else ()
-            for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), compile_why):
+            decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()
+            for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), *decoding, compile_why):
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

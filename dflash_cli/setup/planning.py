@@ -20,18 +20,24 @@ from dflash_cli.setup.choices import (
     normalize_dtype,
 )
 from dflash_cli.setup.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
-from dflash_cli.setup.sizes import BYTES_PER_ELEMENT, recipe_weight_bytes, runtime_bytes, scaled_from_bf16
+from dflash_cli.setup.sizes import (
+    BYTES_PER_ELEMENT,
+    MemoryEstimate,
+    memory_estimate,
+    recipe_weight_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from dflash_cli.setup.recipes import Recipe
 
-# The KV cache the plan reserves is sized for a long chat: it grows linearly with the context, and 8k tokens covers
-# a multi-turn conversation. The runtime overhead (sizes.RUNTIME_OVERHEAD_BYTES) covers cuBLAS workspaces, allocator
-# fragmentation and prefill activations (full-vocabulary logits alone are ~1.2 GB in fp32 for 2k tokens of a
-# 152k vocabulary), and a hybrid target's first row of linear-attention state with the verify's copy of it (twice
-# the recipe's `state_bytes_per_row`: 0.31 GB for Qwen3.5-27B); each further row's is counted in the batch size.
+# The context the plan sizes memory for: the KV cache it reserves grows linearly with the context, and 8k tokens
+# covers a multi-turn conversation (the state reserves at least that many positions per row, attention.MIN_CAPACITY).
+# The estimate (sizes.memory_estimate) is one row at this context: weights, drafter, KV cache, the prefill's
+# activations and the runtime; the runtime also holds a hybrid target's first row of linear-attention state with
+# the verify's copy of it (twice the recipe's `state_bytes_per_row`: 0.31 GB for Qwen3.5-27B). Each further row is
+# counted in the batch size.
 PLAN_CONTEXT_TOKENS = 8192
 # Rows `dflash run` and `dflash serve` decode together at most, unless --batch-size says otherwise: where one verify
 # of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (docs/benchmarks.md).
@@ -61,7 +67,9 @@ class Plan:
     block_size: int | None  # None: the drafter's config decides
     attn_implementation: str
     gpu_class: str
-    estimated_bytes: int | None  # None: the recipe's sizes are unknown (ad-hoc), fit not checked
+    memory: (
+        MemoryEstimate | None
+    )  # one row at PLAN_CONTEXT_TOKENS; None: the recipe's sizes are unknown, fit not checked
     budget_bytes: int | None  # free memory on the device the plan runs on
     reasons: tuple[str, ...]  # one line per decision, for --explain
     notes: tuple[str, ...] = ()  # settings that will run but badly: shown under the plan line even without --explain
@@ -82,20 +90,27 @@ class Plan:
 
         return getattr(torch, self.dtype)
 
-    def one_line(self, drafter_block_size: int | None = None, *, drafting: bool = True) -> str:
-        """`cuda (hopper) bfloat16, block 16, sdpa, ~18.9 GB`; `drafter_block_size` (the loaded drafter's own)
-        fills in a block size the plan leaves to the drafter; `drafting=False` (the baseline) has no block."""
+    @property
+    def estimated_bytes(self) -> int | None:
+        """Memory for one request at the plan's context (None: unknown)."""
+        return None if self.memory is None else self.memory.total
+
+    def one_line(self, drafter_block_size: int | None = None, *, drafting: bool = True, rows: int = 1) -> str:
+        """`cuda (hopper) bfloat16, block 16, sdpa, ~18.9 GB at 8,192 tokens`; `drafter_block_size` (the loaded
+        drafter's own) fills in a block size the plan leaves to the drafter; `drafting=False` (the baseline) has no
+        block; the size is what `rows` rows hold at the plan's context (a batch holds every row's K/V)."""
         device = self.device if self.device.partition(":")[0] == self.gpu_class else f"{self.device} ({self.gpu_class})"
         weights = f"{self.weights} weights, " if self.weights != self.dtype else ""
         block: Any = self.block_size or drafter_block_size
         if self.adaptive_block:
             block = f"≤{block} adaptive" if block else "adaptive up to the drafter's"
         block = f"block {block or 'from drafter'}" if drafting else "no drafter"
-        size = f", ~{gb(self.estimated_bytes)}" if self.estimated_bytes is not None else ""
+        memory = self.memory
+        size = f", ~{gb(memory.with_rows(rows))} at {memory.context_tokens:,} tokens" if memory is not None else ""
         return f"{device} {self.dtype}, {weights}{block}, {self.attn_implementation}{size}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "reasons": list(self.reasons)}
+        return {**asdict(self), "estimated_bytes": self.estimated_bytes, "reasons": list(self.reasons)}
 
 
 def native_formats(kind: str, facts: MachineFacts) -> tuple[str, ...]:
@@ -130,10 +145,19 @@ def target_weight_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[st
     return recipe_weight_bytes(recipe, weights_format(recipe, dtype, quant, native), dtype)
 
 
-def estimate_bytes(recipe: Recipe, dtype: str, quant: str, native: tuple[str, ...] = ()) -> int | None:
-    """Memory to run `recipe` in `dtype` with `quant` on a device running `native` formats as stored
-    (`sizes.runtime_bytes` at the plan's context). None when the recipe does not say how big the target is."""
-    return runtime_bytes(recipe, target_weight_bytes(recipe, dtype, quant, native), dtype, PLAN_CONTEXT_TOKENS)
+def estimate_memory(
+    recipe: Recipe, dtype: str, quant: str, kind: str, native: tuple[str, ...] = ()
+) -> MemoryEstimate | None:
+    """Memory to run `recipe` in `dtype` with `quant` on a device of `kind` running `native` formats as stored
+    (`sizes.memory_estimate` at the plan's context). None when the recipe does not say how big the target is."""
+    weights = target_weight_bytes(recipe, dtype, quant, native)
+    return memory_estimate(recipe, weights, dtype, kind, PLAN_CONTEXT_TOKENS)
+
+
+def estimate_bytes(recipe: Recipe, dtype: str, quant: str, kind: str, native: tuple[str, ...] = ()) -> int | None:
+    """`estimate_memory`'s total."""
+    estimate = estimate_memory(recipe, dtype, quant, kind, native)
+    return None if estimate is None else estimate.total
 
 
 def _choose_device(facts: MachineFacts, requested: str | None) -> tuple[str, str]:
@@ -260,7 +284,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         _check_forced_quant(recipe, quant, kind, facts, cls)
     native = native_formats(kind, facts)
     candidates = _candidates(kind, facts, recipe, dtype, quant)
-    estimates = [(d, q, estimate_bytes(recipe, d, q, native)) for d, q in candidates]
+    estimates = [(d, q, estimate_bytes(recipe, d, q, kind, native)) for d, q in candidates]
     fitting = [c for c in estimates if c[2] is not None and (budget is None or c[2] <= budget)]
     forced = overrides.dtype is not None or overrides.quant is not None
     if fitting:
@@ -270,17 +294,27 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     else:
         raise _does_not_fit(recipe, estimates, budget, kind, cls, facts)
 
-    if estimate is None:
+    memory = estimate_memory(recipe, dtype, quant, kind, native)
+    if memory is None:
         reasons.append(f"memory: {recipe.name} does not list its size, so fit was not checked")
     else:
         free = f"{gb(budget)} free" if budget is not None else "free memory unknown"
-        reasons.append(
-            f"memory: ~{gb(estimate)} needed (weights, drafter, KV cache for {PLAN_CONTEXT_TOKENS} tokens, "
-            f"runtime overhead), {free}"
+        parts = (
+            ("weights", memory.weights),
+            ("drafter", memory.drafter),
+            ("KV cache", memory.kv_cache),
+            ("prefill activations", memory.activations),
+            ("runtime", memory.runtime),
         )
-        if budget is not None and estimate > budget:
+        host = "" if kind == "cpu" else " of host memory"
+        reasons.append(
+            f"memory: ~{gb(memory.total)} needed for a request of {memory.context_tokens:,} tokens "
+            f"({', '.join(f'{name} {_size(size)}' for name, size in parts)}; the prefix store's own bound{host} is "
+            f"on top: --cache-ram), {free}"
+        )
+        if budget is not None and memory.total > budget:
             notes.append(
-                f"the forced settings need ~{gb(estimate)} but {gb(budget)} is free: expect an out-of-memory error"
+                f"the forced settings need ~{gb(memory.total)} but {gb(budget)} is free: expect an out-of-memory error"
             )
 
     preferred_dtype, default_why = default_dtype(kind, facts)
@@ -338,15 +372,22 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
 
     block_size, block_why = _choose_block_size(recipe, overrides, tuned, cls)
     reasons.append(block_why)
-    attn = tuned.get("attn_implementation", "sdpa")
-    attn_why = (
-        recipe_override
-        if "attn_implementation" in tuned
-        else "PyTorch's fused attention: on every device, no extra package to install (a model transformers runs "
-        "without an SDPA path, such as gpt-oss with its attention sinks, loads with eager attention)"
-    )
+    attn = tuned.get("attn_implementation", "eager" if kind == "cpu" else "sdpa")
+    if "attn_implementation" in tuned:
+        attn_why = recipe_override
+    elif kind == "cpu":
+        attn_why = (
+            "on a CPU, eager attention gives each row the same numbers however many queries and keys a step holds "
+            "(the same text alone or batched, streamed or not, with or without drafts); PyTorch's fused CPU kernel "
+            "rounds a row by the step's shape, and decodes no faster (docs/benchmarks.md)"
+        )
+    else:
+        attn_why = (
+            "PyTorch's fused attention, no extra package to install (a model transformers runs without an SDPA "
+            "path, such as gpt-oss with its attention sinks, loads with eager attention)"
+        )
     reasons.append(f"attention {attn}: {attn_why}")
-    batch_size, batch_why = _choose_batch_size(recipe, overrides, dtype, estimate, budget)
+    batch_size, batch_why = _choose_batch_size(overrides, memory, budget)
     reasons.append(batch_why)
     cache_ram, cache_why = _choose_cache_ram(facts, overrides)
     reasons.append(cache_why)
@@ -358,7 +399,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         block_size,
         attn,
         cls.key,
-        estimate,
+        memory,
         budget,
         tuple(reasons),
         tuple(notes),
@@ -383,27 +424,26 @@ def _choose_cache_ram(facts: MachineFacts, overrides: PlanOverrides) -> tuple[in
     )
 
 
-def _choose_batch_size(
-    recipe: Recipe, overrides: PlanOverrides, dtype: str, estimate: int | None, budget: int | None
-) -> tuple[int, str]:
+def _choose_batch_size(overrides: PlanOverrides, memory: MemoryEstimate | None, budget: int | None) -> tuple[int, str]:
     """Rows for `run` and `serve`: as many as have room beside the weights (the estimate already holds one), at
     most MAX_BATCH_ROWS. A row is its KV cache at the plan's context plus, on a hybrid target, its linear-attention
     state twice: the state itself and the copy of its start that a verify records for the rollback."""
     if overrides.batch_size is not None:
-        return overrides.batch_size, f"batch {overrides.batch_size} (run, serve): --batch-size"
-    kv_bytes = scaled_from_bf16(recipe.kv_bytes_per_token or 0, dtype) * PLAN_CONTEXT_TOKENS
-    state_bytes = recipe.state_bytes_per_row or 0  # float32 recurrent state: not scaled by the dtype
-    row_bytes = kv_bytes + 2 * state_bytes
-    if estimate is None or budget is None or kv_bytes == 0:
+        batch, why = overrides.batch_size, "--batch-size"
+    elif memory is None or budget is None or memory.kv_cache == 0:
         return MAX_BATCH_ROWS, f"batch {MAX_BATCH_ROWS} (run, serve): the KV cache size is unknown, so the default"
-    rows = int(max(0, budget - estimate) // row_bytes) + 1
-    batch = max(1, min(MAX_BATCH_ROWS, rows))
-    if state_bytes:
-        room = f"room for {rows} rows at {PLAN_CONTEXT_TOKENS} tokens ({_size(row_bytes)} each: KV {_size(kv_bytes)} "
-        room += f"+ recurrent state {_size(state_bytes)} x2, with the verify's copy)"
     else:
-        room = f"room for the KV cache of {rows} rows at {PLAN_CONTEXT_TOKENS} tokens ({gb(row_bytes)} each)"
-    return batch, f"batch {batch} (run, serve): {room}, at most {MAX_BATCH_ROWS}; --batch-size overrides"
+        rows = int(max(0, budget - memory.total) // memory.next_row) + 1
+        batch = max(1, min(MAX_BATCH_ROWS, rows))
+        if memory.state:
+            room = f"room for {rows} rows at {PLAN_CONTEXT_TOKENS} tokens ({_size(memory.next_row)} each: KV "
+            room += f"{_size(memory.kv_cache)} + recurrent state {_size(memory.state / 2)} x2, with the verify's copy)"
+        else:
+            room = f"room for the KV cache of {rows} rows at {PLAN_CONTEXT_TOKENS} tokens ({gb(memory.next_row)} each)"
+        why = f"{room}, at most {MAX_BATCH_ROWS}; --batch-size overrides"
+    if memory is not None and batch > 1:  # the buffers hold every row at the longest row's length
+        why += f"; ~{gb(memory.with_rows(batch))} once a request reaches {memory.context_tokens:,} tokens"
+    return batch, f"batch {batch} (run, serve): {why}"
 
 
 def _size(n_bytes: float) -> str:
@@ -473,7 +513,7 @@ def _does_not_fit(
             notes.append(f"its {fmt.upper()} weights as stored would take {gb(as_stored)}: {_native_hint(fmt)}")
     if kind == "cuda" and "fp8" in recipe.checkpoints and "fp8" not in native:
         notes.append(f"its FP8 checkpoint ({gb(recipe.weight_bytes['fp8'])}) needs compute capability 8.9+")
-    nf4 = estimate_bytes(recipe, "bfloat16", "nf4") if recipe.checkpoint_precision == "bf16" else None
+    nf4 = estimate_bytes(recipe, "bfloat16", "nf4", kind) if recipe.checkpoint_precision == "bf16" else None
     if kind == "cpu" and nf4 is not None and (budget is None or nf4 <= budget):
         fix = (
             "free some RAM, pick a smaller recipe (`dflash doctor` lists what fits), or force 4-bit weights "

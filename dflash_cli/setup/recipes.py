@@ -9,6 +9,7 @@ Loading validates every field: an error names the file, the field and what was e
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.drafters import config_block_size
 from dflash_cli.protocol.tools import FORMATS as TOOL_FORMATS
 from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, CPU_QUANTS, DTYPES, GPU_CLASSES, QUANTS
 
@@ -56,6 +58,17 @@ class ModelRef:
         if self.id.startswith(PACKAGE_PREFIX):
             return PACKAGE_DIR / self.id[len(PACKAGE_PREFIX) :]
         return Path(self.id).expanduser().resolve() if self.is_local else None
+
+    def local_file(self, filename: str) -> Path | None:
+        """`filename` of this model where it is on this machine (its local directory, or the Hugging Face cache for
+        a repo id), without downloading anything; None where it is not."""
+        if self.path is not None:
+            found = self.path / filename
+            return found if found.is_file() else None
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(self.id, filename, revision=self.revision)
+        return Path(cached) if isinstance(cached, str) else None  # None: never fetched; else the "missing" marker
 
     def __str__(self) -> str:
         return self.id if self.revision is None else f"{self.id}@{self.revision}"
@@ -97,6 +110,11 @@ class Recipe:
     # (recurrent state + convolution window, in the dtypes the engine keeps them: float32 recurrent state, bf16
     # window). Not scaled by the plan's dtype. None: no such layers, or unknown.
     state_bytes_per_row: int | None = None
+    # The target's shape where a prefill's activations come from (sizes.prefill_activation_bytes): query heads of
+    # an attention layer (the most of any layer), and the MLP's width per token (a MoE: its routed experts' and
+    # shared expert's together). None: unknown, and the estimate leaves the activations out.
+    attention_heads: int | None = None
+    mlp_width: int | None = None
     runnable: bool = True
     not_runnable_reason: str = ""
     gpu_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -123,6 +141,8 @@ class Recipe:
             "drafter_bytes": self.drafter_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "state_bytes_per_row": self.state_bytes_per_row,
+            "attention_heads": self.attention_heads,
+            "mlp_width": self.mlp_width,
             "runnable": self.runnable,
             "not_runnable_reason": self.not_runnable_reason,
             "gpu_overrides": {k: dict(v) for k, v in self.gpu_overrides.items()},
@@ -205,6 +225,8 @@ TOP_LEVEL_FIELDS = (
     "drafter_bytes",
     "kv_bytes_per_token",
     "state_bytes_per_row",
+    "attention_heads",
+    "mlp_width",
     "runnable",
     "not_runnable_reason",
     "gpu_overrides",
@@ -323,6 +345,8 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
         drafter_bytes=fields.positive_int("drafter_bytes"),
         kv_bytes_per_token=fields.positive_int("kv_bytes_per_token"),
         state_bytes_per_row=fields.positive_int("state_bytes_per_row"),
+        attention_heads=fields.positive_int("attention_heads"),
+        mlp_width=fields.positive_int("mlp_width"),
         runnable=runnable,
         not_runnable_reason=reason,
         gpu_overrides=_parse_gpu_overrides(fields),
@@ -497,3 +521,16 @@ def resolve_recipe(name: str | None, recipe_file: str | Path | None, target: str
             fix="name a recipe (see `dflash recipes list`), e.g. `dflash chat demo`, or pass --target X --drafter Y",
         )
     return with_drafter(recipe, drafter) if drafter else recipe
+
+
+def drafter_block_size(recipe: Recipe) -> int | None:
+    """The block size the recipe's drafter config sets, read as plain JSON (no torch) where the config is on this
+    machine; None where it is not (a Hub drafter not downloaded yet), or where it is not a valid drafter config."""
+    config = recipe.drafter.local_file("config.json") if recipe.drafter is not None else None
+    if config is None:
+        return None
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config_block_size(raw) if isinstance(raw, dict) else None

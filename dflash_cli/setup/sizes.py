@@ -1,7 +1,7 @@
 """Every byte count in one place: weights as loaded (per dtype; NF4 with its quantization data; a pre-quantized
-checkpoint as stored), the runtime's headroom, and the bytes a decode step reads. The planner, the loader's memory
-check, `pull`, `doctor`, the roofline and the GPU benchmark all count here, so they agree on a model's size
-(tests/setup/test_sizes.py). Only the functions that inspect a loaded module touch torch, and they import nothing."""
+checkpoint as stored), what running a recipe at a context costs (`memory_estimate`), and the bytes a decode step
+reads. The planner, the loader's memory check, `pull`, `doctor`, the roofline and the GPU benchmark all count here,
+so they agree on a model's size (tests/setup/test_sizes.py). Only the functions that inspect a loaded module touch torch, and they import nothing."""
 
 from __future__ import annotations
 
@@ -20,8 +20,12 @@ NF4_BYTES_PER_TENSOR = (16 + 256) * 4
 # CPU weight-only formats (engine.quantized): int4 stores 4 bits per weight and a bf16 scale and zero per group of
 # 32; int8 one byte per weight and a bf16 scale per output channel (counted per weight: under 1%).
 CPU_QUANT_BYTES_PER_PARAM = {"int4": 0.5 + 4 / 32, "int8": 1.0}
-# The runtime beside the weights and the KV cache the planner reserves: CUDA context, allocator slack, activations.
-RUNTIME_OVERHEAD_BYTES = 1_500_000_000
+# The runtime beside the model, by device kind. A GPU: the CUDA (or Metal) context, library workspaces and allocator
+# slack. The CPU: the process itself (Python, torch, transformers, the tokenizer, the server) and what the allocator
+# keeps from loading: `dflash serve demo` holds 0.91 GB idle with 0.17 GB of weights and drafter.
+RUNTIME_BYTES = {"cuda": 1_500_000_000, "mps": 1_500_000_000, "cpu": 750_000_000}
+# Prompt rows one prefill forward computes at most: the prompt is prefilled in chunks of this many.
+PREFILL_CHUNK_TOKENS = 512
 # Headroom over the weights where no recipe sizes a model (an ad-hoc target): activations, the KV cache of a short
 # context, allocator slack.
 RUNTIME_OVERHEAD = 1.10
@@ -77,14 +81,66 @@ def recipe_weight_bytes(recipe: Recipe, weights_in: str, dtype: str) -> int | No
     return None if weights is None else int(weights)
 
 
-def runtime_bytes(recipe: Recipe, weights: int | None, dtype: str, context_tokens: int) -> int | None:
-    """Memory to run a recipe whose target holds `weights` bytes: those, its drafter and the KV cache of
-    `context_tokens` positions in `dtype`, and the runtime's overhead. None when the weights are unknown."""
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one row at `context_tokens` positions costs on the device, by part (bytes)."""
+
+    context_tokens: int
+    weights: int  # the target's, as held
+    drafter: int
+    kv_cache: int  # the K/V the state reserves: target and drafter, every position of the context
+    activations: int  # the transient of the prefill's last chunk (`prefill_activation_bytes`)
+    runtime: int  # RUNTIME_BYTES of the device
+    # A hybrid target's linear-attention state of one row, twice (the state and the copy of its start a verify keeps
+    # for the rollback): the runtime holds the first row's, each further row of a batch adds it (float32, not scaled).
+    state: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.drafter + self.kv_cache + self.activations + self.runtime
+
+    @property
+    def next_row(self) -> int:
+        """What each further row of a batch adds at this context: its KV cache and its state (a batch holds every
+        row's K/V as long as its longest row)."""
+        return self.kv_cache + self.state
+
+    def with_rows(self, rows: int) -> int:
+        """The total for a batch of `rows` rows."""
+        return self.total + (rows - 1) * self.next_row
+
+
+def prefill_activation_bytes(recipe: Recipe, dtype: str, context_tokens: int, eager: bool) -> int:
+    """The largest transient of prefilling a `context_tokens` context in chunks of PREFILL_CHUNK_TOKENS rows: with
+    `eager` attention, the last chunk's scores [heads, chunk, context] and their softmax in float32, one layer at a
+    time; else (a fused kernel, which never holds the scores) its MLP's gate, up and product [chunk, mlp width] in
+    `dtype`, whichever is larger (they are not alive together). 0 where the recipe does not list the target's
+    heads and MLP width."""
+    chunk = min(PREFILL_CHUNK_TOKENS, context_tokens)
+    scores = 2 * (recipe.attention_heads or 0) * chunk * context_tokens * BYTES_PER_ELEMENT["float32"] if eager else 0
+    mlp = 3 * chunk * (recipe.mlp_width or 0) * BYTES_PER_ELEMENT[dtype]
+    return max(scores, mlp)
+
+
+def memory_estimate(
+    recipe: Recipe, weights: int | None, dtype: str, device_kind: str, context_tokens: int
+) -> MemoryEstimate | None:
+    """Memory to run one row of a recipe whose target holds `weights` bytes, in `dtype` on a `device_kind` device,
+    at `context_tokens` positions (see `MemoryEstimate`). None when the weights are unknown. The prefix store
+    (prefixes beyond the slots, in host memory) is not in it: its own bound, `--cache-ram`, sizes it."""
     if weights is None:
         return None
-    drafter = scaled_from_bf16(recipe.drafter_bytes or 0, dtype) if recipe.drafter is not None else 0
-    kv_cache = scaled_from_bf16(recipe.kv_bytes_per_token or 0, dtype) * context_tokens
-    return int(weights + drafter + kv_cache + RUNTIME_OVERHEAD_BYTES)
+    return MemoryEstimate(
+        context_tokens,
+        weights,
+        int(scaled_from_bf16(recipe.drafter_bytes or 0, dtype)) if recipe.drafter is not None else 0,
+        int(scaled_from_bf16(recipe.kv_bytes_per_token or 0, dtype) * context_tokens),
+        # the plan's attention: eager on the CPU (the same numbers for a row however a step is shaped), PyTorch's
+        # fused kernels on a GPU
+        prefill_activation_bytes(recipe, dtype, context_tokens, eager=device_kind == "cpu"),
+        RUNTIME_BYTES[device_kind],
+        2 * (recipe.state_bytes_per_row or 0),
+    )
 
 
 def recipe_stored_bytes(recipe: Recipe) -> int:

@@ -243,6 +243,7 @@ def test_json_report_schema(report: BenchReport) -> None:
     metadata = data["metadata"]
     assert {"command", "created", "versions", "machine", "plan", "recipe", "drafter_block_size"} <= set(metadata)
     assert metadata["plan"]["device"] == "cpu" and metadata["recipe"]["name"] == "ad-hoc"
+    assert metadata["batch_invariant"] is False  # float32: MKL rounds a row by the row count (engine.target)
     assert metadata["drafter_block_size"] == 4 and metadata["machine"]["torch_threads"] == 1
     settings = data["settings"]
     assert settings["prompts"] == "set:math" and settings["prompt_count"] == 2 and settings["repeat"] == 2
@@ -323,19 +324,27 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
     assert "1/2 ✗" in text and "this is a bug" in text
     rows = broken.to_dict()["rows"]
     assert [(r["identical"], r["first_mismatch"]) for r in rows if r["mode"] == "dflash b4"].count((False, 2)) == 1
-    # In bf16 the same mismatch is a near-tie rounding difference, said as such, not a bug report.
-    plan = {**broken.metadata["plan"], "dtype": "bfloat16"}
-    bf16 = dataclasses.replace(broken, metadata={**broken.metadata, "plan": plan})
+    # In bf16 on a GPU the same mismatch is a near-tie rounding difference, said as such with its cause, not a bug.
+    plan = {**broken.metadata["plan"], "dtype": "bfloat16", "device": "cuda:0", "attn_implementation": "sdpa"}
+    bf16 = dataclasses.replace(broken, metadata={**broken.metadata, "plan": plan, "batch_invariant": False})
     console = Console(record=True, width=200)
     bench_report.print_report(bf16, console)
     text = console.export_text()
-    assert "1/2 ~" in text and "in bfloat16 a block verify rounds differently" in text and "--dtype fp32" in text
-    assert "bug" not in text
-    assert "identity rate in bfloat16 (exact identity is expected in float32 only): " in text
+    assert "1/2 ~" in text and "here a block verify rounds differently" in text and "--dtype fp32" in text
+    assert "cuda:0: fused attention and matrix kernels" in text and "bug" not in text
+    assert "identity rate in bfloat16 (exact identity is expected in float32, and in bf16 on a CPU" in text
     assert "dflash b2 2/2, dflash b4 1/2" in text
     data = bf16.to_dict()  # greedy, but not float32: identity is a measured rate, not an expectation
     assert data["identity_expected"] is False and broken.to_dict()["identity_expected"] is True
     assert [m["identity_rate"] for m in data["modes"] if m["mode"] == "dflash b4"] == [0.5]
+    # bf16 on a CPU with eager attention is batch-invariant: there the mismatch is a bug again.
+    plan = {**broken.metadata["plan"], "dtype": "bfloat16", "device": "cpu", "attn_implementation": "eager"}
+    invariant = dataclasses.replace(broken, metadata={**broken.metadata, "plan": plan, "batch_invariant": True})
+    console = Console(record=True, width=200)
+    bench_report.print_report(invariant, console)
+    text = console.export_text()
+    assert "1/2 ✗" in text and "in batch-invariant bf16 greedy DFlash must reproduce the baseline" in text
+    assert invariant.to_dict()["identity_expected"] is True
 
 
 def test_piped_report_keeps_every_number_whole(report: BenchReport) -> None:

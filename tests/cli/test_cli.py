@@ -24,6 +24,7 @@ from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.options import RunOptions
+from helpers.tiny_models import make_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]
 CONFORMANCE_DRAFTER = REPO / "tests" / "fixtures" / "qwen3-tiny" / "drafter"
@@ -414,6 +415,40 @@ def test_recipes_list_piped_prints_whole_values_on_plain_rows() -> None:
     assert "runs" in llama.split() and "bf16 16.1 GB, nf4 5.7 GB" in llama
     assert "export only" in next(line for line in lines if line.startswith("kimi-k2.5 "))
     assert not any(char in result.stdout for char in "┃│━")
+
+
+def _listed(name: str) -> tuple[list[str], dict]:
+    """`name`'s row of the piped `recipes list` table, and its entry in `recipes list --json`."""
+    table = runner.invoke(app, ["recipes", "list"], env={"COLUMNS": "60"})
+    listed = runner.invoke(app, ["recipes", "list", "--json"])
+    assert table.exit_code == listed.exit_code == 0
+    row = next(line.split() for line in table.stdout.splitlines() if line.startswith(f"{name} "))
+    return row, next(entry for entry in json.loads(listed.stdout) if entry["name"] == name)
+
+
+def test_recipes_list_shows_the_block_size_the_drafter_config_sets(hf_home: Path, tmp_path: Path) -> None:
+    demo = recipes.get_recipe("demo")
+    assert demo.block_size is None and demo.drafter is not None and demo.drafter.path is not None
+    own = json.loads((demo.drafter.path / "config.json").read_text())["block_size"]
+    row, entry = _listed("demo")
+    assert row[3] == str(own) and entry["drafter_block_size"] == own and entry["block_size"] is None
+
+    # a Hub drafter never downloaded: unknown, and nothing is fetched to find out
+    row, entry = _listed("qwen3.5-4b")
+    assert row[3] == "drafter's" and entry["drafter_block_size"] is None
+    assert not (hf_home / "hub").exists()
+
+    # once its config is in the Hugging Face cache (nested schema: dflash_config.block_size), it shows
+    source = tmp_path / "drafter"
+    source.mkdir()
+    nested = {"architectures": ["DFlashDraftModel"], "block_size": 4, "dflash_config": {"block_size": 12}}
+    (source / "config.json").write_text(json.dumps(nested))
+    make_hf_cache(hf_home, "z-lab/Qwen3.5-4B-DFlash", source)
+    row, entry = _listed("qwen3.5-4b")
+    assert row[3] == "12" and entry["drafter_block_size"] == 12
+
+    row, entry = _listed("qwen3-8b")  # the recipe's own block size comes first
+    assert row[3] == "16" and entry["block_size"] == 16
 
 
 def test_recipes_show_speaks_toml_not_python() -> None:

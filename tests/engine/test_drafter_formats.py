@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash_cli import load_drafter, speculative_generate
 from dflash_cli.engine.drafter import DFlash2Drafter, DFlashDrafter, DrafterConfig
 from dflash_cli.engine.drafter.cache import window_mask as _window_mask
-from dflash_cli.engine.drafter.config import DEFAULT_BLOCK_SIZE
 from dflash_cli.engine.drafter.layers import GroupedDynamicConv
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.drafters import DEFAULT_BLOCK_SIZE
 from helpers.drafters import random_drafter
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

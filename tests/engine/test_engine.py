@@ -329,6 +329,31 @@ def test_a_character_cut_by_the_token_limit_is_dropped_not_shown_as_a_replacemen
     assert "".join([whole.push(ids)[0], whole.flush()]) == "ok 😀"
 
 
+def test_a_raw_stream_keeps_special_tokens_skips_end_ids_and_decodes_a_window_per_push() -> None:
+    """The text a tool parser reads while a reply streams (serve, under tools): special tokens kept, end-of-turn
+    ids left out, the same text as decoding the whole reply; each push decodes a short window, so a long reply
+    costs linear time (it decoded the whole reply at every step before)."""
+    from dflash_cli.engine.text import TextStream
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("<tool_call>\n" + '{"name": "f", "arguments": {"x": "' + "word " * 300 + '"}}\n</tool_call>')
+    ids = ids + [end]
+    decoded: list[int] = []
+    decode = tok.decode
+
+    def counting(token_ids, **kwargs):
+        decoded.append(len(token_ids))
+        return decode(token_ids, **kwargs)
+
+    tok.decode = counting
+    stream = TextStream(tok, (), special=True, skip_ids=[end])
+    text = "".join(stream.push(ids[i : i + 3])[0] for i in range(0, len(ids), 3)) + stream.flush()
+    tok.decode = decode
+    assert text == decode(ids[:-1], skip_special_tokens=False) and text.startswith("<tool_call>")
+    assert sum(decoded) < 8 * len(ids), (sum(decoded), len(ids))  # whole-reply decodes: ~len(ids)**2 / 6
+
+
 def test_max_tokens_is_exact(text_pair):
     target, drafter, _ = text_pair
     for n in (1, 2, 5, 17):

@@ -1,4 +1,5 @@
-"""engine/kernels.py: the few-row products of decoding on a CPU (`W @ x.T` for 2-9 rows)."""
+"""engine/kernels.py: the few-row products of decoding on a CPU (float32: `W @ x.T` for 2-9 rows; bf16: one row
+as two)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine.kernels import SMALL_ROWS, SmallRowLinear, use_small_row_products
+from dflash_cli.engine.kernels import SMALL_ROWS, SmallRowLinear, use_cpu_products
 from helpers.drafters import random_drafter
 from helpers.tiny_models import hf_greedy, sharp_tiny
 
@@ -35,7 +36,7 @@ def test_small_row_linear_computes_the_same_product(rows: int, bias: bool) -> No
     expected_state = {k: v.clone() for k, v in layer.state_dict().items()}
     x = torch.randn(1, rows, 48)
     expected = F.linear(x, layer.weight, layer.bias)
-    assert use_small_row_products(layer) == 1 and type(layer) is SmallRowLinear
+    assert use_cpu_products(layer) == 1 and type(layer) is SmallRowLinear
     with _Ops() as seen:
         out = layer(x)
     assert out.shape == (1, rows, 80) and out.is_contiguous()
@@ -49,14 +50,55 @@ def test_small_row_linear_computes_the_same_product(rows: int, bias: bool) -> No
     assert all(torch.equal(layer.state_dict()[k], v) for k, v in expected_state.items())
 
 
-def test_only_plain_float32_cpu_linears_switch() -> None:
+def test_only_plain_float32_and_bf16_cpu_linears_switch() -> None:
     class Custom(nn.Linear):
         pass
 
-    model = nn.Sequential(nn.Linear(4, 4), Custom(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Embedding(5, 4))
-    assert use_small_row_products(model) == 1
-    assert [type(m).__name__ for m in model] == ["SmallRowLinear", "Custom", "Linear", "Embedding"]
-    assert use_small_row_products(model) == 0  # idempotent
+    model = nn.Sequential(
+        nn.Linear(4, 4),
+        Custom(4, 4),
+        nn.Linear(4, 4).to(torch.bfloat16),
+        nn.Linear(4, 4).to(torch.float16),
+        nn.Embedding(5, 4),
+    )
+    assert use_cpu_products(model) == 2
+    assert [type(m).__name__ for m in model] == ["SmallRowLinear", "Custom", "TwoRowLinear", "Linear", "Embedding"]
+    assert use_cpu_products(model) == 0  # idempotent
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 48), (48,), (1, 3, 48), (2, 5, 48)])
+def test_two_row_linear_runs_one_row_as_two(shape: tuple[int, ...], bias: bool) -> None:
+    """One row runs as a two-row product (MKL's one-row bf16 kernel rounds otherwise); more rows as F.linear."""
+    torch.manual_seed(len(shape))
+    layer = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    use_cpu_products(layer)
+    with _Ops() as seen:
+        out = layer(x)
+    assert out.shape == (*shape[:-1], 80)
+    rows = x.numel() // 48
+    products = [shapes[-2] for op, shapes in seen.ops if op in ("aten.mm", "aten.addmm")]  # [rows, 48] @ W.T
+    assert products == [(max(rows, 2), 48)], seen.ops
+    reference = F.linear(x.reshape(-1, 48).expand(max(rows, 2), 48), layer.weight, layer.bias)[:rows]
+    assert torch.equal(out.reshape(rows, 80), reference)
+
+
+def test_bf16_rows_agree_whatever_the_row_count() -> None:
+    """The rule the engine's batch invariance rests on, checked on this machine: a bf16 row's output is the same
+    bits alone (run as two), in a block, or in a prefill-sized product (engine.kernels). MKL's one-row kernel
+    rounds otherwise for some weight addresses: the weight sits at several offsets into a buffer."""
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        flat = torch.randn(576 * 1536 + 64).to(torch.bfloat16)
+        x = (torch.randn(300, 1536) * torch.rand(300, 1536).pow(4)).to(torch.bfloat16)  # an MLP's skewed activations
+        for offset in range(0, 64, 8):
+            layer = nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+            layer.weight = nn.Parameter(flat[offset : offset + 576 * 1536].view(576, 1536), requires_grad=False)
+            use_cpu_products(layer)
+            whole = layer(x)
+            for rows in (1, 2, 3, 8, 17, 64, 200):
+                assert torch.equal(layer(x[:rows]), whole[:rows]), (seed, offset, rows)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -87,7 +129,7 @@ def test_a_compiled_step_sees_every_product_as_a_linear(rows: int) -> None:
         return gm
 
     layer = nn.Linear(48, 80)
-    use_small_row_products(layer)
+    use_cpu_products(layer)
     x = torch.randn(1, rows, 48)
     out = torch.compile(layer, backend=record, fullgraph=True)(x)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
@@ -103,7 +145,7 @@ def test_a_dynamic_graph_is_not_guarded_on_its_row_count() -> None:
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     layer = nn.Linear(48, 80)
-    use_small_row_products(layer)
+    use_cpu_products(layer)
     step = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
     for rows in (4, SMALL_ROWS + 3, 2, SMALL_ROWS):
         x = torch.randn(1, rows, 48)

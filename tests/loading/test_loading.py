@@ -19,13 +19,15 @@ from dflash_cli.loading.checkpoint import read_checkpoint
 from dflash_cli.loading.models import load_models, load_target, load_tokenizer
 from dflash_cli.setup.planning import Plan
 from dflash_cli.setup.recipes import ModelRef, Recipe
+from dflash_cli.setup.sizes import MemoryEstimate
 from helpers.tiny_models import make_hf_cache, make_tiny, make_tiny_qwen3
 
 REPO = "tiny-org/tiny-qwen3"
 
 
 def cpu_plan(dtype: str = "float32", quant: str = "none", estimated_bytes: int | None = None) -> Plan:
-    return Plan("cpu", dtype, quant, None, "sdpa", "cpu", estimated_bytes, None, ())
+    memory = None if estimated_bytes is None else MemoryEstimate(8192, estimated_bytes, 0, 0, 0, 0)
+    return Plan("cpu", dtype, quant, None, "sdpa", "cpu", memory, None, ())
 
 
 def recipe(target: str, drafter: str | None = None) -> Recipe:

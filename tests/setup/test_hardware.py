@@ -19,7 +19,7 @@ from dflash_cli.setup.planning import (
     native_formats,
 )
 from dflash_cli.setup.recipes import ModelRef, Recipe, adhoc_recipe, get_recipe
-from dflash_cli.setup.sizes import BYTES_PER_ELEMENT
+from dflash_cli.setup.sizes import BYTES_PER_ELEMENT, prefill_activation_bytes
 from helpers.machines import GIB
 from helpers.machines import cuda_machine as cuda
 
@@ -162,7 +162,7 @@ def test_cpu_prefers_float32_then_bf16_then_refuses() -> None:
     assert "--quant nf4" not in info.value.fix  # 4-bit would not fit 6 GB either: not offered
     with pytest.raises(DflashError) as info:
         make_plan(dataclasses.replace(CPU_8, cpu_ram_available=12 * GIB), get_recipe("qwen3-8b"))
-    assert "--quant nf4 (~11.0 GB, slow on CPU)" in info.value.fix
+    assert "--quant nf4 (~11.4 GB, slow on CPU)" in info.value.fix  # eager scores 1.1 GB + runtime 0.75 GB
     with pytest.raises(DflashError) as info:  # pre-quantized: NF4 does not apply, so it is not suggested
         make_plan(dataclasses.replace(CPU_64, cpu_ram_available=30 * GIB), get_recipe("gpt-oss-20b"))
     assert "nf4" not in info.value.fix
@@ -184,11 +184,20 @@ def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
     assert not make_plan(CPU_64, get_recipe("qwen3-8b")).notes  # the planner's own choices need no note
 
 
+def test_a_cpu_plan_runs_eager_attention_and_says_why() -> None:
+    """Eager attention on a CPU: a row's numbers then do not depend on the step's shape (engine.kernels); a recipe's
+    override still wins, and GPUs keep the fused kernel."""
+    plan = make_plan(CPU_64, get_recipe("demo"))
+    assert plan.attn_implementation == "eager"
+    assert any(r.startswith("attention eager:") and "alone or batched" in r for r in plan.reasons), plan.reasons
+    assert make_plan(H100, get_recipe("qwen3-8b")).attn_implementation == "sdpa"
+
+
 def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
     assert (
         make_plan(CPU_64, get_recipe("demo"))
         .one_line()
-        .startswith("cpu float32, block adaptive up to the drafter's, sdpa")
+        .startswith("cpu float32, block adaptive up to the drafter's, eager")
     )
     assert (
         make_plan(CPU_64, get_recipe("demo"))
@@ -198,7 +207,7 @@ def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:
     fixed = make_plan(CPU_64, get_recipe("demo"), PlanOverrides(block_size=4))
     assert fixed.one_line(drafter_block_size=8).startswith("cpu float32, block 4,") and not fixed.adaptive_block
     assert make_plan(H100, get_recipe("qwen3-8b")).one_line().startswith("cuda (hopper) bfloat16, block ≤16 adaptive")
-    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafting=False).startswith("cpu float32, no drafter, sdpa")
+    assert make_plan(CPU_64, get_recipe("demo")).one_line(drafting=False).startswith("cpu float32, no drafter, eager")
 
 
 def test_a_block_longer_than_the_drafter_was_trained_for_gets_a_note() -> None:
@@ -276,11 +285,12 @@ def test_adhoc_recipes_plan_without_a_fit_check() -> None:
 def test_estimates_scale_with_dtype_and_quantization() -> None:
     recipe = get_recipe("qwen3-8b")
     bf16, fp32, nf4 = (
-        estimate_bytes(recipe, d, q) for d, q in [("bfloat16", "none"), ("float32", "none"), ("bfloat16", "nf4")]
+        estimate_bytes(recipe, d, q, "cuda")
+        for d, q in [("bfloat16", "none"), ("float32", "none"), ("bfloat16", "nf4")]
     )
     assert nf4 < bf16 < fp32
     assert fp32 - bf16 > recipe.weight_bytes["bf16"]  # weights, drafter and KV cache all double
-    assert 20e9 < bf16 < 23e9  # 16.4 GB weights + 2.1 GB drafter + 1.4 GB KV cache + 1.5 GB overhead
+    assert 20e9 < bf16 < 23e9  # 16.4 GB weights + 2.1 GB drafter + 1.4 GB KV cache + 1.5 GB runtime
 
 
 def test_plan_explains_every_decision() -> None:
@@ -345,11 +355,13 @@ def test_new_recipes_on_a_5090_h100_h200_and_b200(name: str, expected: tuple[str
 
 def test_moe_nf4_is_counted_with_its_experts_in_bf16_so_it_never_promises_4_bit_memory() -> None:
     recipe = get_recipe("qwen3.6-35b-a3b")
-    nf4, bf16 = estimate_bytes(recipe, "bfloat16", "nf4"), estimate_bytes(recipe, "bfloat16", "none")
+    nf4, bf16 = estimate_bytes(recipe, "bfloat16", "nf4", "cuda"), estimate_bytes(recipe, "bfloat16", "none", "cuda")
     assert nf4 > 0.9 * bf16  # the experts are 93% of the weights and bitsandbytes leaves them alone
-    assert estimate_bytes(recipe, "float16", "nf4") == nf4  # fp16 experts: as big as bf16 ones
-    doubled = recipe.expert_bytes + recipe.drafter_bytes + recipe.kv_bytes_per_token * PLAN_CONTEXT_TOKENS
-    assert estimate_bytes(recipe, "float32", "nf4") - nf4 == pytest.approx(doubled, rel=1e-6)  # fp32 experts: 2x
+    assert estimate_bytes(recipe, "float16", "nf4", "cuda") == nf4  # fp16 experts: as big as bf16 ones
+    activations = prefill_activation_bytes(recipe, "bfloat16", PLAN_CONTEXT_TOKENS, eager=False)
+    doubled = recipe.expert_bytes + recipe.drafter_bytes + recipe.kv_bytes_per_token * PLAN_CONTEXT_TOKENS + activations
+    fp32 = estimate_bytes(recipe, "float32", "nf4", "cuda")
+    assert fp32 - nf4 == pytest.approx(doubled, rel=1e-6)  # fp32 experts and MLP activations: 2x
     with pytest.raises(DflashError) as info:
         make_plan(RTX_5090, recipe)
     message = info.value.message

@@ -8,18 +8,34 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
+from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.loading.checkpoint import read_checkpoint
 from dflash_cli.loading.models import load_target
-from dflash_cli.setup.planning import Plan, expected_speed, target_weight_bytes
-from dflash_cli.setup.recipes import adhoc_recipe
+from dflash_cli.setup.hardware import MachineFacts
+from dflash_cli.setup.planning import (
+    PLAN_CONTEXT_TOKENS,
+    Plan,
+    PlanOverrides,
+    expected_speed,
+    make_plan,
+    target_weight_bytes,
+)
+from dflash_cli.setup.recipes import adhoc_recipe, get_recipe
 from dflash_cli.setup.sizes import (
     BYTES_PER_ELEMENT,
+    PREFILL_CHUNK_TOKENS,
+    RUNTIME_BYTES,
+    kv_bytes_per_token,
+    memory_estimate,
     module_weight_bytes,
+    prefill_activation_bytes,
     recipe_stored_bytes,
     step_bytes,
     tensor_bytes,
 )
+from helpers.machines import GIB
 
 
 def cpu_plan(dtype: str, quant: str = "none") -> Plan:
@@ -60,3 +76,74 @@ def test_nf4_counts_agree_with_what_bitsandbytes_holds(tiny_qwen3_dir: Path) -> 
     # (packing rounds each tensor's blocks up: a few bytes per tensor)
     assert held == pytest.approx(planned, rel=0.005)
     assert held < checkpoint.nbytes("bfloat16")  # it did quantize
+
+
+CPU = MachineFacts(kind="cpu", cpu_ram_total=64 * GIB, cpu_ram_available=60 * GIB, cpu_bf16=True)
+
+
+def test_the_memory_estimate_is_its_parts_at_the_plans_context() -> None:
+    demo = get_recipe("demo")
+    estimate = memory_estimate(demo, 269_030_016, "bfloat16", "cpu", PLAN_CONTEXT_TOKENS)
+    assert estimate is not None
+    assert estimate.weights == 269_030_016 and estimate.drafter == demo.drafter_bytes
+    assert estimate.kv_cache == demo.kv_bytes_per_token * PLAN_CONTEXT_TOKENS  # target and drafter K/V, bf16
+    assert estimate.activations == 2 * 9 * PREFILL_CHUNK_TOKENS * PLAN_CONTEXT_TOKENS * 4  # eager fp32 scores
+    assert estimate.runtime == RUNTIME_BYTES["cpu"]
+    parts = (estimate.weights, estimate.drafter, estimate.kv_cache, estimate.activations, estimate.runtime)
+    assert estimate.total == sum(parts)
+    fp32 = memory_estimate(demo, 2 * 269_030_016, "float32", "cpu", PLAN_CONTEXT_TOKENS)
+    assert fp32 is not None and (fp32.drafter, fp32.kv_cache) == (2 * estimate.drafter, 2 * estimate.kv_cache)
+    assert fp32.activations == estimate.activations  # the scores are float32 in every dtype
+    assert memory_estimate(demo, None, "bfloat16", "cpu", PLAN_CONTEXT_TOKENS) is None
+    baseline = dataclasses.replace(demo, drafter=None)
+    assert memory_estimate(baseline, 1, "bfloat16", "cpu", PLAN_CONTEXT_TOKENS).drafter == 0  # type: ignore[union-attr]
+
+
+def test_prefill_activations_are_the_last_chunks_scores_or_its_mlp() -> None:
+    qwen = get_recipe("qwen3-8b")  # 32 heads, MLP 12288
+    eager = prefill_activation_bytes(qwen, "bfloat16", 8192, eager=True)
+    assert eager == 2 * 32 * 512 * 8192 * 4  # 1.07 GB: scores and softmax of one layer
+    assert prefill_activation_bytes(qwen, "bfloat16", 4096, eager=True) == eager // 2  # linear in the context
+    assert prefill_activation_bytes(qwen, "bfloat16", 100, eager=True) == 3 * 100 * 12288 * 2  # one short chunk
+    fused = prefill_activation_bytes(qwen, "bfloat16", 8192, eager=False)
+    assert fused == 3 * 512 * 12288 * 2  # a fused kernel never holds the scores: the MLP's gate, up and product
+    assert prefill_activation_bytes(qwen, "float32", 8192, eager=False) == 2 * fused
+    unknown = dataclasses.replace(qwen, attention_heads=None, mlp_width=None)
+    assert prefill_activation_bytes(unknown, "bfloat16", 8192, eager=True) == 0
+
+
+def test_batch_rows_add_their_kv_and_twice_their_recurrent_state() -> None:
+    hybrid = get_recipe("qwen3.5-4b")
+    estimate = memory_estimate(hybrid, 1, "bfloat16", "cuda", PLAN_CONTEXT_TOKENS)
+    assert estimate is not None and estimate.state == 2 * hybrid.state_bytes_per_row
+    assert estimate.next_row == estimate.kv_cache + estimate.state
+    assert estimate.with_rows(1) == estimate.total
+    assert estimate.with_rows(16) == estimate.total + 15 * estimate.next_row
+
+
+def test_the_banner_says_the_context_and_a_batch_holds_every_row() -> None:
+    plan = make_plan(CPU, get_recipe("demo"))
+    assert plan.memory is not None and plan.estimated_bytes == plan.memory.total
+    one = plan.one_line()
+    assert one.endswith(f"~{plan.memory.total / 1e9:.1f} GB at 8,192 tokens")
+    assert f"~{plan.memory.with_rows(16) / 1e9:.1f} GB at 8,192 tokens" in plan.one_line(rows=16)
+    memory = next(reason for reason in plan.reasons if reason.startswith("memory:"))
+    for part in ("weights 269 MB", "drafter 10 MB", "KV cache 195 MB", "prefill activations 302 MB", "--cache-ram"):
+        assert part in memory
+    # the prefix store has its own bound (--cache-ram): not in the estimate, so not counted twice
+    assert make_plan(CPU, get_recipe("demo"), PlanOverrides(cache_ram_mib=0)).memory == plan.memory
+
+
+def test_the_kv_part_is_what_the_state_reserves_for_a_row(tiny_qwen3_dir: Path) -> None:
+    """The estimate's K/V (a recipe's bf16 bytes per token, in the plan's dtype) against the buffers AttentionState
+    allocates for one row: the same bytes for as many positions."""
+    target = load_target(tiny_qwen3_dir, cpu_plan("float32"))
+    bf16_per_token = kv_bytes_per_token(target.config, BYTES_PER_ELEMENT["bfloat16"])
+    recipe = dataclasses.replace(adhoc_recipe(str(tiny_qwen3_dir), None), kv_bytes_per_token=bf16_per_token)
+    state = AttentionState(target)
+    state.reserve(16, 4, ())  # a short first request: the state reserves a long context (the model's, here)
+    with torch.inference_mode():
+        state.prefill(torch.tensor([[1, 2, 3]]))
+    held = sum(tensor_bytes(t) for t in (*state._keys, *state._values))
+    estimate = memory_estimate(recipe, 1, "float32", "cpu", state.capacity)
+    assert estimate is not None and estimate.kv_cache == held == 2 * bf16_per_token * state.capacity

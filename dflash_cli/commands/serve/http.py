@@ -283,10 +283,6 @@ class Server:
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         return await self._whole(http, job, updates, request, ids)
 
-    async def _reply_text(self, token_ids: list[int]) -> str:
-        async with self.encode_lock:  # (the tokenizer, one call at a time)
-            return self.session.reply_text(token_ids)
-
     async def _whole(
         self, http: HTTPRequest, job: Job, updates: asyncio.Queue[Update], request: Request, ids: dict[str, Any]
     ) -> Response:
@@ -341,8 +337,7 @@ class Server:
         endpoint, usage = request.endpoint or CHAT_URL, request.include_usage
         # Under tools the text is read raw (special tokens kept) and held back from where a call may start.
         tools = ToolStream(request.tools, self.session.tool_format) if request.tools is not None else None
-        token_ids: list[int] = []
-        fed = 0  # raw characters given to `tools`
+        raw = self.session.reply_text_stream() if tools is not None else None
         try:
             if endpoint == CHAT_URL:
                 yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
@@ -350,11 +345,11 @@ class Server:
                 update = await updates.get()
                 text = update.text
                 if tools is not None:
-                    token_ids += update.token_ids
-                    raw = await self._reply_text(token_ids)
-                    if update.finish_reason is None and raw.endswith("\ufffd"):  # a character cut in two: wait
-                        raw = raw[:fed]
-                    text, fed = tools.feed(raw[fed:]), max(fed, len(raw))
+                    async with self.encode_lock:  # (the tokenizer, one call at a time)
+                        fresh = raw.push(update.token_ids)[0]
+                        if update.finish_reason is not None:
+                            fresh += raw.flush()
+                    text = tools.feed(fresh)
                 if text:
                     yield sse(responses.chunk(endpoint, text=text, with_usage=usage, **ids))
                 if tools is not None:  # each call as soon as it closes

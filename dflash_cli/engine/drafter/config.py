@@ -40,22 +40,13 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.drafters import DEFAULT_BLOCK_SIZE, DFLASH_FIELDS, dflash_field
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 ARCHITECTURES = (ARCHITECTURE, DFLASH2_ARCHITECTURE)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DEFAULT_BLOCK_SIZE = 16  # the reference's default when neither dflash_config nor the top level sets it
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# DFlash fields the reference looks up in dflash_config first, then at the top level.
-DFLASH_FIELDS = (
-    "block_size",
-    "mask_token_id",
-    "target_layer_ids",
-    "input_embedding_scale",
-    "output_multiplier",
-    "final_logit_softcapping",
-)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -180,18 +171,14 @@ class DrafterConfig:
         def where(name: str) -> str:
             return f"dflash_config.{name}" if name in dflash else name
 
-        def value(name: str, default: Any = None) -> Any:
-            """A DFlash field as the reference reads it: dflash_config, then the top level, then the default."""
-            return dflash.get(name, raw.get(name, default))
-
         def integer(name: str, default: Any = None, minimum: int = 1) -> int:
-            got = value(name, default)
+            got = dflash_field(raw, name, default)
             if not isinstance(got, int) or isinstance(got, bool) or got < minimum:
                 raise fail(where(name), f"an integer >= {minimum} (in dflash_config or at the top level), got {got!r}")
             return got
 
         def number(name: str, default: Any) -> float | None:
-            got = value(name, default)
+            got = dflash_field(raw, name, default)
             if got is not None and (not isinstance(got, (int, float)) or isinstance(got, bool)):
                 raise fail(where(name), f"a number, got {got!r}")
             return None if got is None else float(got)
@@ -242,13 +229,13 @@ class DrafterConfig:
         is_causal = raw.get("is_causal")
 
         block_size = integer("block_size", DEFAULT_BLOCK_SIZE)
-        mask_token_id = value("mask_token_id")
+        mask_token_id = dflash_field(raw, "mask_token_id")
         if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool) or mask_token_id < 0:
             raise fail(
                 "dflash_config.mask_token_id",
                 f"the id of the mask token (in dflash_config or at the top level), got {mask_token_id!r}",
             )
-        layer_ids = value("target_layer_ids")
+        layer_ids = dflash_field(raw, "target_layer_ids")
         n_target = raw.get("num_target_layers", dflash.get("num_target_layers"))  # the reference: top level
         if layer_ids is None:
             if not isinstance(n_target, int):

@@ -47,6 +47,12 @@ from dflash_cli.engine.target.base import (
 # Positions a state reserves at least, so that consecutive requests (a growing chat) rarely reallocate. On CPU
 # the buffers are allocated but untouched pages cost no memory; the planner reserves an 8k-token KV cache too.
 MIN_CAPACITY = 8192
+# Eager attention holds a forward's scores [heads, queries, keys] in float32 (and a copy or two) per layer: a prefill
+# runs in chunks of queries that keep them near this size, and no larger than MAX_PREFILL_CHUNK (its products are
+# then as fast per row as a whole prompt's). Chunking changes no row's numbers (engine.kernels, eager attention).
+PREFILL_SCORES_BYTES = 256 * 2**20
+MAX_PREFILL_CHUNK = 512
+MIN_PREFILL_CHUNK = 16
 
 
 class _KVLayer(CacheLayerMixin):
@@ -127,6 +133,7 @@ class AttentionState(TargetState):
         self._block_features: torch.Tensor | None = None  # [rows, block, F]: verify steps write here
         self._features: torch.Tensor | None = None  # what the last forward wrote (the block buffer, or a prompt's)
         self._feature_rows = slice(0, 1)  # the rows of `_features` the current forward writes
+        self._feature_at = 0  # and the position in them its first token writes (a prefill chunk's offset)
         self._feature_slot = 0  # the slot of `_features`' first row
         self.capture = False  # this request's drafter reads features
         self._capturing = False  # inside one of this state's forwards, with capture on
@@ -262,7 +269,10 @@ class AttentionState(TargetState):
             if self._capturing:
                 hidden = output[0] if isinstance(output, tuple) else output
                 width = hidden.shape[-1]
-                self._features[self._feature_rows, : hidden.shape[1], slot * width : (slot + 1) * width].copy_(hidden)
+                at = self._feature_at
+                self._features[self._feature_rows, at : at + hidden.shape[1], slot * width : (slot + 1) * width].copy_(
+                    hidden
+                )
 
         return record
 
@@ -271,13 +281,8 @@ class AttentionState(TargetState):
     def _forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
         """One forward over `rows` of the buffers (set up by the caller: `at` for one row, or the positions)."""
         self.forward_rows = rows
-        if self.capture:
-            if not prefill:
-                self._features, self._feature_rows, self._feature_slot = self._block_features, rows, 0
-            else:  # the prompt: its own buffer, once per request
-                width = self._block_features.shape[-1]
-                self._features = torch.empty(1, token_ids.shape[1], width, dtype=self.dtype, device=self.device)
-                self._feature_rows, self._feature_slot = slice(0, 1), rows.start
+        if self.capture and not prefill:  # a prefill writes the prompt's own buffer (`prefill`)
+            self._features, self._feature_rows, self._feature_slot, self._feature_at = self._block_features, rows, 0, 0
         self._capturing = self.capture
         try:
             if self.forward_positions is not None:
@@ -330,11 +335,27 @@ class AttentionState(TargetState):
         return masks if len(masks) > 1 else masks[kinds[0]]
 
     def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
-        self.at = start
         self.held[slot] = None  # the row's positions from `start` on change: the loop says what it holds after
-        logits = self._forward(token_ids, slice(slot, slot + 1), prefill=True)
-        self.lengths[slot] = start + token_ids.shape[1]
+        n = token_ids.shape[1]
+        if self.capture:  # the prompt's features: their own buffer, once per request
+            width = self._block_features.shape[-1]
+            self._features = torch.empty(1, n, width, dtype=self.dtype, device=self.device)
+            self._feature_rows, self._feature_slot = slice(0, 1), slot
+        chunk = self.prefill_chunk(start + n)
+        for begin in range(0, n, chunk):
+            self.at, self._feature_at = start + begin, begin
+            logits = self._forward(token_ids[:, begin : begin + chunk], slice(slot, slot + 1), prefill=True)
+        self.lengths[slot] = start + n
         return logits
+
+    def prefill_chunk(self, end: int) -> int:
+        """How many prompt tokens one prefill forward takes when the row ends at `end`: all of them with a fused
+        attention kernel; with eager attention, as many as keep its scores near PREFILL_SCORES_BYTES."""
+        if self.target.config._attn_implementation != "eager":
+            return max(end, 1)
+        heads = self.target.config.get_text_config().num_attention_heads
+        fits = PREFILL_SCORES_BYTES // (3 * 4 * heads * end)  # float32 scores, their softmax, and its bf16 copy
+        return max(MIN_PREFILL_CHUNK, min(MAX_PREFILL_CHUNK, fits))
 
     def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:
         if len(slots) == 1:  # one row: exactly a single sequence's forward

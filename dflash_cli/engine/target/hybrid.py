@@ -329,7 +329,6 @@ class HybridState(AttentionState):
         # state. Layers that are both kinds (one row) keep no per-slot states here: such targets reuse nothing.
         self.snapshots: list[dict[int, dict[tuple[int, tuple[str, int]], torch.Tensor]]] = [{}]
         self.snapshotting = len(self.linear) == len(linear_cache_layers(target))
-        self._resuming = False
         # The last verify until all its rows have committed: its block, slots, forward rows, and what each kept.
         self._block: torch.Tensor | None = None
         self._slots: list[int] = []
@@ -375,22 +374,16 @@ class HybridState(AttentionState):
         if start > 0:
             for (i, key), saved in snapshots[start].items():
                 self.linear[i].storage[key][slot].copy_(saved)
-        self._resuming = start > 0
-        try:
-            n = token_ids.shape[1]
-            if n > 1 and self.snapshotting:
-                super().prefill(token_ids[:, :-1], slot, start)
-                head = self._features
-                self._snapshot(slot)
-                self._resuming = True
-                logits = super().prefill(token_ids[:, -1:], slot, start + n - 1)
-                if self.capture:
-                    self._features = torch.cat([head, self._features], dim=1)
-            else:
-                logits = super().prefill(token_ids, slot, start)
-        finally:
-            self._resuming = False
-        return logits
+        n = token_ids.shape[1]
+        if n > 1 and self.snapshotting:
+            super().prefill(token_ids[:, :-1], slot, start)
+            head = self._features
+            self._snapshot(slot)
+            logits = super().prefill(token_ids[:, -1:], slot, start + n - 1)
+            if self.capture:
+                self._features = torch.cat([head, self._features], dim=1)
+            return logits
+        return super().prefill(token_ids, slot, start)
 
     def hold(self, slot: int, held: Any) -> None:
         super().hold(slot, held)
@@ -415,7 +408,7 @@ class HybridState(AttentionState):
 
     def _forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
         for layer in self.linear:
-            layer.select(rows, fresh=prefill and not self._resuming)
+            layer.select(rows, fresh=prefill and self.at == 0)  # a prefill from position 0 starts from zero states
         if prefill or self._rerunning:
             return super()._forward(token_ids, rows, prefill)
         self._rows = rows

@@ -1,0 +1,104 @@
+"""Batch invariance in bf16 on a CPU: a row's tokens do not depend on what its steps compute it with.
+
+With eager attention (the CPU plan's default) and one-row bf16 products run as two (engine.kernels), a row's
+numbers are the same bits whatever its step holds: one token or a verify block of any size, alone or beside
+other rows of other lengths, its prompt prefilled whole, in chunks, or continued from a kept prefix. So greedy
+text equals the baseline's and the same request alone, and seeded sampling reproduces, in bf16 as in float32.
+PyTorch's fused CPU attention (SDPA) rounds a row by the step's shape: the same checks fail with it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_batch import run_batch
+from test_prefix import conversation, turns
+
+from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine.policy import FixedBlock
+from dflash_cli.engine.target import attention
+from helpers.drafters import random_drafter
+from helpers.tiny_models import build_tiny
+
+
+@functools.cache
+def bf16_target(family: str, seed: int, attn: str = "eager"):
+    """A random tiny model in bf16, unsharpened: near-ties between its top tokens are common, so any rounding
+    difference between two ways of computing a row shows up as different text."""
+    model = build_tiny(family, seed).to(torch.bfloat16)
+    model.set_attn_implementation(attn)
+    return model
+
+
+PROMPTS = [[5, 17, 42, 9, 33], [8, 9, 3, 3, 11, 12, 30, 31, 2, 2, 70], [1, 60], [44] * 23, [7, 6, 5, 4, 3, 2, 1]]
+
+
+def alone(target, drafter, prompt, params, block=None):
+    policy = FixedBlock(block) if block else None
+    return collect(generate(target, drafter, prompt, params, policy=policy)).token_ids
+
+
+def texts(target, attn_note: str) -> None:
+    """Every way of decoding each prompt gives the baseline's greedy tokens."""
+    drafter = random_drafter(target, seed=1, block_size=8, dtype=torch.bfloat16)
+    params = SamplingParams(max_new_tokens=40)
+    baseline = [alone(target, None, p, params) for p in PROMPTS]
+    for block in (2, 3, 8):
+        assert [alone(target, drafter, p, params, block) for p in PROMPTS] == baseline, (attn_note, block)
+    for rows in (2, 3, 4):
+        requests = [(p, params, i % 3) for i, p in enumerate(PROMPTS)]
+        got, widest = run_batch(target, drafter, requests, rows)
+        assert widest > 1 and [g[0] for g in got] == baseline, (attn_note, rows)
+        got, _ = run_batch(target, None, requests, rows)
+        assert [g[0] for g in got] == baseline, (attn_note, rows, "baseline batched")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss"])
+def test_greedy_text_is_the_same_alone_batched_and_in_any_block(family: str) -> None:
+    texts(bf16_target(family, 0), family)
+
+
+def test_the_same_checks_fail_with_the_fused_attention_kernel() -> None:
+    """The test above can fail: with SDPA a row's rounding follows the step's shape, and some text differs."""
+    differs = 0
+    for seed in range(3):
+        try:
+            texts(bf16_target("qwen3", seed, "sdpa"), "sdpa")
+        except AssertionError:
+            differs += 1
+    assert differs > 0
+
+
+def test_seeded_sampling_reproduces_across_batch_compositions() -> None:
+    target = bf16_target("qwen3", 1)
+    drafter = random_drafter(target, seed=2, block_size=4, dtype=torch.bfloat16)
+    params = [SamplingParams(max_new_tokens=32, temperature=0.9, top_p=0.95, seed=123 + i) for i in range(len(PROMPTS))]
+    solo = [alone(target, drafter, p, q) for p, q in zip(PROMPTS, params)]
+    assert solo == [alone(target, None, p, q) for p, q in zip(PROMPTS, params)]  # drafting or not
+    for rows, joins in ((2, (0, 0, 1, 1, 2)), (4, (0, 3, 0, 1, 0))):
+        got, widest = run_batch(target, drafter, list(zip(PROMPTS, params, joins)), rows)
+        assert widest > 1 and [g[0] for g in got] == solo
+
+
+def test_a_prompt_prefilled_in_chunks_continues_as_prefilled_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = bf16_target("llama", 2)
+    drafter = random_drafter(target, seed=3, block_size=4, dtype=torch.bfloat16)
+    prompt = [(i * 37) % 90 + 1 for i in range(70)]
+    params = SamplingParams(max_new_tokens=24)
+    whole = alone(target, drafter, prompt, params)
+    monkeypatch.setattr(attention, "PREFILL_SCORES_BYTES", 1)  # chunks of MIN_PREFILL_CHUNK queries
+    assert attention.AttentionState(target).prefill_chunk(len(prompt)) == attention.MIN_PREFILL_CHUNK
+    assert alone(target, drafter, prompt, params) == whole == alone(target, None, prompt, params)
+
+
+def test_a_conversation_reusing_its_prefix_decodes_as_without() -> None:
+    """A chat's later turns continue from the K/V its earlier turns left (one-token and block steps, another
+    prefill's chunks): in bf16 the replies equal a fresh prefill's, token for token."""
+    target = bf16_target("qwen3", 2)
+    drafter = random_drafter(target, seed=4, block_size=4, dtype=torch.bfloat16)
+    params = SamplingParams(max_new_tokens=30)
+    prompts = conversation(target, drafter, [5, 6, 7, 8, 9, 10], params, 4)
+    with_reuse, without, cached = turns(target, drafter, prompts, params)
+    assert with_reuse == without and all(n > 0 for n in cached[1:])

@@ -156,6 +156,8 @@ def load_int4_target(gguf: Path, config_dir: Path, dtype: torch.dtype) -> PreTra
         heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
         unpermute = permuted and name.endswith(("q_proj", "k_proj"))
         bias = float32(f"{name}.bias").to(dtype) if module.bias is not None else None
+        if bias is not None and unpermute:  # llama.cpp permutes a q/k bias with its rows
+            bias = _unpermute_rows(bias, heads)
         if int4_packable(module.out_features, module.in_features):
             groups = _q4_groups(*raw(f"{name}.weight"))
             codes, scales, mins = (_unpermute_rows(t, heads) for t in groups) if unpermute else groups
@@ -200,10 +202,12 @@ def _tensor_table(gguf: Path) -> tuple[str, dict[str, _Tensor]]:
     table = gguf.with_name(gguf.name + ".tensors.json")
     stat = gguf.stat()
     stamp = [stat.st_size, stat.st_mtime_ns]
-    if table.is_file():
+    try:
         saved = json.loads(table.read_text())
         if saved["file"] == stamp:
             return saved["architecture"], {name: _Tensor(*t) for name, t in saved["tensors"].items()}
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or not one we can read: made again below
+        pass
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf)

@@ -237,3 +237,28 @@ def test_pull_makes_the_float_copy_only_where_the_plan_needs_float_weights(
     assert target.data["path"] == str(demo.converted_dir(demo_recipe.target.id))
     assert (demo.converted_dir(demo_recipe.target.id) / "model.safetensors").is_file() is not cpu_bf16
     assert pull_recipe(demo_recipe, console, dry_run=True)[0].data["path"] == target.data["path"]
+
+
+def test_a_stale_or_unreadable_tensor_table_is_made_again(tmp_path: Path) -> None:
+    gguf_file = write_gguf(tiny_llama(seed=8, tied=True), tmp_path / "tiny.gguf")
+    table = gguf_file.with_name(gguf_file.name + ".tensors.json")
+    architecture, tensors = demo._tensor_table(gguf_file)
+    assert architecture == "llama" and tensors["blk.0.attn_q.weight"].kind == "Q4_1"
+    table.write_text("{not json")
+    assert demo._tensor_table(gguf_file) == (architecture, tensors)
+    write_gguf(tiny_llama(seed=8, tied=True), gguf_file, kind="Q4_0")  # a new file: its size and time differ
+    assert demo._tensor_table(gguf_file)[1]["blk.0.attn_q.weight"].kind == "Q4_0"
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
+def test_every_int4_layer_multiplies_by_the_gguf_weights(tmp_path: Path, kind: str) -> None:
+    """In float32 each int4 layer's weight is the GGUF's exactly, q/k rows in transformers' order: Q4_0's groups
+    (w = (q - 8) d) too, which min-max over the float weights would not find again."""
+    gguf_file = write_gguf(tiny_llama(seed=9, tied=False), tmp_path / "tiny.gguf", kind)
+    demo.convert_gguf(gguf_file, tmp_path / "converted", REPO_ID)
+    floats = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float32)
+    direct = demo.load_int4_target(gguf_file, tmp_path / "converted", torch.float32)
+    layers = {name: m for name, m in direct.named_modules() if isinstance(m, Int4Linear)}
+    assert len(layers) == 2 * 7
+    for name, layer in layers.items():
+        assert torch.equal(layer.dequantized(), floats.get_submodule(name).weight), name

@@ -92,7 +92,10 @@ def int4_gguf_source(
 
 def int4_gguf_problem(gguf: Path) -> str | None:
     """Why the linears of `gguf` cannot be read straight into int4 layers; None when they can."""
-    architecture, tensors = _tensor_table(gguf)
+    try:
+        architecture, tensors = _tensor_table(gguf)
+    except (OSError, ValueError, KeyError) as exc:  # the conversion then says what is wrong with the file
+        return f"gguf cannot read {gguf.name} ({exc})"
     if architecture not in INT4_ARCHITECTURES:
         return f"{gguf.name} is a {architecture} model, and the direct int4 read knows {', '.join(INT4_ARCHITECTURES)}"
     kinds = {t.kind for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2}

@@ -262,3 +262,15 @@ def test_every_int4_layer_multiplies_by_the_gguf_weights(tmp_path: Path, kind: s
     assert len(layers) == 2 * 7
     for name, layer in layers.items():
         assert torch.equal(layer.dequantized(), floats.get_submodule(name).weight), name
+
+
+def test_another_architecture_or_an_unreadable_file_is_not_read_directly(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), "qwen2")
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 64).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "qwen2 model" in demo.int4_gguf_problem(tmp_path / "qwen.gguf")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(12))
+    assert "cannot read broken.gguf" in demo.int4_gguf_problem(tmp_path / "broken.gguf")

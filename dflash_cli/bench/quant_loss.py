@@ -30,7 +30,8 @@ QUANTS = ("int4", "int8")
 
 
 def load(recipe_name: str | None, target: str | None, quant: str, dtype: str = "bfloat16") -> tuple[Any, Any]:
-    """The target and tokenizer as `dflash` loads them on this CPU in `dtype`, `quant` ("none", "int4", "int8")."""
+    """The target and tokenizer as `dflash` loads them on this CPU in `dtype`, `quant` ("none", "int4", "int8"): for
+    the demo offline under int4, straight from its GGUF's groups."""
     from dflash_cli.loading import models as loading
     from dflash_cli.setup.hardware import detect_machine
     from dflash_cli.setup.planning import PlanOverrides, make_plan
@@ -38,8 +39,8 @@ def load(recipe_name: str | None, target: str | None, quant: str, dtype: str = "
 
     recipe = resolve_recipe(recipe_name if target is None else None, None, target, None)
     plan = make_plan(detect_machine(), recipe, PlanOverrides(device="cpu", dtype=dtype, quant=quant))
-    model_dir = loading.resolve_ref(recipe.target, "target")
-    return loading.load_target(model_dir, plan), loading.load_tokenizer(model_dir, recipe)
+    loaded = loading.load_models(recipe, plan, with_drafter=False)
+    return loaded.target, loaded.tokenizer
 
 
 def encoded_prompts(tokenizer: Any, count: int) -> list[list[int]]:

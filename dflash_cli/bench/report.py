@@ -245,7 +245,7 @@ class BenchReport:
     @property
     def exact(self) -> bool:
         """float32: a block verify rounds like one-token steps closely enough that any mismatch is a bug; a
-        batch-invariant target (bf16 on a CPU with eager attention, engine.target.batch_invariant) rounds them
+        batch-invariant target (bf16 on a CPU with eager attention, engine.target.rounding_cause) rounds them
         alike. Elsewhere in bf16/fp16 the two round differently, and a near-tie between the top two tokens can go
         either way."""
         return self.metadata["plan"]["dtype"] == "float32" or bool(self.metadata.get("batch_invariant"))
@@ -427,24 +427,13 @@ def render_identity(report: BenchReport) -> Text:
             style=style,
         )
         lines.append(
-            f"here a block verify rounds differently from a one-token step ({_rounding_cause(report)}), so where the "
+            f"here a block verify rounds differently from a one-token step ({report.metadata.get('rounding_cause')}), "
+            "so where the "
             "target's top two tokens are nearly tied the two runs can part (each DFlash token is still the target's "
             "own choice in its verify); --dtype fp32 checks identity",
             style=style,
         )
     return lines
-
-
-def _rounding_cause(report: BenchReport) -> str:
-    """Why this run's bf16/fp16 rows round by the step's shape (engine.target.batch_invariant's conditions)."""
-    plan = report.metadata["plan"]
-    if plan["device"].partition(":")[0] != "cpu":
-        return f"{plan['device']}: fused attention and matrix kernels pick their tiling by the step's shape"
-    if plan["attn_implementation"] != "eager":
-        return f"attention {plan['attn_implementation']}: its kernel rounds a row by the step's queries and keys"
-    if plan["dtype"] == "float16":
-        return "float16 on a CPU: its products round a row by the product's row count"
-    return "linear-attention layers: a prompt runs their chunked recurrence, a step the one-token one"
 
 
 def render_chart(report: BenchReport, width: int = 30) -> Group:

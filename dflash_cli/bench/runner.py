@@ -133,7 +133,7 @@ def collect_metadata(session: Session, command: str) -> dict[str, Any]:
     import transformers
 
     from dflash_cli import __version__
-    from dflash_cli.engine.target import batch_invariant
+    from dflash_cli.engine.target import rounding_cause
     from dflash_cli.setup.hardware import detect_machine
 
     drafter = session.drafter
@@ -156,7 +156,9 @@ def collect_metadata(session: Session, command: str) -> dict[str, Any]:
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         },
         "plan": session.plan.to_dict(),
-        "batch_invariant": batch_invariant(session.target),  # greedy identity is then expected (bench.report)
+        # greedy identity is expected where no rounding cause is (bench.report): float32 aside
+        "batch_invariant": (cause := rounding_cause(session.target, session.compiled)) is None,
+        "rounding_cause": cause,
         "recipe": session.recipe.to_dict(),
         "drafter_block_size": drafter.block_size if drafter is not None else None,
     }

@@ -15,12 +15,21 @@ then a row's output does not depend on how many rows its step holds (a plain ste
 prefill chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md). float32 has
 no such rule here: MKL's float32 kernels round a row by the product's row count at every size.
 
+Attention's products have the same one-row case: a one-query step (a plain decode step) multiplies [1, keys] by
+the values, which MKL's one-row kernel rounded otherwise than a block's first row (seen at 2,500 keys, 8 KV heads
+x 128). `invariant_eager_attention` (registered with transformers as INVARIANT_EAGER) is the model family's own
+eager attention with a one-query call run as two.
+
 `use_cpu_products(model)` switches a model's plain CPU `nn.Linear` layers in place, same parameters and state
 dict: float32 ones to `SmallRowLinear` (`W @ x.T` for 2 to `SMALL_ROWS` rows; its rounding differs from `F.linear`
-in the last bits there, never for one row), bf16 ones to `TwoRowLinear`.
+in the last bits there, never for one row), bf16 ones to `TwoRowLinear`; and a CPU model's eager attention to
+INVARIANT_EAGER.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +65,53 @@ class TwoRowLinear(nn.Linear):
 
 
 CPU_PRODUCTS = {torch.float32: SmallRowLinear, torch.bfloat16: TwoRowLinear}
+INVARIANT_EAGER = "invariant_eager"  # (no "flash" in it: transformers reads any such name as flash attention)
+EAGER = ("eager", INVARIANT_EAGER)  # attention that writes its scores out (a prefill runs in chunks of queries)
+
+
+def _family_eager(module: nn.Module) -> Any:
+    """The eager attention function of `module`'s modeling file (attention sinks, softcapping and all)."""
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+
+
+def invariant_eager_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """The family's eager attention; a one-query call runs as two (the query twice) and keeps the first."""
+    eager = _family_eager(module)
+    if query.shape[2] != 1:
+        return eager(module, query, key, value, attention_mask, *args, **kwargs)
+    twice = query.expand(-1, -1, 2, -1)
+    mask = attention_mask.expand(-1, -1, 2, -1) if attention_mask is not None else None
+    out, weights = eager(module, twice, key, value, mask, *args, **kwargs)
+    return out[:, :1], weights[:, :, :1] if weights is not None else None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(INVARIANT_EAGER, invariant_eager_attention)
+    AttentionMaskInterface.register(INVARIANT_EAGER, eager_mask)
+
+
+_register()
 
 
 def use_cpu_products(model: nn.Module) -> int:
-    """Switch `model`'s plain float32 and bf16 CPU linears to `CPU_PRODUCTS`' layers in place; returns how many.
-    Quantized or other linear subclasses, other dtypes and devices keep theirs (their kernels differ)."""
+    """Switch `model`'s plain float32 and bf16 CPU linears to `CPU_PRODUCTS`' layers in place (returns how many),
+    and its eager attention to INVARIANT_EAGER. Quantized or other linear subclasses, other dtypes and devices keep
+    theirs (their kernels differ)."""
     switched = 0
+    config = getattr(model, "config", None)
+    if (
+        config is not None
+        and getattr(config, "_attn_implementation", None) == "eager"
+        and next(model.parameters()).device.type == "cpu"
+        and all(_family_eager(m) is not None for m in model.modules() if type(m).__name__.endswith("Attention"))
+    ):
+        model.set_attn_implementation(INVARIANT_EAGER)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if type(module) is nn.Linear and weight is not None and weight.device.type == "cpu":

@@ -87,7 +87,8 @@ class Batch:
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
         # CPU threads: prompts at torch's count now, decode steps at `decode_threads` (engine.threads)
-        self.threads = {False: torch.get_num_threads(), True: decode_threads or torch.get_num_threads()}
+        self.prompt_threads = torch.get_num_threads()
+        self.decode_threads = decode_threads or self.prompt_threads
         self.prefix_cache = prefix_cache  # a joining row keeps what its slot holds of its prompt (engine.prefix)
         self.prefix_store = prefix_store if prefix_cache else None  # prefixes beyond the slots, in host memory
         self.device = target.get_input_embeddings().weight.device
@@ -157,7 +158,7 @@ class Batch:
         target)."""
         self.policy.finish()
         if self.device.type == "cpu":
-            torch.set_num_threads(self.threads[False])
+            torch.set_num_threads(self.prompt_threads)
         for row in self.active:  # between steps: each row's state is whole
             self._free(row, keep=True)
         if self.state is not None:
@@ -184,8 +185,9 @@ class Batch:
         before anything else runs), or else one draft + verify for every decoding row. Returns each row's step (or
         the exception that failed it), in order; a row whose step has a finish_reason, or that failed, has left."""
         prefilling = bool(self.waiting and None in self.slots)
-        if self.device.type == "cpu" and torch.get_num_threads() != self.threads[not prefilling]:
-            torch.set_num_threads(self.threads[not prefilling])
+        threads = self.prompt_threads if prefilling else self.decode_threads
+        if self.device.type == "cpu" and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         if prefilling:
             events: list[tuple[Row, Step | BaseException]] = []
             while self.waiting and None in self.slots:
@@ -217,7 +219,7 @@ class Batch:
         """The block runs at the decode thread count (on a CPU), then at the count before."""
         before = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(self.threads[True])
+            torch.set_num_threads(self.decode_threads)
         try:
             yield
         finally:

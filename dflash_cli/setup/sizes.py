@@ -24,8 +24,14 @@ CPU_QUANT_BYTES_PER_PARAM = {"int4": 0.5 + 4 / 32, "int8": 1.0}
 # slack. The CPU: the process itself (Python, torch, transformers, the tokenizer, the server) and what the allocator
 # keeps from loading: `dflash serve demo` holds 0.91 GB idle with 0.17 GB of weights and drafter.
 RUNTIME_BYTES = {"cuda": 1_500_000_000, "mps": 1_500_000_000, "cpu": 750_000_000}
-# Prompt rows one prefill forward computes at most: the prompt is prefilled in chunks of this many.
+# Prompt rows one prefill forward computes (engine.target.attention.AttentionState.prefill_chunk, the same rule;
+# tests/setup/test_sizes.py holds the two equal): at most PREFILL_CHUNK_TOKENS; with eager attention, which writes
+# its scores [heads, chunk, context] out in float32 (and a softmax and a bf16 copy: 12 bytes each), as many as keep
+# them near PREFILL_SCORES_BYTES, and at least MIN_PREFILL_CHUNK_TOKENS.
 PREFILL_CHUNK_TOKENS = 512
+MIN_PREFILL_CHUNK_TOKENS = 16
+PREFILL_SCORES_BYTES = 256 * 2**20
+EAGER_SCORE_BYTES = 3 * 4
 # Headroom over the weights where no recipe sizes a model (an ad-hoc target): activations, the KV cache of a short
 # context, allocator slack.
 RUNTIME_OVERHEAD = 1.10
@@ -110,14 +116,22 @@ class MemoryEstimate:
         return self.total + (rows - 1) * self.next_row
 
 
+def prefill_chunk_tokens(heads: int, end: int, eager: bool) -> int:
+    """Prompt rows one prefill forward takes when the row ends at `end` (the rule above)."""
+    if not eager or not heads:
+        return PREFILL_CHUNK_TOKENS
+    fits = PREFILL_SCORES_BYTES // (EAGER_SCORE_BYTES * heads * end)
+    return max(MIN_PREFILL_CHUNK_TOKENS, min(PREFILL_CHUNK_TOKENS, fits))
+
+
 def prefill_activation_bytes(recipe: Recipe, dtype: str, context_tokens: int, eager: bool) -> int:
-    """The largest transient of prefilling a `context_tokens` context in chunks of PREFILL_CHUNK_TOKENS rows: with
-    `eager` attention, the last chunk's scores [heads, chunk, context] and their softmax in float32, one layer at a
-    time; else (a fused kernel, which never holds the scores) its MLP's gate, up and product [chunk, mlp width] in
-    `dtype`, whichever is larger (they are not alive together). 0 where the recipe does not list the target's
-    heads and MLP width."""
-    chunk = min(PREFILL_CHUNK_TOKENS, context_tokens)
-    scores = 2 * (recipe.attention_heads or 0) * chunk * context_tokens * BYTES_PER_ELEMENT["float32"] if eager else 0
+    """The largest transient of prefilling a `context_tokens` context in chunks (`prefill_chunk_tokens`): with
+    `eager` attention, the last chunk's scores [heads, chunk, context] (float32, its softmax, a bf16 copy), one layer
+    at a time; and its MLP's gate, up and product [chunk, mlp width] in `dtype`, whichever is larger (they are not
+    alive together). 0 where the recipe does not list the target's heads and MLP width."""
+    heads = recipe.attention_heads or 0
+    chunk = min(prefill_chunk_tokens(heads, context_tokens, eager), context_tokens)
+    scores = EAGER_SCORE_BYTES * heads * chunk * context_tokens if eager else 0
     mlp = 3 * chunk * (recipe.mlp_width or 0) * BYTES_PER_ELEMENT[dtype]
     return max(scores, mlp)
 

@@ -326,7 +326,9 @@ def test_forced_mismatch_is_reported_not_raised(report: BenchReport) -> None:
     assert [(r["identical"], r["first_mismatch"]) for r in rows if r["mode"] == "dflash b4"].count((False, 2)) == 1
     # In bf16 on a GPU the same mismatch is a near-tie rounding difference, said as such with its cause, not a bug.
     plan = {**broken.metadata["plan"], "dtype": "bfloat16", "device": "cuda:0", "attn_implementation": "sdpa"}
-    bf16 = dataclasses.replace(broken, metadata={**broken.metadata, "plan": plan, "batch_invariant": False})
+    cause = "cuda:0: fused attention and matrix kernels pick their tiling by the step's shape"
+    metadata = {**broken.metadata, "plan": plan, "batch_invariant": False, "rounding_cause": cause}
+    bf16 = dataclasses.replace(broken, metadata=metadata)
     console = Console(record=True, width=200)
     bench_report.print_report(bf16, console)
     text = console.export_text()

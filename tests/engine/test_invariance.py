@@ -17,6 +17,7 @@ from test_batch import run_batch
 from test_prefix import conversation, turns
 
 from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine.kernels import INVARIANT_EAGER
 from dflash_cli.engine.policy import FixedBlock
 from dflash_cli.engine.target import attention
 from helpers.drafters import random_drafter
@@ -102,3 +103,27 @@ def test_a_conversation_reusing_its_prefix_decodes_as_without() -> None:
     prompts = conversation(target, drafter, [5, 6, 7, 8, 9, 10], params, 4)
     with_reuse, without, cached = turns(target, drafter, prompts, params)
     assert with_reuse == without and all(n > 0 for n in cached[1:])
+
+
+def test_the_engines_eager_attention_runs_one_query_as_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MKL's one-row kernel also serves attention's [1, keys] x values product of a plain step (the review saw a
+    one-token verify part from a 2-token verify's first row at 2,500 keys, 8 KV heads x 128, on the first try;
+    address-dependent like the linears' case). The engine's eager attention on a CPU hands the family's own eager
+    function two queries (the one twice) and keeps the first: the row a block's product computes."""
+    import transformers.models.qwen3.modeling_qwen3 as family
+
+    target = bf16_target("qwen3", 3)
+    assert target.config._attn_implementation == "eager"
+    drafter = random_drafter(target, seed=1, block_size=4, dtype=torch.bfloat16)
+    seen: list[int] = []
+    eager = family.eager_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        seen.append(query.shape[2])
+        return eager(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(family, "eager_attention_forward", spy)
+    tokens = alone(target, None, PROMPTS[1], SamplingParams(max_new_tokens=6))
+    assert target.config._attn_implementation == INVARIANT_EAGER  # the engine switched it (engine.kernels)
+    assert seen and 1 not in seen and seen.count(2) >= 5 * target.config.num_hidden_layers
+    assert tokens == alone(target, drafter, PROMPTS[1], SamplingParams(max_new_tokens=6), 3)

@@ -101,7 +101,6 @@ def test_cache_zeros_costs_memory_only_where_written(dtype) -> None:
     before = process.memory_info().rss
     buffer = cache_zeros((16, 4, 2**16, 64), dtype, "cpu")  # 512 MiB (bf16) or 1 GiB
     assert buffer.shape == (16, 4, 2**16, 64) and buffer.dtype == dtype and buffer.is_contiguous()
-    assert not buffer[3].any()  # reading untouched pages maps the zero page
     buffer[0, :, :1024] = 1.0
     grown = process.memory_info().rss - before
     assert grown < 64 * 2**20, grown

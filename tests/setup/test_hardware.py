@@ -162,7 +162,7 @@ def test_cpu_prefers_float32_then_bf16_then_refuses() -> None:
     assert "--quant nf4" not in info.value.fix  # 4-bit would not fit 6 GB either: not offered
     with pytest.raises(DflashError) as info:
         make_plan(dataclasses.replace(CPU_8, cpu_ram_available=12 * GIB), get_recipe("qwen3-8b"))
-    assert "--quant nf4 (~11.4 GB, slow on CPU)" in info.value.fix  # eager scores 1.1 GB + runtime 0.75 GB
+    assert "--quant nf4 (~10.6 GB, slow on CPU)" in info.value.fix  # eager scores 0.27 GB + runtime 0.75 GB
     with pytest.raises(DflashError) as info:  # pre-quantized: NF4 does not apply, so it is not suggested
         make_plan(dataclasses.replace(CPU_64, cpu_ram_available=30 * GIB), get_recipe("gpt-oss-20b"))
     assert "nf4" not in info.value.fix

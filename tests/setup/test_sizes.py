@@ -26,11 +26,13 @@ from dflash_cli.setup.recipes import adhoc_recipe, get_recipe
 from dflash_cli.setup.sizes import (
     BYTES_PER_ELEMENT,
     PREFILL_CHUNK_TOKENS,
+    PREFILL_SCORES_BYTES,
     RUNTIME_BYTES,
     kv_bytes_per_token,
     memory_estimate,
     module_weight_bytes,
     prefill_activation_bytes,
+    prefill_chunk_tokens,
     recipe_stored_bytes,
     step_bytes,
     tensor_bytes,
@@ -87,7 +89,8 @@ def test_the_memory_estimate_is_its_parts_at_the_plans_context() -> None:
     assert estimate is not None
     assert estimate.weights == 269_030_016 and estimate.drafter == demo.drafter_bytes
     assert estimate.kv_cache == demo.kv_bytes_per_token * PLAN_CONTEXT_TOKENS  # target and drafter K/V, bf16
-    assert estimate.activations == 2 * 9 * PREFILL_CHUNK_TOKENS * PLAN_CONTEXT_TOKENS * 4  # eager fp32 scores
+    chunk = PREFILL_SCORES_BYTES // (12 * 9 * PLAN_CONTEXT_TOKENS)  # 303 rows: eager scores near 256 MiB
+    assert estimate.activations == 12 * 9 * chunk * PLAN_CONTEXT_TOKENS  # float32 scores, softmax, bf16 copy
     assert estimate.runtime == RUNTIME_BYTES["cpu"]
     parts = (estimate.weights, estimate.drafter, estimate.kv_cache, estimate.activations, estimate.runtime)
     assert estimate.total == sum(parts)
@@ -102,14 +105,29 @@ def test_the_memory_estimate_is_its_parts_at_the_plans_context() -> None:
 def test_prefill_activations_are_the_last_chunks_scores_or_its_mlp() -> None:
     qwen = get_recipe("qwen3-8b")  # 32 heads, MLP 12288
     eager = prefill_activation_bytes(qwen, "bfloat16", 8192, eager=True)
-    assert eager == 2 * 32 * 512 * 8192 * 4  # 1.07 GB: scores and softmax of one layer
-    assert prefill_activation_bytes(qwen, "bfloat16", 4096, eager=True) == eager // 2  # linear in the context
+    assert eager == 12 * 32 * 85 * 8192  # chunks of 85 rows: one layer's scores near 256 MiB
     assert prefill_activation_bytes(qwen, "bfloat16", 100, eager=True) == 3 * 100 * 12288 * 2  # one short chunk
     fused = prefill_activation_bytes(qwen, "bfloat16", 8192, eager=False)
-    assert fused == 3 * 512 * 12288 * 2  # a fused kernel never holds the scores: the MLP's gate, up and product
+    assert fused == 3 * PREFILL_CHUNK_TOKENS * 12288 * 2  # a fused kernel never holds the scores: the MLP's
     assert prefill_activation_bytes(qwen, "float32", 8192, eager=False) == 2 * fused
     unknown = dataclasses.replace(qwen, attention_heads=None, mlp_width=None)
     assert prefill_activation_bytes(unknown, "bfloat16", 8192, eager=True) == 0
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_the_estimates_prefill_chunks_are_the_engines(attn: str) -> None:
+    """setup.sizes (torch-free) counts the chunks engine.target.attention prefills in: one rule, held equal here."""
+    from dflash_cli.engine.kernels import use_cpu_products
+    from dflash_cli.engine.target.attention import AttentionState
+    from helpers.tiny_models import build_tiny
+
+    for heads in (4, 8, 32):
+        target = build_tiny("qwen3", num_attention_heads=heads, num_key_value_heads=2, head_dim=16)
+        target.set_attn_implementation(attn)
+        use_cpu_products(target)
+        state = AttentionState(target)
+        for end in (10, 600, 8192, 40_000, 200_000):
+            assert state.prefill_chunk(end) == prefill_chunk_tokens(heads, end, attn == "eager"), (heads, end)
 
 
 def test_batch_rows_add_their_kv_and_twice_their_recurrent_state() -> None:
@@ -128,7 +146,7 @@ def test_the_banner_says_the_context_and_a_batch_holds_every_row() -> None:
     assert one.endswith(f"~{plan.memory.total / 1e9:.1f} GB at 8,192 tokens")
     assert f"~{plan.memory.with_rows(16) / 1e9:.1f} GB at 8,192 tokens" in plan.one_line(rows=16)
     memory = next(reason for reason in plan.reasons if reason.startswith("memory:"))
-    for part in ("weights 269 MB", "drafter 10 MB", "KV cache 195 MB", "prefill activations 302 MB", "--cache-ram"):
+    for part in ("weights 269 MB", "drafter 10 MB", "KV cache 195 MB", "prefill activations 268 MB", "--cache-ram"):
         assert part in memory
     # the prefix store has its own bound (--cache-ram): not in the estimate, so not counted twice
     assert make_plan(CPU, get_recipe("demo"), PlanOverrides(cache_ram_mib=0)).memory == plan.memory

@@ -9,6 +9,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
+from dflash_cli.engine.kernels import EAGER
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.base import compute_dtype
 from dflash_cli.engine.target.hybrid import HybridState, linear_cache_layers
@@ -44,17 +45,25 @@ def release_state(state: AttentionState) -> None:
         state.close()
 
 
-def batch_invariant(target: PreTrainedModel) -> bool:
-    """Whether a row's logits are the same bits however its steps are shaped (one token or a verify block, alone or
-    beside other rows, its prompt whole or in chunks): bf16 compute on a CPU with eager attention and attention
-    layers only (engine.kernels: a one-row bf16 product runs as two; the int4/int8 kernels agree at every row count).
-    Not float32 (MKL rounds a float32 row by the product's row count, within a few ulps: greedy text still agrees in
-    every test), not a fused attention kernel, not linear-attention layers (a prompt runs their chunked recurrence,
-    a step the one-token one)."""
+def rounding_cause(target: PreTrainedModel, compiled: bool = False) -> str | None:
+    """Why a row's logits depend on how its step is shaped here (one token or a verify block, alone or beside other
+    rows, its prompt whole or in chunks); None where they do not: bf16 compute on a CPU, eager attention (the engine
+    runs it as INVARIANT_EAGER there), attention layers only, no fused expert weights, eager steps (engine.kernels:
+    one-row bf16 products and one-query attention run as two; the int4/int8 kernels agree at every row count)."""
     device = target.get_input_embeddings().weight.device
-    return (
-        device.type == "cpu"
-        and compute_dtype(target) == torch.bfloat16
-        and target.config._attn_implementation == "eager"
-        and not linear_cache_layers(target)
-    )
+    attention = target.config._attn_implementation
+    if device.type != "cpu":
+        return f"{device.type}: fused attention and matrix kernels pick their tiling by the step's shape"
+    if compiled:
+        return "compiled steps: inductor's kernels pick their tiling by the step's shape"
+    if compute_dtype(target) == torch.float32:
+        return "float32: MKL rounds a row by the product's row count (within a few ulps)"
+    if compute_dtype(target) != torch.bfloat16:
+        return f"{compute_dtype(target)} on a CPU: its products round a row by the product's row count"
+    if attention not in EAGER:
+        return f"attention {attention}: its kernel rounds a row by the step's queries and keys"
+    if linear_cache_layers(target):
+        return "linear-attention layers: a prompt runs their chunked recurrence, a step the one-token one"
+    if any(parameter.dim() > 2 for parameter in target.parameters()):
+        return "MoE experts: their products are no nn.Linear, and a one-token expert call rounds otherwise"
+    return None

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dflash_cli.engine.compiled import CACHE_ARGUMENT, CompiledStep, Notify, compiled_step, run_target
+from dflash_cli.engine.kernels import EAGER
 from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
@@ -48,9 +49,11 @@ from dflash_cli.engine.target.base import (
 # Positions a state reserves at least, so that consecutive requests (a growing chat) rarely reallocate. On CPU
 # the buffers are allocated but untouched pages cost no memory; the planner reserves an 8k-token KV cache too.
 MIN_CAPACITY = 8192
-# Eager attention holds a forward's scores [heads, queries, keys] in float32 (and a copy or two) per layer: a prefill
-# runs in chunks of queries that keep them near this size, and no larger than MAX_PREFILL_CHUNK (its products are
-# then as fast per row as a whole prompt's). Chunking changes no row's numbers (engine.kernels, eager attention).
+# A prefill runs in chunks of at most MAX_PREFILL_CHUNK queries (its products are then as fast per row as a whole
+# prompt's, and its MLP's activations bounded); eager attention holds a forward's scores [heads, queries, keys] in
+# float32 (a softmax and a bf16 copy beside: 12 bytes each) per layer, so with it a chunk keeps them near
+# PREFILL_SCORES_BYTES. Chunking changes no row's numbers (engine.kernels, eager attention). setup.sizes counts the
+# same rule (a test holds them equal).
 PREFILL_SCORES_BYTES = 256 * 2**20
 MAX_PREFILL_CHUNK = 512
 MIN_PREFILL_CHUNK = 16
@@ -351,12 +354,11 @@ class AttentionState(TargetState):
         return logits
 
     def prefill_chunk(self, end: int) -> int:
-        """How many prompt tokens one prefill forward takes when the row ends at `end`: all of them with a fused
-        attention kernel; with eager attention, as many as keep its scores near PREFILL_SCORES_BYTES."""
-        if self.target.config._attn_implementation != "eager":
-            return max(end, 1)
+        """How many prompt tokens one prefill forward takes when the row ends at `end` (see PREFILL_SCORES_BYTES)."""
+        if self.target.config._attn_implementation not in EAGER:
+            return MAX_PREFILL_CHUNK
         heads = self.target.config.get_text_config().num_attention_heads
-        fits = PREFILL_SCORES_BYTES // (3 * 4 * heads * end)  # float32 scores, their softmax, and its bf16 copy
+        fits = PREFILL_SCORES_BYTES // (3 * 4 * heads * end)
         return max(MIN_PREFILL_CHUNK, min(MAX_PREFILL_CHUNK, fits))
 
     def verify(self, block_ids: torch.Tensor, slots: Sequence[int] = (0,)) -> torch.Tensor:

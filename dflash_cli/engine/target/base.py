@@ -5,6 +5,8 @@ dtype, context window, and whether its forwards can take several rows."""
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -13,23 +15,21 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from dflash_cli.engine.kernels import EAGER
 from dflash_cli.errors import DflashError
 
 
 def cache_zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero-filled cache buffer. On a CPU its pages are the kernel's zero pages until written (calloc'd memory,
-    through numpy): a K/V buffer of 16 rows x 8k positions costs what its rows have written, not all of it (a
-    `torch.zeros` writes every page at once: 2.9 GB held for 15 idle rows of `dflash serve demo`)."""
+    """A zero-filled cache buffer. On a CPU it is an anonymous memory map: its pages are the kernel's zero page until
+    written, so a K/V buffer of 16 rows x 8k positions costs the pages its rows have written, not all of it (a
+    `torch.zeros` writes every page at once: 2.9 GB held for 15 idle rows of `dflash serve demo`). (numpy's calloc
+    would do too, but asks for huge pages on large arrays: one write then commits a whole row.)"""
     device = torch.device(device)
-    if device.type != "cpu":
+    count = math.prod(shape)
+    if device.type != "cpu" or count == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    count = 1
-    for size in shape:
-        count *= size
-    raw = torch.from_numpy(np.zeros(count * dtype.itemsize, dtype=np.uint8))
-    return raw.view(dtype).reshape(tuple(shape))
+    pages = mmap.mmap(-1, count * dtype.itemsize)  # page-aligned; the tensor keeps the map alive
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
 class TargetState(ABC):
@@ -144,7 +144,7 @@ def context_window(target: PreTrainedModel) -> int | None:
 def batch_limit(target: PreTrainedModel) -> str | None:
     """Why `target` decodes one row at a time, or None when several rows can share its forwards."""
     attention = target.config._attn_implementation
-    if attention not in ("sdpa", "eager"):
+    if attention not in ("sdpa", *EAGER):
         return f"{attention} attention takes no per-row mask: one row at a time (sdpa and eager batch)"
     kinds = set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - set(MASK_KINDS) - {LINEAR}
     if kinds:

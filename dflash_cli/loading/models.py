@@ -382,6 +382,9 @@ def load_gguf_target(gguf: Path, config_dir: Path, plan: Plan, console: Console 
     size = gguf.stat().st_size
     with _loading_display(console, f"loading {gguf.name} ({format_bytes(size)}, int4 weights) on {plan.device}"):
         model = load_int4_target(gguf, config_dir, plan.torch_dtype)
+    attention, _ = attention_implementation(model.config, plan.attn_implementation)
+    if attention is not None:  # the plan's attention, as `load_target` loads with it (eager on a CPU)
+        model.set_attn_implementation(attention)
     model.eval()
     model.requires_grad_(False)
     return model

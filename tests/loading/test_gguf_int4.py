@@ -128,8 +128,8 @@ def gguf_recipe() -> Recipe:
     )
 
 
-def int4_plan() -> Plan:
-    return Plan("cpu", "bfloat16", "int4", None, "sdpa", "cpu", None, None, ())
+def int4_plan(attention: str = "sdpa") -> Plan:
+    return Plan("cpu", "bfloat16", "int4", None, attention, "cpu", None, None, ())
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
@@ -186,6 +186,9 @@ def test_an_int4_plan_loads_the_demo_gguf_without_a_float_copy(offline: Path, ca
     assert isinstance(loaded.target.model.layers[0].mlp.down_proj, Int4Linear)
     assert loaded.tokenizer.decode(loaded.tokenizer("hello").input_ids) == "hello"
     assert gguf_file.with_name(gguf_file.name + ".tensors.json").is_file()  # a later start skips gguf's parse
+    assert loaded.target.config._attn_implementation == "sdpa"
+    eager = load_models(gguf_recipe(), int4_plan("eager"), with_drafter=False)
+    assert eager.target.config._attn_implementation == "eager"  # the plan's attention, as a float load has it
     again = load_models(gguf_recipe(), int4_plan(), with_drafter=False)
     with torch.no_grad():
         ids = torch.tensor([PROMPTS[0]])

@@ -16,7 +16,7 @@ import typer
 
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import FIELDS, SamplingParams, read_sampling
-from dflash_cli.setup.choices import QUANTS, normalize_device, normalize_dtype
+from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, QUANTS, normalize_device, normalize_dtype
 from dflash_cli.setup.options import COMPILE_SETTINGS, RunOptions
 
 MODEL, SAMPLING, PLANNING, SERVER, BENCH = "Model", "Sampling", "Planning", "Server", "Benchmark"
@@ -25,6 +25,12 @@ MODEL, SAMPLING, PLANNING, SERVER, BENCH = "Model", "Sampling", "Planning", "Ser
 def check_quant(value: str | None) -> str | None:
     if value is not None and value not in QUANTS:
         raise typer.BadParameter(f"use one of {', '.join(QUANTS)}")
+    return value
+
+
+def check_attention(value: str | None) -> str | None:
+    if value is not None and value not in ATTN_IMPLEMENTATIONS:
+        raise typer.BadParameter(f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
     return value
 
 
@@ -232,6 +238,17 @@ RUN_FLAG_TYPES: dict[str, Any] = {
             help="none, nf4 (bitsandbytes 4-bit, CUDA), fp8 (the recipe's published FP8 checkpoint, `dflash pull "
             "--fp8`), or int4 / int8 (weight-only, the CPU's fast 4-/8-bit kernels; bf16 compute) "
             "(default: nf4 only where bf16 weights do not fit the GPU).",
+            rich_help_panel=PLANNING,
+        ),
+    ],
+    "attention": Annotated[
+        str | None,
+        typer.Option(
+            callback=check_attention,
+            metavar="sdpa|eager",
+            help="The target's attention (default: eager on a CPU, where it makes each request's text independent "
+            "of the requests beside it, streamed or not; sdpa elsewhere). On a CPU sdpa decodes about 1.2x faster "
+            "and prefills long prompts 1.2-1.5x faster, but a near-tie can then round by the batch.",
             rich_help_panel=PLANNING,
         ),
     ],

@@ -25,6 +25,7 @@ class RunOptions:
     device: str | None = None
     dtype: str | None = None
     quant: str | None = None
+    attention: str | None = None  # sdpa or eager; None: the plan's (eager on a CPU: batch-invariant)
     explain: bool = False  # print the plan and why each choice was made
     threads: int | None = None  # CPU threads; None: the cores other processes leave free
     compile: str = "auto"  # compile the target's steps: auto (on CUDA only), on, off
@@ -51,6 +52,7 @@ class RunOptions:
             device=self.device,
             dtype=self.dtype,
             quant=self.quant,
+            attention=self.attention,
             block_size=self.block_size,
             batch_size=self.batch_size,
             cache_ram_mib=self.cache_ram_mib,

@@ -49,11 +49,12 @@ CACHE_RAM_MIB = 8192
 
 @dataclass(frozen=True)
 class PlanOverrides:
-    """What the user forced on the command line (`--device`, `--dtype`, `--quant`, `--block-size`)."""
+    """What the user forced on the command line (`--device`, `--dtype`, `--quant`, `--attention`, `--block-size`)."""
 
     device: str | None = None
     dtype: str | None = None
     quant: str | None = None
+    attention: str | None = None
     block_size: int | None = None
     batch_size: int | None = None
     cache_ram_mib: int | None = None
@@ -372,8 +373,14 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
 
     block_size, block_why = _choose_block_size(recipe, overrides, tuned, cls)
     reasons.append(block_why)
-    attn = tuned.get("attn_implementation", "eager" if kind == "cpu" else "sdpa")
-    if "attn_implementation" in tuned:
+    attn = overrides.attention or tuned.get("attn_implementation", "eager" if kind == "cpu" else "sdpa")
+    if overrides.attention:
+        attn_why = "--attention" + (
+            " (a row's text may then depend on the rows beside it and the step's shape)"
+            if attn == "sdpa" and kind == "cpu"
+            else ""
+        )
+    elif "attn_implementation" in tuned:
         attn_why = recipe_override
     elif kind == "cpu":
         attn_why = (

@@ -191,6 +191,9 @@ def test_a_cpu_plan_runs_eager_attention_and_says_why() -> None:
     assert plan.attn_implementation == "eager"
     assert any(r.startswith("attention eager:") and "alone or batched" in r for r in plan.reasons), plan.reasons
     assert make_plan(H100, get_recipe("qwen3-8b")).attn_implementation == "sdpa"
+    fused = make_plan(CPU_64, get_recipe("demo"), PlanOverrides(attention="sdpa"))  # --attention sdpa: the user's
+    assert fused.attn_implementation == "sdpa"
+    assert any(r.startswith("attention sdpa: --attention") and "depend on the rows" in r for r in fused.reasons)
 
 
 def test_the_plan_line_names_the_class_only_where_it_adds_something() -> None:

@@ -131,3 +131,28 @@ def test_the_engines_eager_attention_runs_one_query_as_two(monkeypatch: pytest.M
     assert target.config._attn_implementation == INVARIANT_EAGER  # the engine switched it (engine.kernels)
     assert seen and 1 not in seen and seen.count(2) >= 5 * target.config.num_hidden_layers
     assert tokens == alone(target, drafter, PROMPTS[1], SamplingParams(max_new_tokens=6), 3)
+
+
+def test_a_hybrids_prefill_in_chunks_carries_its_recurrent_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid's linear-attention states start from zero only at position 0 and carry from chunk to chunk: chunks
+    of 16 end where a whole prefill ends (float32: the chunked recurrence rounds by chunk, within 1e-5)."""
+    from dflash_cli.engine.target.hybrid import HybridState
+
+    target = build_tiny("qwen3_5", 2)
+    ids = torch.tensor([[(i * 37) % 90 + 1 for i in range(70)]])
+
+    def prefilled(chunk: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(attention, "MAX_PREFILL_CHUNK", chunk)
+        state = HybridState(target)
+        state.reserve(100, 4, ())
+        with torch.inference_mode():
+            logits = state.prefill(ids)
+        states = [stored[0].clone() for layer in state.linear for stored in layer.storage.values()]
+        state.close()
+        return logits, states
+
+    whole, chunked = prefilled(512), prefilled(16)
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-4, atol=1e-5)
+    assert len(chunked[1]) == len(whole[1]) > 0
+    for got, expected in zip(chunked[1], whole[1]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

@@ -18,22 +18,14 @@ from dflash_cli.engine.quantized import (
 )
 from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
 from helpers.drafters import FORMATS, random_drafter
-from helpers.tiny_models import hf_greedy
+from helpers.tiny_models import hf_greedy, int4_packable_tiny
 
 
 def quantizable_tiny(seed: int, tied: bool = False) -> transformers.PreTrainedModel:
-    """A float32 Qwen3 whose every linear has the shapes the int4 packing takes (outputs x16, inputs x64), its head
-    scaled for sharp distributions (few near-ties)."""
-    config = transformers.Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=tied,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(4)
-    return model
+    """A float32 Qwen3 the int4 packing takes whole (helpers.tiny_models.int4_packable_tiny), 128 tokens."""
+    return int4_packable_tiny(
+        "qwen3", seed, tied=tied, vocab_size=128, bos_token_id=None, eos_token_id=None, pad_token_id=0
+    )
 
 
 def test_int4_groups_round_trip_exactly_and_the_kernel_multiplies_by_them() -> None:

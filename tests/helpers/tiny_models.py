@@ -218,6 +218,25 @@ def sharp_tiny(arch: str, seed: int, layers: int = 2) -> Any:
     return model
 
 
+def int4_packable_tiny(arch: str, seed: int, *, tied: bool = False, **fields: Any) -> Any:
+    """A random-init float32 Qwen3 (`arch="qwen3"`) or Llama whose every linear has the shapes the CPU int4 packing
+    takes (outputs x16, inputs x64), its head scaled by 4 for sharp distributions (few near-ties); `fields` set the
+    vocabulary and special tokens."""
+    import torch
+    import transformers
+
+    config_class = transformers.Qwen3Config if arch == "qwen3" else transformers.LlamaConfig
+    config = config_class(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, tie_word_embeddings=tied, **fields,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4)
+    return model
+
+
 def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     """Exactly `n` tokens of transformers' greedy `generate` after `prompt` (no end-of-sequence stop)."""
     import torch

@@ -20,6 +20,7 @@ from dflash_cli.loading.models import load_models
 from dflash_cli.setup.planning import Plan
 from dflash_cli.setup.recipes import ModelRef, Recipe
 from helpers.drafters import random_drafter
+from helpers.tiny_models import int4_packable_tiny
 
 gguf = pytest.importorskip("gguf")
 
@@ -38,18 +39,11 @@ def byte_tokens() -> list[str]:
 
 
 def tiny_llama(seed: int, tied: bool) -> transformers.PreTrainedModel:
-    """A float32 Llama whose linears the int4 packing takes (outputs x16, inputs x64), sharp enough to have few
-    near-ties; vocabulary: 256 bytes, "he", an end token."""
-    config = transformers.LlamaConfig(
-        vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=tied,
-        bos_token_id=257, eos_token_id=257, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(4)
-    return model
+    """A float32 Llama the int4 packing takes whole (helpers.tiny_models.int4_packable_tiny); vocabulary: 256 bytes,
+    "he", an end token."""
+    return int4_packable_tiny(
+        "llama", seed, tied=tied, vocab_size=258, bos_token_id=257, eos_token_id=257, rms_norm_eps=1e-5
+    )
 
 
 def write_gguf(model: transformers.PreTrainedModel, path: Path, kind: str = "Q4_1") -> Path:

@@ -157,8 +157,7 @@ class Batch:
         """Give the target state back (its buffers, and what its rows hold, stay for the next batch on this
         target)."""
         self.policy.finish()
-        if self.device.type == "cpu":
-            torch.set_num_threads(self.prompt_threads)
+        self._use_threads(self.prompt_threads)
         for row in self.active:  # between steps: each row's state is whole
             self._free(row, keep=True)
         if self.state is not None:
@@ -185,9 +184,7 @@ class Batch:
         before anything else runs), or else one draft + verify for every decoding row. Returns each row's step (or
         the exception that failed it), in order; a row whose step has a finish_reason, or that failed, has left."""
         prefilling = bool(self.waiting and None in self.slots)
-        threads = self.prompt_threads if prefilling else self.decode_threads
-        if self.device.type == "cpu" and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        self._use_threads(self.prompt_threads if prefilling else self.decode_threads)
         if prefilling:
             events: list[tuple[Row, Step | BaseException]] = []
             while self.waiting and None in self.slots:
@@ -214,16 +211,20 @@ class Batch:
                 self._free(row, keep=True)
         return list(zip(rows, outcome))
 
+    def _use_threads(self, count: int) -> None:
+        """torch's CPU thread count for what runs next (a GPU batch leaves it alone)."""
+        if self.device.type == "cpu" and torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+
     @contextlib.contextmanager
     def _decoding_threads(self) -> Iterator[None]:
-        """The block runs at the decode thread count (on a CPU), then at the count before."""
+        """The block runs at the decode thread count, then at the count before."""
         before = torch.get_num_threads()
-        if self.device.type == "cpu":
-            torch.set_num_threads(self.decode_threads)
+        self._use_threads(self.decode_threads)
         try:
             yield
         finally:
-            torch.set_num_threads(before)
+            self._use_threads(before)
 
     def _reserve(self, generation: Generation, prompt: torch.Tensor) -> AttentionState:
         if self.state is None:

@@ -250,7 +250,7 @@ class StepCosts:
             pass
 
 
-def _fingerprint(config: Any) -> str:
+def fingerprint(config: Any) -> str:
     return hashlib.sha256(
         config.encode() if isinstance(config, str) else json.dumps(config, sort_keys=True, default=str).encode()
     ).hexdigest()[:16]
@@ -258,7 +258,7 @@ def _fingerprint(config: Any) -> str:
 
 def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, Any]:
     """What step costs depend on: the target's steps here (`target_key`) and the drafter."""
-    return {**target_key(target, compile), "drafter_config": _fingerprint(drafter.config.to_dict())}
+    return {**target_key(target, compile), "drafter_config": fingerprint(drafter.config.to_dict())}
 
 
 def target_key(target: Any, compile: bool) -> dict[str, Any]:
@@ -274,7 +274,7 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "host": platform.node(),
         "device": f"{device.type}: {where}",
         "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
-        "target_config": _fingerprint(target.config.to_json_string(use_diff=False)),
+        "target_config": fingerprint(target.config.to_json_string(use_diff=False)),
         "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
         "weights": sorted({kind for m in target.modules() if (kind := _weight_kind(m)) is not None}),
         "attention": target.config._attn_implementation,

@@ -241,13 +241,19 @@ class StepCosts:
             "successes": [round(v, 3) for v in self.successes],
             "failures": [round(v, 3) for v in self.failures],
         }
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(data, indent=1) + "\n")
-            partial.replace(self.path)
-        except OSError:
-            pass
+        save_measurement(self.path, data)
+
+
+def save_measurement(path: Path, data: dict[str, Any]) -> None:
+    """Write a measurement's JSON whole or not at all (a reader never sees half a file); best effort: a read-only
+    cache only loses the saving."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(data, indent=1) + "\n")
+        partial.replace(path)
+    except OSError:
+        pass
 
 
 def fingerprint(config: Any) -> str:

@@ -9,7 +9,6 @@ measured here: the plan's, or 1 where that is not faster by at least MIN_GAIN.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -56,13 +55,7 @@ def decode_threads(target: Any, offered: int) -> DecodeThreads:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     seconds = _measure(target, (1, offered))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"key": key, "seconds": seconds}, indent=1) + "\n")
-        partial.replace(path)
-    except OSError:  # a read-only cache only loses the saving
-        pass
+    policy.save_measurement(path, {"key": key, "seconds": seconds})
     return DecodeThreads(_choose(seconds, offered), offered, seconds, cached=False)
 
 

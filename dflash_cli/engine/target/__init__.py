@@ -51,15 +51,15 @@ def rounding_cause(target: PreTrainedModel, compiled: bool = False) -> str | Non
     runs it as INVARIANT_EAGER there), attention layers only, no fused expert weights, eager steps (engine.kernels:
     one-row bf16 products and one-query attention run as two; the int4/int8 kernels agree at every row count)."""
     device = target.get_input_embeddings().weight.device
-    attention = target.config._attn_implementation
+    attention, dtype = target.config._attn_implementation, compute_dtype(target)
     if device.type != "cpu":
         return f"{device.type}: fused attention and matrix kernels pick their tiling by the step's shape"
     if compiled:
         return "compiled steps: inductor's kernels pick their tiling by the step's shape"
-    if compute_dtype(target) == torch.float32:
+    if dtype == torch.float32:
         return "float32: MKL rounds a row by the product's row count (within a few ulps)"
-    if compute_dtype(target) != torch.bfloat16:
-        return f"{compute_dtype(target)} on a CPU: its products round a row by the product's row count"
+    if dtype != torch.bfloat16:
+        return f"{dtype} on a CPU: its products round a row by the product's row count"
     if attention not in EAGER:
         return f"attention {attention}: its kernel rounds a row by the step's queries and keys"
     if linear_cache_layers(target):

@@ -40,6 +40,18 @@ def block_costs_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
         yield directory
 
 
+@pytest.fixture(scope="session", autouse=True)
+def exported_steps_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Exported target steps (engine.target.exported) are built into and found in a temporary directory: a test
+    never loads a package from the user's cache, nor writes one there."""
+    from dflash_cli.engine.target import exported
+
+    directory = tmp_path_factory.mktemp("compile")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(exported, "compile_cache_dir", lambda: directory)
+        yield directory
+
+
 @pytest.fixture
 def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HF_HOME for this test (cache in `hf_home / "hub"`), online, with no token."""

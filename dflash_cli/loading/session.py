@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from rich.console import Console
 
 from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_prefixes, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
+from dflash_cli.engine.target import exported, standard
 from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.engine.text import TextStream
 from dflash_cli.engine.threads import DecodeThreads, decode_threads
@@ -42,6 +44,7 @@ class Session:
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
     prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
     decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
+    exported: bool = False  # one-row steps run the target's stored exported step (engine.target.exported)
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -86,7 +89,7 @@ class Session:
             line
             + (f", {self.threads.label()}" if self.threads is not None else "")
             + (f" ({self.decode_threads.threads} decoding)" if self._fewer_decode_threads else "")
-            + (", compiled" if self.compiled else "")
+            + (", compiled" if self.compiled else ", compiled step stored" if self.exported else "")
         )
 
     @property
@@ -391,6 +394,28 @@ def apply_chat_template(
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+def load_exported_step(target: Any, *, build: bool, console: Console | None) -> tuple[bool, str | None]:
+    """Load `target`'s stored exported step (engine.target.exported), building it first when `build` (--compile on);
+    whether one runs now, and why (None: the target has none). A build that fails leaves the target eager."""
+    if standard.unsupported(target) is not None:
+        return False, None
+    notify = (lambda message: console.status(message)) if console is not None else None
+    try:
+        step = exported.exported_step(target, build_missing=build, notify=notify)
+    except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step eager
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warnings.warn(
+            f"building or loading the target's exported step failed ({first}); running it eagerly", stacklevel=2
+        )
+        return False, f"compile: the exported step failed ({first}); eager"
+    if step is None:
+        return False, (
+            "compile off: no exported step stored for this target yet (--compile on builds it once, about 1-3 "
+            "minutes, then every start loads it in a second)"
+        )
+    return True, f"exported step: the target's step runs compiled ahead of time ({step.path})"
+
+
 def open_session(options: RunOptions, console: Console | None = None, *, batching: bool = False) -> Session:
     """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain). `batching`: the
     frontend decodes several requests at once (run, serve)."""
@@ -405,7 +430,11 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
-    session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
+    stored = False
+    if plan.device == "cpu" and options.compile != "off":
+        stored, stored_why = load_exported_step(models.target, build=compile, console=console)
+        compile_why = stored_why or compile_why
+    session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache, exported=stored)
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
         with console.status(message) if console is not None else contextlib.nullcontext():

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from dflash_cli.engine.kernels import EAGER
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.base import compute_dtype
+from dflash_cli.engine.target.exported import loaded_step
 from dflash_cli.engine.target.hybrid import HybridState, linear_cache_layers
 
 _STATES: weakref.WeakKeyDictionary[PreTrainedModel, AttentionState] = weakref.WeakKeyDictionary()
@@ -56,6 +57,8 @@ def rounding_cause(target: PreTrainedModel, compiled: bool = False) -> str | Non
         return f"{device.type}: fused attention and matrix kernels pick their tiling by the step's shape"
     if compiled:
         return "compiled steps: inductor's kernels pick their tiling by the step's shape"
+    if loaded_step(target) is not None:  # its rows agree at every block size, not always with eager batched steps
+        return "exported step: one row runs compiled ahead of time, several rows eager (a few values round otherwise)"
     if dtype == torch.float32:
         return "float32: MKL rounds a row by the product's row count (within a few ulps)"
     if dtype != torch.bfloat16:

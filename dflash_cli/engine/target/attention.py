@@ -25,6 +25,7 @@ implements `commit` by putting each row's state back to its n kept tokens.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,7 @@ from dflash_cli.engine.target.base import (
     context_window,
     target_decoder_layers,
 )
+from dflash_cli.engine.target.exported import ExportedStep, loaded_step, unload
 
 # Positions a state reserves at least, so that consecutive requests (a growing chat) rarely reallocate. On CPU
 # the buffers are allocated but untouched pages cost no memory; the planner reserves an 8k-token KV cache too.
@@ -129,6 +131,7 @@ class AttentionState(TargetState):
         self.forward_end = 0
         # compiled steps (compiled.CompiledStep) or None: eager; full_view: whole-buffer attention, for CUDA graphs
         self.step: CompiledStep | None = None
+        self.exported: ExportedStep | None = None  # one row on a CPU: the stored exported step (exported.py)
         self.full_view = False
         self._length_t: torch.Tensor | None = None  # `at` on the device, for full_view
         self.notify: Notify | None = None  # shows a progress line while a step compiles
@@ -180,7 +183,8 @@ class AttentionState(TargetState):
         What the rows hold (their K/V, `lengths` and `held`) stays unless the buffers are allocated again.
         `compile` applies to one-row states."""
         assert rows == 1 or not compile, "compiled steps run one row"
-        self.step = compiled_step(self.device) if compile else None
+        self.exported = loaded_step(self.target) if rows == 1 else None
+        self.step = compiled_step(self.device) if compile and self.exported is None else None
         self.notify = notify
         full_view = self.step is not None and self.device.type == "cuda"
         needed = positions + block_size
@@ -300,6 +304,8 @@ class AttentionState(TargetState):
                     **{CACHE_ARGUMENT: self.cache},
                 )
                 return out.logits
+            if self.exported is not None:
+                return self._exported_forward(token_ids, rows, prefill)
             if self.full_view:
                 self._length_t.fill_(self.at)
             if prefill or self.step is None:
@@ -308,6 +314,30 @@ class AttentionState(TargetState):
         finally:
             self._capturing = False
             self.forward_positions = None
+
+    def _exported_forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
+        """`_forward` through the exported step: it returns the layers' outputs, of which the drafter's are copied
+        here, and the final hidden states, to which the output head is applied (for a prefill, the last row's)."""
+        exported = self.exported
+        assert exported is not None
+        q = token_ids.shape[1]
+        like = torch.empty(1, exported.kv_heads, 0, exported.head_dim, dtype=self.dtype, device=self.device)
+        buffers = [self.buffers(index, like) for index in range(len(self.layers))]
+        try:
+            hidden, outputs = exported(
+                token_ids, self.at + q, [k[rows] for k, _ in buffers], [v[rows] for _, v in buffers]
+            )
+        except RuntimeError as error:  # the package refused the call: eager from now on (nothing was committed)
+            unload(self.target)
+            self.exported = None
+            warnings.warn(f"the exported target step failed ({error}); running it eagerly", stacklevel=2)
+            return self._forward(token_ids, rows, prefill)
+        if self._capturing:
+            width = hidden.shape[-1]
+            at = self._feature_at
+            for slot, layer in enumerate(self.feature_layers):
+                self._features[self._feature_rows, at : at + q, slot * width : (slot + 1) * width].copy_(outputs[layer])
+        return self.target.get_output_embeddings()(hidden[-1:] if prefill else hidden)
 
     def _masks(self, positions: torch.Tensor, end: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """Each row's queries see that row's keys at or before their own position (and within the layer's window

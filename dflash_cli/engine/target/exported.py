@@ -1,0 +1,165 @@
+"""The target's step exported and compiled ahead of time (AOTInductor), stored in the dflash cache, loaded in
+about a second at every later start.
+
+`torch.compile` on a CPU traces and lowers the target at every start (one to several minutes on 2 cores), so a
+CPU run could not have compiled steps by default. Here the standard families' step (engine/target/standard.py) is
+exported once with `torch.export` (the block's length, the row's length and the buffers' capacity symbolic: one
+package serves every block size, prefill chunk and context) and compiled to a shared library by AOTInductor. The
+package holds code only, no weights: at load the model's own tensors are handed to it (`user_managed`), so the
+weights are held once and any checkpoint of the same shapes uses the same package.
+
+A package is keyed by what its code depends on (`package_key`): torch's version and the CPU's instruction set, the
+model's config, the type, shape and dtype of every tensor the step reads, and this code. Built with
+`--compile on` (or `dflash pull`/the first such run: about 1.5 minutes for the demo target on 2 cores, with a
+progress line), then found by every later start, `--compile auto` included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import platform
+import tempfile
+import warnings
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from dflash_cli.engine.compiled import compile_cache_dir, use_compile_cache
+from dflash_cli.engine.quantized import GROUP_SIZE, Int4Linear
+from dflash_cli.engine.target import standard
+from dflash_cli.engine.target.standard import StandardStep
+
+Notify = Callable[[str], AbstractContextManager[Any]]
+
+_LOADED: weakref.WeakKeyDictionary[PreTrainedModel, ExportedStep] = weakref.WeakKeyDictionary()
+
+
+class ExportedStep:
+    """A loaded package, bound to one model's tensors: `(token_ids [1, q], end, keys, values) -> (normed hidden
+    [q, H], each layer's output [q, H])` (see `StandardStep`)."""
+
+    def __init__(self, runner: Any, path: Path, step: StandardStep) -> None:
+        self.runner, self.path = runner, path
+        self.kv_heads, self.head_dim = step.kv_heads, step.head_dim  # the K/V buffers it takes
+
+    def __call__(
+        self, token_ids: torch.Tensor, end: int, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        span = torch.empty(end, dtype=torch.uint8)  # only its length is read
+        return self.runner(token_ids, span, keys, values)
+
+
+def package_key(target: PreTrainedModel) -> str:
+    """What a package's code depends on (see the module docstring), as a hex digest."""
+    code = inspect.getsource(standard) + inspect.getsource(inspect.getmodule(package_key))
+    step = StandardStep(target)
+    modules = dict(step.named_modules(remove_duplicate=False))
+    tensors = [
+        (name, type(modules[name.rpartition(".")[0]]).__name__, str(tensor.dtype), tuple(tensor.shape))
+        for name, tensor in [
+            *step.named_parameters(remove_duplicate=False),
+            *step.named_buffers(remove_duplicate=False),
+        ]
+    ]
+    facts = {
+        "torch": torch.__version__,
+        "cpu": [platform.machine(), torch.backends.cpu.get_cpu_capability()],
+        "config": target.config.to_json_string(use_diff=False),
+        "tensors": tensors,
+        "code": hashlib.sha256(code.encode()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def package_path(target: PreTrainedModel) -> Path:
+    return compile_cache_dir() / "exported" / f"{target.config.model_type}-{package_key(target)}.pt2"
+
+
+def _sample(step: StandardStep, dtype: torch.dtype) -> tuple[Any, ...]:
+    keys = [torch.zeros(1, step.kv_heads, 16, step.head_dim, dtype=dtype) for _ in step.target.model.layers]
+    return torch.tensor([[1, 2]]), torch.empty(5, dtype=torch.uint8), keys, [k.clone() for k in keys]
+
+
+def build(target: PreTrainedModel, path: Path) -> None:
+    """Export `target`'s standard step and compile it into a package at `path` (written whole, then renamed)."""
+    from torch.export import Dim
+
+    use_compile_cache()
+    step = StandardStep(target).eval()
+    dtype = target.get_input_embeddings().weight.dtype
+    sample = _sample(step, dtype)
+    layers = len(sample[2])
+    buffers = [{2: Dim.DYNAMIC} for _ in range(layers)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations while it exports: not our users'
+        program = torch.export.export(
+            step, sample, dynamic_shapes=({1: Dim.DYNAMIC}, {0: Dim.DYNAMIC}, buffers, buffers), strict=False
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+        os.close(fd)
+        try:
+            torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=temporary,
+                # code only: the model's own tensors are handed over at load (held once)
+                inductor_configs={"aot_inductor.package_constants_in_so": False, "emulate_precision_casts": True},
+            )
+            os.replace(temporary, path)
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+
+
+def load(target: PreTrainedModel, path: Path) -> ExportedStep:
+    """The package at `path` bound to `target`'s tensors."""
+    step = StandardStep(target)
+    runner = torch._inductor.aoti_load_package(str(path))
+    tensors = dict(step.named_parameters(remove_duplicate=False))
+    tensors.update(step.named_buffers(remove_duplicate=False))
+    names = runner.get_constant_fqns()
+    # The only constants the package makes itself: the group size each int4 product takes as a tensor (inductor's
+    # CPU lowering of _weight_int4pack_mm_for_cpu).
+    made = [name for name in names if name not in tensors]
+    int4 = sum(isinstance(module, Int4Linear) for module in step.modules())
+    if len(made) != int4:
+        raise RuntimeError(f"the package at {path} wants {len(made)} constants the model lacks ({int4} int4 layers)")
+    constants = {name: tensors[name].detach() for name in names if name in tensors}
+    constants.update({name: torch.tensor(GROUP_SIZE) for name in made})
+    runner.load_constants(constants, check_full_update=True, user_managed=True)
+    return ExportedStep(runner, path, step)
+
+
+def exported_step(target: PreTrainedModel, *, build_missing: bool, notify: Notify | None = None) -> ExportedStep | None:
+    """`target`'s exported step, loaded from the cache, built first when missing and `build_missing`; None where the
+    target has none (`standard.unsupported`) or it is missing. Raises what building or loading raised."""
+    if target in _LOADED:
+        return _LOADED[target]
+    if standard.unsupported(target) is not None:
+        return None
+    path = package_path(target)
+    if not path.exists():
+        if not build_missing:
+            return None
+        message = f"compiling the target's step once for this machine (1-3 minutes; stored in {path.parent})"
+        with notify(message) if notify is not None else nullcontext():
+            build(target, path)
+    _LOADED[target] = loaded = load(target, path)
+    return loaded
+
+
+def loaded_step(target: PreTrainedModel) -> ExportedStep | None:
+    """The exported step `exported_step` loaded for `target` in this process, if any."""
+    return _LOADED.get(target)
+
+
+def unload(target: PreTrainedModel) -> None:
+    """Run `target` eagerly from now on (a step that failed)."""
+    _LOADED.pop(target, None)

@@ -1,0 +1,114 @@
+"""The target's forward for the standard decoder families (Llama, Mistral, Qwen2, Qwen3), over one row of an
+`AttentionState`'s K/V buffers, in the form `torch.export` takes: tensors in, tensors out. engine/exported.py
+exports and compiles it once (AOTInductor) so that a CPU step runs without the Python and dispatch cost of the
+eager forward: hundreds of small ops a step, half of a 2-core CPU's plain step for the demo target.
+
+It calls the model's own modules (its linears, quantized or not, norms, rotary embedding, MLP) and its family's own
+rotary function, in the order transformers' eager forward calls them, with two changes that leave each row's
+numbers as they are:
+
+- grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V); with
+  one query head per KV head, the rows run twice, as `engine.kernels` runs a one-row bf16 product;
+- a block's causal mask is made in the graph from the row's length (`end`, the length of `span`).
+
+The final norm's output and every layer's output come back; the caller applies the output head to the rows it
+needs (a prefill chunk's last) and copies the drafter's feature layers, so one package serves every drafter.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Rope types whose frequencies change with the sequence length at run time (not a constant of the graph).
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def unsupported(target: PreTrainedModel) -> str | None:
+    """Why `target` has no standard step (None: it has one)."""
+    config = target.config
+    if config.model_type not in FAMILIES:
+        return f"{config.model_type} is not one of the standard families ({', '.join(FAMILIES)})"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds:
+        kinds = {"sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"}
+    if kinds != {"full_attention"}:
+        return f"layers of kind {', '.join(sorted(kinds - {'full_attention'}))}"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in _DYNAMIC_ROPE:
+        return f"{rope} rope (its frequencies depend on the length)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"{config.hidden_act} activation"
+    if target.get_input_embeddings().weight.device.type != "cpu":
+        return "not on a CPU"
+    return None
+
+
+def _rotary(attention: nn.Module) -> Any:
+    return sys.modules[type(attention).__module__].apply_rotary_pos_emb
+
+
+class StandardStep(nn.Module):
+    """`(token_ids [1, q], span [end], keys, values) -> (normed hidden [q, H], each layer's output [q, H])`: the block
+    at positions end-q .. end-1 of one row, whose K/V it writes into `keys[i]` / `values[i]` ([1, kv heads,
+    capacity, head dim] per layer) before attending to positions 0 .. end-1. `span` only carries `end` as a shape
+    (an exported graph keeps shapes symbolic; an int argument would be a constant)."""
+
+    def __init__(self, target: PreTrainedModel) -> None:
+        super().__init__()
+        why = unsupported(target)
+        if why is not None:
+            raise ValueError(f"no standard step for {type(target).__name__}: {why}")
+        self.target = target
+        config = target.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = target.model.layers[0].self_attn.head_dim
+        self.fold = self.heads // self.kv_heads  # query heads per KV head
+        self.copies = max(self.fold, 2)  # rows per KV head and query: a single row runs twice
+
+    def forward(
+        self, token_ids: torch.Tensor, span: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        base = self.target.model
+        q, end = token_ids.shape[1], span.shape[0]
+        x = base.embed_tokens(token_ids)
+        positions = (torch.arange(q, device=x.device) + (end - q))[None]
+        cos, sin = base.rotary_emb(x, positions)
+        hidden = torch.arange(end, device=x.device)[None, :] > positions[0][:, None]  # [q, end]: the future
+        hidden = hidden.repeat(self.copies, 1)  # the rows of a folded query: (query head in group, query)
+        outputs = []
+        for layer, layer_keys, layer_values in zip(base.layers, keys, values):
+            x = self._layer(layer, x, cos, sin, hidden, layer_keys, layer_values, end)
+            outputs.append(x[0])
+        return base.norm(x)[0], outputs
+
+    def _layer(
+        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, end: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        attention = layer.self_attn
+        q = x.shape[1]
+        h = layer.input_layernorm(x)
+        query = attention.q_proj(h).view(1, q, self.heads, self.head_dim)
+        key = attention.k_proj(h).view(1, q, self.kv_heads, self.head_dim)
+        value = attention.v_proj(h).view(1, q, self.kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(attention, "q_norm"):  # Qwen3: per-head norms before the rotation
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key = _rotary(attention)(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        keys[:, :, end - q : end].copy_(key)
+        values[:, :, end - q : end].copy_(value)
+        rows = query.reshape(1, self.kv_heads, self.fold * q, self.head_dim)
+        if self.copies != self.fold:
+            rows = rows.repeat(1, 1, 2, 1)
+        scores = torch.matmul(rows, keys[:, :, :end].transpose(2, 3)) * attention.scaling
+        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(weights, values[:, :, :end])[:, :, : self.fold * q]
+        out = out.reshape(1, self.heads, q, self.head_dim).transpose(1, 2).reshape(1, q, self.heads * self.head_dim)
+        x = x + attention.o_proj(out)
+        return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -1,0 +1,195 @@
+"""The target's exported step (AOTInductor, engine.target.exported): built once, stored, loaded by later starts, and
+decoding exactly: the golden sets in float32, a block's rows bit-equal to one-token steps in bf16, the standard
+step itself bit-equal to transformers' eager forward in bf16."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_compiled import FIXTURES
+from test_drafter_formats import GOLDEN_SETS
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from dflash_cli import load_drafter
+from dflash_cli.cli.app import app
+from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine.kernels import use_cpu_products
+from dflash_cli.engine.quantized import quantize_target
+from dflash_cli.engine.target import exported, standard
+from dflash_cli.engine.target.attention import AttentionState
+from dflash_cli.engine.target.standard import StandardStep
+from dflash_cli.loading.session import load_exported_step
+from helpers.drafters import random_drafter
+from helpers.tiny_models import build_tiny, hf_greedy, int4_packable_tiny, make_tiny_llama
+
+
+def _eager(target) -> None:
+    """Forget the loaded step: the target runs transformers' eager forward again."""
+    exported.unload(target)
+
+
+@pytest.fixture(scope="module")
+def int4_target():
+    """A tiny int4 Qwen3 computing in bf16 (the CPU plan's 4-bit target), its step exported."""
+    model = int4_packable_tiny("qwen3", 3, vocab_size=256).to(torch.bfloat16)
+    model.set_attn_implementation("eager")
+    quantize_target(model, "int4", torch.bfloat16)
+    use_cpu_products(model)
+    step = exported.exported_step(model, build_missing=True)
+    assert step is not None and step.path.exists()
+    yield model
+    _eager(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_the_standard_step_is_transformers_eager_forward(family: str, dtype: torch.dtype, kv_heads: int) -> None:
+    """Folded query heads (kv_heads 1 and 2) and single query rows run twice (4): bf16 bit-equal, float32 within
+    MKL's row-count rounding."""
+    model = build_tiny(family, 0, num_key_value_heads=kv_heads).to(dtype)
+    model.set_attn_implementation("eager")
+    use_cpu_products(model)
+    state = AttentionState(model)
+    state.reserve(64, 8, ())
+    step = StandardStep(model)
+    keys = [torch.zeros(1, kv_heads, 40, 16, dtype=dtype) for _ in model.model.layers]
+    values = [torch.zeros_like(k) for k in keys]
+    ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(1))
+    exact = dtype == torch.bfloat16
+    with torch.inference_mode():
+        theirs = state.prefill(ids[:, :20])
+        hidden, _ = step(ids[:, :20], torch.empty(20), keys, values)
+        ours = [(model.lm_head(hidden[-1:]), theirs)]
+        for q in (1, 3, 4):
+            theirs = state.verify(ids[:, 20 : 20 + q])[0]
+            hidden, _ = step(ids[:, 20 : 20 + q], torch.empty(20 + q), keys, values)
+            ours.append((model.lm_head(hidden), theirs))
+    for mine, reference in ours:
+        if exact:
+            assert torch.equal(mine, reference)
+        else:
+            torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_computes_each_row_as_one_token_steps_do(int4_target) -> None:
+    """bf16 through the package: every row of a verify block is bit-equal to the one-token step at its position, so
+    drafting changes no token (the exported step is batch-invariant by itself)."""
+    state = AttentionState(int4_target)
+    state.reserve(200, 16, ())
+    assert state.exported is not None
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        state.prefill(ids[:, :160])  # the blocks below write the K/V of the same tokens again
+        for start in (40, 77, 131):
+            state.lengths[0] = start
+            blocks = {q: state.verify(ids[:, start : start + q])[0] for q in (16, 5, 2)}
+            ones = []
+            for i in range(16):
+                state.lengths[0] = start + i
+                ones.append(state.verify(ids[:, start + i : start + i + 1])[0][0])
+            for q, logits in blocks.items():
+                for i in range(q):
+                    assert torch.equal(logits[i], ones[i]), (start, q, i)
+
+
+def test_exported_decoding_is_eager_decoding(int4_target) -> None:
+    """Greedy text through the package: the baseline's, with drafts of any block size (bit-equal rows), and
+    transformers' own greedy text on this sharp tiny model (within bf16 ulps of the eager forward)."""
+    drafter = random_drafter(int4_target, seed=1, block_size=8, dtype=torch.bfloat16)
+    params = SamplingParams(max_new_tokens=24)
+    prompts = [[5, 17, 42, 9, 33], [8, 9, 3, 3, 11, 12, 30, 31, 2, 2, 70], [44] * 23]
+    through = [collect(generate(int4_target, None, p, params)).token_ids for p in prompts]
+    for block in (2, 8):
+        drafted = [collect(generate(int4_target, drafter, p, params, block_size=block)).token_ids for p in prompts]
+        assert drafted == through, block
+    assert through == [hf_greedy(int4_target, p, 24) for p in prompts]
+
+
+def test_every_golden_set_through_the_exported_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32: the reference's tokens and acceptance lengths, the target's every step (prefill chunks, verify
+    blocks of every size) run by the package."""
+    target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
+    use_cpu_products(target)
+    assert exported.exported_step(target, build_missing=True) is not None
+    ran = []
+    call = exported.ExportedStep.__call__
+    monkeypatch.setattr(exported.ExportedStep, "__call__", lambda self, *a: ran.append(1) or call(self, *a))
+    try:
+        for name in ["qwen3-tiny", *GOLDEN_SETS]:
+            golden = json.loads((FIXTURES / name / "golden.json").read_text())
+            drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
+            for case in golden["cases"]:
+                params = SamplingParams(max_new_tokens=golden["max_new_tokens"])
+                steps = generate(target, drafter, case["prompt_ids"], params, block_size=case.get("block_size"))
+                result = collect(steps)
+                assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
+                assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
+    finally:
+        _eager(target)
+    assert len(ran) > 100
+
+
+def test_a_later_start_loads_the_stored_package(int4_target, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = exported.loaded_step(int4_target).path
+    _eager(int4_target)
+    monkeypatch.setattr(exported, "build", lambda *a: pytest.fail("built again"))
+    assert exported.exported_step(int4_target, build_missing=False).path == path
+    # a model of other shapes has no package yet: without building, none
+    other = int4_packable_tiny("qwen3", 3, vocab_size=320).to(torch.bfloat16)
+    quantize_target(other, "int4", torch.bfloat16)
+    assert exported.package_path(other) != path and exported.exported_step(other, build_missing=False) is None
+
+
+def test_a_broken_package_leaves_the_target_eager(tmp_path: Path) -> None:
+    model = build_tiny("llama", 5).to(torch.bfloat16)
+    path = exported.package_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"not a package")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            running, why = load_exported_step(model, build=False, console=None)
+        assert not running and "failed" in why and any("eagerly" in str(w.message) for w in caught)
+        assert exported.loaded_step(model) is None
+        state = AttentionState(model)
+        state.reserve(16, 2, ())
+        assert state.exported is None
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "why"),
+    [
+        ("gemma4", {}, "not one of the standard families"),
+        ("qwen3_5", {}, "not one of the standard families"),
+        ("llama", {"hidden_act": "gelu"}, "gelu activation"),
+        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, "sliding_attention"),
+    ],
+)
+def test_other_families_have_no_exported_step(family: str, fields: dict, why: str) -> None:
+    model = build_tiny(family, 0, **fields)
+    assert why in standard.unsupported(model)
+    assert exported.exported_step(model, build_missing=True) is None
+
+
+def test_compile_on_builds_once_and_every_later_start_loads_it(tmp_path: Path) -> None:
+    """The CLI: `--compile on` builds the package (a progress line, the plan says so), a later default start finds
+    it and says so, `--compile off` runs eager; all three answer the same."""
+    target = make_tiny_llama(tmp_path / "target", seed=4)
+    common = ["chat", "--target", str(target), "--prompt", "Hi there", "--max-tokens", "6", "--no-spec", "--explain"]
+    built = CliRunner().invoke(app, [*common, "--compile", "on"])
+    assert built.exit_code == 0, built.output
+    assert "exported step: the target's step runs compiled ahead of time" in built.stderr
+    later = CliRunner().invoke(app, common)
+    assert later.exit_code == 0, later.output
+    assert "compiled step stored" in later.stderr and "exported step:" in later.stderr
+    eager = CliRunner().invoke(app, [*common, "--compile", "off"])
+    assert eager.exit_code == 0 and "compiled step stored" not in eager.stderr
+    assert built.stdout == later.stdout == eager.stdout

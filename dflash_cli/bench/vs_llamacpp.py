@@ -11,7 +11,8 @@ processes hits every figure alike:
 - llama.cpp DFlash: `llama-speculative-simple --spec-type draft-dflash` for each `--draft-max` value, greedy, on
   the same prompt (its "decoded N tokens in T s");
 - dflash: the same prompt through `Session.stream` (the `dflash chat` path): plain (no drafter) and DFlash
-  (default adaptive blocks), with bf16 weights and with the plan's default (int4 on a bf16 CPU), eager.
+  (default adaptive blocks), with bf16 weights and with the plan's default (int4 on a bf16 CPU), with the default
+  `--compile auto` (the target's stored exported step, built once here when missing; `--compile off`: eager).
 
 Every figure is decode tokens/s (prefill excluded on both sides), median over rounds, with both tools on the
 same number of threads; the ratios in the summary are dflash / llama.cpp within this one run.
@@ -116,15 +117,20 @@ def run_speculative(cmd: list[str]) -> dict[str, float]:
 
 
 def dflash_runner(
-    quant: str | None, speculative: bool, prompt_text: str, tokens: int, threads: int
+    quant: str | None, speculative: bool, prompt_text: str, tokens: int, threads: int, compile: str
 ) -> Callable[[], dict[str, float]]:
     """One decode of `prompt_text` (chat template applied) through the path `dflash chat demo` takes; returns its
-    decode tokens/s and tau."""
+    decode tokens/s and tau. `compile` "auto" (the default) runs the target's stored exported step, built here
+    first when missing."""
+    from dflash_cli.engine.target import exported
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
 
-    options = RunOptions(recipe_name="demo", quant=quant, threads=threads, compile="off", no_spec=not speculative)
+    options = RunOptions(recipe_name="demo", quant=quant, threads=threads, compile=compile, no_spec=not speculative)
     session = open_session(options)
+    if compile == "auto" and not session.exported:  # the default runs the stored step: store it first (once)
+        log(f"building the exported target step ({quant or 'default'} weights), once")
+        exported.exported_step(session.target, build_missing=True)
     prompt = session.encode_prompt(prompt_text)
     params = session.sampling_params(options, max_new_tokens=tokens, stop_token_ids=())
 
@@ -169,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", type=int, nargs="+", default=[2, 3, 4], help="llama.cpp's --spec-draft-n-max")
+    parser.add_argument("--compile", choices=["auto", "off"], default="auto",
+                        help="dflash's --compile (auto: the stored exported step, built first when missing)")  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -204,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                str(args.tokens), "-t", threads, "-td", threads, "--temp", "0", "--ignore-eos"]  # fmt: skip
         configs[f"llama.cpp dflash n_max={n_max}"] = lambda cmd=cmd: run_speculative(cmd)
     log("loading dflash's configurations")
-    configs["dflash plain bf16"] = dflash_runner("none", False, prompt_text, args.tokens, args.threads)
-    configs["dflash plain int4"] = dflash_runner("int4", False, prompt_text, args.tokens, args.threads)
-    configs["dflash dflash bf16"] = dflash_runner("none", True, prompt_text, args.tokens, args.threads)
-    configs["dflash dflash default"] = dflash_runner(None, True, prompt_text, args.tokens, args.threads)
+    configs["dflash plain bf16"] = dflash_runner("none", False, prompt_text, args.tokens, args.threads, args.compile)
+    configs["dflash plain int4"] = dflash_runner("int4", False, prompt_text, args.tokens, args.threads, args.compile)
+    configs["dflash dflash bf16"] = dflash_runner("none", True, prompt_text, args.tokens, args.threads, args.compile)
+    configs["dflash dflash default"] = dflash_runner(None, True, prompt_text, args.tokens, args.threads, args.compile)
 
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for round_ in range(args.rounds):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from dflash_cli.engine.target import exported
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import resolve_ref
 
@@ -67,6 +68,25 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
             continue
         parts.append(PulledPart(part, line))
     return parts
+
+
+def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> PulledPart:
+    """Build the compiled target step this machine's default plan of `recipe` runs (engine.target.exported: a
+    CPU plan, a standard family), as the first `--compile on` start would; say where it is or why there is none."""
+    from dflash_cli.loading.models import load_models
+    from dflash_cli.loading.session import load_exported_step
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import make_plan
+
+    plan = make_plan(detect_machine(), recipe)
+    if plan.device != "cpu":
+        why = f"{plan.device}: its steps are captured as CUDA graphs at each start (--compile auto)"
+        return PulledPart({"what": "compiled step", "path": None, "why": why}, f"compiled step: none ({why})")
+    models = load_models(recipe, plan, with_drafter=False, console=None if json else console)
+    built, why = load_exported_step(models.target, build=True, console=None if json else console)
+    path = str(exported.package_path(models.target)) if built else None
+    line = f"[green]✓[/] compiled step ready in {path}" if built else f"compiled step: none ({why})"
+    return PulledPart({"what": "compiled step", "path": path, "why": why}, line)
 
 
 def _default_quant(recipe: Recipe) -> str | None:

@@ -179,17 +179,22 @@ def test_other_families_have_no_exported_step(family: str, fields: dict, why: st
     assert exported.exported_step(model, build_missing=True) is None
 
 
-def test_compile_on_builds_once_and_every_later_start_loads_it(tmp_path: Path) -> None:
-    """The CLI: `--compile on` builds the package (a progress line, the plan says so), a later default start finds
-    it and says so, `--compile off` runs eager; all three answer the same."""
+def test_pull_builds_it_once_and_every_later_start_loads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI: `dflash pull --compile` builds the package (as a first `--compile on` start would); a later default
+    start finds it and says so, `--compile on` loads it without building, `--compile off` runs eager; all answer
+    the same."""
     target = make_tiny_llama(tmp_path / "target", seed=4)
+    pulled = CliRunner().invoke(app, ["pull", "--target", str(target), "--compile", "--json"])
+    assert pulled.exit_code == 0, pulled.output
+    step = next(part for part in json.loads(pulled.stdout) if part["what"] == "compiled step")
+    assert Path(step["path"]).is_file() and "compiled ahead of time" in step["why"]
     common = ["chat", "--target", str(target), "--prompt", "Hi there", "--max-tokens", "6", "--no-spec", "--explain"]
-    built = CliRunner().invoke(app, [*common, "--compile", "on"])
-    assert built.exit_code == 0, built.output
-    assert "exported step: the target's step runs compiled ahead of time" in built.stderr
     later = CliRunner().invoke(app, common)
     assert later.exit_code == 0, later.output
-    assert "compiled step stored" in later.stderr and "exported step:" in later.stderr
+    assert "compiled step stored" in later.stderr and "exported step: the target's step runs" in later.stderr
+    monkeypatch.setattr(exported, "build", lambda *a: pytest.fail("built again"))
+    again = CliRunner().invoke(app, [*common, "--compile", "on"])
+    assert again.exit_code == 0 and "exported step: the target's step runs" in again.stderr
     eager = CliRunner().invoke(app, [*common, "--compile", "off"])
     assert eager.exit_code == 0 and "compiled step stored" not in eager.stderr
-    assert built.stdout == later.stdout == eager.stdout
+    assert later.stdout == again.stdout == eager.stdout

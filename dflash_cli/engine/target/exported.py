@@ -9,9 +9,9 @@ package holds code only, no weights: at load the model's own tensors are handed 
 weights are held once and any checkpoint of the same shapes uses the same package.
 
 A package is keyed by what its code depends on (`package_key`): torch's version and the CPU's instruction set, the
-model's config, the type, shape and dtype of every tensor the step reads, and this code. Built with
-`--compile on` (or `dflash pull`/the first such run: about 1.5 minutes for the demo target on 2 cores, with a
-progress line), then found by every later start, `--compile auto` included.
+model's config, the type, shape and dtype of every tensor the step reads, and this code. Built by `dflash pull NAME
+--compile` or the first `--compile on` start (about 1.5 minutes for the demo target on 2 cores, with a progress
+line), then found by every later start, `--compile auto` included.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from dflash_cli.engine.compiled import compile_cache_dir, use_compile_cache
@@ -61,9 +62,13 @@ def package_key(target: PreTrainedModel) -> str:
     """What a package's code depends on (see the module docstring), as a hex digest."""
     code = inspect.getsource(standard) + inspect.getsource(inspect.getmodule(package_key))
     step = StandardStep(target)
-    modules = dict(step.named_modules(remove_duplicate=False))
+    # engine.kernels' few-row Linear subclasses export as F.linear: one kind with nn.Linear
+    kinds = {
+        name: "Linear" if isinstance(m, nn.Linear) else type(m).__name__
+        for name, m in step.named_modules(remove_duplicate=False)
+    }
     tensors = [
-        (name, type(modules[name.rpartition(".")[0]]).__name__, str(tensor.dtype), tuple(tensor.shape))
+        (name, kinds[name.rpartition(".")[0]], str(tensor.dtype), tuple(tensor.shape))
         for name, tensor in [
             *step.named_parameters(remove_duplicate=False),
             *step.named_buffers(remove_duplicate=False),

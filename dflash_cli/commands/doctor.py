@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dflash_cli.engine.target import exported
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
@@ -476,6 +477,38 @@ def check_recipes(
     )
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would build compiled CPU steps with (its own choice: $CXX, else the first of its
+    candidates on PATH), or None."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        compiler = get_cpp_compiler()
+    except Exception:  # inductor raises when none of its candidates exists
+        return None
+    return shutil.which(compiler) or (compiler if Path(compiler).is_file() else None)
+
+
+def check_compiled_steps(facts: MachineFacts, compiler: str | None, stored: list[Path]) -> Check:
+    """Whether compiled CPU steps can be built here (a C++ compiler), and which are stored."""
+    if facts.gpu_name is not None:
+        return Check("compiled steps", "pass", "GPU: CUDA graphs are captured at each start (no stored CPU step)")
+    kept = f"; stored: {len(stored)} ({', '.join(sorted(p.stem.split('-')[0] for p in stored))})" if stored else ""
+    if compiler is None:
+        return Check(
+            "compiled steps",
+            "warn",
+            "no C++ compiler: compiled CPU steps (`dflash pull NAME --compile`, `--compile on`) cannot be built; "
+            f"eager decoding works{kept}",
+            "install one (Debian/Ubuntu: apt install g++), or set CXX",
+        )
+    return Check(
+        "compiled steps",
+        "pass",
+        f"C++ compiler {compiler}: `dflash pull NAME --compile` builds a recipe's compiled CPU step once{kept}",
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -527,5 +560,6 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_hf_token(get_token() is not None, recipes),
         check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,
+        check_compiled_steps(facts, cpp_compiler(), exported.stored_steps()),
         check_command_conflicts(dflash_commands()),
     ]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from dflash_cli.engine.target import exported
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import resolve_ref
 
@@ -72,7 +72,9 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
 
 def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> PulledPart:
     """Build the compiled target step this machine's default plan of `recipe` runs (engine.target.exported: a
-    CPU plan, a standard family), as the first `--compile on` start would; say where it is or why there is none."""
+    CPU plan, a standard family), as the first `--compile on` start would; say where it is or why there is none.
+    Raises DflashError when the build fails."""
+    from dflash_cli.engine.target import standard
     from dflash_cli.loading.models import load_models
     from dflash_cli.loading.session import load_exported_step
     from dflash_cli.setup.hardware import detect_machine
@@ -83,9 +85,13 @@ def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> P
         why = f"{plan.device}: its steps are captured as CUDA graphs at each start (--compile auto)"
         return PulledPart({"what": "compiled step", "path": None, "why": why}, f"compiled step: none ({why})")
     models = load_models(recipe, plan, with_drafter=False, console=None if json else console)
-    built, why = load_exported_step(models.target, build=True, console=None if json else console)
-    path = str(exported.package_path(models.target)) if built else None
-    line = f"[green]✓[/] compiled step ready in {path}" if built else f"compiled step: none ({why})"
+    with warnings.catch_warnings():  # a failure is this command's error, not a warning beside it
+        warnings.simplefilter("ignore")
+        step, why = load_exported_step(models.target, build=True, console=None if json else console)
+    if step is None and standard.unsupported(models.target) is None:
+        raise DflashError(why, fix="`dflash doctor` checks for a C++ compiler; chat and run still work, eager")
+    path = None if step is None else str(step.path)
+    line = f"[green]✓[/] compiled step ready in {path}" if path else f"compiled step: none ({why})"
     return PulledPart({"what": "compiled step", "path": path, "why": why}, line)
 
 

@@ -394,26 +394,27 @@ def apply_chat_template(
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def load_exported_step(target: Any, *, build: bool, console: Console | None) -> tuple[bool, str | None]:
-    """Load `target`'s stored exported step (engine.target.exported), building it first when `build` (--compile on);
-    whether one runs now, and why (None: the target has none). A build that fails leaves the target eager."""
-    if standard.unsupported(target) is not None:
-        return False, None
+def load_exported_step(target: Any, *, build: bool, console: Console | None) -> tuple[Any, str]:
+    """Load `target`'s stored exported step (engine.target.exported), building it first when `build` (--compile on,
+    pull --compile): the step (None: it runs without one) and why. A build or load that fails leaves the target as
+    it was asked for (eager; with --compile on, torch.compile's steps), with a warning."""
+    unsupported = standard.unsupported(target)
+    if unsupported is not None:
+        return None, f"no compiled CPU step for this target: {unsupported}"
     notify = (lambda message: console.status(message)) if console is not None else None
     try:
         step = exported.exported_step(target, build_missing=build, notify=notify)
-    except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step eager
+    except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step as asked
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(
-            f"building or loading the target's exported step failed ({first}); running it eagerly", stacklevel=2
-        )
-        return False, f"compile: the exported step failed ({first}); eager"
+        instead = "torch.compile's steps instead" if build else "running it eagerly"
+        warnings.warn(f"the target's compiled step failed to build or load ({first}); {instead}", stacklevel=2)
+        return None, f"compile: the stored step failed ({first}); {instead}"
     if step is None:
-        return False, (
-            "compile off: no exported step stored for this target yet (--compile on builds it once, about 1-3 "
-            "minutes, then every start loads it in a second)"
+        return None, (
+            "compile off: no compiled step stored for this target yet (`dflash pull NAME --compile` or --compile on "
+            "builds it once, 1-3 minutes; every later start loads it in a second)"
         )
-    return True, f"exported step: the target's step runs compiled ahead of time ({step.path})"
+    return step, f"exported step: the target's step runs compiled ahead of time ({step.path})"
 
 
 def open_session(options: RunOptions, console: Console | None = None, *, batching: bool = False) -> Session:
@@ -430,11 +431,12 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
-    stored = False
-    if plan.device == "cpu" and options.compile != "off":
-        stored, stored_why = load_exported_step(models.target, build=compile, console=console)
-        compile_why = stored_why or compile_why
-    session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache, exported=stored)
+    stored = None
+    if plan.device == "cpu" and options.compile != "off" and standard.unsupported(models.target) is None:
+        stored, compile_why = load_exported_step(models.target, build=compile, console=console)
+    session = Session(
+        recipe, plan, models, threads, compile, console, batching, options.prefix_cache, exported=stored is not None
+    )
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
         with console.status(message) if console is not None else contextlib.nullcontext():

@@ -304,7 +304,7 @@ def test_help_does_not_import_torch(tmp_path: Path) -> None:
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from dflash_cli.cli.app import app\n"
-        "for args in (['--help'], ['recipes', 'list'], ['chat', '--help']):\n"
+        "for args in (['--help'], ['recipes', 'list'], ['chat', '--help'], ['pull', '--help']):\n"
         "    assert CliRunner().invoke(app, args).exit_code == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"

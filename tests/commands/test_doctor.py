@@ -85,6 +85,7 @@ def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
         "hf token",
         "hugging face hub",
         "recipes",
+        "compiled steps",
         "dflash command",
     }
     assert set(checks) == expected
@@ -97,6 +98,7 @@ def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
     if facts.kind == "cpu":
         assert "CPU library" in checks["bitsandbytes"].detail
         assert checks["gpu"].detail.startswith("no GPU")
+        assert checks["compiled steps"].detail.startswith("C++ compiler ")  # (CI and this machine have g++)
     for name in ("qwen3-4b", "qwen3-8b", "gpt-oss-20b"):
         assert name in checks["recipes"].detail
     assert checks["hugging face hub"].status == "pass" and fake_hub.endpoint in checks["hugging face hub"].detail
@@ -342,3 +344,16 @@ def test_a_moe_speed_bound_reads_only_the_routed_experts() -> None:
     assert 6.0e9 < speed.bytes_per_token < 7.5e9
     dense = dataclasses.replace(recipe, active_params_billion=None)
     assert expected_speed(dense, plan, 1000e9).bytes_per_token == recipe.weight_bytes["bf16"]
+
+
+def test_compiled_steps_check_says_what_a_cpu_can_build(tmp_path: Path) -> None:
+    cpu = detect_machine()
+    cpu = dataclasses.replace(cpu, gpu_name=None)
+    stored = [tmp_path / "llama-0123.pt2", tmp_path / "qwen3-4567.pt2"]
+    missing = doctor.check_compiled_steps(cpu, None, stored)
+    assert missing.status == "warn" and "no C++ compiler" in missing.detail and "apt install g++" in missing.fix
+    assert "stored: 2 (llama, qwen3)" in missing.detail
+    found = doctor.check_compiled_steps(cpu, "/usr/bin/g++", [])
+    assert found.status == "pass" and "/usr/bin/g++" in found.detail and "stored" not in found.detail
+    gpu = doctor.check_compiled_steps(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, [])
+    assert gpu.status == "pass" and "CUDA graphs" in gpu.detail

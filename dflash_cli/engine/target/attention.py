@@ -131,7 +131,7 @@ class AttentionState(TargetState):
         self.forward_end = 0
         # compiled steps (compiled.CompiledStep) or None: eager; full_view: whole-buffer attention, for CUDA graphs
         self.step: CompiledStep | None = None
-        self.exported: ExportedStep | None = None  # one row on a CPU: the stored exported step (exported.py)
+        self.exported: ExportedStep | None = None  # a CPU forward of one row: the stored exported step (exported.py)
         self.full_view = False
         self._length_t: torch.Tensor | None = None  # `at` on the device, for full_view
         self.notify: Notify | None = None  # shows a progress line while a step compiles
@@ -183,7 +183,7 @@ class AttentionState(TargetState):
         What the rows hold (their K/V, `lengths` and `held`) stays unless the buffers are allocated again.
         `compile` applies to one-row states."""
         assert rows == 1 or not compile, "compiled steps run one row"
-        self.exported = loaded_step(self.target) if rows == 1 else None
+        self.exported = loaded_step(self.target)  # (for the forwards of one row: a prefill, a row decoding alone)
         self.step = compiled_step(self.device) if compile and self.exported is None else None
         self.notify = notify
         full_view = self.step is not None and self.device.type == "cuda"
@@ -276,14 +276,15 @@ class AttentionState(TargetState):
     def _capture(self, slot: int) -> Any:
         def record(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._capturing:
-                hidden = output[0] if isinstance(output, tuple) else output
-                width = hidden.shape[-1]
-                at = self._feature_at
-                self._features[self._feature_rows, at : at + hidden.shape[1], slot * width : (slot + 1) * width].copy_(
-                    hidden
-                )
+                self._record(slot, output[0] if isinstance(output, tuple) else output)
 
         return record
+
+    def _record(self, slot: int, hidden: torch.Tensor) -> None:
+        """Write feature layer `slot`'s output of the current forward ([rows, q, H] or [q, H]) where it belongs."""
+        width, q = hidden.shape[-1], hidden.shape[-2]
+        at = self._feature_at
+        self._features[self._feature_rows, at : at + q, slot * width : (slot + 1) * width].copy_(hidden)
 
     # --- the interface ---
 
@@ -333,10 +334,8 @@ class AttentionState(TargetState):
             warnings.warn(f"the exported target step failed ({error}); running it eagerly", stacklevel=2)
             return self._forward(token_ids, rows, prefill)
         if self._capturing:
-            width = hidden.shape[-1]
-            at = self._feature_at
             for slot, layer in enumerate(self.feature_layers):
-                self._features[self._feature_rows, at : at + q, slot * width : (slot + 1) * width].copy_(outputs[layer])
+                self._record(slot, outputs[layer])
         return self.target.get_output_embeddings()(hidden[-1:] if prefill else hidden)
 
     def _masks(self, positions: torch.Tensor, end: int) -> torch.Tensor | dict[str, torch.Tensor]:

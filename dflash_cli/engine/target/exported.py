@@ -8,39 +8,48 @@ package serves every block size, prefill chunk and context) and compiled to a sh
 package holds code only, no weights: at load the model's own tensors are handed to it (`user_managed`), so the
 weights are held once and any checkpoint of the same shapes uses the same package.
 
-A package is keyed by what its code depends on (`package_key`): torch's version and the CPU's instruction set, the
-model's config, the type, shape and dtype of every tensor the step reads, and this code. Built by `dflash pull NAME
---compile` or the first `--compile on` start (about 1.5 minutes for the demo target on 2 cores, with a progress
-line), then found by every later start, `--compile auto` included.
+A package is keyed by what its code depends on (`package_key`): torch's and transformers' versions, the CPU's
+instruction-set flags (its code is built for this CPU), the model's config, the type, shape and dtype of every
+tensor the step reads, and the code traced into it. Built by `dflash pull NAME --compile` or the first `--compile
+on` start (about 1.5 minutes for the demo target on 2 cores, with a progress line), tried on the model before it
+is stored, then found by every later start, `--compile auto` included; one that no longer loads is built again by
+the next build request. Its kernels read torch's thread count at run time (the decode and prompt counts differ).
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import platform
+import sys
 import tempfile
 import warnings
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.compiled import compile_cache_dir, use_compile_cache
+from dflash_cli.engine import kernels, quantized
+from dflash_cli.engine.compiled import Notify, compile_cache_dir, use_compile_cache
 from dflash_cli.engine.quantized import GROUP_SIZE, Int4Linear
 from dflash_cli.engine.target import standard
+from dflash_cli.engine.target.base import compute_dtype
 from dflash_cli.engine.target.standard import StandardStep
 
-Notify = Callable[[str], AbstractContextManager[Any]]
-
 _LOADED: weakref.WeakKeyDictionary[PreTrainedModel, ExportedStep] = weakref.WeakKeyDictionary()
+# inductor's settings for a package: code only (the model's tensors are handed over at load); bf16 rounded where
+# eager rounds it (a block's rows then equal one-token steps); the thread count read at run time, not fixed at build
+PACKAGE_OPTIONS = {
+    "aot_inductor.package_constants_in_so": False,
+    "emulate_precision_casts": True,
+    "cpp.dynamic_threads": True,
+}
 
 
 class ExportedStep:
@@ -58,9 +67,24 @@ class ExportedStep:
         return self.runner(token_ids, span, keys, values)
 
 
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags: a package's code is built for this CPU (-march=native), and a package built
+    elsewhere may hold instructions this one lacks (a crash no handler catches)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def package_key(target: PreTrainedModel) -> str:
     """What a package's code depends on (see the module docstring), as a hex digest."""
-    code = inspect.getsource(standard) + inspect.getsource(inspect.getmodule(package_key))
+    # the code traced into the graph: the step, this module, the quantized layers and the CPU products
+    code = b"".join(
+        Path(module.__file__).read_bytes() for module in (standard, sys.modules[__name__], quantized, kernels)
+    )
     step = StandardStep(target)
     # engine.kernels' few-row Linear subclasses export as F.linear: one kind with nn.Linear
     kinds = {
@@ -74,12 +98,15 @@ def package_key(target: PreTrainedModel) -> str:
             *step.named_buffers(remove_duplicate=False),
         ]
     ]
+    config = target.config.to_dict()
+    config.pop("_name_or_path", None)  # where the checkpoint lies: any copy of the same shapes shares the package
     facts = {
         "torch": torch.__version__,
-        "cpu": [platform.machine(), torch.backends.cpu.get_cpu_capability()],
-        "config": target.config.to_json_string(use_diff=False),
+        "transformers": transformers.__version__,
+        "cpu": [platform.machine(), _cpu_flags()],
+        "config": config,
         "tensors": tensors,
-        "code": hashlib.sha256(code.encode()).hexdigest(),
+        "code": hashlib.sha256(code).hexdigest(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -88,21 +115,25 @@ def package_path(target: PreTrainedModel) -> Path:
     return compile_cache_dir() / "exported" / f"{target.config.model_type}-{package_key(target)}.pt2"
 
 
+def stored_steps() -> list[Path]:
+    """Every package stored on this machine (`dflash doctor` lists them)."""
+    return sorted((compile_cache_dir() / "exported").glob("*.pt2"))
+
+
 def _sample(step: StandardStep, dtype: torch.dtype) -> tuple[Any, ...]:
     keys = [torch.zeros(1, step.kv_heads, 16, step.head_dim, dtype=dtype) for _ in step.target.model.layers]
     return torch.tensor([[1, 2]]), torch.empty(5, dtype=torch.uint8), keys, [k.clone() for k in keys]
 
 
 def build(target: PreTrainedModel, path: Path) -> None:
-    """Export `target`'s standard step and compile it into a package at `path` (written whole, then renamed)."""
+    """Export `target`'s standard step and compile it into a package at `path`: written whole and tried on the model
+    (one call) before it is renamed into place, so a stored package is one that loads and runs."""
     from torch.export import Dim
 
     use_compile_cache()
     step = StandardStep(target).eval()
-    dtype = target.get_input_embeddings().weight.dtype
-    sample = _sample(step, dtype)
-    layers = len(sample[2])
-    buffers = [{2: Dim.DYNAMIC} for _ in range(layers)]
+    sample = _sample(step, compute_dtype(target))
+    buffers = [{2: Dim.DYNAMIC} for _ in sample[2]]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations while it exports: not our users'
         program = torch.export.export(
@@ -112,12 +143,8 @@ def build(target: PreTrainedModel, path: Path) -> None:
         fd, temporary = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
         os.close(fd)
         try:
-            torch._inductor.aoti_compile_and_package(
-                program,
-                package_path=temporary,
-                # code only: the model's own tensors are handed over at load (held once)
-                inductor_configs={"aot_inductor.package_constants_in_so": False, "emulate_precision_casts": True},
-            )
+            torch._inductor.aoti_compile_and_package(program, package_path=temporary, inductor_configs=PACKAGE_OPTIONS)
+            load(target, Path(temporary))(sample[0], 5, sample[2], sample[3])
             os.replace(temporary, path)
         finally:
             Path(temporary).unlink(missing_ok=True)
@@ -131,10 +158,10 @@ def load(target: PreTrainedModel, path: Path) -> ExportedStep:
     tensors.update(step.named_buffers(remove_duplicate=False))
     names = runner.get_constant_fqns()
     # The only constants the package makes itself: the group size each int4 product takes as a tensor (inductor's
-    # CPU lowering of _weight_int4pack_mm_for_cpu).
+    # CPU lowering of _weight_int4pack_mm_for_cpu adds them, named constantN).
     made = [name for name in names if name not in tensors]
     int4 = sum(isinstance(module, Int4Linear) for module in step.modules())
-    if len(made) != int4:
+    if len(made) != int4 or not all(name.startswith("constant") for name in made):
         raise RuntimeError(f"the package at {path} wants {len(made)} constants the model lacks ({int4} int4 layers)")
     constants = {name: tensors[name].detach() for name in names if name in tensors}
     constants.update({name: torch.tensor(GROUP_SIZE) for name in made})
@@ -143,19 +170,29 @@ def load(target: PreTrainedModel, path: Path) -> ExportedStep:
 
 
 def exported_step(target: PreTrainedModel, *, build_missing: bool, notify: Notify | None = None) -> ExportedStep | None:
-    """`target`'s exported step, loaded from the cache, built first when missing and `build_missing`; None where the
-    target has none (`standard.unsupported`) or it is missing. Raises what building or loading raised."""
+    """`target`'s exported step, loaded from the cache, built first when missing and `build_missing` (a stored
+    package that no longer loads is then built again); None where the target has none (`standard.unsupported`) or
+    it is missing. Raises what building or loading raised, naming the package."""
     if target in _LOADED:
         return _LOADED[target]
     if standard.unsupported(target) is not None:
         return None
     path = package_path(target)
-    if not path.exists():
-        if not build_missing:
-            return None
-        message = f"compiling the target's step once for this machine (1-3 minutes; stored in {path.parent})"
-        with notify(message) if notify is not None else nullcontext():
-            build(target, path)
+    if path.exists():
+        try:
+            _LOADED[target] = loaded = load(target, path)
+            return loaded
+        except Exception as error:  # a package of another build of this torch, a broken file: anything
+            if not build_missing:
+                raise RuntimeError(
+                    f"{error} (package {path}: delete it, or build it again with --compile on)"
+                ) from error
+            path.unlink()
+    elif not build_missing:
+        return None
+    message = f"compiling the target's step once for this machine (1-3 minutes; stored in {path.parent})"
+    with notify(message) if notify is not None else nullcontext():
+        build(target, path)
     _LOADED[target] = loaded = load(target, path)
     return loaded
 

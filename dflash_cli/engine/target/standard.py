@@ -1,5 +1,5 @@
 """The target's forward for the standard decoder families (Llama, Mistral, Qwen2, Qwen3), over one row of an
-`AttentionState`'s K/V buffers, in the form `torch.export` takes: tensors in, tensors out. engine/exported.py
+`AttentionState`'s K/V buffers, in the form `torch.export` takes: tensors in, tensors out. engine/target/exported.py
 exports and compiles it once (AOTInductor) so that a CPU step runs without the Python and dispatch cost of the
 eager forward: hundreds of small ops a step, half of a 2-core CPU's plain step for the demo target.
 
@@ -9,7 +9,9 @@ numbers as they are:
 
 - grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V); with
   one query head per KV head, the rows run twice, as `engine.kernels` runs a one-row bf16 product;
-- a block's causal mask is made in the graph from the row's length (`end`, the length of `span`).
+- a block's causal mask is made in the graph from the row's length (`end`, the length of `span`);
+- bf16 products (`engine.kernels.TwoRowLinear`'s) run with the block's last row twice, so that none has one row
+  (MKL's one-row bf16 product rounds otherwise; in a traced graph the layer cannot branch on the row count).
 
 The final norm's output and every layer's output come back; the caller applies the output head to the rows it
 needs (a prefill chunk's last) and copies the drafter's feature layers, so one package serves every drafter.
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+from dflash_cli.engine.kernels import TwoRowLinear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope types whose frequencies change with the sequence length at run time (not a constant of the graph).
@@ -42,8 +46,6 @@ def unsupported(target: PreTrainedModel) -> str | None:
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope in _DYNAMIC_ROPE:
         return f"{rope} rope (its frequencies depend on the length)"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"{config.hidden_act} activation"
     if target.get_input_embeddings().weight.device.type != "cpu":
         return "not on a CPU"
     return None
@@ -70,6 +72,7 @@ class StandardStep(nn.Module):
         self.head_dim = target.model.layers[0].self_attn.head_dim
         self.fold = self.heads // self.kv_heads  # query heads per KV head
         self.copies = max(self.fold, 2)  # rows per KV head and query: a single row runs twice
+        self.extra = int(any(isinstance(m, TwoRowLinear) for m in target.modules()))  # rows the products add
 
     def forward(
         self, token_ids: torch.Tensor, span: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
@@ -77,26 +80,28 @@ class StandardStep(nn.Module):
         base = self.target.model
         q, end = token_ids.shape[1], span.shape[0]
         x = base.embed_tokens(token_ids)
+        if self.extra:
+            x = torch.cat([x, x[:, -1:]], dim=1)
         positions = (torch.arange(q, device=x.device) + (end - q))[None]
         cos, sin = base.rotary_emb(x, positions)
-        hidden = torch.arange(end, device=x.device)[None, :] > positions[0][:, None]  # [q, end]: the future
-        hidden = hidden.repeat(self.copies, 1)  # the rows of a folded query: (query head in group, query)
+        future = torch.arange(end, device=x.device)[None, :] > positions[0][:, None]  # [q, end]: keys after a query
+        future = future.repeat(self.copies, 1)  # the rows of a folded query: (query head in group, query)
         outputs = []
         for layer, layer_keys, layer_values in zip(base.layers, keys, values):
-            x = self._layer(layer, x, cos, sin, hidden, layer_keys, layer_values, end)
-            outputs.append(x[0])
-        return base.norm(x)[0], outputs
+            x = self._layer(layer, x, cos, sin, future, layer_keys, layer_values, end)
+            outputs.append(x[0, :q])
+        return base.norm(x)[0, :q], outputs
 
     def _layer(
-        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
-        keys: torch.Tensor, values: torch.Tensor, end: Any,
+        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, future: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, end: int | torch.SymInt,
     ) -> torch.Tensor:  # fmt: skip
         attention = layer.self_attn
-        q = x.shape[1]
+        q = x.shape[1] - self.extra
         h = layer.input_layernorm(x)
-        query = attention.q_proj(h).view(1, q, self.heads, self.head_dim)
-        key = attention.k_proj(h).view(1, q, self.kv_heads, self.head_dim)
-        value = attention.v_proj(h).view(1, q, self.kv_heads, self.head_dim).transpose(1, 2)
+        query = attention.q_proj(h)[:, :q].reshape(1, q, self.heads, self.head_dim)
+        key = attention.k_proj(h)[:, :q].reshape(1, q, self.kv_heads, self.head_dim)
+        value = attention.v_proj(h)[:, :q].reshape(1, q, self.kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attention, "q_norm"):  # Qwen3: per-head norms before the rotation
             query, key = attention.q_norm(query), attention.k_norm(key)
         query, key = _rotary(attention)(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
@@ -106,9 +111,11 @@ class StandardStep(nn.Module):
         if self.copies != self.fold:
             rows = rows.repeat(1, 1, 2, 1)
         scores = torch.matmul(rows, keys[:, :, :end].transpose(2, 3)) * attention.scaling
-        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
         weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(weights, values[:, :, :end])[:, :, : self.fold * q]
         out = out.reshape(1, self.heads, q, self.head_dim).transpose(1, 2).reshape(1, q, self.heads * self.head_dim)
+        if self.extra:
+            out = torch.cat([out, out[:, -1:]], dim=1)
         x = x + attention.o_proj(out)
         return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -11,6 +11,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -493,7 +494,8 @@ def check_compiled_steps(facts: MachineFacts, compiler: str | None, stored: list
     """Whether compiled CPU steps can be built here (a C++ compiler), and which are stored."""
     if facts.gpu_name is not None:
         return Check("compiled steps", "pass", "GPU: CUDA graphs are captured at each start (no stored CPU step)")
-    kept = f"; stored: {len(stored)} ({', '.join(sorted(p.stem.split('-')[0] for p in stored))})" if stored else ""
+    families = Counter(path.stem.split("-")[0] for path in stored)
+    kept = f"; stored: {', '.join(f'{family} x{n}' for family, n in sorted(families.items()))}" if stored else ""
     if compiler is None:
         return Check(
             "compiled steps",

@@ -349,10 +349,10 @@ def test_a_moe_speed_bound_reads_only_the_routed_experts() -> None:
 def test_compiled_steps_check_says_what_a_cpu_can_build(tmp_path: Path) -> None:
     cpu = detect_machine()
     cpu = dataclasses.replace(cpu, gpu_name=None)
-    stored = [tmp_path / "llama-0123.pt2", tmp_path / "qwen3-4567.pt2"]
+    stored = [tmp_path / "llama-0123.pt2", tmp_path / "qwen3-4567.pt2", tmp_path / "llama-89ab.pt2"]
     missing = doctor.check_compiled_steps(cpu, None, stored)
     assert missing.status == "warn" and "no C++ compiler" in missing.detail and "apt install g++" in missing.fix
-    assert "stored: 2 (llama, qwen3)" in missing.detail
+    assert "stored: llama x2, qwen3 x1" in missing.detail
     found = doctor.check_compiled_steps(cpu, "/usr/bin/g++", [])
     assert found.status == "pass" and "/usr/bin/g++" in found.detail and "stored" not in found.detail
     gpu = doctor.check_compiled_steps(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, [])

@@ -728,10 +728,11 @@ def test_a_taken_port_fails_before_the_model_loads(tmp_path: Path) -> None:
 
 
 def test_worker_queue_bounds_cancellation_and_stop(session: Session, models: tuple[Path, Path]) -> None:
-    from dflash_cli.commands.serve.worker import Job, QueueFull, ShuttingDown, Worker
+    from dflash_cli.commands.serve.worker import EngineThread, Job, QueueFull, ShuttingDown, Worker
 
     one_row = dataclasses.replace(session, plan=dataclasses.replace(session.plan, batch_size=1))
-    worker = Worker(one_row, speculative=True, max_queue=0)  # no waiting: only the one decoding
+    engine = EngineThread()
+    worker = Worker(one_row, engine, speculative=True, max_queue=0)  # no waiting: only the one decoding
     ids = session.encode_chat(user("Hi"))
     params = session.sampling_params(local_options(models))
     updates: dict[str, list[Any]] = {"a": [], "b": [], "c": []}
@@ -750,11 +751,27 @@ def test_worker_queue_bounds_cancellation_and_stop(session: Session, models: tup
     expected = expected_chat(session, models, user("Hi"))
     assert "".join(u.text for u in updates["c"]) == expected.text
     assert sum(len(u.token_ids) for u in updates["c"]) == len(expected.token_ids) and updates["c"][-1].stats.speculative
+    assert worker.alive  # (the engine's thread runs the serve loop until stopped)
     worker.stop()
     worker.join(10)
     with pytest.raises(ShuttingDown):
         worker.submit(jobs["b"])
     assert not worker.alive
+
+
+def test_the_engine_thread_returns_results_and_raises_errors() -> None:
+    """What `serve` runs on its model's one thread: the loading's result or error reaches the caller."""
+    from dflash_cli.commands.serve.worker import EngineThread
+
+    engine = EngineThread()
+    try:
+        name = engine.run(lambda: threading.current_thread().name)
+        assert name == "dflash-engine"
+        with pytest.raises(ValueError, match="no such model"):
+            engine.run(lambda: (_ for _ in ()).throw(ValueError("no such model")))
+        assert engine.run(lambda: 42) == 42  # it serves on after an error
+    finally:
+        engine.close()
 
 
 # -- tools and structured output -------------------------------------------------------------------------------

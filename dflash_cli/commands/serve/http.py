@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dflash_cli.commands.serve.metrics import CONTENT_TYPE, ServerMetrics
-from dflash_cli.commands.serve.worker import Job, QueueFull, ShuttingDown, Update, Worker
+from dflash_cli.commands.serve.worker import EngineThread, Job, QueueFull, ShuttingDown, Update, Worker
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
 from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
@@ -454,10 +454,11 @@ def run_server(
     from dflash_cli.loading.session import open_session
 
     sock = bind(host, port)
+    engine = EngineThread()  # loads and decodes: the model's one thread (worker.EngineThread says why)
     try:
-        session = open_session(options, console, batching=True)
+        session = engine.run(lambda: open_session(options, console, batching=True))
         speculative = not options.no_spec and session.can_speculate
-        worker = Worker(session, speculative=speculative, max_queue=max_queue)
+        worker = Worker(session, engine, speculative=speculative, max_queue=max_queue)
         metrics = ServerMetrics(
             model=session.served_name,
             speculative=speculative,
@@ -494,6 +495,7 @@ def run_server(
         worker.join(timeout=30)
         console.print(("\n" if console.is_terminal else "") + "dflash serve: stopped", soft_wrap=True)
     finally:
+        engine.close()
         sock.close()
 
 

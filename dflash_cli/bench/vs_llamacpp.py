@@ -130,7 +130,7 @@ def dflash_runner(
     session = open_session(options)
     if compile == "auto" and not session.exported:  # the default runs the stored step: store it first (once)
         log(f"building the exported target step ({quant or 'default'} weights), once")
-        session.exported = exported.exported_step(session.target, build_missing=True) is not None
+        exported.exported_step(session.target, build_missing=True)
     prompt = session.encode_prompt(prompt_text)
     params = session.sampling_params(options, max_new_tokens=tokens, stop_token_ids=())
 

@@ -44,7 +44,6 @@ class Session:
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
     prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
     decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
-    exported: bool = False  # one-row steps run the target's stored exported step (engine.target.exported)
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -70,6 +69,12 @@ class Session:
     def batch_size(self) -> int:
         """Rows decoded together by `run` and `serve`: the plan's, or 1 for a target that cannot batch."""
         return 1 if batch_limit(self.target) is not None else self.plan.batch_size
+
+    @property
+    def exported(self) -> bool:
+        """Whether one-row steps run the target's stored exported step (engine.target.exported; a step that failed
+        mid-run has been unloaded)."""
+        return exported.loaded_step(self.target) is not None
 
     @property
     def compiled(self) -> bool:
@@ -431,12 +436,9 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
-    stored = None
     if plan.device == "cpu" and options.compile != "off" and standard.unsupported(models.target) is None:
-        stored, compile_why = load_exported_step(models.target, build=compile, console=console)
-    session = Session(
-        recipe, plan, models, threads, compile, console, batching, options.prefix_cache, exported=stored is not None
-    )
+        _, compile_why = load_exported_step(models.target, build=compile, console=console)
+    session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
         with console.status(message) if console is not None else contextlib.nullcontext():

@@ -69,9 +69,14 @@ INVARIANT_EAGER = "invariant_eager"  # (no "flash" in it: transformers reads any
 EAGER = ("eager", INVARIANT_EAGER)  # attention that writes its scores out (a prefill runs in chunks of queries)
 
 
+def family_function(module: nn.Module, name: str) -> Any:
+    """The function `name` of `module`'s modeling file (a family's own eager attention, rotary embedding), or None."""
+    return getattr(sys.modules[type(module).__module__], name, None)
+
+
 def _family_eager(module: nn.Module) -> Any:
-    """The eager attention function of `module`'s modeling file (attention sinks, softcapping and all)."""
-    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    """The eager attention function of `module`'s family (attention sinks, softcapping and all)."""
+    return family_function(module, "eager_attention_forward")
 
 
 def invariant_eager_attention(

@@ -4,7 +4,7 @@ exports and compiles it once (AOTInductor) so that a CPU step runs without the P
 eager forward: hundreds of small ops a step, half of a 2-core CPU's plain step for the demo target.
 
 It calls the model's own modules (its linears, quantized or not, norms, rotary embedding, MLP) and its family's own
-rotary function, in the order transformers' eager forward calls them, with two changes that leave each row's
+rotary function, in the order transformers' eager forward calls them, with three changes that leave each row's
 numbers as they are:
 
 - grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V); with
@@ -19,14 +19,11 @@ needs (a prefill chunk's last) and copies the drafter's feature layers, so one p
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.kernels import TwoRowLinear
+from dflash_cli.engine.kernels import TwoRowLinear, family_function
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope types whose frequencies change with the sequence length at run time (not a constant of the graph).
@@ -49,10 +46,6 @@ def unsupported(target: PreTrainedModel) -> str | None:
     if target.get_input_embeddings().weight.device.type != "cpu":
         return "not on a CPU"
     return None
-
-
-def _rotary(attention: nn.Module) -> Any:
-    return sys.modules[type(attention).__module__].apply_rotary_pos_emb
 
 
 class StandardStep(nn.Module):
@@ -104,7 +97,9 @@ class StandardStep(nn.Module):
         value = attention.v_proj(h)[:, :q].reshape(1, q, self.kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attention, "q_norm"):  # Qwen3: per-head norms before the rotation
             query, key = attention.q_norm(query), attention.k_norm(key)
-        query, key = _rotary(attention)(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        query, key = family_function(attention, "apply_rotary_pos_emb")(
+            query.transpose(1, 2), key.transpose(1, 2), cos, sin
+        )
         keys[:, :, end - q : end].copy_(key)
         values[:, :, end - q : end].copy_(value)
         rows = query.reshape(1, self.kv_heads, self.fold * q, self.head_dim)

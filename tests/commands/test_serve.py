@@ -754,6 +754,7 @@ def test_worker_queue_bounds_cancellation_and_stop(session: Session, models: tup
     assert worker.alive  # (the engine's thread runs the serve loop until stopped)
     worker.stop()
     worker.join(10)
+    engine.close()
     with pytest.raises(ShuttingDown):
         worker.submit(jobs["b"])
     assert not worker.alive

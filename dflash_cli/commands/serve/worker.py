@@ -178,7 +178,6 @@ class Worker:
     def join(self, timeout: float | None = None) -> None:
         if self._serving is not None:
             wait([self._serving], timeout)
-        self._engine.close()
 
     def _admit(self, batch: Any) -> bool:
         """Wait for work; move waiting jobs into the batch's free rows. False: stop serving."""

@@ -42,6 +42,7 @@ MAX_TOKENS = 16  # the server's --max-tokens: the default for requests that do n
 MAX_QUEUE = 16
 BATCH = 4  # the server's --batch-size: rows decoded together
 WINDOW = 2048  # the served model's context window
+BUSY = 1500  # tokens a request that keeps the server busy asks for
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -480,12 +481,13 @@ def test_bf16_answers_do_not_depend_on_the_requests_beside_them(models: tuple[Pa
 
 @pytest.fixture(scope="module")
 def long_prompt(session: Session, models: tuple[Path, Path]) -> str:
-    """A prompt whose greedy reply runs to 300 tokens (no end-of-turn token before): a request that stays busy."""
+    """A prompt whose greedy reply runs to BUSY tokens (no end-of-turn token before): a request that stays busy
+    (the tiny model decodes 1,000+ tokens/s here: 300 tokens ended before a client's hang-up reached the server)."""
     for i in range(10):
         prompt = f"Tell me everything, part {i}."
-        if expected_chat(session, models, user(prompt), max_new_tokens=300).finish_reason == "length":
+        if expected_chat(session, models, user(prompt), max_new_tokens=BUSY).finish_reason == "length":
             return prompt
-    raise AssertionError("no prompt keeps the tiny model talking for 300 tokens")
+    raise AssertionError(f"no prompt keeps the tiny model talking for {BUSY} tokens")
 
 
 def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
@@ -496,7 +498,7 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
     script = (
         "import sys, openai\n"
         f"client = openai.OpenAI(base_url={server.url + '/v1'!r}, api_key={KEY!r}, max_retries=0)\n"
-        f"for chunk in client.chat.completions.create(model={server.target!r}, max_tokens=300, stream=True,\n"
+        f"for chunk in client.chat.completions.create(model={server.target!r}, max_tokens={BUSY}, stream=True,\n"
         f"        messages=[{{'role': 'user', 'content': {prompt!r}}}]):\n"
         "    print('chunk', flush=True)\n"
     )
@@ -507,7 +509,7 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
     streaming.stdout.close()
     # a non-streaming client that hangs up is stopped too
     with socket.create_connection(("127.0.0.1", server.port)) as raw:
-        body = json.dumps({"messages": user(prompt), "max_tokens": 300}).encode()
+        body = json.dumps({"messages": user(prompt), "max_tokens": BUSY}).encode()
         raw.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
             + KEY.encode()
@@ -528,14 +530,14 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
     generated = [
         int(m.group(1)) for m in re.finditer(r"cancelled: \d+ prompt \+ (\d+) generated", "\n".join(server.log))
     ]
-    assert len(generated) >= 2 and all(n < 300 for n in generated[-2:])  # stopped well before max_tokens
+    assert len(generated) >= 2 and all(n < BUSY for n in generated[-2:])  # stopped well before max_tokens
     reply = client.chat.completions.create(model=server.target, messages=user("Still there?"))
     assert reply.choices[0].message.content == expected_chat(session, models, user("Still there?")).text
 
 
 def test_a_full_queue_answers_429_at_once(server: RunningServer, long_prompt: str) -> None:
     prompt = long_prompt
-    body = json.dumps({"messages": user(prompt), "max_tokens": 300, "stream": True}).encode()
+    body = json.dumps({"messages": user(prompt), "max_tokens": BUSY, "stream": True}).encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
         + KEY.encode()

@@ -7,13 +7,15 @@ kernel that reads float32 weights far below the machine's bandwidth, while the s
 1.77 / 1.64 / 2.66x the weights' read time against 2.42 / 2.63 / 3.38x; docs/benchmarks.md). One row is the
 same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel is the faster (SMALL_ROWS).
 
-bf16 is the other way round: MKL's one-row bf16 product (a matrix-vector kernel) rounds differently from its
-product for 2 or more rows, and every row count from 2 on gives a row the same bits (measured on the demo target's
-211 products up to 300 rows, one and two threads; the first to differ was a down_proj, 1536 inputs). So a bf16
-product of one row runs as two (the row twice) at the same cost (13.0 against 13.1 ms for the demo's 211 products):
-then a row's output does not depend on how many rows its step holds (a plain step, a verify block, a batch, a
-prefill chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md). float32 has
-no such rule here: MKL's float32 kernels round a row by the product's row count at every size.
+bf16 products run on dflash's own kernel (`engine.cpu_kernels`) where the process has it: it sums every output in
+one order whatever the row count, and reads the weights 1.5-1.8x faster than MKL at one to a few rows (the demo's
+211 products at one row: 6.6 against 11.9 ms). Without it, MKL: its one-row bf16 product (a matrix-vector kernel)
+rounds differently from its product for 2 or more rows, and every row count from 2 on gives a row the same bits
+(measured on the demo target's 211 products up to 300 rows, one and two threads; the first to differ was a
+down_proj, 1536 inputs), so a bf16 product of one row runs as two (the row twice) at the same cost. Either way a
+row's output does not depend on how many rows its step holds (a plain step, a verify block, a batch, a prefill
+chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md). float32 has no such
+rule here: MKL's float32 kernels round a row by the product's row count at every size.
 
 Attention's products have the same one-row case: a one-query step (a plain decode step) multiplies [1, keys] by
 the values, which MKL's one-row kernel rounded otherwise than a block's first row (seen at 2,500 keys, 8 KV heads
@@ -22,7 +24,7 @@ eager attention with a one-query call run as two.
 
 `use_cpu_products(model)` switches a model's plain CPU `nn.Linear` layers in place, same parameters and state
 dict: float32 ones to `SmallRowLinear` (`W @ x.T` for 2 to `SMALL_ROWS` rows; its rounding differs from `F.linear`
-in the last bits there, never for one row), bf16 ones to `TwoRowLinear`; and a CPU model's eager attention to
+in the last bits there, never for one row), bf16 ones to `Bf16Linear`; and a CPU model's eager attention to
 INVARIANT_EAGER.
 """
 
@@ -34,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_cli.engine import cpu_kernels
 
 SMALL_ROWS = 9  # up to this many rows, `W @ x.T`; from 10 rows on F.linear's kernel is the faster (measured)
 
@@ -53,20 +57,31 @@ class SmallRowLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class TwoRowLinear(nn.Linear):
-    """bf16 `nn.Linear` that computes a one-row product as two rows, the row twice (see the module docstring)."""
+class Bf16Linear(nn.Linear):
+    """bf16 `nn.Linear` whose rows keep their bits whatever the row count: dflash's kernel where the process has it,
+    else MKL with a one-row product computed as two rows, the row twice (see the module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Compiled steps leave the product to inductor's kernels (as SmallRowLinear does).
+        if cpu_kernels.available():
+            out = torch.ops.dflash.bf16_linear(x.reshape(-1, self.in_features), self.weight)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*x.shape[:-1], self.out_features)
+        # Compiled steps leave MKL's product to inductor's kernels (as SmallRowLinear does).
         if torch.compiler.is_compiling() or x.numel() != x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
         twice = x.reshape(1, -1).expand(2, -1)
         return F.linear(twice, self.weight, self.bias)[:1].reshape(*x.shape[:-1], self.out_features)
 
 
-CPU_PRODUCTS = {torch.float32: SmallRowLinear, torch.bfloat16: TwoRowLinear}
+CPU_PRODUCTS = {torch.float32: SmallRowLinear, torch.bfloat16: Bf16Linear}
 INVARIANT_EAGER = "invariant_eager"  # (no "flash" in it: transformers reads any such name as flash attention)
 EAGER = ("eager", INVARIANT_EAGER)  # attention that writes its scores out (a prefill runs in chunks of queries)
+
+
+def one_row_runs_twice(model: nn.Module) -> bool:
+    """Whether `model`'s bf16 products need a one-row product computed as two (MKL's, not dflash's kernel)."""
+    return not cpu_kernels.available() and any(isinstance(m, Bf16Linear) for m in model.modules())
 
 
 def family_function(module: nn.Module, name: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
-from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_prefixes, generate
+from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, cpu_kernels, forget_prefixes, generate
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target import exported, standard
 from dflash_cli.engine.target.base import batch_limit
@@ -399,6 +399,18 @@ def apply_chat_template(
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+def cpu_kernels_reason(console: Console | None) -> str:
+    """Load dflash's CPU kernels into this process before its first product (compiled first, once per machine, with
+    a status line); the --explain line saying which kernels the bf16 products and attention run on."""
+    building = cpu_kernels.pending_build()
+    message = "Compiling dflash's CPU kernels (once on this machine, about 10 s)..."
+    with console.status(message) if console is not None and building else contextlib.nullcontext():
+        why = cpu_kernels.unavailable()
+    if why is None:
+        return "kernels: bf16 products and attention on dflash's CPU kernels (engine.cpu_kernels)"
+    return f"kernels: bf16 products and attention on torch's kernels ({why})"
+
+
 def load_exported_step(target: Any, *, build: bool, console: Console | None) -> tuple[Any, str]:
     """Load `target`'s stored exported step (engine.target.exported), building it first when `build` (--compile on,
     pull --compile): the step (None: it runs without one) and why. A build or load that fails leaves the target as
@@ -436,6 +448,7 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
 
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
+    kernels_why = cpu_kernels_reason(console) if plan.device == "cpu" else None
     if plan.device == "cpu" and options.compile != "off" and standard.unsupported(models.target) is None:
         _, compile_why = load_exported_step(models.target, build=compile, console=console)
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
@@ -450,6 +463,8 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         if options.explain:
             source = (models.target_source,) if models.target_source else ()
             decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()
-            for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), *decoding, compile_why):
+            kernels = (kernels_why,) if kernels_why is not None else ()
+            for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), *decoding, *kernels,
+                           compile_why):  # fmt: skip
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

@@ -86,6 +86,7 @@ def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
         "hugging face hub",
         "recipes",
         "compiled steps",
+        "cpu kernels",
         "dflash command",
     }
     assert set(checks) == expected
@@ -357,3 +358,17 @@ def test_compiled_steps_check_says_what_a_cpu_can_build(tmp_path: Path) -> None:
     assert found.status == "pass" and "/usr/bin/g++" in found.detail and "stored" not in found.detail
     gpu = doctor.check_compiled_steps(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, [])
     assert gpu.status == "pass" and "CUDA graphs" in gpu.detail
+
+
+def test_cpu_kernels_check_says_what_runs_and_what_to_install() -> None:
+    cpu = dataclasses.replace(detect_machine(), gpu_name=None)
+    built = doctor.check_cpu_kernels(cpu, None, True, "/usr/bin/c++")
+    assert built.status == "pass" and "built" in built.detail
+    later = doctor.check_cpu_kernels(cpu, None, False, "/usr/bin/c++")
+    assert later.status == "pass" and "/usr/bin/c++" in later.detail and "first CPU run" in later.detail
+    no_compiler = doctor.check_cpu_kernels(cpu, None, False, None)
+    assert no_compiler.status == "warn" and "apt install g++" in no_compiler.fix
+    old_cpu = doctor.check_cpu_kernels(cpu, "this CPU lacks avx512_bf16", False, None)
+    assert old_cpu.status == "pass" and "torch's kernels" in old_cpu.detail and "avx512_bf16" in old_cpu.detail
+    gpu = doctor.check_cpu_kernels(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, False, None)
+    assert gpu.status == "pass" and "CUDA" in gpu.detail

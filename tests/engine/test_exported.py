@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from dflash_cli import load_drafter
 from dflash_cli.cli.app import app
-from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine import SamplingParams, collect, cpu_kernels, generate
 from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.quantized import quantize_target
 from dflash_cli.engine.target import exported, standard
@@ -46,14 +46,20 @@ def int4_target():
     _eager(model)
 
 
-@pytest.fixture(scope="module")
-def bf16_target():
+def _dense_bf16_target():
     """A tiny dense bf16 Llama with a wide MLP (8960: a width where MKL's one-row bf16 product rounds otherwise than
-    a block's), its step exported."""
-    model = build_tiny("llama", 6, intermediate_size=8960).to(torch.bfloat16)
+    a block's) and heads of 32 (dflash's attention kernel takes them), its step exported."""
+    model = build_tiny("llama", 6, intermediate_size=8960, head_dim=32).to(torch.bfloat16)
     model.set_attn_implementation("eager")
     use_cpu_products(model)
     assert exported.exported_step(model, build_missing=True) is not None
+    return model
+
+
+@pytest.fixture(scope="module")
+def bf16_target():
+    """`_dense_bf16_target` on the kernels this process runs (dflash's, where it has them)."""
+    model = _dense_bf16_target()
     yield model
     _eager(model)
 
@@ -94,6 +100,25 @@ def test_a_block_computes_each_row_as_one_token_steps_do(which: str, request: py
     """bf16 through the package: every row of a verify block is bit-equal to the one-token step at its position, so
     drafting changes no token (the exported step is batch-invariant by itself)."""
     target = request.getfixturevalue(which)
+    if which == "bf16_target" and cpu_kernels.available():
+        assert StandardStep(target).fused_attention  # dflash's attention and products in the graph
+    _assert_blocks_are_one_token_steps(target)
+
+
+def test_without_dflash_kernels_the_package_runs_mkl_and_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process without dflash's kernels (another CPU, no compiler): MKL's products in the graph, a one-row block
+    run as two, and still every row of a block bit-equal to one-token steps (a package of its own: the key differs)."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    target = _dense_bf16_target()
+    try:
+        step = StandardStep(target)
+        assert not step.fused_attention and step.extra == 1
+        _assert_blocks_are_one_token_steps(target)
+    finally:
+        _eager(target)
+
+
+def _assert_blocks_are_one_token_steps(target) -> None:  # noqa: ANN001
     state = AttentionState(target)
     state.reserve(200, 16, ())
     assert state.exported is not None

@@ -1,5 +1,5 @@
-"""engine/kernels.py: the few-row products of decoding on a CPU (float32: `W @ x.T` for 2-9 rows; bf16: one row
-as two)."""
+"""engine/kernels.py: the few-row products of decoding on a CPU (float32: `W @ x.T` for 2-9 rows; bf16: dflash's
+kernel, or MKL with one row as two)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_cli import speculative_generate
+from dflash_cli.engine import cpu_kernels
 from dflash_cli.engine.kernels import SMALL_ROWS, SmallRowLinear, use_cpu_products
 from helpers.drafters import random_drafter
 from helpers.tiny_models import hf_greedy, sharp_tiny
@@ -62,14 +63,50 @@ def test_only_plain_float32_and_bf16_cpu_linears_switch() -> None:
         nn.Embedding(5, 4),
     )
     assert use_cpu_products(model) == 2
-    assert [type(m).__name__ for m in model] == ["SmallRowLinear", "Custom", "TwoRowLinear", "Linear", "Embedding"]
+    assert [type(m).__name__ for m in model] == ["SmallRowLinear", "Custom", "Bf16Linear", "Linear", "Embedding"]
     assert use_cpu_products(model) == 0  # idempotent
+
+
+@pytest.fixture
+def mkl_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 products as a process without dflash's kernels runs them (MKL's)."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+
+
+@pytest.fixture(params=["dflash", "mkl"])
+def bf16_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel a bf16 product may run on: dflash's (where this machine has it) and MKL's."""
+    if request.param == "dflash" and not cpu_kernels.available():
+        pytest.skip(f"dflash's CPU kernels: {cpu_kernels.unavailable()}")
+    if request.param == "mkl":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    return request.param
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 48), (1, 48), (48,), (1, 3, 48), (2, 5, 48)])
-def test_two_row_linear_runs_one_row_as_two(shape: tuple[int, ...], bias: bool) -> None:
-    """One row runs as a two-row product (MKL's one-row bf16 kernel rounds otherwise); more rows as F.linear."""
+def test_bf16_linear_runs_dflash_kernel(shape: tuple[int, ...], bias: bool) -> None:
+    """Where the process has dflash's kernels, every bf16 product runs on them, one row as it is."""
+    if not cpu_kernels.available():
+        pytest.skip(f"dflash's CPU kernels: {cpu_kernels.unavailable()}")
+    torch.manual_seed(len(shape))
+    layer = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    use_cpu_products(layer)
+    with _Ops() as seen:
+        out = layer(x)
+    rows = x.numel() // 48
+    assert [shapes for op, shapes in seen.ops if op.startswith("dflash.")] == [[(rows, 48), (80, 48)]], seen.ops
+    assert not [op for op, _ in seen.ops if op in ("aten.mm", "aten.addmm")]
+    reference = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 48), (48,), (1, 3, 48), (2, 5, 48)])
+def test_two_row_linear_runs_one_row_as_two(shape: tuple[int, ...], bias: bool, mkl_bf16: None) -> None:
+    """On MKL, one row runs as a two-row product (MKL's one-row bf16 kernel rounds otherwise); more rows as
+    F.linear."""
     torch.manual_seed(len(shape))
     layer = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(shape, dtype=torch.bfloat16)
@@ -84,9 +121,9 @@ def test_two_row_linear_runs_one_row_as_two(shape: tuple[int, ...], bias: bool) 
     assert torch.equal(out.reshape(rows, 80), reference)
 
 
-def test_bf16_rows_agree_whatever_the_row_count() -> None:
-    """The rule the engine's batch invariance rests on, checked on this machine: a bf16 row's output is the same
-    bits alone (run as two), in a block, or in a prefill-sized product (engine.kernels). MKL's one-row kernel
+def test_bf16_rows_agree_whatever_the_row_count(bf16_kernel: str) -> None:
+    """The rule the engine's batch invariance rests on, checked on this machine for each kernel: a bf16 row's output
+    is the same bits alone, in a block, or in a prefill-sized product (engine.kernels). MKL's one-row kernel
     rounds otherwise for some weight addresses: the weight sits at several offsets into a buffer."""
     for seed in (0, 1):
         torch.manual_seed(seed)

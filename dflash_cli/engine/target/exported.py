@@ -13,7 +13,8 @@ instruction-set flags (its code is built for this CPU), the model's config, the 
 tensor the step reads, and the code traced into it. Built by `dflash pull NAME --compile` or the first `--compile
 on` start (about 1.5 minutes for the demo target on 2 cores, with a progress line), tried on the model before it
 is stored, then found by every later start, `--compile auto` included; one that no longer loads is built again by
-the next build request. Its kernels read torch's thread count at run time (the decode and prompt counts differ).
+the next build request. Its products and attention (torch's and dflash's kernels, engine.cpu_kernels) read torch's
+thread count at run time (the decode and prompt counts differ); inductor's own small kernels run on one thread.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import transformers
 from torch import nn
 from transformers import PreTrainedModel
 
-from dflash_cli.engine import kernels, quantized
+from dflash_cli.engine import cpu_kernels, kernels, quantized
 from dflash_cli.engine.compiled import Notify, compile_cache_dir, use_compile_cache
 from dflash_cli.engine.quantized import GROUP_SIZE, Int4Linear
 from dflash_cli.engine.target import standard
@@ -44,11 +45,13 @@ from dflash_cli.engine.target.standard import StandardStep
 
 _LOADED: weakref.WeakKeyDictionary[PreTrainedModel, ExportedStep] = weakref.WeakKeyDictionary()
 # inductor's settings for a package: code only (the model's tensors are handed over at load); bf16 rounded where
-# eager rounds it (a block's rows then equal one-token steps); the thread count read at run time, not fixed at build
+# eager rounds it (a block's rows then equal one-token steps); its own kernels (norms, rotations, activations) on
+# one thread: they touch a few rows, and a parallel region each costs more than it saves (the products' kernels run
+# on torch's threads; a demo bf16 step 9.9 against 11.2 ms)
 PACKAGE_OPTIONS = {
     "aot_inductor.package_constants_in_so": False,
     "emulate_precision_casts": True,
-    "cpp.dynamic_threads": True,
+    "cpp.threads": 1,
 }
 
 
@@ -67,24 +70,14 @@ class ExportedStep:
         return self.runner(token_ids, span, keys, values)
 
 
-def _cpu_flags() -> str:
-    """The CPU's instruction-set flags: a package's code is built for this CPU (-march=native), and a package built
-    elsewhere may hold instructions this one lacks (a crash no handler catches)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def package_key(target: PreTrainedModel) -> str:
     """What a package's code depends on (see the module docstring), as a hex digest."""
-    # the code traced into the graph: the step, this module, the quantized layers and the CPU products
-    code = b"".join(
-        Path(module.__file__).read_bytes() for module in (standard, sys.modules[__name__], quantized, kernels)
-    )
+    # the code traced into the graph: the step, this module, the quantized layers, the CPU products and, where the
+    # process has them, dflash's kernels (a package calls them)
+    modules = (standard, sys.modules[__name__], quantized, kernels, cpu_kernels)
+    code = b"".join(Path(module.__file__).read_bytes() for module in modules)
+    if cpu_kernels.available():
+        code += cpu_kernels.SOURCE.read_bytes()
     step = StandardStep(target)
     # engine.kernels' few-row Linear subclasses export as F.linear: one kind with nn.Linear
     kinds = {
@@ -103,7 +96,7 @@ def package_key(target: PreTrainedModel) -> str:
     facts = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu": [platform.machine(), _cpu_flags()],
+        "cpu": [platform.machine(), cpu_kernels.cpu_flag_line()],
         "config": config,
         "tensors": tensors,
         "code": hashlib.sha256(code).hexdigest(),

@@ -10,8 +10,9 @@ numbers as they are:
 - grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V); with
   one query head per KV head, the rows run twice, as `engine.kernels` runs a one-row bf16 product;
 - a block's causal mask is made in the graph from the row's length (`end`, the length of `span`);
-- bf16 products (`engine.kernels.TwoRowLinear`'s) run with the block's last row twice, so that none has one row
-  (MKL's one-row bf16 product rounds otherwise; in a traced graph the layer cannot branch on the row count).
+- where bf16 products run on MKL (`engine.kernels.Bf16Linear` without dflash's kernel), the block's last row runs
+  twice, so that none has one row (MKL's one-row bf16 product rounds otherwise; in a traced graph the layer cannot
+  branch on the row count).
 
 The final norm's output and every layer's output come back; the caller applies the output head to the rows it
 needs (a prefill chunk's last) and copies the drafter's feature layers, so one package serves every drafter.
@@ -23,7 +24,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.kernels import TwoRowLinear, family_function
+from dflash_cli.engine import cpu_kernels
+from dflash_cli.engine.kernels import family_function, one_row_runs_twice, use_cpu_products
+from dflash_cli.engine.target.base import compute_dtype
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope types whose frequencies change with the sequence length at run time (not a constant of the graph).
@@ -59,13 +62,19 @@ class StandardStep(nn.Module):
         why = unsupported(target)
         if why is not None:
             raise ValueError(f"no standard step for {type(target).__name__}: {why}")
+        use_cpu_products(target)  # the products the engine runs (engine.kernels), traced as they will run
         self.target = target
         config = target.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = target.model.layers[0].self_attn.head_dim
         self.fold = self.heads // self.kv_heads  # query heads per KV head
         self.copies = max(self.fold, 2)  # rows per KV head and query: a single row runs twice
-        self.extra = int(any(isinstance(m, TwoRowLinear) for m in target.modules()))  # rows the products add
+        self.extra = int(one_row_runs_twice(target))  # rows the products add
+        # bf16 attention on dflash's kernel (engine.cpu_kernels) where the process has it: one row's queries over its
+        # own keys in one call, as the graph below rounds it, without copying the keys for a product
+        self.fused_attention = (
+            cpu_kernels.available() and compute_dtype(target) == torch.bfloat16 and self.head_dim % 32 == 0
+        )
 
     def forward(
         self, token_ids: torch.Tensor, span: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
@@ -77,8 +86,10 @@ class StandardStep(nn.Module):
             x = torch.cat([x, x[:, -1:]], dim=1)
         positions = (torch.arange(q, device=x.device) + (end - q))[None]
         cos, sin = base.rotary_emb(x, positions)
-        future = torch.arange(end, device=x.device)[None, :] > positions[0][:, None]  # [q, end]: keys after a query
-        future = future.repeat(self.copies, 1)  # the rows of a folded query: (query head in group, query)
+        future = None
+        if not self.fused_attention:
+            future = torch.arange(end, device=x.device)[None, :] > positions[0][:, None]  # [q, end]: keys after a query
+            future = future.repeat(self.copies, 1)  # the rows of a folded query: (query head in group, query)
         outputs = []
         for layer, layer_keys, layer_values in zip(base.layers, keys, values):
             x = self._layer(layer, x, cos, sin, future, layer_keys, layer_values, end)
@@ -86,7 +97,7 @@ class StandardStep(nn.Module):
         return base.norm(x)[0, :q], outputs
 
     def _layer(
-        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, future: torch.Tensor,
+        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, future: torch.Tensor | None,
         keys: torch.Tensor, values: torch.Tensor, end: int | torch.SymInt,
     ) -> torch.Tensor:  # fmt: skip
         attention = layer.self_attn
@@ -103,12 +114,19 @@ class StandardStep(nn.Module):
         keys[:, :, end - q : end].copy_(key)
         values[:, :, end - q : end].copy_(value)
         rows = query.reshape(1, self.kv_heads, self.fold * q, self.head_dim)
+        if self.fused_attention:
+            out = torch.ops.dflash.attention(rows, keys, values, end, q, attention.scaling)
+            return self._finish(layer, x, out, q)
         if self.copies != self.fold:
             rows = rows.repeat(1, 1, 2, 1)
         scores = torch.matmul(rows, keys[:, :, :end].transpose(2, 3)) * attention.scaling
         scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
         weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.matmul(weights, values[:, :, :end])[:, :, : self.fold * q]
+        return self._finish(layer, x, torch.matmul(weights, values[:, :, :end])[:, :, : self.fold * q], q)
+
+    def _finish(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor, q: int | torch.SymInt) -> torch.Tensor:
+        """The layer after its attention's rows `out` [1, kv heads, fold * q, head dim]: output projection, MLP."""
+        attention = layer.self_attn
         out = out.reshape(1, self.heads, q, self.head_dim).transpose(1, 2).reshape(1, q, self.heads * self.head_dim)
         if self.extra:
             out = torch.cat([out, out[:, -1:]], dim=1)

@@ -1,0 +1,139 @@
+"""dflash's own CPU kernels for bf16 decoding (`cpu_kernels.cpp`): `torch.ops.dflash.bf16_linear` (a dense bf16
+weight times a few rows) and `torch.ops.dflash.attention` (one row's block of queries over its K/V).
+
+Why our own: a decode step's time on a CPU is the time to read every weight once. MKL's bf16 product for one to a
+few rows reads the weights at about half the memory bandwidth, and rounds a row by the row count (one row differs
+from two: engine.kernels); a batched product over a K/V buffer first copies the keys transposed (two copies a
+layer, a fifth of a demo step). These read each weight once per call for all its rows, read the keys in place,
+and compute every output in one order whatever the row count and threads, so a row's bits do not depend on the
+step it runs in (a plain step, a verify block, a batch, a prefill chunk): bf16 speculative decoding stays lossless
+with no one-row special case. Measured on the 2-core AVX512-BF16 VM (docs/benchmarks.md): the demo target's 211
+products at one row 6.6 against MKL's 11.9 ms.
+
+The library is compiled once per machine (the C++ compiler and torch's headers, about 10 s) into the dflash cache
+and loaded into the process before its first product: `available()` decides once per process, so every product of
+a session runs on the same kernel. CPUs without AVX-512 BF16, a failed build or `DFLASH_CPU_KERNELS=0` keep
+torch's kernels (a warning says why a build failed; `dflash doctor` too).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+ENVIRONMENT = "DFLASH_CPU_KERNELS"  # "0": torch's kernels for every product and attention
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # what the kernels are compiled for
+_COMPILE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+                  "-mfma", "-fopenmp"]  # fmt: skip
+
+
+def cpu_flag_line() -> str:
+    """The CPU's instruction-set flags (Linux's /proc/cpuinfo; the processor's name elsewhere). Compiled code is
+    built for them, and code built elsewhere may hold instructions this CPU lacks (a crash no handler catches)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def unavailable() -> str | None:
+    """Why this process's bf16 products and attention run on torch's kernels rather than ours (None: ours run)."""
+    return _state()
+
+
+def available() -> bool:
+    """Whether dflash's kernels run this process's bf16 products and attention (built and loaded on the first
+    call)."""
+    return _state() is None
+
+
+def unusable() -> str | None:
+    """Why this process cannot run dflash's kernels whatever is built (switched off, or a CPU without the
+    instructions); None: it can, once built."""
+    if os.environ.get(ENVIRONMENT, "1") == "0":
+        return f"{ENVIRONMENT}=0"
+    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flag_line().split()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def pending_build() -> bool:
+    """Whether the first `available()` of this process compiles the kernels (about 10 s; a frontend says so)."""
+    return _state.cache_info().currsize == 0 and unusable() is None and not library_path().is_file()
+
+
+@functools.cache
+def _state() -> str | None:
+    why = unusable()
+    if why is not None:
+        return why
+    try:
+        torch.ops.load_library(str(library_path(build=True)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        why = f"could not build them ({str(error).strip().splitlines()[-1] if str(error).strip() else error!r})"
+        warnings.warn(f"dflash's CPU kernels: {why}; torch's kernels run instead", stacklevel=3)
+        return why
+    _register_shapes()
+    return None
+
+
+def library_path(build: bool = False) -> Path:
+    """Where this machine's compiled kernels are (compiled there first when `build` and missing)."""
+    from dflash_cli.engine.compiled import compile_cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_COMPILE_FLAGS).encode())
+    path = compile_cache_dir() / "kernels" / f"dflash_cpu_kernels-{key.hexdigest()[:16]}.so"
+    if build and not path.is_file():
+        _compile(path)
+    return path
+
+
+def compiler() -> str:
+    """The C++ compiler the kernels are built with: $CXX, else c++."""
+    return os.environ.get("CXX", "c++")
+
+
+def _compile(path: Path) -> None:
+    from torch.utils import cpp_extension
+
+    compiler_ = compiler()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    libraries = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        built = Path(scratch) / path.name
+        command = [compiler_, *_COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o",
+                   str(built), *libraries]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler_} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(built, path)
+
+
+def _register_shapes() -> None:
+    """The ops' output shapes, for torch.export and torch.compile (which trace without running them)."""
+
+    @torch.library.register_fake("dflash::bf16_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("dflash::attention")
+    def _(
+        rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, q: int, scaling: float
+    ) -> torch.Tensor:
+        return torch.empty_like(rows, memory_format=torch.contiguous_format)

@@ -1,0 +1,128 @@
+"""engine/cpu_kernels.py: dflash's bf16 CPU kernels, built here (the C++ compiler), against float references, and
+the rule the engine rests on: a row's bits never depend on the rows around it, the row count or the threads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_cli.engine import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"dflash's CPU kernels: {cpu_kernels.unavailable()}"
+)
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request: pytest.FixtureRequest) -> int:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+# outputs: partial tiles (the last 4-output group and 16-output task); inputs: below, at and past whole chunks of 64
+@pytest.mark.parametrize(("out_features", "in_features"), [(80, 64), (37, 100), (16, 576), (5, 7), (192, 1536)])
+def test_bf16_linear_is_the_product(out_features: int, in_features: int, threads: int) -> None:
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    x = torch.randn(9, in_features).to(torch.bfloat16)
+    out = torch.ops.dflash.bf16_linear(x, weight)
+    assert out.dtype == torch.bfloat16 and out.shape == (9, out_features)
+    reference = x.double() @ weight.double().T  # exact products; the kernel rounds its float32 sum once to bf16
+    tolerance = 1e-5 * (x.double().abs() @ weight.double().abs().T) + 2**-8 * reference.abs()
+    assert ((out.double() - reference).abs() <= tolerance + 1e-30).all()
+
+
+def test_bf16_linear_rows_keep_their_bits(threads: int) -> None:
+    """Each row alone, in every block of 1..17 rows, at any offset inside it, on 1 or 2 threads: the same bits."""
+    torch.manual_seed(threads)
+    weight = torch.randn(200, 300).to(torch.bfloat16)
+    x = (torch.randn(17, 300) * torch.rand(17, 300).pow(4)).to(torch.bfloat16)  # skewed, as an MLP's activations
+    alone = torch.cat([torch.ops.dflash.bf16_linear(x[i : i + 1], weight) for i in range(17)])
+    for start in range(3):
+        for rows in range(1, 18 - start):
+            block = torch.ops.dflash.bf16_linear(x[start : start + rows], weight)
+            assert torch.equal(block, alone[start : start + rows]), (start, rows)
+
+
+def test_bf16_linear_takes_views_and_empty_blocks() -> None:
+    weight = torch.randn(64, 128).to(torch.bfloat16)
+    x = torch.randn(3, 256).to(torch.bfloat16)[:, ::2]  # not contiguous
+    torch.testing.assert_close(
+        torch.ops.dflash.bf16_linear(x, weight.T.contiguous().T), torch.ops.dflash.bf16_linear(x.contiguous(), weight)
+    )
+    assert torch.ops.dflash.bf16_linear(x[:0], weight).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.dflash.bf16_linear(x.float(), weight)
+
+
+def _eager_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, q: int, scaling: float):
+    """engine.target.standard's eager attention: bf16 products, float32 softmax, keys after a query masked."""
+    copies = rows.shape[2] // q
+    scores = torch.matmul(rows, keys[:, :, :end].transpose(2, 3)) * scaling
+    positions = torch.arange(q) + end - q
+    future = (torch.arange(end)[None, :] > positions[:, None]).repeat(copies, 1)
+    scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
+    return torch.matmul(weights, values[:, :, :end])
+
+
+@pytest.mark.parametrize(("kv_heads", "fold", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 4, 128)])
+def test_attention_is_the_eager_attention_and_rows_keep_their_bits(
+    kv_heads: int, fold: int, head_dim: int, threads: int
+) -> None:
+    torch.manual_seed(kv_heads * fold)
+    keys = torch.randn(1, kv_heads, 300, head_dim).to(torch.bfloat16)
+    values = torch.randn(1, kv_heads, 300, head_dim).to(torch.bfloat16)
+    scaling = head_dim**-0.5
+    for q, end in [(1, 1), (1, 57), (4, 200), (16, 300)]:
+        query = torch.randn(1, kv_heads, fold, q, head_dim).to(torch.bfloat16)
+        rows = query.reshape(1, kv_heads, fold * q, head_dim)
+        out = torch.ops.dflash.attention(rows, keys, values, end, q, scaling)
+        torch.testing.assert_close(out, _eager_attention(rows, keys, values, end, q, scaling), rtol=2e-2, atol=2e-2)
+        blocks = out.reshape(1, kv_heads, fold, q, head_dim)
+        for i in range(q):  # query i alone, as a one-token step at its own position
+            lone = query[:, :, :, i].reshape(1, kv_heads, fold, head_dim)
+            alone = torch.ops.dflash.attention(lone, keys, values, end - q + i + 1, 1, scaling)
+            assert torch.equal(alone, blocks[:, :, :, i]), (q, end, i)
+
+
+def test_attention_refuses_what_it_cannot_read() -> None:
+    keys = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    rows = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.dflash.attention(rows, keys, keys, 9, 1, 0.1)  # past the buffer
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.dflash.attention(rows.float(), keys, keys, 4, 1, 0.1)
+
+
+def test_the_environment_switches_them_off() -> None:
+    """`DFLASH_CPU_KERNELS=0`: the process keeps torch's kernels and says why."""
+    code = "from dflash_cli.engine import cpu_kernels; print(cpu_kernels.available(), cpu_kernels.unavailable())"
+    env = {**os.environ, cpu_kernels.ENVIRONMENT: "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == ["False", f"{cpu_kernels.ENVIRONMENT}=0"]
+
+
+def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A compiler that fails: a warning naming the failure, torch's kernels, nothing half-written in the cache."""
+    code = (
+        "import warnings; from pathlib import Path; from dflash_cli.engine import cpu_kernels, compiled\n"
+        f"compiled.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(cpu_kernels.available())\n"
+        "print(seen[0].message)\n"
+        "print(sorted(p.name for p in Path(%r).rglob('*') if p.is_file()))\n" % str(tmp_path)
+    )
+    env = {**os.environ, "CXX": "false"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "False"
+    assert "could not build them" in lines[1] and "torch's kernels run instead" in lines[1]
+    assert lines[2] == "[]"

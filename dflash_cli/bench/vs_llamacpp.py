@@ -24,6 +24,7 @@ same number of threads; the ratios in the summary are dflash / llama.cpp within 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import statistics
@@ -38,6 +39,8 @@ from typing import Any
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp of 2026-10-01
 TARGETS = ("llama-bench", "llama-speculative-simple")
 PROMPT = "Write a short story about a robot who learns to paint."
+
+CONVERTER_NEEDS = ("sentencepiece", "numpy", "safetensors")  # what convert_hf_to_gguf.py imports beyond torch
 
 
 def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -84,6 +87,9 @@ def convert(source: Path, model_dir: Path, out: Path, target_dir: Path | None = 
     """A bf16 GGUF of a Hugging Face model directory (a DFlash drafter with `target_dir`), made once."""
     if out.is_file():
         return out
+    missing = [name for name in CONVERTER_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:  # the converter's own imports (llama.cpp's requirements/requirements-convert_hf_to_gguf.txt)
+        raise SystemExit(f"llama.cpp's converter needs {', '.join(missing)}: pip install {' '.join(missing)}")
     cmd = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "bf16"]
     cmd += ["--outfile", str(out)] + (["--target-model-dir", str(target_dir)] if target_dir else [])
     log(f"converting {model_dir.name} to {out.name}")

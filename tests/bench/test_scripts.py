@@ -249,3 +249,14 @@ def test_prefix_bench_times_chat_turns_and_served_requests_both_ways(
     assert len(served) == 6  # both ways
     assert all(int(cached) > 20 for _, _, cached in served[1:3]) and all(c == "0" for _, _, c in served[3:])
     assert "--no-prefix-cache: requests 2-3 TTFT = " in out
+
+
+def test_cpu_products_tabulates_each_kernel_at_each_row_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash_cli.bench import products
+
+    assert products.main(["--layers", "1", "--repeats", "1", "--rows", "1", "3", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if re.match(r"\| \d+ \|", line)]
+    assert [line.split("|")[1].strip() for line in table] == ["1", "3"]
+    assert all(len(line.split("|")) == 8 for line in table)  # rows + five kernels
+    assert "1 layers x 7 products" in lines[0]

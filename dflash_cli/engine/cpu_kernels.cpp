@@ -1,6 +1,6 @@
 // dflash's own CPU kernels for decoding in bf16 on AVX-512 BF16 CPUs (engine/cpu_kernels.py loads them):
-// dflash::bf16_linear (a dense bf16 weight times a few rows) and dflash::attention (one row's block of queries over
-// its K/V).
+// dflash::bf16_linear (a dense bf16 weight times a few rows) and dflash::attention (each row's block of queries over
+// its own K/V).
 //
 // A decode step multiplies one to a few dozen rows by every weight once, so its time is the weights' bytes over
 // the memory bandwidth: bf16_linear reads each weight once per call for all its rows (a tile of rows shares each
@@ -110,39 +110,44 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
   return out;
 }
 
-// ---- attention of a block's query rows over one row's K/V, bf16 -------------------------------------------------
-// rows [1, kv heads, n, head dim]: row r is the query at position end - q + r % q (the query heads of a KV head
-// folded into rows, as engine.target.standard folds them); keys / values [1, kv heads, capacity, head dim]. As the
-// eager graph rounds it: scores = bf16(q . k) then bf16(score * scaling); softmax in float32 over the keys at or
-// before the query's position, weights rounded to bf16; out = bf16(sum of weight * value, keys in order). Each row
-// reads only its own keys, so its result does not depend on the block around it.
+// ---- attention of each row's block of queries over that row's K/V, bf16 ------------------------------------------
+// rows [R, kv heads, n, head dim]: in row b, query row i is the query at positions[b, i % q] (the query heads of a KV
+// head folded into rows, as engine.target.standard folds them); keys / values [R, kv heads, capacity, head dim].
+// As the eager graph rounds it: scores = bf16(q . k) then bf16(score * scaling); softmax in float32 over the keys
+// at or before the query's position, weights rounded to bf16; out = bf16(sum of weight * value, keys in order).
+// Each query reads only its own keys, so its result does not depend on the block or the rows around it.
 
-at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values, int64_t end,
-                     int64_t q, double scaling) {
-  TORCH_CHECK(rows_in.dim() == 4 && rows_in.scalar_type() == at::kBFloat16, "attention: rows must be bf16 [1, h, n, d]");
+at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values,
+                     const at::Tensor& positions_in, double scaling) {
+  TORCH_CHECK(rows_in.dim() == 4 && rows_in.scalar_type() == at::kBFloat16, "attention: rows must be bf16 [R, h, n, d]");
   TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "attention: bf16 K/V");
-  const at::Tensor rows = rows_in.contiguous();
-  const int64_t heads = rows.size(1), n = rows.size(2), dim = rows.size(3);
-  TORCH_CHECK(keys.size(1) == heads && keys.size(3) == dim && keys.size(2) >= end && end >= q && q > 0,
+  TORCH_CHECK(positions_in.dim() == 2 && positions_in.scalar_type() == at::kLong, "attention: positions [R, q] int64");
+  const at::Tensor rows = rows_in.contiguous(), positions = positions_in.contiguous();
+  const int64_t batch = rows.size(0), heads = rows.size(1), n = rows.size(2), dim = rows.size(3);
+  const int64_t q = positions.size(1), capacity = keys.size(2);
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(1) == heads &&
+                  keys.size(3) == dim && positions.size(0) == batch && q > 0 && n % q == 0,
               "attention: shapes");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(), "attention: K/V layout");
   TORCH_CHECK(dim % 32 == 0, "attention: head dim must be a multiple of 32");
-  at::Tensor out = at::empty({1, heads, n, dim}, rows.options());
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch * q; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < capacity, "attention: a position past the buffer");
+  at::Tensor out = at::empty({batch, heads, n, dim}, rows.options());
   const auto* r = reinterpret_cast<const uint16_t*>(rows.const_data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(keys.const_data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(values.const_data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t head_stride = keys.stride(1), key_stride = keys.stride(2);
+  const int64_t batch_stride = keys.stride(0), head_stride = keys.stride(1), key_stride = keys.stride(2);
   const float scale = static_cast<float>(scaling);
-  at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> weights(end);
+  at::parallel_for(0, batch * heads * n, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> weights(capacity);
     std::vector<__m512> acc(dim / 16);
     for (int64_t task = begin; task < stop; ++task) {
-      const int64_t h = task / n, row = task % n;
-      const int64_t visible = end - q + row % q + 1;
-      const uint16_t* query = r + (h * n + row) * dim;
-      const uint16_t* kh = kp + h * head_stride;
-      const uint16_t* vh = vp + h * head_stride;
+      const int64_t b = task / (heads * n), h = task / n % heads, row = task % n;
+      const int64_t visible = pos[b * q + row % q] + 1;
+      const uint16_t* query = r + task * dim;
+      const uint16_t* kh = kp + b * batch_stride + h * head_stride;
+      const uint16_t* vh = vp + b * batch_stride + h * head_stride;
       float top = -INFINITY;
       for (int64_t j = 0; j < visible; ++j) {
         __m512 a = _mm512_setzero_ps();
@@ -161,7 +166,7 @@ at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at
         for (int64_t c = 0; c < dim / 16; ++c)
           acc[c] = _mm512_fmadd_ps(w, load_bf16x16(vh + j * key_stride + c * 16), acc[c]);
       }
-      for (int64_t c = 0; c < dim / 16; ++c) store_bf16x16(o + (h * n + row) * dim + c * 16, acc[c]);
+      for (int64_t c = 0; c < dim / 16; ++c) store_bf16x16(o + task * dim + c * 16, acc[c]);
     }
   });
   return out;
@@ -171,7 +176,7 @@ at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at
 
 TORCH_LIBRARY(dflash, m) {
   m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
-  m.def("attention(Tensor rows, Tensor keys, Tensor values, SymInt end, SymInt q, float scaling) -> Tensor");
+  m.def("attention(Tensor rows, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

@@ -1,5 +1,5 @@
 """dflash's own CPU kernels for bf16 decoding (`cpu_kernels.cpp`): `torch.ops.dflash.bf16_linear` (a dense bf16
-weight times a few rows) and `torch.ops.dflash.attention` (one row's block of queries over its K/V).
+weight times a few rows) and `torch.ops.dflash.attention` (each row's block of queries over its own K/V).
 
 Why our own: a decode step's time on a CPU is the time to read every weight once. MKL's bf16 product for one to a
 few rows reads the weights at about half the memory bandwidth, and rounds a row by the row count (one row differs
@@ -134,6 +134,6 @@ def _register_shapes() -> None:
 
     @torch.library.register_fake("dflash::attention")
     def _(
-        rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, q: int, scaling: float
+        rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         return torch.empty_like(rows, memory_format=torch.contiguous_format)

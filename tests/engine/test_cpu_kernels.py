@@ -61,12 +61,14 @@ def test_bf16_linear_takes_views_and_empty_blocks() -> None:
         torch.ops.dflash.bf16_linear(x.float(), weight)
 
 
-def _eager_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int, q: int, scaling: float):
+def _eager_attention(
+    rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scaling: float
+):
     """engine.target.standard's eager attention: bf16 products, float32 softmax, keys after a query masked."""
-    copies = rows.shape[2] // q
+    copies = rows.shape[2] // positions.shape[1]
+    end = int(positions.max()) + 1
     scores = torch.matmul(rows, keys[:, :, :end].transpose(2, 3)) * scaling
-    positions = torch.arange(q) + end - q
-    future = (torch.arange(end)[None, :] > positions[:, None]).repeat(copies, 1)
+    future = (torch.arange(end)[None, None, :] > positions[:, :, None]).repeat(1, copies, 1)[:, None]
     scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
     return torch.matmul(weights, values[:, :, :end])
@@ -76,29 +78,41 @@ def _eager_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 def test_attention_is_the_eager_attention_and_rows_keep_their_bits(
     kv_heads: int, fold: int, head_dim: int, threads: int
 ) -> None:
+    """Each query's output: the eager graph's (within a bf16 rounding), and the same bits alone (a one-token step
+    at its position, a row alone) as inside a block of its row and a batch of rows of other lengths."""
     torch.manual_seed(kv_heads * fold)
-    keys = torch.randn(1, kv_heads, 300, head_dim).to(torch.bfloat16)
-    values = torch.randn(1, kv_heads, 300, head_dim).to(torch.bfloat16)
+    keys = torch.randn(3, kv_heads, 300, head_dim).to(torch.bfloat16)
+    values = torch.randn(3, kv_heads, 300, head_dim).to(torch.bfloat16)
     scaling = head_dim**-0.5
-    for q, end in [(1, 1), (1, 57), (4, 200), (16, 300)]:
-        query = torch.randn(1, kv_heads, fold, q, head_dim).to(torch.bfloat16)
-        rows = query.reshape(1, kv_heads, fold * q, head_dim)
-        out = torch.ops.dflash.attention(rows, keys, values, end, q, scaling)
-        torch.testing.assert_close(out, _eager_attention(rows, keys, values, end, q, scaling), rtol=2e-2, atol=2e-2)
-        blocks = out.reshape(1, kv_heads, fold, q, head_dim)
-        for i in range(q):  # query i alone, as a one-token step at its own position
-            lone = query[:, :, :, i].reshape(1, kv_heads, fold, head_dim)
-            alone = torch.ops.dflash.attention(lone, keys, values, end - q + i + 1, 1, scaling)
-            assert torch.equal(alone, blocks[:, :, :, i]), (q, end, i)
+    for q, ends in [(1, (1, 57, 300)), (4, (200, 4, 31)), (16, (300, 16, 100))]:
+        positions = torch.stack([torch.arange(end - q, end) for end in ends])
+        query = torch.randn(3, kv_heads, fold, q, head_dim).to(torch.bfloat16)
+        rows = query.reshape(3, kv_heads, fold * q, head_dim)
+        out = torch.ops.dflash.attention(rows, keys, values, positions, scaling)
+        torch.testing.assert_close(out, _eager_attention(rows, keys, values, positions, scaling), rtol=2e-2, atol=2e-2)
+        blocks = out.reshape(3, kv_heads, fold, q, head_dim)
+        for b in range(3):
+            row = torch.ops.dflash.attention(
+                rows[b : b + 1], keys[b : b + 1], values[b : b + 1], positions[b : b + 1], scaling
+            )
+            assert torch.equal(row, out[b : b + 1]), (q, b)
+            for i in range(q):  # query i alone, as a one-token step at its own position
+                lone = query[b : b + 1, :, :, i].reshape(1, kv_heads, fold, head_dim)
+                alone = torch.ops.dflash.attention(
+                    lone, keys[b : b + 1], values[b : b + 1], positions[b : b + 1, i : i + 1], scaling
+                )
+                assert torch.equal(alone, blocks[b : b + 1, :, :, i]), (q, b, i)
 
 
 def test_attention_refuses_what_it_cannot_read() -> None:
     keys = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
     rows = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="past the buffer"):
+        torch.ops.dflash.attention(rows, keys, keys, torch.tensor([[8]]), 0.1)
     with pytest.raises(RuntimeError, match="shapes"):
-        torch.ops.dflash.attention(rows, keys, keys, 9, 1, 0.1)  # past the buffer
+        torch.ops.dflash.attention(rows, keys, keys, torch.tensor([[1], [2]]), 0.1)  # positions for two rows
     with pytest.raises(RuntimeError, match="bf16"):
-        torch.ops.dflash.attention(rows.float(), keys, keys, 4, 1, 0.1)
+        torch.ops.dflash.attention(rows.float(), keys, keys, torch.tensor([[3]]), 0.1)
 
 
 def test_the_environment_switches_them_off() -> None:

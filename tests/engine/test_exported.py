@@ -20,7 +20,7 @@ from dflash_cli.cli.app import app
 from dflash_cli.engine import SamplingParams, collect, cpu_kernels, generate
 from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.quantized import quantize_target
-from dflash_cli.engine.target import exported, standard
+from dflash_cli.engine.target import exported, rounding_cause, standard
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.standard import StandardStep
 from dflash_cli.loading.session import load_exported_step
@@ -82,12 +82,12 @@ def test_the_standard_step_is_transformers_eager_forward(family: str, dtype: tor
     exact = dtype == torch.bfloat16
     with torch.inference_mode():
         theirs = state.prefill(ids[:, :20])
-        hidden, _ = step(ids[:, :20], torch.empty(20), keys, values)
-        ours = [(model.lm_head(hidden[-1:]), theirs)]
+        hidden, _ = step(ids[:, :20], torch.arange(20)[None], torch.empty(20), keys, values)
+        ours = [(model.lm_head(hidden[0, -1:]), theirs)]
         for q in (1, 3, 4):
             theirs = state.verify(ids[:, 20 : 20 + q])[0]
-            hidden, _ = step(ids[:, 20 : 20 + q], torch.empty(20 + q), keys, values)
-            ours.append((model.lm_head(hidden), theirs))
+            hidden, _ = step(ids[:, 20 : 20 + q], torch.arange(20, 20 + q)[None], torch.empty(20 + q), keys, values)
+            ours.append((model.lm_head(hidden[0]), theirs))
     for mine, reference in ours:
         if exact:
             assert torch.equal(mine, reference)
@@ -156,21 +156,29 @@ def test_exported_decoding_is_eager_decoding(int4_target) -> None:
     assert through == [hf_greedy(int4_target, p, 24) for p in prompts]
 
 
-def test_a_batch_runs_its_one_row_forwards_through_the_package(int4_target, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several rows verify together eagerly (per-row masks); a prefill, and a row decoding alone, run the package;
-    every row still decodes its greedy text alone (a sharp model: no near-tie for the rounding to flip)."""
+@pytest.mark.parametrize("which", ["int4_target", "bf16_target"])
+def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest.FixtureRequest, monkeypatch) -> None:  # noqa: ANN001
+    """Several rows verify together through the package too (each at its own positions), and every row decodes
+    the tokens it decodes alone, with and without a drafter: the package gives a row the same bits in any step."""
     from test_batch import run_batch
 
-    drafter = random_drafter(int4_target, seed=1, block_size=4, dtype=torch.bfloat16)
+    target = request.getfixturevalue(which)
+    drafter = random_drafter(target, seed=1, block_size=4, dtype=torch.bfloat16)
     params = SamplingParams(max_new_tokens=16)
     prompts = [[5, 17, 42, 9, 33], [8, 9, 3, 3, 11, 12, 30], [44] * 13, [7, 6, 5]]
-    expected = [collect(generate(int4_target, drafter, p, params)).token_ids for p in prompts]
+    alone = [collect(generate(target, None, p, params)).token_ids for p in prompts]
+    assert [collect(generate(target, drafter, p, params)).token_ids for p in prompts] == alone
     calls = []
     call = exported.ExportedStep.__call__
-    monkeypatch.setattr(exported.ExportedStep, "__call__", lambda self, *a: calls.append(a[0].shape) or call(self, *a))
-    got, widest = run_batch(int4_target, drafter, [(p, params, 2 * i) for i, p in enumerate(prompts)], rows=3)
-    assert widest > 1 and [g[0] for g in got] == expected
-    assert len(calls) > len(prompts)  # every prefill, and steps where one row decoded alone
+    monkeypatch.setattr(
+        exported.ExportedStep, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a)
+    )
+    monkeypatch.setattr(AttentionState, "_masks", lambda *a: pytest.fail("a batched step ran eagerly"))
+    for with_drafter in (None, drafter):
+        got, widest = run_batch(target, with_drafter, [(p, params, 2 * i) for i, p in enumerate(prompts)], rows=3)
+        assert widest > 1 and [g[0] for g in got] == alone
+    assert max(calls) > 1  # steps of several rows ran the package
+    assert rounding_cause(target) is None
 
 
 def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,14 +196,12 @@ def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monke
         exported._LOADED[int4_target] = step
 
 
-def test_a_loaded_step_changes_the_cost_key_and_the_rounding_cause(int4_target) -> None:
-    """Costs measured on eager steps are not the package's; a batch of several rows runs eager, so its rows may
-    round otherwise than one row's exported steps."""
+def test_a_loaded_step_changes_the_cost_key(int4_target) -> None:
+    """Costs measured on eager steps are not the package's."""
     from dflash_cli.engine.policy import target_key
-    from dflash_cli.engine.target import rounding_cause
 
     with_step = target_key(int4_target, compile=False)
-    assert with_step["exported"] and "exported step" in rounding_cause(int4_target)
+    assert with_step["exported"] and rounding_cause(int4_target) is None
     step = exported.loaded_step(int4_target)
     _eager(int4_target)
     try:

@@ -57,8 +57,8 @@ def rounding_cause(target: PreTrainedModel, compiled: bool = False) -> str | Non
         return f"{device.type}: fused attention and matrix kernels pick their tiling by the step's shape"
     if compiled:
         return "compiled steps: inductor's kernels pick their tiling by the step's shape"
-    if loaded_step(target) is not None:  # its rows agree at every block size, not always with eager batched steps
-        return "exported step: one row runs compiled ahead of time, several rows eager (a few values round otherwise)"
+    if loaded_step(target) is not None and dtype == torch.bfloat16:
+        return None  # every step, one row or several, runs the exported graph, which gives a row the same bits in any
     if dtype == torch.float32:
         return "float32: MKL rounds a row by the product's row count (within a few ulps)"
     if dtype != torch.bfloat16:

@@ -131,7 +131,8 @@ class AttentionState(TargetState):
         self.forward_end = 0
         # compiled steps (compiled.CompiledStep) or None: eager; full_view: whole-buffer attention, for CUDA graphs
         self.step: CompiledStep | None = None
-        self.exported: ExportedStep | None = None  # a CPU forward of one row: the stored exported step (exported.py)
+        # CPU forwards, one row or several: the stored exported step (exported.py)
+        self.exported: ExportedStep | None = None
         self.full_view = False
         self._length_t: torch.Tensor | None = None  # `at` on the device, for full_view
         self.notify: Notify | None = None  # shows a progress line while a step compiles
@@ -183,7 +184,7 @@ class AttentionState(TargetState):
         What the rows hold (their K/V, `lengths` and `held`) stays unless the buffers are allocated again.
         `compile` applies to one-row states."""
         assert rows == 1 or not compile, "compiled steps run one row"
-        self.exported = loaded_step(self.target)  # (for the forwards of one row: a prefill, a row decoding alone)
+        self.exported = loaded_step(self.target)  # (every forward: prefills, steps of one row or several)
         self.step = compiled_step(self.device) if compile and self.exported is None else None
         self.notify = notify
         full_view = self.step is not None and self.device.type == "cuda"
@@ -295,6 +296,8 @@ class AttentionState(TargetState):
             self._features, self._feature_rows, self._feature_slot, self._feature_at = self._block_features, rows, 0, 0
         self._capturing = self.capture
         try:
+            if self.exported is not None:  # one row or several (each at its own positions)
+                return self._exported_forward(token_ids, rows, prefill)
             if self.forward_positions is not None:
                 masks = self._masks(self.forward_positions, self.forward_end)
                 out = self.target(
@@ -305,8 +308,6 @@ class AttentionState(TargetState):
                     **{CACHE_ARGUMENT: self.cache},
                 )
                 return out.logits
-            if self.exported is not None:
-                return self._exported_forward(token_ids, rows, prefill)
             if self.full_view:
                 self._length_t.fill_(self.at)
             if prefill or self.step is None:
@@ -318,15 +319,21 @@ class AttentionState(TargetState):
 
     def _exported_forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:
         """`_forward` through the exported step: it returns the layers' outputs, of which the drafter's are copied
-        here, and the final hidden states, to which the output head is applied (for a prefill, the last row's)."""
+        here, and the final hidden states, to which the output head is applied (for a prefill, the last row's).
+        Several rows (`forward_positions` set) give logits [rows, q, vocab], one row [q, vocab]."""
         exported = self.exported
         assert exported is not None
         q = token_ids.shape[1]
+        several = self.forward_positions is not None
+        if several:
+            positions, end = self.forward_positions, self.forward_end
+        else:
+            positions, end = (torch.arange(q, device=self.device) + self.at)[None], self.at + q
         like = torch.empty(1, exported.kv_heads, 0, exported.head_dim, dtype=self.dtype, device=self.device)
         buffers = [self.buffers(index, like) for index in range(len(self.layers))]
         try:
             hidden, outputs = exported(
-                token_ids, self.at + q, [k[rows] for k, _ in buffers], [v[rows] for _, v in buffers]
+                token_ids, positions, end, [k[rows] for k, _ in buffers], [v[rows] for _, v in buffers]
             )
         except RuntimeError as error:  # the package refused the call: eager from now on (nothing was committed)
             unload(self.target)
@@ -336,7 +343,8 @@ class AttentionState(TargetState):
         if self._capturing:
             for slot, layer in enumerate(self.feature_layers):
                 self._record(slot, outputs[layer])
-        return self.target.get_output_embeddings()(hidden[-1:] if prefill else hidden)
+        logits = self.target.get_output_embeddings()(hidden[:, -1:] if prefill else hidden)
+        return logits if several else logits[0]
 
     def _masks(self, positions: torch.Tensor, end: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """Each row's queries see that row's keys at or before their own position (and within the layer's window

@@ -3,10 +3,11 @@ about a second at every later start.
 
 `torch.compile` on a CPU traces and lowers the target at every start (one to several minutes on 2 cores), so a
 CPU run could not have compiled steps by default. Here the standard families' step (engine/target/standard.py) is
-exported once with `torch.export` (the block's length, the row's length and the buffers' capacity symbolic: one
-package serves every block size, prefill chunk and context) and compiled to a shared library by AOTInductor. The
-package holds code only, no weights: at load the model's own tensors are handed to it (`user_managed`), so the
-weights are held once and any checkpoint of the same shapes uses the same package.
+exported once with `torch.export` (the rows, the block's length, the rows' length and the buffers' capacity
+symbolic: one package serves a row or a batch's rows, every block size, prefill chunk and context) and compiled
+to a shared library by AOTInductor. The package holds code only, no weights: at load the model's own tensors are
+handed to it (`user_managed`), so the weights are held once and any checkpoint of the same shapes uses the same
+package.
 
 A package is keyed by what its code depends on (`package_key`): torch's and transformers' versions, the CPU's
 instruction-set flags (its code is built for this CPU), the model's config, the type, shape and dtype of every
@@ -64,10 +65,11 @@ class ExportedStep:
         self.kv_heads, self.head_dim = step.kv_heads, step.head_dim  # the K/V buffers it takes
 
     def __call__(
-        self, token_ids: torch.Tensor, end: int, keys: list[torch.Tensor], values: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self, token_ids: torch.Tensor, positions: torch.Tensor, end: int, keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
         span = torch.empty(end, dtype=torch.uint8)  # only its length is read
-        return self.runner(token_ids, span, keys, values)
+        return self.runner(token_ids, positions, span, keys, values)
 
 
 def package_key(target: PreTrainedModel) -> str:
@@ -114,8 +116,10 @@ def stored_steps() -> list[Path]:
 
 
 def _sample(step: StandardStep, dtype: torch.dtype) -> tuple[Any, ...]:
-    keys = [torch.zeros(1, step.kv_heads, 16, step.head_dim, dtype=dtype) for _ in step.target.model.layers]
-    return torch.tensor([[1, 2]]), torch.empty(5, dtype=torch.uint8), keys, [k.clone() for k in keys]
+    """Two rows of two tokens at different positions (sizes of 2: an exported dimension of size 1 is a constant)."""
+    keys = [torch.zeros(2, step.kv_heads, 16, step.head_dim, dtype=dtype) for _ in step.target.model.layers]
+    positions = torch.tensor([[3, 4], [1, 2]])
+    return torch.tensor([[1, 2], [3, 4]]), positions, torch.empty(5, dtype=torch.uint8), keys, [k.clone() for k in keys]
 
 
 def build(target: PreTrainedModel, path: Path) -> None:
@@ -126,18 +130,19 @@ def build(target: PreTrainedModel, path: Path) -> None:
     use_compile_cache()
     step = StandardStep(target).eval()
     sample = _sample(step, compute_dtype(target))
-    buffers = [{2: Dim.DYNAMIC} for _ in sample[2]]
+    rows = {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}
+    buffers = [{0: Dim.DYNAMIC, 2: Dim.DYNAMIC} for _ in sample[3]]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations while it exports: not our users'
         program = torch.export.export(
-            step, sample, dynamic_shapes=({1: Dim.DYNAMIC}, {0: Dim.DYNAMIC}, buffers, buffers), strict=False
+            step, sample, dynamic_shapes=(rows, rows, {0: Dim.DYNAMIC}, buffers, buffers), strict=False
         )
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
         os.close(fd)
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=temporary, inductor_configs=PACKAGE_OPTIONS)
-            load(target, Path(temporary))(sample[0], 5, sample[2], sample[3])
+            load(target, Path(temporary))(sample[0], sample[1], 5, sample[3], sample[4])
             os.replace(temporary, path)
         finally:
             Path(temporary).unlink(missing_ok=True)

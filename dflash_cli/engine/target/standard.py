@@ -1,4 +1,4 @@
-"""The target's forward for the standard decoder families (Llama, Mistral, Qwen2, Qwen3), over one row of an
+"""The target's forward for the standard decoder families (Llama, Mistral, Qwen2, Qwen3), over rows of an
 `AttentionState`'s K/V buffers, in the form `torch.export` takes: tensors in, tensors out. engine/target/exported.py
 exports and compiles it once (AOTInductor) so that a CPU step runs without the Python and dispatch cost of the
 eager forward: hundreds of small ops a step, half of a 2-core CPU's plain step for the demo target.
@@ -9,7 +9,9 @@ numbers as they are:
 
 - grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V); with
   one query head per KV head, the rows run twice, as `engine.kernels` runs a one-row bf16 product;
-- a block's causal mask is made in the graph from the row's length (`end`, the length of `span`);
+- each query's position comes in (`positions`, per row): the rotation, where its K/V is written, and which keys
+  it sees follow from it, so rows of different lengths run together (a batch's verify step) and each row's
+  numbers are those of the row alone;
 - where bf16 products run on MKL (`engine.kernels.Bf16Linear` without dflash's kernel), the block's last row runs
   twice, so that none has one row (MKL's one-row bf16 product rounds otherwise; in a traced graph the layer cannot
   branch on the row count).
@@ -52,10 +54,11 @@ def unsupported(target: PreTrainedModel) -> str | None:
 
 
 class StandardStep(nn.Module):
-    """`(token_ids [1, q], span [end], keys, values) -> (normed hidden [q, H], each layer's output [q, H])`: the block
-    at positions end-q .. end-1 of one row, whose K/V it writes into `keys[i]` / `values[i]` ([1, kv heads,
-    capacity, head dim] per layer) before attending to positions 0 .. end-1. `span` only carries `end` as a shape
-    (an exported graph keeps shapes symbolic; an int argument would be a constant)."""
+    """`(token_ids [R, q], positions [R, q], span [end], keys, values) -> (normed hidden [R, q, H], each layer's
+    output [R, q, H])`: a block of q tokens in each of R rows, token (r, i) at position positions[r, i], whose K/V
+    it writes into `keys[l]` / `values[l]` ([R, kv heads, capacity, head dim] per layer) before each query attends
+    to its row's positions up to its own. `span` carries `end`, past every row's last position, as a shape (an
+    exported graph keeps shapes symbolic; an int argument would be a constant): the keys the eager products read."""
 
     def __init__(self, target: PreTrainedModel) -> None:
         super().__init__()
@@ -77,45 +80,46 @@ class StandardStep(nn.Module):
         )
 
     def forward(
-        self, token_ids: torch.Tensor, span: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self, token_ids: torch.Tensor, positions: torch.Tensor, span: torch.Tensor, keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
         base = self.target.model
         q, end = token_ids.shape[1], span.shape[0]
         x = base.embed_tokens(token_ids)
         if self.extra:
             x = torch.cat([x, x[:, -1:]], dim=1)
-        positions = (torch.arange(q, device=x.device) + (end - q))[None]
         cos, sin = base.rotary_emb(x, positions)
         future = None
-        if not self.fused_attention:
-            future = torch.arange(end, device=x.device)[None, :] > positions[0][:, None]  # [q, end]: keys after a query
-            future = future.repeat(self.copies, 1)  # the rows of a folded query: (query head in group, query)
+        if not self.fused_attention:  # [rows, folded queries, end]: the keys after each query
+            future = torch.arange(end, device=x.device)[None, None, :] > positions[:, :, None]
+            future = future.repeat(1, self.copies, 1)[:, None]  # the rows of a folded query: (head in group, query)
         outputs = []
         for layer, layer_keys, layer_values in zip(base.layers, keys, values):
-            x = self._layer(layer, x, cos, sin, future, layer_keys, layer_values, end)
-            outputs.append(x[0, :q])
-        return base.norm(x)[0, :q], outputs
+            x = self._layer(layer, x, cos, sin, future, positions, layer_keys, layer_values, end)
+            outputs.append(x[:, :q])
+        return base.norm(x)[:, :q], outputs
 
     def _layer(
         self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, future: torch.Tensor | None,
-        keys: torch.Tensor, values: torch.Tensor, end: int | torch.SymInt,
+        positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int | torch.SymInt,
     ) -> torch.Tensor:  # fmt: skip
         attention = layer.self_attn
-        q = x.shape[1] - self.extra
+        batch, q = x.shape[0], x.shape[1] - self.extra
         h = layer.input_layernorm(x)
-        query = attention.q_proj(h)[:, :q].reshape(1, q, self.heads, self.head_dim)
-        key = attention.k_proj(h)[:, :q].reshape(1, q, self.kv_heads, self.head_dim)
-        value = attention.v_proj(h)[:, :q].reshape(1, q, self.kv_heads, self.head_dim).transpose(1, 2)
+        query = attention.q_proj(h)[:, :q].reshape(batch, q, self.heads, self.head_dim)
+        key = attention.k_proj(h)[:, :q].reshape(batch, q, self.kv_heads, self.head_dim)
+        value = attention.v_proj(h)[:, :q].reshape(batch, q, self.kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attention, "q_norm"):  # Qwen3: per-head norms before the rotation
             query, key = attention.q_norm(query), attention.k_norm(key)
         query, key = family_function(attention, "apply_rotary_pos_emb")(
             query.transpose(1, 2), key.transpose(1, 2), cos, sin
         )
-        keys[:, :, end - q : end].copy_(key)
-        values[:, :, end - q : end].copy_(value)
-        rows = query.reshape(1, self.kv_heads, self.fold * q, self.head_dim)
+        slots = positions[:, None, :, None].expand(batch, self.kv_heads, q, self.head_dim)
+        keys.scatter_(2, slots, key)
+        values.scatter_(2, slots, value)
+        rows = query.reshape(batch, self.kv_heads, self.fold * q, self.head_dim)
         if self.fused_attention:
-            out = torch.ops.dflash.attention(rows, keys, values, end, q, attention.scaling)
+            out = torch.ops.dflash.attention(rows, keys, values, positions, attention.scaling)
             return self._finish(layer, x, out, q)
         if self.copies != self.fold:
             rows = rows.repeat(1, 1, 2, 1)
@@ -125,9 +129,11 @@ class StandardStep(nn.Module):
         return self._finish(layer, x, torch.matmul(weights, values[:, :, :end])[:, :, : self.fold * q], q)
 
     def _finish(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor, q: int | torch.SymInt) -> torch.Tensor:
-        """The layer after its attention's rows `out` [1, kv heads, fold * q, head dim]: output projection, MLP."""
+        """The layer after its attention's rows `out` [rows, kv heads, fold * q, head dim]: output projection, MLP."""
         attention = layer.self_attn
-        out = out.reshape(1, self.heads, q, self.head_dim).transpose(1, 2).reshape(1, q, self.heads * self.head_dim)
+        batch = x.shape[0]
+        out = out.reshape(batch, self.heads, q, self.head_dim).transpose(1, 2)
+        out = out.reshape(batch, q, self.heads * self.head_dim)
         if self.extra:
             out = torch.cat([out, out[:, -1:]], dim=1)
         x = x + attention.o_proj(out)

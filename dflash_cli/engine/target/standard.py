@@ -114,9 +114,15 @@ class StandardStep(nn.Module):
         query, key = family_function(attention, "apply_rotary_pos_emb")(
             query.transpose(1, 2), key.transpose(1, 2), cos, sin
         )
-        slots = positions[:, None, :, None].expand(batch, self.kv_heads, q, self.head_dim)
-        keys.scatter_(2, slots, key)
-        values.scatter_(2, slots, value)
+        # written in place at each query's position (index_put_: inductor writes it into the buffer; a scatter_
+        # copied the whole buffer every step)
+        slots = (
+            torch.arange(batch, device=x.device)[:, None, None],
+            torch.arange(self.kv_heads, device=x.device)[None, :, None],
+            positions[:, None, :],
+        )
+        keys.index_put_(slots, key)
+        values.index_put_(slots, value)
         rows = query.reshape(batch, self.kv_heads, self.fold * q, self.head_dim)
         if self.fused_attention:
             out = torch.ops.dflash.attention(rows, keys, values, positions, attention.scaling)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,7 +187,8 @@ def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monke
     step = exported.loaded_step(int4_target)
     params = SamplingParams(max_new_tokens=12)
     expected = collect(generate(int4_target, None, [5, 17, 42], params)).token_ids
-    monkeypatch.setattr(step, "runner", lambda *a: (_ for _ in ()).throw(RuntimeError("shape guard")))
+    refusing = SimpleNamespace(boxed_run=lambda flat: (_ for _ in ()).throw(RuntimeError("shape guard")))
+    monkeypatch.setattr(step, "runner", SimpleNamespace(loader=refusing))
     try:
         with pytest.warns(UserWarning, match="exported target step failed .shape guard.; running it eagerly"):
             assert collect(generate(int4_target, None, [5, 17, 42], params)).token_ids == expected

@@ -43,7 +43,7 @@ def row_cells(
     """One table row: each kernel's pass over every layer at `rows` rows, then the head's."""
     x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in bf16}}
     x2 = {k: torch.randn(max(rows, 2), k).to(torch.bfloat16) for k in x}  # MKL's bf16 rule: two rows at least
-    weight_bytes = sum(w.numel() * 2 for w in bf16)
+    weight_bytes = sum(w.numel() * w.element_size() for w in bf16)
     cells = ["-"]
     if ours:
         ms = best_ms(lambda: [torch.ops.dflash.bf16_linear(x[w.shape[1]], w) for w in bf16], repeats)

@@ -524,7 +524,7 @@ def check_cpu_kernels(facts: MachineFacts, unusable: str | None, built: bool, co
         return Check(
             "cpu kernels",
             "warn",
-            "no C++ compiler: dflash's bf16 CPU kernels (about 1.8x MKL's at one row) cannot be built; torch's run",
+            "no C++ compiler: dflash's bf16 CPU kernels (about 2x MKL's at one row) cannot be built; torch's run",
             "install one (Debian/Ubuntu: apt install g++), or set CXX",
         )
     return Check("cpu kernels", "pass", f"dflash's bf16 CPU kernels are compiled by {compiler} at the first CPU run")

@@ -113,8 +113,9 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
 // ---- attention of each row's block of queries over that row's K/V, bf16 ------------------------------------------
 // rows [R, kv heads, n, head dim]: in row b, query row i is the query at positions[b, i % q] (the query heads of a KV
 // head folded into rows, as engine.target.standard folds them); keys / values [R, kv heads, capacity, head dim].
-// As the eager graph rounds it: scores = bf16(q . k) then bf16(score * scaling); softmax in float32 over the keys
-// at or before the query's position, weights rounded to bf16; out = bf16(sum of weight * value, keys in order).
+// Rounded where the eager graph rounds (its sums, exp and conversions are its own, so bits may differ from it):
+// scores = bf16(q . k) then bf16(score * scaling); softmax in float32 over the keys at or before the query's
+// position, weights rounded to bf16; out = bf16(sum of weight * value, keys in order).
 // Each query reads only its own keys, so its result does not depend on the block or the rows around it.
 
 at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values,
@@ -124,8 +125,9 @@ at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at
   TORCH_CHECK(positions_in.dim() == 2 && positions_in.scalar_type() == at::kLong, "attention: positions [R, q] int64");
   const at::Tensor rows = rows_in.contiguous(), positions = positions_in.contiguous();
   const int64_t batch = rows.size(0), heads = rows.size(1), n = rows.size(2), dim = rows.size(3);
+  TORCH_CHECK(keys.dim() == 4, "attention: shapes");
   const int64_t q = positions.size(1), capacity = keys.size(2);
-  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(1) == heads &&
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(1) == heads &&
                   keys.size(3) == dim && positions.size(0) == batch && q > 0 && n % q == 0,
               "attention: shapes");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(), "attention: K/V layout");

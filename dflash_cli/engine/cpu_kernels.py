@@ -7,8 +7,8 @@ from two: engine.kernels); a batched product over a K/V buffer first copies the 
 layer, a fifth of a demo step). These read each weight once per call for all its rows, read the keys in place,
 and compute every output in one order whatever the row count and threads, so a row's bits do not depend on the
 step it runs in (a plain step, a verify block, a batch, a prefill chunk): bf16 speculative decoding stays lossless
-with no one-row special case. Measured on the 2-core AVX512-BF16 VM (docs/benchmarks.md): the demo target's 211
-products at one row 6.6 against MKL's 11.9 ms.
+with no one-row special case. Measured on the 2-core AVX512-BF16 VM (`scripts/cpu_products.py`,
+docs/benchmarks.md): the demo target's 210 layer products at one row 4.7 against MKL's 10.5 ms.
 
 The library is compiled once per machine (the C++ compiler and torch's headers, about 10 s) into the dflash cache
 and loaded into the process before its first product: `available()` decides once per process, so every product of
@@ -50,7 +50,8 @@ def cpu_flag_line() -> str:
 
 
 def unavailable() -> str | None:
-    """Why this process's bf16 products and attention run on torch's kernels rather than ours (None: ours run)."""
+    """Why this process's bf16 products (and the stored step's attention) run on torch's kernels rather than ours
+    (None: ours run)."""
     return _state()
 
 
@@ -103,7 +104,8 @@ def library_path(build: bool = False) -> Path:
 
 
 def compiler() -> str:
-    """The C++ compiler the kernels are built with: $CXX, else c++."""
+    """The C++ compiler the kernels are built with: $CXX, else c++ (inductor picks its own for the stored steps,
+    and would pass over a $CXX that fails; a build here reports the failure instead)."""
     return os.environ.get("CXX", "c++")
 
 

@@ -8,8 +8,8 @@ kernel that reads float32 weights far below the machine's bandwidth, while the s
 same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel is the faster (SMALL_ROWS).
 
 bf16 products run on dflash's own kernel (`engine.cpu_kernels`) where the process has it: it sums every output in
-one order whatever the row count, and reads the weights 1.5-1.8x faster than MKL at one to a few rows (the demo's
-211 products at one row: 6.6 against 11.9 ms). Without it, MKL: its one-row bf16 product (a matrix-vector kernel)
+one order whatever the row count, and reads the weights about 2x faster than MKL at one to four rows (the demo's
+210 layer products at one row: 4.7 against 10.5 ms; docs/benchmarks.md). Without it, MKL: its one-row bf16 product (a matrix-vector kernel)
 rounds differently from its product for 2 or more rows, and every row count from 2 on gives a row the same bits
 (measured on the demo target's 211 products up to 300 rows, one and two threads; the first to differ was a
 down_proj, 1536 inputs), so a bf16 product of one row runs as two (the row twice) at the same cost. Either way a
@@ -61,8 +61,10 @@ class Bf16Linear(nn.Linear):
     """bf16 `nn.Linear` whose rows keep their bits whatever the row count: dflash's kernel where the process has it,
     else MKL with a one-row product computed as two rows, the row twice (see the module docstring)."""
 
+    dflash_kernel = False  # set by use_cpu_products: whether this process runs dflash's kernel (decided once)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.available():
+        if self.dflash_kernel:
             out = torch.ops.dflash.bf16_linear(x.reshape(-1, self.in_features), self.weight)
             if self.bias is not None:
                 out = out + self.bias
@@ -81,7 +83,7 @@ EAGER = ("eager", INVARIANT_EAGER)  # attention that writes its scores out (a pr
 
 def one_row_runs_twice(model: nn.Module) -> bool:
     """Whether `model`'s bf16 products need a one-row product computed as two (MKL's, not dflash's kernel)."""
-    return not cpu_kernels.available() and any(isinstance(m, Bf16Linear) for m in model.modules())
+    return any(isinstance(m, Bf16Linear) and not m.dflash_kernel for m in model.modules())
 
 
 def family_function(module: nn.Module, name: str) -> Any:
@@ -139,4 +141,6 @@ def use_cpu_products(model: nn.Module) -> int:
             if product is not None:
                 module.__class__ = product
                 switched += 1
+        if type(module) is Bf16Linear:  # decided here, outside any traced graph (dynamo would trace the build)
+            module.dflash_kernel = cpu_kernels.available()
     return switched

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dflash_cli.engine import cpu_kernels
 from dflash_cli.engine.target.exported import loaded_step
 
 if TYPE_CHECKING:
@@ -272,7 +273,7 @@ def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, An
 def target_key(target: Any, compile: bool) -> dict[str, Any]:
     """What a target's step costs depend on: this machine and device, the model, the dtype, the kinds of layer that
     hold its weights (a CPU int4 target has the config and dtype of its bf16 self, and other costs), its attention,
-    threads and compile mode (or its exported step)."""
+    threads and compile mode (or its exported step), and on a CPU whether dflash's kernels run its products."""
     device = target.get_input_embeddings().weight.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -289,6 +290,7 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "exported": loaded_step(target) is not None,
+        "cpu_kernels": device.type == "cpu" and cpu_kernels.available(),
         "torch": torch.__version__,
     }
 

@@ -401,13 +401,16 @@ def apply_chat_template(
 
 def cpu_kernels_reason(console: Console | None) -> str:
     """Load dflash's CPU kernels into this process before its first product (compiled first, once per machine, with
-    a status line); the --explain line saying which kernels the bf16 products and attention run on."""
+    a status line); the --explain line saying which kernels the bf16 products (and the stored step's attention)
+    run on."""
     building = cpu_kernels.pending_build()
     message = "Compiling dflash's CPU kernels (once on this machine, about 10 s)..."
     with console.status(message) if console is not None and building else contextlib.nullcontext():
         why = cpu_kernels.unavailable()
     if why is None:
-        return "kernels: bf16 products and attention on dflash's CPU kernels (engine.cpu_kernels)"
+        return (
+            "kernels: bf16 products on dflash's CPU kernels, its attention too in the stored step (engine.cpu_kernels)"
+        )
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 

@@ -12,9 +12,12 @@ import torch
 
 from dflash_cli.engine import cpu_kernels
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(), reason=f"dflash's CPU kernels: {cpu_kernels.unavailable()}"
-)
+
+@pytest.fixture(autouse=True)
+def kernels(request: pytest.FixtureRequest) -> None:
+    """The ops' tests need the kernels built and loaded here (not at collection: a build takes seconds)."""
+    if "needs_no_kernels" not in request.keywords and not cpu_kernels.available():
+        pytest.skip(f"dflash's CPU kernels: {cpu_kernels.unavailable()}")
 
 
 @pytest.fixture(params=[1, 2])
@@ -25,7 +28,7 @@ def threads(request: pytest.FixtureRequest) -> int:
     torch.set_num_threads(previous)
 
 
-# outputs: partial tiles (the last 4-output group and 16-output task); inputs: below, at and past whole chunks of 64
+# outputs: a partial last 16-output task, and fewer than one; inputs: below, at and past whole chunks of 64
 @pytest.mark.parametrize(("out_features", "in_features"), [(80, 64), (37, 100), (16, 576), (5, 7), (192, 1536)])
 def test_bf16_linear_is_the_product(out_features: int, in_features: int, threads: int) -> None:
     torch.manual_seed(out_features + in_features)
@@ -115,6 +118,7 @@ def test_attention_refuses_what_it_cannot_read() -> None:
         torch.ops.dflash.attention(rows.float(), keys, keys, torch.tensor([[3]]), 0.1)
 
 
+@pytest.mark.needs_no_kernels
 def test_the_environment_switches_them_off() -> None:
     """`DFLASH_CPU_KERNELS=0`: the process keeps torch's kernels and says why."""
     code = "from dflash_cli.engine import cpu_kernels; print(cpu_kernels.available(), cpu_kernels.unavailable())"
@@ -123,6 +127,7 @@ def test_the_environment_switches_them_off() -> None:
     assert done.stdout.split() == ["False", f"{cpu_kernels.ENVIRONMENT}=0"]
 
 
+@pytest.mark.needs_no_kernels
 def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """A compiler that fails: a warning naming the failure, torch's kernels, nothing half-written in the cache."""
     code = (

@@ -104,7 +104,7 @@ def test_bf16_linear_runs_dflash_kernel(shape: tuple[int, ...], bias: bool) -> N
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 48), (1, 48), (48,), (1, 3, 48), (2, 5, 48)])
-def test_two_row_linear_runs_one_row_as_two(shape: tuple[int, ...], bias: bool, mkl_bf16: None) -> None:
+def test_bf16_linear_on_mkl_runs_one_row_as_two(shape: tuple[int, ...], bias: bool, mkl_bf16: None) -> None:
     """On MKL, one row runs as a two-row product (MKL's one-row bf16 kernel rounds otherwise); more rows as
     F.linear."""
     torch.manual_seed(len(shape))
@@ -172,6 +172,20 @@ def test_a_compiled_step_sees_every_product_as_a_linear(rows: int) -> None:
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     calls = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
     assert F.linear in calls and torch.mm not in calls, calls
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_compiled_step_takes_a_bf16_layer_whole(rows: int, bf16_kernel: str) -> None:
+    """torch.compile (the draft step, --compile on) traces a bf16 layer in one graph on either kernel: the choice
+    is a plain attribute set when the layer was switched, not a build dynamo would trace into."""
+    torch._dynamo.reset()
+    layer = nn.Linear(48, 80).to(torch.bfloat16)
+    use_cpu_products(layer)
+    assert layer.dflash_kernel == (bf16_kernel == "dflash")
+    x = torch.randn(1, rows, 48).to(torch.bfloat16)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), layer(x))
     torch._dynamo.reset()
 
 

@@ -50,7 +50,8 @@ def rounding_cause(target: PreTrainedModel, compiled: bool = False) -> str | Non
     """Why a row's logits depend on how its step is shaped here (one token or a verify block, alone or beside other
     rows, its prompt whole or in chunks); None where they do not: bf16 compute on a CPU, eager attention (the engine
     runs it as INVARIANT_EAGER there), attention layers only, no fused expert weights, eager steps (engine.kernels:
-    one-row bf16 products and one-query attention run as two; the int4/int8 kernels agree at every row count)."""
+    one-row bf16 products and one-query attention run as two; the int4/int8 kernels agree at every row count); or
+    bf16 through the stored exported step (one graph for every step, whose kernels give a row the same bits)."""
     device = target.get_input_embeddings().weight.device
     attention, dtype = target.config._attn_implementation, compute_dtype(target)
     if device.type != "cpu":
@@ -58,7 +59,7 @@ def rounding_cause(target: PreTrainedModel, compiled: bool = False) -> str | Non
     if compiled:
         return "compiled steps: inductor's kernels pick their tiling by the step's shape"
     if loaded_step(target) is not None and dtype == torch.bfloat16:
-        return None  # every step, one row or several, runs the exported graph, which gives a row the same bits in any
+        return None  # every step, one row or several, runs the exported graph: a row's bits in any step are the same
     if dtype == torch.float32:
         return "float32: MKL rounds a row by the product's row count (within a few ulps)"
     if dtype != torch.bfloat16:

@@ -86,7 +86,7 @@ def package_key(target: PreTrainedModel) -> str:
     if cpu_kernels.available():
         code += cpu_kernels.SOURCE.read_bytes()
     step = StandardStep(target)
-    # engine.kernels' few-row Linear subclasses export as F.linear: one kind with nn.Linear
+    # engine.kernels' Linear subclasses (F.linear or dflash's op inside) hold a Linear's tensors: one kind
     kinds = {
         name: "Linear" if isinstance(m, nn.Linear) else type(m).__name__
         for name, m in step.named_modules(remove_duplicate=False)
@@ -129,7 +129,8 @@ def _sample(step: StandardStep, dtype: torch.dtype) -> tuple[Any, ...]:
 
 def build(target: PreTrainedModel, path: Path) -> None:
     """Export `target`'s standard step and compile it into a package at `path`: written whole and tried on the model
-    (one call) before it is renamed into place, so a stored package is one that loads and runs."""
+    (two rows of two tokens, one row of one) before it is renamed into place, so a stored package is one that loads
+    and runs."""
     from torch.export import Dim
 
     use_compile_cache()
@@ -147,7 +148,10 @@ def build(target: PreTrainedModel, path: Path) -> None:
         os.close(fd)
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=temporary, inductor_configs=PACKAGE_OPTIONS)
-            load(target, Path(temporary))(sample[0], sample[1], 5, sample[3], sample[4])
+            trial = load(target, Path(temporary))
+            trial(sample[0], sample[1], 5, sample[3], sample[4])
+            # and the commonest call, one row of one token (the sample's sizes of 2 were symbolic)
+            trial(sample[0][:1, :1], sample[1][:1, :1], 4, [k[:1] for k in sample[3]], [v[:1] for v in sample[4]])
             os.replace(temporary, path)
         finally:
             Path(temporary).unlink(missing_ok=True)

@@ -7,8 +7,9 @@ It calls the model's own modules (its linears, quantized or not, norms, rotary e
 rotary function, in the order transformers' eager forward calls them, with three changes that leave each row's
 numbers as they are:
 
-- grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V); with
-  one query head per KV head, the rows run twice, as `engine.kernels` runs a one-row bf16 product;
+- grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V), or
+  of one call of dflash's attention kernel (bf16 with `engine.cpu_kernels`); on the product, one query head per
+  KV head runs its rows twice, as `engine.kernels` runs a one-row bf16 product;
 - each query's position comes in (`positions`, per row): the rotation, where its K/V is written, and which keys
   it sees follow from it, so rows of different lengths run together (a batch's verify step) and each row's
   numbers are those of the row alone;
@@ -73,8 +74,9 @@ class StandardStep(nn.Module):
         self.fold = self.heads // self.kv_heads  # query heads per KV head
         self.copies = max(self.fold, 2)  # rows per KV head and query: a single row runs twice
         self.extra = int(one_row_runs_twice(target))  # rows the products add
-        # bf16 attention on dflash's kernel (engine.cpu_kernels) where the process has it: one row's queries over its
-        # own keys in one call, as the graph below rounds it, without copying the keys for a product
+        # bf16 attention on dflash's kernel (engine.cpu_kernels) where the process has it: every row's queries over
+        # its own keys in one call, at the points where the graph below rounds (its sums and exp are its own), without
+        # copying the keys for a product
         self.fused_attention = (
             cpu_kernels.available() and compute_dtype(target) == torch.bfloat16 and self.head_dim % 32 == 0
         )

@@ -512,12 +512,22 @@ def check_compiled_steps(facts: MachineFacts, compiler: str | None, stored: list
     )
 
 
-def check_cpu_kernels(facts: MachineFacts, unusable: str | None, built: bool, compiler: str | None) -> Check:
-    """Whether dflash's bf16 CPU kernels (engine.cpu_kernels) run here: usable, built, buildable."""
+def check_cpu_kernels(
+    facts: MachineFacts, unusable: str | None, built: bool, compiler: str | None, failed: str | None = None
+) -> Check:
+    """Whether dflash's bf16 CPU kernels (engine.cpu_kernels) run here: usable, built, buildable, or why the last
+    build failed."""
     if facts.gpu_name is not None:
         return Check("cpu kernels", "pass", "GPU: products run on CUDA (dflash's CPU kernels are for CPU decoding)")
     if unusable is not None:
         return Check("cpu kernels", "pass", f"bf16 products and attention run on torch's kernels: {unusable}")
+    if failed is not None and not built:
+        return Check(
+            "cpu kernels",
+            "warn",
+            f"dflash's bf16 CPU kernels did not build, torch's run (about half as fast at one row): {failed}",
+            "a GCC 10+ or clang 12+ with AVX512-BF16 support (set CXX to it); the next start builds them",
+        )
     if built:
         return Check("cpu kernels", "pass", "dflash's bf16 CPU kernels are built for this machine")
     if compiler is None:
@@ -583,7 +593,11 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         recipe_check,
         check_compiled_steps(facts, cpp_compiler(), exported.stored_steps()),
         check_cpu_kernels(
-            facts, cpu_kernels.unusable(), cpu_kernels.library_path().is_file(), shutil.which(cpu_kernels.compiler())
+            facts,
+            cpu_kernels.unusable(),
+            cpu_kernels.library_path().is_file(),
+            shutil.which(cpu_kernels.compiler()),
+            cpu_kernels.failed_build(),
         ),
         check_command_conflicts(dflash_commands()),
     ]

@@ -13,15 +13,18 @@ docs/benchmarks.md): the demo target's 210 layer products at one row 4.7 against
 The library is compiled once per machine (the C++ compiler and torch's headers, about 10 s) into the dflash cache
 and loaded into the process before its first product: `available()` decides once per process, so every product of
 a session runs on the same kernel. CPUs without AVX-512 BF16, a failed build or `DFLASH_CPU_KERNELS=0` keep
-torch's kernels (a warning says why a build failed; `dflash doctor` too).
+torch's kernels (a warning says why a build failed, once: later starts, `--explain` and `dflash doctor` read it
+from a marker beside the library until the compiler changes).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import platform
+import shutil
 import subprocess
 import sysconfig
 import tempfile
@@ -74,22 +77,55 @@ def unusable() -> str | None:
 
 def pending_build() -> bool:
     """Whether the first `available()` of this process compiles the kernels (about 10 s; a frontend says so)."""
-    return _state.cache_info().currsize == 0 and unusable() is None and not library_path().is_file()
+    return (
+        _state.cache_info().currsize == 0
+        and unusable() is None
+        and failed_build() is None
+        and not library_path().is_file()
+    )
 
 
 @functools.cache
 def _state() -> str | None:
-    why = unusable()
+    why = unusable() or failed_build()
     if why is not None:
         return why
+    path = library_path()
     try:
         torch.ops.load_library(str(library_path(build=True)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         why = f"could not build them ({str(error).strip().splitlines()[-1] if str(error).strip() else error!r})"
         warnings.warn(f"dflash's CPU kernels: {why}; torch's kernels run instead", stacklevel=3)
+        if not path.is_file():  # said once: later starts read it here (doctor too) until the compiler changes
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _failure_marker(path).write_text(json.dumps({"compiler": _compiler_identity(), "why": why}))
         return why
     _register_shapes()
     return None
+
+
+def failed_build() -> str | None:
+    """Why the last build of these kernels failed with the compiler there is now (None: none failed, or the
+    compiler changed since, so the next start tries again)."""
+    marker = _failure_marker(library_path())
+    try:
+        failure = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if failure.get("compiler") != _compiler_identity():
+        return None
+    return f"{failure.get('why')}; with another compiler (CXX) the next start builds them again"
+
+
+def _failure_marker(library: Path) -> Path:
+    return library.with_suffix(".failed")
+
+
+def _compiler_identity() -> list[str | float | None]:
+    """The compiler a build would run: its name, the file it resolves to and that file's time."""
+    name = compiler()
+    resolved = shutil.which(name)
+    return [name, resolved, os.path.getmtime(resolved) if resolved else None]
 
 
 def library_path(build: bool = False) -> Path:

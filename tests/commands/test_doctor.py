@@ -370,5 +370,7 @@ def test_cpu_kernels_check_says_what_runs_and_what_to_install() -> None:
     assert no_compiler.status == "warn" and "apt install g++" in no_compiler.fix
     old_cpu = doctor.check_cpu_kernels(cpu, "this CPU lacks avx512_bf16", False, None)
     assert old_cpu.status == "pass" and "torch's kernels" in old_cpu.detail and "avx512_bf16" in old_cpu.detail
+    failed = doctor.check_cpu_kernels(cpu, None, False, "/usr/bin/c++", "could not build them (unknown option)")
+    assert failed.status == "warn" and "unknown option" in failed.detail and "CXX" in failed.fix
     gpu = doctor.check_cpu_kernels(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, False, None)
     assert gpu.status == "pass" and "CUDA" in gpu.detail

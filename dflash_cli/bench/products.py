@@ -37,13 +37,17 @@ def best_ms(run: Callable[[], object], repeats: int) -> float:
     return min(times) * 1e3
 
 
+def bytes_of(weights: list[torch.Tensor]) -> int:
+    return sum(w.numel() * w.element_size() for w in weights)
+
+
 def row_cells(
     rows: int, bf16: list[torch.Tensor], int4: list[Int4Linear], head: torch.Tensor, repeats: int, ours: bool
 ) -> list[str]:
     """One table row: each kernel's pass over every layer at `rows` rows, then the head's."""
     x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in bf16}}
     x2 = {k: torch.randn(max(rows, 2), k).to(torch.bfloat16) for k in x}  # MKL's bf16 rule: two rows at least
-    weight_bytes = sum(w.numel() * w.element_size() for w in bf16)
+    weight_bytes = bytes_of(bf16)
     cells = ["-"]
     if ours:
         ms = best_ms(lambda: [torch.ops.dflash.bf16_linear(x[w.shape[1]], w) for w in bf16], repeats)
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             bf16.append(linear.weight.detach().to(torch.bfloat16))
             int4.append(Int4Linear.quantize(linear, torch.bfloat16))
     head = (torch.randn(*DEMO_HEAD) * 0.02).to(torch.bfloat16)
-    weight_bytes = sum(w.numel() * 2 for w in bf16)
+    weight_bytes = bytes_of(bf16)
     ours = cpu_kernels.available()
     print(f"{args.layers} layers x {len(DEMO_LAYER)} products ({weight_bytes / 1e6:.0f} MB bf16), head {DEMO_HEAD}, "
           f"{args.threads} threads; dflash's kernels: {'yes' if ours else cpu_kernels.unavailable()}")  # fmt: skip

@@ -92,7 +92,9 @@ def _state() -> str | None:
         return why
     path = library_path()
     try:
-        torch.ops.load_library(str(library_path(build=True)))
+        if not path.is_file():
+            _compile(path)
+        torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         why = f"could not build them ({str(error).strip().splitlines()[-1] if str(error).strip() else error!r})"
         warnings.warn(f"dflash's CPU kernels: {why}; torch's kernels run instead", stacklevel=3)
@@ -128,15 +130,12 @@ def _compiler_identity() -> list[str | float | None]:
     return [name, resolved, os.path.getmtime(resolved) if resolved else None]
 
 
-def library_path(build: bool = False) -> Path:
-    """Where this machine's compiled kernels are (compiled there first when `build` and missing)."""
+def library_path() -> Path:
+    """Where this machine's compiled kernels are, or go (keyed by their source, torch and the flags)."""
     from dflash_cli.engine.compiled import compile_cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_COMPILE_FLAGS).encode())
-    path = compile_cache_dir() / "kernels" / f"dflash_cpu_kernels-{key.hexdigest()[:16]}.so"
-    if build and not path.is_file():
-        _compile(path)
-    return path
+    return compile_cache_dir() / "kernels" / f"dflash_cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def compiler() -> str:

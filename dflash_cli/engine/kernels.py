@@ -9,10 +9,11 @@ same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel 
 
 bf16 products run on dflash's own kernel (`engine.cpu_kernels`) where the process has it: it sums every output in
 one order whatever the row count, and reads the weights about 2x faster than MKL at one to four rows (the demo's
-210 layer products at one row: 4.7 against 10.5 ms; docs/benchmarks.md). Without it, MKL: its one-row bf16 product (a matrix-vector kernel)
-rounds differently from its product for 2 or more rows, and every row count from 2 on gives a row the same bits
-(measured on the demo target's 211 products up to 300 rows, one and two threads; the first to differ was a
-down_proj, 1536 inputs), so a bf16 product of one row runs as two (the row twice) at the same cost. Either way a
+210 layer products at one row: 4.7 against 10.5 ms; docs/benchmarks.md). Without it, MKL: its one-row bf16
+product (a matrix-vector kernel) rounds differently from its product for 2 or more rows, and every row count from 2
+on gives a row the same bits (measured on the demo target's 211 products up to 300 rows, one and two threads; the
+first to differ was a down_proj, 1536 inputs), so a bf16 product of one row runs as two (the row twice) at the
+same cost. Either way a
 row's output does not depend on how many rows its step holds (a plain step, a verify block, a batch, a prefill
 chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md). float32 has no such
 rule here: MKL's float32 kernels round a row by the product's row count at every size.

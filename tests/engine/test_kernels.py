@@ -67,12 +67,6 @@ def test_only_plain_float32_and_bf16_cpu_linears_switch() -> None:
     assert use_cpu_products(model) == 0  # idempotent
 
 
-@pytest.fixture
-def mkl_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 products as a process without dflash's kernels runs them (MKL's)."""
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-
-
 @pytest.fixture(params=["dflash", "mkl"])
 def bf16_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each kernel a bf16 product may run on: dflash's (where this machine has it) and MKL's."""
@@ -85,28 +79,9 @@ def bf16_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 48), (1, 48), (48,), (1, 3, 48), (2, 5, 48)])
-def test_bf16_linear_runs_dflash_kernel(shape: tuple[int, ...], bias: bool) -> None:
-    """Where the process has dflash's kernels, every bf16 product runs on them, one row as it is."""
-    if not cpu_kernels.available():
-        pytest.skip(f"dflash's CPU kernels: {cpu_kernels.unavailable()}")
-    torch.manual_seed(len(shape))
-    layer = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
-    x = torch.randn(shape, dtype=torch.bfloat16)
-    use_cpu_products(layer)
-    with _Ops() as seen:
-        out = layer(x)
-    rows = x.numel() // 48
-    assert [shapes for op, shapes in seen.ops if op.startswith("dflash.")] == [[(rows, 48), (80, 48)]], seen.ops
-    assert not [op for op, _ in seen.ops if op in ("aten.mm", "aten.addmm")]
-    reference = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 48), (48,), (1, 3, 48), (2, 5, 48)])
-def test_bf16_linear_on_mkl_runs_one_row_as_two(shape: tuple[int, ...], bias: bool, mkl_bf16: None) -> None:
-    """On MKL, one row runs as a two-row product (MKL's one-row bf16 kernel rounds otherwise); more rows as
-    F.linear."""
+def test_bf16_linear_runs_its_kernel(shape: tuple[int, ...], bias: bool, bf16_kernel: str) -> None:
+    """dflash's kernel takes every bf16 product, one row as it is; on MKL one row runs as a two-row product (MKL's
+    one-row bf16 kernel rounds otherwise), more rows as F.linear."""
     torch.manual_seed(len(shape))
     layer = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(shape, dtype=torch.bfloat16)
@@ -115,10 +90,16 @@ def test_bf16_linear_on_mkl_runs_one_row_as_two(shape: tuple[int, ...], bias: bo
         out = layer(x)
     assert out.shape == (*shape[:-1], 80)
     rows = x.numel() // 48
-    products = [shapes[-2] for op, shapes in seen.ops if op in ("aten.mm", "aten.addmm")]  # [rows, 48] @ W.T
-    assert products == [(max(rows, 2), 48)], seen.ops
-    reference = F.linear(x.reshape(-1, 48).expand(max(rows, 2), 48), layer.weight, layer.bias)[:rows]
-    assert torch.equal(out.reshape(rows, 80), reference)
+    products = [shapes for op, shapes in seen.ops if op in ("aten.mm", "aten.addmm")]  # [rows, 48] @ W.T
+    if bf16_kernel == "dflash":
+        assert [shapes for op, shapes in seen.ops if op.startswith("dflash.")] == [[(rows, 48), (80, 48)]], seen.ops
+        assert not products
+        reference = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+        torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+    else:
+        assert [shapes[-2] for shapes in products] == [(max(rows, 2), 48)], seen.ops
+        reference = F.linear(x.reshape(-1, 48).expand(max(rows, 2), 48), layer.weight, layer.bias)[:rows]
+        assert torch.equal(out.reshape(rows, 80), reference)
 
 
 def test_bf16_rows_agree_whatever_the_row_count(bf16_kernel: str) -> None:

@@ -5,7 +5,9 @@ Compiling removes the per-op Python and dispatch cost of an eager forward (tens 
 minutes on a small CPU, so it is used where it pays (`--compile auto`: CUDA only):
 
 - Target, CUDA: `mode="reduce-overhead"` (CUDA graphs), static shapes. The state hands attention its whole K/V
-  buffer and keeps its length in a device tensor, so one graph serves every step of a block size.
+  buffer with an explicit mask and keeps its length in a device tensor, so one graph serves every step of a block
+  size. The drafter's features leave a compiled step as outputs, copied into their buffer after it: a graph that
+  writes into an input other than a static buffer is not captured (inductor runs it without CUDA graphs).
 - Target, CPU: inductor with dynamic shapes, the state handing attention the committed prefix plus the block
   (the prefix length is symbolic, so it never recompiles as the context grows). The weights are frozen into
   the graph (`CPU_INDUCTOR_OPTIONS`): inductor packs each one once, at compile time, into the blocked layout of
@@ -62,13 +64,21 @@ def use_compile_cache() -> Path:
 
 
 def run_target(
-    model: Any, token_ids: torch.Tensor, cache: Any, offset: int | torch.Tensor, logits_to_keep: int = 0
+    model: Any,
+    token_ids: torch.Tensor,
+    cache: Any,
+    offset: int | torch.Tensor,
+    logits_to_keep: int = 0,
+    attention_mask: Any = None,
 ) -> torch.Tensor:
-    """One target forward over `token_ids` [1, q] at positions offset .. offset+q-1; logits [q', vocab]."""
+    """One target forward over `token_ids` [1, q] at positions offset .. offset+q-1; logits [q', vocab].
+    `attention_mask`: a 4-D mask (or transformers' mapping of them by layer kind) where the model must not build its
+    own (whole-buffer attention: see attention.AttentionState.full_view)."""
     positions = (torch.arange(token_ids.shape[1], device=token_ids.device) + offset)[None]
     out = model(
         input_ids=token_ids,
         position_ids=positions,
+        attention_mask=attention_mask,
         use_cache=True,
         **{CACHE_ARGUMENT: cache},
         logits_to_keep=logits_to_keep,
@@ -106,7 +116,8 @@ class CompiledStep:
     `fn(module, block_ids, ...)`. The first call for a (module, block size) may compile; `notify` (a context
     manager factory taking a message) shows a progress line around it. If compiling fails, a warning says so
     and the step runs eagerly from then on. `cuda_graphs`: on CUDA, static shapes and CUDA graphs (the
-    target's step, whose shapes are fixed per block size); otherwise dynamic shapes.
+    target's step, whose shapes are fixed per block size); otherwise dynamic shapes. `fixed_shapes` overrides
+    where static shapes apply (tests take the CUDA path's shapes on a CPU with it); the target's state reads it.
     """
 
     def __init__(
@@ -117,11 +128,13 @@ class CompiledStep:
         *,
         backend: Any = "inductor",
         cuda_graphs: bool = False,
+        fixed_shapes: bool | None = None,
     ) -> None:
         use_compile_cache()
-        options: dict[str, Any] = {"fullgraph": True, "backend": backend, "dynamic": True}
-        if device_type == "cuda" and cuda_graphs:
-            options.update(dynamic=False, **({"mode": "reduce-overhead"} if backend == "inductor" else {}))
+        self.fixed_shapes = device_type == "cuda" and cuda_graphs if fixed_shapes is None else fixed_shapes
+        options: dict[str, Any] = {"fullgraph": True, "backend": backend, "dynamic": not self.fixed_shapes}
+        if self.fixed_shapes and device_type == "cuda" and backend == "inductor":
+            options["mode"] = "reduce-overhead"
         # inductor's settings for every call (any call may compile): freezing is not applied when given as
         # torch.compile's `options`
         self.config = CPU_INDUCTOR_OPTIONS if device_type == "cpu" and backend == "inductor" else {}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_drafter_formats import GOLDEN_SETS
-from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
@@ -47,6 +47,19 @@ def traced_only(
     monkeypatch.setattr(target_module, "compiled_step", lambda device: target_step)
     monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
     return counters
+
+
+@pytest.fixture
+def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> list[torch.fx.GraphModule]:
+    """The target's step as CUDA takes it (fixed shapes, so the state hands attention whole K/V buffers), traced
+    by dynamo and run by the eager backend on the CPU. Returns the graphs dynamo made."""
+    backend = EagerAndRecordGraphs()
+    step = CompiledStep(run_target, "target step", "cpu", backend=backend, cuda_graphs=True, fixed_shapes=True)
+    draft_step = CompiledStep(run_drafter, "draft step", "cpu", backend="eager")
+    monkeypatch.setattr(target_module, "compiled_step", lambda device: step)
+    monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # one graph per block size
+    return backend.graphs
 
 
 def _graphs() -> int:
@@ -123,9 +136,10 @@ def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
         prompt = prompt + compiled.token_ids + [11, 12]
 
 
-def _check_golden_sets(names: list[str], shown: list[str]) -> set[int]:
+def _check_golden_sets(names: list[str], shown: list[str], *, baseline: bool = False) -> set[int]:
     """Every case of each golden set, both steps compiled, on one target object (every set was made on the same
-    target, whose copies are byte-identical). Returns the block sizes used."""
+    target, whose copies are byte-identical), and with `baseline` the plain decoding's greedy tokens too. Returns
+    the block sizes used."""
     target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
     sizes = set()
     for name in names:
@@ -146,6 +160,9 @@ def _check_golden_sets(names: list[str], shown: list[str]) -> set[int]:
             result = collect(steps)
             assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
             assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
+            if baseline:
+                plain = collect(generate(target, None, case["prompt_ids"], params, compile=True))
+                assert plain.token_ids == case["greedy_new_token_ids"], (name, case["prompt_ids"][:4])
     return sizes
 
 
@@ -156,6 +173,19 @@ def test_every_golden_set_with_traced_steps(traced_only, monkeypatch: pytest.Mon
     sizes = _check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
     assert len(sizes) >= 5 and target_graphs.frame_count >= 1 and draft_graphs.frame_count >= 3
     assert any("draft step" in m for m in shown) and any("target step" in m for m in shown)
+
+
+def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.fx.GraphModule]) -> None:
+    """The CUDA-graph layout (attention over the whole K/V buffer, a length on the device) on the CPU: DFlash and
+    the plain decoding give the reference's tokens. A one-token step once attended every slot of the buffer
+    (transformers drops its mask for one query): the plain decoding was wrong on the GPU."""
+    _check_golden_sets(["qwen3-tiny", "qwen3-tiny-dflash2"], [], baseline=True)
+    # Inside the graph nothing but the K/V buffers is written (CUDA graphs hold those as static): the drafter's
+    # features leave as outputs. A graph that copied into the features buffer ran without CUDA graphs.
+    assert whole_buffer and all(
+        node.target != "copy_" for graph in whole_buffer for node in graph.graph.nodes if node.op == "call_method"
+    )
+    assert any(graph.graph.find_nodes(op="call_method", target="index_copy_") for graph in whole_buffer)
 
 
 def test_inductor_reproduces_the_public_golden_sets(

@@ -7,10 +7,12 @@ whose layers are attention layers (Llama, Qwen3 and their kin), gpt-fast style:
   the committed length; `commit(n)` moves the length, so a rejected draft is a length reset, never a crop or
   a copy: its slots lie beyond the length, where no later forward reads, and the next verify overwrites them.
 - Attention reads the committed prefix plus the block (a view, no copy), so a step reads the K/V it needs and
-  not the whole buffer. `full_view=True` hands attention the whole buffer instead, with the causal mask hiding
-  what lies beyond the block: fixed shapes, for CUDA graphs.
+  not the whole buffer. `full_view=True` hands attention the whole buffer instead, with an explicit causal mask
+  hiding what lies beyond the block (transformers drops its own mask for a one-token query, which would then
+  attend every slot of the buffer): fixed shapes, for CUDA graphs.
 - The hidden states the drafter reads are written into a preallocated buffer by forward hooks that are
-  installed once per state (not per step) and act only during this state's own forwards.
+  installed once per state (not per step) and act only during this state's own forwards. Inside a compiled step
+  they are outputs of the graph instead, copied into the buffer after it.
 
 Rows: the buffers hold `rows` sequences ([rows, heads, capacity, head_dim]), each with its own committed length.
 A forward over one row reads and writes that row alone, exactly as a single sequence would (the same kernels and
@@ -143,6 +145,9 @@ class AttentionState(TargetState):
         self._feature_rows = slice(0, 1)  # the rows of `_features` the current forward writes
         self._feature_at = 0  # and the position in them its first token writes (a prefill chunk's offset)
         self._feature_slot = 0  # the slot of `_features`' first row
+        # Inside a compiled step the hooks put each feature layer's output here (see `_record`)
+        self._stash: list[torch.Tensor | None] = []
+        self._stashing = False
         self.capture = False  # this request's drafter reads features
         self._capturing = False  # inside one of this state's forwards, with capture on
         self.busy = False  # a generation is using this state (see `acquire_state`)
@@ -187,7 +192,7 @@ class AttentionState(TargetState):
         self.exported = loaded_step(self.target)  # (every forward: prefills, steps of one row or several)
         self.step = compiled_step(self.device) if compile and self.exported is None else None
         self.notify = notify
-        full_view = self.step is not None and self.device.type == "cuda"
+        full_view = self.step is not None and self.step.fixed_shapes
         needed = positions + block_size
         if needed > self.capacity or full_view != self.full_view or rows != self.rows:
             if rows == 1:  # a growing chat reuses one state: reserve a long context once
@@ -210,6 +215,7 @@ class AttentionState(TargetState):
                 for slot, layer in enumerate(feature_layers)
             ]
             self.feature_layers = feature_layers
+            self._stash = [None] * len(feature_layers)
             self._block_features = None
         # Without a drafter the hooks stay (so compiled steps keep their guards) but record nothing.
         self.capture = bool(feature_layers)
@@ -282,7 +288,12 @@ class AttentionState(TargetState):
         return record
 
     def _record(self, slot: int, hidden: torch.Tensor) -> None:
-        """Write feature layer `slot`'s output of the current forward ([rows, q, H] or [q, H]) where it belongs."""
+        """Write feature layer `slot`'s output of the current forward ([rows, q, H] or [q, H]) where it belongs; inside
+        a compiled step, keep it for `_forward` to write after the graph (the graph then mutates no input of its own
+        but the K/V buffers, which CUDA graphs hold as static)."""
+        if self._stashing:
+            self._stash[slot] = hidden
+            return
         width, q = hidden.shape[-1], hidden.shape[-2]
         at = self._feature_at
         self._features[self._feature_rows, at : at + q, slot * width : (slot + 1) * width].copy_(hidden)
@@ -308,13 +319,22 @@ class AttentionState(TargetState):
                     **{CACHE_ARGUMENT: self.cache},
                 )
                 return out.logits
-            if self.full_view:
+            masks = None
+            if self.full_view:  # the whole buffer: an explicit mask at this row's positions
                 self._length_t.fill_(self.at)
+                positions = torch.arange(token_ids.shape[1], device=self.device)[None] + self._length_t
+                masks = self._masks(positions, self.capacity)
             if prefill or self.step is None:
-                return run_target(self.target, token_ids, self.cache, self.offset, 1 if prefill else 0)
-            return self.step(self.target, token_ids, self.cache, self.offset, notify=self.notify)
+                return run_target(self.target, token_ids, self.cache, self.offset, 1 if prefill else 0, masks)
+            self._stashing = self._capturing
+            logits = self.step(self.target, token_ids, self.cache, self.offset, 0, masks, notify=self.notify)
+            self._stashing = False
+            for slot, hidden in enumerate(self._stash if self._capturing else ()):
+                self._record(slot, hidden)
+                self._stash[slot] = None  # (a CUDA graph's output: its memory is the graph's again)
+            return logits
         finally:
-            self._capturing = False
+            self._capturing = self._stashing = False
             self.forward_positions = None
 
     def _exported_forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:

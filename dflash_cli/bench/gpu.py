@@ -184,8 +184,14 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, reps: i
     return timing_summary(*map(list, zip(*samples)))
 
 
-def kernel_ms_per_call(fn: Callable[[], Any], device: torch.device, calls: int) -> float | None:
-    """Device busy time per call (sum of kernel and memcpy durations, profiled); None off CUDA."""
+HOST_OPS_SHOWN = 15
+
+
+def kernel_ms_per_call(
+    fn: Callable[[], Any], device: torch.device, calls: int, host_ops: list[dict[str, Any]] | None = None
+) -> float | None:
+    """Device busy time per call (sum of kernel and memcpy durations, profiled); None off CUDA. `host_ops`, if
+    given, receives the ops that took the host longest per call (self CPU time): where a step's host time goes."""
     if device.type != "cuda" or calls < 1:
         return None
     from torch.autograd import DeviceType
@@ -197,8 +203,14 @@ def kernel_ms_per_call(fn: Callable[[], Any], device: torch.device, calls: int) 
             fn()
         sync(device)
     busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    averages = prof.key_averages()
     if busy_us == 0:  # older profilers attribute kernels to the ops that launched them
-        busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+        busy_us = sum(e.self_device_time_total for e in averages)
+    if host_ops is not None:
+        top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_OPS_SHOWN]
+        host_ops += [
+            {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / calls, "count": e.count / calls} for e in top
+        ]
     return busy_us / 1e3 / calls
 
 
@@ -486,15 +498,23 @@ def run_generation(
 
 
 def profile_steps(
-    target: nn.Module, drafter: Any, prompt_ids: list[int], max_new: int, calls: int, device: torch.device
+    target: nn.Module,
+    drafter: Any,
+    prompt_ids: list[int],
+    max_new: int,
+    calls: int,
+    device: torch.device,
+    compile: bool = False,
+    host_ops: list[dict[str, Any]] | None = None,
 ) -> float | None:
     """Device busy time per decode step, from a separate profiled run (profiling slows the host)."""
     if device.type != "cuda":
         return None
     block = None if drafter is None else drafter.block_size
-    steps = generate(target, drafter, prompt_ids, SamplingParams(max_new_tokens=max_new), block_size=block)
+    params = SamplingParams(max_new_tokens=max_new)
+    steps = generate(target, drafter, prompt_ids, params, block_size=block, compile=compile)
     next(steps)  # the prefill
-    return kernel_ms_per_call(lambda: next(steps), device, calls)
+    return kernel_ms_per_call(lambda: next(steps), device, calls, host_ops)
 
 
 def host_overhead(step: dict[str, Any] | None, kernel_ms: float | None) -> float | None:
@@ -514,7 +534,21 @@ def measure_end_to_end(
     run_generation(target, None, prompt_ids, 4, None, device, s.compile)
     run_generation(target, drafter, prompt_ids, 4, block, device, s.compile)
     baseline = run_generation(target, None, prompt_ids, s.new_tokens + block, None, device, s.compile)
-    sequence = list(prompt_ids) + baseline["tokens"]
+    # What the double proposes: the target's greedy continuation as a block verify computes it (a run that keeps
+    # one token a step, slot 0's). Outside float32 a one-token step rounds otherwise than a block, and a random
+    # target's logits are full of near-ties: proposing the plain decoding's tokens, every step of a bf16 run on an
+    # H200 was rejected at its first draft (tau 1.0 for every plan).
+    ones = [1] * (s.new_tokens + block)
+    blockwise = run_generation(
+        target,
+        ControlledAcceptanceDrafter(drafter, list(prompt_ids) + baseline["tokens"], ones),
+        prompt_ids,
+        len(ones),
+        block,
+        device,
+        s.compile,
+    )
+    sequence = list(prompt_ids) + blockwise["tokens"]
     runs = {}
     for tau in s.taus:
         # The plan fills the run exactly, so no step is cut short and tau is the plan's mean.
@@ -526,7 +560,7 @@ def measure_end_to_end(
             tau_planned=sum(plan) / len(plan),
             tau_measured=run.pop("tau"),
             schedule_followed=run["acceptance_lengths"] == plan,
-            lossless=run["tokens"] == baseline["tokens"][: len(run["tokens"])],
+            lossless=run["tokens"] == baseline["tokens"][: len(run["tokens"])],  # (bf16: near-ties may differ)
             speedup_vs_baseline=run["decode_tokens_per_s"] / baseline["decode_tokens_per_s"],
         )
         del run["tokens"]
@@ -534,16 +568,25 @@ def measure_end_to_end(
     del baseline["tokens"]
     plan = acceptance_plan(PUBLISHED_TAU, block, s.new_tokens - 1)
     calls = min(s.profile_steps, len(plan))
+    host_ops: dict[str, list[dict[str, Any]]] = {"ar_step": [], "spec_step": []}  # (filled on CUDA)
     kernels = {
-        "ar_step": profile_steps(target, None, prompt_ids, calls + 1, calls, device),
+        "ar_step": profile_steps(target, None, prompt_ids, calls + 1, calls, device, s.compile, host_ops["ar_step"]),
         "spec_step": profile_steps(
-            target, ControlledAcceptanceDrafter(drafter, sequence, plan), prompt_ids, 1 + sum(plan), calls, device
+            target,
+            ControlledAcceptanceDrafter(drafter, sequence, plan),
+            prompt_ids,
+            1 + sum(plan),
+            calls,
+            device,
+            s.compile,
+            host_ops["spec_step"],
         ),
     }
     return {
         "baseline": baseline,
         "controlled": runs,
         "kernel_ms": kernels,
+        "host_ops": host_ops,
         "host_overhead_ms": {
             "ar_step": host_overhead(baseline["step"], kernels["ar_step"]),
             "spec_step": host_overhead(runs[PUBLISHED]["step"], kernels["spec_step"]),
@@ -642,7 +685,7 @@ def target_checks(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def measure_precision(
-    name: str,
+    run: dict[str, Any],
     target: nn.Module,
     drafter: DFlashDrafter,
     s: Settings,
@@ -650,16 +693,20 @@ def measure_precision(
     gb_per_s: float,
     deadline: float,
     with_reference: bool,
-) -> dict[str, Any]:
+    save: Callable[[], None],
+) -> None:
+    """Fill `run` part by part (`save` after each: a run cut short keeps what it measured)."""
+    name = run["precision"]
     dtype = getattr(torch, s.dtype)
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
     prompt_ids = torch.randint(0, s.shape.vocab - 1, (s.context,), generator=gen).tolist()
     prompt = torch.tensor([prompt_ids], device=device)
-    run: dict[str, Any] = {"precision": name}
     run["floors"] = step_floors(s.shape, target, drafter, s.context, dtype, gb_per_s)
-    run["micro"] = measure_target_steps(target, drafter.config.target_layer_ids, prompt, s)
-    run["micro"]["draft_step"] = measure_draft_step(drafter, prompt, s)
-    log(f"{name}: step micro-benchmarks done")
+    if s.verify_sizes:  # (none: the decode loop alone, e.g. to spare a compiled run the graphs of every size)
+        run["micro"] = measure_target_steps(target, drafter.config.target_layer_ids, prompt, s)
+        run["micro"]["draft_step"] = measure_draft_step(drafter, prompt, s)
+        log(f"{name}: step micro-benchmarks done")
+        save()
     run["end_to_end"] = measure_end_to_end(target, drafter, prompt_ids, s, device)
     log(f"{name}: end to end done")
     run["predicted"] = predictions(run["floors"], run["end_to_end"])
@@ -675,7 +722,6 @@ def measure_precision(
         except Exception:
             run["reference"] = {"status": "failed", "reason": traceback.format_exc()}
     run["targets"] = target_checks(run)
-    return run
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -725,17 +771,26 @@ def run_benchmark(s: Settings, *, with_reference: bool, save: Callable[[dict[str
             results["runs"][name] = {"precision": name, "skipped": "time budget spent"}
             continue
         log(f"measuring {name}")
+        run = results["runs"][name] = {"precision": name}
         try:  # one device call is all there is: a failure is recorded and the next precision still runs
             if name == "nf4":
                 t0 = time.monotonic()
                 results["nf4_quantized_layers"] = quantize_nf4(target, dtype)
                 results["nf4_quantize_s"] = time.monotonic() - t0
-            results["runs"][name] = measure_precision(
-                name, target, drafter, s, device, results["bandwidth"]["gb_per_s"], deadline, with_reference
+            measure_precision(
+                run,
+                target,
+                drafter,
+                s,
+                device,
+                results["bandwidth"]["gb_per_s"],
+                deadline,
+                with_reference,
+                lambda: save(results),
             )
         except Exception:
-            results["runs"][name] = {"precision": name, "error": traceback.format_exc()}
-            log(f"{name} failed:\n{results['runs'][name]['error']}")
+            run["error"] = traceback.format_exc()
+            log(f"{name} failed:\n{run['error']}")
         save(results)
     results["nf4_vs_dense"] = compare_precisions(results["runs"], s.precisions)
     results["total_s"] = time.monotonic() - started
@@ -786,19 +841,25 @@ def median_p90(t: dict[str, Any]) -> str:
 
 
 def render_run(name: str, run: dict[str, Any]) -> list[str]:
-    if "floors" not in run:
-        why = run.get("skipped") or "failed: " + run.get("error", "").strip().splitlines()[-1]
+    if "targets" not in run:
+        why = run.get("skipped") or "failed: " + (run.get("error") or "cut short").strip().splitlines()[-1]
         return [f"\n== {name}: {why}"]
-    floors, micro, e2e, pred, ref = run["floors"], run["micro"], run["end_to_end"], run["predicted"], run["reference"]
+    floors, e2e, pred, ref = run["floors"], run["end_to_end"], run["predicted"], run["reference"]
     lines = [
         f"\n== {name}",
         f"floor: AR step {floors['ar_floor_ms']:.3g} ms ({floors['ar_step_bytes'] / 1e9:.3g} GB), "
         f"spec step {floors['spec_floor_ms']:.3g} ms ({floors['spec_floor_x_ar_floor']:.3g}x the AR floor)",
-        f"AR forward {median_p90(micro['ar_step'])}, draft pass {median_p90(micro['draft_step'])}",
-        "verify by block size (median ms): "
-        + "  ".join(f"{b}:{t['median_ms']:.3g}" for b, t in micro["verify"].items()),
-        f"engine AR step {median_p90(e2e['baseline']['step'])}, {e2e['baseline']['decode_tokens_per_s']:.3g} tok/s",
     ]
+    if "micro" in run:
+        micro = run["micro"]
+        lines += [
+            f"AR forward {median_p90(micro['ar_step'])}, draft pass {median_p90(micro['draft_step'])}",
+            "verify by block size (median ms): "
+            + "  ".join(f"{b}:{t['median_ms']:.3g}" for b, t in micro["verify"].items()),
+        ]
+    lines.append(
+        f"engine AR step {median_p90(e2e['baseline']['step'])}, {e2e['baseline']['decode_tokens_per_s']:.3g} tok/s"
+    )
     for tau, r in e2e["controlled"].items():
         lines.append(
             f"  tau {tau:>4}: measured {r['tau_measured']:.3g}, step {median_p90(r['step'])}, "
@@ -841,6 +902,17 @@ def render_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(part) for part in text.split(",") if part.strip())
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"block sizes must be >= 1, got {text}")
+    return values
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split(",") if part.strip())
+
+
 def at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
@@ -871,6 +943,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=at_least(1), help="timed repetitions per micro-benchmark")
     parser.add_argument("--time-budget", type=float, help="seconds after which remaining sections are skipped")
     parser.add_argument("--compile", action="store_true", help="measure the engine's compiled steps (CUDA graphs)")
+    parser.add_argument(
+        "--layers", type=at_least(1), help="the target's decoder layers (the shape's widths kept; floors follow)"
+    )
+    parser.add_argument(
+        "--verify-sizes",
+        type=int_list,
+        help="block sizes of the verify sweep, comma-separated (empty: no micro-benchmarks, the decode loop alone;"
+        " each size is one more graph to compile with --compile)",
+    )
+    parser.add_argument("--taus", type=float_list, help=f"controlled acceptance lengths (must include {PUBLISHED})")
     return parser.parse_args(argv)
 
 
@@ -894,9 +976,16 @@ def main(argv: list[str] | None = None) -> int:
         ("reps", args.reps),
         ("time_budget_s", args.time_budget),
         ("compile", args.compile or None),
+        ("verify_sizes", args.verify_sizes),
+        ("taus", args.taus),
     ):
         if value is not None:
             overrides[field_name] = value
+    if args.layers:
+        overrides["shape"] = replace(s.shape, layers=args.layers)
+    if args.taus is not None and PUBLISHED_TAU not in args.taus:
+        print(f"error: --taus must include {PUBLISHED} (the predictions and targets read it)", file=sys.stderr)
+        return 2
     s = replace(s, **overrides)
     if args.reference_wheel:
         if not args.reference_wheel.is_file():

@@ -1,11 +1,12 @@
 // dflash's own CPU kernels for decoding in bf16 on AVX-512 BF16 CPUs (engine/cpu_kernels.py loads them):
-// dflash::bf16_linear (a dense bf16 weight times a few rows) and dflash::attention (each row's block of queries over
-// its own K/V).
+// dflash::bf16_linear (a dense bf16 weight times rows) and dflash::attention (each row's block of queries over its
+// own K/V).
 //
 // A decode step multiplies one to a few dozen rows by every weight once, so its time is the weights' bytes over
-// the memory bandwidth: bf16_linear reads each weight once per call for all its rows (a tile of rows shares each
-// load) and parallelizes over fixed blocks of outputs. attention reads a row's keys in place, where a batched
-// matrix product first copies them transposed.
+// the memory bandwidth: bf16_linear reads each weight from memory once per call for all its rows (a tile of rows
+// shares each load) and parallelizes over fixed blocks of outputs. A prefill's hundreds of rows are arithmetic-bound:
+// there tiles take two outputs too, and each block of 16 outputs sums its lanes in one transposing tree. attention
+// reads a row's keys in place, where a batched matrix product first copies them transposed.
 //
 // Every output is computed in one fixed order that depends on neither the row count, the row's place in a tile,
 // nor the thread count: a row's result is bit-equal whether it runs alone or inside a verify block, which is what
@@ -51,44 +52,91 @@ inline void store_bf16x16(uint16_t* p, __m512 v) {
 // ---- bf16_linear: out [M, N] = x [M, K] . w [N, K]^T, bf16 in and out ---------------------------------------------
 // Per output and row: VDPBF16PS over the row and weight as they are (each lane adds two exact products per
 // instruction, in a fixed order, denormals flushed), 32 inputs a chunk, two accumulators over alternating chunks,
-// reduced across lanes in one fixed sequence; the inputs past the last whole 64 added after, in order; rounded to
-// bf16 once.
+// added, then summed across lanes by one fixed halving tree (sum16); the inputs past the last whole 64 added after,
+// in order; rounded to bf16 once.
 
-// One output for R rows: the weight row streams once (one sequential stream per thread: measured faster than
-// tiles of 2-8 weight rows, whose short interleaved streams the hardware prefetcher follows worse), each of its
-// chunks shared by the R rows.
-template <int R>
-void dot_rows(const uint16_t* x, int64_t K, const uint16_t* w, float* result /* [R] */) {
-  __m512 a[R][2];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+// The lane sums of 16 vectors at once: lane 4k+m of the result is the sum of v[k+4m]'s lanes. Each vector is summed by
+// the same halving tree (lane i with i+8, then i+4, i+2, i+1) whatever its neighbours, so a sum's bits depend on its
+// own vector alone; a transposing tree costs about a quarter of 16 separate horizontal sums.
+inline __m512 sum16(const __m512* v) {
+  __m512 half[8], quarter[4], eighth[2];
+  for (int p = 0; p < 8; ++p)  // [A 0-7 | B 0-7] + [A 8-15 | B 8-15]
+    half[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                            _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)  // four vectors' lanes 0-3 + their lanes 4-7, one vector a 128-bit quarter
+    quarter[p] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], 0x88),
+                               _mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)  // within each quarter: lanes 0, 1 + lanes 2, 3
+    eighth[p] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * p], quarter[2 * p + 1], 0x44),
+                              _mm512_shuffle_ps(quarter[2 * p], quarter[2 * p + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88), _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+}
+
+constexpr int kTask = 16;  // outputs per parallel task: fixed, so the split never depends on the threads
+constexpr int64_t kPairedRows = 8;  // from this many rows on, tiles take two outputs (measured: slower below)
+
+// C outputs for R rows, before the lane sum: each weight chunk is shared by the R rows and each row chunk by the C
+// outputs (fewer loads per product); every (row, output) keeps its own two accumulators, so the tile's shape
+// changes no bits.
+template <int R, int C>
+void dot_tile(const uint16_t* x, int64_t K, const uint16_t* w, __m512* lanes /* [R][kTask], C consecutive */) {
+  __m512 a[R][C][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c][0] = a[r][c][1] = _mm512_setzero_ps();
   const int64_t whole = K / 64 * 64;
   for (int64_t k = 0; k < whole; k += 64) {
     for (int half = 0; half < 2; ++half) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + half * 32);
-      for (int r = 0; r < R; ++r)
-        a[r][half] = _mm512_dpbf16_ps(a[r][half], (__m512bh)_mm512_loadu_si512(x + r * K + k + half * 32), wv);
+      __m512bh wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k + half * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k + half * 32);
+        for (int c = 0; c < C; ++c) a[r][c][half] = _mm512_dpbf16_ps(a[r][c][half], xv, wv[c]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
-    for (int64_t k = whole; k < K; ++k) s = std::fma(bf16_to_float(x[r * K + k]), bf16_to_float(w[k]), s);
-    result[r] = s;
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) lanes[r * kTask + c] = _mm512_add_ps(a[r][c][0], a[r][c][1]);
 }
 
-// Output n for every row, in tiles of two rows (the last one alone).
-void dot_output(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n, uint16_t* out, int64_t N) {
-  float result[2];
-  const uint16_t* row = w + n * K;
-  int64_t r = 0;
-  for (; r + 2 <= M; r += 2) {
-    dot_rows<2>(x + r * K, K, row, result);
-    out[r * N + n] = float_to_bf16(result[0]);
-    out[(r + 1) * N + n] = float_to_bf16(result[1]);
-  }
-  if (r < M) {
-    dot_rows<1>(x + r * K, K, row, result);
-    out[r * N + n] = float_to_bf16(result[0]);
+// The task's outputs for R rows: in pairs where the weights are read from cache (`paired`: a block of many rows),
+// else one at a time (a decode step streams them from memory, and the hardware prefetcher follows one sequential
+// stream best).
+template <int R>
+void dot_rows(const uint16_t* x, int64_t K, const uint16_t* w, int count, bool paired, __m512* lanes) {
+  int j = 0;
+  if (paired)
+    for (; j + 2 <= count; j += 2) dot_tile<R, 2>(x, K, w + j * K, lanes + j);
+  for (; j < count; ++j) dot_tile<R, 1>(x, K, w + j * K, lanes + j);
+  for (; j < kTask; ++j)
+    for (int r = 0; r < R; ++r) lanes[r * kTask + j] = _mm512_setzero_ps();
+}
+
+// Outputs n0 .. n0+count-1 (count <= kTask) for every row, in tiles of four rows where there are four (else two, or
+// one): a tile runs the task's weight rows in order (read again from cache by the next tile), then sums their lanes
+// at once.
+void dot_task(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int count, uint16_t* out,
+              int64_t N) {
+  __m512 lanes[4][kTask];
+  alignas(64) float sums[kTask];
+  const int64_t whole = K / 64 * 64;
+  const uint16_t* weights = w + n0 * K;
+  const bool paired = M >= kPairedRows;
+  for (int64_t r = 0; r < M;) {
+    const int rows = M - r >= 4 ? 4 : M - r >= 2 ? 2 : 1;
+    if (rows == 4) dot_rows<4>(x + r * K, K, weights, count, paired, &lanes[0][0]);
+    else if (rows == 2) dot_rows<2>(x + r * K, K, weights, count, paired, &lanes[0][0]);
+    else dot_rows<1>(x + r * K, K, weights, count, paired, &lanes[0][0]);
+    for (int t = 0; t < rows; ++t) {
+      _mm512_store_ps(sums, sum16(lanes[t]));
+      const uint16_t* row = x + (r + t) * K;
+      for (int j = 0; j < count; ++j) {
+        float s = sums[4 * (j % 4) + j / 4];
+        const uint16_t* wr = weights + j * K;
+        for (int64_t k = whole; k < K; ++k) s = std::fma(bf16_to_float(row[k]), bf16_to_float(wr[k]), s);
+        out[(r + t) * N + n0 + j] = float_to_bf16(s);
+      }
+    }
+    r += rows;
   }
 }
 
@@ -103,9 +151,11 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
   const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.const_data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  constexpr int64_t per_task = 16;  // outputs per parallel task: fixed, so the split never depends on the threads
-  at::parallel_for(0, (N + per_task - 1) / per_task, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin * per_task; n < std::min(N, end * per_task); ++n) dot_output(xp, M, K, w, n, o, N);
+  at::parallel_for(0, (N + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task * kTask;
+      dot_task(xp, M, K, w, n0, static_cast<int>(std::min<int64_t>(kTask, N - n0)), o, N);
+    }
   });
   return out;
 }
@@ -116,7 +166,35 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
 // Rounded where the eager graph rounds (its sums, exp and conversions are its own, so bits may differ from it):
 // scores = bf16(q . k) then bf16(score * scaling); softmax in float32 over the keys at or before the query's
 // position, weights rounded to bf16; out = bf16(sum of weight * value, keys in order).
-// Each query reads only its own keys, so its result does not depend on the block or the rows around it.
+// Each query reads only its own keys, in groups of 16 from its first: its result does not depend on the block or the
+// rows around it. (Per group: 16 dot products summed by one transposing tree, the scores rounded and scaled, and their
+// exponentials, 16 lanes at once: a prefill's queries over thousands of keys each are arithmetic-bound.)
+
+inline __m512 round_bf16x16(__m512 v) {  // to bf16 and back (nearest even; denormals flushed, as VDPBF16PS)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+}
+
+// e^x for x <= 0 (a score minus the largest), 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p of degree 6
+// (relative error about 3e-7; the weights are rounded to bf16 after); under -87.3 (below float's normal range) 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 small = _mm512_set1_ps(-87.3f);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, small, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, small);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero), p, _mm512_castsi512_ps(scale));
+}
 
 at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values,
                      const at::Tensor& positions_in, double scaling) {
@@ -140,33 +218,51 @@ at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at
   const auto* vp = reinterpret_cast<const uint16_t*>(values.const_data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t batch_stride = keys.stride(0), head_stride = keys.stride(1), key_stride = keys.stride(2);
-  const float scale = static_cast<float>(scaling);
+  const __m512 scale = _mm512_set1_ps(static_cast<float>(scaling));
+  // lane 4k+m of sum16 holds vector k+4m: this gathers key j's score into lane j
+  const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   at::parallel_for(0, batch * heads * n, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> weights(capacity);
+    std::vector<float> weights((capacity + 15) / 16 * 16);
     std::vector<__m512> acc(dim / 16);
+    __m512 lanes[16];
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t b = task / (heads * n), h = task / n % heads, row = task % n;
       const int64_t visible = pos[b * q + row % q] + 1;
       const uint16_t* query = r + task * dim;
       const uint16_t* kh = kp + b * batch_stride + h * head_stride;
       const uint16_t* vh = vp + b * batch_stride + h * head_stride;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 32)
-          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(query + d),
-                               (__m512bh)_mm512_loadu_si512(kh + j * key_stride + d));
-        const float score = bf16_to_float(float_to_bf16(bf16_to_float(float_to_bf16(_mm512_reduce_add_ps(a))) * scale));
-        weights[j] = score;
-        top = std::max(top, score);
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (int64_t g = 0; g < visible; g += 16) {
+        const int count = static_cast<int>(std::min<int64_t>(16, visible - g));
+        for (int j = 0; j < 16; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          if (j < count)
+            for (int64_t d = 0; d < dim; d += 32)
+              a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(query + d),
+                                   (__m512bh)_mm512_loadu_si512(kh + (g + j) * key_stride + d));
+          lanes[j] = a;
+        }
+        const __m512 score = round_bf16x16(_mm512_mul_ps(
+            round_bf16x16(_mm512_permutexvar_ps(key_order, sum16(lanes))), scale));
+        const __mmask16 real = static_cast<__mmask16>((1u << count) - 1);
+        _mm512_storeu_ps(weights.data() + g, score);
+        top = _mm512_mask_max_ps(top, real, top, score);
       }
+      const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // (a max is exact in any order)
       float total = 0.f;
-      for (int64_t j = 0; j < visible; ++j) total += (weights[j] = std::exp(weights[j] - top));
+      for (int64_t g = 0; g < visible; g += 16) {
+        _mm512_storeu_ps(weights.data() + g, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(weights.data() + g), largest)));
+        for (int64_t j = g; j < std::min<int64_t>(g + 16, visible); ++j) total += weights[j];  // keys in order
+      }
       for (auto& v : acc) v = _mm512_setzero_ps();
-      for (int64_t j = 0; j < visible; ++j) {
-        const __m512 w = _mm512_set1_ps(bf16_to_float(float_to_bf16(weights[j] / total)));
-        for (int64_t c = 0; c < dim / 16; ++c)
-          acc[c] = _mm512_fmadd_ps(w, load_bf16x16(vh + j * key_stride + c * 16), acc[c]);
+      const __m512 totals = _mm512_set1_ps(total);
+      for (int64_t g = 0; g < visible; g += 16) {
+        _mm512_storeu_ps(weights.data() + g, round_bf16x16(_mm512_div_ps(_mm512_loadu_ps(weights.data() + g), totals)));
+        for (int64_t j = g; j < std::min<int64_t>(g + 16, visible); ++j) {
+          const __m512 w = _mm512_set1_ps(weights[j]);
+          for (int64_t c = 0; c < dim / 16; ++c)
+            acc[c] = _mm512_fmadd_ps(w, load_bf16x16(vh + j * key_stride + c * 16), acc[c]);
+        }
       }
       for (int64_t c = 0; c < dim / 16; ++c) store_bf16x16(o + task * dim + c * 16, acc[c]);
     }

@@ -72,8 +72,17 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88), _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
 }
 
+// One vector's lane sum by the same halving tree (what sum16 does for each of its 16).
+inline float sum_lanes(__m512 v) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v), hi);                                    // i + (i+8)
+  const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));      // + (i+4)
+  const __m128 eighth = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));                          // + (i+2)
+  return _mm_cvtss_f32(_mm_add_ss(eighth, _mm_movehdup_ps(eighth)));                                    // + (i+1)
+}
+
 constexpr int kTask = 16;  // outputs per parallel task: fixed, so the split never depends on the threads
-constexpr int64_t kPairedRows = 8;  // from this many rows on, tiles take two outputs (measured: slower below)
+constexpr int64_t kPairedRows = 8;  // from this many rows on, the many-row layout (measured: slower below)
 
 // C outputs for R rows, before the lane sum: each weight chunk is shared by the R rows and each row chunk by the C
 // outputs (fewer loads per product); every (row, output) keeps its own two accumulators, so the tile's shape
@@ -98,43 +107,57 @@ void dot_tile(const uint16_t* x, int64_t K, const uint16_t* w, __m512* lanes /* 
     for (int c = 0; c < C; ++c) lanes[r * kTask + c] = _mm512_add_ps(a[r][c][0], a[r][c][1]);
 }
 
-// The task's outputs for R rows: in pairs where the weights are read from cache (`paired`: a block of many rows),
-// else one at a time (a decode step streams them from memory, and the hardware prefetcher follows one sequential
-// stream best).
+// The task's outputs for R of many rows, two at a time (the weights are read from cache: a block of many rows).
 template <int R>
-void dot_rows(const uint16_t* x, int64_t K, const uint16_t* w, int count, bool paired, __m512* lanes) {
+void dot_rows(const uint16_t* x, int64_t K, const uint16_t* w, int count, __m512* lanes) {
   int j = 0;
-  if (paired)
-    for (; j + 2 <= count; j += 2) dot_tile<R, 2>(x, K, w + j * K, lanes + j);
+  for (; j + 2 <= count; j += 2) dot_tile<R, 2>(x, K, w + j * K, lanes + j);
   for (; j < count; ++j) dot_tile<R, 1>(x, K, w + j * K, lanes + j);
   for (; j < kTask; ++j)
     for (int r = 0; r < R; ++r) lanes[r * kTask + j] = _mm512_setzero_ps();
 }
 
-// Outputs n0 .. n0+count-1 (count <= kTask) for every row, in tiles of four rows where there are four (else two, or
-// one): a tile runs the task's weight rows in order (read again from cache by the next tile), then sums their lanes
-// at once.
+// The inputs past the last whole 64, in order, then bf16.
+inline uint16_t finish(float s, const uint16_t* row, const uint16_t* weight, int64_t whole, int64_t K) {
+  for (int64_t k = whole; k < K; ++k) s = std::fma(bf16_to_float(row[k]), bf16_to_float(weight[k]), s);
+  return float_to_bf16(s);
+}
+
+// Outputs n0 .. n0+count-1 (count <= kTask) for every row. Few rows (a decode step, a verify block): output by
+// output, each weight row streamed once from memory for all rows, in tiles of two rows. Many rows (a prefill chunk):
+// tiles of four rows run the task's weight rows in order (read again from cache by the next tile), two outputs at a
+// time, then sum their lanes at once. Either way each output is the same sum (sum_lanes is sum16's tree).
 void dot_task(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int count, uint16_t* out,
               int64_t N) {
   __m512 lanes[4][kTask];
-  alignas(64) float sums[kTask];
   const int64_t whole = K / 64 * 64;
   const uint16_t* weights = w + n0 * K;
-  const bool paired = M >= kPairedRows;
+  if (M < kPairedRows) {
+    for (int j = 0; j < count; ++j) {
+      const uint16_t* weight = weights + j * K;
+      int64_t r = 0;
+      for (; r + 2 <= M; r += 2) {
+        dot_tile<2, 1>(x + r * K, K, weight, &lanes[0][0]);
+        for (int t = 0; t < 2; ++t)
+          out[(r + t) * N + n0 + j] = finish(sum_lanes(lanes[t][0]), x + (r + t) * K, weight, whole, K);
+      }
+      if (r < M) {
+        dot_tile<1, 1>(x + r * K, K, weight, &lanes[0][0]);
+        out[r * N + n0 + j] = finish(sum_lanes(lanes[0][0]), x + r * K, weight, whole, K);
+      }
+    }
+    return;
+  }
+  alignas(64) float sums[kTask];
   for (int64_t r = 0; r < M;) {
     const int rows = M - r >= 4 ? 4 : M - r >= 2 ? 2 : 1;
-    if (rows == 4) dot_rows<4>(x + r * K, K, weights, count, paired, &lanes[0][0]);
-    else if (rows == 2) dot_rows<2>(x + r * K, K, weights, count, paired, &lanes[0][0]);
-    else dot_rows<1>(x + r * K, K, weights, count, paired, &lanes[0][0]);
+    if (rows == 4) dot_rows<4>(x + r * K, K, weights, count, &lanes[0][0]);
+    else if (rows == 2) dot_rows<2>(x + r * K, K, weights, count, &lanes[0][0]);
+    else dot_rows<1>(x + r * K, K, weights, count, &lanes[0][0]);
     for (int t = 0; t < rows; ++t) {
       _mm512_store_ps(sums, sum16(lanes[t]));
-      const uint16_t* row = x + (r + t) * K;
-      for (int j = 0; j < count; ++j) {
-        float s = sums[4 * (j % 4) + j / 4];
-        const uint16_t* wr = weights + j * K;
-        for (int64_t k = whole; k < K; ++k) s = std::fma(bf16_to_float(row[k]), bf16_to_float(wr[k]), s);
-        out[(r + t) * N + n0 + j] = float_to_bf16(s);
-      }
+      for (int j = 0; j < count; ++j)
+        out[(r + t) * N + n0 + j] = finish(sums[4 * (j % 4) + j / 4], x + (r + t) * K, weights + j * K, whole, K);
     }
     r += rows;
   }

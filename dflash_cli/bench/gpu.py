@@ -702,6 +702,7 @@ def measure_precision(
     prompt_ids = torch.randint(0, s.shape.vocab - 1, (s.context,), generator=gen).tolist()
     prompt = torch.tensor([prompt_ids], device=device)
     run["floors"] = step_floors(s.shape, target, drafter, s.context, dtype, gb_per_s)
+    save()
     if s.verify_sizes:  # (none: the decode loop alone, e.g. to spare a compiled run the graphs of every size)
         run["micro"] = measure_target_steps(target, drafter.config.target_layer_ids, prompt, s)
         run["micro"]["draft_step"] = measure_draft_step(drafter, prompt, s)
@@ -710,6 +711,7 @@ def measure_precision(
     run["end_to_end"] = measure_end_to_end(target, drafter, prompt_ids, s, device)
     log(f"{name}: end to end done")
     run["predicted"] = predictions(run["floors"], run["end_to_end"])
+    save()
     if not with_reference:
         run["reference"] = {"status": "skipped", "reason": "--no-reference"}
     elif name not in s.reference_precisions:
@@ -902,15 +904,18 @@ def render_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def int_list(text: str) -> tuple[int, ...]:
+def block_sizes(text: str) -> tuple[int, ...]:
     values = tuple(int(part) for part in text.split(",") if part.strip())
     if any(value < 1 for value in values):
         raise argparse.ArgumentTypeError(f"block sizes must be >= 1, got {text}")
     return values
 
 
-def float_list(text: str) -> tuple[float, ...]:
-    return tuple(float(part) for part in text.split(",") if part.strip())
+def taus(text: str) -> tuple[float, ...]:
+    values = tuple(float(part) for part in text.split(",") if part.strip())
+    if any(value < 1 for value in values):  # (a step commits one token at least)
+        raise argparse.ArgumentTypeError(f"acceptance lengths must be >= 1, got {text}")
+    return values
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -948,11 +953,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--verify-sizes",
-        type=int_list,
+        type=block_sizes,
         help="block sizes of the verify sweep, comma-separated (empty: no micro-benchmarks, the decode loop alone;"
         " each size is one more graph to compile with --compile)",
     )
-    parser.add_argument("--taus", type=float_list, help=f"controlled acceptance lengths (must include {PUBLISHED})")
+    parser.add_argument("--taus", type=taus, help=f"controlled acceptance lengths (must include {PUBLISHED})")
     return parser.parse_args(argv)
 
 

@@ -57,7 +57,7 @@ inline void store_bf16x16(uint16_t* p, __m512 v) {
 
 // The lane sums of 16 vectors at once: lane 4k+m of the result is the sum of v[k+4m]'s lanes. Each vector is summed by
 // the same halving tree (lane i with i+8, then i+4, i+2, i+1) whatever its neighbours, so a sum's bits depend on its
-// own vector alone; a transposing tree costs about a quarter of 16 separate horizontal sums.
+// own vector alone; a transposing tree costs about a third of 16 separate horizontal sums.
 inline __m512 sum16(const __m512* v) {
   __m512 half[8], quarter[4], eighth[2];
   for (int p = 0; p < 8; ++p)  // [A 0-7 | B 0-7] + [A 8-15 | B 8-15]
@@ -123,7 +123,7 @@ inline uint16_t finish(float s, const uint16_t* row, const uint16_t* weight, int
   return float_to_bf16(s);
 }
 
-// Outputs n0 .. n0+count-1 (count <= kTask) for every row. Few rows (a decode step, a verify block): output by
+// Outputs n0 .. n0+count-1 (count <= kTask) for every row. Under 8 rows (decode steps, short verify blocks): output by
 // output, each weight row streamed once from memory for all rows, in tiles of two rows. Many rows (a prefill chunk):
 // tiles of four rows run the task's weight rows in order (read again from cache by the next tile), two outputs at a
 // time, then sum their lanes at once. Either way each output is the same sum (sum_lanes is sum16's tree).
@@ -203,7 +203,7 @@ inline __m512 round_bf16x16(__m512 v) {  // to bf16 and back (nearest even; deno
 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 small = _mm512_set1_ps(-87.3f);
   const __mmask16 zero = _mm512_cmp_ps_mask(x, small, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, small);
+  x = _mm512_max_ps(small, x);  // (a NaN stays NaN: max returns its second operand then)
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -265,11 +265,12 @@ at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at
                                    (__m512bh)_mm512_loadu_si512(kh + (g + j) * key_stride + d));
           lanes[j] = a;
         }
-        const __m512 score = round_bf16x16(_mm512_mul_ps(
-            round_bf16x16(_mm512_permutexvar_ps(key_order, sum16(lanes))), scale));
         const __mmask16 real = static_cast<__mmask16>((1u << count) - 1);
+        const __m512 score = _mm512_mask_blend_ps(  // (lanes past the last key: -inf, so their weight is 0)
+            real, _mm512_set1_ps(-INFINITY),
+            round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_permutexvar_ps(key_order, sum16(lanes))), scale)));
         _mm512_storeu_ps(weights.data() + g, score);
-        top = _mm512_mask_max_ps(top, real, top, score);
+        top = _mm512_max_ps(top, score);
       }
       const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // (a max is exact in any order)
       float total = 0.f;

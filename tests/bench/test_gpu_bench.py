@@ -144,3 +144,23 @@ def test_acceptance_plan_mean_and_bounds():
 def test_bad_precision_is_refused(capsys):
     assert gpu_module.main(["--smoke", "--precisions", "fp8"]) == 2
     assert "unknown precision ['fp8']" in capsys.readouterr().err
+
+
+def test_a_short_run_keeps_to_the_decode_loop(tmp_path, capsys):
+    """What fits a compiled run in one device call: fewer layers, no micro-benchmarks (each size and state is another
+    graph to compile), the published tau alone; the table renders without the micro-benchmarks' lines."""
+    out = tmp_path / "short.json"
+    argv = ["--smoke", "--precisions", "float32", "--no-reference", "--layers", "2", "--verify-sizes", ""]
+    assert gpu_module.main([*argv, "--taus", "6.5", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())
+    run = results["runs"]["float32"]
+    assert results["settings"]["shape"]["layers"] == 2 and "micro" not in run
+    assert (
+        list(run["end_to_end"]["controlled"]) == ["6.5"] and run["end_to_end"]["controlled"]["6.5"]["schedule_followed"]
+    )
+    table = capsys.readouterr().out
+    assert "engine AR step" in table and "verify by block size" not in table
+    assert gpu_module.main([*argv, "--taus", "1,3"]) == 2  # the predictions read tau 6.5
+    assert "--taus must include 6.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_module.main([*argv, "--taus", "0.5,6.5"])

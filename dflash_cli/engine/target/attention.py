@@ -69,7 +69,8 @@ class _KVLayer(CacheLayerMixin):
 
     is_sliding = False  # sliding-window targets keep every position; their masks still apply the window
     # Not "compileable" in transformers' sense: that would make its masks materialize for one-token steps, which
-    # changes the attention kernel (and its rounding) from the one DynamicCache and `generate()` use.
+    # changes the attention kernel (and its rounding) from the one DynamicCache and `generate()` use. (Whole-buffer
+    # forwards, full_view, bring their own mask: see AttentionState._forward.)
     is_compileable = False
 
     def __init__(self, state: AttentionState, index: int) -> None:
@@ -103,7 +104,7 @@ class _KVLayer(CacheLayerMixin):
         return keys[:, :, :end], values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.state.capacity if self.state.full_view else self.state.at + query_length), 0
+        return self.state.at + query_length, 0
 
     def get_seq_length(self) -> int | torch.Tensor:
         return self.state.offset
@@ -330,11 +331,11 @@ class AttentionState(TargetState):
             logits = self.step(self.target, token_ids, self.cache, self.offset, 0, masks, notify=self.notify)
             self._stashing = False
             for slot, hidden in enumerate(self._stash if self._capturing else ()):
-                self._record(slot, hidden)
-                self._stash[slot] = None  # (a CUDA graph's output: its memory is the graph's again)
+                self._record(slot, hidden)  # (a CUDA graph's outputs: `finally` lets go of them)
             return logits
         finally:
             self._capturing = self._stashing = False
+            self._stash[:] = [None] * len(self._stash)  # (the same list: the graphs' guards hold it)
             self.forward_positions = None
 
     def _exported_forward(self, token_ids: torch.Tensor, rows: slice, prefill: bool) -> torch.Tensor:

@@ -69,16 +69,17 @@ def run_target(
     cache: Any,
     offset: int | torch.Tensor,
     logits_to_keep: int = 0,
-    attention_mask: Any = None,
+    masks_for: Callable[[torch.Tensor], Any] | None = None,
 ) -> torch.Tensor:
     """One target forward over `token_ids` [1, q] at positions offset .. offset+q-1; logits [q', vocab].
-    `attention_mask`: a 4-D mask (or transformers' mapping of them by layer kind) where the model must not build its
-    own (whole-buffer attention: see attention.AttentionState.full_view)."""
+    `masks_for(positions)`: the 4-D mask (or transformers' mapping of them by layer kind) where the model must not
+    build its own (whole-buffer attention: see attention.AttentionState.full_view); made here, so a compiled step
+    builds it inside its graph."""
     positions = (torch.arange(token_ids.shape[1], device=token_ids.device) + offset)[None]
     out = model(
         input_ids=token_ids,
         position_ids=positions,
-        attention_mask=attention_mask,
+        attention_mask=None if masks_for is None else masks_for(positions),
         use_cache=True,
         **{CACHE_ARGUMENT: cache},
         logits_to_keep=logits_to_keep,

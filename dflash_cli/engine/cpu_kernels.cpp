@@ -40,9 +40,10 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
   return static_cast<uint16_t>(bits >> 16);
 }
 
+inline __m512 widen_bf16x16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
 inline __m512 load_bf16x16(const uint16_t* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline void store_bf16x16(uint16_t* p, __m512 v) {
@@ -194,8 +195,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
 // exponentials, 16 lanes at once: a prefill's queries over thousands of keys each are arithmetic-bound.)
 
 inline __m512 round_bf16x16(__m512 v) {  // to bf16 and back (nearest even; denormals flushed, as VDPBF16PS)
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+  return widen_bf16x16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
 // e^x for x <= 0 (a score minus the largest), 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p of degree 6

@@ -1,5 +1,6 @@
 """dflash's own CPU kernels for bf16 decoding (`cpu_kernels.cpp`): `torch.ops.dflash.bf16_linear` (a dense bf16
-weight times a few rows) and `torch.ops.dflash.attention` (each row's block of queries over its own K/V).
+weight times rows: a decode step's few or a prefill chunk's hundreds) and `torch.ops.dflash.attention` (each row's
+block of queries over its own K/V).
 
 Why our own: a decode step's time on a CPU is the time to read every weight once. MKL's bf16 product for one to a
 few rows reads the weights at about half the memory bandwidth, and rounds a row by the row count (one row differs

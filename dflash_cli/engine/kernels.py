@@ -13,10 +13,9 @@ one order whatever the row count, and reads the weights about 2x faster than MKL
 product (a matrix-vector kernel) rounds differently from its product for 2 or more rows, and every row count from 2
 on gives a row the same bits (measured on the demo target's 211 products up to 300 rows, one and two threads; the
 first to differ was a down_proj, 1536 inputs), so a bf16 product of one row runs as two (the row twice) at the
-same cost. Either way a
-row's output does not depend on how many rows its step holds (a plain step, a verify block, a batch, a prefill
-chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md). float32 has no such
-rule here: MKL's float32 kernels round a row by the product's row count at every size.
+same cost. Either way a row's output does not depend on how many rows its step holds (a plain step, a verify block,
+a batch, a prefill chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md).
+float32 has no such rule here: MKL's float32 kernels round a row by the product's row count at every size.
 
 Attention's products have the same one-row case: a one-query step (a plain decode step) multiplies [1, keys] by
 the values, which MKL's one-row kernel rounded otherwise than a block's first row (seen at 2,500 keys, 8 KV heads

@@ -320,15 +320,14 @@ class AttentionState(TargetState):
                     **{CACHE_ARGUMENT: self.cache},
                 )
                 return out.logits
-            masks = None
-            if self.full_view:  # the whole buffer: an explicit mask at this row's positions
+            masks_for = None
+            if self.full_view:  # the whole buffer: an explicit mask at the row's positions
                 self._length_t.fill_(self.at)
-                positions = torch.arange(token_ids.shape[1], device=self.device)[None] + self._length_t
-                masks = self._masks(positions, self.capacity)
+                masks_for = self._whole_buffer_masks
             if prefill or self.step is None:
-                return run_target(self.target, token_ids, self.cache, self.offset, 1 if prefill else 0, masks)
+                return run_target(self.target, token_ids, self.cache, self.offset, 1 if prefill else 0, masks_for)
             self._stashing = self._capturing
-            logits = self.step(self.target, token_ids, self.cache, self.offset, 0, masks, notify=self.notify)
+            logits = self.step(self.target, token_ids, self.cache, self.offset, 0, masks_for, notify=self.notify)
             self._stashing = False
             for slot, hidden in enumerate(self._stash if self._capturing else ()):
                 self._record(slot, hidden)  # (a CUDA graph's outputs: `finally` lets go of them)
@@ -366,6 +365,9 @@ class AttentionState(TargetState):
                 self._record(slot, outputs[layer])
         logits = self.target.get_output_embeddings()(hidden[:, -1:] if prefill else hidden)
         return logits if several else logits[0]
+
+    def _whole_buffer_masks(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        return self._masks(positions, self.capacity)
 
     def _masks(self, positions: torch.Tensor, end: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """Each row's queries see that row's keys at or before their own position (and within the layer's window

@@ -416,8 +416,9 @@ def pull(
         bool,
         typer.Option(
             "--compile",
-            help="Also build this machine's compiled target step (a CPU plan; Llama, Mistral, Qwen2 and Qwen3 "
-            "families): 1-3 minutes once, then every start loads it in a second and decodes about 2x faster.",
+            help="Also build this machine's compiled target and draft steps (a CPU plan; Llama, Mistral, Qwen2 "
+            "and Qwen3 targets): 1-3 minutes once, then every start loads them in a second and decodes about 2x "
+            "faster.",
         ),
     ] = False,
     json_output: JsonFlag = False,
@@ -426,7 +427,8 @@ def pull(
 
     Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files:
     run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time
-    (`--compile`: the compiled step too, which `--compile on` would otherwise build at its first start).
+    (`--compile`: the compiled target and draft steps too, which `--compile on` would otherwise build at its first
+    start).
     """
     from dflash_cli.commands.pull import compile_recipe, pull_recipe
 
@@ -439,7 +441,7 @@ def pull(
         recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, revision=revision))
     parts = pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
     if compile and not dry_run:
-        parts.append(compile_recipe(recipe, console, json=json_output))
+        parts.extend(compile_recipe(recipe, console, json=json_output))
     emit([part.data for part in parts], json_output, lambda: [console.print(part.line) for part in parts if part.line])
 
 

@@ -274,11 +274,11 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         typer.Option(
             callback=check_compile,
             metavar="auto|on|off",
-            help="Compile the decode steps. auto: CUDA graphs on a GPU; on a CPU, the target's step compiled ahead "
-            "of time when one is stored for this machine and model (Llama, Mistral, Qwen2, Qwen3 families). on: on "
-            "a CPU, build that stored step first if missing (1-3 minutes once; every later start loads it in a "
-            "second and decodes about 2x faster), and compile the drafter's step (minutes at every start; other "
-            "families: the target's too). off: eager.",
+            help="Compile the decode steps. auto: CUDA graphs on a GPU; on a CPU, the target's and the drafter's "
+            "steps compiled ahead of time where they are stored for this machine and model (Llama, Mistral, Qwen2, "
+            "Qwen3 targets; drafters without sliding layers). on: on a CPU, build those stored steps first if "
+            "missing (1-3 minutes once; every later start loads them in a second and decodes about 2x faster); "
+            "what has none compiles at every start (minutes). off: eager.",
             rich_help_panel=PLANNING,
         ),
     ],

@@ -18,8 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from dflash_cli.engine import cpu_kernels
-from dflash_cli.engine.target import exported
+from dflash_cli.engine import cpu_kernels, packages
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
@@ -591,7 +590,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_hf_token(get_token() is not None, recipes),
         check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,
-        check_compiled_steps(facts, cpp_compiler(), exported.stored_steps()),
+        check_compiled_steps(facts, cpp_compiler(), packages.stored_packages()),
         check_cpu_kernels(
             facts,
             cpu_kernels.unusable(),

@@ -70,10 +70,11 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
     return parts
 
 
-def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> PulledPart:
-    """Build the compiled target step this machine's default plan of `recipe` runs (engine.target.exported: a
-    CPU plan, a standard family), as the first `--compile on` start would; say where it is or why there is none.
-    Raises DflashError when the build fails."""
+def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> list[PulledPart]:
+    """Build the compiled steps this machine's default plan of `recipe` runs (a CPU plan: the target's,
+    engine.target.exported, for a standard family; the drafter's, engine.drafter.step), as the first `--compile on`
+    start would; say where each is or why there is none. Raises DflashError when a build fails."""
+    from dflash_cli.engine.drafter import step as draft_step
     from dflash_cli.engine.target import standard
     from dflash_cli.loading.models import load_models
     from dflash_cli.loading.session import load_exported_step
@@ -83,16 +84,26 @@ def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> P
     plan = make_plan(detect_machine(), recipe)
     if plan.device != "cpu":
         why = f"{plan.device}: its steps are captured as CUDA graphs at each start (--compile auto)"
-        return PulledPart({"what": "compiled step", "path": None, "why": why}, f"compiled step: none ({why})")
-    models = load_models(recipe, plan, with_drafter=False, console=None if json else console)
-    with warnings.catch_warnings():  # a failure is this command's error, not a warning beside it
-        warnings.simplefilter("ignore")
-        step, why = load_exported_step(models.target, build=True, console=None if json else console)
-    if step is None and standard.unsupported(models.target) is None:
-        raise DflashError(why, fix="`dflash doctor` checks for a C++ compiler; chat and run still work, eager")
-    path = None if step is None else str(step.path)
-    line = f"[green]✓[/] compiled step ready in {path}" if path else f"compiled step: none ({why})"
-    return PulledPart({"what": "compiled step", "path": path, "why": why}, line)
+        return [PulledPart({"what": "compiled step", "path": None, "why": why}, f"compiled step: none ({why})")]
+    with_drafter = recipe.drafter is not None
+    models = load_models(recipe, plan, with_drafter=with_drafter, console=None if json else console)
+    if standard.unsupported(models.target) is not None:  # (the drafter's step runs beside the target's)
+        _, why = load_exported_step(models.target, build=True, console=None)
+        return [PulledPart({"what": "compiled step", "path": None, "why": why}, f"compiled step: none ({why})")]
+    built = [("compiled step", models.target, "target", standard.unsupported)]
+    if models.drafter is not None:
+        built.append(("compiled draft step", models.drafter, "drafter", draft_step.unsupported))
+    parts = []
+    for what, model, part, unsupported in built:
+        with warnings.catch_warnings():  # a failure is this command's error, not a warning beside it
+            warnings.simplefilter("ignore")
+            step, why = load_exported_step(model, build=True, console=None if json else console, part=part)
+        if step is None and unsupported(model) is None:
+            raise DflashError(why, fix="`dflash doctor` checks for a C++ compiler; chat and run still work, eager")
+        path = None if step is None else str(step.path)
+        line = f"[green]✓[/] {what} ready in {path}" if path else f"{what}: none ({why})"
+        parts.append(PulledPart({"what": what, "path": path, "why": why}, line))
+    return parts
 
 
 def _default_quant(recipe: Recipe) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol.params import Grammar, SamplingParams
 
@@ -143,7 +144,7 @@ class GrammarState:
             xgrammar.apply_token_bitmask_inplace(
                 row, self.bitmask[j : j + 1].to(row.device), vocab_size=self.vocab_size
             )
-            token = int(row.argmax())
+            token = int(greedy_tokens(row))
             tokens[j:] = token
             if not self.matcher.accept_token(token):
                 break

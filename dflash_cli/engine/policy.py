@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from dflash_cli.engine import cpu_kernels
+from dflash_cli.engine.drafter.step import loaded_draft_step
 from dflash_cli.engine.target.exported import loaded_step
 
 if TYPE_CHECKING:
@@ -266,8 +267,12 @@ def fingerprint(config: Any) -> str:
 
 
 def cost_key(target: Any, drafter: DFlashDrafter, compile: bool) -> dict[str, Any]:
-    """What step costs depend on: the target's steps here (`target_key`) and the drafter."""
-    return {**target_key(target, compile), "drafter_config": fingerprint(drafter.config.to_dict())}
+    """What step costs depend on: the target's steps here (`target_key`), the drafter and its exported step."""
+    return {
+        **target_key(target, compile),
+        "drafter_config": fingerprint(drafter.config.to_dict()),
+        "drafter_exported": loaded_draft_step(drafter) is not None,
+    }
 
 
 def target_key(target: Any, compile: bool) -> dict[str, Any]:

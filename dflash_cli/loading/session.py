@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, cpu_kernels, forget_prefixes, generate
+from dflash_cli.engine.drafter import step as draft_step
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target import exported, standard
 from dflash_cli.engine.target.base import batch_limit
@@ -414,27 +415,33 @@ def cpu_kernels_reason(console: Console | None) -> str:
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 
-def load_exported_step(target: Any, *, build: bool, console: Console | None) -> tuple[Any, str]:
-    """Load `target`'s stored exported step (engine.target.exported), building it first when `build` (--compile on,
-    pull --compile): the step (None: it runs without one) and why. A build or load that fails leaves the target as
-    it was asked for (eager; with --compile on, torch.compile's steps), with a warning."""
-    unsupported = standard.unsupported(target)
-    if unsupported is not None:
-        return None, f"no compiled CPU step for this target: {unsupported}"
+def load_exported_step(model: Any, *, build: bool, console: Console | None, part: str = "target") -> tuple[Any, str]:
+    """Load the stored exported step of `model`, the target's (engine.target.exported) or, with `part="drafter"`, the
+    drafter's (engine.drafter.step), building it first when `build` (--compile on, pull --compile): the step (None:
+    it runs without one) and why. A build or load that fails leaves the model as it was asked for (eager; with
+    --compile on, torch.compile's steps), with a warning."""
+    unsupported, stored = (
+        (standard.unsupported, exported.exported_step)
+        if part == "target"
+        else (draft_step.unsupported, draft_step.exported_draft_step)
+    )
+    why_not = unsupported(model)
+    if why_not is not None:
+        return None, f"no compiled CPU step for this {part}: {why_not}"
     notify = (lambda message: console.status(message)) if console is not None else None
     try:
-        step = exported.exported_step(target, build_missing=build, notify=notify)
+        step = stored(model, build_missing=build, notify=notify)
     except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step as asked
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         instead = "torch.compile's steps instead" if build else "running it eagerly"
-        warnings.warn(f"the target's compiled step failed to build or load ({first}); {instead}", stacklevel=2)
-        return None, f"compile: the stored step failed ({first}); {instead}"
+        warnings.warn(f"the {part}'s compiled step failed to build or load ({first}); {instead}", stacklevel=2)
+        return None, f"compile: the {part}'s stored step failed ({first}); {instead}"
     if step is None:
         return None, (
-            "compile off: no compiled step stored for this target yet (`dflash pull NAME --compile` or --compile on "
+            f"compile off: no compiled step stored for this {part} yet (`dflash pull NAME --compile` or --compile on "
             "builds it once, 1-3 minutes; every later start loads it in a second)"
         )
-    return step, f"exported step: the target's step runs compiled ahead of time ({step.path})"
+    return step, f"exported step: the {part}'s step runs compiled ahead of time ({step.path})"
 
 
 def open_session(options: RunOptions, console: Console | None = None, *, batching: bool = False) -> Session:
@@ -452,8 +459,11 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
     kernels_why = cpu_kernels_reason(console) if plan.device == "cpu" else None
+    draft_why = None
     if plan.device == "cpu" and options.compile != "off" and standard.unsupported(models.target) is None:
         _, compile_why = load_exported_step(models.target, build=compile, console=console)
+        if models.drafter is not None:
+            _, draft_why = load_exported_step(models.drafter, build=compile, console=console, part="drafter")
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
@@ -467,7 +477,8 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
             source = (models.target_source,) if models.target_source else ()
             decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()
             kernels = (kernels_why,) if kernels_why is not None else ()
+            drafting = (draft_why,) if draft_why is not None else ()
             for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), *decoding, *kernels,
-                           compile_why):  # fmt: skip
+                           compile_why, *drafting):  # fmt: skip
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

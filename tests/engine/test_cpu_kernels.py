@@ -156,3 +156,24 @@ def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.Monke
     done = subprocess.run([sys.executable, "-c", again], capture_output=True, text=True, env=env, check=True)
     first, reason = done.stdout.splitlines()
     assert first == "False False" and "could not build them" in reason and "another compiler" in reason
+
+
+def test_a_build_deletes_the_libraries_of_earlier_sources(tmp_path) -> None:  # noqa: ANN001
+    """One library per machine: a build removes the libraries (and failure markers) other sources, torch versions,
+    flags or names left in the cache."""
+    stale = [
+        tmp_path / "kernels" / f"dflash_cpu_kernels-{'0' * 16}.so",
+        tmp_path / "kernels" / f"dflash_cpu_kernels-{'1' * 16}.failed",
+        tmp_path / "kernels" / f"dflash_cpu_linear-{'2' * 16}.so",  # (the kernels' name before they took attention)
+    ]
+    stale[0].parent.mkdir(parents=True)
+    for path in stale:
+        path.write_text("from an earlier dflash")
+    code = (
+        "from pathlib import Path; from dflash_cli.engine import cpu_kernels, compiled\n"
+        f"compiled.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
+        "print(cpu_kernels.available(), cpu_kernels.library_path().name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    built, name = done.stdout.split()
+    assert built == "True" and sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [name]

@@ -188,7 +188,7 @@ def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monke
     params = SamplingParams(max_new_tokens=12)
     expected = collect(generate(int4_target, None, [5, 17, 42], params)).token_ids
     refusing = SimpleNamespace(boxed_run=lambda flat: (_ for _ in ()).throw(RuntimeError("shape guard")))
-    monkeypatch.setattr(step, "runner", SimpleNamespace(loader=refusing))
+    monkeypatch.setattr(step.package, "runner", SimpleNamespace(loader=refusing))
     try:
         with pytest.warns(UserWarning, match="exported target step failed .shape guard.; running it eagerly"):
             assert collect(generate(int4_target, None, [5, 17, 42], params)).token_ids == expected

@@ -15,6 +15,15 @@ from dflash_cli.engine.drafter.cache import DraftCache, SlotsForward, window_mas
 from dflash_cli.engine.drafter.config import DrafterConfig
 
 
+def rotation(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's (cos, sin) at `position_ids` from float32 frequencies, scaled, in `dtype`."""
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, config: DrafterConfig, layer_idx: int) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ instead samples its drafts and accepts against their distribution; both are loss
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from dflash_cli.engine.compiled import run_drafter
 from dflash_cli.engine.drafter.cache import DraftCache, SlotsForward
 from dflash_cli.engine.drafter.config import DrafterConfig
-from dflash_cli.engine.drafter.layers import CandidateSelector, DraftLayer
+from dflash_cli.engine.drafter.layers import CandidateSelector, DraftLayer, rotation
+from dflash_cli.engine.drafter.step import loaded_draft_step, unload
+from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError
 
 
@@ -89,9 +92,7 @@ class DFlashDrafter(nn.Module):
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq.device != position_ids.device:  # moved once, not copied every step
             self._inv_freq = self._inv_freq.to(position_ids.device)
-        freqs = position_ids[..., None].float() * self._inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+        return rotation(position_ids, self._inv_freq, self._rope_scale, dtype)
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """Concatenated target layer outputs [b, c, n*H] -> fused context [b, c, H]."""
@@ -112,9 +113,23 @@ class DFlashDrafter(nn.Module):
         rows are committed to it. `attention_mask` (bool, True = attend, [b|1, 1, q, keys]) is for training; each
         layer's own rule (causal, sliding window, on `position_ids`) is applied on top of it.
         """
+        rotated = self.rope(position_ids, self.fc.weight.dtype)
+        return self.run_layers(rows, block_size, position_ids, rotated, cache, attention_mask)
+
+    def run_layers(
+        self,
+        rows: torch.Tensor,
+        block_size: int,
+        position_ids: torch.Tensor,
+        rotated: tuple[torch.Tensor, torch.Tensor],
+        cache: Any = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` with the rotation's (cos, sin) at `position_ids` given (`rope`): the exported draft step
+        (drafter.step) makes them from frequencies it holds as a buffer."""
         rows = rows.to(self.fc.weight.dtype)
         x = rows[:, -block_size:]
-        cos, sin = self.rope(position_ids, x.dtype)
+        cos, sin = rotated
         for layer in self.layers:
             x = layer(x, rows, cos, sin, position_ids, cache, attention_mask)
         if cache is not None:
@@ -142,11 +157,18 @@ class DFlashDrafter(nn.Module):
         block_ids[i] = [last token, MASK...] at starts[i], of which the first sizes[i] are real (default: all; the
         rest padding, any id, whose hidden states are the caller's to drop), in slot slots[i] of `cache` (default:
         0 .. n-1). A one-slot cache holds a single sequence whose committed context ends where its new context
-        starts (`cache.length`); with `cache.step` set, its calls after the first (which reads the whole prompt) run
-        compiled. A cache of several slots drafts all its rows in one forward of the layers (`SlotsForward`).
+        starts (`cache.length`); its calls run the drafter's exported step where one is loaded (drafter.step), else
+        with `cache.step` set its calls after the first (which reads the whole prompt) run compiled. A cache of several slots drafts all its rows in one forward of the layers (`SlotsForward`).
         """
         if cache.slots == 1:
             (context,), (start,) = features, starts
+            exported = loaded_draft_step(self)
+            if exported is not None:
+                try:
+                    return exported(context, block_ids, start, cache)[:, 1:]
+                except Exception as error:  # (nothing written that the eager forward does not write again)
+                    unload(self)
+                    warnings.warn(f"the exported draft step failed ({error}); running it eagerly", stacklevel=2)
             positions = torch.arange(start - context.shape[1], start + block_ids.shape[1], device=block_ids.device)
             rows = torch.cat([self.fuse_context(context), self.embed(block_ids).to(self.fc.weight.dtype)], dim=1)
             if cache.step is not None and cache.length > 0:
@@ -204,7 +226,7 @@ class DFlashDrafter(nn.Module):
 
     def select(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states of block slots 1..q-1 [n, q-1, H] and each block's first token [n] -> the proposal [n, q-1]."""
-        return self.logits(hidden).argmax(dim=-1)
+        return greedy_tokens(self.logits(hidden))
 
     def save_pretrained(self, directory: str | Path) -> None:
         from safetensors.torch import save_file

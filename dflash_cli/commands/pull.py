@@ -84,12 +84,12 @@ def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> l
     plan = make_plan(detect_machine(), recipe)
     if plan.device != "cpu":
         why = f"{plan.device}: its steps are captured as CUDA graphs at each start (--compile auto)"
-        return [PulledPart({"what": "compiled step", "path": None, "why": why}, f"compiled step: none ({why})")]
+        return [PulledPart({"what": "compiled step", "paths": [], "why": why}, f"compiled step: none ({why})")]
     with_drafter = recipe.drafter is not None
     models = load_models(recipe, plan, with_drafter=with_drafter, console=None if json else console)
     if standard.unsupported(models.target) is not None:  # (the drafter's step runs beside the target's)
         _, why = load_exported_step(models.target, build=True, console=None)
-        return [PulledPart({"what": "compiled step", "path": None, "why": why}, f"compiled step: none ({why})")]
+        return [PulledPart({"what": "compiled step", "paths": [], "why": why}, f"compiled step: none ({why})")]
     built = [("compiled step", models.target, "target", standard.unsupported)]
     if models.drafter is not None:
         built.append(("compiled draft step", models.drafter, "drafter", draft_step.unsupported))
@@ -100,9 +100,9 @@ def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> l
             step, why = load_exported_step(model, build=True, console=None if json else console, part=part)
         if step is None and unsupported(model) is None:
             raise DflashError(why, fix="`dflash doctor` checks for a C++ compiler; chat and run still work, eager")
-        path = None if step is None else str(step.path)
-        line = f"[green]✓[/] {what} ready in {path}" if path else f"{what}: none ({why})"
-        parts.append(PulledPart({"what": what, "path": path, "why": why}, line))
+        paths = [] if step is None else [str(path) for path in step.paths]
+        line = f"[green]✓[/] {what} ready in {', '.join(paths)}" if paths else f"{what}: none ({why})"
+        parts.append(PulledPart({"what": what, "paths": paths, "why": why}, line))
     return parts
 
 

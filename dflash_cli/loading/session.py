@@ -441,7 +441,7 @@ def load_exported_step(model: Any, *, build: bool, console: Console | None, part
             f"compile off: no compiled step stored for this {part} yet (`dflash pull NAME --compile` or --compile on "
             "builds it once, 1-3 minutes; every later start loads it in a second)"
         )
-    return step, f"exported step: the {part}'s step runs compiled ahead of time ({step.path})"
+    return step, f"exported step: the {part}'s step runs compiled ahead of time ({', '.join(map(str, step.paths))})"
 
 
 def open_session(options: RunOptions, console: Console | None = None, *, batching: bool = False) -> Session:

@@ -1,6 +1,6 @@
-"""The drafter's exported step (AOTInductor, engine.drafter.step): the eager drafter's numbers over a one-slot cache
-(bit-equal in bf16), the golden sets in float32 through it and the target's step, a failed call falling back to the
-eager forward, and the drafters it does not cover running eagerly."""
+"""The drafter's exported steps (AOTInductor, engine.drafter.step): the eager drafter's numbers for one sequence and
+for several rows of a batch (bit-equal in bf16), the golden sets in float32 through them and the target's step, a
+failed call falling back to the eager forward, the cost key, and packages stored once and pruned."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_batch import run_batch
 from test_compiled import FIXTURES
+from test_drafter_formats import GOLDEN_SETS
 from transformers import AutoModelForCausalLM
 
 from dflash_cli import load_drafter
@@ -23,11 +25,21 @@ from dflash_cli.loading.session import load_exported_step
 from helpers.drafters import drafter_config, random_drafter
 from helpers.tiny_models import build_tiny
 
+FORMAT_SETS = [
+    "qwen3-tiny-swa",
+    "reference-extra/dflash2-kernel3-group32",
+]
+# (format, causal): full layers (classic; DFlash2's convolutions, causal), then sliding layers (a ring; both sides)
+KINDS = [("classic", None), ("dflash2-full", True), ("swa", False), ("dflash2", None)]
+
 
 def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):  # noqa: ANN001, ANN202
-    """A random drafter of `fmt` whose layers all attend to the full buffer (causal or not)."""
-    config = drafter_config(target, num_layers=2, block_size=4, fmt=fmt)
-    config = dataclasses.replace(config, layer_types=["full_attention"] * 2, sliding_window=None, is_causal=causal)
+    """A random two-layer drafter of `fmt` ("...-full": every layer full attention), causal where asked."""
+    config = drafter_config(target, num_layers=2, block_size=4, fmt=fmt.removesuffix("-full"))
+    if fmt.endswith("-full"):
+        config = dataclasses.replace(config, layer_types=["full_attention"] * 2, sliding_window=None)
+    if causal is not None:
+        config = dataclasses.replace(config, is_causal=causal)
     torch.manual_seed(3)
     drafter = make_drafter(config, target).to(dtype).eval()
     with torch.no_grad():
@@ -40,11 +52,14 @@ def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):  # noqa
     return drafter
 
 
-def _draft_calls(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
-    """The hidden states of a prompt's first draft, then four steps of 1-4 new context rows, and the cache after."""
-    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+def _width(drafter) -> int:  # noqa: ANN001
+    return len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+
+
+def _one_sequence(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
+    """A prompt's first draft, then four steps of 1-4 new context rows: each call's hidden states, and the cache."""
     torch.manual_seed(5)
-    contexts = [torch.randn(1, c, width).to(dtype) for c in (9, 1, 4, 2, 1)]
+    contexts = [torch.randn(1, c, _width(drafter)).to(dtype) for c in (9, 1, 4, 2, 1)]
     cache = drafter.new_cache(8, 4)  # (grown by the calls, as the loop's caches are)
     start, hidden = 0, []
     for context in contexts:
@@ -55,47 +70,87 @@ def _draft_calls(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
     return hidden, cache
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("fmt", "causal"), [("classic", None), ("classic", True), ("dflash2", False)])
-def test_the_exported_draft_step_is_the_eager_forward(
+def _several_rows(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
+    """Three slots: two rows' first drafts, then rows in slots 2 and 0 (not contiguous) with padded blocks, then all
+    three: each call's hidden states of the real block slots, and the cache."""
+    torch.manual_seed(6)
+    cache = drafter.new_cache(8, 4, slots=3)
+    lengths, hidden = [0, 0, 0], []
+    for slots, contexts, sizes in [
+        ([0, 1], [6, 3], [4, 4]),
+        ([2, 0], [5, 2], [4, 2]),
+        ([0, 1, 2], [1, 3, 2], [3, 4, 4]),
+    ]:
+        features = [torch.randn(1, c, _width(drafter)).to(dtype) for c in contexts]
+        starts = []
+        for slot, c in zip(slots, contexts):
+            lengths[slot] += c
+            starts.append(lengths[slot])
+        block = torch.tensor([[s % 5 + 1] + [drafter.mask_token_id] * 3 for s in starts])
+        with torch.no_grad():
+            out = drafter.draft_hidden(features, block, starts, cache, sizes=sizes, slots=slots)
+        hidden += [out[i, : size - 1] for i, size in enumerate(sizes)]
+    return hidden, cache
+
+
+def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], dtype: torch.dtype) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b)
+        else:  # inductor's float32 kernels sum in their own order
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _cached(cache) -> list[torch.Tensor]:  # noqa: ANN001
+    """What a cache's layers hold that a later query can see: full layers their committed positions, rings all."""
+    return [
+        buffer if window is not None else buffer[:, :, : cache.length or None]
+        for buffer, window in zip(cache.keys + cache.values, cache.windows * 2)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "causal", "dtype"), [(*kind, torch.bfloat16) for kind in KINDS] + [("dflash2", None, torch.float32)]
+)
+def test_the_exported_draft_steps_are_the_eager_forward(
     fmt: str, causal: bool | None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16: every call's hidden states and the cache's K/V bit-equal to the eager forward's; float32: within
-    rounding (inductor's float32 kernels sum in their own order)."""
+    """One sequence and several rows: every call's hidden states and what the cache holds, bit-equal to the eager
+    forward's in bf16 (within rounding in float32), every call through a package."""
     target = build_tiny("qwen3", 2).to(dtype)
     use_cpu_products(target)
     drafter = _drafter(target, fmt, causal, dtype)
-    eager, eager_cache = _draft_calls(drafter, dtype)
-    assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
+    eager = [_one_sequence(drafter, dtype), _several_rows(drafter, dtype)]
+    step = draft_step.exported_draft_step(drafter, build_missing=True)
+    assert step is not None and (step.one is None) == (fmt in ("swa", "dflash2"))
     calls = []
-    call = draft_step.ExportedDraftStep.__call__
-    monkeypatch.setattr(draft_step.ExportedDraftStep, "__call__", lambda s, *a: calls.append(1) or call(s, *a))
-    got, cache = _draft_calls(drafter, dtype)
-    draft_step.unload(drafter)
-    assert len(calls) == len(eager) and cache.length == eager_cache.length == 17
-    n = eager_cache.length
-    for ours, theirs in [*zip(got, eager), *zip(cache.keys + cache.values, eager_cache.keys + eager_cache.values)]:
-        ours, theirs = (
-            ours[..., :n, :] if ours.dim() == 4 else ours,
-            theirs[..., :n, :] if theirs.dim() == 4 else theirs,
+    for name in ("one_sequence", "several"):
+        call = getattr(draft_step.ExportedDraftStep, name)
+        monkeypatch.setattr(
+            draft_step.ExportedDraftStep, name, lambda s, *a, call=call, name=name: calls.append(name) or call(s, *a)
         )
-        if dtype == torch.bfloat16:
-            assert torch.equal(ours, theirs)
-        else:
-            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    got = [_one_sequence(drafter, dtype), _several_rows(drafter, dtype)]
+    draft_step.unload(drafter)
+    assert calls.count("one_sequence") == 5 and calls.count("several") >= 3
+    for (hidden, cache), (eager_hidden, eager_cache) in zip(got, eager):
+        assert cache.length == eager_cache.length
+        _assert_same(hidden, eager_hidden, dtype)
+        _assert_same(_cached(cache), _cached(eager_cache), dtype)
 
 
 def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: the reference's tokens and acceptance lengths with the target's and the drafter's every step run by
-    their packages (the golden sets whose drafters attend to full buffers)."""
+    their packages, a golden set of each drafter format: classic, sliding layers (through the rows' step), DFlash2
+    with a full layer and a sliding one."""
+    assert set(FORMAT_SETS) <= set(GOLDEN_SETS)
     target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
     use_cpu_products(target)
     assert exported.exported_step(target, build_missing=True) is not None
     ran = []
-    call = draft_step.ExportedDraftStep.__call__
-    monkeypatch.setattr(draft_step.ExportedDraftStep, "__call__", lambda s, *a: ran.append(1) or call(s, *a))
+    call = draft_step.ExportedDraftStep.one_sequence
+    monkeypatch.setattr(draft_step.ExportedDraftStep, "one_sequence", lambda s, *a: ran.append(1) or call(s, *a))
     try:
-        for name in ["qwen3-tiny", "reference-extra/causal-full-attention"]:
+        for name in ["qwen3-tiny", *FORMAT_SETS]:
             golden = json.loads((FIXTURES / name / "golden.json").read_text())
             drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
             assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
@@ -108,7 +163,27 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
             draft_step.unload(drafter)
     finally:
         exported.unload(target)
-    assert len(ran) > 50
+    assert len(ran) > 100
+
+
+def test_a_batch_drafts_through_the_rows_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows decoding together draft in one call of the rows' package, and each decodes what it decodes alone."""
+    target = build_tiny("qwen3", 2).to(torch.bfloat16)
+    use_cpu_products(target)
+    drafter = _drafter(target, "classic", None, torch.bfloat16)
+    params = SamplingParams(max_new_tokens=12)
+    prompts = [[5, 17, 42, 9, 33], [8, 9, 3, 3, 11, 12, 30], [44] * 13]
+    alone = [collect(generate(target, drafter, p, params)).token_ids for p in prompts]
+    assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
+    calls = []
+    call = draft_step.ExportedDraftStep.several
+    monkeypatch.setattr(
+        draft_step.ExportedDraftStep, "several", lambda s, f, *a: calls.append(f.rows) or call(s, f, *a)
+    )
+    got, widest = run_batch(target, drafter, [(p, params, i) for i, p in enumerate(prompts)], rows=3)
+    draft_step.unload(drafter)
+    assert widest > 1 and [g[0] for g in got] == alone
+    assert any(not isinstance(rows, slice) or rows.stop - rows.start > 1 for rows in calls)
 
 
 def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,7 +196,7 @@ def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.Monk
     step = draft_step.exported_draft_step(drafter, build_missing=True)
     assert step is not None
     refusing = SimpleNamespace(boxed_run=lambda flat: (_ for _ in ()).throw(RuntimeError("shape guard")))
-    monkeypatch.setattr(step.package, "runner", SimpleNamespace(loader=refusing))
+    monkeypatch.setattr(step.one, "runner", SimpleNamespace(loader=refusing))
     with pytest.warns(UserWarning, match=r"exported draft step failed \(shape guard\); running it eagerly"):
         result = collect(generate(target, drafter, [5, 17, 42], params))
     assert result.token_ids == expected.token_ids and result.acceptance_lengths == expected.acceptance_lengths
@@ -140,50 +215,42 @@ def test_a_loaded_draft_step_changes_the_cost_key() -> None:
     draft_step.unload(drafter)
 
 
-@pytest.mark.parametrize("fmt", ["swa", "dflash2"])
-def test_sliding_drafters_have_no_exported_step(fmt: str) -> None:
-    target = build_tiny("qwen3", 2)
-    drafter = random_drafter(target, seed=2, fmt=fmt, num_layers=2)
-    assert "sliding-window layers" in draft_step.unsupported(drafter)
-    assert draft_step.exported_draft_step(drafter, build_missing=True) is None
-    step, why = load_exported_step(drafter, build=True, console=None, part="drafter")
-    assert step is None and why.startswith("no compiled CPU step for this drafter: sliding-window layers")
+def test_a_later_start_loads_the_stored_draft_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stored once (a build deletes its kind's packages another build left: `packages.prune`), found by a later load
+    (a drafter of the same shapes: any checkpoint of them, bound to its own weights); a load without building finds
+    nothing for other shapes; the reason line names the packages."""
+    from dflash_cli.engine import packages
 
-
-def test_a_later_start_loads_the_stored_draft_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stored once, found by a later load (a drafter of the same shapes: any checkpoint of them); `--compile auto`'s
-    load without building finds nothing for other shapes; the reason line names the package."""
     target = build_tiny("qwen3", 2)
-    first = random_drafter(target, seed=2, block_size=4)
+    first = random_drafter(target, seed=2, block_size=4, num_layers=2)
+    stale = packages.packages_dir() / f"draftrows-{'0' * 8}-{'c' * 16}.pt2"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"a package another build made")
     step, why = load_exported_step(first, build=True, console=None, part="drafter")
-    assert step is not None and why == f"exported step: the drafter's step runs compiled ahead of time ({step.path})"
-    later = random_drafter(target, seed=7, block_size=4)  # other weights, the same shapes
-    eager, _ = _draft_calls(later, torch.float32)
+    assert step is not None and len(step.paths) == 2 and not stale.exists()
+    assert why == f"exported step: the drafter's step runs compiled ahead of time ({step.paths[0]}, {step.paths[1]})"
+    later = random_drafter(target, seed=7, block_size=4, num_layers=2)  # other weights, the same shapes
+    eager, _ = _one_sequence(later, torch.float32)
     monkeypatch.setattr(draft_step, "build", lambda *a: pytest.fail("built again"))
-    assert draft_step.exported_draft_step(later, build_missing=False).path == step.path
-    got, _ = _draft_calls(later, torch.float32)  # bound to its own weights
-    for ours, theirs in zip(got, eager):
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert draft_step.exported_draft_step(later, build_missing=False).paths == step.paths
+    got, _ = _one_sequence(later, torch.float32)
+    _assert_same(got, eager, torch.float32)
     other = random_drafter(target, seed=2, block_size=4, num_layers=3)
     assert draft_step.exported_draft_step(other, build_missing=False) is None
     for drafter in (first, later):
         draft_step.unload(drafter)
 
 
-def test_a_build_deletes_the_packages_earlier_builds_left(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """Packages are named `{kind}-{build}-{model}`: building one removes the packages of its kind that another build
-    (versions, code, CPU) made, and those named before builds were named, and keeps other models' of this build."""
+def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:  # noqa: ANN001
+    """Packages are named `{kind}-{build}-{model}`: `prune` removes the packages of a kind that another build
+    (versions, code, CPU) made and those named before builds were named; it keeps this build's other models and
+    other kinds."""
     from dflash_cli.engine import packages
 
-    monkeypatch.setattr(packages, "packages_dir", lambda: tmp_path)
-    target = build_tiny("qwen3", 2)
-    drafter = random_drafter(target, seed=2, block_size=4)
-    path = draft_step.package_path(drafter)
-    kind, build, _ = path.stem.split("-")
-    kept = [tmp_path / f"{kind}-{build}-{'a' * 16}.pt2", tmp_path / f"qwen3-{'0' * 8}-{'b' * 16}.pt2"]
-    stale = [tmp_path / f"{kind}-{'0' * 8}-{'c' * 16}.pt2", tmp_path / f"{kind}-{'d' * 20}.pt2"]
-    for other in kept + stale:
-        other.write_bytes(b"a package")
-    assert draft_step.exported_draft_step(drafter, build_missing=True).path == path
-    draft_step.unload(drafter)
+    path = tmp_path / f"drafter-{'1' * 8}-{'e' * 16}.pt2"
+    kept = [tmp_path / f"drafter-{'1' * 8}-{'a' * 16}.pt2", tmp_path / f"qwen3-{'0' * 8}-{'b' * 16}.pt2"]
+    stale = [tmp_path / f"drafter-{'0' * 8}-{'c' * 16}.pt2", tmp_path / f"drafter-{'d' * 20}.pt2"]
+    for package in [path, *kept, *stale]:
+        package.write_bytes(b"a package")
+    assert sorted(packages.prune(path)) == sorted(stale)
     assert sorted(tmp_path.glob("*.pt2")) == sorted([path, *kept])

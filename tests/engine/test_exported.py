@@ -285,7 +285,7 @@ def test_pull_builds_it_once_and_every_later_start_loads_it(tmp_path: Path, monk
     pulled = CliRunner().invoke(app, ["pull", "--target", str(target), "--compile", "--json"])
     assert pulled.exit_code == 0, pulled.output
     step = next(part for part in json.loads(pulled.stdout) if part["what"] == "compiled step")
-    assert Path(step["path"]).is_file() and "compiled ahead of time" in step["why"]
+    assert [Path(path).is_file() for path in step["paths"]] == [True] and "compiled ahead of time" in step["why"]
     common = ["chat", "--target", str(target), "--prompt", "Hi there", "--max-tokens", "6", "--no-spec", "--explain"]
     later = CliRunner().invoke(app, common)
     assert later.exit_code == 0, later.output

@@ -157,18 +157,18 @@ class DFlashDrafter(nn.Module):
         block_ids[i] = [last token, MASK...] at starts[i], of which the first sizes[i] are real (default: all; the
         rest padding, any id, whose hidden states are the caller's to drop), in slot slots[i] of `cache` (default:
         0 .. n-1). A one-slot cache holds a single sequence whose committed context ends where its new context
-        starts (`cache.length`); its calls run the drafter's exported step where one is loaded (drafter.step), else
-        with `cache.step` set its calls after the first (which reads the whole prompt) run compiled. A cache of several slots drafts all its rows in one forward of the layers (`SlotsForward`).
+        starts (`cache.length`); with `cache.step` set (and no stored step) its calls after the first (which reads
+        the whole prompt) run compiled. A cache of several slots drafts all its rows in one forward of the layers
+        (`SlotsForward`). On a CPU with the drafter's stored steps loaded (engine.drafter.step), either runs them.
         """
         if cache.slots == 1:
             (context,), (start,) = features, starts
             exported = loaded_draft_step(self)
             if exported is not None:
                 try:
-                    return exported(context, block_ids, start, cache)[:, 1:]
+                    return exported.one_sequence(context, block_ids, start, cache)[:, 1:]
                 except Exception as error:  # (nothing written that the eager forward does not write again)
-                    unload(self)
-                    warnings.warn(f"the exported draft step failed ({error}); running it eagerly", stacklevel=2)
+                    self._exported_failed(error)
             positions = torch.arange(start - context.shape[1], start + block_ids.shape[1], device=block_ids.device)
             rows = torch.cat([self.fuse_context(context), self.embed(block_ids).to(self.fc.weight.dtype)], dim=1)
             if cache.step is not None and cache.length > 0:
@@ -179,12 +179,34 @@ class DFlashDrafter(nn.Module):
         forward = SlotsForward(
             cache, [f.shape[1] for f in features], starts, sizes, slots, block_ids.shape[1], block_ids.device
         )
-        context = self.fuse_context(features[0] if len(features) == 1 else torch.cat(list(features), dim=1))
+        packed = features[0] if len(features) == 1 else torch.cat(list(features), dim=1)
+        exported = loaded_draft_step(self)
+        if exported is not None:
+            try:
+                return exported.several(forward, packed, block_ids)[:, 1:]
+            except Exception as error:  # (nothing written that the eager forward does not write again)
+                self._exported_failed(error)
+        rotated = self.rope(forward.positions[None], self.fc.weight.dtype)
+        return self.run_rows(packed, block_ids, forward, rotated)[:, 1:]
+
+    def run_rows(
+        self, features: torch.Tensor, block_ids: torch.Tensor, forward: SlotsForward,
+        rotated: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        """The forward over several slots (`draft_hidden`): the rows' new context features packed [1, C, F], their
+        blocks [n, w], the `forward` that writes and masks them, the rotation's (cos, sin) at its positions ->
+        hidden of every block slot [n, w, H]."""
+        context = self.fuse_context(features)
         x = self.embed(block_ids).to(context.dtype)
-        cos, sin = self.rope(forward.positions[None], x.dtype)
+        cos, sin = rotated
         for layer in self.layers:
             x = layer(x, context, cos, sin, forward.query_positions, forward, None)
-        return self.norm(x)[:, 1:]
+        return self.norm(x)
+
+    def _exported_failed(self, error: Exception) -> None:
+        """The drafter's stored steps refused a call: eager from now on, with a warning."""
+        unload(self)
+        warnings.warn(f"the exported draft step failed ({error}); running it eagerly", stacklevel=3)
 
     @torch.no_grad()
     def draft(

@@ -1,16 +1,17 @@
-"""The drafter's step of one sequence exported and compiled ahead of time (engine.packages), stored in the dflash
-cache beside the target's and loaded with it.
+"""The drafter's steps exported and compiled ahead of time (engine.packages), stored in the dflash cache beside
+the target's and loaded with it.
 
 An eager draft step runs a few hundred small ops in Python for a layer or two (the demo drafter's step of a 4-token
 block: 1.7 ms, of which its products and the head over the drafted rows are about 1.1); here the fused context,
-the block's embeddings, the rotation, every layer and the final norm are one call, with the context's length, the
-block's length, the buffers' capacity and the attended prefix symbolic, so one package serves every step and the
-first call over the whole prompt. The proposal (the head over the drafted rows, argmax or DFlash2's selector chain,
-a grammar's choice) stays outside: it is what the eager step runs.
+the block's embeddings, the rotation, every layer and the final norm are one call, with every length symbolic (new
+context, block, rows, buffers, the attended prefix), so one package serves every step and the first call over the
+whole prompt. The proposal (the head over the drafted rows, argmax or DFlash2's selector chain, a grammar's choice)
+stays outside: it is what the eager step runs.
 
-Covered: drafters whose layers attend by position to a full buffer (the classic format and DFlash2's layers,
-causal or not); a sliding layer's ring (its rows' positions are data) runs eagerly (`unsupported`), and so does a
-batch's forward over several slots (`SlotsForward`).
+Two packages, one per forward kind (engine.drafter.cache): `DraftStep`, one sequence over a one-slot cache whose
+layers attend by position to a full buffer (`DraftCache.update`'s forward), and `RowsDraftStep`, the forward over
+several slots (`SlotsForward`'s), which also serves one sequence of a drafter with sliding layers: the host work
+(positions, which ring rows a call writes) stays with `SlotsForward` and comes in as tensors.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dflash_cli.engine import packages
 from dflash_cli.engine.compiled import Notify
 from dflash_cli.engine.drafter import cache as cache_module
 from dflash_cli.engine.drafter import layers
+from dflash_cli.engine.drafter.cache import SlotsForward
 from dflash_cli.engine.drafter.layers import rotation
 from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.packages import Package
@@ -41,12 +43,15 @@ _LOADED: weakref.WeakKeyDictionary[nn.Module, ExportedDraftStep] = weakref.WeakK
 
 
 def unsupported(drafter: DFlashDrafter) -> str | None:
-    """Why `drafter` has no exported step (None: it has one)."""
-    if any(drafter.config.layer_window(i) is not None for i in range(drafter.config.num_hidden_layers)):
-        return "sliding-window layers (a ring of rows whose positions are data)"
+    """Why `drafter` has no exported steps (None: it has them)."""
     if drafter.fc.weight.device.type != "cpu":
         return "not on a CPU"
     return None
+
+
+def _rings(drafter: DFlashDrafter) -> bool:
+    """Whether some layer keeps a ring of rows (a sliding window): its one sequence runs the rows' step."""
+    return any(drafter.config.layer_window(i) is not None for i in range(drafter.config.num_hidden_layers))
 
 
 class _BufferWrites:
@@ -79,9 +84,9 @@ class DraftStep(nn.Module):
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         super().__init__()
-        why = unsupported(drafter)
+        why = unsupported(drafter) or ("sliding-window layers (the rows' step runs them)" if _rings(drafter) else None)
         if why is not None:
-            raise ValueError(f"no exported step for this drafter: {why}")
+            raise ValueError(f"no exported step of one sequence for this drafter: {why}")
         use_cpu_products(drafter)  # the products the engine runs (engine.kernels), traced as they will run
         self.drafter = drafter
         self.embedding = drafter.target.get_input_embeddings()  # (borrowed: named here, so handed over at load)
@@ -99,51 +104,172 @@ class DraftStep(nn.Module):
         return drafter.run_layers(rows, block_ids.shape[1], positions, rotated, writes)
 
 
-class ExportedDraftStep:
-    """A loaded package bound to one drafter's tensors (and its target's embedding): `DraftStep` over a one-slot
-    `DraftCache`, which it grows and moves as the eager forward does."""
+class _Buffers:
+    """The part of a `DraftCache` a forward over several slots reads, inside the step: its buffers as handed in."""
 
-    def __init__(self, package: Package, drafter: DFlashDrafter) -> None:
-        self.package, self.path = package, package.path
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], windows: list[int | None],
+                 ring_positions: torch.Tensor) -> None:  # fmt: skip
+        self.keys, self.values, self.windows, self.ring_positions = keys, values, windows, ring_positions
+
+    def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class _RowWrites(SlotsForward):
+    """`SlotsForward` inside the step: what its host work computed comes in as tensors (no `__init__` of its own
+    runs); writing, taking each row's keys and the masks are its own methods."""
+
+    def __init__(self, cache: _Buffers, positions: torch.Tensor, token_slots: torch.Tensor, starts: torch.Tensor,
+                 limits: torch.Tensor, rows: torch.Tensor, width: Any, end: Any,
+                 ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+        self.cache, self.width, self.end = cache, width, end
+        self.positions, self.token_slots, self.limits, self.rows = positions, token_slots, limits, rows
+        self.query_positions = starts[:, None] + torch.arange(width, device=starts.device)
+        self.ring_tokens, self.ring_slots, self.ring_at = ring
+        self.masks = {}
+
+
+class RowsDraftStep(nn.Module):
+    """`(features [1, C, F], block_ids [n, w], context_positions [C], context_slots [C], starts [n], limits [n],
+    rows [n], span [end], ring_tokens, ring_slots, ring_at [Tr], ring_positions [slots, ring], keys, values) ->
+    hidden [n, w, H]`: `DFlashDrafter.run_rows` over several slots of a `DraftCache` (`keys[l]` / `values[l]`
+    [slots, kv heads, capacity or ring, head dim]): row i (slot rows[i]) has its block at starts[i] .. + w - 1, of
+    which its queries see the keys before limits[i]; the packed context rows sit at `context_positions` of slots
+    `context_slots`; a ring's writes (`ring_*`, unused without sliding layers) as `SlotsForward` computed them."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        why = unsupported(drafter)
+        if why is not None:
+            raise ValueError(f"no exported step for this drafter: {why}")
+        use_cpu_products(drafter)  # the products the engine runs (engine.kernels), traced as they will run
+        self.drafter = drafter
+        self.embedding = drafter.target.get_input_embeddings()  # (borrowed: named here, so handed over at load)
+        self.register_buffer("inv_freq", drafter._inv_freq, persistent=False)
+        self.windows = [drafter.config.layer_window(i) for i in range(drafter.config.num_hidden_layers)]
+
+    def forward(
+        self, features: torch.Tensor, block_ids: torch.Tensor, context_positions: torch.Tensor,
+        context_slots: torch.Tensor, starts: torch.Tensor, limits: torch.Tensor, rows: torch.Tensor,
+        span: torch.Tensor, ring_tokens: torch.Tensor, ring_slots: torch.Tensor, ring_at: torch.Tensor,
+        ring_positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        drafter, width = self.drafter, block_ids.shape[1]
+        block_positions = (starts[:, None] + torch.arange(width, device=starts.device)).reshape(-1)
+        positions = torch.cat([context_positions, block_positions])
+        token_slots = torch.cat([context_slots, rows[:, None].expand(-1, width).reshape(-1)])
+        writes = _RowWrites(
+            _Buffers(keys, values, self.windows, ring_positions), positions, token_slots, starts, limits, rows,
+            width, span.shape[0], (ring_tokens, ring_slots, ring_at),
+        )  # fmt: skip
+        rotated = rotation(positions[None], self.inv_freq, drafter._rope_scale, drafter.fc.weight.dtype)
+        return drafter.run_rows(features, block_ids, writes, rotated)
+
+
+class ExportedDraftStep:
+    """The drafter's loaded packages, bound to its tensors (and its target's embedding): `one_sequence` (None for a
+    drafter with sliding layers) over a one-slot `DraftCache`, which it grows and moves as the eager forward does;
+    `several` over the slots of a `SlotsForward` (and one sequence of a drafter with sliding layers)."""
+
+    def __init__(self, one: Package | None, rows: Package, drafter: DFlashDrafter) -> None:
+        self.one, self.rows = one, rows
+        self.paths = [package.path for package in (one, rows) if package is not None]
         config = drafter.config
         # the buffers the layers write (allocated on a cache's first write, as the eager forward would)
         self._like = torch.empty(1, config.num_key_value_heads, 0, config.head_dim, dtype=drafter.fc.weight.dtype)
 
-    def __call__(self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor:
+    def one_sequence(
+        self, features: torch.Tensor, block_ids: torch.Tensor, start: int, cache: DraftCache
+    ) -> torch.Tensor:
         """Hidden of every block slot [1, q, H] for the new context `features` [1, c, F] ending at `start` and the
         block `block_ids` [1, q] from there; the cache then holds the context (its length moves to `start`)."""
         end = start + block_ids.shape[1]
-        cache.make_room(end)
-        buffers = [cache.buffers(i, self._like) for i in range(len(cache.keys))]
-        hidden = self.package(
-            features,
-            block_ids,
-            torch.tensor([start - features.shape[1]]),
-            torch.empty(end, dtype=torch.uint8),  # only its length is read
-            [keys for keys, _ in buffers],
-            [values for _, values in buffers],
-        )
+        if self.one is None:  # sliding layers: the rows' step over the cache's one slot
+            forward = SlotsForward(cache, [features.shape[1]], [start], [block_ids.shape[1]], [0], end - start,
+                                   block_ids.device)  # fmt: skip
+            hidden = self.several(forward, features, block_ids)
+        else:
+            cache.make_room(end)
+            buffers = [cache.buffers(i, self._like) for i in range(len(cache.keys))]
+            hidden = self.one(
+                features,
+                block_ids,
+                torch.tensor([start - features.shape[1]]),
+                torch.empty(end, dtype=torch.uint8),  # only its length is read
+                [keys for keys, _ in buffers],
+                [values for _, values in buffers],
+            )
         cache.length = start
         return hidden
 
+    def several(self, forward: SlotsForward, features: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden of every block slot [n, w, H] for `forward`'s rows (its host work done: room made, ring rows
+        placed) with their new context rows packed in `features` [1, C, F]."""
+        return self.rows(*_rows_inputs(forward, features, block_ids, self._like))
 
-def package_path(drafter: DFlashDrafter) -> Path:
-    """Where the drafter's package is, or goes (engine.packages.package_path)."""
+
+def _rows_inputs(
+    forward: SlotsForward, features: torch.Tensor, block_ids: torch.Tensor, like: torch.Tensor
+) -> tuple[Any, ...]:
+    """`RowsDraftStep`'s inputs for `forward` (its cache's buffers allocated from `like` where they are not yet)."""
+    cache, context, device = forward.cache, features.shape[1], block_ids.device
+    buffers = [cache.buffers(i, like) for i in range(len(cache.keys))]
+    rows = forward.rows
+    if isinstance(rows, slice):
+        rows = torch.arange(rows.start, rows.stop, device=device)
+    if cache.ring is not None:
+        ring = (forward.ring_tokens, forward.ring_slots, forward.ring_at, cache.ring_positions)
+    else:  # (unused inputs)
+        unused = torch.zeros(1, dtype=torch.long, device=device)
+        ring = (unused, unused, unused, unused[None])
+    return (
+        features,
+        block_ids,
+        forward.positions[:context],
+        forward.token_slots[:context],
+        forward.query_positions[:, 0],
+        forward.limits,
+        rows,
+        torch.empty(forward.end, dtype=torch.uint8),  # only its length is read
+        *ring,
+        [keys for keys, _ in buffers],
+        [values for _, values in buffers],
+    )
+
+
+KINDS = ("drafter", "draftrows")  # the packages' kinds (their names' prefix): one sequence, several rows
+
+
+def package_paths(drafter: DFlashDrafter) -> dict[str, Path]:
+    """Where the drafter's packages are, or go, by kind (engine.packages.package_path); no one-sequence package for
+    a drafter with sliding layers."""
     code = (sys.modules[__name__], layers, cache_module, sys.modules[type(drafter).__module__])
-    return packages.package_path("drafter", DraftStep(drafter), drafter.config.to_dict(), code)
+    config = drafter.config.to_dict()
+    steps = {"draftrows": RowsDraftStep(drafter)}
+    if not _rings(drafter):
+        steps["drafter"] = DraftStep(drafter)
+    return {kind: packages.package_path(kind, step, config, code) for kind, step in sorted(steps.items())}
 
 
-def build(drafter: DFlashDrafter, path: Path) -> None:
-    """Export `drafter`'s step and compile it into a package at `path`, tried before it is stored on a later step
-    (3 context rows, a block of 2 at position 4) and on one context row with a block of 3."""
+def _sample_sizes(drafter: DFlashDrafter) -> tuple[int, int]:
+    """A sample cache's capacity and its verify block: sizes that keep every symbolic size of a sample apart (equal
+    sizes at export would be taken for one), a ring (`window - 1 + 2 * block` rows) longer than all the others."""
+    windows = [w for i in range(drafter.config.num_hidden_layers) if (w := drafter.config.layer_window(i))]
+    block = max(3, (25 - (max(windows) - 1)) // 2 + 1) if windows else 3
+    return 16, block
+
+
+def _build_one(drafter: DFlashDrafter, path: Path) -> None:
+    """Export the one-sequence step and compile it into a package at `path`, tried before it is stored on a later
+    step (3 context rows, a block of 2 at position 4) and on one context row with a block of 3."""
     from torch.export import Dim
 
     step = DraftStep(drafter)
     config, dtype = drafter.config, drafter.fc.weight.dtype
     width = len(config.target_layer_ids) * config.hidden_size
-    # sizes that differ from one another: equal symbolic sizes at export would be taken for one
+    capacity = _sample_sizes(drafter)[0]
     buffers = [
-        torch.zeros(1, config.num_key_value_heads, 16, config.head_dim, dtype=dtype) for _ in step.drafter.layers
+        torch.zeros(1, config.num_key_value_heads, capacity, config.head_dim, dtype=dtype) for _ in step.drafter.layers
     ]
     sample = (
         torch.randn(1, 3, width).to(dtype),
@@ -154,14 +280,8 @@ def build(drafter: DFlashDrafter, path: Path) -> None:
         [b.clone() for b in buffers],
     )
     dynamic = {1: Dim.DYNAMIC}
-    shapes = (
-        dynamic,
-        dynamic,
-        None,
-        {0: Dim.DYNAMIC},
-        [{2: Dim.DYNAMIC}] * len(buffers),
-        [{2: Dim.DYNAMIC}] * len(buffers),
-    )
+    keys = [{2: Dim.DYNAMIC}] * len(buffers)
+    shapes = (dynamic, dynamic, None, {0: Dim.DYNAMIC}, keys, keys)
 
     def trial(package: Package) -> None:
         package(*sample)
@@ -171,33 +291,76 @@ def build(drafter: DFlashDrafter, path: Path) -> None:
     packages.build(step, sample, shapes, path, trial)
 
 
-def load(drafter: DFlashDrafter, path: Path) -> ExportedDraftStep:
-    """The package at `path` bound to `drafter`'s tensors."""
-    return ExportedDraftStep(packages.load(DraftStep(drafter), path), drafter)
+def _build_rows(drafter: DFlashDrafter, path: Path) -> None:
+    """Export the rows' step and compile it into a package at `path`, tried before it is stored on the sample (two
+    rows of three slots, blocks of 4, 5 context rows) and on one row with a block of 2 after one context row."""
+    from torch.export import Dim
+
+    step = RowsDraftStep(drafter)
+    config, dtype = drafter.config, drafter.fc.weight.dtype
+    cache = cache_module.DraftCache(config, 3, *_sample_sizes(drafter))
+    width = len(config.target_layer_ids) * config.hidden_size
+    like = torch.empty(1, config.num_key_value_heads, 0, config.head_dim, dtype=dtype)
+    features = torch.randn(1, 5, width).to(dtype)
+    block = torch.tensor([[1] + [config.mask_token_id] * 3, [2] + [config.mask_token_id] * 3])
+    forward = SlotsForward(cache, [3, 2], [6, 4], [4, 3], [2, 0], 4, block.device)
+    sample = _rows_inputs(forward, features, block, like)
+    rings = cache.ring is not None
+    rows = {0: Dim.DYNAMIC}
+    tokens = {0: Dim.DYNAMIC}
+    buffers = [{0: Dim.DYNAMIC, 2: Dim.DYNAMIC}] * len(cache.keys)
+    shapes = (
+        {1: Dim.DYNAMIC},
+        {0: Dim.DYNAMIC, 1: Dim.DYNAMIC},
+        tokens,
+        tokens,
+        rows,
+        rows,
+        rows,
+        {0: Dim.DYNAMIC},
+        *((tokens, tokens, tokens, {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}) if rings else (None, None, None, None)),
+        buffers,
+        buffers,
+    )
+
+    def trial(package: Package) -> None:
+        package(*sample)
+        one = SlotsForward(cache, [1], [9], [2], [1], 2, block.device)
+        package(*_rows_inputs(one, features[:, :1], block[:1, :2], like))
+
+    packages.build(step, sample, shapes, path, trial)
+
+
+def build(drafter: DFlashDrafter, kind: str, path: Path) -> None:
+    """Export the drafter's step of `kind` (`KINDS`) and compile it into a package at `path`."""
+    (_build_one if kind == "drafter" else _build_rows)(drafter, path)
 
 
 def exported_draft_step(
     drafter: DFlashDrafter, *, build_missing: bool, notify: Notify | None = None
 ) -> ExportedDraftStep | None:
-    """`drafter`'s exported step, loaded from the cache, built first when missing and `build_missing` (a stored
-    package that no longer loads is then built again); None where it has none (`unsupported`) or it is missing.
-    Raises what building or loading raised, naming the package."""
+    """`drafter`'s exported steps, loaded from the cache, each built first when missing and `build_missing` (a
+    stored package that no longer loads is then built again); None where it has none (`unsupported`) or one is
+    missing. Raises what building or loading raised, naming the package."""
     if drafter in _LOADED:
         return _LOADED[drafter]
     if unsupported(drafter) is not None:
         return None
-    message = "compiling the drafter's step once for this machine (about a minute; stored in {})"
-    path = package_path(drafter)
-    loaded = packages.stored_or_built(
-        path,
-        lambda at: load(drafter, at),
-        lambda at: build(drafter, at),
-        build_missing=build_missing,
-        notify=notify,
-        message=message.format(path.parent),
-    )
-    if loaded is not None:
-        _LOADED[drafter] = loaded
+    found = {}
+    for kind, path in package_paths(drafter).items():
+        step = DraftStep(drafter) if kind == "drafter" else RowsDraftStep(drafter)
+        package = packages.stored_or_built(
+            path,
+            lambda at, step=step: packages.load(step, at),
+            lambda at, kind=kind: build(drafter, kind, at),
+            build_missing=build_missing,
+            notify=notify,
+            message=f"compiling the drafter's steps once for this machine (about a minute; stored in {path.parent})",
+        )
+        if package is None:
+            return None
+        found[kind] = package
+    _LOADED[drafter] = loaded = ExportedDraftStep(found.get("drafter"), found["draftrows"], drafter)
     return loaded
 
 

@@ -36,6 +36,7 @@ class ExportedStep:
 
     def __init__(self, package: Package, step: StandardStep) -> None:
         self.package, self.path = package, package.path
+        self.paths = [package.path]  # (as the drafter's steps list theirs)
         self.kv_heads, self.head_dim = step.kv_heads, step.head_dim  # the K/V buffers it takes
 
     def __call__(

@@ -85,11 +85,7 @@ def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> l
     if plan.device != "cpu":
         why = f"{plan.device}: its steps are captured as CUDA graphs at each start (--compile auto)"
         return [PulledPart({"what": "compiled step", "paths": [], "why": why}, f"compiled step: none ({why})")]
-    with_drafter = recipe.drafter is not None
-    models = load_models(recipe, plan, with_drafter=with_drafter, console=None if json else console)
-    if standard.unsupported(models.target) is not None:  # (the drafter's step runs beside the target's)
-        _, why = load_exported_step(models.target, build=True, console=None)
-        return [PulledPart({"what": "compiled step", "paths": [], "why": why}, f"compiled step: none ({why})")]
+    models = load_models(recipe, plan, with_drafter=recipe.drafter is not None, console=None if json else console)
     built = [("compiled step", models.target, "target", standard.unsupported)]
     if models.drafter is not None:
         built.append(("compiled draft step", models.drafter, "drafter", draft_step.unsupported))

@@ -161,6 +161,7 @@ def _compile(path: Path) -> None:
         if done.returncode != 0:
             raise RuntimeError(f"{compiler_} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(built, path)
+    _failure_marker(path).unlink(missing_ok=True)
     for other in path.parent.glob("dflash_cpu_*"):  # earlier builds' (other sources, torch, flags or names)
         if other.name.split(".")[0] != path.stem:
             other.unlink(missing_ok=True)

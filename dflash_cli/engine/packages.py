@@ -79,9 +79,7 @@ def package_path(prefix: str, step: nn.Module, config: dict[str, Any], code: Ite
     CPU products. The build part (versions, CPU, code) says which packages this dflash could ever load again
     (`prune`); the model part, which model's."""
     modules = (*code, sys.modules[__name__], quantized, kernels, cpu_kernels)
-    source = b"".join(Path(module.__file__).read_bytes() for module in modules)
-    if cpu_kernels.available():  # (a package calls dflash's kernels where the process has them)
-        source += cpu_kernels.SOURCE.read_bytes()
+    source = b"".join(Path(module.__file__).read_bytes() for module in modules) + cpu_kernels.SOURCE.read_bytes()
     built = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -101,7 +99,9 @@ def package_path(prefix: str, step: nn.Module, config: dict[str, Any], code: Ite
         ]
     ]
     config = {key: value for key, value in config.items() if key != "_name_or_path"}  # any copy of the same shapes
-    model = {"config": config, "tensors": tensors}
+    # whether its products and attention call dflash's kernels: a choice of this process (DFLASH_CPU_KERNELS=0, a
+    # failed build), so packages of both kinds are one build's and `prune` keeps both
+    model = {"config": config, "tensors": tensors, "cpu_kernels": cpu_kernels.available()}
     return packages_dir() / f"{prefix}-{_digest(built, 8)}-{_digest(model, 16)}.pt2"
 
 

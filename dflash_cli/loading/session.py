@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 
@@ -45,6 +45,9 @@ class Session:
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
     prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
     decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
+    # CPU: the drafter's stored steps (engine.drafter.step) for a drafter loaded later: "load" them, "build" them
+    # first when missing (--compile on), or "off"
+    draft_steps: str = "off"
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -134,6 +137,9 @@ class Session:
 
             self.models.drafter_dir = resolve_ref(self.recipe.drafter, "drafter")
             self.models.drafter = load_drafter(str(self.models.drafter_dir), self.target)
+            if self.draft_steps != "off":
+                build = self.draft_steps == "build"
+                load_exported_step(self.models.drafter, build=build, console=self.console, part="drafter")
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -415,7 +421,9 @@ def cpu_kernels_reason(console: Console | None) -> str:
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 
-def load_exported_step(model: Any, *, build: bool, console: Console | None, part: str = "target") -> tuple[Any, str]:
+def load_exported_step(
+    model: Any, *, build: bool, console: Console | None, part: Literal["target", "drafter"] = "target"
+) -> tuple[Any, str]:
     """Load the stored exported step of `model`, the target's (engine.target.exported) or, with `part="drafter"`, the
     drafter's (engine.drafter.step), building it first when `build` (--compile on, pull --compile): the step (None:
     it runs without one) and why. A build or load that fails leaves the model as it was asked for (eager; with
@@ -459,12 +467,16 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
     kernels_why = cpu_kernels_reason(console) if plan.device == "cpu" else None
-    draft_why = None
-    if plan.device == "cpu" and options.compile != "off" and standard.unsupported(models.target) is None:
-        _, compile_why = load_exported_step(models.target, build=compile, console=console)
+    draft_steps, draft_why = "off", None
+    if plan.device == "cpu" and options.compile != "off":
+        if standard.unsupported(models.target) is None:
+            _, compile_why = load_exported_step(models.target, build=compile, console=console)
+        draft_steps = "build" if options.compile == "on" else "load"
         if models.drafter is not None:
-            _, draft_why = load_exported_step(models.drafter, build=compile, console=console, part="drafter")
+            build = draft_steps == "build"
+            _, draft_why = load_exported_step(models.drafter, build=build, console=console, part="drafter")
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
+    session.draft_steps = draft_steps
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
         with console.status(message) if console is not None else contextlib.nullcontext():

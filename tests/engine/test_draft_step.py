@@ -29,8 +29,9 @@ FORMAT_SETS = [
     "qwen3-tiny-swa",
     "reference-extra/dflash2-kernel3-group32",
 ]
-# (format, causal): full layers (classic; DFlash2's convolutions, causal), then sliding layers (a ring; both sides)
-KINDS = [("classic", None), ("dflash2-full", True), ("swa", False), ("dflash2", None)]
+# (format, causal): full layers (classic; DFlash2's convolutions, causal), then sliding layers (a ring): causal
+# (swa), and both sides (DFlash2)
+KINDS = [("classic", None), ("dflash2-full", True), ("swa", None), ("dflash2", None)]
 
 
 def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):  # noqa: ANN001, ANN202
@@ -57,38 +58,37 @@ def _width(drafter) -> int:  # noqa: ANN001
 
 
 def _one_sequence(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
-    """A prompt's first draft, then four steps of 1-4 new context rows: each call's hidden states, and the cache."""
+    """A prompt's first draft, then four steps of 1-4 new context rows and blocks of 2-4 (views of a wider block,
+    as the loop passes them): each call's hidden states, and the cache."""
     torch.manual_seed(5)
     contexts = [torch.randn(1, c, _width(drafter)).to(dtype) for c in (9, 1, 4, 2, 1)]
     cache = drafter.new_cache(8, 4)  # (grown by the calls, as the loop's caches are)
     start, hidden = 0, []
-    for context in contexts:
+    for context, width in zip(contexts, (4, 2, 3, 4, 2)):
         start += context.shape[1]
-        block = torch.tensor([[start % 7 + 1] + [drafter.mask_token_id] * 3])
+        block = torch.tensor([[start % 7 + 1] + [drafter.mask_token_id] * 5])
         with torch.no_grad():
-            hidden.append(drafter.draft_hidden([context], block, [start], cache))
+            hidden.append(drafter.draft_hidden([context], block[:, :width], [start], cache))
     return hidden, cache
 
 
 def _several_rows(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
     """Three slots: two rows' first drafts, then rows in slots 2 and 0 (not contiguous) with padded blocks, then all
-    three: each call's hidden states of the real block slots, and the cache."""
+    three (blocks as views of wider ones, as the loop passes them): each call's hidden states of the real block
+    slots, and the cache."""
     torch.manual_seed(6)
     cache = drafter.new_cache(8, 4, slots=3)
     lengths, hidden = [0, 0, 0], []
-    for slots, contexts, sizes in [
-        ([0, 1], [6, 3], [4, 4]),
-        ([2, 0], [5, 2], [4, 2]),
-        ([0, 1, 2], [1, 3, 2], [3, 4, 4]),
-    ]:
+    calls = [([0, 1], [6, 3], [4, 4]), ([2, 0], [5, 2], [3, 2]), ([0, 1, 2], [1, 3, 2], [3, 4, 4]), ([1], [1], [2])]
+    for slots, contexts, sizes in calls:
         features = [torch.randn(1, c, _width(drafter)).to(dtype) for c in contexts]
         starts = []
         for slot, c in zip(slots, contexts):
             lengths[slot] += c
             starts.append(lengths[slot])
-        block = torch.tensor([[s % 5 + 1] + [drafter.mask_token_id] * 3 for s in starts])
+        block = torch.tensor([[s % 5 + 1] + [drafter.mask_token_id] * 5 for s in starts])
         with torch.no_grad():
-            out = drafter.draft_hidden(features, block, starts, cache, sizes=sizes, slots=slots)
+            out = drafter.draft_hidden(features, block[:, : max(sizes)], starts, cache, sizes=sizes, slots=slots)
         hidden += [out[i, : size - 1] for i, size in enumerate(sizes)]
     return hidden, cache
 
@@ -131,7 +131,7 @@ def test_the_exported_draft_steps_are_the_eager_forward(
         )
     got = [_one_sequence(drafter, dtype), _several_rows(drafter, dtype)]
     draft_step.unload(drafter)
-    assert calls.count("one_sequence") == 5 and calls.count("several") >= 3
+    assert calls.count("one_sequence") == 5 and calls.count("several") >= 4
     for (hidden, cache), (eager_hidden, eager_cache) in zip(got, eager):
         assert cache.length == eager_cache.length
         _assert_same(hidden, eager_hidden, dtype)
@@ -167,38 +167,71 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_batch_drafts_through_the_rows_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows decoding together draft in one call of the rows' package, and each decodes what it decodes alone."""
+    """Rows decoding together draft in one call of the rows' package, with the eager batch's drafts (its acceptance
+    lengths) and tokens, which are each row's tokens alone."""
     target = build_tiny("qwen3", 2).to(torch.bfloat16)
     use_cpu_products(target)
     drafter = _drafter(target, "classic", None, torch.bfloat16)
     params = SamplingParams(max_new_tokens=12)
     prompts = [[5, 17, 42, 9, 33], [8, 9, 3, 3, 11, 12, 30], [44] * 13]
+    requests = [(p, params, i) for i, p in enumerate(prompts)]
     alone = [collect(generate(target, drafter, p, params)).token_ids for p in prompts]
+    eager, _ = run_batch(target, drafter, requests, rows=3)
     assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
     calls = []
     call = draft_step.ExportedDraftStep.several
     monkeypatch.setattr(
         draft_step.ExportedDraftStep, "several", lambda s, f, *a: calls.append(f.rows) or call(s, f, *a)
     )
-    got, widest = run_batch(target, drafter, [(p, params, i) for i, p in enumerate(prompts)], rows=3)
+    got, widest = run_batch(target, drafter, requests, rows=3)
     draft_step.unload(drafter)
-    assert widest > 1 and [g[0] for g in got] == alone
+    assert widest > 1 and got == eager and [g[0] for g in got] == alone
     assert any(not isinstance(rows, slice) or rows.stop - rows.start > 1 for rows in calls)
 
 
+def test_without_dflash_kernels_the_steps_round_as_eager_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 products on MKL (another CPU, no compiler): a one-row context product runs as two in eager, and so in the
+    steps (a package of its own: the key differs); every call bit-equal to the eager forward, one-row contexts
+    included."""
+    from dflash_cli.engine import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    target = build_tiny("qwen3", 2).to(torch.bfloat16)
+    use_cpu_products(target)
+    drafter = _drafter(target, "classic", None, torch.bfloat16)
+    eager = [_one_sequence(drafter, torch.bfloat16), _several_rows(drafter, torch.bfloat16)]
+    step = draft_step.exported_draft_step(drafter, build_missing=True)
+    assert step is not None and draft_step.DraftStep(drafter).extra == 1
+    got = [_one_sequence(drafter, torch.bfloat16), _several_rows(drafter, torch.bfloat16)]
+    draft_step.unload(drafter)
+    for (hidden, cache), (eager_hidden, eager_cache) in zip(got, eager):
+        _assert_same(hidden, eager_hidden, torch.bfloat16)
+        _assert_same(_cached(cache), _cached(eager_cache), torch.bfloat16)
+
+
 def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loaded step raising mid-generation: a warning, the eager drafter from then on, the same tokens."""
+    """The loaded step raising mid-generation (after calls that ran): a warning, the eager drafter from then on,
+    the same tokens and drafts."""
     target = build_tiny("qwen3", 2)
     use_cpu_products(target)
     drafter = random_drafter(target, seed=2, block_size=4)
-    params = SamplingParams(max_new_tokens=12)
+    params = SamplingParams(max_new_tokens=16)
     expected = collect(generate(target, drafter, [5, 17, 42], params))
     step = draft_step.exported_draft_step(drafter, build_missing=True)
     assert step is not None
-    refusing = SimpleNamespace(boxed_run=lambda flat: (_ for _ in ()).throw(RuntimeError("shape guard")))
-    monkeypatch.setattr(step.one, "runner", SimpleNamespace(loader=refusing))
+    runs = step.one.runner.loader.boxed_run
+    calls = []
+
+    def boxed_run(flat):  # noqa: ANN001, ANN202
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("shape guard")
+        return runs(flat)
+
+    monkeypatch.setattr(step.one, "runner", SimpleNamespace(loader=SimpleNamespace(boxed_run=boxed_run)))
     with pytest.warns(UserWarning, match=r"exported draft step failed \(shape guard\); running it eagerly"):
         result = collect(generate(target, drafter, [5, 17, 42], params))
+    assert len(calls) == 3 and len(result.acceptance_lengths) > 3
     assert result.token_ids == expected.token_ids and result.acceptance_lengths == expected.acceptance_lengths
     assert draft_step.loaded_draft_step(drafter) is None
 

@@ -9,7 +9,8 @@ one table per slot says which position each ring row holds (every sliding layer 
 the mask drops the rest. Buffers are zeros: attention multiplies masked rows by a zero weight, and a NaN left in
 memory there would survive the mask.
 
-Two ways to write it, one per forward kind:
+Two ways to write it, one per forward kind (on a CPU the drafter's stored steps, engine.drafter.step, run both
+with the same writes):
 - a forward over one sequence (`DraftCache.update`, the compiled draft step's path) writes its new context and
   block rows after `length` in slot 0; `length` then moves past the context only, so the block's rows are never
   committed: the next call writes its own rows over them (a length move, no crop, no cat);

@@ -187,16 +187,15 @@ class DFlashDrafter(nn.Module):
             except Exception as error:  # (nothing written that the eager forward does not write again)
                 self._exported_failed(error)
         rotated = self.rope(forward.positions[None], self.fc.weight.dtype)
-        return self.run_rows(packed, block_ids, forward, rotated)[:, 1:]
+        return self.run_rows(self.fuse_context(packed), block_ids, forward, rotated)[:, 1:]
 
     def run_rows(
-        self, features: torch.Tensor, block_ids: torch.Tensor, forward: SlotsForward,
+        self, context: torch.Tensor, block_ids: torch.Tensor, forward: SlotsForward,
         rotated: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:  # fmt: skip
-        """The forward over several slots (`draft_hidden`): the rows' new context features packed [1, C, F], their
-        blocks [n, w], the `forward` that writes and masks them, the rotation's (cos, sin) at its positions ->
-        hidden of every block slot [n, w, H]."""
-        context = self.fuse_context(features)
+        """The forward over several slots (`draft_hidden`): the rows' new context packed and fused [1, C, H]
+        (`fuse_context`), their blocks [n, w], the `forward` that writes and masks them, the rotation's (cos, sin) at
+        its positions -> hidden of every block slot [n, w, H]."""
         x = self.embed(block_ids).to(context.dtype)
         cos, sin = rotated
         for layer in self.layers:

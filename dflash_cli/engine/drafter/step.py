@@ -30,26 +30,26 @@ from dflash_cli.engine.drafter import cache as cache_module
 from dflash_cli.engine.drafter import layers
 from dflash_cli.engine.drafter.cache import SlotsForward
 from dflash_cli.engine.drafter.layers import rotation
-from dflash_cli.engine.kernels import use_cpu_products
+from dflash_cli.engine.kernels import one_row_runs_twice, use_cpu_products
 from dflash_cli.engine.packages import Package
 
 if TYPE_CHECKING:
     from dflash_cli.engine.drafter.cache import DraftCache
 
-# (the drafter's module, engine.drafter.model, imports this one: a DFlashDrafter is typed by its base here)
-DFlashDrafter = nn.Module
+# A DFlashDrafter (engine.drafter.model, which imports this module: typed here by its base class)
+Drafter = nn.Module
 
 _LOADED: weakref.WeakKeyDictionary[nn.Module, ExportedDraftStep] = weakref.WeakKeyDictionary()
 
 
-def unsupported(drafter: DFlashDrafter) -> str | None:
+def unsupported(drafter: Drafter) -> str | None:
     """Why `drafter` has no exported steps (None: it has them)."""
     if drafter.fc.weight.device.type != "cpu":
         return "not on a CPU"
     return None
 
 
-def _rings(drafter: DFlashDrafter) -> bool:
+def _rings(drafter: Drafter) -> bool:
     """Whether some layer keeps a ring of rows (a sliding window): its one sequence runs the rows' step."""
     return any(drafter.config.layer_window(i) is not None for i in range(drafter.config.num_hidden_layers))
 
@@ -75,33 +75,54 @@ class _BufferWrites:
         return buffer_k[:, :, : self.end], buffer_v[:, :, : self.end], None
 
 
-class DraftStep(nn.Module):
+class _StepModule(nn.Module):
+    """What both steps hold: the drafter (its products switched as the engine runs them, so traced as they will run),
+    the target's embedding it borrows and its rotation's frequencies (named here: handed over at load)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        super().__init__()
+        why = unsupported(drafter)
+        if why is not None:
+            raise ValueError(f"no exported step for this drafter: {why}")
+        use_cpu_products(drafter)
+        self.drafter = drafter
+        self.embedding = drafter.target.get_input_embeddings()
+        self.register_buffer("inv_freq", drafter._inv_freq, persistent=False)
+        # bf16 products on MKL (no dflash kernels): a one-row product runs as two in eager (engine.kernels), so the
+        # context's last row runs twice here (a traced product cannot branch on the row count)
+        self.extra = int(one_row_runs_twice(drafter))
+
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """`DFlashDrafter.fuse_context`, rounded as the eager forward rounds it at any context length."""
+        if not self.extra:
+            return self.drafter.fuse_context(features)
+        return self.drafter.fuse_context(torch.cat([features, features[:, -1:]], dim=1))[:, :-1]
+
+    def rotated(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotation(positions, self.inv_freq, self.drafter._rope_scale, self.drafter.fc.weight.dtype)
+
+
+class DraftStep(_StepModule):
     """`(features [1, c, F], block_ids [1, q], first [1], span [end], keys, values) -> hidden [1, q, H]`: one
     sequence's new context (positions first .. first+c-1) and block (then q more), its K/V written into `keys[l]` /
     `values[l]` ([1, kv heads, capacity, head dim] per layer) at those positions, each query attending to the
     positions before `end` (`span`'s length, past the block) by its layer's rule: `DFlashDrafter.forward` over a
-    one-slot `DraftCache`."""
+    one-slot `DraftCache` of full layers."""
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
-        super().__init__()
-        why = unsupported(drafter) or ("sliding-window layers (the rows' step runs them)" if _rings(drafter) else None)
-        if why is not None:
-            raise ValueError(f"no exported step of one sequence for this drafter: {why}")
-        use_cpu_products(drafter)  # the products the engine runs (engine.kernels), traced as they will run
-        self.drafter = drafter
-        self.embedding = drafter.target.get_input_embeddings()  # (borrowed: named here, so handed over at load)
-        self.register_buffer("inv_freq", drafter._inv_freq, persistent=False)
+    def __init__(self, drafter: Drafter) -> None:
+        if _rings(drafter):
+            raise ValueError("no exported step of one sequence for a drafter with sliding layers (the rows' step)")
+        super().__init__(drafter)
 
     def forward(
         self, features: torch.Tensor, block_ids: torch.Tensor, first: torch.Tensor, span: torch.Tensor,
         keys: list[torch.Tensor], values: list[torch.Tensor],
     ) -> torch.Tensor:  # fmt: skip
         drafter = self.drafter
-        rows = torch.cat([drafter.fuse_context(features), drafter.embed(block_ids).to(drafter.fc.weight.dtype)], dim=1)
+        rows = torch.cat([self.fused(features), drafter.embed(block_ids).to(drafter.fc.weight.dtype)], dim=1)
         positions = (torch.arange(rows.shape[1], device=rows.device) + first)[None]
-        rotated = rotation(positions, self.inv_freq, drafter._rope_scale, drafter.fc.weight.dtype)
         writes = _BufferWrites(keys, values, positions, span.shape[0])
-        return drafter.run_layers(rows, block_ids.shape[1], positions, rotated, writes)
+        return drafter.run_layers(rows, block_ids.shape[1], positions, self.rotated(positions), writes)
 
 
 class _Buffers:
@@ -129,7 +150,7 @@ class _RowWrites(SlotsForward):
         self.masks = {}
 
 
-class RowsDraftStep(nn.Module):
+class RowsDraftStep(_StepModule):
     """`(features [1, C, F], block_ids [n, w], context_positions [C], context_slots [C], starts [n], limits [n],
     rows [n], span [end], ring_tokens, ring_slots, ring_at [Tr], ring_positions [slots, ring], keys, values) ->
     hidden [n, w, H]`: `DFlashDrafter.run_rows` over several slots of a `DraftCache` (`keys[l]` / `values[l]`
@@ -137,15 +158,8 @@ class RowsDraftStep(nn.Module):
     which its queries see the keys before limits[i]; the packed context rows sit at `context_positions` of slots
     `context_slots`; a ring's writes (`ring_*`, unused without sliding layers) as `SlotsForward` computed them."""
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
-        super().__init__()
-        why = unsupported(drafter)
-        if why is not None:
-            raise ValueError(f"no exported step for this drafter: {why}")
-        use_cpu_products(drafter)  # the products the engine runs (engine.kernels), traced as they will run
-        self.drafter = drafter
-        self.embedding = drafter.target.get_input_embeddings()  # (borrowed: named here, so handed over at load)
-        self.register_buffer("inv_freq", drafter._inv_freq, persistent=False)
+    def __init__(self, drafter: Drafter) -> None:
+        super().__init__(drafter)
         self.windows = [drafter.config.layer_window(i) for i in range(drafter.config.num_hidden_layers)]
 
     def forward(
@@ -162,16 +176,15 @@ class RowsDraftStep(nn.Module):
             _Buffers(keys, values, self.windows, ring_positions), positions, token_slots, starts, limits, rows,
             width, span.shape[0], (ring_tokens, ring_slots, ring_at),
         )  # fmt: skip
-        rotated = rotation(positions[None], self.inv_freq, drafter._rope_scale, drafter.fc.weight.dtype)
-        return drafter.run_rows(features, block_ids, writes, rotated)
+        return drafter.run_rows(self.fused(features), block_ids, writes, self.rotated(positions[None]))
 
 
 class ExportedDraftStep:
-    """The drafter's loaded packages, bound to its tensors (and its target's embedding): `one_sequence` (None for a
-    drafter with sliding layers) over a one-slot `DraftCache`, which it grows and moves as the eager forward does;
-    `several` over the slots of a `SlotsForward` (and one sequence of a drafter with sliding layers)."""
+    """The drafter's loaded packages, bound to its tensors (and its target's embedding): `one` (None for a drafter
+    with sliding layers) and `rows`. `one_sequence` runs a one-slot `DraftCache`, which it grows and moves as the
+    eager forward does; `several` the slots of a `SlotsForward` (and one sequence of a drafter with sliding layers)."""
 
-    def __init__(self, one: Package | None, rows: Package, drafter: DFlashDrafter) -> None:
+    def __init__(self, one: Package | None, rows: Package, drafter: Drafter) -> None:
         self.one, self.rows = one, rows
         self.paths = [package.path for package in (one, rows) if package is not None]
         config = drafter.config
@@ -191,9 +204,10 @@ class ExportedDraftStep:
         else:
             cache.make_room(end)
             buffers = [cache.buffers(i, self._like) for i in range(len(cache.keys))]
+            # (AOTInductor reads inputs at the strides of its sample: contiguous ones; a view of a wider block is not)
             hidden = self.one(
-                features,
-                block_ids,
+                features.contiguous(),
+                block_ids.contiguous(),
                 torch.tensor([start - features.shape[1]]),
                 torch.empty(end, dtype=torch.uint8),  # only its length is read
                 [keys for keys, _ in buffers],
@@ -222,12 +236,13 @@ def _rows_inputs(
     else:  # (unused inputs)
         unused = torch.zeros(1, dtype=torch.long, device=device)
         ring = (unused, unused, unused, unused[None])
+    # (AOTInductor reads inputs at the strides of its sample: contiguous ones; a view of a wider block is not)
     return (
-        features,
-        block_ids,
+        features.contiguous(),
+        block_ids.contiguous(),
         forward.positions[:context],
         forward.token_slots[:context],
-        forward.query_positions[:, 0],
+        forward.query_positions[:, 0].contiguous(),
         forward.limits,
         rows,
         torch.empty(forward.end, dtype=torch.uint8),  # only its length is read
@@ -240,18 +255,25 @@ def _rows_inputs(
 KINDS = ("drafter", "draftrows")  # the packages' kinds (their names' prefix): one sequence, several rows
 
 
-def package_paths(drafter: DFlashDrafter) -> dict[str, Path]:
-    """Where the drafter's packages are, or go, by kind (engine.packages.package_path); no one-sequence package for
-    a drafter with sliding layers."""
-    code = (sys.modules[__name__], layers, cache_module, sys.modules[type(drafter).__module__])
-    config = drafter.config.to_dict()
-    steps = {"draftrows": RowsDraftStep(drafter)}
+def _steps(drafter: Drafter) -> dict[str, _StepModule]:
+    """The drafter's step modules by kind (`KINDS`): no one-sequence step for a drafter with sliding layers."""
+    steps: dict[str, _StepModule] = {"draftrows": RowsDraftStep(drafter)}
     if not _rings(drafter):
         steps["drafter"] = DraftStep(drafter)
-    return {kind: packages.package_path(kind, step, config, code) for kind, step in sorted(steps.items())}
+    return dict(sorted(steps.items()))
 
 
-def _sample_sizes(drafter: DFlashDrafter) -> tuple[int, int]:
+def _package_path(drafter: Drafter, kind: str, step: _StepModule) -> Path:
+    code = (sys.modules[__name__], layers, cache_module, sys.modules[type(drafter).__module__])
+    return packages.package_path(kind, step, drafter.config.to_dict(), code)
+
+
+def package_paths(drafter: Drafter) -> dict[str, Path]:
+    """Where the drafter's packages are, or go, by kind (engine.packages.package_path)."""
+    return {kind: _package_path(drafter, kind, step) for kind, step in _steps(drafter).items()}
+
+
+def _sample_sizes(drafter: Drafter) -> tuple[int, int]:
     """A sample cache's capacity and its verify block: sizes that keep every symbolic size of a sample apart (equal
     sizes at export would be taken for one), a ring (`window - 1 + 2 * block` rows) longer than all the others."""
     windows = [w for i in range(drafter.config.num_hidden_layers) if (w := drafter.config.layer_window(i))]
@@ -259,12 +281,11 @@ def _sample_sizes(drafter: DFlashDrafter) -> tuple[int, int]:
     return 16, block
 
 
-def _build_one(drafter: DFlashDrafter, path: Path) -> None:
+def _build_one(drafter: Drafter, step: DraftStep, path: Path) -> None:
     """Export the one-sequence step and compile it into a package at `path`, tried before it is stored on a later
     step (3 context rows, a block of 2 at position 4) and on one context row with a block of 3."""
     from torch.export import Dim
 
-    step = DraftStep(drafter)
     config, dtype = drafter.config, drafter.fc.weight.dtype
     width = len(config.target_layer_ids) * config.hidden_size
     capacity = _sample_sizes(drafter)[0]
@@ -291,12 +312,11 @@ def _build_one(drafter: DFlashDrafter, path: Path) -> None:
     packages.build(step, sample, shapes, path, trial)
 
 
-def _build_rows(drafter: DFlashDrafter, path: Path) -> None:
+def _build_rows(drafter: Drafter, step: RowsDraftStep, path: Path) -> None:
     """Export the rows' step and compile it into a package at `path`, tried before it is stored on the sample (two
     rows of three slots, blocks of 4, 5 context rows) and on one row with a block of 2 after one context row."""
     from torch.export import Dim
 
-    step = RowsDraftStep(drafter)
     config, dtype = drafter.config, drafter.fc.weight.dtype
     cache = cache_module.DraftCache(config, 3, *_sample_sizes(drafter))
     width = len(config.target_layer_ids) * config.hidden_size
@@ -331,13 +351,16 @@ def _build_rows(drafter: DFlashDrafter, path: Path) -> None:
     packages.build(step, sample, shapes, path, trial)
 
 
-def build(drafter: DFlashDrafter, kind: str, path: Path) -> None:
+def build(drafter: Drafter, kind: str, step: _StepModule, path: Path) -> None:
     """Export the drafter's step of `kind` (`KINDS`) and compile it into a package at `path`."""
-    (_build_one if kind == "drafter" else _build_rows)(drafter, path)
+    if kind == "drafter":
+        _build_one(drafter, step, path)
+    else:
+        _build_rows(drafter, step, path)
 
 
 def exported_draft_step(
-    drafter: DFlashDrafter, *, build_missing: bool, notify: Notify | None = None
+    drafter: Drafter, *, build_missing: bool, notify: Notify | None = None
 ) -> ExportedDraftStep | None:
     """`drafter`'s exported steps, loaded from the cache, each built first when missing and `build_missing` (a
     stored package that no longer loads is then built again); None where it has none (`unsupported`) or one is
@@ -347,15 +370,15 @@ def exported_draft_step(
     if unsupported(drafter) is not None:
         return None
     found = {}
-    for kind, path in package_paths(drafter).items():
-        step = DraftStep(drafter) if kind == "drafter" else RowsDraftStep(drafter)
+    for kind, step in _steps(drafter).items():
+        path = _package_path(drafter, kind, step)
         package = packages.stored_or_built(
             path,
             lambda at, step=step: packages.load(step, at),
-            lambda at, kind=kind: build(drafter, kind, at),
+            lambda at, kind=kind, step=step: build(drafter, kind, step, at),
             build_missing=build_missing,
             notify=notify,
-            message=f"compiling the drafter's steps once for this machine (about a minute; stored in {path.parent})",
+            message=f"compiling the drafter's {kind} step once for this machine (about 10 s; stored in {path.parent})",
         )
         if package is None:
             return None

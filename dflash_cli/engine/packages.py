@@ -138,15 +138,13 @@ def build(
         warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations while it exports: not our users'
         program = torch.export.export(step.eval(), sample, dynamic_shapes=dynamic_shapes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
-        os.close(fd)
-        try:
+        # built in a directory of its own: a build that is killed leaves no file the stored packages' glob finds
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".building-") as scratch:
+            temporary = str(Path(scratch) / path.name)
             torch._inductor.aoti_compile_and_package(program, package_path=temporary, inductor_configs=PACKAGE_OPTIONS)
             trial(load(step, Path(temporary)))
             os.replace(temporary, path)
-            prune(path)
-        finally:
-            Path(temporary).unlink(missing_ok=True)
+        prune(path)
 
 
 def stored_or_built(

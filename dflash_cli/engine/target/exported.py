@@ -44,7 +44,8 @@ class ExportedStep:
         values: list[torch.Tensor],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
         span = torch.empty(end, dtype=torch.uint8)  # only its length is read
-        return self.package(token_ids, positions, span, keys, values)
+        # (AOTInductor reads inputs at its sample's strides: contiguous ones; a view of a wider tensor is not)
+        return self.package(token_ids.contiguous(), positions.contiguous(), span, keys, values)
 
 
 def package_path(target: PreTrainedModel) -> Path:

@@ -9,7 +9,7 @@ are handed to it (`user_managed`), so the weights are held once and any checkpoi
 
 A package is keyed by what its code depends on (`package_path`): torch's and transformers' versions, the CPU's
 instruction-set flags (its code is built for this CPU), the model's config, the type, shape and dtype of every
-tensor the step reads, and the code traced into it. Built, tried on the model and only then renamed into place
+tensor the step reads, whether this process runs dflash's CPU kernels, and the code traced into it. Built, tried on the model and only then renamed into place
 (`build`), so a stored package is one that loads and runs; the packages of earlier builds of the same kind of step go
 then (`prune`: no dflash like this one would load them again).
 """
@@ -20,8 +20,10 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -111,8 +113,8 @@ def _digest(facts: dict[str, Any], length: int) -> str:
 
 def prune(path: Path) -> list[Path]:
     """Delete the packages of `path`'s prefix that another build made (other versions, code or CPU flags: no
-    dflash like this one loads them again) and those named before builds were named; return them. Packages of
-    other models from this build stay."""
+    dflash like this one loads them again) and those named before builds were named, and the scratch directories
+    of builds killed over an hour ago; return the packages. Packages of other models from this build stay."""
     prefix, build, _ = path.stem.split("-")
     stale = [
         other
@@ -121,6 +123,9 @@ def prune(path: Path) -> list[Path]:
     ]
     for other in stale:
         other.unlink(missing_ok=True)
+    for scratch in path.parent.glob(".building-*"):
+        if time.time() - scratch.stat().st_mtime > 3600:
+            shutil.rmtree(scratch, ignore_errors=True)
     return stale
 
 

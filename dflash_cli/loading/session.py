@@ -47,7 +47,7 @@ class Session:
     decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
     # CPU: the drafter's stored steps (engine.drafter.step) for a drafter loaded later: "load" them, "build" them
     # first when missing (--compile on), or "off"
-    draft_steps: str = "off"
+    draft_steps: Literal["off", "load", "build"] = "off"
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -441,7 +441,9 @@ def load_exported_step(
         step = stored(model, build_missing=build, notify=notify)
     except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step as asked
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        instead = "torch.compile's steps instead" if build else "running it eagerly"
+        instead = "running it eagerly"
+        if build:  # (--compile on; a hybrid target's session runs eager, its drafter too)
+            instead = "torch.compile's steps instead" if part == "target" else "torch.compile's draft step or eager"
         warnings.warn(f"the {part}'s compiled step failed to build or load ({first}); {instead}", stacklevel=2)
         return None, f"compile: the {part}'s stored step failed ({first}); {instead}"
     if step is None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -276,8 +278,8 @@ def test_a_later_start_loads_the_stored_draft_steps(monkeypatch: pytest.MonkeyPa
 
 def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:  # noqa: ANN001
     """Packages are named `{kind}-{build}-{model}`: `prune` removes the packages of a kind that another build
-    (versions, code, CPU) made and those named before builds were named; it keeps this build's other models and
-    other kinds."""
+    (versions, code, CPU) made, those named before builds were named and the scratch directories of builds killed
+    an hour ago; it keeps this build's other models, other kinds and a build running now."""
     from dflash_cli.engine import packages
 
     path = tmp_path / f"drafter-{'1' * 8}-{'e' * 16}.pt2"
@@ -285,5 +287,11 @@ def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:  
     stale = [tmp_path / f"drafter-{'0' * 8}-{'c' * 16}.pt2", tmp_path / f"drafter-{'d' * 20}.pt2"]
     for package in [path, *kept, *stale]:
         package.write_bytes(b"a package")
+    killed, building = tmp_path / ".building-killed", tmp_path / ".building-now"  # scratch directories of builds
+    for scratch in (killed, building):
+        scratch.mkdir()
+        (scratch / path.name).write_bytes(b"half a package")
+    os.utime(killed, (time.time() - 7200, time.time() - 7200))
     assert sorted(packages.prune(path)) == sorted(stale)
     assert sorted(tmp_path.glob("*.pt2")) == sorted([path, *kept])
+    assert not killed.exists() and building.exists()  # (one still running, perhaps)

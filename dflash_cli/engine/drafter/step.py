@@ -263,14 +263,11 @@ def _steps(drafter: Drafter) -> dict[str, _StepModule]:
     return dict(sorted(steps.items()))
 
 
-def _package_path(drafter: Drafter, kind: str, step: _StepModule) -> Path:
+def _package_path(kind: str, step: _StepModule) -> Path:
+    """Where the drafter's package of `kind` is, or goes (engine.packages.package_path)."""
+    drafter = step.drafter
     code = (sys.modules[__name__], layers, cache_module, sys.modules[type(drafter).__module__])
     return packages.package_path(kind, step, drafter.config.to_dict(), code)
-
-
-def package_paths(drafter: Drafter) -> dict[str, Path]:
-    """Where the drafter's packages are, or go, by kind (engine.packages.package_path)."""
-    return {kind: _package_path(drafter, kind, step) for kind, step in _steps(drafter).items()}
 
 
 def _sample_sizes(drafter: Drafter) -> tuple[int, int]:
@@ -281,11 +278,12 @@ def _sample_sizes(drafter: Drafter) -> tuple[int, int]:
     return 16, block
 
 
-def _build_one(drafter: Drafter, step: DraftStep, path: Path) -> None:
+def _build_one(step: DraftStep, path: Path) -> None:
     """Export the one-sequence step and compile it into a package at `path`, tried before it is stored on a later
     step (3 context rows, a block of 2 at position 4) and on one context row with a block of 3."""
     from torch.export import Dim
 
+    drafter = step.drafter
     config, dtype = drafter.config, drafter.fc.weight.dtype
     width = len(config.target_layer_ids) * config.hidden_size
     capacity = _sample_sizes(drafter)[0]
@@ -312,11 +310,12 @@ def _build_one(drafter: Drafter, step: DraftStep, path: Path) -> None:
     packages.build(step, sample, shapes, path, trial)
 
 
-def _build_rows(drafter: Drafter, step: RowsDraftStep, path: Path) -> None:
+def _build_rows(step: RowsDraftStep, path: Path) -> None:
     """Export the rows' step and compile it into a package at `path`, tried before it is stored on the sample (two
     rows of three slots, blocks of 4, 5 context rows) and on one row with a block of 2 after one context row."""
     from torch.export import Dim
 
+    drafter = step.drafter
     config, dtype = drafter.config, drafter.fc.weight.dtype
     cache = cache_module.DraftCache(config, 3, *_sample_sizes(drafter))
     width = len(config.target_layer_ids) * config.hidden_size
@@ -351,12 +350,13 @@ def _build_rows(drafter: Drafter, step: RowsDraftStep, path: Path) -> None:
     packages.build(step, sample, shapes, path, trial)
 
 
-def build(drafter: Drafter, kind: str, step: _StepModule, path: Path) -> None:
+def build(kind: str, step: _StepModule, path: Path) -> None:
     """Export the drafter's step of `kind` (`KINDS`) and compile it into a package at `path`."""
-    if kind == "drafter":
-        _build_one(drafter, step, path)
+    if isinstance(step, DraftStep):
+        _build_one(step, path)
     else:
-        _build_rows(drafter, step, path)
+        assert isinstance(step, RowsDraftStep), kind
+        _build_rows(step, path)
 
 
 def exported_draft_step(
@@ -371,14 +371,15 @@ def exported_draft_step(
         return None
     found = {}
     for kind, step in _steps(drafter).items():
-        path = _package_path(drafter, kind, step)
+        path = _package_path(kind, step)
+        what = "one sequence's" if kind == "drafter" else "rows'"
         package = packages.stored_or_built(
             path,
             lambda at, step=step: packages.load(step, at),
-            lambda at, kind=kind, step=step: build(drafter, kind, step, at),
+            lambda at, kind=kind, step=step: build(kind, step, at),
             build_missing=build_missing,
             notify=notify,
-            message=f"compiling the drafter's {kind} step once for this machine (about 10 s; stored in {path.parent})",
+            message=f"compiling the drafter's {what} step once for this machine (about 10 s; stored in {path.parent})",
         )
         if package is None:
             return None

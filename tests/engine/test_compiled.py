@@ -6,7 +6,9 @@ import contextlib
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,15 +138,28 @@ def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
         prompt = prompt + compiled.token_ids + [11, 12]
 
 
-def _check_golden_sets(names: list[str], shown: list[str], *, baseline: bool = False) -> set[int]:
-    """Every case of each golden set, both steps compiled, on one target object (every set was made on the same
-    target, whose copies are byte-identical), and with `baseline` the plain decoding's greedy tokens too. Returns
-    the block sizes used."""
-    target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
+def check_golden_sets(
+    names: list[str],
+    shown: list[str] | None = None,
+    *,
+    compile: bool = True,
+    baseline: bool = False,
+    target: Any = None,
+    prepare: Callable[[Any], None] | None = None,
+) -> set[int]:
+    """Every case of each golden set (tokens and acceptance lengths), on one target object (every set was made on the
+    same target, whose copies are byte-identical; default: a fresh float32 one), both steps compiled unless not
+    `compile` (progress lines into `shown`), `prepare(drafter)` first for each set's drafter, and with `baseline`
+    the plain decoding's greedy tokens too. Returns the block sizes used."""
+    if target is None:
+        target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
+    notify = None if shown is None else (lambda message: shown.append(message) or contextlib.nullcontext())
     sizes = set()
     for name in names:
         golden = json.loads((FIXTURES / name / "golden.json").read_text())
         drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
+        if prepare is not None:
+            prepare(drafter)
         for case in golden["cases"]:
             sizes.add(case.get("block_size") or drafter.block_size)
             params = SamplingParams(max_new_tokens=golden["max_new_tokens"])
@@ -154,14 +169,14 @@ def _check_golden_sets(names: list[str], shown: list[str], *, baseline: bool = F
                 case["prompt_ids"],
                 params,
                 block_size=case.get("block_size"),
-                compile=True,
-                notify=lambda message: shown.append(message) or contextlib.nullcontext(),
+                compile=compile,
+                notify=notify,
             )
             result = collect(steps)
             assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
             assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
             if baseline:
-                plain = collect(generate(target, None, case["prompt_ids"], params, compile=True))
+                plain = collect(generate(target, None, case["prompt_ids"], params, compile=compile))
                 assert plain.token_ids == case["greedy_new_token_ids"], (name, case["prompt_ids"][:4])
     return sizes
 
@@ -170,7 +185,7 @@ def test_every_golden_set_with_traced_steps(traced_only, monkeypatch: pytest.Mon
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # one entry per drafter format and block size
     target_graphs, draft_graphs = traced_only
     shown: list[str] = []
-    sizes = _check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
+    sizes = check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
     assert len(sizes) >= 5 and target_graphs.frame_count >= 1 and draft_graphs.frame_count >= 3
     assert any("draft step" in m for m in shown) and any("target step" in m for m in shown)
 
@@ -179,7 +194,7 @@ def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.f
     """The CUDA-graph layout (attention over the whole K/V buffer, a length on the device) on the CPU: DFlash and
     the plain decoding give the reference's tokens. A one-token step once attended every slot of the buffer
     (transformers drops its mask for one query): the plain decoding was wrong on the GPU."""
-    _check_golden_sets(["qwen3-tiny", "qwen3-tiny-dflash2"], [], baseline=True)
+    check_golden_sets(["qwen3-tiny", "qwen3-tiny-dflash2"], [], baseline=True)
     # Inside the graph nothing but the K/V buffers is written (CUDA graphs hold those as static): the drafter's
     # features leave as outputs. A graph that copied into the features buffer ran without CUDA graphs.
     assert whole_buffer and all(
@@ -211,7 +226,7 @@ def test_inductor_reproduces_the_public_golden_sets(
     monkeypatch.setattr(compiled_module, "CPU_INDUCTOR_OPTIONS", options)
     monkeypatch.setattr(compiled_module, "_STEPS", {})
     shown: list[str] = []
-    _check_golden_sets(["qwen3-tiny", "qwen3-tiny-swa", "qwen3-tiny-dflash2"], shown)
+    check_golden_sets(["qwen3-tiny", "qwen3-tiny-swa", "qwen3-tiny-dflash2"], shown)
     assert any("draft step" in m for m in shown) and any("target step for blocks of 8" in m for m in shown)
 
 

@@ -5,7 +5,6 @@ failed call falling back to the eager forward, the cost key, and packages stored
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from types import SimpleNamespace
@@ -13,11 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_batch import run_batch
-from test_compiled import FIXTURES
+from test_compiled import FIXTURES, check_golden_sets
 from test_drafter_formats import GOLDEN_SETS
 from transformers import AutoModelForCausalLM
 
-from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.drafter import step as draft_step
 from dflash_cli.engine.drafter.model import make_drafter
@@ -151,18 +149,12 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
     ran = []
     call = draft_step.ExportedDraftStep.one_sequence
     monkeypatch.setattr(draft_step.ExportedDraftStep, "one_sequence", lambda s, *a: ran.append(1) or call(s, *a))
+
+    def prepare(drafter) -> None:  # noqa: ANN001
+        assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
+
     try:
-        for name in ["qwen3-tiny", *FORMAT_SETS]:
-            golden = json.loads((FIXTURES / name / "golden.json").read_text())
-            drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
-            assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
-            for case in golden["cases"]:
-                params = SamplingParams(max_new_tokens=golden["max_new_tokens"])
-                steps = generate(target, drafter, case["prompt_ids"], params, block_size=case.get("block_size"))
-                result = collect(steps)
-                assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
-                assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
-            draft_step.unload(drafter)
+        check_golden_sets(["qwen3-tiny", *FORMAT_SETS], compile=False, target=target, prepare=prepare)
     finally:
         exported.unload(target)
     assert len(ran) > 100

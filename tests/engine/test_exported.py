@@ -11,12 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_compiled import FIXTURES
+from test_compiled import FIXTURES, check_golden_sets
 from test_drafter_formats import GOLDEN_SETS
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from dflash_cli import load_drafter
 from dflash_cli.cli.app import app
 from dflash_cli.engine import SamplingParams, collect, cpu_kernels, generate
 from dflash_cli.engine.kernels import use_cpu_products
@@ -222,15 +221,7 @@ def test_every_golden_set_through_the_exported_step(monkeypatch: pytest.MonkeyPa
     call = exported.ExportedStep.__call__
     monkeypatch.setattr(exported.ExportedStep, "__call__", lambda self, *a: ran.append(1) or call(self, *a))
     try:
-        for name in ["qwen3-tiny", *GOLDEN_SETS]:
-            golden = json.loads((FIXTURES / name / "golden.json").read_text())
-            drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
-            for case in golden["cases"]:
-                params = SamplingParams(max_new_tokens=golden["max_new_tokens"])
-                steps = generate(target, drafter, case["prompt_ids"], params, block_size=case.get("block_size"))
-                result = collect(steps)
-                assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
-                assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
+        check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], compile=False, target=target)
     finally:
         _eager(target)
     assert len(ran) > 100

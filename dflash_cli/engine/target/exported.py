@@ -36,8 +36,12 @@ class ExportedStep:
 
     def __init__(self, package: Package, step: StandardStep) -> None:
         self.package, self.path = package, package.path
-        self.paths = [package.path]  # (as the drafter's steps list theirs)
         self.kv_heads, self.head_dim = step.kv_heads, step.head_dim  # the K/V buffers it takes
+
+    @property
+    def paths(self) -> list[Path]:
+        """Its package's path, listed as the drafter's steps list theirs."""
+        return [self.path]
 
     def __call__(
         self, token_ids: torch.Tensor, positions: torch.Tensor, end: int, keys: list[torch.Tensor],

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers.integrations.sdpa_attention as sdpa_module
 from test_drafter_formats import GOLDEN_SETS
 from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 from torch._dynamo.utils import counters
@@ -23,6 +24,7 @@ import dflash_cli.engine.target.attention as target_module
 from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
+from dflash_cli.engine.target.attention import PACKED_SDPA, packed_sdpa_attention
 from helpers.drafters import OracleDrafter, random_drafter
 from helpers.tiny_models import build_tiny, hf_greedy, sharp_tiny
 
@@ -201,6 +203,46 @@ def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.f
         node.target != "copy_" for graph in whole_buffer for node in graph.graph.nodes if node.op == "call_method"
     )
     assert any(graph.graph.find_nodes(op="call_method", target="index_copy_") for graph in whole_buffer)
+
+
+def test_whole_buffer_attention_reads_each_kv_head_once(
+    whole_buffer: list[torch.fx.GraphModule], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the whole buffer an SDPA target with grouped query heads runs PACKED_SDPA: no K/V copy per query head
+    (transformers' repeat_kv, which its SDPA path takes under dynamo when a mask is given) in a step's graph, and
+    the eager decoding's tokens, plain and drafted (blocks of 1 to 4 tokens)."""
+    repeats = []
+    original = sdpa_module.repeat_kv
+    monkeypatch.setattr(sdpa_module, "repeat_kv", lambda *args: repeats.append(1) or original(*args))
+    target = sharp_tiny("qwen3", seed=3)
+    prompt, params = [5, 17, 3, 42, 9, 11], SamplingParams(max_new_tokens=24)
+    eager = collect(generate(target, None, prompt, params))
+    assert collect(generate(target, None, prompt, params, compile=True)).token_ids == eager.token_ids
+    assert target.config._attn_implementation == PACKED_SDPA and whole_buffer
+    oracle = OracleDrafter(target, prompt + eager.token_ids, block_size=4, correct=[0, 3, 1, 2])
+    drafted = collect(generate(target, oracle, prompt, params, compile=True))
+    assert drafted.token_ids == eager.token_ids and set(drafted.acceptance_lengths) == {1, 2, 3, 4}
+    assert not repeats
+    collect(generate(target, None, prompt, params))  # an eager state: transformers' own SDPA again
+    assert target.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_packed_sdpa_is_sdpa(queries: int) -> None:
+    """PACKED_SDPA's attention equals transformers' SDPA attention (which copies K/V per query head under a mask)
+    in float32, under a mask that hides different keys from each query."""
+    torch.manual_seed(queries)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    query, key, value = torch.randn(1, 8, queries, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    mask = torch.rand(1, 1, queries, 40) < 0.6
+    mask[..., 0] = True
+    ours, _ = packed_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    theirs, _ = sdpa_module.sdpa_attention_forward(
+        module, query, key, sdpa_module.repeat_kv(value, 1), mask, scaling=0.25
+    )
+    assert ours.shape == theirs.shape == (1, queries, 8, 16)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])

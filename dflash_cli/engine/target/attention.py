@@ -10,6 +10,10 @@ whose layers are attention layers (Llama, Qwen3 and their kin), gpt-fast style:
   not the whole buffer. `full_view=True` hands attention the whole buffer instead, with an explicit causal mask
   hiding what lies beyond the block (transformers drops its own mask for a one-token query, which would then
   attend every slot of the buffer): fixed shapes, for CUDA graphs.
+  Over the whole buffer a target's SDPA attention runs as PACKED_SDPA: transformers' SDPA copies each K/V head
+  once per query head of its group whenever a mask is given and dynamo traces it, which over a whole buffer is most
+  of a compiled step's attention traffic (K/V of every layer at the buffer's length, written and read 4x over at
+  Qwen3-8B's 32/8 heads); packed, each K/V head is read once (`packed_sdpa_attention`).
 - The hidden states the drafter reads are written into a preallocated buffer by forward hooks that are
   installed once per state (not per step) and act only during this state's own forwards. Inside a compiled step
   they are outputs of the graph instead, copied into the buffer after it.
@@ -33,15 +37,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dflash_cli.engine.compiled import CACHE_ARGUMENT, CompiledStep, Notify, compiled_step, run_target
 from dflash_cli.engine.kernels import EAGER
 from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
+    PACKED_SDPA,
     TargetState,
     cache_zeros,
     compute_dtype,
@@ -61,6 +69,32 @@ MIN_CAPACITY = 8192
 PREFILL_SCORES_BYTES = 256 * 2**20
 MAX_PREFILL_CHUNK = 512
 MIN_PREFILL_CHUNK = 16
+
+
+def packed_sdpa_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """transformers' SDPA attention, except where it would copy K/V per query head (a mask shared by the heads,
+    grouped query heads): there the g query heads of each K/V head become g x q query rows of one head, each row
+    under its query's mask row, so every K/V head is read once, in place. Each query row's scores, softmax and sum
+    are the ones it had: the same attention (transformers packs this way itself for an eager one-token query)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if attention_mask is None or groups == 1 or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, q, _ = query.shape
+    packed = query.reshape(batch, heads // groups, groups * q, query.shape[-1])
+    out = F.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(batch, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+SDPA = ("sdpa", PACKED_SDPA)  # the implementations that take SDPA's boolean masks
 
 
 class _KVLayer(CacheLayerMixin):
@@ -209,6 +243,9 @@ class AttentionState(TargetState):
             self._values = [None] * len(self.layers)
             self._length_t = torch.zeros((), dtype=torch.long, device=self.device)
             self._static(self._length_t)
+            attention = self.target.config._attn_implementation
+            if attention == ("sdpa" if full_view else PACKED_SDPA):  # (the module docstring: whole-buffer attention)
+                self.target.set_attn_implementation(PACKED_SDPA if full_view else "sdpa")
         if feature_layers and feature_layers != self.feature_layers:  # a drafter reading other layers
             self.close()
             self._hooks = [
@@ -392,7 +429,7 @@ class AttentionState(TargetState):
             elif kind == "chunked_attention":
                 chunk = config.attention_chunk_size
                 visible = causal & (queries // chunk == keys // chunk)
-            if self.target.config._attn_implementation != "sdpa":
+            if self.target.config._attn_implementation not in SDPA:
                 visible = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(
                     ~visible, torch.finfo(self.dtype).min
                 )

@@ -7,6 +7,10 @@ sets made with it for rules the public ones do not show):
 - float32, eager, and float32 compiled (`compile=True`: on CUDA the target's verify runs under CUDA graphs over
   whole-buffer attention, a path no CPU test takes): DFlash's tokens and acceptance lengths must be the
   reference's, and the baseline's tokens its greedy tokens;
+- float32, the paths a single decode does not take (`check_paths`): every case of a block size decoded together as
+  rows of one batch (one verify and one draft forward a step for all rows; eager), and each case decoded as the
+  second turn of a conversation that continues the first case's (prefix reuse; compiled where the run compiles):
+  the same tokens as a fresh decode, and for the rows the golden tokens;
 - bfloat16 and NF4 (bitsandbytes, compute in bf16): DFlash against the baseline of the same precision, case by
   case. At a case's first mismatch it records the top-2 logit margin there and the rank of DFlash's token,
   recomputed in one forward over the prefix (a third rounding of the same logits): a margin of a few bf16 ulps is
@@ -32,6 +36,7 @@ import torch
 
 from dflash_cli.bench.gpu import environment, quantize_nf4  # (the loader's NF4 settings, layer by layer)
 from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine.loop import Batch
 from dflash_cli.loading.models import load_drafter
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
@@ -119,6 +124,62 @@ def check_set(directory: Path, precision: str, device: str, compile_modes: list[
     return result
 
 
+def decode_rows(target: Any, drafter: Any, prompts: list[list[int]], tokens: int, block_size: int | None) -> list[Any]:
+    """`prompts` decoded together, a row each, in one batch: each row's token ids."""
+    batch = Batch(target, drafter, rows=len(prompts), block_size=block_size)
+    out: list[list[int]] = [[] for _ in prompts]
+    try:
+        for i, prompt in enumerate(prompts):
+            batch.add(prompt, SamplingParams(max_new_tokens=tokens), key=i)
+        while not batch.idle:
+            for row, step in batch.step():
+                if isinstance(step, BaseException):
+                    raise step
+                out[row.key] += step.token_ids
+    finally:
+        batch.close()
+    return out
+
+
+def check_paths(directory: Path, device: str, compile: bool) -> dict[str, Any]:
+    """float32: the golden tokens through batched rows (eager: compiled steps run one row) and through prefix reuse
+    (compiled with `compile`: on CUDA, a whole-buffer state that keeps a conversation's K/V) (module docstring)."""
+    golden = json.loads((directory / "golden.json").read_text())
+    target = load_target(directory / golden["target_dir"], "float32", device)
+    drafter = load_drafter(directory / golden["drafter_dir"], target)
+    tokens, cases = golden["max_new_tokens"], golden["cases"]
+    started, failures = time.perf_counter(), []
+    sizes: dict[int | None, list[dict[str, Any]]] = {}
+    for case in cases:
+        sizes.setdefault(case.get("block_size"), []).append(case)
+    for block, group in sizes.items():
+        rows = decode_rows(target, drafter, [c["prompt_ids"] for c in group], tokens, block)
+        failures += [
+            {"path": "rows", "prompt": c["prompt_ids"][:4], "block_size": block}
+            for c, ids in zip(group, rows)
+            if ids != c["new_token_ids"]
+        ]
+    # Prefix reuse: the first case's conversation, then each case's prompt as a turn that continues it. The
+    # state keeps the first turn's K/V (and the drafter its context), so the second turn prefills only its own
+    # tokens; a fresh decode (prefix_cache off) of the same prompt must give the same tokens.
+    first = cases[0]
+    turn = first["prompt_ids"] + first["new_token_ids"]
+    for case in cases:
+        params = SamplingParams(max_new_tokens=tokens)
+        block = case.get("block_size")
+        collect(
+            generate(target, drafter, first["prompt_ids"], params, block_size=first.get("block_size"), compile=compile)
+        )
+        prompt = turn + case["prompt_ids"]
+        reused = collect(generate(target, drafter, prompt, params, block_size=block, compile=compile))
+        fresh = collect(
+            generate(target, drafter, prompt, params, block_size=block, compile=compile, prefix_cache=False)
+        )
+        if reused.token_ids != fresh.token_ids or not reused.stats.cached_tokens:
+            failures.append({"path": "prefix", "prompt": case["prompt_ids"][:4], "cached": reused.stats.cached_tokens})
+    return {"seconds": round(time.perf_counter() - started, 2), "passed": not failures, "failures": failures}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -152,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 modes = [False, True] if compiled else [False]
                 run = {"set": name, **check_set(args.fixtures / name, precision, args.device, modes)}
+                if precision == "float32":
+                    run["paths"] = check_paths(args.fixtures / name, args.device, compiled)
             except Exception as error:  # noqa: BLE001 - one broken precision (no NF4 kernels) must not hide the rest
                 run = {"set": name, "precision": precision, "error": f"{type(error).__name__}: {error}"}
             results["runs"].append(run)
-            ok &= "error" not in run and all(run[m].get("passed", True) for m in ("eager", "compiled") if m in run)
+            ok &= "error" not in run and all(
+                run[m].get("passed", True) for m in ("eager", "compiled", "paths") if m in run
+            )
             print(json.dumps(run), flush=True)
     if args.output:
         args.output.write_text(json.dumps(results, indent=1) + "\n")

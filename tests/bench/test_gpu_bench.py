@@ -60,6 +60,10 @@ def test_every_section_is_there(smoke):
     results = smoke["results"]
     settings = results["settings"]
     assert results["bandwidth"]["gb_per_s"] > 0
+    attention = results["whole_buffer_attention"]  # (its own check: packed and repeated agree, else an error)
+    assert attention["capacity"] >= 8192 and attention["layers"] == settings["shape"]["layers"]
+    for q in ("1", str(settings["shape"]["block_size"])):
+        assert attention[q]["repeat_kv_ms_per_step"] > 0 and attention[q]["packed_ms_per_step"] > 0
     assert list(results["runs"]) == settings["precisions"] == ["float32", "nf4"]
     for run in results["runs"].values():
         assert "error" not in run, run.get("error")
@@ -70,10 +74,17 @@ def test_every_section_is_there(smoke):
         assert list(micro["verify"]) == [str(b) for b in settings["verify_sizes"]]
         e2e = run["end_to_end"]
         timings = [micro["ar_step"], micro["draft_step"], *micro["verify"].values(), e2e["baseline"]["step"]]
-        timings += [r["step"] for r in e2e["controlled"].values()]
+        timings += [r["step"] for r in e2e["controlled"].values()] + [e2e["real_drafter"]["step"]]
         for t in timings:
             assert 0 < t["median_ms"] <= t["p90_ms"]
             assert t["events_median_ms"] is None  # no CUDA events on the CPU
+        for r in [*e2e["controlled"].values(), e2e["real_drafter"]]:  # the loop's phase clock, per step
+            assert 0 < r["draft_ms_per_step"] < r["ms_per_step_mean"] and 0 < r["verify_ms_per_step"]
+        baseline = e2e["baseline"]  # no drafter: the draft phase is the loop's few lines between its marks
+        assert baseline["draft_ms_per_step"] < 0.1 * baseline["verify_ms_per_step"]
+        for kind in ("ar_step", "spec_step"):  # the host's Python, by function
+            functions = e2e["python_functions"][kind]
+            assert functions and all(f["own_ms"] >= 0 and f["count"] > 0 for f in functions)
         assert list(e2e["controlled"]) == [f"{tau:g}" for tau in settings["taus"]]
         predicted = run["predicted"]
         assert predicted["tau"] == 6.5
@@ -105,7 +116,7 @@ def test_controlled_acceptance_double_hits_the_requested_tau(smoke):
             steps = len(r["acceptance_lengths"])
             wanted = min(r["tau_requested"], block)
             assert r["schedule_followed"], (key, r["acceptance_lengths"])
-            assert r["lossless"], key  # the loop committed the target's own greedy tokens
+            assert r["lossless"] and r["equals_blockwise_decoding"], key  # the target's own greedy tokens
             assert r["tau_measured"] == r["tau_planned"]
             assert abs(r["tau_measured"] - wanted) <= 1 / steps, (key, r["tau_measured"])
 

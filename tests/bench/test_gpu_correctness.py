@@ -30,6 +30,7 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     (run,) = json.loads(out.read_text())["runs"]
     assert run["set"] == "qwen3-tiny-swa" and run["cases"] == 2
     assert run["eager"]["passed"] and run["eager"]["failures"] == [] and "compiled" not in run
+    assert run["paths"]["passed"] and run["paths"]["failures"] == []  # batched rows, prefix reuse
 
     golden["cases"][1]["acceptance_lengths"][0] += 1  # a number the engine does not produce
     golden_path.write_text(json.dumps(golden))
@@ -43,6 +44,20 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     (run,) = json.loads(out.read_text())["runs"]
     (failure,) = run["eager"]["failures"]
     assert failure["wrong"] == ["acceptance"] and failure["prompt"] == golden["cases"][1]["prompt_ids"][:4]
+    assert run["paths"]["passed"]  # (the paths check tokens: a batch's acceptance may round otherwise)
+
+    golden["cases"][1]["acceptance_lengths"][0] -= 1
+    golden["cases"][1]["new_token_ids"][-1] += 1  # a token the engine does not produce: the batched row says so
+    golden_path.write_text(json.dumps(golden))
+    out = tmp_path / "token.json"
+    assert (
+        correctness.main(
+            ["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]
+        )
+        == 1
+    )
+    (run,) = json.loads(out.read_text())["runs"]
+    assert [f["path"] for f in run["paths"]["failures"]] == ["rows"]
 
 
 def test_a_mismatch_is_explained_by_the_baselines_margin() -> None:

@@ -507,6 +507,29 @@ def train(
             help="Held-out prompts for tau (same formats as --prompts).",
         ),
     ] = None,
+    follow_ups: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Also distill N follow-up turns per prompt (a user question after the target's answer, answered by "
+            "the target): multi-turn training data, N+1 answers per prompt.",
+        ),
+    ] = 0,
+    distill_batch_size: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Prompts the target answers at once while it writes the training answers (on a GPU: 256)."
+        ),
+    ] = 32,
+    train_minutes: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            show_default=False,
+            help="Stop training after this many minutes, before --steps if need be (checkpointed where it stops; "
+            "the learning rate follows --steps, so choose --steps that fit and keep this as the bound).",
+        ),
+    ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --output.")] = False,
     device: Annotated[str, typer.Option(callback=check_device, help="cpu, cuda or cuda:N.")] = "cpu",
@@ -546,6 +569,9 @@ def train(
         lr=lr,
         anchors_per_sequence=anchors,
         max_new_tokens=max_new_tokens,
+        distill_batch_size=distill_batch_size,
+        follow_ups=follow_ups,
+        train_minutes=train_minutes,
         eval_prompts=eval_prompts,
         eval_prompts_file=eval_file,
         checkpoint_every=checkpoint_every,

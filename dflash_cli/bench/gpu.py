@@ -412,8 +412,9 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
 
 def measure_whole_buffer_attention(s: Settings, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """One step's attention over a whole K/V buffer (the compiled CUDA step's layout: MIN_CAPACITY positions, the
-    context's visible), every layer: transformers' SDPA path as dynamo traces it (K/V copied per query head, then
-    SDPA) against PACKED_SDPA, by query count. Device time per step (profiled kernels) on CUDA, wall time elsewhere."""
+    context's visible), every layer with K/V of its own (one layer's alone would sit in the GPU's L2 cache):
+    transformers' SDPA path as dynamo traces it (K/V copied per query head, then SDPA) against PACKED_SDPA, by query
+    count. Device time per step (profiled kernels) on CUDA, wall time elsewhere."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     shape = s.shape
@@ -421,7 +422,10 @@ def measure_whole_buffer_attention(s: Settings, device: torch.device, dtype: tor
     capacity = max(MIN_CAPACITY, s.context + shape.block_size)
     module = nn.Module()
     module.num_key_value_groups, module.is_causal = groups, True
-    key, value = (torch.randn(1, shape.kv_heads, capacity, shape.head_dim, device=device, dtype=dtype) for _ in "kv")
+    layers = [
+        tuple(torch.randn(1, shape.kv_heads, capacity, shape.head_dim, device=device, dtype=dtype) for _ in "kv")
+        for _ in range(shape.layers)
+    ]
     out: dict[str, Any] = {"capacity": capacity, "layers": shape.layers}
     for q in (1, shape.block_size):
         query = torch.randn(1, shape.heads, q, shape.head_dim, device=device, dtype=dtype)
@@ -429,11 +433,15 @@ def measure_whole_buffer_attention(s: Settings, device: torch.device, dtype: tor
         mask = (torch.arange(capacity, device=device) <= positions[:, None])[None, None]
 
         def repeated(query: torch.Tensor = query, mask: torch.Tensor = mask) -> torch.Tensor:
-            k, v = repeat_kv(key, groups), repeat_kv(value, groups)
-            return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask)
+            for key, value in layers:
+                k, v = repeat_kv(key, groups), repeat_kv(value, groups)
+                last = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask)
+            return last
 
         def packed(query: torch.Tensor = query, mask: torch.Tensor = mask) -> torch.Tensor:
-            return packed_sdpa_attention(module, query, key, value, mask)[0]
+            for key, value in layers:
+                last = packed_sdpa_attention(module, query, key, value, mask)[0]
+            return last
 
         with torch.inference_mode():
             torch.testing.assert_close(packed(), repeated().transpose(1, 2), rtol=2e-2, atol=2e-2)
@@ -441,10 +449,10 @@ def measure_whole_buffer_attention(s: Settings, device: torch.device, dtype: tor
             for name, fn in (("repeat_kv", repeated), ("packed", packed)):
                 for _ in range(s.warmup):
                     fn()
-                per_call = kernel_ms_per_call(fn, device, s.reps)
-                if per_call is None:
-                    per_call = time_calls(fn, device, 0, s.reps)["median_ms"]
-                times[f"{name}_ms_per_step"] = per_call * shape.layers
+                per_step = kernel_ms_per_call(fn, device, s.reps)
+                times[f"{name}_ms_per_step"] = (
+                    per_step if per_step is not None else time_calls(fn, device, 0, s.reps)["median_ms"]
+                )
         out[str(q)] = times
     return out
 
@@ -573,7 +581,8 @@ def python_profile(
     compile: bool = False,
 ) -> list[dict[str, Any]]:
     """The Python functions that took the host longest per decode step (own time, cProfile), from a separate run:
-    the host time no torch op accounts for (cProfile slows Python down, so read them as shares, not as times)."""
+    the host time no torch op accounts for (cProfile slows Python down, so read them as shares, not as times; a call
+    that reads a device tensor, such as `.tolist()`, includes its wait for the device)."""
     import cProfile
     import pstats
 
@@ -588,7 +597,7 @@ def python_profile(
         next(steps)
     profiler.disable()
     steps.close()
-    rows = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
     top = sorted(rows.items(), key=lambda item: item[1][2], reverse=True)[:PYTHON_FUNCTIONS_SHOWN]
     return [
         {
@@ -597,7 +606,7 @@ def python_profile(
             "cumulative_ms": 1e3 * cumulative / calls,
             "count": count / calls,
         }
-        for (file, line, name), (count, _, own, cumulative, _) in top
+        for (file, line, name), (_, count, own, cumulative, _) in top
     ]
 
 

@@ -511,7 +511,8 @@ def train(
         int,
         typer.Option(
             min=0,
-            help="Also distill N follow-up turns per prompt (a user question after the target's answer, answered by "
+            max=8,
+            help="Also distill N follow-up turns per prompt (one of 8 questions after the target's answer, answered by "
             "the target): multi-turn training data, N+1 answers per prompt.",
         ),
     ] = 0,

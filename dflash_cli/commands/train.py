@@ -134,12 +134,14 @@ def self_distill(
     feature_layer_ids: list[int] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     what: str = "self-distillation",
+    store_bytes: int = FEATURE_STORE_BYTES,
 ) -> list[Sample]:
-    """The target's greedy answers to every conversation, cached batch by batch in `out_dir/responses.jsonl`.
+    """The target's greedy answers to every conversation, cached batch by batch in `out_dir/responses.jsonl` (which
+    may hold other calls' answers too: a call reads its own).
 
     With `feature_layer_ids`, the target features of those layers are captured during generation (every
     token the target reads passes through them anyway) and stored beside the answers, so training
-    needs no second target pass; unless they would exceed FEATURE_STORE_BYTES, when training recomputes them.
+    needs no second target pass; unless they would exceed `store_bytes`, when training recomputes them.
     """
     from safetensors.torch import load_file, save_file
 
@@ -150,16 +152,19 @@ def self_distill(
     if feature_layer_ids:
         tokens = sum(len(ids) for _, ids in encoded) + len(encoded) * max_new_tokens
         hidden = target.config.get_text_config().hidden_size
-        if tokens * len(feature_layer_ids) * hidden * 2 > FEATURE_STORE_BYTES:
+        if tokens * len(feature_layer_ids) * hidden * 2 > store_bytes:
             feature_layer_ids = None
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_path = out_dir / DISTILL_FILE
     done: dict[str, Sample] = {}
+    wanted = {key for key, _ in encoded}
     if cache_path.exists():
         for line in cache_path.read_text().splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by an interrupted run: regenerate it
+                continue
+            if record["key"] not in wanted:
                 continue
             usable = record.get("features") and record.get("feature_layers") == feature_layer_ids
             done[record["key"]] = Sample(
@@ -537,7 +542,7 @@ def target_template_kwargs(ref: str) -> dict[str, Any]:
 
 def open_target(ref: str, device: str, dtype: str, console: Console | None = None) -> tuple[Any, Any]:
     """The frozen target and its tokenizer, loaded as every command loads it (`loading.models.load_target`: the
-    plan's precision, the memory check) but unquantized. `ref` is what `--target` takes everywhere: a recipe name
+    plan's precision and quantization, the memory check), except that a CPU target trains unquantized. `ref` is what `--target` takes everywhere: a recipe name
     (its target, with its offline source), a local directory or a repo id."""
     from dflash_cli.loading.models import load_target, load_tokenizer, resolve_ref
     from dflash_cli.setup.hardware import detect_machine
@@ -545,10 +550,11 @@ def open_target(ref: str, device: str, dtype: str, console: Console | None = Non
     from dflash_cli.setup.recipes import adhoc_recipe
 
     recipe = adhoc_recipe(ref, None)
-    # Unquantized: the drafter's loss runs through the target's output head, and the CPU's packed int4/int8 kernels
-    # (the demo's default there) have no backward. (The demo's int4 weights are its GGUF's exactly, which the
-    # unquantized copy holds dequantized: the same model.)
-    plan = make_plan(detect_machine(), recipe, PlanOverrides(device=device, dtype=dtype, quant="none"))
+    # On a CPU unquantized: the drafter's loss runs through the target's output head, and the CPU's packed int4/int8
+    # kernels (the demo's default there) have no backward. (The demo's int4 weights are its GGUF's exactly, which the
+    # unquantized copy holds dequantized: the same model.) NF4 on a GPU keeps the head dense: the plan's choice.
+    cpu = torch.device(device).type == "cpu"
+    plan = make_plan(detect_machine(), recipe, PlanOverrides(device=device, dtype=dtype, quant="none" if cpu else None))
     directory = resolve_ref(recipe.target, "target", console)
     return load_target(directory, plan, console=console), load_tokenizer(directory)
 
@@ -611,6 +617,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
                 drafter.config.target_layer_ids,
                 template_kwargs,
                 what="follow-up turns",
+                store_bytes=FEATURE_STORE_BYTES - sum(s.features.nbytes for s in samples if s.features is not None),
             )
         samples = [s for s in samples if len(s.response_ids) >= 2]
         if not samples:
@@ -714,7 +721,7 @@ def _train_loop(
         )
         if step % 10 == 0 or step == options.steps:
             history.append({"step": step, **running})
-        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        out_of_time = deadline is not None and time.perf_counter() >= deadline and step < options.steps
         if out_of_time and step % 10:
             history.append({"step": step, **running})
         if step % options.checkpoint_every == 0 or step == options.steps or out_of_time:

@@ -43,6 +43,7 @@ import torch
 
 from dflash_cli.engine import cpu_kernels
 from dflash_cli.engine.drafter.step import loaded_draft_step
+from dflash_cli.engine.target.base import PACKED_SDPA
 from dflash_cli.engine.target.exported import loaded_step
 
 if TYPE_CHECKING:
@@ -291,7 +292,10 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "target_config": fingerprint(target.config.to_json_string(use_diff=False)),
         "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
         "weights": sorted({kind for m in target.modules() if (kind := _weight_kind(m)) is not None}),
-        "attention": target.config._attn_implementation,
+        # (packed SDPA is SDPA: a whole-buffer state switches to it after the first request's costs were keyed)
+        "attention": "sdpa"
+        if target.config._attn_implementation == PACKED_SDPA
+        else target.config._attn_implementation,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "exported": loaded_step(target) is not None,

@@ -208,6 +208,7 @@ def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt
         assert any(question in text for question in FOLLOW_UPS)
     questions = [next(q for q in FOLLOW_UPS if q in tokenizer.decode(r["prompt_ids"])) for r in follow]
     assert len(set(questions)) > 2  # rotated, not the same two for every prompt
+    assert len(FOLLOW_UPS) == 8  # the CLI's --follow-ups maximum: each turn of a prompt asks another question
 
 
 def test_train_minutes_bounds_the_training(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import dflash_cli.engine.target.attention as target_module
 from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
+from dflash_cli.engine.policy import target_key
 from dflash_cli.engine.target.attention import PACKED_SDPA, packed_sdpa_attention
 from helpers.drafters import OracleDrafter, random_drafter
 from helpers.tiny_models import build_tiny, hf_greedy, sharp_tiny
@@ -223,26 +224,32 @@ def test_whole_buffer_attention_reads_each_kv_head_once(
     drafted = collect(generate(target, oracle, prompt, params, compile=True))
     assert drafted.token_ids == eager.token_ids and set(drafted.acceptance_lengths) == {1, 2, 3, 4}
     assert not repeats
-    collect(generate(target, None, prompt, params))  # an eager state: transformers' own SDPA again
-    assert target.config._attn_implementation == "sdpa"
+    # Kept for a later state that reads no whole buffer (the same attention; a switch back would make the compiled
+    # state's graphs fail their guards on its next step), and the step costs' key says SDPA either way.
+    assert collect(generate(target, None, prompt, params)).token_ids == eager.token_ids
+    assert target.config._attn_implementation == PACKED_SDPA and target_key(target, True)["attention"] == "sdpa"
 
 
 @pytest.mark.parametrize("queries", [1, 5])
-def test_packed_sdpa_is_sdpa(queries: int) -> None:
+@pytest.mark.parametrize("additive", [False, True])
+def test_packed_sdpa_is_sdpa(queries: int, additive: bool) -> None:
     """PACKED_SDPA's attention equals transformers' SDPA attention (which copies K/V per query head under a mask)
-    in float32, under a mask that hides different keys from each query."""
+    in float32: two rows, each under its own mask (boolean, or additive as eager masks are) that hides different
+    keys from each query. Softcapping, which transformers' SDPA refuses, is refused alike."""
     torch.manual_seed(queries)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
-    query, key, value = torch.randn(1, 8, queries, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
-    mask = torch.rand(1, 1, queries, 40) < 0.6
+    query, key, value = torch.randn(2, 8, queries, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.rand(2, 1, queries, 40) < 0.6
     mask[..., 0] = True
+    if additive:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     ours, _ = packed_sdpa_attention(module, query, key, value, mask, scaling=0.25)
-    theirs, _ = sdpa_module.sdpa_attention_forward(
-        module, query, key, sdpa_module.repeat_kv(value, 1), mask, scaling=0.25
-    )
-    assert ours.shape == theirs.shape == (1, queries, 8, 16)
+    theirs, _ = sdpa_module.sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert ours.shape == theirs.shape == (2, queries, 8, 16)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="softcap"):
+        packed_sdpa_attention(module, query, key, value, mask, scaling=0.25, softcap=30.0)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])

@@ -50,6 +50,7 @@ from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
     PACKED_SDPA,
+    SDPA_IMPLEMENTATIONS,
     TargetState,
     cache_zeros,
     compute_dtype,
@@ -80,7 +81,15 @@ def packed_sdpa_attention(
     under its query's mask row, so every K/V head is read once, in place. Each query row's scores, softmax and sum
     are the ones it had: the same attention (transformers packs this way itself for an eager one-token query)."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if attention_mask is None or groups == 1 or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None:
+    # transformers' own path where it differs (softcapping, which it refuses; sinks; position bias) or copies nothing
+    special = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias"))
+    if (
+        attention_mask is None
+        or groups == 1
+        or attention_mask.shape[1] != 1
+        or special
+        or kwargs.get("output_attentions")
+    ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -94,7 +103,6 @@ def packed_sdpa_attention(
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-SDPA = ("sdpa", PACKED_SDPA)  # the implementations that take SDPA's boolean masks
 
 
 class _KVLayer(CacheLayerMixin):
@@ -243,9 +251,10 @@ class AttentionState(TargetState):
             self._values = [None] * len(self.layers)
             self._length_t = torch.zeros((), dtype=torch.long, device=self.device)
             self._static(self._length_t)
-            attention = self.target.config._attn_implementation
-            if attention == ("sdpa" if full_view else PACKED_SDPA):  # (the module docstring: whole-buffer attention)
-                self.target.set_attn_implementation(PACKED_SDPA if full_view else "sdpa")
+        if full_view and self.target.config._attn_implementation == "sdpa":  # (the module docstring)
+            # Kept when a later state does not read whole buffers: the same attention, and a switch back and forth
+            # would make this state's graphs fail their guards (and trace, and record again) on its next step.
+            self.target.set_attn_implementation(PACKED_SDPA)
         if feature_layers and feature_layers != self.feature_layers:  # a drafter reading other layers
             self.close()
             self._hooks = [
@@ -429,7 +438,7 @@ class AttentionState(TargetState):
             elif kind == "chunked_attention":
                 chunk = config.attention_chunk_size
                 visible = causal & (queries // chunk == keys // chunk)
-            if self.target.config._attn_implementation not in SDPA:
+            if self.target.config._attn_implementation not in SDPA_IMPLEMENTATIONS:
                 visible = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(
                     ~visible, torch.finfo(self.dtype).min
                 )

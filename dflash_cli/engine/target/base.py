@@ -144,7 +144,7 @@ def context_window(target: PreTrainedModel) -> int | None:
 def batch_limit(target: PreTrainedModel) -> str | None:
     """Why `target` decodes one row at a time, or None when several rows can share its forwards."""
     attention = target.config._attn_implementation
-    if attention not in ("sdpa", PACKED_SDPA, *EAGER):
+    if attention not in (*SDPA_IMPLEMENTATIONS, *EAGER):
         return f"{attention} attention takes no per-row mask: one row at a time (sdpa and eager batch)"
     kinds = set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - set(MASK_KINDS) - {LINEAR}
     if kinds:
@@ -155,6 +155,7 @@ def batch_limit(target: PreTrainedModel) -> str | None:
 # transformers' SDPA attention with the query heads of a group packed onto their K/V head: the attention
 # implementation a whole-buffer state gives an SDPA target (attention.packed_sdpa_attention).
 PACKED_SDPA = "packed_sdpa"  # (no "flash" in it: transformers reads any such name as flash attention)
+SDPA_IMPLEMENTATIONS = ("sdpa", PACKED_SDPA)  # the same attention: SDPA's boolean masks, several rows at once
 MASK_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 # Linear-attention layers (hybrid targets: engine/hybrid.py keeps their state per row) take no attention mask from
 # a batched verify: a row's block is its real tokens then, at most, padding after them, which only the rows' kept

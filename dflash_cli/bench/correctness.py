@@ -10,7 +10,8 @@ sets made with it for rules the public ones do not show):
 - float32, the paths a single decode does not take (`check_paths`): every case of a block size decoded together as
   rows of one batch (one verify and one draft forward a step for all rows; eager), and each case decoded as the
   second turn of a conversation that continues the first case's (prefix reuse; compiled where the run compiles):
-  the same tokens and acceptance lengths as a fresh decode, and for the rows the golden tokens;
+  the same tokens and acceptance lengths as a fresh decode, and for the rows the golden tokens; and decoding under a
+  JSON schema (`check_grammar`): DFlash's tokens are the plain loop's under the same grammar, and parse;
 - bfloat16 and NF4 (bitsandbytes, compute in bf16): DFlash against the baseline of the same precision, case by
   case. At a case's first mismatch it records the top-2 logit margin there and the rank of DFlash's token,
   recomputed in one forward over the prefix (a third rounding of the same logits): a margin of a few bf16 ulps is
@@ -179,7 +180,58 @@ def check_paths(directory: Path, device: str, compile: bool) -> dict[str, Any]:
         same = (reused.token_ids, reused.acceptance_lengths) == (fresh.token_ids, fresh.acceptance_lengths)
         if not same or not reused.stats.cached_tokens:
             failures.append({"path": "prefix", "prompt": case["prompt_ids"][:4], "cached": reused.stats.cached_tokens})
+    try:
+        failures += check_grammar(target, drafter, compile)
+    except ImportError as error:  # (the grammar library or what it needs is not installed: the rest stands)
+        failures.append({"path": "grammar", "error": f"{type(error).__name__}: {error}"})
     return {"seconds": round(time.perf_counter() - started, 2), "passed": not failures, "failures": failures}
+
+
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},  # (bounded: a random model writes digits forever)
+        "tag": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+
+
+def check_grammar(target: Any, drafter: Any, compile: bool) -> list[dict[str, Any]]:
+    """Decoding under a JSON schema (the grammar library's masks on the device's logits): DFlash gives the tokens of
+    the same loop without a drafter, and JSON that parses. The golden target with the byte-level tokenizer the tests
+    build (tests/helpers: its 320 tokens fit the target's vocabulary). A failure names the path "grammar"."""
+    import sys
+
+    from dflash_cli.protocol.params import Grammar
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from helpers.tiny_models import tiny_tokenizer
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    tokenizer = tiny_tokenizer()
+    failures = []
+    for prompt in ("Hello! How can I help", "The quick brown fox", "def add(a, b):"):
+        ids = tokenizer(prompt)["input_ids"]
+        params = SamplingParams(
+            max_new_tokens=80,
+            stop_token_ids=(tokenizer.eos_token_id,),
+            grammar=Grammar("json_schema", json.dumps(GRAMMAR_SCHEMA)),
+        )
+        plain, spec = (
+            collect(generate(target, d, ids, params, tokenizer=tokenizer, compile=compile)) for d in (None, drafter)
+        )
+        try:
+            json.loads(spec.text)
+            parses = True
+        except json.JSONDecodeError:
+            parses = False
+        if spec.token_ids != plain.token_ids or not parses:
+            failures.append({"path": "grammar", "prompt": prompt, "parses": parses, "text": spec.text[:80]})
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -199,15 +199,18 @@ def kernel_ms_per_call(
 
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
         for _ in range(calls):
             fn()
         sync(device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / calls
     busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
     averages = prof.key_averages()
     if busy_us == 0:  # older profilers attribute kernels to the ops that launched them
         busy_us = sum(e.self_device_time_total for e in averages)
     if host_ops is not None:
         top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_OPS_SHOWN]
+        host_ops += [{"op": "(wall time per call, profiled)", "self_cpu_ms": wall_ms, "count": 1.0}]
         host_ops += [
             {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / calls, "count": e.count / calls} for e in top
         ]
@@ -592,14 +595,18 @@ def python_profile(
     )
     next(steps)  # the prefill
     profiler = cProfile.Profile()
+    started = time.perf_counter()
     profiler.enable()
     for _ in range(calls):
         next(steps)
     profiler.disable()
+    wall_ms = (time.perf_counter() - started) * 1e3 / calls
     steps.close()
     rows = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
     top = sorted(rows.items(), key=lambda item: item[1][2], reverse=True)[:PYTHON_FUNCTIONS_SHOWN]
     return [
+        {"function": "(wall time per step, profiled)", "own_ms": wall_ms, "cumulative_ms": wall_ms, "count": 1.0}
+    ] + [
         {
             "function": f"{Path(file).name}:{line}({name})",
             "own_ms": 1e3 * own / calls,
@@ -989,7 +996,7 @@ def render_run(name: str, run: dict[str, Any]) -> list[str]:
         f" verify {real['verify_ms_per_step']:.3g} ms a step"
     )
     for kind, functions in e2e["python_functions"].items():
-        shown = ", ".join(f"{f['function']} {f['own_ms']:.2g}" for f in functions[:4])
+        shown = ", ".join(f"{f['function']} {f['own_ms']:.3g}" for f in functions[:5])
         lines.append(f"  python, {kind} (own ms a step, profiled): {shown}")
     lines.append(
         f"predicted at tau {pred['tau']}: {pred['spec_tokens_per_s']:.3g} tok/s against "

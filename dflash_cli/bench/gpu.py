@@ -565,11 +565,17 @@ def profile_steps(
     """Device busy time per decode step, from a separate profiled run (profiling slows the host)."""
     if device.type != "cuda":
         return None
+    steps = decoding(target, drafter, prompt_ids, max_new, compile)
+    return kernel_ms_per_call(lambda: next(steps), device, calls, host_ops)
+
+
+def decoding(target: nn.Module, drafter: Any, prompt_ids: list[int], max_new: int, compile: bool) -> Iterator[Step]:
+    """A separate run of the real loop (blocks of the drafter's size), its prefill done: next() is one decode step."""
     block = None if drafter is None else drafter.block_size
     params = SamplingParams(max_new_tokens=max_new)
     steps = generate(target, drafter, prompt_ids, params, block_size=block, compile=compile)
     next(steps)  # the prefill
-    return kernel_ms_per_call(lambda: next(steps), device, calls, host_ops)
+    return steps
 
 
 PYTHON_FUNCTIONS_SHOWN = 12
@@ -589,11 +595,7 @@ def python_profile(
     import cProfile
     import pstats
 
-    block = None if drafter is None else drafter.block_size
-    steps = generate(
-        target, drafter, prompt_ids, SamplingParams(max_new_tokens=max_new), block_size=block, compile=compile
-    )
-    next(steps)  # the prefill
+    steps = decoding(target, drafter, prompt_ids, max_new, compile)
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()

@@ -593,20 +593,9 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console) as progress:
-        samples = self_distill(
-            target,
-            tokenizer,
-            conversations,
-            output / DISTILL_DIR,
-            options.max_new_tokens,
-            options.distill_batch_size,
-            progress,
-            drafter.config.target_layer_ids,
-            template_kwargs,
-        )
-        if options.follow_ups:
-            turns = follow_up_conversations(conversations, samples, tokenizer, options.follow_ups)
-            samples += self_distill(
+
+        def distill(turns: list[list[dict[str, str]]], **more: Any) -> list[Sample]:
+            return self_distill(
                 target,
                 tokenizer,
                 turns,
@@ -616,8 +605,16 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
                 progress,
                 drafter.config.target_layer_ids,
                 template_kwargs,
+                **more,
+            )
+
+        samples = distill(conversations)
+        if options.follow_ups:
+            stored = sum(s.features.nbytes for s in samples if s.features is not None)
+            samples += distill(
+                follow_up_conversations(conversations, samples, tokenizer, options.follow_ups),
                 what="follow-up turns",
-                store_bytes=FEATURE_STORE_BYTES - sum(s.features.nbytes for s in samples if s.features is not None),
+                store_bytes=FEATURE_STORE_BYTES - stored,
             )
         samples = [s for s in samples if len(s.response_ids) >= 2]
         if not samples:
@@ -719,10 +716,8 @@ def _train_loop(
         progress.update(
             task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}"
         )
-        if step % 10 == 0 or step == options.steps:
-            history.append({"step": step, **running})
         out_of_time = deadline is not None and time.perf_counter() >= deadline and step < options.steps
-        if out_of_time and step % 10:
+        if step % 10 == 0 or step == options.steps or out_of_time:
             history.append({"step": step, **running})
         if step % options.checkpoint_every == 0 or step == options.steps or out_of_time:
             save_checkpoint(checkpoint, drafter, optimizer, step, options, history)

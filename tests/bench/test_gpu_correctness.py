@@ -20,28 +20,26 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     golden = json.loads(golden_path.read_text())
     golden["cases"] = golden["cases"][:2]  # (two cases are enough to see both outcomes; all run on the device)
     golden_path.write_text(json.dumps(golden))
-    out = tmp_path / "ok.json"
-    assert (
-        correctness.main(
+
+    def check(name: str) -> tuple[int, dict]:
+        """The script on the fixtures as they stand: its exit status and its one run."""
+        out = tmp_path / f"{name}.json"
+        status = correctness.main(
             ["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]
         )
-        == 0
-    )
-    (run,) = json.loads(out.read_text())["runs"]
+        (run,) = json.loads(out.read_text())["runs"]
+        return status, run
+
+    status, run = check("ok")
+    assert status == 0
     assert run["set"] == "qwen3-tiny-swa" and run["cases"] == 2
     assert run["eager"]["passed"] and run["eager"]["failures"] == [] and "compiled" not in run
     assert run["paths"]["passed"] and run["paths"]["failures"] == []  # batched rows, prefix reuse
 
     golden["cases"][1]["acceptance_lengths"][0] += 1  # a number the engine does not produce
     golden_path.write_text(json.dumps(golden))
-    out = tmp_path / "altered.json"
-    assert (
-        correctness.main(
-            ["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]
-        )
-        == 1
-    )
-    (run,) = json.loads(out.read_text())["runs"]
+    status, run = check("altered")
+    assert status == 1
     (failure,) = run["eager"]["failures"]
     assert failure["wrong"] == ["acceptance"] and failure["prompt"] == golden["cases"][1]["prompt_ids"][:4]
     assert run["paths"]["passed"]  # (the paths check tokens: a batch's acceptance may round otherwise)
@@ -49,14 +47,8 @@ def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     golden["cases"][1]["acceptance_lengths"][0] -= 1
     golden["cases"][1]["new_token_ids"][-1] += 1  # a token the engine does not produce: the batched row says so
     golden_path.write_text(json.dumps(golden))
-    out = tmp_path / "token.json"
-    assert (
-        correctness.main(
-            ["--device", "cpu", "--precisions", "float32", "--fixtures", str(fixtures), "--output", str(out)]
-        )
-        == 1
-    )
-    (run,) = json.loads(out.read_text())["runs"]
+    status, run = check("token")
+    assert status == 1
     assert [f["path"] for f in run["paths"]["failures"]] == ["rows"]
 
 

@@ -8,22 +8,31 @@
 #   call 2:      scripts/gpu_train_demo.sh receive   # carry [".stage/part-1"]
 #   call 3:      scripts/gpu_train_demo.sh train     # carry [".stage/part-2", ".stage/wheels", ".stage/gguf.sha256"]
 #
-# `train` joins the parts into the dflash cache (where the demo recipe's loader looks before it downloads),
-# installs the wheels the image lacks, distils the demo prompts and FOLLOW_UPS turns after them (--follow-ups),
-# trains within TRAIN_MINUTES, measures tau on the held-out prompts, and leaves the drafter, metrics.json and the
-# JSON summary in $OUT; cut short by CALL_SECONDS, its last checkpoint's drafter, and a fourth call (`train`
-# again, carrying nothing) goes on from the answers and the checkpoint it left. Settings below (environment
-# overrides them). `train cpu` runs the same steps here (a dry run: PROMPTS_USED, FOLLOW_UPS, STEPS small).
+# `train` joins the parts into the dflash cache (where the demo recipe's loader looks before it downloads), installs
+# the wheels the image lacks, distils the demo prompts and FOLLOW_UPS turns after them once (--follow-ups; cut
+# short, the first turns alone), then trains one drafter per depth in LAYERS side by side for the time the call has
+# left (--train-minutes: the learning rate decays by it), measures each one's tau on EVAL_PROMPTS held-out prompts
+# (none by default: here on the CPU instead) and returns, per depth, one tar in 15 MiB parts ($OUT/layers-N.tar.0,
+# .1: `cat` them) of the drafter in bf16 and metrics.json (cut short: its last checkpoint's drafter and
+# trainer_state.json), the run's JSON summary and log. A fourth call (`train` again, carrying nothing) goes on from
+# the answers and checkpoints left in $RUNS. Settings below (environment overrides them). `train cpu` runs the same
+# steps here (a dry run: PROMPTS_USED, FOLLOW_UPS, CALL_SECONDS small).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 RECEIVED=${RECEIVED:-/tmp/dflash-stage}
 OUT=${OUT:-/tmp/gpu-train-demo}
+RUNS=${RUNS:-/tmp/dflash-train}
+LAYERS=${LAYERS:-1 2}  # drafter depths trained side by side; here, the CPU measures which one ships
 PROMPTS_USED=${PROMPTS_USED:-4017}
 FOLLOW_UPS=${FOLLOW_UPS:-3}
-STEPS=${STEPS:-6000}
-TRAIN_MINUTES=${TRAIN_MINUTES:-3}
+STEPS=${STEPS:-20000}  # an upper bound: the time left bounds the training, and its learning rate's decay
+RESERVE=${RESERVE:-45}  # seconds kept for the drafters' loading and saving (and held-out tau, if EVAL_PROMPTS)
+# Held-out tau on the device: 0, measured here instead on the CPU that serves the demo (`dflash bench demo`); on
+# the H200 16 prompts took over 70 s of eager decoding, beside a second run.
+EVAL_PROMPTS=${EVAL_PROMPTS:-0}
+MIN_TRAIN=${MIN_TRAIN:-120}  # seconds of training the distillation leaves at least
 BATCH=${BATCH:-64}
 DISTILL_BATCH=${DISTILL_BATCH:-256}
 CALL_SECONDS=${CALL_SECONDS:-530}  # the whole `train` run, under the call's 600 s
@@ -38,10 +47,11 @@ pack)
     rm -rf .stage && mkdir -p .stage/wheels
     split -b 38M -d -a 1 "$gguf" .stage/part-
     sha256sum "$gguf" | cut -d' ' -f1 >.stage/gguf.sha256
-    # What the image lacks (platformdirs, gguf) or has older than dflash needs (transformers 5.17, huggingface_hub 1.33)
+    # What the image lacks (platformdirs, gguf) or has older than dflash needs (transformers 5.17). Not
+    # huggingface_hub: 2.x needs httpx2, which the image lacks; its 1.33 serves transformers 5.24 there.
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .stage/wheels transformers==5.24.0 huggingface_hub==2.4.0 regex==2026.5.9 platformdirs==4.14.8 gguf==0.19.0
+        -d .stage/wheels transformers==5.24.0 regex==2026.5.9 platformdirs==4.14.8 gguf==0.19.0
     du -sh .stage/*
     ;;
 receive)
@@ -51,7 +61,8 @@ receive)
     ;;
 train)
     device=${2:-cuda}
-    mkdir -p "$RECEIVED" "$OUT"
+    started=$(date +%s)
+    mkdir -p "$RECEIVED" "$OUT" "$RUNS"
     cp .stage/part-[0-9] "$RECEIVED"/ 2>/dev/null || true
     if [ "$device" != cpu ]; then  # (a later call on the same machine finds them installed)
         [ -d .stage/wheels ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -68,27 +79,87 @@ train)
         fi
         mv "$gguf.part" "$gguf"
     fi
-    # A second `train` call on the same machine goes on from the first's cached answers (and its checkpoint).
-    resume=()
-    [ -f /tmp/dflash-train/checkpoint/trainer_state.json ] && resume=(--resume)
     rm -rf /tmp/dflash-prompts
     python3 scripts/make_demo_prompts.py /tmp/dflash-prompts >/dev/null
     head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
-    status=0  # (a run cut short still leaves its last checkpoint's drafter in $OUT)
-    timeout "$CALL_SECONDS" python3 -m dflash_cli train --target demo \
-        --prompts /tmp/dflash-prompts/train.jsonl --eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts 16 \
-        --output /tmp/dflash-train --layers 1 --feature-layers 5 --block-size 8 \
-        --steps "$STEPS" --train-minutes "$TRAIN_MINUTES" --batch-size "$BATCH" --anchors 16 --lr 2e-3 \
-        --max-new-tokens 128 --follow-ups "$FOLLOW_UPS" --distill-batch-size "$DISTILL_BATCH" \
-        --checkpoint-every "$CHECKPOINT_EVERY" --device "$device" --dtype bfloat16 "${resume[@]}" --json \
-        >"$OUT/train.json" || status=$?
-    if [ -f /tmp/dflash-train/metrics.json ]; then
-        cp -r /tmp/dflash-train/drafter /tmp/dflash-train/metrics.json "$OUT"/
-    elif [ -d /tmp/dflash-train/checkpoint/drafter ]; then
-        cp -r /tmp/dflash-train/checkpoint/drafter /tmp/dflash-train/checkpoint/trainer_state.json "$OUT"/
+    common=(--target demo --prompts /tmp/dflash-prompts/train.jsonl --feature-layers 5 --block-size 8
+        --max-new-tokens 128 --distill-batch-size "$DISTILL_BATCH" --device "$device" --dtype bfloat16 --json)
+    # 1. The answers, once: a one-step run whose distillation the drafters below share (cached in $RUNS/answers).
+    # Cut short by the time training needs, the drafters train on the first turns' answers alone.
+    follow_ups=$FOLLOW_UPS
+    if [ ! -f "$RUNS/answers/metrics.json" ]; then
+        timeout $((CALL_SECONDS - RESERVE - MIN_TRAIN)) python3 -m dflash_cli train "${common[@]}" \
+            --follow-ups "$follow_ups" --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 \
+            >"$OUT/answers.json" || follow_ups=0
+        if [ "$follow_ups" = 0 ]; then  # (completes the first turns, if even they were cut)
+            echo "distillation cut short after $(($(date +%s) - started)) s: training on the first turns' answers"
+            python3 -m dflash_cli train "${common[@]}" --follow-ups 0 --output "$RUNS/answers" \
+                --layers 1 --steps 1 --eval-prompts 0 >"$OUT/answers.json"
+        fi
+        echo "$follow_ups" >"$RUNS/answers/follow-ups"
     fi
-    echo "answers distilled: $(cat /tmp/dflash-train/distill/responses.jsonl 2>/dev/null | wc -l)"
-    cat "$OUT/train.json"
+    follow_ups=$(cat "$RUNS/answers/follow-ups")
+    echo "answers distilled: $(wc -l <"$RUNS/answers/distill/responses.jsonl") in $(($(date +%s) - started)) s"
+    # 2. One drafter per depth in LAYERS, side by side on the device (each run is bound by its host, not the
+    # GPU), trained for the time the call has left less RESERVE (loading, held-out tau, saving).
+    left=$((CALL_SECONDS - ($(date +%s) - started) - RESERVE))
+    minutes=$(python3 -c "print(max(0.5, $left / 60))")
+    echo "training for $minutes minutes: layers $LAYERS"
+    eval=(--eval-prompts 0)
+    [ "$EVAL_PROMPTS" != 0 ] && eval=(--eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts "$EVAL_PROMPTS")
+    # One share of the host's cores each: oversubscribed, torch's thread pools spin against each other (here, two
+    # runs of two threads on two cores made each batch 3x slower than one thread each).
+    runs=$(wc -w <<<"$LAYERS")
+    export OMP_NUM_THREADS=$(($(nproc) / runs > 0 ? $(nproc) / runs : 1))
+    pids=()
+    for depth in $LAYERS; do
+        run="$RUNS/layers-$depth"
+        mkdir -p "$run"
+        ln -sfn ../answers/distill "$run/distill"
+        resume=()  # a later call on the same machine goes on from each run's checkpoint
+        [ -f "$run/checkpoint/trainer_state.json" ] && resume=(--resume)
+        timeout $((CALL_SECONDS - ($(date +%s) - started))) python3 -m dflash_cli train "${common[@]}" \
+            --follow-ups "$follow_ups" --output "$run" --layers "$depth" "${eval[@]}" \
+            --steps "$STEPS" --train-minutes "$minutes" --batch-size "$BATCH" --anchors 16 --lr 2e-3 \
+            --checkpoint-every "$CHECKPOINT_EVERY" "${resume[@]}" >"$OUT/train-layers-$depth.json" \
+            2>"$OUT/train-layers-$depth.log" &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+    # What comes back from $OUT is at most 8 files of 16 MiB, 2 folders down: each depth's drafter (bf16, as
+    # shipped; a run cut short, its last checkpoint's) with its metrics and log in one tar, in 15 MiB parts.
+    for depth in $LAYERS; do
+        run="$RUNS/layers-$depth" pack="$RUNS/return-$depth"
+        rm -rf "$pack" && mkdir -p "$pack"
+        if [ -f "$run/metrics.json" ]; then
+            cp -r "$run/drafter" "$run/metrics.json" "$pack"/
+        elif [ -d "$run/checkpoint/drafter" ]; then
+            cp -r "$run/checkpoint/drafter" "$run/checkpoint/trainer_state.json" "$pack"/
+        fi
+        cp "$OUT/train-layers-$depth.log" "$OUT/train-layers-$depth.json" "$pack"/
+        if [ -d "$pack/drafter" ]; then
+            python3 - "$pack/drafter" <<'PY'
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+drafter = Path(sys.argv[1])
+weights = load_file(str(drafter / "model.safetensors"))
+save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}, str(drafter / "model.safetensors"))
+config = json.loads((drafter / "config.json").read_text())
+(drafter / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=2) + "\n")
+PY
+        fi
+        tar -cf - -C "$pack" . | split -b 15M -d -a 1 - "$OUT/layers-$depth.tar."
+        rm -f "$OUT/train-layers-$depth.log" "$OUT/train-layers-$depth.json"
+        echo "layers $depth: $(cat "$pack/train-layers-$depth.json")"
+        tr '\r' '\n' <"$pack/train-layers-$depth.log" | tail -n 3
+        if [ -f "$pack/trainer_state.json" ]; then
+            python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['history'][-1])" "$pack/trainer_state.json"
+        fi
+    done
+    echo "whole call: $(($(date +%s) - started)) s"
     exit "$status"
     ;;
 *)

@@ -527,8 +527,8 @@ def train(
         typer.Option(
             min=0.0,
             show_default=False,
-            help="Stop training after this many minutes, before --steps if need be (checkpointed where it stops; "
-            "the learning rate follows --steps, so choose --steps that fit and keep this as the bound).",
+            help="Stop training after this many minutes, before --steps if need be (checkpointed where it stops). "
+            "The learning rate's decay then ends where the time runs out, at the pace measured so far.",
         ),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,

@@ -371,11 +371,12 @@ def dflash_loss(
 # ---------------------------------------------------------------- checkpoints
 
 
-def _lr_at(step: int, options: TrainOptions) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak."""
+def learning_rate(step: int, options: TrainOptions, horizon: int | None = None) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak at `horizon` (default: options.steps)."""
     if step < options.warmup_steps:
         return options.lr * (step + 1) / options.warmup_steps
-    progress = (step - options.warmup_steps) / max(1, options.steps - options.warmup_steps)
+    horizon = options.steps if horizon is None else horizon
+    progress = (step - options.warmup_steps) / max(1, horizon - options.warmup_steps)
     return options.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -584,6 +585,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
     target, tokenizer = open_target(options.target, options.device, dtype, console)
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
+    drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -686,7 +688,9 @@ def _train_loop(
 ) -> tuple[dict[str, float], int]:
     """Train from `step` to options.steps, or until options.train_minutes have passed (a checkpoint is saved where
     it stops); returns the running figures and the step reached."""
-    deadline = None if options.train_minutes is None else time.perf_counter() + 60 * options.train_minutes
+    started, first_step = time.perf_counter(), step
+    deadline = None if options.train_minutes is None else started + 60 * options.train_minutes
+    horizon = options.steps
     rng = random.Random(options.seed * 1_000_003 + step)  # a resumed run does not replay the same batches
     layer_ids = drafter.config.target_layer_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -695,13 +699,18 @@ def _train_loop(
     fast_bf16 = serving_dtype(options.device) == torch.bfloat16
     batches = _batches(samples, options.batch_size, rng)
     while step < options.steps:
+        began = time.perf_counter()
         indices = next(batches)
         chosen = [samples[i] for i in indices]
         batch = make_batch(chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng)
         features = _features(target, batch.input_ids, chosen, layer_ids)
         batch = batch.to(features.device)
+        batch_seconds = time.perf_counter() - began  # the host's share: the device's work runs on asynchronously
+        if deadline is not None and step - first_step >= 20 and step % 10 == 0:
+            now = time.perf_counter()
+            horizon = fitted_horizon(step, step - first_step, now - started, deadline - now, options.steps)
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, options)
+            group["lr"] = learning_rate(step, options, horizon)
         # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
         # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
         # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
@@ -712,6 +721,8 @@ def _train_loop(
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         step += 1
+        # Seconds a step and the host's share in making its batch: where a slow run's time goes.
+        stats |= {"step_s": time.perf_counter() - began, "batch_s": batch_seconds}
         running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
         progress.update(
             task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}"
@@ -729,14 +740,22 @@ def _train_loop(
     return running, step
 
 
+def fitted_horizon(step: int, steps_run: int, seconds_run: float, seconds_left: float, steps: int) -> int:
+    """The step the learning rate's decay ends at under --train-minutes: where training stops at the pace so far
+    (or at --steps, if that comes first), so that a run the clock stops has decayed its rate all the same."""
+    return min(steps, step + int(steps_run / max(seconds_run, 1e-9) * max(0.0, seconds_left)))
+
+
 def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_ids: list[int]) -> torch.Tensor:
     """Target features [b, S, n*H] for a right-padded batch: stored ones when distillation captured them."""
     device = target.get_input_embeddings().weight.device
     if all(s.features is not None for s in batch):
-        out = torch.zeros(*input_ids.shape, batch[0].features.shape[-1])
+        # Gathered on the device in their stored dtype: on a GPU a batch's features in float32 on the host were a
+        # few hundred MB to fill and copy each step.
+        out = torch.zeros(*input_ids.shape, batch[0].features.shape[-1], dtype=batch[0].features.dtype, device=device)
         for row, sample in enumerate(batch):
-            out[row, : sample.features.shape[0]] = sample.features.float()
-        return out.to(device)
+            out[row, : sample.features.shape[0]] = sample.features.to(device)
+        return out.float()
     with torch.no_grad():
         # Right padding and causal attention: real positions never see the pads, so no mask is needed.
         _, features = capture_target_features(

@@ -20,7 +20,9 @@ from dflash_cli.commands.train import (
     TrainOptions,
     block_attention_mask,
     dflash_loss,
+    fitted_horizon,
     interrupted_training_state,
+    learning_rate,
     make_batch,
     new_drafter,
     open_target,
@@ -217,9 +219,23 @@ def test_train_minutes_bounds_the_training(tiny_qwen3_dir: Path, prompt_file: Pa
     out = tmp_path / "run"
     result = train(options(tiny_qwen3_dir, prompt_file, out, steps=50, train_minutes=0.0))
     assert result.steps == 1 and result.history[-1]["step"] == 1
+    assert result.history[-1]["step_s"] > result.history[-1]["batch_s"] > 0  # where a step's time went
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
     assert json.loads((out / "metrics.json").read_text())["steps"] == 1 and (out / "drafter").is_dir()
     assert train(options(tiny_qwen3_dir, prompt_file, out, steps=3, resume=True)).steps == 3
+
+
+def test_the_learning_rate_decays_by_the_time_left_under_train_minutes() -> None:
+    """Under --train-minutes the cosine ends where the clock will stop training, at the pace so far: a run cut by
+    the time ends at the floor rate, not halfway down; --steps still bounds it."""
+    opts = TrainOptions(target="t", prompts="p", output="o", steps=10_000, lr=1.0, warmup_steps=10)
+    # 100 steps in 10 s, 20 s left: 200 more fit, the decay ends at step 300.
+    assert fitted_horizon(100, 100, 10.0, 20.0, opts.steps) == 300
+    assert fitted_horizon(100, 100, 10.0, 1e6, opts.steps) == opts.steps
+    assert fitted_horizon(100, 100, 10.0, -1.0, opts.steps) == 100  # past the deadline: the next step is the last
+    assert learning_rate(300, opts, 300) == pytest.approx(0.1)
+    assert learning_rate(300, opts) > 0.99  # by --steps alone it would still be near the peak
+    assert learning_rate(155, opts, 300) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
 def test_an_output_that_is_a_file_is_refused(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:

@@ -28,15 +28,15 @@ LAYERS=${LAYERS:-1 2}  # drafter depths trained side by side; here, the CPU meas
 PROMPTS_USED=${PROMPTS_USED:-4017}
 FOLLOW_UPS=${FOLLOW_UPS:-3}
 STEPS=${STEPS:-20000}  # an upper bound: the time left bounds the training, and its learning rate's decay
-RESERVE=${RESERVE:-45}  # seconds kept for the drafters' loading and saving (and held-out tau, if EVAL_PROMPTS)
+RESERVE=${RESERVE:-75}  # seconds for the runs' loading (~26 s on the H200), saving (and held-out tau, if asked)
 # Held-out tau on the device: 0, measured here instead on the CPU that serves the demo (`dflash bench demo`); on
 # the H200 16 prompts took over 70 s of eager decoding, beside a second run.
 EVAL_PROMPTS=${EVAL_PROMPTS:-0}
 MIN_TRAIN=${MIN_TRAIN:-120}  # seconds of training the distillation leaves at least
 BATCH=${BATCH:-64}
-DISTILL_BATCH=${DISTILL_BATCH:-256}
+DISTILL_BATCH=${DISTILL_BATCH:-1024}  # 256 took ~320 s for 16k answers on the H200, at ~40 ms a (host-bound) step
 CALL_SECONDS=${CALL_SECONDS:-530}  # the whole `train` run, under the call's 600 s
-CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-200}
+CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-100}
 
 downloads() { python3 -c 'from dflash_cli.loading.gguf import cache_root; print(cache_root() / "downloads")'; }
 
@@ -61,6 +61,7 @@ receive)
     ;;
 train)
     device=${2:-cuda}
+    [ -n "${LAYERS// /}" ] || { echo "LAYERS names no drafter depth" >&2; exit 2; }
     started=$(date +%s)
     mkdir -p "$RECEIVED" "$OUT" "$RUNS"
     cp .stage/part-[0-9] "$RECEIVED"/ 2>/dev/null || true
@@ -83,42 +84,65 @@ train)
     python3 scripts/make_demo_prompts.py /tmp/dflash-prompts >/dev/null
     head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
     common=(--target demo --prompts /tmp/dflash-prompts/train.jsonl --feature-layers 5 --block-size 8
-        --max-new-tokens 128 --distill-batch-size "$DISTILL_BATCH" --device "$device" --dtype bfloat16 --json)
+        --max-new-tokens 128 --device "$device" --dtype bfloat16 --json)
+    left() { local n=$((CALL_SECONDS - ($(date +%s) - started) - ${1:-0})); echo $((n > 1 ? n : 1)); }
     # 1. The answers, once: a one-step run whose distillation the drafters below share (cached in $RUNS/answers).
     # Cut short by the time training needs, the drafters train on the first turns' answers alone.
     follow_ups=$FOLLOW_UPS
     if [ ! -f "$RUNS/answers/metrics.json" ]; then
-        timeout $((CALL_SECONDS - RESERVE - MIN_TRAIN)) python3 -m dflash_cli train "${common[@]}" \
+        status=0
+        timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" \
             --follow-ups "$follow_ups" --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 \
-            >"$OUT/answers.json" || follow_ups=0
-        if [ "$follow_ups" = 0 ]; then  # (completes the first turns, if even they were cut)
+            --distill-batch-size "$DISTILL_BATCH" >"$OUT/answers.json" || status=$?
+        if [ "$status" != 0 ] && [ "$status" != 124 ] && [ "$DISTILL_BATCH" -gt 256 ]; then
+            # (1024 rows a batch is untried on the device: once more at the 256 that ran, from the answers kept)
+            echo "distillation failed ($status) at $DISTILL_BATCH a batch: again at 256"
+            DISTILL_BATCH=256
+            rm -rf "$RUNS/answers/checkpoint" "$RUNS/answers/checkpoint.previous"
+            status=0
+            timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" \
+                --follow-ups "$follow_ups" --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 \
+                --distill-batch-size "$DISTILL_BATCH" >"$OUT/answers.json" || status=$?
+        fi
+        if [ "$status" = 124 ]; then  # (completes the first turns, if even they were cut)
             echo "distillation cut short after $(($(date +%s) - started)) s: training on the first turns' answers"
-            python3 -m dflash_cli train "${common[@]}" --follow-ups 0 --output "$RUNS/answers" \
-                --layers 1 --steps 1 --eval-prompts 0 >"$OUT/answers.json"
+            follow_ups=0
+            rm -rf "$RUNS/answers/checkpoint" "$RUNS/answers/checkpoint.previous"
+            timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" --follow-ups 0 \
+                --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 --distill-batch-size "$DISTILL_BATCH" \
+                >"$OUT/answers.json"
+        elif [ "$status" != 0 ]; then
+            cat "$OUT/answers.json"
+            exit "$status"
         fi
         echo "$follow_ups" >"$RUNS/answers/follow-ups"
     fi
     follow_ups=$(cat "$RUNS/answers/follow-ups")
     echo "answers distilled: $(wc -l <"$RUNS/answers/distill/responses.jsonl") in $(($(date +%s) - started)) s"
     # 2. One drafter per depth in LAYERS, side by side on the device (each run is bound by its host, not the
-    # GPU), trained for the time the call has left less RESERVE (loading, held-out tau, saving).
-    left=$((CALL_SECONDS - ($(date +%s) - started) - RESERVE))
-    minutes=$(python3 -c "print(max(0.5, $left / 60))")
+    # GPU), trained for the time the call has left less RESERVE (loading, saving, held-out tau if asked).
+    minutes=$(python3 -c "print(max(0.5, $(left "$RESERVE") / 60))")
     echo "training for $minutes minutes: layers $LAYERS"
     eval=(--eval-prompts 0)
-    [ "$EVAL_PROMPTS" != 0 ] && eval=(--eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts "$EVAL_PROMPTS")
-    # One share of the host's cores each: oversubscribed, torch's thread pools spin against each other (here, two
-    # runs of two threads on two cores made each batch 3x slower than one thread each).
+    if [ "$EVAL_PROMPTS" != 0 ]; then
+        eval=(--eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts "$EVAL_PROMPTS")
+    fi
+    # One share of the host's cores each: oversubscribed, torch's thread pools spin against each other (here, on 2
+    # cores, two runs trained 7-9x slower with two threads each than with one).
     runs=$(wc -w <<<"$LAYERS")
-    export OMP_NUM_THREADS=$(($(nproc) / runs > 0 ? $(nproc) / runs : 1))
+    export OMP_NUM_THREADS=${THREADS_PER_RUN:-$(($(nproc) / runs > 0 ? $(nproc) / runs : 1))}
     pids=()
     for depth in $LAYERS; do
         run="$RUNS/layers-$depth"
         mkdir -p "$run"
         ln -sfn ../answers/distill "$run/distill"
-        resume=()  # a later call on the same machine goes on from each run's checkpoint
-        [ -f "$run/checkpoint/trainer_state.json" ] && resume=(--resume)
-        timeout $((CALL_SECONDS - ($(date +%s) - started))) python3 -m dflash_cli train "${common[@]}" \
+        rm -rf "$run/metrics.json" "$run/drafter"  # (a previous call's: what returns is this call's)
+        resume=()  # a later call on the same machine goes on from each run's checkpoint (or the one a kill mid-save
+        # set aside: train puts it back)
+        if [ -f "$run/checkpoint/trainer_state.json" ] || [ -f "$run/checkpoint.previous/trainer_state.json" ]; then
+            resume=(--resume)
+        fi
+        timeout "$(left)" python3 -m dflash_cli train "${common[@]}" \
             --follow-ups "$follow_ups" --output "$run" --layers "$depth" "${eval[@]}" \
             --steps "$STEPS" --train-minutes "$minutes" --batch-size "$BATCH" --anchors 16 --lr 2e-3 \
             --checkpoint-every "$CHECKPOINT_EVERY" "${resume[@]}" >"$OUT/train-layers-$depth.json" \
@@ -134,8 +158,13 @@ train)
         rm -rf "$pack" && mkdir -p "$pack"
         if [ -f "$run/metrics.json" ]; then
             cp -r "$run/drafter" "$run/metrics.json" "$pack"/
-        elif [ -d "$run/checkpoint/drafter" ]; then
-            cp -r "$run/checkpoint/drafter" "$run/checkpoint/trainer_state.json" "$pack"/
+        else
+            for kept in "$run/checkpoint" "$run/checkpoint.previous"; do  # (the second: killed mid-save)
+                if [ -f "$kept/trainer_state.json" ]; then
+                    cp -r "$kept/drafter" "$kept/trainer_state.json" "$pack"/
+                    break
+                fi
+            done
         fi
         cp "$OUT/train-layers-$depth.log" "$OUT/train-layers-$depth.json" "$pack"/
         if [ -d "$pack/drafter" ]; then
@@ -146,7 +175,8 @@ import torch
 from safetensors.torch import load_file, save_file
 drafter = Path(sys.argv[1])
 weights = load_file(str(drafter / "model.safetensors"))
-save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}, str(drafter / "model.safetensors"))
+weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
+save_file(weights, str(drafter / "model.safetensors"), metadata={"format": "pt"})
 config = json.loads((drafter / "config.json").read_text())
 (drafter / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=2) + "\n")
 PY

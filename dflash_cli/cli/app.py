@@ -32,6 +32,7 @@ from dflash_cli.cli.flags import (
     RecipeFile,
     RecipeName,
     Target,
+    Threads,
     check_device,
     check_dtype,
     check_prompt_set,
@@ -532,7 +533,12 @@ def train(
         ),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --output.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Continue the checkpoint in --output (from the learning rate it stopped at, never higher)."
+        ),
+    ] = False,
     device: Annotated[str, typer.Option(callback=check_device, help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[
         str | None,
@@ -543,6 +549,7 @@ def train(
             "bf16 on GPUs and CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs).",
         ),
     ] = None,
+    threads: Threads = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Train a DFlash drafter for a target model (self-distillation: the target writes the training answers).
@@ -579,6 +586,7 @@ def train(
         resume=resume,
         device=device,
         dtype=dtype,
+        threads=threads,
     )
     try:
         result = run_training(options, err_console)

@@ -153,6 +153,15 @@ GpuMemory = Annotated[
     float | None,
     typer.Option("--gpu-memory", min=1.0, help="GB per GPU on the serving machine (default: this machine's, else 80)."),
 ]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="CPU threads for torch (default: the cores other processes leave free; more threads than free "
+        "cores stall on each other, decoding and training alike).",
+        rich_help_panel=PLANNING,
+    ),
+]
 
 # The run flags by parameter name: RunOptions' fields, and for its `sampling` the keys of params.FIELDS.
 RUN_FLAG_TYPES: dict[str, Any] = {
@@ -260,15 +269,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
             rich_help_panel=PLANNING,
         ),
     ],
-    "threads": Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="CPU threads for torch (default: the cores other processes leave free; more threads than free "
-            "cores make decoding stall).",
-            rich_help_panel=PLANNING,
-        ),
-    ],
+    "threads": Threads,
     "compile": Annotated[
         str,
         typer.Option(

@@ -41,6 +41,7 @@ from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target.base import capture_layers, capture_target_features
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.recipes import recipe_for_target
+from dflash_cli.setup.threads import apply_threads
 
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state),
 # distill/ (the target's answers and captured features), metrics.json.
@@ -92,6 +93,7 @@ class TrainOptions:
     # (bf16 on GPUs and on CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs, where bf16 is
     # emulated and several times slower). tau is always measured in the serving dtype (see evaluate_tau).
     dtype: str | None = None
+    threads: int | None = None  # torch's CPU threads (None: the cores other processes leave free)
 
     @property
     def loss_gamma(self) -> float:
@@ -276,13 +278,16 @@ def _cut_at_stop(row: list[int], stop_ids: list[int]) -> list[int]:
 # ---------------------------------------------------------------- the DFlash objective
 
 
-def block_attention_mask(context_len: int, anchors: list[int], block_size: int) -> torch.Tensor:
-    """Bool [n*B, context_len + n*B], True = may attend: block i sees context positions < anchors[i] and itself."""
-    n = len(anchors)
+def block_attention_mask(context_len: int, anchors: list[int] | torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool [..., n*B, context_len + n*B] for anchors [..., n], True = may attend: block i sees context positions
+    < anchors[i] and itself."""
+    anchors = torch.as_tensor(anchors)
+    n = anchors.shape[-1]
     rows = torch.arange(n * block_size) // block_size
-    ctx = torch.arange(context_len)[None, :] < torch.tensor(anchors)[rows][:, None]
-    blocks = rows[:, None] == rows[None, :]
-    return torch.cat([ctx, blocks], dim=1)
+    mask = torch.empty(*anchors.shape[:-1], n * block_size, context_len + n * block_size, dtype=torch.bool)
+    mask[..., :context_len] = torch.arange(context_len) < anchors[..., rows, None]
+    mask[..., context_len:] = rows[:, None] == rows[None, :]
+    return mask
 
 
 def sample_anchors(prompt_len: int, seq_len: int, count: int, rng: random.Random) -> list[int]:
@@ -310,27 +315,29 @@ class TrainingBatch:
 def make_batch(
     samples: list[Sample], anchors_per_sequence: int, block_size: int, mask_id: int, pad_id: int, rng: random.Random
 ) -> TrainingBatch:
+    """A batch in a few whole-batch operations: per-row ones were thousands of small ops a step, which a busy or
+    oversubscribed host turns into most of a GPU step's time."""
     width = max(len(s.ids) for s in samples)
     n, B = anchors_per_sequence, block_size
-    input_ids = torch.full((len(samples), width), pad_id)
-    block_ids = torch.full((len(samples), n, B), mask_id)
-    labels = torch.full((len(samples), n, B - 1), -100)
-    positions = torch.zeros(len(samples), width + n * B, dtype=torch.long)
-    masks = torch.zeros(len(samples), 1, n * B, width + n * B, dtype=torch.bool)
+    input_ids = torch.tensor([s.ids + [pad_id] * (width - len(s.ids)) for s in samples])
+    # Unused anchor slots (short responses) sit at position 0 with all labels -100; they see only themselves,
+    # which keeps SDPA finite.
+    anchors = torch.zeros(len(samples), n, dtype=torch.long)
+    used = torch.zeros(len(samples), n, dtype=torch.bool)
     for row, sample in enumerate(samples):
-        ids = torch.tensor(sample.ids)
-        input_ids[row, : len(ids)] = ids
-        anchors = sample_anchors(len(sample.prompt_ids), len(ids), n, rng)
-        # Unused block slots keep all labels at -100; they see only themselves, which keeps SDPA finite.
-        padded = anchors + [0] * (n - len(anchors))
-        for i, a in enumerate(anchors):
-            block_ids[row, i, 0] = ids[a]
-            targets = ids[a + 1 : a + B]
-            labels[row, i, : len(targets)] = targets
-        positions[row, :width] = torch.arange(width)
-        positions[row, width:] = (torch.tensor(padded)[:, None] + torch.arange(B)[None, :]).reshape(-1)
-        masks[row, 0] = block_attention_mask(width, padded, B)
-    return TrainingBatch(input_ids, block_ids.reshape(len(samples), n * B), labels, positions, masks)
+        chosen = sample_anchors(len(sample.prompt_ids), len(sample.ids), n, rng)
+        anchors[row, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
+        used[row, : len(chosen)] = True
+    lengths = torch.tensor([len(s.ids) for s in samples])
+    slots = anchors[..., None] + torch.arange(B)  # [b, n, B]: the positions each block stands for
+    tokens = input_ids.gather(1, slots.clamp(max=width - 1).flatten(1)).view_as(slots)
+    block_ids = torch.where(used, tokens[..., 0], mask_id)[..., None].expand(-1, -1, B).clone()
+    block_ids[..., 1:] = mask_id
+    present = used[..., None] & (slots[..., 1:] < lengths[:, None, None])
+    labels = torch.where(present, tokens[..., 1:], -100)
+    positions = torch.cat([torch.arange(width).expand(len(samples), width), slots.flatten(1)], dim=1)
+    masks = block_attention_mask(width, anchors, B)[:, None]
+    return TrainingBatch(input_ids, block_ids.flatten(1), labels, positions, masks)
 
 
 def dflash_loss(
@@ -371,13 +378,18 @@ def dflash_loss(
 # ---------------------------------------------------------------- checkpoints
 
 
-def learning_rate(step: int, options: TrainOptions, horizon: int | None = None) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak at `horizon` (default: options.steps)."""
+def learning_rate(step: int, options: TrainOptions, progress: float) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak; `progress` is how far the decay has gone (0 to 1)."""
     if step < options.warmup_steps:
         return options.lr * (step + 1) / options.warmup_steps
-    horizon = options.steps if horizon is None else horizon
-    progress = (step - options.warmup_steps) / max(1, horizon - options.warmup_steps)
     return options.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def decay_progress(step: int, start: int, start_progress: float, horizon: int) -> float:
+    """How far the decay has gone at `step`: from `start_progress` at `start` (the end of warmup, or where a run
+    resumed) straight to 1 at `horizon` (--steps, or where --train-minutes will stop the run: fitted_horizon). A
+    resumed run goes on from the rate it stopped at, never back up."""
+    return min(1.0, start_progress + (1 - start_progress) * max(0, step - start) / max(1, horizon - start))
 
 
 def save_checkpoint(
@@ -387,8 +399,10 @@ def save_checkpoint(
     step: int,
     options: TrainOptions,
     history: list[dict[str, float]],
+    progress: float,
 ) -> None:
-    """Drafter in the z-lab format plus optimizer tensors (safetensors) and scalars (JSON): no pickle."""
+    """Drafter in the z-lab format plus optimizer tensors (safetensors) and scalars (JSON, with the learning rate's
+    decay `progress` at `step`): no pickle."""
     from safetensors.torch import save_file
 
     staging = directory.with_name(directory.name + ".tmp")
@@ -405,7 +419,13 @@ def save_checkpoint(
                 else:
                     scalars[f"{names[id(param)]}/{key}"] = float(value)
     save_file(tensors, str(staging / "optimizer.safetensors"))
-    state = {"step": step, "options": asdict(options), "optimizer_scalars": scalars, "history": history}
+    state = {
+        "step": step,
+        "decay_progress": progress,
+        "options": asdict(options),
+        "optimizer_scalars": scalars,
+        "history": history,
+    }
     (staging / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
     previous = previous_checkpoint(directory)
     if directory.exists():
@@ -446,7 +466,8 @@ def recover_checkpoint(directory: Path) -> None:
 
 def load_checkpoint(
     directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer
-) -> tuple[int, list[dict[str, float]]]:
+) -> tuple[int, list[dict[str, float]], float | None]:
+    """Restore the drafter and optimizer; the step, history and decay progress saved (None: an older checkpoint)."""
     from safetensors.torch import load_file
 
     state = json.loads((directory / "trainer_state.json").read_text())
@@ -468,7 +489,7 @@ def load_checkpoint(
     for key, value in tensors.items():
         name, slot = key.rsplit("/", 1)
         optimizer.state[params[name]][slot] = value.to(params[name].device)
-    return int(state["step"]), state["history"]
+    return int(state["step"]), state["history"], state.get("decay_progress")
 
 
 # ---------------------------------------------------------------- the run
@@ -584,6 +605,9 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
     target, tokenizer = open_target(options.target, options.device, dtype, console)
+    # No more threads than free cores: oversubscribed, torch's thread pools spin against each other (on 2 cores, two
+    # runs side by side trained 7-9x slower with two threads each than with one; docs/benchmarks.md).
+    console.print(f"[dim]Threads: {apply_threads(options.threads).reason}[/dim]")
     drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
     drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
     columns = (
@@ -625,13 +649,13 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
                 fix="check the prompts and --max-new-tokens",
             )
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, betas=(0.9, 0.95))
-        step, history = 0, []
+        step, history, decayed = 0, [], None
         if options.resume:
-            step, history = load_checkpoint(checkpoint, drafter, optimizer)
+            step, history, decayed = load_checkpoint(checkpoint, drafter, optimizer)
             console.print(f"Resuming from step {step} ({checkpoint})")
         started = time.perf_counter()
         stats, steps_done = _train_loop(
-            drafter, target, samples, optimizer, options, step, history, progress, checkpoint, tokenizer
+            drafter, target, samples, optimizer, options, (step, decayed), history, progress, checkpoint, tokenizer
         )
         train_seconds = time.perf_counter() - started
     final = output / DRAFTER_DIR
@@ -680,17 +704,21 @@ def _train_loop(
     samples: list[Sample],
     optimizer: torch.optim.Optimizer,
     options: TrainOptions,
-    step: int,
+    resumed: tuple[int, float | None],
     history: list[dict[str, float]],
     progress: Progress,
     checkpoint: Path,
     tokenizer: Any,
 ) -> tuple[dict[str, float], int]:
-    """Train from `step` to options.steps, or until options.train_minutes have passed (a checkpoint is saved where
-    it stops); returns the running figures and the step reached."""
+    """Train from the step `resumed` names (with the decay progress saved there, if any) to options.steps, or until
+    options.train_minutes have passed (a checkpoint is saved where it stops); returns the running figures and the
+    step reached."""
+    step, start_progress = resumed
     started, first_step = time.perf_counter(), step
     deadline = None if options.train_minutes is None else started + 60 * options.train_minutes
-    horizon = options.steps
+    horizon, start = options.steps, max(step, options.warmup_steps)
+    if start_progress is None:  # a fresh run, or a checkpoint that did not record it: as --steps sets it
+        start_progress = decay_progress(start, options.warmup_steps, 0.0, options.steps)
     rng = random.Random(options.seed * 1_000_003 + step)  # a resumed run does not replay the same batches
     layer_ids = drafter.config.target_layer_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -703,14 +731,14 @@ def _train_loop(
         indices = next(batches)
         chosen = [samples[i] for i in indices]
         batch = make_batch(chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng)
+        made = time.perf_counter()
         features = _features(target, batch.input_ids, chosen, layer_ids)
         batch = batch.to(features.device)
-        batch_seconds = time.perf_counter() - began  # the host's share: the device's work runs on asynchronously
+        fed = time.perf_counter()
         if deadline is not None and step - first_step >= 20 and step % 10 == 0:
-            now = time.perf_counter()
-            horizon = fitted_horizon(step, step - first_step, now - started, deadline - now, options.steps)
+            horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, options, horizon)
+            group["lr"] = learning_rate(step, options, decay_progress(step, start, start_progress, horizon))
         # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
         # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
         # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
@@ -721,8 +749,9 @@ def _train_loop(
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         step += 1
-        # Seconds a step and the host's share in making its batch: where a slow run's time goes.
-        stats |= {"step_s": time.perf_counter() - began, "batch_s": batch_seconds}
+        # Where a slow run's time goes: seconds a step, making its batch (the host alone), and its features on the
+        # device (stored ones copied, or the target's forward; a copy also waits for the device's queue).
+        stats |= {"step_s": time.perf_counter() - began, "batch_s": made - began, "features_s": fed - made}
         running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
         progress.update(
             task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}"
@@ -731,7 +760,8 @@ def _train_loop(
         if step % 10 == 0 or step == options.steps or out_of_time:
             history.append({"step": step, **running})
         if step % options.checkpoint_every == 0 or step == options.steps or out_of_time:
-            save_checkpoint(checkpoint, drafter, optimizer, step, options, history)
+            decayed = decay_progress(step, start, start_progress, horizon)
+            save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
         if out_of_time:
             progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
             break
@@ -750,12 +780,11 @@ def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_i
     """Target features [b, S, n*H] for a right-padded batch: stored ones when distillation captured them."""
     device = target.get_input_embeddings().weight.device
     if all(s.features is not None for s in batch):
-        # Gathered on the device in their stored dtype: on a GPU a batch's features in float32 on the host were a
-        # few hundred MB to fill and copy each step.
-        out = torch.zeros(*input_ids.shape, batch[0].features.shape[-1], dtype=batch[0].features.dtype, device=device)
-        for row, sample in enumerate(batch):
-            out[row, : sample.features.shape[0]] = sample.features.to(device)
-        return out.float()
+        # Padded here in their stored dtype (bf16) and copied once: per-row copies from pageable memory each wait
+        # for the device's queue, and float32 on the host doubled the bytes.
+        stored = torch.nn.utils.rnn.pad_sequence([s.features for s in batch], batch_first=True)
+        stored = F.pad(stored, (0, 0, 0, input_ids.shape[1] - stored.shape[1]))
+        return stored.to(device).float()
     with torch.no_grad():
         # Right padding and causal attention: real positions never see the pads, so no mask is needed.
         _, features = capture_target_features(

@@ -19,6 +19,7 @@ from dflash_cli.commands.train import (
     Sample,
     TrainOptions,
     block_attention_mask,
+    decay_progress,
     dflash_loss,
     fitted_horizon,
     interrupted_training_state,
@@ -103,6 +104,25 @@ def test_batch_labels_positions_and_blocks() -> None:
             batch.attention_mask[0, 0, 3 * i : 3 * i + 3], block_attention_mask(7, anchors, 3)[3 * i : 3 * i + 3]
         )
     assert batch.position_ids[0, :7].tolist() == list(range(7))
+
+
+def test_batch_rows_of_other_lengths_pad_and_leave_unused_blocks_inert() -> None:
+    """A short answer has fewer anchors than slots: its unused blocks hold MASK only, no labels, positions 0..B-1,
+    and see only themselves; the shorter row is padded, and no label reads past its own tokens."""
+    long = Sample(prompt_ids=[10, 11], response_ids=[20, 21, 22, 23, 24, 25])
+    short = Sample(prompt_ids=[12], response_ids=[30, 31])  # one anchor candidate: position 1
+    batch = make_batch([long, short], anchors_per_sequence=3, block_size=3, mask_id=99, pad_id=0, rng=random.Random(3))
+    width = len(long.ids)
+    assert batch.input_ids[1].tolist() == short.ids + [0] * (width - len(short.ids))
+    assert batch.block_ids[1].tolist() == [30, 99, 99] + [99] * 6
+    assert batch.labels[1].tolist() == [[31, -100], [-100, -100], [-100, -100]]
+    assert batch.position_ids[1, width:].tolist() == [1, 2, 3, 0, 1, 2, 0, 1, 2]
+    unused = batch.attention_mask[1, 0, 3:]
+    assert not unused[:, :width].any()
+    assert unused[:, width:].tolist() == [[False] * 3 + [True] * 3 + [False] * 3] * 3 + [[False] * 6 + [True] * 3] * 3
+    for i in range(3):  # the long row: every slot used, labels inside its tokens
+        a = int(batch.position_ids[0, width + 3 * i])
+        assert batch.labels[0, i].tolist() == [long.ids[a + k] if a + k < width else -100 for k in (1, 2)]
 
 
 def test_self_distill_caches_answers_and_features(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
@@ -219,7 +239,8 @@ def test_train_minutes_bounds_the_training(tiny_qwen3_dir: Path, prompt_file: Pa
     out = tmp_path / "run"
     result = train(options(tiny_qwen3_dir, prompt_file, out, steps=50, train_minutes=0.0))
     assert result.steps == 1 and result.history[-1]["step"] == 1
-    assert result.history[-1]["step_s"] > result.history[-1]["batch_s"] > 0  # where a step's time went
+    row = result.history[-1]
+    assert row["step_s"] > row["batch_s"] + row["features_s"] and row["batch_s"] > 0  # where a step's time went
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
     assert json.loads((out / "metrics.json").read_text())["steps"] == 1 and (out / "drafter").is_dir()
     assert train(options(tiny_qwen3_dir, prompt_file, out, steps=3, resume=True)).steps == 3
@@ -233,9 +254,38 @@ def test_the_learning_rate_decays_by_the_time_left_under_train_minutes() -> None
     assert fitted_horizon(100, 100, 10.0, 20.0, opts.steps) == 300
     assert fitted_horizon(100, 100, 10.0, 1e6, opts.steps) == opts.steps
     assert fitted_horizon(100, 100, 10.0, -1.0, opts.steps) == 100  # past the deadline: the next step is the last
-    assert learning_rate(300, opts, 300) == pytest.approx(0.1)
-    assert learning_rate(300, opts) > 0.99  # by --steps alone it would still be near the peak
-    assert learning_rate(155, opts, 300) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert learning_rate(300, opts, decay_progress(300, 10, 0.0, 300)) == pytest.approx(0.1)
+    assert learning_rate(300, opts, decay_progress(300, 10, 0.0, opts.steps)) > 0.99  # by --steps: near the peak
+    halfway = decay_progress(155, 10, 0.0, 300)
+    assert learning_rate(155, opts, halfway) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert learning_rate(4, opts, 0.0) == pytest.approx(0.5)  # warmup first, whatever the decay
+
+
+def test_a_resumed_run_goes_on_from_its_rate() -> None:
+    """Resuming continues the decay where the checkpoint left it: by --steps exactly as an uninterrupted run, and
+    under a new --train-minutes from that rate down to the floor, never back up to the peak."""
+    w, steps = 10, 1000
+    fresh = [decay_progress(s, w, 0.0, steps) for s in range(w, steps + 1)]
+    saved = decay_progress(400, w, 0.0, steps)
+    resumed = [decay_progress(s, 400, saved, steps) for s in range(400, steps + 1)]
+    assert resumed == pytest.approx(fresh[400 - w :])
+    # Resumed under a clock that fits 100 more steps: from the saved progress at once, to 1 at step 500.
+    assert decay_progress(400, 400, saved, 500) == pytest.approx(saved)
+    assert decay_progress(450, 400, saved, 500) == pytest.approx(saved + (1 - saved) / 2)
+    assert decay_progress(500, 400, saved, 500) == 1.0 == decay_progress(900, 400, 1.0, 2000)
+
+
+def test_a_checkpoint_records_its_decay_progress(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(options(tiny_qwen3_dir, prompt_file, out, steps=4, warmup_steps=1))
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["decay_progress"] == 1.0 and state["step"] == 4
+    # Resumed with more --steps (stopped by the clock after one): at the floor already, it stays there; by the new
+    # --steps alone it would be back at 3/7 + 4/7 * 1/4 of the way.
+    resumed = options(tiny_qwen3_dir, prompt_file, out, steps=8, warmup_steps=1, train_minutes=0.0, resume=True)
+    assert train(resumed).steps == 5
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["decay_progress"] == 1.0 and state["step"] == 5
 
 
 def test_an_output_that_is_a_file_is_refused(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
@@ -277,12 +327,15 @@ def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path:
         "8",
         "--eval-prompts",
         "2",
+        "--threads",
+        "1",
         "--json",
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["steps"] == 3 and data["eval_prompts"] == 2
+    assert "Threads: 1 thread: --threads" in result.stderr  # (the plan's line, as chat and run print it)
     assert data["chat_command"] == f"dflash chat --target {tiny_qwen3_dir} --drafter {out / 'drafter'}"
     assert (out / "drafter" / "model.safetensors").is_file() and (out / "metrics.json").is_file()
 

@@ -88,29 +88,27 @@ train)
     left() { local n=$((CALL_SECONDS - ($(date +%s) - started) - ${1:-0})); echo $((n > 1 ? n : 1)); }
     # 1. The answers, once: a one-step run whose distillation the drafters below share (cached in $RUNS/answers).
     # Cut short by the time training needs, the drafters train on the first turns' answers alone.
+    distil() {  # follow-up turns; a rerun starts from the answers kept, not from a checkpoint a cut run left
+        rm -rf "$RUNS/answers/checkpoint" "$RUNS/answers/checkpoint.previous"
+        timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" --follow-ups "$1" \
+            --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 --distill-batch-size "$DISTILL_BATCH" \
+            >"$OUT/answers.json"
+    }
     follow_ups=$FOLLOW_UPS
     if [ ! -f "$RUNS/answers/metrics.json" ]; then
         status=0
-        timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" \
-            --follow-ups "$follow_ups" --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 \
-            --distill-batch-size "$DISTILL_BATCH" >"$OUT/answers.json" || status=$?
+        distil "$follow_ups" || status=$?
         if [ "$status" != 0 ] && [ "$status" != 124 ] && [ "$DISTILL_BATCH" -gt 256 ]; then
             # (1024 rows a batch is untried on the device: once more at the 256 that ran, from the answers kept)
             echo "distillation failed ($status) at $DISTILL_BATCH a batch: again at 256"
             DISTILL_BATCH=256
-            rm -rf "$RUNS/answers/checkpoint" "$RUNS/answers/checkpoint.previous"
             status=0
-            timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" \
-                --follow-ups "$follow_ups" --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 \
-                --distill-batch-size "$DISTILL_BATCH" >"$OUT/answers.json" || status=$?
+            distil "$follow_ups" || status=$?
         fi
         if [ "$status" = 124 ]; then  # (completes the first turns, if even they were cut)
             echo "distillation cut short after $(($(date +%s) - started)) s: training on the first turns' answers"
             follow_ups=0
-            rm -rf "$RUNS/answers/checkpoint" "$RUNS/answers/checkpoint.previous"
-            timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" --follow-ups 0 \
-                --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 --distill-batch-size "$DISTILL_BATCH" \
-                >"$OUT/answers.json"
+            distil 0
         elif [ "$status" != 0 ]; then
             cat "$OUT/answers.json"
             exit "$status"

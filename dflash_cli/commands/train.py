@@ -317,22 +317,23 @@ def make_batch(
 ) -> TrainingBatch:
     """A batch in a few whole-batch operations: per-row ones were thousands of small ops a step, which a busy or
     oversubscribed host turns into most of a GPU step's time."""
-    width = max(len(s.ids) for s in samples)
+    rows = [s.ids for s in samples]  # (each a new list: Sample.ids joins prompt and response)
+    width = max(len(ids) for ids in rows)
     n, B = anchors_per_sequence, block_size
-    input_ids = torch.tensor([s.ids + [pad_id] * (width - len(s.ids)) for s in samples])
+    input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids in rows])
     # Unused anchor slots (short responses) sit at position 0 with all labels -100; they see only themselves,
     # which keeps SDPA finite.
     anchors = torch.zeros(len(samples), n, dtype=torch.long)
     used = torch.zeros(len(samples), n, dtype=torch.bool)
-    for row, sample in enumerate(samples):
-        chosen = sample_anchors(len(sample.prompt_ids), len(sample.ids), n, rng)
+    for row, (sample, ids) in enumerate(zip(samples, rows)):
+        chosen = sample_anchors(len(sample.prompt_ids), len(ids), n, rng)
         anchors[row, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
         used[row, : len(chosen)] = True
-    lengths = torch.tensor([len(s.ids) for s in samples])
+    lengths = torch.tensor([len(ids) for ids in rows])
     slots = anchors[..., None] + torch.arange(B)  # [b, n, B]: the positions each block stands for
     tokens = input_ids.gather(1, slots.clamp(max=width - 1).flatten(1)).view_as(slots)
-    block_ids = torch.where(used, tokens[..., 0], mask_id)[..., None].expand(-1, -1, B).clone()
-    block_ids[..., 1:] = mask_id
+    block_ids = torch.full_like(slots, mask_id)  # the anchor's token, then MASK
+    block_ids[..., 0] = torch.where(used, tokens[..., 0], mask_id)
     present = used[..., None] & (slots[..., 1:] < lengths[:, None, None])
     labels = torch.where(present, tokens[..., 1:], -100)
     positions = torch.cat([torch.arange(width).expand(len(samples), width), slots.flatten(1)], dim=1)
@@ -564,8 +565,9 @@ def target_template_kwargs(ref: str) -> dict[str, Any]:
 
 def open_target(ref: str, device: str, dtype: str, console: Console | None = None) -> tuple[Any, Any]:
     """The frozen target and its tokenizer, loaded as every command loads it (`loading.models.load_target`: the
-    plan's precision and quantization, the memory check), except that a CPU target trains unquantized. `ref` is what `--target` takes everywhere: a recipe name
-    (its target, with its offline source), a local directory or a repo id."""
+    plan's precision and quantization, the memory check), except that a CPU target trains unquantized. `ref` is what
+    `--target` takes everywhere: a recipe name (its target, with its offline source), a local directory or a repo
+    id."""
     from dflash_cli.loading.models import load_target, load_tokenizer, resolve_ref
     from dflash_cli.setup.hardware import detect_machine
     from dflash_cli.setup.planning import PlanOverrides, make_plan

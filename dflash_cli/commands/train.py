@@ -650,6 +650,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
                 "the target produced no usable responses (all shorter than 2 tokens)",
                 fix="check the prompts and --max-new-tokens",
             )
+        keep_features_on(drafter.fc.weight.device, samples)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, betas=(0.9, 0.95))
         step, history, decayed = 0, [], None
         if options.resume:
@@ -776,6 +777,18 @@ def fitted_horizon(step: int, steps_run: int, seconds_run: float, seconds_left: 
     """The step the learning rate's decay ends at under --train-minutes: where training stops at the pace so far
     (or at --steps, if that comes first), so that a run the clock stops has decayed its rate all the same."""
     return min(steps, step + int(steps_run / max(seconds_run, 1e-9) * max(0.0, seconds_left)))
+
+
+def keep_features_on(device: torch.device, samples: list[Sample]) -> None:
+    """Move the stored features read from the cache onto a GPU once, when they take at most half its free memory, so
+    that each step pads its batch there: on the host, 64 rows of 300-615 tokens are 220 MiB a step to pad (0.2 s on
+    one core of this VM; docs/benchmarks.md) and copy from pageable memory. A CPU run keeps them where they are."""
+    if device.type != "cuda":
+        return
+    away = [s for s in samples if s.features is not None and s.features.device != device]
+    if away and sum(s.features.nbytes for s in away) <= torch.cuda.mem_get_info(device)[0] // 2:
+        for sample in away:
+            sample.features = sample.features.to(device)
 
 
 def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_ids: list[int]) -> torch.Tensor:

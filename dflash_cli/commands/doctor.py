@@ -8,6 +8,7 @@ cli/output.py.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from dflash_cli.setup.recipes import Recipe, load_recipes
 from dflash_cli.setup.sizes import recipe_stored_bytes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
-OUR_ENTRY_POINT = "dflash_cli.cli.app:main"
+OUR_DISTRIBUTION = "dflash-cli"  # ours is the `dflash` command this distribution installs, whatever its entry point
 
 
 @dataclass(frozen=True)
@@ -318,15 +319,16 @@ def installed_version(distribution: str) -> str | None:
 
 
 def dflash_commands() -> list[tuple[str, str]]:
-    """(distribution, entry point) of every installed console script named `dflash`."""
+    """(distribution, entry point) of every installed console script named `dflash`; the distribution's name as
+    packaging normalizes it (dflash_cli, dflash.cli and dflash-cli are one project)."""
     return [
-        (ep.dist.name if ep.dist else "unknown", ep.value)
+        (re.sub(r"[-_.]+", "-", ep.dist.name).lower() if ep.dist else "unknown", ep.value)
         for ep in metadata.entry_points(group="console_scripts", name="dflash")
     ]
 
 
 def check_command_conflicts(commands: list[tuple[str, str]]) -> Check:
-    others = [(dist, value) for dist, value in commands if value != OUR_ENTRY_POINT]
+    others = [(dist, value) for dist, value in commands if dist != OUR_DISTRIBUTION]
     if others:
         names = ", ".join(f"{dist} ({value})" for dist, value in others)
         return Check(
@@ -335,7 +337,7 @@ def check_command_conflicts(commands: list[tuple[str, str]]) -> Check:
             f"another package also installs a `dflash` command: {names}; the one installed last wins",
             f"pip uninstall {others[0][0]}, or run this tool as `python -m dflash_cli`",
         )
-    ours = any(value == OUR_ENTRY_POINT for _, value in commands)
+    ours = any(dist == OUR_DISTRIBUTION for dist, _ in commands)
     return Check(
         "dflash command",
         "pass",

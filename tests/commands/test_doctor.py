@@ -29,6 +29,7 @@ from dflash_cli.commands.doctor import (
     check_python,
     check_recipes,
     check_torch,
+    dflash_commands,
     exit_code,
     hub_reachable,
     run_checks,
@@ -255,8 +256,9 @@ def test_python_version() -> None:
 
 
 def test_command_conflicts() -> None:
-    ours = ("dflash-cli", doctor.OUR_ENTRY_POINT)
+    ours = ("dflash-cli", "dflash_cli.cli:main")
     assert check_command_conflicts([ours]).status == "pass"
+    assert check_command_conflicts([("dflash-cli", "dflash_cli.cli.app:main")]).status == "pass"  # an older install
     clash = check_command_conflicts([ours, ("dflash", "dflash.cli:main")])
     assert clash.status == "warn" and "dflash (dflash.cli:main)" in clash.detail
     assert clash.fix.startswith("pip uninstall dflash")
@@ -374,3 +376,12 @@ def test_cpu_kernels_check_says_what_runs_and_what_to_install() -> None:
     assert failed.status == "warn" and "unknown option" in failed.detail and "CXX" in failed.fix
     gpu = doctor.check_cpu_kernels(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, False, None)
     assert gpu.status == "pass" and "CUDA" in gpu.detail
+
+
+def test_the_installed_command_is_ours() -> None:
+    """This checkout's own install (`pip install -e .`, as CI does) is no conflict: doctor once told every user to
+    uninstall dflash-cli, comparing the entry point with a name the package no longer used."""
+    found = dflash_commands()
+    assert all(dist == "dflash-cli" for dist, _ in found), found
+    check = check_command_conflicts(found)
+    assert check.status == "pass" and check.fix is None, check

@@ -313,7 +313,7 @@ def result_record(
         "id": request.id,
         "text": content,
         **tools,
-        "finish_reason": "tool_calls" if calls else result.finish_reason,
+        "finish_reason": responses.finish_with_calls(result.finish_reason, bool(calls)),
         "prompt_tokens": result.stats.prompt_tokens,
         "completion_tokens": len(result.token_ids),
         "stats": responses.dflash_stats(result.stats),

@@ -53,6 +53,13 @@ def dflash_stats(stats: Any) -> dict[str, Any]:
     }
 
 
+def finish_with_calls(finish_reason: str, calls: bool) -> str:
+    """A reply's finish reason: "tool_calls" when it carries calls and the model ended it, but "length" when
+    max_tokens cut it, calls or not: a call may have been cut off with it, and only "length" tells the client so
+    (OpenAI's meaning of the two)."""
+    return "tool_calls" if calls and finish_reason != "length" else finish_reason
+
+
 def completion(
     endpoint: str,
     *,
@@ -65,12 +72,12 @@ def completion(
     tool_calls: Sequence[ToolCall] = (),
 ) -> dict[str, Any]:
     """A whole (not streamed) chat.completion or text_completion. With `tool_calls` the message carries them (its
-    content None when the reply is only calls) and the finish reason is "tool_calls"."""
+    content None when the reply is only calls) and the finish reason says so (finish_with_calls)."""
     if endpoint == CHAT_URL:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = [call.to_dict() for call in tool_calls]
-            finish_reason = "tool_calls"
+            finish_reason = finish_with_calls(finish_reason, True)
         kind, choice = "chat.completion", {"message": message}
     else:
         kind, choice = "text_completion", {"text": text}

@@ -815,6 +815,8 @@ def test_tool_lines_give_tool_calls_in_both_shapes(tmp_path: Path, models: tuple
     lines = [
         {"custom_id": "batch", "url": "/v1/chat/completions", "body": {"messages": messages, **forced}},
         {"id": "plain", "messages": messages, **forced},
+        # Parallel calls: a random model goes on calling until max_tokens cuts it, after some whole calls.
+        {"id": "cut", "messages": messages, "tools": [tool], "tool_choice": "required", "max_tokens": 100},
     ]
     run_with(open_session(options), options, write_lines(tmp_path / "p.jsonl", lines))
     records = {result_id(r): r for r in read_jsonl(tmp_path / "p.out.jsonl")}
@@ -824,3 +826,5 @@ def test_tool_lines_give_tool_calls_in_both_shapes(tmp_path: Path, models: tuple
     plain = records["plain"]
     assert plain["finish_reason"] == "tool_calls" and plain["text"] is None
     assert json.loads(plain["tool_calls"][0]["function"]["arguments"])["key"] in ("a", "b")
+    cut = records["cut"]  # "length", not "tool_calls": the client must learn that a call may have been cut off
+    assert cut["completion_tokens"] == 100 and cut["tool_calls"] and cut["finish_reason"] == "length"

@@ -867,6 +867,21 @@ def test_forced_tool_calls_come_back_as_tool_calls_whole_and_streamed(
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_reply_cut_by_max_tokens_says_length_even_with_whole_calls(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    """With parallel calls a random model goes on calling until max_tokens cuts it: the whole calls come back, and
+    the finish reason is "length" (a further call was cut off), whole and streamed; "tool_calls" would tell the
+    client the reply was complete."""
+    body = {"messages": user("Weather?"), "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200}
+    reply = client.chat.completions.create(model=server.target, **body)
+    assert reply.usage.completion_tokens == 200 and reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=server.target, stream=True, **body))
+    assert any(d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or []))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_a_tool_conversation_round_trips_and_auto_may_answer_in_text(
     client: openai.OpenAI, server: RunningServer
 ) -> None:

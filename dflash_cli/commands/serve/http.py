@@ -371,7 +371,7 @@ class Server:
                         yield sse(responses.chunk(endpoint, text=rest, with_usage=usage, **ids))
                     for part in responses.tool_call_chunks(endpoint, calls, given, with_usage=usage, **ids):
                         yield sse(part)
-                    finish_reason = "tool_calls" if tools.given or calls else finish_reason
+                    finish_reason = responses.finish_with_calls(finish_reason, bool(tools.given or calls))
                 last = responses.chunk(endpoint, finish_reason=finish_reason, with_usage=usage, **ids)
                 last["dflash"] = responses.dflash_stats(update.stats)
                 yield sse(last)

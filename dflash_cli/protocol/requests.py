@@ -414,6 +414,7 @@ def read_line(line: Any) -> Request:
         if not isinstance(line["body"], dict):
             raise RequestError(f"body must be an object, got {show(line['body'])}", param="body")
         return replace(read_body(line["body"], url, prefix="body."), id=custom_id)
+    check_supported(line)  # first: a misspelt "promt" gets its did-you-mean, not "found none"
     kinds = [key for key in PROMPT_KEYS if key in line]
     if len(kinds) != 1:
         found = f"found {', '.join(kinds)}" if kinds else "found none"
@@ -421,7 +422,6 @@ def read_line(line: Any) -> Request:
             f'a line needs exactly one of "prompt", "messages" or "prompt_ids" ({found}), '
             "or is an OpenAI batch line (custom_id, method, url, body)"
         )
-    check_supported(line)
     kind = kinds[0]
     if kind == "messages":
         prompt: dict[str, Any] = {"messages": read_messages(line["messages"])}

@@ -518,7 +518,8 @@ def resolve_recipe(name: str | None, recipe_file: str | Path | None, target: str
     else:
         raise DflashError(
             "no model given",
-            fix="name a recipe (see `dflash recipes list`), e.g. `dflash chat demo`, or pass --target X --drafter Y",
+            fix="put a recipe name after the command, e.g. `demo` (`dflash recipes list` lists them), or pass "
+            "--target X --drafter Y",
         )
     return with_drafter(recipe, drafter) if drafter else recipe
 

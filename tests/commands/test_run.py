@@ -147,6 +147,7 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
         (b"[" * 100_000 + b"\n", "invalid_json", "JSON"),
         (["a list"], "invalid_request", "expected a JSON object"),
         ({"text": "hi"}, "invalid_request", 'exactly one of "prompt", "messages" or "prompt_ids" (found none)'),
+        ({"id": "e", "promt": "hi"}, "invalid_request", "promt is not a request field: did you mean prompt?"),
         ({"prompt": 5}, "invalid_request", "prompt must be a string"),
         ({"prompt": ""}, "invalid_request", "prompt is empty"),
         ({"prompt": "x", "messages": []}, "invalid_request", "(found prompt, messages)"),

@@ -84,7 +84,7 @@ train)
     python3 scripts/make_demo_prompts.py /tmp/dflash-prompts >/dev/null
     head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
     common=(--target demo --prompts /tmp/dflash-prompts/train.jsonl --feature-layers 5 --block-size 8
-        --max-new-tokens 128 --device "$device" --dtype bfloat16 --json)
+        --max-tokens 128 --device "$device" --dtype bfloat16 --json)
     left() { local n=$((CALL_SECONDS - ($(date +%s) - started) - ${1:-0})); echo $((n > 1 ? n : 1)); }
     # 1. The answers, once: a one-step run whose distillation the drafters below share (cached in $RUNS/answers).
     # Cut short by the time training needs, the drafters train on the first turns' answers alone.

@@ -26,7 +26,7 @@ head -n "$PROMPTS_USED" dflash_cli/assets/demo_prompts_train.jsonl >"$OUT/prompt
 python -m dflash_cli train --target demo \
     --prompts "$OUT/prompts.jsonl" --eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts 16 \
     --output "$OUT" --layers 1 --feature-layers 5 --block-size 8 \
-    --steps "$STEPS" --batch-size 8 --anchors 16 --lr 2e-3 --max-new-tokens 128 \
+    --steps "$STEPS" --batch-size 8 --anchors 16 --lr 2e-3 --max-tokens 128 \
     --checkpoint-every 50 --device cpu --dtype bfloat16
 
 # 3. Ship it.

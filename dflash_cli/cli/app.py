@@ -491,7 +491,13 @@ def train(
         int, typer.Option(min=1, help="Draft blocks per sequence per step (random anchors in the response).")
     ] = 16,
     max_new_tokens: Annotated[
-        int, typer.Option(min=2, help="Longest response the target writes per prompt (self-distillation).")
+        int,
+        typer.Option(
+            "--max-tokens",
+            "--max-new-tokens",
+            min=2,
+            help="Longest answer the target writes per prompt while distilling (--max-new-tokens: the older name).",
+        ),
     ] = 128,
     eval_prompts: Annotated[
         int,

@@ -6,6 +6,7 @@ Validators run while typer parses, before any model or torch loads.
 """
 
 import dataclasses
+import difflib
 import functools
 import inspect
 from collections.abc import Callable
@@ -79,7 +80,9 @@ def check_server(value: str) -> str:
     value = SERVER_ALIASES.get(value.lower(), value.lower())
     if value not in EXPORTERS:
         *others, last = EXPORTERS
-        raise typer.BadParameter(f"use {', '.join(others)} or {last}")
+        close = difflib.get_close_matches(value, [*EXPORTERS, *SERVER_ALIASES], n=1, cutoff=0.6)
+        meant = f"did you mean {SERVER_ALIASES.get(close[0], close[0])}? " if close else ""
+        raise typer.BadParameter(f"{meant}use {', '.join(others)} or {last}")
     return value
 
 

@@ -49,8 +49,13 @@ def recipe_rows(listings: list[dict[str, Any]]) -> list[tuple[str, ...]]:
 
 def recipe_fields(recipe: Recipe) -> list[tuple[str, str]]:
     """Everything the recipe says, as (key, value) in TOML's spelling (true, false) and "-" for an unset field,
-    never Python's False / None."""
-    return [
+    never Python's False / None; an unset block size says what it comes from (the list's block column)."""
+    fields = [
         (key, "-" if value in (None, "") else value if isinstance(value, str) else json.dumps(value))
         for key, value in recipe.to_dict().items()
     ]
+    if recipe.block_size is None and recipe.drafter is not None:
+        block = drafter_block_size(recipe)
+        said = f"- (the drafter's: {block})" if block else "- (the drafter's, read once it is downloaded)"
+        fields = [(key, said if key == "block_size" else value) for key, value in fields]
+    return fields

@@ -329,7 +329,9 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
 def test_export_names_its_servers() -> None:
     result = runner.invoke(app, ["export", "triton", "qwen3-8b"])
     assert result.exit_code == 2
-    assert "use vllm, sglang or llama.cpp" in result.output
+    assert "use vllm, sglang or llama.cpp" in result.output and "did you mean" not in result.output
+    typo = runner.invoke(app, ["export", "vlm", "qwen3-8b"])
+    assert typo.exit_code == 2 and "did you mean vllm?" in typo.output
 
 
 # The real entry point in a fresh interpreter that reports, as it exits, whether torch was ever imported.
@@ -458,7 +460,7 @@ def test_recipes_show_speaks_toml_not_python() -> None:
     assert (fields["gated"], fields["runnable"], fields["block_size"], fields["not_runnable_reason"]) == (
         "false",
         "true",
-        "-",
+        "- (the drafter's: 8)",  # unset in the recipe: its drafter's config says 8, as `recipes list` shows
         "-",
     )
     assert "None" not in result.stdout and "False" not in result.stdout and "True" not in result.stdout

@@ -323,7 +323,7 @@ def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path:
         "4",
         "--feature-layers",
         "2",
-        "--max-new-tokens",
+        "--max-tokens",
         "8",
         "--eval-prompts",
         "2",

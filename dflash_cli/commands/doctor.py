@@ -7,7 +7,6 @@ cli/output.py.
 
 from __future__ import annotations
 
-import logging
 import re
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 from dflash_cli.engine import cpu_kernels, packages
 from dflash_cli.errors import DflashError
+from dflash_cli.loading.models import quiet_bitsandbytes_import
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
 from dflash_cli.setup.planning import expected_speed, make_plan, native_formats
@@ -211,17 +211,12 @@ class BnbInstall:
 
 
 def inspect_bitsandbytes() -> BnbInstall:
-    # Its import logs warnings about optional kernel packages; the check below reports what matters.
-    bnb_logger = logging.getLogger("bitsandbytes")
-    level = bnb_logger.level
-    bnb_logger.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
-        from bitsandbytes import cextension
+        with quiet_bitsandbytes_import():  # (the check below reports what matters)
+            import bitsandbytes
+            from bitsandbytes import cextension
     except Exception as exc:  # a broken install raises anything from ImportError to RuntimeError
         return BnbInstall(None, error=f"{type(exc).__name__}: {exc}")
-    finally:
-        bnb_logger.setLevel(level)
     package = Path(bitsandbytes.__file__).parent
     cuda_libs = []
     for lib in package.glob("libbitsandbytes_cuda*"):

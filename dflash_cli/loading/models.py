@@ -183,7 +183,7 @@ def load_target(
     weights = prequantized if kept else (plan.quant if plan.quant in ("nf4", *CPU_QUANTS) else plan.dtype)
     message = f"loading {name} ({format_bytes(size)}, {weights} weights) on {plan.device}"
     try:
-        with _loading_display(console, message):
+        with _loading_display(console, message), quiet_bitsandbytes_import():
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except SafetensorError as exc:
         raise corrupt_file_error(f"a weight file in {model_dir}", f"safetensors: {exc}") from None
@@ -217,6 +217,21 @@ class _KernelFallbackFilter:
 
     def filter(self, record: Any) -> bool:
         return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_bitsandbytes_import() -> Iterator[None]:
+    """bitsandbytes' import logs a warning about an optional CPU kernel package (`kernels`) before the plan's own
+    note on NF4 off CUDA says what matters to the user (doctor checks the install)."""
+    import logging
+
+    bnb_logger = logging.getLogger("bitsandbytes")
+    level = bnb_logger.level
+    bnb_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        bnb_logger.setLevel(level)
 
 
 def kernel_note(model: PreTrainedModel, device: str) -> str | None:

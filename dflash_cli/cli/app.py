@@ -128,9 +128,7 @@ def chat(
 ) -> None:
     """Chat with a model in the terminal, accelerated by its DFlash drafter.
 
-    Type a message and press Enter; the reply streams as it is decoded and Ctrl+C stops it. /help lists the
-    commands: /set temperature 0.7, /stats, /spec off (the same chat without the drafter), /save FILE, /load FILE,
-    /clear, /show, /bye. Start and end a block with \"\"\" (or press Alt+Enter) for several lines.
+    Type a message and press Enter; the reply streams as it is decoded and Ctrl+C stops it. /help lists the commands: /set temperature 0.7, /stats, /spec off (the same chat without the drafter), /save FILE, /load FILE, /clear, /show, /bye. Start and end a block with \"\"\" (or press Alt+Enter) for several lines.
 
     With --prompt or piped stdin it answers once and exits, only the reply on stdout:
     `echo "Why is the sky blue?" | dflash chat demo`
@@ -418,18 +416,15 @@ def pull(
         typer.Option(
             "--compile",
             help="Also build this machine's compiled target and draft steps (a CPU plan; Llama, Mistral, Qwen2 "
-            "and Qwen3 targets): 1-3 minutes once, then every start loads them in a second and decodes about 2x "
-            "faster.",
+            "and Qwen3 targets): 1-3 minutes once, then every start loads them in a second and decodes about 2.5x "
+            "faster (the demo on 2 cores).",
         ),
     ] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first.
 
-    Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files:
-    run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time
-    (`--compile`: the compiled target and draft steps too, which `--compile on` would otherwise build at its first
-    start).
+    Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files: run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time (`--compile`: the compiled target and draft steps too, which `--compile on` would otherwise build at its first start).
     """
     from dflash_cli.commands.pull import compile_recipe, pull_recipe
 

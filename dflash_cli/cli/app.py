@@ -337,6 +337,7 @@ def bench(
         str | None,
         typer.Option(
             "--output",
+            "-o",
             metavar="FILE.json",
             help="Also save the JSON report (per-prompt rows, machine, plan, recipe, command).",
             rich_help_panel=BENCH,
@@ -462,7 +463,10 @@ def train(
     output: Annotated[
         str,
         typer.Option(
-            "--output", metavar="DIR", help="Where the drafter, checkpoints, cached responses and metrics.json go."
+            "--output",
+            "-o",
+            metavar="DIR",
+            help="Where the drafter, checkpoints, cached responses and metrics.json go.",
         ),
     ],
     layers: Annotated[

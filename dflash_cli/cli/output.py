@@ -27,8 +27,9 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def print_error(error: DflashError) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(error.message)}")
+def print_error(error: DflashError, label: str = "[bold red]error:[/]") -> None:
+    """An error, or with `label` a warning, and its fix: the one place they are formatted."""
+    err_console.print(f"{label} {escape(error.message)}")
     if error.fix:
         err_console.print(f"[yellow]fix:[/] {escape(error.fix)}")
 

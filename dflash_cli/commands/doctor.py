@@ -24,7 +24,7 @@ from dflash_cli.loading.models import quiet_bitsandbytes_import
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
 from dflash_cli.setup.planning import expected_speed, make_plan, native_formats
-from dflash_cli.setup.recipes import Recipe, load_recipes
+from dflash_cli.setup.recipes import Recipe, load_recipes, unreadable_user_recipes
 from dflash_cli.setup.sizes import recipe_stored_bytes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
@@ -570,8 +570,9 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
     try:
         recipes = list(load_recipes().values())
         recipe_check = check_recipes(facts, recipes, bandwidth)
-    except DflashError as exc:  # a broken user recipe file: report it, keep checking
+    except DflashError as exc:  # two user files claiming one name: report it, keep checking
         recipes, recipe_check = [], Check("recipes", "fail", exc.message, exc.fix)
+    unreadable = list(unreadable_user_recipes().values())
     cache = Path(constants.HF_HUB_CACHE)
     offline = bool(constants.HF_HUB_OFFLINE)
     return [
@@ -587,6 +588,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_hf_token(get_token() is not None, recipes),
         check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,
+        *(Check("user recipe", "fail", error.message, error.fix) for error in unreadable),
         check_compiled_steps(facts, cpp_compiler(), packages.stored_packages()),
         check_cpu_kernels(
             facts,

@@ -402,16 +402,36 @@ def user_recipe_dir() -> Path:
     return Path(user_config_dir("dflash")) / "recipes"
 
 
-def _load_dir(directory: Path) -> list[Recipe]:
-    return [recipe_from_file(path) for path in sorted(directory.glob("*.toml"))] if directory.is_dir() else []
+def _load_dir(directory: Path, unreadable: dict[Path, DflashError] | None = None) -> list[Recipe]:
+    """The recipes in `directory`; a file that cannot be read raises, or with `unreadable` is left out and kept
+    there with its error."""
+    recipes = []
+    for path in sorted(directory.glob("*.toml")) if directory.is_dir() else ():
+        try:
+            recipes.append(recipe_from_file(path))
+        except DflashError as error:
+            if unreadable is None:
+                raise
+            unreadable[path] = error
+    return recipes
+
+
+def unreadable_user_recipes() -> dict[Path, DflashError]:
+    """The user's recipe files that cannot be read, each with its error: load_recipes leaves them out (one broken
+    file must not stop every command, the demo's included); `recipes list` and doctor report them, and asking for
+    one by its file's name (get_recipe) fails with its error."""
+    unreadable: dict[Path, DflashError] = {}
+    _load_dir(user_recipe_dir(), unreadable)
+    return unreadable
 
 
 def load_recipes() -> dict[str, Recipe]:
-    """All recipes by name: built-in first, then the user's (a user recipe replaces a built-in of the same name)."""
+    """All recipes by name: built-in first, then the user's (a user recipe replaces a built-in of the same name);
+    user files that cannot be read are left out (unreadable_user_recipes)."""
     recipes: dict[str, Recipe] = {}
-    for directory in (builtin_recipe_dir(), user_recipe_dir()):
+    for directory, unreadable in ((builtin_recipe_dir(), None), (user_recipe_dir(), {})):
         seen_here: dict[str, Recipe] = {}
-        for recipe in _load_dir(directory):
+        for recipe in _load_dir(directory, unreadable):
             for key in (recipe.name, *recipe.aliases):
                 if key in seen_here:
                     raise DflashError(
@@ -437,11 +457,16 @@ def get_recipe(name: str) -> Recipe:
             f"unknown recipe '{name}' (a model repo or directory goes after --target)",
             fix=f"{hint}pass --target {name} --drafter DRAFTER",
         )
+    unreadable = unreadable_user_recipes()
+    for path, error in unreadable.items():
+        if path.stem.lower() == wanted:  # the recipe asked for is (most likely) the broken file
+            raise error
     close = difflib.get_close_matches(wanted, list(by_key), n=3, cutoff=0.5)
     suggestion = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    broken = f" ({len(unreadable)} user recipe file(s) could not be read: it says why)" if unreadable else ""
     raise DflashError(
         f"unknown recipe '{name}'",
-        fix=f"{suggestion}`dflash recipes list` shows them all; or pass --target REPO --drafter REPO",
+        fix=f"{suggestion}`dflash recipes list` shows them all{broken}; or pass --target REPO --drafter REPO",
     )
 
 

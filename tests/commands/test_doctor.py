@@ -326,8 +326,9 @@ def test_recipe_fit_report() -> None:
 def test_a_broken_user_recipe_is_a_failed_check(tmp_path: Path) -> None:
     (tmp_path / "user-recipes").mkdir()
     (tmp_path / "user-recipes" / "bad.toml").write_text("name = 1\n")
-    check = by_name(run_checks(CPU))["recipes"]
-    assert check.status == "fail" and "bad.toml" in check.detail
+    checks = by_name(run_checks(CPU))
+    assert checks["user recipe"].status == "fail" and "bad.toml" in checks["user recipe"].detail
+    assert checks["recipes"].status != "fail" and "demo" in checks["recipes"].detail  # the others still checked
 
 
 def test_mxfp4_check_says_how_gpt_oss_will_load() -> None:

@@ -10,7 +10,15 @@ import pytest
 
 from dflash_cli.errors import DflashError
 from dflash_cli.setup import recipes
-from dflash_cli.setup.recipes import ModelRef, adhoc_recipe, get_recipe, load_recipes, recipe_from_file, resolve_recipe
+from dflash_cli.setup.recipes import (
+    ModelRef,
+    adhoc_recipe,
+    get_recipe,
+    load_recipes,
+    recipe_from_file,
+    resolve_recipe,
+    unreadable_user_recipes,
+)
 
 ZLAB = {"qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3-coder-30b-a3b", "gpt-oss-20b"}  # the published drafters
 MINIMAL = 'name = "my-model"\ndescription = "mine"\n[target]\nid = "Qwen/Qwen3-8B"\n'
@@ -237,10 +245,19 @@ def test_bad_recipe_errors_name_the_file_the_field_and_the_expectation(
         assert expected in f"{info.value.message} {info.value.fix}"
 
 
-def test_a_bad_user_recipe_is_reported_by_file(user_dir: Path) -> None:
+def test_a_bad_user_recipe_is_reported_by_file_and_stops_nothing_else(user_dir: Path) -> None:
     bad = write(user_dir / "broken.toml", 'name = "x"\n')
-    with pytest.raises(DflashError, match=str(bad)):
-        load_recipes()
+    write(user_dir / "mine.toml", MINIMAL)
+    assert {"demo", "my-model"} <= set(load_recipes())  # the built-ins and the readable user file still load
+    (error,) = unreadable_user_recipes().values()
+    assert str(bad) in error.message
+    with pytest.raises(DflashError, match=str(bad)):  # asked for by its file's name: its own error
+        get_recipe("broken")
+    with pytest.raises(DflashError) as unknown:
+        get_recipe("nothing-like-it")
+    assert "1 user recipe file(s) could not be read" in unknown.value.fix
+    write(bad, MINIMAL.replace("my-model", "mended"))  # read again at every call: a mended file is back at once
+    assert unreadable_user_recipes() == {} and "mended" in load_recipes()
 
 
 def test_user_recipes_add_and_replace(user_dir: Path) -> None:

@@ -559,7 +559,7 @@ def train(
 ) -> None:
     """Train a DFlash drafter for a target model (self-distillation: the target writes the training answers).
 
-    The answers are cached in DIR, so an interrupted run keeps its data; training saves a checkpoint every --checkpoint-every steps (--resume continues it). Prompts are rendered with the chat template options of the target's recipe (Qwen3: thinking off), as chat serves them. The drafter lands in DIR/drafter in the z-lab format that dflash, vLLM and SGLang load; the closing message prints the command that uses it, e.g. `dflash chat demo --drafter runs/demo/drafter`.
+    The answers are cached in DIR, so an interrupted run keeps its data; training saves a checkpoint every --checkpoint-every steps and where Ctrl-C stops it (--resume continues it, with a note if its data or objective flags changed; a run that reached --steps asks for more). Prompts are rendered with the chat template options of the target's recipe (Qwen3: thinking off), as chat serves them. The drafter lands in DIR/drafter in the z-lab format that dflash, vLLM and SGLang load; the closing message prints the command that uses it, e.g. `dflash chat demo --drafter runs/demo/drafter`.
 
     Example (the shipped demo drafter): `dflash train --target demo --prompts prompts.jsonl --output runs/demo --steps 1500`
     """

@@ -436,6 +436,21 @@ def save_checkpoint(
         shutil.rmtree(previous)
 
 
+# What a resumed run may change without a note: how long and how it runs, not what it learns from.
+RUN_SETTINGS = {"steps", "train_minutes", "resume", "checkpoint_every", "eval_prompts", "threads", "distill_batch_size"}
+
+
+def resumed_with_changes(saved: dict[str, Any], options: TrainOptions) -> str:
+    """The settings a resumed run changed from its checkpoint's that change what it learns (its data, its
+    objective), as "name old -> new"; empty when none did. (The drafter's shape is checked at load_checkpoint.)"""
+    now = asdict(options)
+    return ", ".join(
+        f"{key} {saved[key]!r} -> {now[key]!r}"
+        for key in now
+        if key not in RUN_SETTINGS and key in saved and saved[key] != now[key]
+    )
+
+
 def interrupted_training_state(output: Path) -> str:
     """What an interrupted `dflash train` into `output` kept, and how to go on."""
     answers = output / DISTILL_DIR / DISTILL_FILE
@@ -603,6 +618,16 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         )
     if options.resume and not resumable:
         raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
+    if options.resume:
+        saved = json.loads((checkpoint / "trainer_state.json").read_text())
+        if saved["step"] >= options.steps:  # (else it would "finish" in no time and overwrite metrics.json)
+            raise DflashError(
+                f"the run in {output} already reached step {saved['step']} (--steps {options.steps})",
+                fix=f"raise --steps above {saved['step']} to train further; its drafter is in {output / DRAFTER_DIR}",
+            )
+        changed = resumed_with_changes(saved.get("options", {}), options)
+        if changed:
+            console.print(f"[yellow]note:[/] resuming with other settings than the checkpoint's: {changed}")
     template_kwargs = target_template_kwargs(options.target)
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
@@ -729,47 +754,62 @@ def _train_loop(
     running: dict[str, float] = {}
     fast_bf16 = serving_dtype(options.device) == torch.bfloat16
     batches = _batches(samples, options.batch_size, rng)
-    while step < options.steps:
-        began = time.perf_counter()
-        indices = next(batches)
-        chosen = [samples[i] for i in indices]
-        batch = make_batch(chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng)
-        made = time.perf_counter()
-        features = _features(target, batch.input_ids, chosen, layer_ids)
-        batch = batch.to(features.device)
-        fed = time.perf_counter()
-        if deadline is not None and step - first_step >= 20 and step % 10 == 0:
-            horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, options, decay_progress(step, start, start_progress, horizon))
-        # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
-        # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
-        # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
-        with torch.autocast(features.device.type, dtype=torch.bfloat16, enabled=fast_bf16):
-            loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        # Where a slow run's time goes: seconds a step, making its batch (the host alone), and its features on the
-        # device (stored ones copied, or the target's forward; a copy also waits for the device's queue).
-        stats |= {"step_s": time.perf_counter() - began, "batch_s": made - began, "features_s": fed - made}
-        running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
-        progress.update(
-            task, completed=step, info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}"
-        )
-        out_of_time = deadline is not None and time.perf_counter() >= deadline and step < options.steps
-        if step % 10 == 0 or step == options.steps or out_of_time:
-            history.append({"step": step, **running})
-        if step % options.checkpoint_every == 0 or step == options.steps or out_of_time:
+    saved_at, updating = step, False
+    try:
+        while step < options.steps:
+            began = time.perf_counter()
+            indices = next(batches)
+            chosen = [samples[i] for i in indices]
+            batch = make_batch(
+                chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng
+            )
+            made = time.perf_counter()
+            features = _features(target, batch.input_ids, chosen, layer_ids)
+            batch = batch.to(features.device)
+            fed = time.perf_counter()
+            if deadline is not None and step - first_step >= 20 and step % 10 == 0:
+                horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, options, decay_progress(step, start, start_progress, horizon))
+            # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
+            # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
+            # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
+            with torch.autocast(features.device.type, dtype=torch.bfloat16, enabled=fast_bf16):
+                loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            updating = True
+            optimizer.step()
+            step, updating = step + 1, False
+            # Where a slow run's time goes: seconds a step, making its batch (the host alone), and its features on the
+            # device (stored ones copied, or the target's forward; a copy also waits for the device's queue).
+            stats |= {"step_s": time.perf_counter() - began, "batch_s": made - began, "features_s": fed - made}
+            running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
+            progress.update(
+                task,
+                completed=step,
+                info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}",
+            )
+            out_of_time = deadline is not None and time.perf_counter() >= deadline and step < options.steps
+            if step % 10 == 0 or step == options.steps or out_of_time:
+                history.append({"step": step, **running})
+            if step % options.checkpoint_every == 0 or step == options.steps or out_of_time:
+                decayed = decay_progress(step, start, start_progress, horizon)
+                save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
+                saved_at = step
+            if out_of_time:
+                progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
+                break
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the steps since the last checkpoint: saved where the last whole step left the drafter and
+        # optimizer (if it came mid-update, the checkpoint before stands). The CLI then says how to --resume.
+        if step > saved_at and not updating:
+            if not history or history[-1]["step"] != step:
+                history.append({"step": step, **running})
             decayed = decay_progress(step, start, start_progress, horizon)
             save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
-        if out_of_time:
-            progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
-            break
-    if not running and history:  # resumed at its last step: nothing ran, the checkpoint's last figures stand
-        running = {key: value for key, value in history[-1].items() if key != "step"}
+        raise
     return running, step
 
 

@@ -17,12 +17,7 @@ def load_prompts(path: str | Path) -> list[Conversation]:
     path = Path(path)
     if path.suffix == ".jsonl":
         conversations = []
-        for request in read_prompt_file(path, "train"):
-            if request.prompt_ids is not None:
-                raise DflashError(
-                    f"{path}:{request.line}: prompt_ids: training renders text through the chat template",
-                    fix='give the prompt as text: {"prompt": "..."} or {"messages": [...]}',
-                )
+        for request in read_prompt_file(path, "train", token_ids=False):
             conversations.append(list(request.messages or [{"role": "user", "content": request.prompt or ""}]))
         return conversations
     if not path.is_file():

@@ -516,16 +516,20 @@ def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFi
     return RequestFile(path, requests, errors)
 
 
-PROMPT_FILE_FIX = (
-    'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]} '
-    'or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed), each optionally with an "id"'
-)
+def prompt_file_fix(token_ids: bool) -> str:
+    """What a prompt file's lines look like (token ids where the command takes them)."""
+    ids = ' or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed)' if token_ids else ""
+    return (
+        'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]}'
+        f'{ids}, each optionally with an "id"'
+    )
 
 
-def read_prompt_file(path: str | Path, command: str) -> list[Request]:
+def read_prompt_file(path: str | Path, command: str, *, token_ids: bool = True) -> list[Request]:
     """A prompt set for a command that runs every prompt with its own flags (`bench --prompts`, `train`): the lines
     `dflash run` reads, a line without an id named FILE-N; a bad line, or one that sets its own sampling, is an
-    error naming the line, since one result over the whole set is the point."""
+    error naming the line, since one result over the whole set is the point. Without `token_ids` (train renders
+    text through the chat template) a prompt_ids line is one too."""
     path = Path(path)
     if not path.exists():
         raise DflashError(f"prompt file {path} does not exist", fix=f"check the path given to `dflash {command}`")
@@ -533,8 +537,13 @@ def read_prompt_file(path: str | Path, command: str) -> list[Request]:
     if parsed.errors:
         error = parsed.errors[0]
         more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
-        raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=PROMPT_FILE_FIX)
+        raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=prompt_file_fix(token_ids))
     for prompt in parsed.requests:
+        if prompt.prompt_ids is not None and not token_ids:
+            raise DflashError(
+                f"{path}:{prompt.line}: prompt_ids: `dflash {command}` renders text through the chat template",
+                fix='give the prompt as text: {"prompt": "..."} or {"messages": [...]}',
+            )
         if prompt.sampling or prompt.endpoint is not None or prompt.tools is not None:
             keys = [field.key for field in FIELDS if field.attr in prompt.sampling]
             keys += ["response_format"] * ("grammar" in prompt.sampling) + ["tools"] * (prompt.tools is not None)
@@ -544,5 +553,5 @@ def read_prompt_file(path: str | Path, command: str) -> list[Request]:
                 fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",
             )
     if not parsed.requests:
-        raise DflashError(f"prompt file {path} holds no prompts", fix=PROMPT_FILE_FIX)
+        raise DflashError(f"prompt file {path} holds no prompts", fix=prompt_file_fix(token_ids))
     return parsed.requests

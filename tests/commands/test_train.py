@@ -6,10 +6,12 @@ import json
 import math
 import random
 import shutil
+from io import StringIO
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from rich.progress import Progress
 from typer.testing import CliRunner
 
@@ -196,20 +198,53 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     assert resumed.steps == 5
     changed = load_drafter(out / "checkpoint" / "drafter", target).state_dict()
     assert any(not torch.equal(saved[k], changed[k]) for k in saved)  # two more steps ran from the saved state
-    again = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True))  # nothing left to run
-    assert again.final_loss == resumed.final_loss and math.isfinite(again.final_loss)
+    metrics = (out / "metrics.json").read_text()
+    with pytest.raises(DflashError, match="already reached step 5") as finished:  # nothing left to run
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True))
+    assert "raise --steps above 5" in finished.value.fix and (out / "metrics.json").read_text() == metrics
 
     # A crash mid-save, between moving the previous checkpoint aside and moving the new one in: resume finds it.
     (out / "checkpoint").rename(out / "checkpoint.previous")
-    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True)).final_loss == resumed.final_loss
+    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=6, resume=True)).steps == 6
     assert (out / "checkpoint" / "trainer_state.json").is_file() and not (out / "checkpoint.previous").exists()
     # A crash after the new checkpoint moved in, before the previous one was removed: the next save still works.
     shutil.copytree(out / "checkpoint", out / "checkpoint.previous")
-    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=6, resume=True)).steps == 6
+    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=7, resume=True)).steps == 7
     assert not (out / "checkpoint.previous").exists()
 
+    # Other data or objective: a note names each change (the drafter's shape is refused below).
+    said = StringIO()
+    train(options(tiny_qwen3_dir, prompt_file, out, steps=8, max_new_tokens=10, resume=True), Console(file=said))
+    assert "resuming with other settings than the checkpoint's: max_new_tokens 12 -> 10" in " ".join(
+        said.getvalue().split()
+    )
     with pytest.raises(DflashError, match="other settings"):
-        train(options(tiny_qwen3_dir, prompt_file, out, steps=7, block_size=6, resume=True))
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=9, block_size=6, resume=True))
+
+
+def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
+    tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while making the fifth batch (checkpoints every 3 steps): the four whole steps are saved, not three."""
+    from dflash_cli.commands import train as training
+
+    calls, make = [], training.make_batch
+
+    def interrupted_at_the_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(training, "make_batch", interrupted_at_the_fifth)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=50, checkpoint_every=3))
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["history"][-1]["step"] == 4
+    assert "a checkpoint at step 4" in interrupted_training_state(out)
+    monkeypatch.setattr(training, "make_batch", make)
+    assert train(options(tiny_qwen3_dir, prompt_file, out, steps=6, checkpoint_every=3, resume=True)).steps == 6
 
 
 def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
@@ -472,3 +507,4 @@ def test_train_reads_prompt_files_like_run_and_bench(tmp_path: Path) -> None:
         with pytest.raises(DflashError) as raised:
             load_prompts(good)
         assert message in raised.value.message
+        assert "prompt_ids" not in raised.value.fix  # never suggests the token ids that train refuses

@@ -67,7 +67,8 @@ def _is(default: Any) -> Callable[[Any], bool]:
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (_number_is(1), "n must be 1: one choice per request (send several requests for several answers)"),
     "best_of": (_number_is(1), "best_of must be 1: one candidate per request"),
-    "logprobs": (lambda v: v is False or _is(0)(v), "logprobs are not supported"),
+    # (false only: a legacy completion's logprobs 0 still asks for the chosen tokens' log probabilities)
+    "logprobs": (_is(False), "logprobs are not supported"),
     "top_logprobs": (_number_is(0), "top_logprobs are not supported"),
     "echo": (_is(False), "echo is not supported"),
     "suffix": (_is(""), "suffix (fill-in-the-middle) is not supported"),

@@ -168,6 +168,7 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
         ({"messages": [{"role": "function", "content": "x"}]}, "invalid_request", "messages[0].role must be system"),
         ({"prompt_ids": [1, -2]}, "invalid_request", "prompt_ids must be a non-empty list of token ids"),
         ({"prompt": "x", "logprobs": True}, "invalid_request", "logprobs are not supported"),
+        ({"prompt": "x", "logprobs": 0}, "invalid_request", "logprobs are not supported"),  # legacy: the chosen ones
         ({"prompt": "x", "top_p": 2}, "invalid_request", "top_p"),
         ({"prompt": "x", "seed": True}, "invalid_request", "seed must be an integer"),
         ({"prompt": "x", "stop": [1]}, "invalid_request", "stop must be a string"),

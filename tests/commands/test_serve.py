@@ -697,6 +697,15 @@ def bad_requests(rng: random.Random, count: int) -> Iterator[tuple[str, str, byt
     yield "POST", "/v1/chat/completions", b" " * (9 * 2**20), auth  # past the 8 MiB limit: 413
 
 
+def test_an_endpoint_not_served_is_named_so(client: openai.OpenAI) -> None:
+    """A 404 under /v1 says what this server has and does not (it once said "the API is under /v1" there)."""
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.embeddings.create(model="x", input="hi")
+    message = missing.value.body["message"]
+    assert "under /v1" not in message and "embeddings, images and audio are not served" in message
+    assert "POST /v1/chat/completions" in message
+
+
 def test_300_fuzzed_bad_requests_get_4xx_json_errors(
     server: RunningServer, client: openai.OpenAI, session: Session, models: tuple[Path, Path]
 ) -> None:

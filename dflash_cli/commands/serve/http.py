@@ -109,7 +109,9 @@ class Server:
     async def _http_error(self, request: HTTPRequest, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
         if error.status_code == 404:
-            message = f"no route {request.url.path}: the API is under /v1 (GET /v1/models, POST {CHAT_URL}, ...)"
+            served = f"this server has GET /v1/models, POST {CHAT_URL} and POST {COMPLETIONS_URL}"
+            where = "" if request.url.path.startswith("/v1/") else ": the API is under /v1"
+            message = f"no route {request.url.path}{where} ({served}; embeddings, images and audio are not served)"
         elif error.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path} (allowed: {error.headers.get('Allow')})"
         else:

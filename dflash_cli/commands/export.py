@@ -22,12 +22,13 @@ from dflash_cli.setup.recipes import PACKAGE_PREFIX, ModelRef, Recipe
 TP_HEADROOM = 1.3
 # Sizing for a serving machine when this one has no CUDA GPU: one 80 GB GPU (H100 / A100 80GB).
 ASSUMED_GPU_MEMORY = 80_000_000_000
+MAX_TENSOR_PARALLEL = 64  # sized for when the GPU count is not known: eight nodes of eight
 FALLBACK_BLOCK_SIZE = 16  # the block size of most published drafters
 
 
 @dataclass(frozen=True)
 class ServingHardware:
-    gpu_count: int
+    gpu_count: int | None  # None: no GPU here and no --gpus: as many as the weights need
     gpu_memory: int  # bytes per GPU
     assumed: bool = False  # True: not measured here (no CUDA GPU on this machine, or given by flags)
 
@@ -55,15 +56,17 @@ def serving_hardware(
     if gpus is not None and gpus < 1:
         raise DflashError(f"--gpus {gpus}: need at least one GPU", fix="pass --gpus 1 or more")
     measured = facts.kind == "cuda" and facts.total_memory is not None
-    count = gpus or (facts.gpu_count if measured else 1)
+    count = gpus or (facts.gpu_count if measured else None)
     memory = int(gpu_memory_gb * 1e9) if gpu_memory_gb else (facts.total_memory if measured else ASSUMED_GPU_MEMORY)
     return ServingHardware(count, memory, assumed=not measured or gpus is not None or gpu_memory_gb is not None)
 
 
 def tensor_parallel_size(weight_bytes: int | None, hardware: ServingHardware) -> tuple[int, str | None]:
     """The smallest power-of-two GPU count whose memory holds the weights with headroom (attention heads split
-    evenly only over powers of two), capped at the GPUs there are; and a note when that is not enough."""
-    sizes = [2**i for i in range(hardware.gpu_count.bit_length())]
+    evenly only over powers of two), capped at the GPUs there are (at MAX_TENSOR_PARALLEL where that is not known);
+    and a note when that is not enough."""
+    count = hardware.gpu_count or MAX_TENSOR_PARALLEL
+    sizes = [2**i for i in range(count.bit_length())]
     if weight_bytes is None:
         return 1, "the recipe does not list its size: tensor parallel size 1 assumed"
     need = weight_bytes * TP_HEADROOM
@@ -114,10 +117,9 @@ def _plan_export(
     if not tensor_parallel:
         tp, tp_note = 1, None
     elif hardware.assumed:
-        notes.append(
-            f"tensor parallel size for {hardware.gpu_count} GPU(s) of {gb(hardware.gpu_memory)}, not measured "
-            "here; change with --gpus N --gpu-memory GB"
-        )
+        count, memory = hardware.gpu_count, gb(hardware.gpu_memory)
+        gpus = f"{memory} GPUs, as many as the weights need" if count is None else f"{count} x {memory} GPU"
+        notes.append(f"tensor parallel size for {gpus}, not measured here; change with --gpus N --gpu-memory GB")
     if tp_note:
         notes.append(tp_note)
     if recipe.chat_template_kwargs:

@@ -98,7 +98,14 @@ def test_export_sizes_by_the_checkpoint_precision() -> None:
 
 def test_serving_hardware_from_facts_and_flags() -> None:
     cpu = MachineFacts(kind="cpu")
-    assert serving_hardware(cpu) == ServingHardware(1, 80_000_000_000, assumed=True)
+    assert serving_hardware(cpu) == ServingHardware(None, 80_000_000_000, assumed=True)  # no count: as needed
+    # kimi-k2.5's int4 weights (594 GB) with no GPU here: sized to fit (16 x 80 GB), never capped at one GPU
+    unknown = serving_hardware(cpu)
+    assert tensor_parallel_size(594_000_000_000, unknown) == (16, None)
+    exported = vllm_command(get_recipe("kimi-k2.5"), unknown)
+    assert flag(exported.argv, "--tensor-parallel-size") == "16"
+    assert any("80.0 GB GPUs, as many as the weights need" in note for note in exported.notes)
+    assert not any("warning" in note for note in exported.notes)
     eight = MachineFacts(kind="cuda", gpu_name="H100", capability=(9, 0), total_memory=85_000_000_000, gpu_count=8)
     assert serving_hardware(eight) == ServingHardware(8, 85_000_000_000, assumed=False)
     assert serving_hardware(eight, gpus=2, gpu_memory_gb=141) == ServingHardware(2, 141_000_000_000, assumed=True)

@@ -217,6 +217,15 @@ def read_prompt_ids(value: Any, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def prompt_list(body: Any) -> list[Any] | None:
+    """A /v1/completions body's prompts when it sends several (a list of strings or of token-id lists, as
+    LangChain's batch does); None for one prompt. (`dflash serve` answers each as its own choice.)"""
+    value = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(item, (str, list)) for item in value):
+        return value
+    return None
+
+
 def _completion_prompt(value: Any, name: str) -> dict[str, Any]:
     """/v1/completions' prompt: a string or token ids, alone or in a list of one."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):

@@ -92,6 +92,21 @@ def completion(
     }
 
 
+def choices_of(bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One text_completion answering several prompts: each body's choice at its prompt's index, with that
+    generation's numbers ("dflash") inside it; the usage summed (as vLLM answers a list of prompts)."""
+    merged = {key: value for key, value in bodies[0].items() if key != "dflash"}
+    merged["choices"] = [
+        {**body["choices"][0], "index": index, "dflash": body["dflash"]} for index, body in enumerate(bodies)
+    ]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    merged["usage"] = {key: sum(body["usage"][key] for body in bodies) for key in counts}
+    merged["usage"]["prompt_tokens_details"] = {
+        "cached_tokens": sum(body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in bodies)
+    }
+    return merged
+
+
 def chunk(
     endpoint: str,
     *,

@@ -309,6 +309,27 @@ def test_completions_whole_and_streamed(
     assert outside.value.body["param"] == "prompt"  # the field the client sent, not our name for token ids
 
 
+def test_several_prompts_in_one_completion_get_a_choice_each(
+    server: RunningServer, client: openai.OpenAI, session: Session, models: tuple[Path, Path]
+) -> None:
+    """A list of prompts (LangChain's legacy OpenAI.batch sends one): each answered as alone, in order, with the
+    usage summed; streamed, several prompts are refused by name."""
+    prompts = ["The quick brown fox", "Once upon a time", "def add(a, b):"]
+    expected = [expected_completion(session, models, prompt) for prompt in prompts]
+    reply = client.completions.create(model=server.target, prompt=prompts)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    assert [choice.text for choice in reply.choices] == [e.text for e in expected]
+    assert reply.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert reply.usage.prompt_tokens == sum(len(session.encode_prompt(prompt)) for prompt in prompts)
+    ids = [session.encode_prompt(prompt) for prompt in prompts[:2]]
+    assert [c.text for c in client.completions.create(model=server.target, prompt=ids).choices] == [
+        e.text for e in expected[:2]
+    ]
+    with pytest.raises(openai.BadRequestError, match="several prompts are answered whole") as streamed:
+        client.completions.create(model=server.target, prompt=prompts, stream=True)
+    assert streamed.value.body["param"] == "prompt"
+
+
 def test_stop_strings_cut_the_reply(
     server: RunningServer, client: openai.OpenAI, session: Session, models: tuple[Path, Path]
 ) -> None:
@@ -659,8 +680,9 @@ def bad_requests(rng: random.Random, count: int) -> Iterator[tuple[str, str, byt
                             "text",
                             None,
                             {"prompt": 3},
-                            {"prompt": ["a", "b"]},
-                            {"prompt": [[1], [2]]},
+                            {"prompt": ["a", ""]},  # (several prompts are fine: one of them is not)
+                            {"prompt": [[1], [-2]]},
+                            {"prompt": ["a", "b"], "stream": True},
                             {"prompt": [-1]},
                             {"prompt": [10**9]},
                             {},

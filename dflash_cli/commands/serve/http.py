@@ -35,7 +35,7 @@ from dflash_cli.commands.serve.metrics import CONTENT_TYPE, ServerMetrics
 from dflash_cli.commands.serve.worker import EngineThread, Job, QueueFull, ShuttingDown, Update, Worker
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
-from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, read_body
+from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, prompt_list, read_body
 from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
 
@@ -249,82 +249,109 @@ class Server:
     async def _complete(self, http: HTTPRequest, endpoint: str) -> Response:
         if self.worker.full:  # refuse before reading and encoding, when it is clear already
             raise self._busy()
+        body = await self._read_json(http)
+        # Several prompts in one legacy completion (LangChain's batch sends them so): a job and a choice each.
+        prompts = prompt_list(body) if endpoint == COMPLETIONS_URL else None
+        prepared = []
         try:
-            request = read_body(await self._read_json(http), endpoint)
-            if request.model is not None and request.model not in self.names:
-                raise APIError(
-                    404,
-                    f"model {request.model!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
-                    param="model",
-                    code="model_not_found",
-                )
-            async with self.encode_lock:  # tokenizers are not built for concurrent encodes
-                prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
-                # (off the event loop: a new schema compiles in milliseconds, a first grammar reads the vocabulary)
-                params = await anyio.to_thread.run_sync(self.session.request_params, self.options, request)
+            for one in [body] if prompts is None else [{**body, "prompt": prompt} for prompt in prompts]:
+                request = read_body(one, endpoint)
+                if request.model is not None and request.model not in self.names:
+                    raise APIError(
+                        404,
+                        f"model {request.model!r} is not served here; this server serves {self.model!r} "
+                        "(GET /v1/models)",
+                        param="model",
+                        code="model_not_found",
+                    )
+                if prompts is not None and request.stream:
+                    raise RequestError(
+                        "prompt: several prompts are answered whole; to stream, send one prompt a request",
+                        param="prompt",
+                    )
+                async with self.encode_lock:  # tokenizers are not built for concurrent encodes
+                    prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
+                    # (off the event loop: a new schema compiles in milliseconds, a first grammar reads the vocabulary)
+                    params = await anyio.to_thread.run_sync(self.session.request_params, self.options, request)
+                prepared.append((request, prompt_ids, params))
         except RequestError as error:
             raise APIError(400, error.message, param=error.param, code=error.code) from None
         except DflashError as error:
             raise APIError(400, error.message) from None
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Update] = asyncio.Queue()
+        jobs: list[tuple[Job, asyncio.Queue[Update]]] = []
+        for _, prompt_ids, params in prepared:
+            updates: asyncio.Queue[Update] = asyncio.Queue()
 
-        def deliver(update: Update) -> None:  # called in the worker thread
-            loop.call_soon_threadsafe(updates.put_nowait, update)
+            def deliver(update: Update, updates: asyncio.Queue[Update] = updates) -> None:  # in the worker thread
+                loop.call_soon_threadsafe(updates.put_nowait, update)
 
-        job = Job(prompt_ids, params, deliver)
-        try:
-            self.worker.submit(job)
-        except QueueFull:
-            raise self._busy() from None
-        except ShuttingDown:
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
+            job = Job(prompt_ids, params, deliver)
+            try:
+                self.worker.submit(job)
+            except (QueueFull, ShuttingDown) as refused:
+                for submitted, _ in jobs:
+                    self.worker.cancel(submitted)
+                if isinstance(refused, QueueFull):
+                    raise self._busy() from None
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
+            jobs.append((job, updates))
         ids = {"id": responses.new_id(endpoint), "model": self.model, "created": responses.now()}
+        request = prepared[0][0]
         if request.stream:
-            stream = self._stream(job, updates, request, ids)
+            stream = self._stream(*jobs[0], request, ids)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await self._whole(http, job, updates, request, ids)
+        return await self._whole(http, jobs, request, ids)
 
     async def _whole(
-        self, http: HTTPRequest, job: Job, updates: asyncio.Queue[Update], request: Request, ids: dict[str, Any]
+        self, http: HTTPRequest, jobs: list[tuple[Job, asyncio.Queue[Update]]], request: Request, ids: dict[str, Any]
     ) -> Response:
+        """The reply, whole; with several prompts (legacy completions) one choice each, in their order."""
         gone = asyncio.Event()
 
         async def cancel_on_disconnect() -> None:
             while (await http.receive())["type"] != "http.disconnect":
                 pass
             gone.set()
-            self.worker.cancel(job)
+            for job, _ in jobs:
+                self.worker.cancel(job)
 
-        watcher = asyncio.create_task(cancel_on_disconnect())
-        text: list[str] = []
-        token_ids: list[int] = []
-        try:
+        async def collect(updates: asyncio.Queue[Update]) -> tuple[str, list[int], Update]:
+            text: list[str] = []
+            token_ids: list[int] = []
             while (update := await updates.get()).finish_reason is None:
                 text.append(update.text)
                 token_ids += update.token_ids
+            return "".join([*text, update.text]), [*token_ids, *update.token_ids], update
+
+        watcher = asyncio.create_task(cancel_on_disconnect())
+        try:
+            results = await asyncio.gather(*(collect(updates) for _, updates in jobs))
         finally:
             watcher.cancel()
-            self.worker.cancel(job)  # a no-op when the job is done; stops it when this handler is cancelled
+            for job, _ in jobs:  # a no-op for a job that is done; stops one when this handler is cancelled
+                self.worker.cancel(job)
         if gone.is_set():
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it, /metrics counts it
-        text.append(update.text)
-        token_ids += update.token_ids
-        self._check_finished(update)
-        content: str | None = "".join(text)
-        calls: list[Any] = []
-        if request.tools is not None:
-            async with self.encode_lock:
-                content, calls = self.session.parse_reply(request, token_ids, content)
-        body = responses.completion(
-            request.endpoint or CHAT_URL,
-            text=content,
-            finish_reason=update.finish_reason,
-            stats=update.stats,
-            tool_calls=calls,
-            **ids,
-        )
-        return JSONResponse(body)
+        bodies = []
+        for text, token_ids, update in results:
+            self._check_finished(update)
+            content: str | None = text
+            calls: list[Any] = []
+            if request.tools is not None:
+                async with self.encode_lock:
+                    content, calls = self.session.parse_reply(request, token_ids, content)
+            bodies.append(
+                responses.completion(
+                    request.endpoint or CHAT_URL,
+                    text=content,
+                    finish_reason=update.finish_reason,
+                    stats=update.stats,
+                    tool_calls=calls,
+                    **ids,
+                )
+            )
+        return JSONResponse(bodies[0] if len(bodies) == 1 else responses.choices_of(bodies))
 
     def _check_finished(self, update: Update) -> None:
         if update.finish_reason == "error":

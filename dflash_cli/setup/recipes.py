@@ -164,7 +164,7 @@ class _Fields:
         shown = f", got {self.data[key]!r}" if key in self.data else " (missing)"
         return DflashError(
             f"{self.source}: field '{self.prefix}{key}': expected {expected}{shown}",
-            fix=fix or "edit the recipe file; see `dflash recipes show qwen3-8b --json` for a valid example",
+            fix=fix or f"edit the recipe file; a valid one to compare: {builtin_recipe_dir() / 'demo.toml'}",
         )
 
     def get(self, key: str, kind: type | tuple[type, ...], expected: str, default: Any = ...) -> Any:
@@ -205,6 +205,7 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
+REQUIRED_FIELDS = ("name", "description", "target")
 TOP_LEVEL_FIELDS = (
     "name",
     "aliases",
@@ -281,6 +282,12 @@ def parse_recipe(data: dict[str, Any], source: str) -> Recipe:
     """Validate one recipe's TOML data. `source` (the file) is named in every error."""
     fields = _Fields(data, source)
     fields.reject_unknown(TOP_LEVEL_FIELDS)
+    missing = [key for key in REQUIRED_FIELDS if key not in data]
+    if len(missing) > 1:  # all at once, not one per try
+        raise DflashError(
+            f"{source}: fields {', '.join(repr(key) for key in missing)} are missing",
+            fix=f"a recipe needs at least: {', '.join(REQUIRED_FIELDS)}; compare {builtin_recipe_dir() / 'demo.toml'}",
+        )
     name = _parse_name(fields, "name", fields.get("name", str, "a recipe name"))
     aliases = fields.get("aliases", list, "a list of names", [])
     aliases = tuple(_parse_name(fields, "aliases", alias) for alias in aliases)

@@ -125,6 +125,7 @@ BAD_RECIPES = [
     ('name = "Qwen3 8B"\ndescription = "d"\n[target]\nid = "a/b"\n', "field 'name'", "lowercase"),
     ('name = "x"\naliases = "y"\ndescription = "d"\n[target]\nid = "a/b"\n', "field 'aliases'", "list"),
     ('name = "x"\ndescription = "d"\n', "field 'target'", "repo id"),
+    ('name = "x"\n', "fields 'description', 'target' are missing", "demo.toml"),  # all at once, with an example
     ('name = "x"\ndescription = "d"\n[target]\nrevision = "main"\n', "field 'target.id'", "repo id"),
     ('name = "x"\ndescription = "d"\n[target]\nid = "a/b"\nfoo = 1\n', "unknown field 'target.foo'", None),
     (

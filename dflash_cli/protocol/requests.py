@@ -231,7 +231,11 @@ def _completion_prompt(value: Any, name: str) -> dict[str, Any]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     elif isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
-        raise RequestError(f"{name}: one prompt per request (send one request per prompt)", param=name)
+        raise RequestError(
+            f"{name}: several prompts where one is expected (a `dflash run` line holds one; the server's "
+            "/v1/completions takes a flat list of strings or of token-id lists)",
+            param=name,
+        )
     if isinstance(value, list):  # token ids, given as the prompt: errors about them name `prompt`
         return {"prompt_ids": read_prompt_ids(value, name), "prompt_field": name}
     return {"prompt": read_text(value, name)}
@@ -355,9 +359,10 @@ def _flag(body: Mapping[str, Any], key: str, name: str) -> bool:
     return bool(value)
 
 
-def read_body(body: Any, endpoint: str, *, prefix: str = "") -> Request:
+def read_body(body: Any, endpoint: str, *, prefix: str = "", prompt_index: int | None = None) -> Request:
     """An OpenAI request body for `endpoint` (CHAT_URL or COMPLETIONS_URL). `prefix` goes before field names in
-    errors ("body." for a batch line)."""
+    errors ("body." for a batch line); `prompt_index`, the prompt's place in a list of prompts (errors name
+    `prompt[i]`)."""
     if not isinstance(body, dict):
         raise RequestError(f"{prefix.rstrip('.') or 'the request body'} must be a JSON object, got {show(body)}")
     check_supported(body, prefix)
@@ -375,7 +380,8 @@ def read_body(body: Any, endpoint: str, *, prefix: str = "") -> Request:
         if body.get("chat_template_kwargs") is not None:
             name = prefix + "chat_template_kwargs"
             raise RequestError(f"{name}: completions use no chat template (use {CHAT_URL})", param=name)
-        prompt = _completion_prompt(body.get("prompt"), prefix + "prompt")
+        index = "" if prompt_index is None else f"[{prompt_index}]"
+        prompt = _completion_prompt(body.get("prompt"), f"{prefix}prompt{index}")
     else:
         raise RequestError(f"url {show(endpoint)} is not supported: use {CHAT_URL} or {COMPLETIONS_URL}", param="url")
     stream = _flag(body, "stream", prefix + "stream")

@@ -450,10 +450,19 @@ def load_recipes() -> dict[str, Recipe]:
     return recipes
 
 
+def _raise_if_unreadable(wanted: str) -> None:
+    """The error of the user's recipe file named `wanted` (its stem), if it cannot be read: that file is the recipe
+    asked for (most likely), and it may be meant to replace a built-in of that name, which must not run instead."""
+    for path, error in unreadable_user_recipes().items():
+        if path.stem.lower() == wanted:
+            raise error
+
+
 def get_recipe(name: str) -> Recipe:
     """A recipe by name or alias (case-insensitive). Unknown names fail with the closest matches."""
     recipes = load_recipes()
     wanted = name.strip().lower()
+    _raise_if_unreadable(wanted)
     by_key = {key: recipe for recipe in recipes.values() for key in (*recipe.aliases, recipe.name)}
     if wanted in by_key:
         return by_key[wanted]
@@ -465,9 +474,6 @@ def get_recipe(name: str) -> Recipe:
             fix=f"{hint}pass --target {name} --drafter DRAFTER",
         )
     unreadable = unreadable_user_recipes()
-    for path, error in unreadable.items():
-        if path.stem.lower() == wanted:  # the recipe asked for is (most likely) the broken file
-            raise error
     close = difflib.get_close_matches(wanted, list(by_key), n=3, cutoff=0.5)
     suggestion = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     broken = f" ({len(unreadable)} user recipe file(s) could not be read: it says why)" if unreadable else ""
@@ -484,6 +490,7 @@ def recipe_for_target(target: str) -> Recipe | None:
         return None
     recipes = load_recipes().values()
     wanted = target.strip().lower()
+    _raise_if_unreadable(wanted)
     by_name = {key: recipe for recipe in recipes for key in (*recipe.aliases, recipe.name)}
     if wanted in by_name:
         return by_name[wanted]

@@ -182,7 +182,7 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
         (
             {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},
             "invalid_request",
-            "one prompt per request",
+            "several prompts where one is expected (a `dflash run` line holds one",
         ),
         ({"url": "/v1/completions", "body": {"prompt": "x"}}, "invalid_request", "without custom_id"),
         (

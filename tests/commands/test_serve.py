@@ -328,6 +328,12 @@ def test_several_prompts_in_one_completion_get_a_choice_each(
     with pytest.raises(openai.BadRequestError, match="several prompts are answered whole") as streamed:
         client.completions.create(model=server.target, prompt=prompts, stream=True)
     assert streamed.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[1\] is empty") as empty:  # which one is bad
+        client.completions.create(model=server.target, prompt=["a", ""])
+    assert empty.value.body["param"] == "prompt[1]"
+    too_many = ["a"] * (MAX_QUEUE + BATCH + 1)  # could never all be taken: a 400 naming the limit, not "retry"
+    with pytest.raises(openai.BadRequestError, match=f"{MAX_QUEUE + BATCH + 1} prompts, more than this server"):
+        client.completions.create(model=server.target, prompt=too_many)
 
 
 def test_stop_strings_cut_the_reply(

@@ -257,6 +257,11 @@ def test_a_bad_user_recipe_is_reported_by_file_and_stops_nothing_else(user_dir: 
     with pytest.raises(DflashError) as unknown:
         get_recipe("nothing-like-it")
     assert "1 user recipe file(s) could not be read" in unknown.value.fix
+    mine = write(user_dir / "demo.toml", 'name = "demo"\ndescription = \n')  # meant to replace the built-in demo
+    for ask in (lambda: get_recipe("demo"), lambda: recipes.recipe_for_target("demo")):
+        with pytest.raises(DflashError, match=str(mine)):  # its error, never the built-in it was to replace
+            ask()
+    mine.unlink()
     write(bad, MINIMAL.replace("my-model", "mended"))  # read again at every call: a mended file is back at once
     assert unreadable_user_recipes() == {} and "mended" in load_recipes()
 

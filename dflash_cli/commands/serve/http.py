@@ -252,10 +252,18 @@ class Server:
         body = await self._read_json(http)
         # Several prompts in one legacy completion (LangChain's batch sends them so): a job and a choice each.
         prompts = prompt_list(body) if endpoint == COMPLETIONS_URL else None
+        if prompts is not None and len(prompts) > self.worker.max_queue + self.worker.rows:
+            raise APIError(  # (it would get "busy, retry" forever)
+                400,
+                f"prompt: {len(prompts)} prompts, more than this server takes at once "
+                f"({self.worker.rows} decoding + {self.worker.max_queue} waiting): send them in smaller lists "
+                "(or start the server with a larger --max-queue)",
+                param="prompt",
+            )
         prepared = []
         try:
-            for one in [body] if prompts is None else [{**body, "prompt": prompt} for prompt in prompts]:
-                request = read_body(one, endpoint)
+            for index, one in enumerate([body] if prompts is None else [{**body, "prompt": p} for p in prompts]):
+                request = read_body(one, endpoint, prompt_index=None if prompts is None else index)
                 if request.model is not None and request.model not in self.names:
                     raise APIError(
                         404,

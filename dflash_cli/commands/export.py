@@ -22,7 +22,8 @@ from dflash_cli.setup.recipes import PACKAGE_PREFIX, ModelRef, Recipe
 TP_HEADROOM = 1.3
 # Sizing for a serving machine when this one has no CUDA GPU: one 80 GB GPU (H100 / A100 80GB).
 ASSUMED_GPU_MEMORY = 80_000_000_000
-MAX_TENSOR_PARALLEL = 64  # sized for when the GPU count is not known: eight nodes of eight
+GPUS_PER_NODE = 8
+MAX_TENSOR_PARALLEL = 8 * GPUS_PER_NODE  # sized for when the GPU count is not known: eight nodes
 FALLBACK_BLOCK_SIZE = 16  # the block size of most published drafters
 
 
@@ -122,6 +123,12 @@ def _plan_export(
         notes.append(f"tensor parallel size for {gpus}, not measured here; change with --gpus N --gpu-memory GB")
     if tp_note:
         notes.append(tp_note)
+    if tp > GPUS_PER_NODE:
+        nodes = tp // GPUS_PER_NODE
+        notes.append(
+            f"{tp} GPUs is more than one node of {GPUS_PER_NODE}: a multi-node setup (vLLM over Ray, often "
+            f"--tensor-parallel-size {GPUS_PER_NODE} --pipeline-parallel-size {nodes}; SGLang --nnodes {nodes})"
+        )
     if recipe.chat_template_kwargs:
         notes.append(
             "the drafter was trained with these chat template options; send them with each request: "

@@ -436,18 +436,33 @@ def save_checkpoint(
         shutil.rmtree(previous)
 
 
-# What a resumed run may change without a note: how long and how it runs, not what it learns from.
-RUN_SETTINGS = {"steps", "train_minutes", "resume", "checkpoint_every", "eval_prompts", "threads", "distill_batch_size"}
+# The flags of what a run learns from (its data and objective), by option: a resumed run that changes one gets a
+# note. How long and where it runs may change freely; the drafter's shape is refused at load_checkpoint.
+LEARNING_FLAGS = {
+    "target": "--target",
+    "prompts": "--prompts",
+    "max_new_tokens": "--max-tokens",
+    "follow_ups": "--follow-ups",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "anchors_per_sequence": "--anchors",
+}
 
 
 def resumed_with_changes(saved: dict[str, Any], options: TrainOptions) -> str:
-    """The settings a resumed run changed from its checkpoint's that change what it learns (its data, its
-    objective), as "name old -> new"; empty when none did. (The drafter's shape is checked at load_checkpoint.)"""
+    """The flags of what a run learns from (LEARNING_FLAGS) that a resumed run changed from its checkpoint's, as
+    "--flag old -> new"; empty when none did. Paths compare resolved (p.jsonl is ./p.jsonl)."""
     now = asdict(options)
+
+    def same(key: str) -> bool:
+        if key == "prompts":
+            return Path(saved[key]).resolve() == Path(now[key]).resolve()
+        return saved[key] == now[key]
+
     return ", ".join(
-        f"{key} {saved[key]!r} -> {now[key]!r}"
-        for key in now
-        if key not in RUN_SETTINGS and key in saved and saved[key] != now[key]
+        f"{flag} {saved[key]!r} -> {now[key]!r}"
+        for key, flag in LEARNING_FLAGS.items()
+        if key in saved and not same(key)
     )
 
 
@@ -620,7 +635,11 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
     if options.resume:
         saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        if saved["step"] >= options.steps:  # (else it would "finish" in no time and overwrite metrics.json)
+        metrics = output / "metrics.json"
+        measured = json.loads(metrics.read_text()).get("steps") if metrics.is_file() else None
+        # Finished, and measured at that step: nothing left (it would "finish" in no time and overwrite metrics.json).
+        # A run stopped after its last step, while saving or measuring, resumes to do those.
+        if saved["step"] >= options.steps and measured == saved["step"]:
             raise DflashError(
                 f"the run in {output} already reached step {saved['step']} (--steps {options.steps})",
                 fix=f"raise --steps above {saved['step']} to train further; its drafter is in {output / DRAFTER_DIR}",
@@ -686,6 +705,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             drafter, target, samples, optimizer, options, (step, decayed), history, progress, checkpoint, tokenizer
         )
         train_seconds = time.perf_counter() - started
+    del samples  # (their features may fill a share of the GPU's memory that the measuring below wants)
     final = output / DRAFTER_DIR
     _save_final(drafter, final)
     eval_tau = None
@@ -805,11 +825,14 @@ def _train_loop(
         # Ctrl-C keeps the steps since the last checkpoint: saved where the last whole step left the drafter and
         # optimizer (if it came mid-update, the checkpoint before stands). The CLI then says how to --resume.
         if step > saved_at and not updating:
+            recover_checkpoint(checkpoint)  # (if it came mid-save)
             if not history or history[-1]["step"] != step:
                 history.append({"step": step, **running})
             decayed = decay_progress(step, start, start_progress, horizon)
             save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
         raise
+    if not running and history:  # resumed at its last step (to save and measure): the checkpoint's figures stand
+        running = {key: value for key, value in history[-1].items() if key != "step"}
     return running, step
 
 
@@ -820,13 +843,14 @@ def fitted_horizon(step: int, steps_run: int, seconds_run: float, seconds_left: 
 
 
 def keep_features_on(device: torch.device, samples: list[Sample]) -> None:
-    """Move the stored features read from the cache onto a GPU once, when they take at most half its free memory, so
-    that each step pads its batch there: on the host, 64 rows of 300-615 tokens are 220 MiB a step to pad (0.2 s on
-    one core of this VM; docs/benchmarks.md) and copy from pageable memory. A CPU run keeps them where they are."""
+    """Move the stored features read from the cache onto a GPU once, when they take at most a quarter of its free
+    memory (the training's own tensors come after), so that each step pads its batch there: on the host, 64 rows of
+    300-615 tokens are 220 MiB a step to pad (0.2 s on one core of this VM; docs/benchmarks.md) and copy from
+    pageable memory. A CPU run keeps them where they are."""
     if device.type != "cuda":
         return
     away = [s for s in samples if s.features is not None and s.features.device != device]
-    if away and sum(s.features.nbytes for s in away) <= torch.cuda.mem_get_info(device)[0] // 2:
+    if away and sum(s.features.nbytes for s in away) <= torch.cuda.mem_get_info(device)[0] // 4:
         for sample in away:
             sample.features = sample.features.to(device)
 
@@ -835,8 +859,8 @@ def _features(target: Any, input_ids: torch.Tensor, batch: list[Sample], layer_i
     """Target features [b, S, n*H] for a right-padded batch: stored ones when distillation captured them."""
     device = target.get_input_embeddings().weight.device
     if all(s.features is not None for s in batch):
-        # Padded here in their stored dtype (bf16) and copied once: per-row copies from pageable memory each wait
-        # for the device's queue, and float32 on the host doubled the bytes.
+        # Padded where they are (on the GPU when keep_features_on moved them there) in their stored dtype (bf16),
+        # then copied once if on the host: per-row copies from pageable memory each waited for the device's queue.
         stored = torch.nn.utils.rnn.pad_sequence([s.features for s in batch], batch_first=True)
         stored = F.pad(stored, (0, 0, 0, input_ids.shape[1] - stored.shape[1]))
         return stored.to(device).float()

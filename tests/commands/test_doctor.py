@@ -383,6 +383,8 @@ def test_the_installed_command_is_ours() -> None:
     """This checkout's own install (`pip install -e .`, as CI does) is no conflict: doctor once told every user to
     uninstall dflash-cli, comparing the entry point with a name the package no longer used."""
     found = dflash_commands()
+    if not found:
+        pytest.skip("this checkout is not pip-installed here (CI installs it)")
     assert all(dist == "dflash-cli" for dist, _ in found), found
     check = check_command_conflicts(found)
     assert check.status == "pass" and check.fix is None, check

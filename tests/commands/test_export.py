@@ -106,6 +106,7 @@ def test_serving_hardware_from_facts_and_flags() -> None:
     assert flag(exported.argv, "--tensor-parallel-size") == "16"
     assert any("80.0 GB GPUs, as many as the weights need" in note for note in exported.notes)
     assert not any("warning" in note for note in exported.notes)
+    assert any("16 GPUs is more than one node of 8" in note for note in exported.notes)
     eight = MachineFacts(kind="cuda", gpu_name="H100", capability=(9, 0), total_memory=85_000_000_000, gpu_count=8)
     assert serving_hardware(eight) == ServingHardware(8, 85_000_000_000, assumed=False)
     assert serving_hardware(eight, gpus=2, gpu_memory_gb=141) == ServingHardware(2, 141_000_000_000, assumed=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 from io import StringIO
@@ -202,6 +203,10 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     with pytest.raises(DflashError, match="already reached step 5") as finished:  # nothing left to run
         train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True))
     assert "raise --steps above 5" in finished.value.fix and (out / "metrics.json").read_text() == metrics
+    # Stopped after its last step, before it was measured (Ctrl-C while measuring tau): resuming saves and measures.
+    (out / "metrics.json").unlink()
+    measured = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True))
+    assert measured.steps == 5 and measured.final_loss == resumed.final_loss and (out / "metrics.json").is_file()
 
     # A crash mid-save, between moving the previous checkpoint aside and moving the new one in: resume finds it.
     (out / "checkpoint").rename(out / "checkpoint.previous")
@@ -215,11 +220,16 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     # Other data or objective: a note names each change (the drafter's shape is refused below).
     said = StringIO()
     train(options(tiny_qwen3_dir, prompt_file, out, steps=8, max_new_tokens=10, resume=True), Console(file=said))
-    assert "resuming with other settings than the checkpoint's: max_new_tokens 12 -> 10" in " ".join(
+    assert "resuming with other settings than the checkpoint's: --max-tokens 12 -> 10" in " ".join(
         said.getvalue().split()
     )
+    same_file = Path(os.path.relpath(prompt_file))  # the same prompts by another path; where it runs, not a note
+    said = StringIO()
+    again = options(tiny_qwen3_dir, same_file, out, steps=9, max_new_tokens=10, resume=True, device="cpu", threads=1)
+    train(again, Console(file=said))
+    assert "other settings" not in said.getvalue()
     with pytest.raises(DflashError, match="other settings"):
-        train(options(tiny_qwen3_dir, prompt_file, out, steps=9, block_size=6, resume=True))
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=10, block_size=6, resume=True))
 
 
 def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
@@ -245,6 +255,21 @@ def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
     assert "a checkpoint at step 4" in interrupted_training_state(out)
     monkeypatch.setattr(training, "make_batch", make)
     assert train(options(tiny_qwen3_dir, prompt_file, out, steps=6, checkpoint_every=3, resume=True)).steps == 6
+
+    # Ctrl-C in the middle of a save (removing the checkpoint it replaced): the interrupt's own save still works.
+    remove, cut = training.shutil.rmtree, []
+
+    def interrupted_once(path, *args, **kwargs):
+        if str(path).endswith(".previous") and not cut:
+            cut.append(path)
+            raise KeyboardInterrupt
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(training.shutil, "rmtree", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=20, checkpoint_every=3, resume=True))
+    assert cut and json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 9
+    assert not (out / "checkpoint.previous").exists()
 
 
 def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:

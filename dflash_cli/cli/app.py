@@ -54,7 +54,7 @@ from dflash_cli.cli.output import (
 )
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.options import RunOptions
-from dflash_cli.setup.recipes import load_recipes, resolve_recipe, unreadable_user_recipes
+from dflash_cli.setup.recipes import load_registry, resolve_recipe
 from dflash_cli.setup.threads import start_load_window
 
 
@@ -630,8 +630,9 @@ def recipes_list(json_output: JsonFlag = False) -> None:
     block: the most tokens a step verifies: the recipe's, else what its drafter's config.json sets (read where it is local or in the Hugging Face cache, never downloaded); `drafter's` where that config is not downloaded yet (`dflash pull NAME` fetches it). --json adds it as `drafter_block_size` (null: unknown)."""
     from dflash_cli.commands.recipes import COLUMNS, recipe_listing, recipe_rows
 
-    listings = [recipe_listing(recipe) for recipe in load_recipes().values()]
-    for error in unreadable_user_recipes().values():  # (left out of the list; on stderr, so --json stays data)
+    recipes, unreadable = load_registry()
+    listings = [recipe_listing(recipe) for recipe in recipes.values()]
+    for error in unreadable.values():  # (left out of the list; on stderr, so --json stays data)
         print_error(error, "[yellow]warning:[/]")
     emit(listings, json_output, lambda: show_rows(COLUMNS, recipe_rows(listings), no_wrap=("name", "status")))
 

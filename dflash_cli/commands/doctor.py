@@ -7,7 +7,6 @@ cli/output.py.
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
@@ -18,13 +17,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from packaging.utils import canonicalize_name
+
 from dflash_cli.engine import cpu_kernels, packages
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import quiet_bitsandbytes_import
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
 from dflash_cli.setup.planning import expected_speed, make_plan, native_formats
-from dflash_cli.setup.recipes import Recipe, load_recipes, unreadable_user_recipes
+from dflash_cli.setup.recipes import Recipe, load_registry
 from dflash_cli.setup.sizes import recipe_stored_bytes
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
@@ -317,7 +318,7 @@ def dflash_commands() -> list[tuple[str, str]]:
     """(distribution, entry point) of every installed console script named `dflash`; the distribution's name as
     packaging normalizes it (dflash_cli, dflash.cli and dflash-cli are one project)."""
     return [
-        (re.sub(r"[-_.]+", "-", ep.dist.name).lower() if ep.dist else "unknown", ep.value)
+        (canonicalize_name(ep.dist.name) if ep.dist else "unknown", ep.value)
         for ep in metadata.entry_points(group="console_scripts", name="dflash")
     ]
 
@@ -568,11 +569,11 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
     facts = facts or detect_machine()
     smi = query_nvidia_smi()
     try:
-        recipes = list(load_recipes().values())
+        loaded, unreadable = load_registry()
+        recipes = list(loaded.values())
         recipe_check = check_recipes(facts, recipes, bandwidth)
     except DflashError as exc:  # two user files claiming one name: report it, keep checking
-        recipes, recipe_check = [], Check("recipes", "fail", exc.message, exc.fix)
-    unreadable = list(unreadable_user_recipes().values())
+        recipes, unreadable, recipe_check = [], {}, Check("recipes", "fail", exc.message, exc.fix)
     cache = Path(constants.HF_HUB_CACHE)
     offline = bool(constants.HF_HUB_OFFLINE)
     return [
@@ -588,7 +589,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_hf_token(get_token() is not None, recipes),
         check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,
-        *(Check("user recipe", "fail", error.message, error.fix) for error in unreadable),
+        *(Check("user recipe", "fail", error.message, error.fix) for error in unreadable.values()),
         check_compiled_steps(facts, cpp_compiler(), packages.stored_packages()),
         check_cpu_kernels(
             facts,

@@ -423,22 +423,16 @@ def _load_dir(directory: Path, unreadable: dict[Path, DflashError] | None = None
     return recipes
 
 
-def unreadable_user_recipes() -> dict[Path, DflashError]:
-    """The user's recipe files that cannot be read, each with its error: load_recipes leaves them out (one broken
-    file must not stop every command, the demo's included); `recipes list` and doctor report them, and asking for
-    one by its file's name (get_recipe) fails with its error."""
-    unreadable: dict[Path, DflashError] = {}
-    _load_dir(user_recipe_dir(), unreadable)
-    return unreadable
-
-
-def load_recipes() -> dict[str, Recipe]:
-    """All recipes by name: built-in first, then the user's (a user recipe replaces a built-in of the same name);
-    user files that cannot be read are left out (unreadable_user_recipes)."""
+def load_registry() -> tuple[dict[str, Recipe], dict[Path, DflashError]]:
+    """All recipes by name, built-in first, then the user's (a user recipe replaces a built-in of the same name);
+    and the user's recipe files that cannot be read, each with its error, in the same pass. Those are left out (one
+    broken file must not stop every command, the demo's included); `recipes list` and doctor report them, and asking
+    for one by its file's name fails with its error (_raise_if_unreadable)."""
     recipes: dict[str, Recipe] = {}
-    for directory, unreadable in ((builtin_recipe_dir(), None), (user_recipe_dir(), {})):
+    unreadable: dict[Path, DflashError] = {}
+    for directory, skipped in ((builtin_recipe_dir(), None), (user_recipe_dir(), unreadable)):
         seen_here: dict[str, Recipe] = {}
-        for recipe in _load_dir(directory, unreadable):
+        for recipe in _load_dir(directory, skipped):
             for key in (recipe.name, *recipe.aliases):
                 if key in seen_here:
                     raise DflashError(
@@ -447,22 +441,27 @@ def load_recipes() -> dict[str, Recipe]:
                     )
                 seen_here[key] = recipe
             recipes[recipe.name] = recipe
-    return recipes
+    return recipes, unreadable
 
 
-def _raise_if_unreadable(wanted: str) -> None:
+def load_recipes() -> dict[str, Recipe]:
+    """All recipes by name (load_registry), user files that cannot be read left out."""
+    return load_registry()[0]
+
+
+def _raise_if_unreadable(wanted: str, unreadable: dict[Path, DflashError]) -> None:
     """The error of the user's recipe file named `wanted` (its stem), if it cannot be read: that file is the recipe
     asked for (most likely), and it may be meant to replace a built-in of that name, which must not run instead."""
-    for path, error in unreadable_user_recipes().items():
+    for path, error in unreadable.items():
         if path.stem.lower() == wanted:
             raise error
 
 
 def get_recipe(name: str) -> Recipe:
     """A recipe by name or alias (case-insensitive). Unknown names fail with the closest matches."""
-    recipes = load_recipes()
+    recipes, unreadable = load_registry()
     wanted = name.strip().lower()
-    _raise_if_unreadable(wanted)
+    _raise_if_unreadable(wanted, unreadable)
     by_key = {key: recipe for recipe in recipes.values() for key in (*recipe.aliases, recipe.name)}
     if wanted in by_key:
         return by_key[wanted]
@@ -473,7 +472,6 @@ def get_recipe(name: str) -> Recipe:
             f"unknown recipe '{name}' (a model repo or directory goes after --target)",
             fix=f"{hint}pass --target {name} --drafter DRAFTER",
         )
-    unreadable = unreadable_user_recipes()
     close = difflib.get_close_matches(wanted, list(by_key), n=3, cutoff=0.5)
     suggestion = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     broken = f" ({len(unreadable)} user recipe file(s) could not be read: it says why)" if unreadable else ""
@@ -488,13 +486,13 @@ def recipe_for_target(target: str) -> Recipe | None:
     id (`--target Qwen/Qwen3-8B`); None for a local directory or a model no recipe uses."""
     if ModelRef(target).is_local:
         return None
-    recipes = load_recipes().values()
+    recipes, unreadable = load_registry()
     wanted = target.strip().lower()
-    _raise_if_unreadable(wanted)
-    by_name = {key: recipe for recipe in recipes for key in (*recipe.aliases, recipe.name)}
+    _raise_if_unreadable(wanted, unreadable)
+    by_name = {key: recipe for recipe in recipes.values() for key in (*recipe.aliases, recipe.name)}
     if wanted in by_name:
         return by_name[wanted]
-    return next((recipe for recipe in recipes if recipe.target.id.lower() == wanted), None)
+    return next((recipe for recipe in recipes.values() if recipe.target.id.lower() == wanted), None)
 
 
 def with_drafter(recipe: Recipe, drafter: str | None) -> Recipe:

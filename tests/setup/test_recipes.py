@@ -15,9 +15,9 @@ from dflash_cli.setup.recipes import (
     adhoc_recipe,
     get_recipe,
     load_recipes,
+    load_registry,
     recipe_from_file,
     resolve_recipe,
-    unreadable_user_recipes,
 )
 
 ZLAB = {"qwen3-4b", "qwen3-8b", "llama3.1-8b", "qwen3-coder-30b-a3b", "gpt-oss-20b"}  # the published drafters
@@ -249,8 +249,9 @@ def test_bad_recipe_errors_name_the_file_the_field_and_the_expectation(
 def test_a_bad_user_recipe_is_reported_by_file_and_stops_nothing_else(user_dir: Path) -> None:
     bad = write(user_dir / "broken.toml", 'name = "x"\n')
     write(user_dir / "mine.toml", MINIMAL)
-    assert {"demo", "my-model"} <= set(load_recipes())  # the built-ins and the readable user file still load
-    (error,) = unreadable_user_recipes().values()
+    loaded, unreadable = load_registry()
+    assert {"demo", "my-model"} <= set(loaded)  # the built-ins and the readable user file still load
+    (error,) = unreadable.values()
     assert str(bad) in error.message
     with pytest.raises(DflashError, match=str(bad)):  # asked for by its file's name: its own error
         get_recipe("broken")
@@ -263,7 +264,7 @@ def test_a_bad_user_recipe_is_reported_by_file_and_stops_nothing_else(user_dir: 
             ask()
     mine.unlink()
     write(bad, MINIMAL.replace("my-model", "mended"))  # read again at every call: a mended file is back at once
-    assert unreadable_user_recipes() == {} and "mended" in load_recipes()
+    assert load_registry()[1] == {} and "mended" in load_recipes()
 
 
 def test_user_recipes_add_and_replace(user_dir: Path) -> None:

@@ -775,6 +775,13 @@ def _train_loop(
     fast_bf16 = serving_dtype(options.device) == torch.bfloat16
     batches = _batches(samples, options.batch_size, rng)
     saved_at, updating = step, False
+
+    def save() -> None:
+        nonlocal saved_at
+        decayed = decay_progress(step, start, start_progress, horizon)
+        save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
+        saved_at = step
+
     try:
         while step < options.steps:
             began = time.perf_counter()
@@ -815,9 +822,7 @@ def _train_loop(
             if step % 10 == 0 or step == options.steps or out_of_time:
                 history.append({"step": step, **running})
             if step % options.checkpoint_every == 0 or step == options.steps or out_of_time:
-                decayed = decay_progress(step, start, start_progress, horizon)
-                save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
-                saved_at = step
+                save()
             if out_of_time:
                 progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
                 break
@@ -828,8 +833,7 @@ def _train_loop(
             recover_checkpoint(checkpoint)  # (if it came mid-save)
             if not history or history[-1]["step"] != step:
                 history.append({"step": step, **running})
-            decayed = decay_progress(step, start, start_progress, horizon)
-            save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
+            save()
         raise
     if not running and history:  # resumed at its last step (to save and measure): the checkpoint's figures stand
         running = {key: value for key, value in history[-1].items() if key != "step"}

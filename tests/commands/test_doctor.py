@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
+from packaging.utils import canonicalize_name
 
 from dflash_cli.commands import doctor
 from dflash_cli.commands.doctor import (
@@ -379,12 +381,14 @@ def test_cpu_kernels_check_says_what_runs_and_what_to_install() -> None:
     assert gpu.status == "pass" and "CUDA" in gpu.detail
 
 
-def test_the_installed_command_is_ours() -> None:
-    """This checkout's own install (`pip install -e .`, as CI does) is no conflict: doctor once told every user to
-    uninstall dflash-cli, comparing the entry point with a name the package no longer used."""
+def test_our_own_command_is_no_conflict() -> None:
+    """The `dflash` command pyproject.toml declares, as an install reports it, is ours: doctor once told every user
+    to uninstall dflash-cli, comparing the entry point with a name the package no longer used. And this
+    environment's own install (CI's `pip install -e .`; none at all is "not installed", a pass too)."""
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    declared = check_command_conflicts([(canonicalize_name(project["name"]), project["scripts"]["dflash"])])
+    assert declared.status == "pass" and declared.fix is None and "no other package" in declared.detail
     found = dflash_commands()
-    if not found:
-        pytest.skip("this checkout is not pip-installed here (CI installs it)")
     assert all(dist == "dflash-cli" for dist, _ in found), found
-    check = check_command_conflicts(found)
-    assert check.status == "pass" and check.fix is None, check
+    assert check_command_conflicts(found).status == "pass"

@@ -10,10 +10,10 @@ same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel 
 bf16 products run on dflash's own kernel (`engine.cpu_kernels`) where the process has it: it sums every output in
 one order whatever the row count, and reads the weights about 2x faster than MKL at one to four rows (the demo's
 210 layer products at one row: 4.7 against 10.5 ms; docs/benchmarks.md). Without it, MKL: its one-row bf16
-product (a matrix-vector kernel) rounds differently from its product for 2 or more rows, and every row count from 2
-on gives a row the same bits (measured on the demo target's 211 products up to 300 rows, one and two threads; the
-first to differ was a down_proj, 1536 inputs), so a bf16 product of one row runs as two (the row twice) at the
-same cost. Either way a row's output does not depend on how many rows its step holds (a plain step, a verify block,
+product (a matrix-vector kernel) rounds differently from its product for 2 or more rows, so a bf16 product of one
+row runs as two (the row twice) at the same cost; and on a CPU with AMX, MKL takes another kernel from about 48 rows
+on, which rounds some rows otherwise (a 1536-input product: 2 of 48 rows, 25 of 300; 2 to 33 rows all agree), so a
+product of more than BF16_TILE rows runs in tiles of BF16_TILE. Either way a row's output does not depend on how many rows its step holds (a plain step, a verify block,
 a batch, a prefill chunk), which with eager attention makes bf16 decoding batch-invariant (docs/benchmarks.md).
 float32 has no such rule here: MKL's float32 kernels round a row by the product's row count at every size.
 
@@ -40,6 +40,7 @@ from torch import nn
 from dflash_cli.engine import cpu_kernels
 
 SMALL_ROWS = 9  # up to this many rows, `W @ x.T`; from 10 rows on F.linear's kernel is the faster (measured)
+BF16_TILE = 32  # MKL's bf16 products of 2 to this many rows give a row the same bits (more: tiles of this many)
 
 
 class SmallRowLinear(nn.Linear):
@@ -59,7 +60,8 @@ class SmallRowLinear(nn.Linear):
 
 class Bf16Linear(nn.Linear):
     """bf16 `nn.Linear` whose rows keep their bits whatever the row count: dflash's kernel where the process has it,
-    else MKL with a one-row product computed as two rows, the row twice (see the module docstring)."""
+    else MKL with a one-row product computed as two rows (the row twice) and more than BF16_TILE rows in tiles (see
+    the module docstring)."""
 
     dflash_kernel = False  # set by use_cpu_products: whether this process runs dflash's kernel (decided once)
 
@@ -70,10 +72,16 @@ class Bf16Linear(nn.Linear):
                 out = out + self.bias
             return out.reshape(*x.shape[:-1], self.out_features)
         # Compiled steps leave MKL's product to inductor's kernels (as SmallRowLinear does).
-        if torch.compiler.is_compiling() or x.numel() != x.shape[-1]:
+        if torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
-        twice = x.reshape(1, -1).expand(2, -1)
-        return F.linear(twice, self.weight, self.bias)[:1].reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        if 1 < len(rows) <= BF16_TILE:
+            return F.linear(x, self.weight, self.bias)
+        tiles = [  # a one-row tile (alone or last) runs as two rows, the row twice
+            F.linear(tile.expand(2, -1) if len(tile) == 1 else tile, self.weight, self.bias)[: len(tile)]
+            for tile in rows.split(BF16_TILE)
+        ]
+        return torch.cat(tiles).reshape(*x.shape[:-1], self.out_features)
 
 
 CPU_PRODUCTS = {torch.float32: SmallRowLinear, torch.bfloat16: Bf16Linear}

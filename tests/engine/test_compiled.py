@@ -6,7 +6,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ def traced_only(
 
 
 @pytest.fixture
-def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> list[torch.fx.GraphModule]:
+def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> Iterator[list[torch.fx.GraphModule]]:
     """The target's step as CUDA takes it (fixed shapes, so the state hands attention whole K/V buffers), traced
     by dynamo and run by the eager backend on the CPU. Returns the graphs dynamo made."""
     backend = EagerAndRecordGraphs()
@@ -63,8 +63,8 @@ def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> list[torch.fx
     draft_step = CompiledStep(run_drafter, "draft step", "cpu", backend="eager")
     monkeypatch.setattr(target_module, "compiled_step", lambda device: step)
     monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # one graph per block size
-    return backend.graphs
+    with torch._dynamo.config.patch(recompile_limit=64):  # one graph per block size
+        yield backend.graphs
 
 
 def _graphs() -> int:
@@ -184,8 +184,8 @@ def check_golden_sets(
     return sizes
 
 
-def test_every_golden_set_with_traced_steps(traced_only, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # one entry per drafter format and block size
+@torch._dynamo.config.patch(recompile_limit=64)  # one entry per drafter format and block size
+def test_every_golden_set_with_traced_steps(traced_only) -> None:
     target_graphs, draft_graphs = traced_only
     shown: list[str] = []
     sizes = check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)

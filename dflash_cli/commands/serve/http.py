@@ -599,7 +599,8 @@ def run_server(
         ) + f", batch {worker.rows}"
         console.print(f"dflash serve: {escape(server.model)} ({mode}) at {url}/v1", soft_wrap=True)
         console.print(
-            f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, /v1/models; /health, /metrics · "
+            f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL}, /v1/models; Anthropic: "
+            f"{MESSAGES_URL}, {COUNT_TOKENS_URL}; /health, /metrics · "
             f"{'API key required' if api_key else 'no API key'} · Ctrl+C to stop[/]",
             soft_wrap=True,
         )

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -23,8 +25,10 @@ from test_serve import (  # the module's server and models (fixtures), and its h
     RunningServer,
     client,
     local_options,
+    model_flags,
     models,
     raw_request,
+    running_server,
     server,
     session,
     user,
@@ -463,3 +467,59 @@ def test_1000_fuzzed_bad_bodies_get_4xx_in_their_apis_shape_and_lose_nothing(
         time.sleep(0.05)
     assert server.metric("dflash_generation_tokens_total") == generated + decoded  # only the two good requests decoded
     assert server.get("/health")[1]["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A template that thinks
+
+
+@pytest.fixture(scope="module")
+def thinking_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The tiny model under a template that opens its reply's reasoning (`<think>\\n` after the assistant's header,
+    as Qwen3.5's does) unless enable_thinking is false: all of a random reply is reasoning then."""
+    from transformers import AutoTokenizer
+
+    from helpers.tiny_models import CHAT_TEMPLATE
+
+    target = Path(shutil.copytree(models[0], tmp_path_factory.mktemp("thinking") / "target"))
+    closed = "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    assert closed in CHAT_TEMPLATE
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        closed, "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}"
+    )
+    tokenizer.save_pretrained(target)
+    with running_server([*model_flags((target, models[1])), "--batch-size", "2"]) as running:
+        yield running
+
+
+def test_a_thinking_template_gives_thinking_blocks_when_asked_and_keeps_reasoning_out_of_text(
+    thinking_server: RunningServer,
+) -> None:
+    server, oai = thinking_server, thinking_server.client()
+    claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    messages = user("Tell me a story.")
+    raw = chat_reply(oai, server, messages, max_tokens=16).choices[0].message.content  # (chat: the reply as written)
+    reasoning = raw.strip()
+    assert reasoning and "</think>" not in raw
+    fields = {"model": server.target, "messages": messages, "max_tokens": 16}
+    asked = claude.messages.create(**fields, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [(b.type, b.thinking) for b in asked.content] == [("thinking", reasoning)]
+    with claude.messages.stream(**fields, thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        deltas = [event.thinking for event in stream if event.type == "thinking"]  # the SDK's thinking_delta events
+        final = stream.get_final_message()
+    assert "".join(deltas) == reasoning and [b.thinking for b in final.content] == [reasoning]
+    unasked = claude.messages.create(**fields)
+    assert unasked.content == [] and unasked.stop_reason == "max_tokens"  # all reasoning, none of it shown
+    off = claude.messages.create(**fields, thinking={"type": "disabled"})  # the template closes it: text
+    plain = chat_reply(
+        oai, server, messages, max_tokens=16, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert text_of(off) == plain.choices[0].message.content
+    response = oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16)
+    (item,) = response.output
+    assert item.type == "reasoning" and item.content[0].text == reasoning and response.output_text == ""
+    events = list(
+        oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16, stream=True)
+    )
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning

@@ -415,8 +415,8 @@ class Server:
         raw = self.session.reply_text_stream() if tools is not None else None
         split = None
         if reasoning:
-            async with self.encode_lock:  # (the tokenizer, one call at a time)
-                split = ReasoningSplit(prompt_opens_reasoning(self.session.reply_text(job.prompt_ids[-4:])))
+            async with self.encode_lock:  # (the tokenizer, one call at a time; the marker may take several tokens)
+                split = ReasoningSplit(prompt_opens_reasoning(self.session.reply_text(job.prompt_ids[-16:])))
         text: list[str] = []  # the reply's text as shown, for the stop sequence
         token_ids: list[int] = []
         while True:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,8 @@ def read_messages(value: Any, name: str = "messages") -> tuple[dict[str, Any], .
         }
         if calls:
             turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "assistant" and message.get("reasoning_content"):  # passed back (templates that render it)
+            turn["reasoning_content"] = read_text(message["reasoning_content"], f"{where}.reasoning_content")
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if isinstance(message.get(key), str):
@@ -405,6 +408,25 @@ def read_body(body: Any, endpoint: str, *, prefix: str = "", prompt_index: int |
         model=model,
         endpoint=endpoint,
     )
+
+
+def read_translated(body: dict[str, Any], names: Sequence[tuple[str, str]]) -> Request:
+    """A chat completion body made from another API's request (Anthropic Messages, OpenAI Responses), read as
+    any chat body is, so both take the same checks. `names`: (pattern, replacement) pairs that turn a field's name
+    in this body back into the other API's (the first pattern that matches renames it), so an error names the
+    field as its user wrote it."""
+    try:
+        return read_body(body, CHAT_URL)
+    except RequestError as error:
+        if error.param is None:
+            raise
+        param = error.param
+        for pattern, replacement in names:
+            param, renamed = re.subn(pattern, replacement, param, count=1)
+            if renamed:
+                break
+        message = error.message.replace(error.param, param, 1)
+        raise RequestError(message, param=param, code=error.code, fix=error.fix) from None
 
 
 def _read_id(value: Any, name: str) -> str:

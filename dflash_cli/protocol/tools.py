@@ -85,7 +85,9 @@ def read_tools(body: Mapping[str, Any], prefix: str = "") -> Tools | None:
             )
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise RequestError(f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function")
+            raise RequestError(
+                f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function.parameters"
+            )
         names.append(function["name"])
     if len(set(names)) < len(names):
         raise RequestError(f"{prefix}tools: function names must be unique", param=prefix + "tools")

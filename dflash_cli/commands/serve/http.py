@@ -19,7 +19,7 @@ import ipaddress
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import uvicorn
@@ -28,13 +28,19 @@ from rich.markup import escape
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from dflash_cli.commands.serve.agents import AgentRoutes, Running
 from dflash_cli.commands.serve.metrics import CONTENT_TYPE, ServerMetrics
+from dflash_cli.commands.serve.wire import APIError, event_stream, sse
 from dflash_cli.commands.serve.worker import EngineThread, Job, QueueFull, ShuttingDown, Update, Worker
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
+from dflash_cli.protocol.anthropic import COUNT_TOKENS_URL, MESSAGES_URL
+from dflash_cli.protocol.openai_responses import RESPONSES_URL
+from dflash_cli.protocol.params import SamplingParams
+from dflash_cli.protocol.replies import Ending, Part, ReasoningSplit, prompt_opens_reasoning
 from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, prompt_list, read_body
 from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
@@ -42,38 +48,22 @@ from dflash_cli.setup.options import RunOptions
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
 MODEL_URL = "/v1/models/{model:path}"  # one model's card (the openai client's models.retrieve)
-ROUTES = ("/health", "/metrics", "/v1/models", MODEL_URL, CHAT_URL, COMPLETIONS_URL)
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class APIError(Exception):
-    """An HTTP error with OpenAI's error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = responses.error(self.message, self.type, param=self.param, code=self.code)
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+ROUTES = (
+    "/health",
+    "/metrics",
+    "/v1/models",
+    MODEL_URL,
+    CHAT_URL,
+    COMPLETIONS_URL,
+    MESSAGES_URL,
+    COUNT_TOKENS_URL,
+    RESPONSES_URL,
+)
+T = TypeVar("T")
 
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
-
-
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 class Server:
@@ -96,20 +86,33 @@ class Server:
             Route(MODEL_URL, self.model_card, methods=["GET"]),
             Route(CHAT_URL, self.chat_completions, methods=["POST"]),
             Route(COMPLETIONS_URL, self.completions, methods=["POST"]),
+            *AgentRoutes(self, self._read_json).routes(),  # Anthropic Messages and OpenAI Responses
         ]
-        handlers = {APIError: self._api_error, HTTPException: self._http_error, Exception: self._server_error}
+        handlers = {
+            APIError: self._api_error,
+            RequestError: self._request_error,
+            HTTPException: self._http_error,
+            Exception: self._server_error,
+        }
         return self._gate(Starlette(routes=routes, exception_handlers=handlers))  # type: ignore[arg-type]
 
     # -- errors and the gate ----------------------------------------------------------------------------------
 
     async def _api_error(self, request: HTTPRequest, error: Exception) -> Response:
         assert isinstance(error, APIError)
-        return error.response()
+        return error.response(request.url.path)
+
+    async def _request_error(self, request: HTTPRequest, error: Exception) -> Response:
+        assert isinstance(error, RequestError)
+        return APIError(400, error.message, param=error.param, code=error.code).response(request.url.path)
 
     async def _http_error(self, request: HTTPRequest, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
         if error.status_code == 404:
-            served = f"this server has GET /v1/models, POST {CHAT_URL} and POST {COMPLETIONS_URL}"
+            served = (
+                f"this server has GET /v1/models, POST {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL}, "
+                f"{MESSAGES_URL} and {COUNT_TOKENS_URL}"
+            )
             where = "" if request.url.path.startswith("/v1/") else ": the API is under /v1"
             message = f"no route {request.url.path}{where} ({served}; embeddings, images and audio are not served)"
         elif error.status_code == 405:
@@ -117,10 +120,11 @@ class Server:
         else:
             message = str(error.detail)
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        return APIError(error.status_code, message, code=code, headers=error.headers).response()
+        return APIError(error.status_code, message, code=code, headers=error.headers).response(request.url.path)
 
     async def _server_error(self, request: HTTPRequest, error: Exception) -> Response:
-        return APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error").response()
+        error = APIError(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
+        return error.response(request.url.path)
 
     def _gate(self, app: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
         """ASGI middleware: the API key on /v1 routes (health and metrics stay open, as vLLM's), and a count of
@@ -141,22 +145,25 @@ class Server:
             if path.startswith("/v1/") and not self._authorized(scope):
                 error = APIError(
                     401,
-                    "invalid or missing API key: send the header `Authorization: Bearer KEY`",
+                    "invalid or missing API key: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                await error.response()(scope, receive, counting_send)
+                await error.response(path)(scope, receive, counting_send)
                 return
             await app(scope, receive, counting_send)
 
         return gate
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
+        """The key as OpenAI's clients send it (`Authorization: Bearer`), or as Anthropic's (`x-api-key`)."""
         if self.api_key is None:
             return True
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key.encode())
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        key = self.api_key.encode()
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), key)
 
     # -- simple routes ----------------------------------------------------------------------------------------
 
@@ -246,49 +253,45 @@ class Server:
             headers={"Retry-After": "1"},
         )
 
-    async def _complete(self, http: HTTPRequest, endpoint: str) -> Response:
-        if self.worker.full:  # refuse before reading and encoding, when it is clear already
+    def check_room(self) -> None:
+        """A 429 when the queue is full: a request is refused before it is read and encoded, when it is clear."""
+        if self.worker.full:
             raise self._busy()
-        body = await self._read_json(http)
-        # Several prompts in one legacy completion (LangChain's batch sends them so): a job and a choice each.
-        prompts = prompt_list(body) if endpoint == COMPLETIONS_URL else None
-        if prompts is not None and len(prompts) > self.worker.max_queue + self.worker.rows:
-            raise APIError(  # (it would get "busy, retry" forever)
-                400,
-                f"prompt: {len(prompts)} prompts, more than this server takes at once "
-                f"({self.worker.rows} decoding + {self.worker.max_queue} waiting): send them in smaller lists "
-                "(or start the server with a larger --max-queue)",
-                param="prompt",
+
+    def check_model(self, name: str | None) -> None:
+        """A 404 for a model name this server does not serve (no name: the one it serves)."""
+        if name is not None and name not in self.names:
+            raise APIError(
+                404,
+                f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
             )
-        prepared = []
+
+    async def prepare(self, request: Request) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and sampling params (its grammar compiled). Raises RequestError for a request
+        this model cannot take."""
         try:
-            for index, one in enumerate([body] if prompts is None else [{**body, "prompt": p} for p in prompts]):
-                request = read_body(one, endpoint, prompt_index=None if prompts is None else index)
-                if request.model is not None and request.model not in self.names:
-                    raise APIError(
-                        404,
-                        f"model {request.model!r} is not served here; this server serves {self.model!r} "
-                        "(GET /v1/models)",
-                        param="model",
-                        code="model_not_found",
-                    )
-                if prompts is not None and request.stream:
-                    raise RequestError(
-                        "prompt: several prompts are answered whole; to stream, send one prompt a request",
-                        param="prompt",
-                    )
-                async with self.encode_lock:  # tokenizers are not built for concurrent encodes
-                    prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
-                    # (off the event loop: a new schema compiles in milliseconds, a first grammar reads the vocabulary)
-                    params = await anyio.to_thread.run_sync(self.session.request_params, self.options, request)
-                prepared.append((request, prompt_ids, params))
-        except RequestError as error:
-            raise APIError(400, error.message, param=error.param, code=error.code) from None
+            async with self.encode_lock:  # tokenizers are not built for concurrent encodes
+                prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
+                # (off the event loop: a new schema compiles in milliseconds, a first grammar reads the vocabulary)
+                params = await anyio.to_thread.run_sync(self.session.request_params, self.options, request)
+        except RequestError:
+            raise
         except DflashError as error:
             raise APIError(400, error.message) from None
+        return prompt_ids, params
+
+    async def count_tokens(self, request: Request) -> int:
+        """The prompt's length in tokens, as the chat template renders it."""
+        async with self.encode_lock:
+            return len(await anyio.to_thread.run_sync(self._encode, request))
+
+    def submit(self, prepared: list[tuple[list[int], SamplingParams]]) -> list[Running]:
+        """A job each, queued for the engine, with the queue its updates arrive on; all or none (429, 503)."""
         loop = asyncio.get_running_loop()
-        jobs: list[tuple[Job, asyncio.Queue[Update]]] = []
-        for _, prompt_ids, params in prepared:
+        jobs: list[Running] = []
+        for prompt_ids, params in prepared:
             updates: asyncio.Queue[Update] = asyncio.Queue()
 
             def deliver(update: Update, updates: asyncio.Queue[Update] = updates) -> None:  # in the worker thread
@@ -304,25 +307,46 @@ class Server:
                     raise self._busy() from None
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
             jobs.append((job, updates))
+        return jobs
+
+    async def _complete(self, http: HTTPRequest, endpoint: str) -> Response:
+        self.check_room()
+        body = await self._read_json(http)
+        # Several prompts in one legacy completion (LangChain's batch sends them so): a job and a choice each.
+        prompts = prompt_list(body) if endpoint == COMPLETIONS_URL else None
+        if prompts is not None and len(prompts) > self.worker.max_queue + self.worker.rows:
+            raise APIError(  # (it would get "busy, retry" forever)
+                400,
+                f"prompt: {len(prompts)} prompts, more than this server takes at once "
+                f"({self.worker.rows} decoding + {self.worker.max_queue} waiting): send them in smaller lists "
+                "(or start the server with a larger --max-queue)",
+                param="prompt",
+            )
+        prepared = []
+        try:
+            for index, one in enumerate([body] if prompts is None else [{**body, "prompt": p} for p in prompts]):
+                request = read_body(one, endpoint, prompt_index=None if prompts is None else index)
+                self.check_model(request.model)
+                if prompts is not None and request.stream:
+                    raise RequestError(
+                        "prompt: several prompts are answered whole; to stream, send one prompt a request",
+                        param="prompt",
+                    )
+                prepared.append((request, *await self.prepare(request)))
+        except RequestError as error:
+            raise APIError(400, error.message, param=error.param, code=error.code) from None
+        jobs = self.submit([(prompt_ids, params) for _, prompt_ids, params in prepared])
         ids = {"id": responses.new_id(endpoint), "model": self.model, "created": responses.now()}
         request = prepared[0][0]
         if request.stream:
             stream = self._stream(*jobs[0], request, ids)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            return event_stream(stream)
         return await self._whole(http, jobs, request, ids)
 
     async def _whole(
         self, http: HTTPRequest, jobs: list[tuple[Job, asyncio.Queue[Update]]], request: Request, ids: dict[str, Any]
     ) -> Response:
         """The reply, whole; with several prompts (legacy completions) one choice each, in their order."""
-        gone = asyncio.Event()
-
-        async def cancel_on_disconnect() -> None:
-            while (await http.receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            for job, _ in jobs:
-                self.worker.cancel(job)
 
         async def collect(updates: asyncio.Queue[Update]) -> tuple[str, list[int], Update]:
             text: list[str] = []
@@ -332,14 +356,8 @@ class Server:
                 token_ids += update.token_ids
             return "".join([*text, update.text]), [*token_ids, *update.token_ids], update
 
-        watcher = asyncio.create_task(cancel_on_disconnect())
-        try:
-            results = await asyncio.gather(*(collect(updates) for _, updates in jobs))
-        finally:
-            watcher.cancel()
-            for job, _ in jobs:  # a no-op for a job that is done; stops one when this handler is cancelled
-                self.worker.cancel(job)
-        if gone.is_set():
+        results = await self.unless_gone(http, jobs, asyncio.gather(*(collect(updates) for _, updates in jobs)))
+        if results is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it, /metrics counts it
         bodies = []
         for text, token_ids, update in results:
@@ -361,6 +379,93 @@ class Server:
             )
         return JSONResponse(bodies[0] if len(bodies) == 1 else responses.choices_of(bodies))
 
+    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None:
+        """What `work` (the jobs' replies, gathered) returns; None when the client disconnected first, which
+        cancels the jobs."""
+        gone = asyncio.Event()
+
+        async def cancel_on_disconnect() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            for job, _ in jobs:
+                self.worker.cancel(job)
+
+        watcher = asyncio.create_task(cancel_on_disconnect())
+        try:
+            result = await work
+        except APIError:
+            if gone.is_set():  # (the cancelled jobs' end)
+                return None
+            raise
+        finally:
+            watcher.cancel()
+            for job, _ in jobs:  # a no-op for a job that is done; stops one when this handler is cancelled
+                self.worker.cancel(job)
+        return None if gone.is_set() else result
+
+    async def parts(
+        self, running: Running, request: Request, *, reasoning: bool = False
+    ) -> AsyncIterator[Part | Ending]:
+        """A job's reply as it comes: text, and under tools each call once it closes (the text read raw, special
+        tokens kept, and held back from where a call may start); with `reasoning`, the text split into reasoning
+        and text first. Then its Ending; an APIError when the generation failed."""
+        job, updates = running
+        tools = ToolStream(request.tools, self.session.tool_format) if request.tools is not None else None
+        raw = self.session.reply_text_stream() if tools is not None else None
+        split = None
+        if reasoning:
+            async with self.encode_lock:  # (the tokenizer, one call at a time; the marker may take several tokens)
+                split = ReasoningSplit(prompt_opens_reasoning(self.session.reply_text(job.prompt_ids[-16:])))
+        text: list[str] = []  # the reply's text as shown, for the stop sequence
+        token_ids: list[int] = []
+        while True:
+            update = await updates.get()
+            text.append(update.text)
+            token_ids += update.token_ids
+            fresh = update.text
+            if raw is not None:
+                async with self.encode_lock:
+                    fresh = raw.push(list(update.token_ids))[0]
+                    if update.finish_reason is not None:
+                        fresh += raw.flush()
+            pieces = split.feed(fresh) if split is not None else [("text", fresh)]
+            if split is not None and update.finish_reason is not None:
+                pieces += split.finish()
+            for kind, piece in pieces:
+                if kind == "text" and tools is not None:
+                    piece = tools.feed(piece)
+                if piece:
+                    yield Part(kind, piece)
+                for call in tools.ready() if tools is not None else ():
+                    yield Part("call", call=call)
+            if update.finish_reason is None:
+                continue
+            self._check_finished(update)
+            finish_reason = update.finish_reason
+            if tools is not None:
+                rest, calls = tools.finish()
+                if rest:
+                    yield Part("text", rest)
+                for call in calls:
+                    yield Part("call", call=call)
+                finish_reason = responses.finish_with_calls(finish_reason, bool(tools.given or calls))
+            stats = update.stats
+            stop = await self._stop_sequence(request, token_ids, "".join(text)) if finish_reason == "stop" else None
+            yield Ending(finish_reason, stop, stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens, stats)
+            return
+
+    async def _stop_sequence(self, request: Request, token_ids: list[int], text: str) -> str | None:
+        """The request's stop string that ended a reply (None: the model's end or a grammar's): the text the engine
+        showed ends where one starts in the reply's tokens."""
+        stops = request.sampling.get("stop_strings") or ()
+        if not stops:
+            return None
+        async with self.encode_lock:
+            decoded = self.session.require_tokenizer().decode(token_ids, skip_special_tokens=True)
+        after = decoded[len(text) :] if decoded.startswith(text) else ""
+        return next((stop for stop in stops if after.startswith(stop)), None)
+
     def _check_finished(self, update: Update) -> None:
         if update.finish_reason == "error":
             raise APIError(500, f"generation failed: {update.error}", type="server_error", code="generation_failed")
@@ -372,49 +477,26 @@ class Server:
     ) -> AsyncIterator[str]:
         """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
         endpoint, usage = request.endpoint or CHAT_URL, request.include_usage
-        # Under tools the text is read raw (special tokens kept) and held back from where a call may start.
-        tools = ToolStream(request.tools, self.session.tool_format) if request.tools is not None else None
-        raw = self.session.reply_text_stream() if tools is not None else None
+        calls = 0
         try:
             if endpoint == CHAT_URL:
                 yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
-            while True:
-                update = await updates.get()
-                text = update.text
-                if tools is not None:
-                    async with self.encode_lock:  # (the tokenizer, one call at a time)
-                        fresh = raw.push(update.token_ids)[0]
-                        if update.finish_reason is not None:
-                            fresh += raw.flush()
-                    text = tools.feed(fresh)
-                if text:
-                    yield sse(responses.chunk(endpoint, text=text, with_usage=usage, **ids))
-                if tools is not None:  # each call as soon as it closes
-                    given = len(tools.given)
-                    for part in responses.tool_call_chunks(endpoint, tools.ready(), given, with_usage=usage, **ids):
-                        yield sse(part)
-                if update.finish_reason is None:
-                    continue
-                try:
-                    self._check_finished(update)
-                except APIError as error:  # the status is sent already: the error goes in the stream, as vLLM's
-                    yield sse(responses.error(error.message, error.type, code=error.code))
-                    break
-                finish_reason = update.finish_reason
-                if tools is not None:
-                    given = len(tools.given)
-                    rest, calls = tools.finish()
-                    if rest:
-                        yield sse(responses.chunk(endpoint, text=rest, with_usage=usage, **ids))
-                    for part in responses.tool_call_chunks(endpoint, calls, given, with_usage=usage, **ids):
-                        yield sse(part)
-                    finish_reason = responses.finish_with_calls(finish_reason, bool(tools.given or calls))
-                last = responses.chunk(endpoint, finish_reason=finish_reason, with_usage=usage, **ids)
-                last["dflash"] = responses.dflash_stats(update.stats)
-                yield sse(last)
-                if usage:
-                    yield sse(responses.usage_chunk(endpoint, stats=update.stats, **ids))
-                break
+            try:
+                async for part in self.parts((job, updates), request):
+                    if isinstance(part, Ending):
+                        last = responses.chunk(endpoint, finish_reason=part.finish_reason, with_usage=usage, **ids)
+                        last["dflash"] = responses.dflash_stats(part.stats)
+                        yield sse(last)
+                        if usage:
+                            yield sse(responses.usage_chunk(endpoint, stats=part.stats, **ids))
+                    elif part.call is not None:
+                        for chunk in responses.tool_call_chunks(endpoint, [part.call], calls, with_usage=usage, **ids):
+                            yield sse(chunk)
+                        calls += 1
+                    else:
+                        yield sse(responses.chunk(endpoint, text=part.text, with_usage=usage, **ids))
+            except APIError as error:  # the status is sent already: the error goes in the stream, as vLLM's
+                yield sse(responses.error(error.message, error.type, code=error.code))
             yield "data: [DONE]\n\n"
         finally:
             self.worker.cancel(job)
@@ -517,7 +599,8 @@ def run_server(
         ) + f", batch {worker.rows}"
         console.print(f"dflash serve: {escape(server.model)} ({mode}) at {url}/v1", soft_wrap=True)
         console.print(
-            f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, /v1/models; /health, /metrics · "
+            f"[dim]OpenAI-compatible: {CHAT_URL}, {COMPLETIONS_URL}, {RESPONSES_URL}, /v1/models; Anthropic: "
+            f"{MESSAGES_URL}, {COUNT_TOKENS_URL}; /health, /metrics · "
             f"{'API key required' if api_key else 'no API key'} · Ctrl+C to stop[/]",
             soft_wrap=True,
         )

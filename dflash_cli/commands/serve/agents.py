@@ -1,0 +1,140 @@
+"""`dflash serve`'s routes for the agents' own APIs: Anthropic Messages (`POST /v1/messages` and
+`/v1/messages/count_tokens`, what Claude Code sends) and OpenAI Responses (`POST /v1/responses`, stateless, what
+Codex CLI sends).
+
+One path under every route: a body is read into the one request format (protocol.anthropic,
+protocol.openai_responses), prepared and submitted by the server as /v1/chat/completions is (the same worker,
+batching, prefix reuse, grammars and speculation), and the reply's parts (http.Server.parts) are rendered in the
+route's shapes, streamed or whole. This module only translates; the server does the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dflash_cli.commands.serve.wire import APIError, event_stream, sse
+from dflash_cli.commands.serve.worker import Job, Update, Worker
+from dflash_cli.protocol import anthropic, openai_responses
+from dflash_cli.protocol.params import SamplingParams
+from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.requests import Request
+from dflash_cli.protocol.responses import now
+
+Running = tuple[Job, asyncio.Queue[Update]]  # a submitted job and the queue its updates arrive on
+Events = anthropic.MessageEvents | openai_responses.ResponseEvents
+T = TypeVar("T")
+
+
+class Backend(Protocol):
+    """What these routes use of the server (http.Server)."""
+
+    model: str
+    worker: Worker
+
+    def check_room(self) -> None: ...
+    def check_model(self, name: str | None) -> None: ...
+    async def prepare(self, request: Request) -> tuple[list[int], SamplingParams]: ...
+    async def count_tokens(self, request: Request) -> int: ...
+    def submit(self, prepared: list[tuple[list[int], SamplingParams]]) -> list[Running]: ...
+    def parts(self, running: Running, request: Request, *, reasoning: bool = False) -> AsyncIterator[Part | Ending]: ...
+    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None: ...
+
+
+class AgentRoutes:
+    """The Messages and Responses routes over `backend`; `read_json` reads a request's body (its limits and
+    errors are the server's)."""
+
+    def __init__(self, backend: Backend, read_json: Callable[[HTTPRequest], Awaitable[Any]]) -> None:
+        self.backend, self.read_json = backend, read_json
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(anthropic.MESSAGES_URL, self.messages, methods=["POST"]),
+            Route(anthropic.COUNT_TOKENS_URL, self.count_tokens, methods=["POST"]),
+            Route(openai_responses.RESPONSES_URL, self.responses, methods=["POST"]),
+        ]
+
+    async def messages(self, http: HTTPRequest) -> Response:
+        self.backend.check_room()
+        read = anthropic.read_messages_request(await self.read_json(http))
+        running = await self._start(read.request)
+        events = anthropic.MessageEvents(
+            id=anthropic.new_id(),
+            model=self.backend.model,
+            input_tokens=len(running[0].prompt_ids),
+            thinking=read.thinking,
+        )
+
+        def failed(error: APIError) -> list[tuple[str, dict[str, Any]]]:
+            return [("error", anthropic.error(error.status, error.message)[1])]
+
+        return await self._reply(http, running, read.request, events, failed, lambda: events.message)
+
+    async def count_tokens(self, http: HTTPRequest) -> Response:
+        read = anthropic.read_messages_request(await self.read_json(http), count_only=True)
+        self.backend.check_model(read.request.model)
+        return JSONResponse({"input_tokens": await self.backend.count_tokens(read.request)})
+
+    async def responses(self, http: HTTPRequest) -> Response:
+        self.backend.check_room()
+        read = openai_responses.read_responses_request(await self.read_json(http))
+        running = await self._start(read.request)
+        events = openai_responses.ResponseEvents(
+            id=openai_responses.new_id(), model=self.backend.model, created=now(), echo=read.echo
+        )
+        return await self._reply(
+            http, running, read.request, events, lambda error: events.failed(error.message), lambda: events.response
+        )
+
+    async def _start(self, request: Request) -> Running:
+        self.backend.check_model(request.model)
+        return self.backend.submit([await self.backend.prepare(request)])[0]
+
+    async def _reply(
+        self,
+        http: HTTPRequest,
+        running: Running,
+        request: Request,
+        events: Events,
+        failed: Callable[[APIError], list[tuple[str, dict[str, Any]]]],
+        whole: Callable[[], dict[str, Any]],
+    ) -> Response:
+        """The reply as `events` render it: streamed (a failure after the first event is `failed`'s events), or
+        whole (`whole()` once every part is in; a failure is the route's error response)."""
+        if request.stream:
+            return event_stream(self._stream(running, request, events, failed))
+
+        async def gather() -> dict[str, Any]:
+            async for part in self.backend.parts(running, request, reasoning=True):
+                events.end(part) if isinstance(part, Ending) else events.part(part)
+            return whole()
+
+        body = await self.backend.unless_gone(http, [running], gather())
+        return Response(status_code=499) if body is None else JSONResponse(body)
+
+    async def _stream(
+        self,
+        running: Running,
+        request: Request,
+        events: Events,
+        failed: Callable[[APIError], list[tuple[str, dict[str, Any]]]],
+    ) -> AsyncIterator[str]:
+        """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
+        try:
+            for name, data in events.start():
+                yield sse(data, name)
+            try:
+                async for part in self.backend.parts(running, request, reasoning=True):
+                    for name, data in events.end(part) if isinstance(part, Ending) else events.part(part):
+                        yield sse(data, name)
+            except APIError as error:  # the status is sent already: the error goes in the stream
+                for name, data in failed(error):
+                    yield sse(data, name)
+        finally:
+            self.backend.worker.cancel(running[0])

@@ -1,0 +1,385 @@
+"""OpenAI's Responses API (what Codex CLI speaks), stateless, torch-free: a request body read into the one request
+format, and a reply rendered as a Response object and its stream events.
+
+A Responses body becomes a chat completion body (instructions and input items as chat messages, function_call and
+function_call_output items as tool_calls and tool turns, reasoning items as reasoning passed back, `text.format`
+as response_format) and is read by `requests.read_translated`, so it takes the same checks as
+/v1/chat/completions; an error names the field as the Responses body has it. Nothing is stored: a client resends
+the conversation each turn (Codex does), and the prefix reuse of the slots makes that cheap.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_cli.errors import RequestError
+from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.requests import Request, read_translated, show
+
+RESPONSES_URL = "/v1/responses"
+
+FIELD_NAMES = (
+    (r"^max_tokens$", "max_output_tokens"),
+    (r"^tools\[(\d+)\]\.function\.", r"tools[\1]."),
+    (r"^tools\[(\d+)\]\.function", r"tools[\1]"),
+    (r"^response_format\.json_schema\.schema", "text.format.schema"),
+    (r"^response_format\.json_schema", "text.format"),
+    (r"^response_format", "text.format"),
+)
+STATELESS = "this server keeps no responses (it is stateless): send the whole conversation in `input` each turn"
+# Fields whose use needs what a stateless server without tools of its own has not: refused by name when set.
+REFUSED = {
+    "previous_response_id": STATELESS,
+    "conversation": STATELESS,
+    "prompt": "stored prompt templates are not supported: send instructions and input",
+    "background": "background responses are not supported: this server answers while the request waits",
+}
+ITEMS = "message, function_call, function_call_output and reasoning items are"
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """A Responses request: the one request format, and the settings its Response object repeats."""
+
+    request: Request
+    echo: Mapping[str, Any] = field(default_factory=dict)
+
+
+def read_responses_request(body: Any) -> ResponsesRequest:
+    """A /v1/responses body."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {show(body)}")
+    for key, why in REFUSED.items():
+        if body.get(key) not in (None, False):
+            raise RequestError(f"{key}: {why}", param=key)
+    if body.get("top_logprobs"):
+        raise RequestError("top_logprobs are not supported", param="top_logprobs")
+    messages, names = _conversation(body)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    chat.update({key: body[key] for key in ("temperature", "top_p", "stream", "parallel_tool_calls") if key in body})
+    if "max_output_tokens" in body:
+        chat["max_tokens"] = body["max_output_tokens"]
+    chat.update(_tools(body))
+    text_format = _text_format(body.get("text"))
+    if text_format is not None:
+        chat["response_format"] = text_format
+    request = read_translated(chat, [*names, *FIELD_NAMES])
+    echo = {
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "reasoning": body.get("reasoning"),
+        "store": False,
+        "temperature": body.get("temperature"),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p"),
+        "truncation": "disabled",
+    }
+    return ResponsesRequest(request, echo)
+
+
+def _text(value: Any, name: str) -> str:
+    """Content: a string, or a list of text parts (input_text, output_text); images, files and audio are refused."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise RequestError(f"{name} must be a string or a list of content parts, got {show(value)}", param=name)
+    texts = []
+    for j, part in enumerate(value):
+        at = f"{name}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise RequestError(f"{at}: {kind} is not supported: the served model reads text only", param=at)
+        if kind not in ("input_text", "output_text", "text", "refusal"):
+            raise RequestError(f"{at} must be an input_text or output_text part, got {show(part)}", param=at)
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise RequestError(f"{at}.text must be a string, got {show(text)}", param=f"{at}.text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _string(item: Mapping[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{where}.{key} must be a non-empty string, got {show(value)}", param=f"{where}.{key}")
+    return value
+
+
+def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """The chat messages, and the names of their fields as the Responses body has them. System and developer
+    messages before the conversation join the instructions in one system message (templates want one, first)."""
+    out: list[dict[str, Any]] = []
+    names: list[tuple[str, str]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise RequestError(f"instructions must be a string, got {show(instructions)}", param="instructions")
+        if instructions:
+            names.append((r"^messages\[0\]", "instructions"))
+            out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    elif not isinstance(items, list) or not items:
+        raise RequestError(
+            "input must be a string or a non-empty list of items (messages, function_call, function_call_output)",
+            param="input",
+        )
+    reasoning: list[str] = []  # a reasoning item's text, for the assistant turn that follows it
+    for i, item in enumerate(items):
+        where = "input" if isinstance(body["input"], str) else f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an item object, got {show(item)}", param=where)
+        kind = item.get("type", "message")
+        last = out[-1] if out else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(
+                    f"{where}.role must be user, assistant, system or developer, got {show(role)}",
+                    param=f"{where}.role",
+                )
+            content = _text(item.get("content"), f"{where}.content")
+            if role in ("system", "developer") and all(m["role"] == "system" for m in out):
+                if out:
+                    out[0]["content"] += "\n\n" + content
+                    continue
+                role = "system"
+            turn: dict[str, Any] = {"role": role, "content": content}
+            if role == "assistant" and reasoning:
+                turn["reasoning_content"], reasoning = "\n".join(reasoning), []
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": item.get("arguments", "{}")},
+            }
+            if last is not None and last["role"] == "assistant":  # (the calls of one turn join its text)
+                calls = len(last.get("tool_calls", []))
+                names.append((rf"^messages\[{len(out) - 1}\]\.tool_calls\[{calls}\]\.function", where))
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            names.append((rf"^messages\[{len(out)}\]\.tool_calls\[0\]\.function", where))
+            turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+            if reasoning:
+                turn["reasoning_content"], reasoning = "\n".join(reasoning), []
+        elif kind == "function_call_output":
+            output = _text(item.get("output"), f"{where}.output")
+            turn = {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list):
+                raise RequestError(f"{where}.content must be a list of reasoning_text parts", param=f"{where}.content")
+            reasoning += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            continue
+        elif kind == "item_reference":
+            raise RequestError(f"{where}: item_reference: {STATELESS}", param=where)
+        else:
+            raise RequestError(f"{where}.type: {show(kind)} items are not supported ({ITEMS})", param=f"{where}.type")
+        names.append((rf"^messages\[{len(out)}\]", where))
+        out.append(turn)
+    return out, names
+
+
+def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    """`tools` and `tool_choice` as a chat body has them."""
+    chat: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RequestError(f"tools must be a list of function tools, got {show(tools)}", param="tools")
+        chat["tools"] = []
+        for i, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise RequestError(
+                    f"tools[{i}].type: {show(kind)} tools are not supported: this server runs no tools itself (function "
+                    "tools, which the client runs, are)",
+                    param=f"tools[{i}].type",
+                )
+            function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+            chat["tools"].append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise RequestError(
+                f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got '
+                f"{show(choice)}",
+                param="tool_choice",
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    return chat
+
+
+def _text_format(value: Any) -> dict[str, Any] | None:
+    """`text.format` as a chat body's response_format."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(f'text must be an object {{"format": {{...}}}}, got {show(value)}', param="text")
+    spec = value.get("format")
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if spec is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        assert isinstance(spec, dict)
+        return {"type": "json_schema", "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
+    raise RequestError(
+        'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name": ..., '
+        f'"schema": {{...}}}}, got {show(spec)}',
+        param="text.format",
+    )
+
+
+# -- replies ----------------------------------------------------------------------------------------------------
+
+
+def new_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+def usage(ending: Ending) -> dict[str, Any]:
+    """The Responses usage: `input_tokens` the whole prompt, `cached_tokens` its part reused (prefix reuse)."""
+    return {
+        "input_tokens": ending.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": ending.cached_tokens},
+        "output_tokens": ending.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": ending.prompt_tokens + ending.output_tokens,
+    }
+
+
+Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
+
+
+class ResponseEvents:
+    """A reply as the Responses stream events, part by part; `response` is the Response object they add up to
+    (what a request without stream gets). Reasoning becomes a reasoning item (kept out of `output_text`)."""
+
+    def __init__(self, *, id: str, model: str, created: int, echo: Mapping[str, Any]) -> None:
+        self.response: dict[str, Any] = {
+            "id": id,
+            "object": "response",
+            "created_at": created,
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "model": model,
+            "output": [],
+            "output_text": "",
+            "previous_response_id": None,
+            **echo,
+            "usage": None,
+        }
+        self.sequence = 0
+        self.open: dict[str, Any] | None = None  # the message or reasoning item being streamed
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        data = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
+        self.sequence += 1
+        return kind, data
+
+    def start(self) -> list[Event]:
+        return [
+            self._event("response.created", response=self.response),
+            self._event("response.in_progress", response=self.response),
+        ]
+
+    def _add(self, item: dict[str, Any]) -> Event:
+        self.response["output"].append(item)
+        return self._event("response.output_item.added", output_index=len(self.response["output"]) - 1, item=item)
+
+    def part(self, part: Part) -> list[Event]:
+        if part.kind == "call":
+            assert part.call is not None
+            events = self._close()
+            index = len(self.response["output"])
+            item = {
+                "id": "fc_" + uuid.uuid4().hex,
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": part.call.id,
+                "name": part.call.name,
+                "arguments": "",
+            }
+            events.append(self._add(item))
+            ids = {"item_id": item["id"], "output_index": index}
+            item.update(arguments=part.call.arguments, status="completed")
+            return [
+                *events,
+                self._event("response.function_call_arguments.delta", **ids, delta=part.call.arguments),
+                self._event(
+                    "response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"]
+                ),
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
+        if not part.text:
+            return []
+        kind = "reasoning" if part.kind == "reasoning" else "message"
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events = self._close()
+            index = len(self.response["output"])  # (the new item's)
+            if kind == "message":
+                self.open = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "status": "in_progress"}
+                self.open.update(role="assistant", content=[])
+                events.append(self._add(self.open))
+                text_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                self.open["content"].append(text_part)
+                ids = {"item_id": self.open["id"], "output_index": index, "content_index": 0}
+                events.append(self._event("response.content_part.added", **ids, part=text_part))
+            else:
+                self.open = {"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [], "content": []}
+                events.append(self._add(self.open))
+                self.open["content"].append({"type": "reasoning_text", "text": ""})
+        index = len(self.response["output"]) - 1
+        ids = {"item_id": self.open["id"], "output_index": index, "content_index": 0}
+        self.open["content"][0]["text"] += part.text
+        if kind == "message":
+            self.response["output_text"] += part.text
+            return [*events, self._event("response.output_text.delta", **ids, delta=part.text, logprobs=[])]
+        return [*events, self._event("response.reasoning_text.delta", **ids, delta=part.text)]
+
+    def _close(self) -> list[Event]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.response["output"]) - 1
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        text = item["content"][0]
+        if item["type"] == "message":
+            item["status"] = "completed"
+            events = [
+                self._event("response.output_text.done", **ids, text=text["text"], logprobs=[]),
+                self._event("response.content_part.done", **ids, part=text),
+            ]
+        else:
+            events = [self._event("response.reasoning_text.done", **ids, text=text["text"])]
+        return [*events, self._event("response.output_item.done", output_index=index, item=item)]
+
+    def end(self, ending: Ending) -> list[Event]:
+        events = self._close()
+        if ending.finish_reason == "length":
+            self.response.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+        else:
+            self.response["status"] = "completed"
+        self.response["usage"] = usage(ending)
+        kind = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
+        return [*events, self._event(kind, response=self.response)]
+
+    def failed(self, message: str) -> list[Event]:
+        """The last event of a stream whose generation failed after it began."""
+        self.response.update(status="failed", error={"code": "server_error", "message": message})
+        return [self._event("response.failed", response=self.response)]

@@ -1,0 +1,525 @@
+"""`dflash serve`'s agent APIs, on the real server of test_serve.py (a tiny Qwen3 with a random drafter): Anthropic
+Messages driven by the official `anthropic` SDK and LangChain's ChatAnthropic, OpenAI Responses by the official
+`openai` SDK, and raw HTTP. Each route runs the path /v1/chat/completions runs, so its answers are checked against
+that route's answers to the same conversation."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+from test_serve import (  # the module's server and models (fixtures), and its helpers
+    KEY,
+    RECORD,
+    WEATHER,
+    RunningServer,
+    client,
+    local_options,
+    model_flags,
+    models,
+    raw_request,
+    running_server,
+    server,
+    session,
+    user,
+)
+
+from dflash_cli.engine import collect
+from dflash_cli.loading.session import Session
+
+__all__ = ["client", "models", "server", "session"]  # (fixtures, imported to be used here)
+
+TOOL = {  # WEATHER, as Anthropic's tools are written
+    "name": "get_weather",
+    "description": WEATHER["function"]["description"],
+    "input_schema": WEATHER["function"]["parameters"],
+}
+FUNCTION = {"type": "function", **{k: v for k, v in WEATHER["function"].items()}}  # as Responses' tools are
+
+
+@pytest.fixture(scope="module")
+def claude(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def text_of(message: Any) -> str:
+    return "".join(block.text for block in message.content if block.type == "text")
+
+
+def chat_reply(client: openai.OpenAI, server: RunningServer, messages: list[dict[str, Any]], **fields: Any) -> Any:
+    return client.chat.completions.create(model=server.target, messages=messages, **fields)
+
+
+def sse_events(port: int, path: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A streamed reply's events as sent: (event name, data)."""
+    headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
+    status, _, raw = raw_request(port, "POST", path, json.dumps(body).encode(), headers)
+    assert status == 200, raw
+    events = []
+    for block in raw.decode().strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Anthropic Messages
+
+
+def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    system, messages = "You are terse.", user("Tell me a story.")
+    chat = chat_reply(client, server, [{"role": "system", "content": system}, *messages], max_tokens=12)
+    reply = claude.messages.create(model=server.target, system=system, messages=messages, max_tokens=12)
+    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
+    assert text_of(reply) == chat.choices[0].message.content and reply.model == server.target
+    assert reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    usage = reply.usage  # Anthropic's input_tokens are the prompt's tokens not read from the cache
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert usage.output_tokens == chat.usage.completion_tokens
+    assert usage.cache_read_input_tokens == chat.usage.prompt_tokens - 1  # the same prompt again: all but its last
+
+    with claude.messages.stream(model=server.target, system=system, messages=messages, max_tokens=12) as stream:
+        deltas = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(deltas) > 1 and "".join(deltas) == text_of(reply)
+    assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in reply.content]
+    assert final.stop_reason == reply.stop_reason
+    assert (
+        final.usage.output_tokens == usage.output_tokens
+        and final.usage.cache_read_input_tokens == usage.cache_read_input_tokens
+    )
+
+    body = {"model": server.target, "max_tokens": 4, "messages": messages, "stream": True}
+    names = [name for name, _ in sse_events(server.port, "/v1/messages?beta=true", body)]  # (Claude Code's URL)
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+
+
+def test_stop_sequences_end_a_message_and_are_named(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    full = chat_reply(client, server, user("Tell me a story."), max_tokens=16).choices[0].message.content
+    at = next(k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].strip())
+    stop = full[at : at + 2]
+    fields = {"model": server.target, "messages": user("Tell me a story."), "max_tokens": 16, "stop_sequences": [stop]}
+    reply = claude.messages.create(**fields)
+    assert (text_of(reply), reply.stop_reason, reply.stop_sequence) == (full[:at], "stop_sequence", stop)
+    with claude.messages.stream(**fields) as stream:
+        final = stream.get_final_message()
+    assert (text_of(final), final.stop_reason, final.stop_sequence) == (full[:at], "stop_sequence", stop)
+
+
+def test_a_forced_tool_call_and_its_result_turn(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """tool_choice any: the call is constrained by the tool's schema (even a random model's input is valid), comes
+    back as a tool_use block with its input parsed, whole and streamed; its tool_result turn is answered."""
+    fields = {
+        "model": server.target,
+        "messages": user("Weather in Paris?"),
+        "tools": [TOOL],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "max_tokens": 200,
+    }
+    reply = claude.messages.create(**fields)
+    (call,) = reply.content
+    assert reply.stop_reason == "tool_use" and call.type == "tool_use" and call.name == "get_weather"
+    jsonschema.validate(call.input, TOOL["input_schema"])
+    assert call.id.startswith("toolu_")
+    chat = chat_reply(client, server, user("Weather in Paris?"), tools=[WEATHER], tool_choice="required",
+                      parallel_tool_calls=False, max_tokens=200)  # fmt: skip
+    assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) == call.input
+
+    with claude.messages.stream(**fields) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", call.input)]
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert json.loads("".join(partial)) == call.input and final.stop_reason == "tool_use"
+
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "sunny, 24C"}]}
+    history = [
+        *user("Weather in Paris?"),
+        {"role": "assistant", "content": reply.content},
+        {"role": "user", "content": [result]},
+    ]
+    answer = claude.messages.create(model=server.target, messages=history, tools=[TOOL], max_tokens=8)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.content
+    assert answer.usage.cache_read_input_tokens > 0  # the call's conversation, continued
+
+
+def test_count_tokens_counts_the_prompt_the_template_renders(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic, session: Session
+) -> None:
+    system, messages = "Be brief.", user("Weather in Rome?")
+    with_tools = claude.messages.count_tokens(model=server.target, system=system, messages=messages, tools=[TOOL])
+    chat = chat_reply(client, server, [{"role": "system", "content": system}, *messages], tools=[WEATHER], max_tokens=1)
+    assert with_tools.input_tokens == chat.usage.prompt_tokens
+    alone = claude.messages.count_tokens(model=server.target, system=system, messages=messages)
+    assert alone.input_tokens == len(session.encode_chat([{"role": "system", "content": system}, *messages]))
+    assert alone.input_tokens < with_tools.input_tokens
+    # thinking reaches the template as enable_thinking (the tiny template, like Qwen3's, writes an empty
+    # reasoning block when it is off)
+    off = claude.messages.count_tokens(model=server.target, messages=messages, thinking={"type": "disabled"})
+    on = claude.messages.count_tokens(
+        model=server.target, messages=messages, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
+    assert off.input_tokens > on.input_tokens
+
+
+def test_structured_output_through_the_same_grammar(server: RunningServer, claude: anthropic.Anthropic) -> None:
+    body = {"model": server.target, "max_tokens": 40, "messages": user("Describe it"),
+            "output_config": {"format": {"type": "json_schema", "schema": RECORD}}}  # fmt: skip
+    status, _, raw = raw_request(
+        server.port, "POST", "/v1/messages", json.dumps(body).encode(), {"x-api-key": KEY, "anthropic-version": "1"}
+    )
+    reply = json.loads(raw)
+    assert status == 200 and reply["stop_reason"] == "end_turn", reply
+    jsonschema.validate(json.loads(reply["content"][0]["text"]), RECORD)
+
+
+def test_bad_messages_get_anthropics_errors(server: RunningServer, claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(model=server.target, messages=user("Hi"), max_tokens=0)
+    assert bad.value.body == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "max_tokens must be >= 1, got 0"},
+    }
+    with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+        claude.messages.create(model=server.target, messages=[{"role": "user", "content": [image]}], max_tokens=4)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.messages.create(model="claude-opus-4-1", messages=user("Hi"), max_tokens=4)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        wrong.messages.create(model=server.target, messages=user("Hi"), max_tokens=4)
+    assert denied.value.body["error"]["type"] == "authentication_error"
+    headers = {"x-api-key": KEY, "Content-Type": "application/json"}
+    status, _, raw = raw_request(
+        server.port, "POST", "/v1/messages", json.dumps({"messages": user("Hi")}).encode(), headers
+    )
+    assert status == 400 and json.loads(raw)["error"]["message"].startswith("max_tokens is required")
+    status, _, raw = raw_request(server.port, "POST", "/v1/messages", b" " * (9 * 2**20), headers)
+    assert status == 413 and json.loads(raw)["error"]["type"] == "request_too_large"
+    status, _, raw = raw_request(server.port, "GET", "/v1/messages", None, headers)
+    assert status == 405 and json.loads(raw)["type"] == "error"
+
+
+def test_langchain_chat_anthropic(server: RunningServer, client: openai.OpenAI) -> None:
+    from langchain_anthropic import ChatAnthropic
+
+    llm = ChatAnthropic(model=server.target, base_url=server.url, api_key=KEY, max_tokens=10, max_retries=0)
+    reply = llm.invoke("Name a color.")
+    assert reply.text == chat_reply(client, server, user("Name a color."), max_tokens=10).choices[0].message.content
+    assert reply.usage_metadata["output_tokens"] > 0
+    forced = llm.bind_tools([TOOL], tool_choice="get_weather", parallel_tool_calls=False)
+    called = forced.invoke("Weather in Paris?", max_tokens=200)
+    (call,) = called.tool_calls
+    assert call["name"] == "get_weather" and called.response_metadata["stop_reason"] == "tool_use"
+    jsonschema.validate(call["args"], TOOL["input_schema"])
+
+
+def test_a_long_system_prompt_is_reused_turn_after_turn_as_chat_completions_answer(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic, session: Session, models: Any
+) -> None:
+    """An agent's loop: each turn resends the conversation; from the second on, the slot that answered the last
+    turn holds its prompt and reply, so all of the system prompt and more is read from the cache; the answers are
+    those of /v1/chat/completions and of a session that prefills everything."""
+    system = "You are a coding agent. Follow the rules. " * 20
+    history: list[dict[str, Any]] = []
+    for turn, question in enumerate(["List the files.", "Open the first.", "Fix the bug."]):
+        history.append({"role": "user", "content": question})
+        reply = claude.messages.create(model=server.target, system=system, messages=history, max_tokens=6)
+        chat = chat_reply(client, server, [{"role": "system", "content": system}, *history], max_tokens=6)
+        assert text_of(reply) == chat.choices[0].message.content
+        if turn:
+            system_tokens = len(session.encode_chat([{"role": "system", "content": system}]))
+            assert reply.usage.cache_read_input_tokens > system_tokens
+        history.append({"role": "assistant", "content": text_of(reply)})
+    session.prefix_cache = False
+    try:
+        params = session.sampling_params(local_options(models), max_new_tokens=6)
+        fresh = collect(
+            session.stream(session.encode_chat([{"role": "system", "content": system}, *history[:-1]]), params)
+        )
+    finally:
+        session.prefix_cache = True
+    assert fresh.text == history[-1]["content"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OpenAI Responses
+
+
+def test_a_response_whole_and_streamed_is_the_chat_completion_of_its_input(
+    server: RunningServer, client: openai.OpenAI
+) -> None:
+    chat = chat_reply(client, server, [{"role": "system", "content": "Be terse."}, *user("Hello!")], max_tokens=10)
+    reply = client.responses.create(model=server.target, instructions="Be terse.", input="Hello!", max_output_tokens=10)
+    assert (
+        reply.object == "response"
+        and reply.id.startswith("resp_")
+        and reply.output_text == chat.choices[0].message.content
+    )
+    cut = chat.choices[0].finish_reason == "length"
+    assert reply.status == ("incomplete" if cut else "completed")
+    assert (reply.incomplete_details.reason if cut else reply.incomplete_details) == (
+        "max_output_tokens" if cut else None
+    )
+    assert reply.usage.input_tokens == chat.usage.prompt_tokens
+    assert reply.usage.output_tokens == chat.usage.completion_tokens
+    assert reply.usage.input_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
+    events = list(client.responses.create(model=server.target, instructions="Be terse.", input="Hello!",
+                                          max_output_tokens=10, stream=True))  # fmt: skip
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete" if cut else "response.completed",
+    ]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
+    assert events[-1].response.output_text == reply.output_text
+
+
+def test_a_forced_function_call_and_its_output_turn(server: RunningServer, client: openai.OpenAI) -> None:
+    fields = {"model": server.target, "tools": [FUNCTION], "tool_choice": "required", "parallel_tool_calls": False,
+              "max_output_tokens": 200}  # fmt: skip
+    reply = client.responses.create(input="Weather in Paris?", **fields)
+    (call,) = reply.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    assert reply.status == "completed"
+    events = list(client.responses.create(input="Weather in Paris?", stream=True, **fields))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(call.arguments)
+    turn = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 24C"},
+    ]
+    answer = client.responses.create(model=server.target, input=turn, tools=[FUNCTION], max_output_tokens=6)
+    assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_json_schema_text_format_validates_and_is_the_chat_routes(server: RunningServer, client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "name": "record", "schema": RECORD, "strict": True}
+    reply = client.responses.create(
+        model=server.target, input="Describe it", text={"format": fmt}, max_output_tokens=40
+    )
+    jsonschema.validate(json.loads(reply.output_text), RECORD)
+    chat = chat_reply(client, server, user("Describe it"), max_tokens=40,
+                      response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD}})  # fmt: skip
+    assert reply.output_text == chat.choices[0].message.content and reply.status == "completed"
+    with client.responses.stream(model=server.target, input=[{"role": "user", "content": "Describe it"}],
+                                 text={"format": fmt}, max_output_tokens=40) as stream:  # fmt: skip
+        final = stream.get_final_response()  # (the SDK's own event parser)
+    assert final.output_text == reply.output_text and final.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_bad_responses_get_openais_errors(server: RunningServer, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="send the whole conversation in `input`") as stateless:
+        client.responses.create(model=server.target, input="Hi", previous_response_id="resp_123")
+    assert stateless.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens must be >= 1") as bad:
+        client.responses.create(model=server.target, input="Hi", max_output_tokens=0)
+    assert bad.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-5", input="Hi")
+
+
+def test_metrics_count_each_route(server: RunningServer, claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    claude.messages.count_tokens(model=server.target, messages=user("Hi"))
+    claude.messages.create(model=server.target, messages=user("Hi"), max_tokens=2)
+    client.responses.create(model=server.target, input="Hi", max_output_tokens=2)
+    metrics = server.get("/metrics")[1]
+    for route in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
+        assert f'dflash_http_requests_total{{route="{route}",status="200"}}' in metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fuzzing: 1,000 bad bodies get a 4xx in their API's shape; the requests beside them lose nothing
+
+
+def bad_bodies(rng: random.Random, count: int) -> Iterator[tuple[str, bytes, dict[str, str]]]:
+    """(path, body, headers) of Messages and Responses requests that are wrong in one way."""
+    messages_headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
+    responses_headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    message = {"max_tokens": 4, "messages": user("Hi")}
+    response = {"input": "Hi", "max_output_tokens": 4}
+    bad_messages: dict[str, list[Any]] = {
+        "messages": [None, [], "Hi", [1], [{}], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}],
+                     [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                     [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"text": "x"}]}],
+                     [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+                     [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5}]}],
+                     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Prefill"}],
+                     [{"role": "user", "content": "\ud800"}]],
+        "max_tokens": [None, 0, -1, 2.5, "10", True, []],
+        "temperature": [-0.5, "hot", True, [1]],
+        "top_p": [0, 1.5, "1"],
+        "top_k": [-2, 1.5, "k"],
+        "stop_sequences": [[""], 5, [5]],
+        "system": [5, [{"type": "image"}], [{"type": "text", "text": 3}]],
+        "tools": ["x", [1], [{"name": "bad name!"}], [{"type": "bash_20250124", "name": "bash"}],
+                  [{"name": "f", "input_schema": 3}], [{"name": "f"}, {"name": "f"}]],
+        "tool_choice": [{"type": "any"}, "auto", {"type": "tool"}, {"type": "nope"}],
+        "thinking": ["on", {"type": "sometimes"}],
+        "stream": ["yes", 1],
+        "model": [5, "claude-sonnet-4-5"],
+        "mcp_servers": [[{"type": "url", "url": "http://x"}]],
+        "output_config": [{"format": {"type": "yaml"}}, {"format": {"type": "json_schema", "schema": {"not": {}}}}],
+    }  # fmt: skip
+    bad_responses: dict[str, list[Any]] = {
+        "input": [None, [], 5, [1], [{"role": "robot", "content": "x"}], [{"type": "web_search_call"}],
+                  [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+                  [{"type": "function_call", "name": "f", "arguments": "{}"}],
+                  [{"role": "user", "content": "Hi"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}],
+                  [{"type": "function_call_output", "output": "x"}], [{"type": "item_reference", "id": "msg_1"}]],
+        "instructions": [5, ["x"]],
+        "max_output_tokens": [0, -3, "5", 1.5],
+        "temperature": [-1, "x"],
+        "top_p": [0, 3],
+        "tools": [[{"type": "web_search"}], [{"type": "function"}], "x", [{"type": "function", "name": "a b"}]],
+        "tool_choice": ["required", {"type": "allowed_tools"}, 5],
+        "text": ["json", {"format": {"type": "yaml"}}, {"format": {"type": "json_schema", "schema": {"if": {}}}}],
+        "previous_response_id": ["resp_1"],
+        "conversation": ["conv_1"],
+        "background": [True],
+        "prompt": [{"id": "pmpt_1"}],
+        "top_logprobs": [3],
+        "stream": ["yes"],
+        "model": ["gpt-5", 5],
+    }  # fmt: skip
+    for i in range(count):
+        messages_api = i % 2 == 0
+        path = "/v1/messages" if messages_api else "/v1/responses"
+        headers = messages_headers if messages_api else responses_headers
+        base, bad = (message, bad_messages) if messages_api else (response, bad_responses)
+        kind = rng.choice(["field", "field", "field", "json", "auth"])
+        if kind == "field":
+            key = rng.choice(sorted(bad))
+            value = rng.choice(bad[key])
+            body = {k: v for k, v in {**base, key: value}.items() if v is not None}
+            yield path, json.dumps(body).encode(), headers
+        elif kind == "json":
+            text = json.dumps(base).encode()
+            yield path, rng.choice([text[: rng.randrange(0, len(text) - 1)], b"[]", b"5", b"\xff{", b"NaN"]), headers
+        else:
+            wrong = rng.choice([{}, {"x-api-key": "nope"}, {"Authorization": "Bearer nope"}])
+            yield path, json.dumps(base).encode(), {"Content-Type": "application/json", **wrong}
+
+
+def test_1000_fuzzed_bad_bodies_get_4xx_in_their_apis_shape_and_lose_nothing(
+    server: RunningServer, claude: anthropic.Anthropic, client: openai.OpenAI
+) -> None:
+    message = claude.messages.create(model=server.target, messages=user("Count."), max_tokens=40)
+    response = client.responses.create(model=server.target, input="Count.", max_output_tokens=40)
+    decoded = message.usage.output_tokens + response.usage.output_tokens
+    generated = server.metric("dflash_generation_tokens_total")
+    beside: dict[str, str] = {}
+
+    def good_requests() -> None:  # streamed, while the bad ones arrive
+        with claude.messages.stream(model=server.target, messages=user("Count."), max_tokens=40) as stream:
+            beside["message"] = "".join(stream.text_stream)
+        events = client.responses.create(model=server.target, input="Count.", max_output_tokens=40, stream=True)
+        beside["response"] = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+    worker = threading.Thread(target=good_requests)
+    worker.start()
+    statuses: dict[int, int] = {}
+    for path, body, headers in bad_bodies(random.Random(50), 1000):
+        status, _, raw = raw_request(server.port, "POST", path, body, headers)
+        assert 400 <= status < 500, (path, body[:200], status, raw[:300])
+        error = json.loads(raw)
+        if path == "/v1/messages":
+            assert error["type"] == "error" and error["error"]["type"] in ("invalid_request_error", "not_found_error",
+                                                                           "authentication_error"), raw  # fmt: skip
+        else:
+            assert error["error"]["type"] and "param" in error["error"], raw
+        assert error["error"]["message"]
+        statuses[status] = statuses.get(status, 0) + 1
+    worker.join(120)
+    assert set(statuses) == {400, 401, 404}, statuses
+    assert beside == {"message": text_of(message), "response": response.output_text}
+    deadline = time.monotonic() + 10  # (a generation is counted just after its last update is delivered)
+    while server.metric("dflash_generation_tokens_total") < generated + decoded and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("dflash_generation_tokens_total") == generated + decoded  # only the two good requests decoded
+    assert server.get("/health")[1]["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A template that thinks
+
+
+@pytest.fixture(scope="module")
+def thinking_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The tiny model under a template that opens its reply's reasoning (`<think>\\n` after the assistant's header,
+    as Qwen3.5's does) unless enable_thinking is false: all of a random reply is reasoning then."""
+    from transformers import AutoTokenizer
+
+    from helpers.tiny_models import CHAT_TEMPLATE
+
+    target = Path(shutil.copytree(models[0], tmp_path_factory.mktemp("thinking") / "target"))
+    closed = "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    assert closed in CHAT_TEMPLATE
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        closed, "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}"
+    )
+    tokenizer.save_pretrained(target)
+    with running_server([*model_flags((target, models[1])), "--batch-size", "2"]) as running:
+        yield running
+
+
+def test_a_thinking_template_gives_thinking_blocks_when_asked_and_keeps_reasoning_out_of_text(
+    thinking_server: RunningServer,
+) -> None:
+    server, oai = thinking_server, thinking_server.client()
+    claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    messages = user("Tell me a story.")
+    raw = chat_reply(oai, server, messages, max_tokens=16).choices[0].message.content  # (chat: the reply as written)
+    reasoning = raw.strip()
+    assert reasoning and "</think>" not in raw
+    fields = {"model": server.target, "messages": messages, "max_tokens": 16}
+    asked = claude.messages.create(**fields, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [(b.type, b.thinking) for b in asked.content] == [("thinking", reasoning)]
+    with claude.messages.stream(**fields, thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        deltas = [event.thinking for event in stream if event.type == "thinking"]  # the SDK's thinking_delta events
+        final = stream.get_final_message()
+    assert "".join(deltas) == reasoning and [b.thinking for b in final.content] == [reasoning]
+    unasked = claude.messages.create(**fields)
+    assert unasked.content == [] and unasked.stop_reason == "max_tokens"  # all reasoning, none of it shown
+    off = claude.messages.create(**fields, thinking={"type": "disabled"})  # the template closes it: text
+    plain = chat_reply(
+        oai, server, messages, max_tokens=16, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert text_of(off) == plain.choices[0].message.content
+    response = oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16)
+    (item,) = response.output
+    assert item.type == "reasoning" and item.content[0].text == reasoning and response.output_text == ""
+    events = list(
+        oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16, stream=True)
+    )
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning

@@ -1,0 +1,394 @@
+"""The agents' APIs, torch-free: Anthropic Messages and OpenAI Responses bodies read into the one request format
+(the same checks as a chat body, errors named as each API names its fields), replies split into reasoning and
+text, and rendered as each API's events and whole objects."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dflash_cli.errors import RequestError
+from dflash_cli.protocol.anthropic import MessageEvents, read_messages_request
+from dflash_cli.protocol.openai_responses import ResponseEvents, read_responses_request
+from dflash_cli.protocol.replies import Ending, Part, ReasoningSplit, split_reasoning
+from dflash_cli.protocol.requests import read_body
+from dflash_cli.protocol.tools import ToolCall
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def error_of(read, body) -> RequestError:  # type: ignore[no-untyped-def]
+    with pytest.raises(RequestError) as raised:
+        read(body)
+    return raised.value
+
+
+# -- reasoning ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reply", "opened", "reasoning", "text"),
+    [
+        ("<think>\nLet me see.\n</think>\n\nParis.", False, "Let me see.", "Paris."),
+        ("Let me see.\n</think>\n\nParis.", True, "Let me see.", "Paris."),  # the template opened it
+        ("<think>\n\n</think>\n\nParis.", False, "", "Paris."),  # thinking off, as Qwen3 writes it
+        ("  Paris <think> is", False, "", "  Paris <think> is"),  # a marker after text is text
+        ("<think>cut off by max_tok", False, "cut off by max_tok", ""),
+        ("<thi", False, "", "<thi"),
+        ("\n\nHello", False, "", "\n\nHello"),
+    ],
+)
+def test_a_reply_splits_into_reasoning_and_text(reply: str, opened: bool, reasoning: str, text: str) -> None:
+    assert split_reasoning(reply, opened) == (reasoning, text)
+
+
+@given(
+    st.lists(st.sampled_from(["<", "think", ">", "</", "\n", " ", "a", "Paris", "<think>", "</think>"]), max_size=12),
+    st.data(),
+)
+def test_a_streamed_split_equals_the_whole_split_wherever_the_text_is_cut(
+    words: list[str], data: st.DataObject
+) -> None:
+    reply = "".join(words)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=6)))
+    split, pieces, at = ReasoningSplit(), [], 0
+    for cut in [*cuts, len(reply)]:
+        pieces += split.feed(reply[at:cut])
+        at = cut
+    pieces += split.finish()
+    streamed = tuple("".join(t for kind, t in pieces if kind == want) for want in ("reasoning", "text"))
+    assert streamed == split_reasoning(reply)
+    assert all(t for _, t in pieces)  # no empty pieces
+
+
+# -- Anthropic Messages ------------------------------------------------------------------------------------------
+
+
+def test_a_messages_body_becomes_the_chat_request_it_means() -> None:
+    body = {
+        "model": "demo",
+        "max_tokens": 64,
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}, {"type": "text", "text": "In Paris."}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Call the tool.", "signature": "x"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "24C"}]},
+                    {"type": "text", "text": "And Rome?"},
+                ],
+            },
+        ],
+        "stop_sequences": ["END"],
+        "temperature": 0.5,
+        "top_k": 5,
+        "metadata": {"user_id": "u"},
+        "tools": [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER_SCHEMA}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+    }
+    read = read_messages_request(body)
+    chat = read_body(
+        {
+            "model": "demo",
+            "max_tokens": 64,
+            "stop": ["END"],
+            "temperature": 0.5,
+            "top_k": 5,
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather?\nIn Paris."},
+                {
+                    "role": "assistant",
+                    "content": "Checking.",
+                    "reasoning_content": "Call the tool.",
+                    "tool_calls": [
+                        {
+                            "id": "toolu_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "toolu_1", "content": "24C"},
+                {"role": "user", "content": "And Rome?"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA, "description": "Weather"},
+                }
+            ],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "chat_template_kwargs": {"enable_thinking": True},
+        },
+        "/v1/chat/completions",
+    )
+    assert read.request == chat and read.thinking
+    count = read_messages_request({k: body[k] for k in ("system", "messages", "tools")}, count_only=True)
+    assert count.request.messages == chat.messages and count.request.sampling == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"max_tokens": None}, "max_tokens", "required"),
+        ({"max_tokens": 0}, "max_tokens", ">= 1"),  # the chat body's own check, named as Messages names it
+        ({"stop_sequences": [""]}, "stop_sequences", "empty stop string"),
+        ({"temperature": "hot"}, "temperature", "a number"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages[0].content[0]",
+            "image blocks are not supported",
+        ),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "`system`"),
+        (
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]},
+            "messages[1]",
+            "prefill",
+        ),
+        ({"tools": [{"name": "bad name!", "input_schema": {}}]}, "tools[0].name", "letters, digits"),
+        ({"tools": [{"name": "f", "input_schema": []}]}, "tools[0].input_schema", "JSON schema object"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "custom tools"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
+        ({"tool_choice": {"type": "whatever"}}, "tool_choice", '"type": "auto"'),
+        ({"thinking": {"type": "on"}}, "thinking", '"type": "enabled"'),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}},
+            "output_config.format.schema.not",
+            "not supported",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]},
+                    {"role": "user", "content": "Go on"},
+                ]
+            },
+            "messages[1].content[0].input",
+            "JSON object",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+            "messages[0].content[0].tool_use_id",
+            "tool_use",
+        ),
+    ],
+)
+def test_a_bad_messages_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:
+    body = {"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **change}
+    error = error_of(read_messages_request, {k: v for k, v in body.items() if v is not None})
+    assert error.param == param and words in error.message and error.message.startswith(param), error.message
+
+
+def test_message_events_add_up_to_the_whole_message() -> None:
+    call = ToolCall("get_weather", '{"city": "Paris"}', "call_abc")
+    events = MessageEvents(id="msg_1", model="demo", input_tokens=100, thinking=True)
+    stream = events.start()
+    for part in [
+        Part("reasoning", "Hmm."),
+        Part("reasoning", " Paris."),
+        Part("text", "Let me check."),
+        Part("call", call=call),
+    ]:
+        stream += events.part(part)
+    stream += events.end(Ending("tool_calls", None, prompt_tokens=100, cached_tokens=90, output_tokens=12))
+    names = [name for name, _ in stream]
+    assert names == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert all(data["type"] == name for name, data in stream)
+    assert events.message["content"] == [
+        {"type": "thinking", "thinking": "Hmm. Paris.", "signature": ""},
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Paris"}},
+    ]
+    assert stream[9][1]["content_block"]["input"] == {}  # (the start of a tool_use block carries no input yet)
+    assert events.message["stop_reason"] == "tool_use"
+    assert events.message["usage"] == {
+        "input_tokens": 10,
+        "output_tokens": 12,
+        "cache_read_input_tokens": 90,
+        "cache_creation_input_tokens": 0,
+    }
+    unasked = MessageEvents(id="msg_2", model="demo", input_tokens=5, thinking=False)
+    assert unasked.part(Part("reasoning", "Hmm.")) == []  # reasoning not asked for is kept out
+    unasked.end(Ending("stop", "END", 5, 0, 3))
+    assert unasked.message["stop_reason"] == "stop_sequence" and unasked.message["stop_sequence"] == "END"
+
+
+# -- OpenAI Responses --------------------------------------------------------------------------------------------
+
+
+def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
+    body = {
+        "model": "demo",
+        "instructions": "Be brief.",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Call it."}],
+            },
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "24C"},
+        ],
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False,
+        "max_output_tokens": 50,
+        "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": "low"},
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+    }
+    read = read_responses_request(body)
+    chat = read_body(
+        {
+            "model": "demo",
+            "max_tokens": 50,
+            "messages": [
+                {"role": "system", "content": "Be brief.\n\nUse tools."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": "Call it.",
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "24C"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": False,
+        },
+        "/v1/chat/completions",
+    )
+    assert read.request == chat
+    schema = read_responses_request(
+        {
+            "input": "Hi",
+            "text": {"format": {"type": "json_schema", "name": "r", "schema": WEATHER_SCHEMA, "strict": True}},
+        }
+    )
+    assert json.loads(schema.request.sampling["grammar"].source) == WEATHER_SCHEMA
+    assert read_responses_request({"input": "Hi"}).request.messages == ({"role": "user", "content": "Hi"},)
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
+        ({"input": []}, "input", "non-empty list"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "stateless"),
+        ({"input": [{"type": "web_search_call"}]}, "input[0].type", "not supported"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+            "text only",
+        ),
+        ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+        ({"top_p": 2}, "top_p", "in (0, 1]"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters", "JSON schema object"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "r", "schema": {"if": {}}}}},
+            "text.format.schema.if",
+            "not supported",
+        ),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format", '"type": "json_schema"'),
+        ({"background": True}, "background", "not supported"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"},
+                ]
+            },
+            "input[1].arguments",
+            "not valid JSON",
+        ),
+    ],
+)
+def test_a_bad_responses_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:
+    error = error_of(read_responses_request, {"model": "demo", "input": "Hi", **change})
+    assert error.param == param and words in error.message, (error.param, error.message)
+
+
+def test_response_events_add_up_to_the_whole_response() -> None:
+    call = ToolCall("get_weather", '{"city": "Paris"}', "call_abc")
+    events = ResponseEvents(id="resp_1", model="demo", created=1, echo={"tools": []})
+    stream = events.start()
+    for part in [Part("reasoning", "Hmm."), Part("text", "Let me "), Part("text", "check."), Part("call", call=call)]:
+        stream += events.part(part)
+    stream += events.end(Ending("tool_calls", None, prompt_tokens=100, cached_tokens=90, output_tokens=12))
+    assert [name for name, _ in stream] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [data["sequence_number"] for _, data in stream] == list(range(len(stream)))
+    response = stream[-1][1]["response"]
+    assert response["status"] == "completed" and response["output_text"] == "Let me check."
+    reasoning, message, function_call = response["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Hmm."}]
+    assert message["content"][0]["text"] == "Let me check." and message["status"] == "completed"
+    assert function_call["call_id"] == "call_abc" and function_call["arguments"] == '{"city": "Paris"}'
+    assert response["usage"]["input_tokens_details"] == {"cached_tokens": 90}
+    assert stream[2][1]["item"]["content"] == []  # (an item's added event shows it as it was then)
+    cut = ResponseEvents(id="resp_2", model="demo", created=1, echo={})
+    last = cut.end(Ending("length", None, 5, 0, 8))[-1]
+    assert last[0] == "response.incomplete" and last[1]["response"]["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }

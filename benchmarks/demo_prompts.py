@@ -4,9 +4,10 @@ Sources: templates and word lists written here, and paragraphs of Python's own r
 (`pydoc_data.topics`, PSF licence, shipped with every Python). Deterministic (seeded), so the
 files in dflash_cli/assets/ can be rebuilt exactly (tests/loading/test_gguf.py checks it):
 
-    python scripts/make_demo_prompts.py dflash_cli/assets
+    python -m benchmarks.demo_prompts                              # dflash_cli/assets
+    python -m benchmarks.demo_prompts runs/demo --everyday 30000   # the demo drafter's training set
 
-No torch and no other dflash_cli module here: the prompts are plain text for `dflash train`.
+No torch and no dflash_cli module here: the prompts are request lines for `dflash train`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts"
+ASSETS = Path(__file__).resolve().parents[1] / "dflash_cli" / "assets"
+BENCH_DIR = ASSETS / "bench_prompts"
 
 SUBJECTS = [
     "photosynthesis",
@@ -336,24 +338,308 @@ def build_prompts() -> list[str]:
     return sorted({" ".join(p.split()) for p in prompts})
 
 
-def write_prompt_files(out_dir: Path, held_out: int = 64) -> None:
+# The third batch (issue 46): the kinds of requests users send a chat model, as clients send them: lists, how-tos,
+# stories, letters, rewrites, code in several languages, arithmetic, JSON under a response_format, tool calls with
+# the tools in the request, and a system prompt now and then. Combinatorial and seeded: tens of thousands of
+# distinct requests from the lists below.
+THINGS = [
+    "fruits",
+    "vegetables",
+    "board games",
+    "hobbies",
+    "birds",
+    "rivers",
+    "musical instruments",
+    "sports",
+    "tools",
+    "spices",
+    "planets",
+    "programming languages",
+    "kitchen tools",
+    "houseplants",
+    "dog breeds",
+    "flowers",
+    "trees",
+    "countries in Europe",
+    "ocean animals",
+    "desserts",
+    "breakfast ideas",
+    "careers",
+    "colors",
+    "cheeses",
+    "famous scientists",
+    "inventions",
+    "holidays",
+    "gifts for a friend",
+    "snacks",
+    "winter activities",
+    "summer activities",
+    "ways to save money",
+    "healthy habits",
+    "soups",
+    "car parts",
+    "insects",
+    "gemstones",
+]
+NUMBERS = ["three", "four", "five", "six", "seven", "ten"]
+PEOPLE = [
+    "my manager",
+    "a teacher",
+    "my landlord",
+    "a customer",
+    "my neighbor",
+    "a friend",
+    "my team",
+    "a new colleague",
+    "my grandmother",
+    "a hotel",
+    "a shop",
+    "the school",
+    "a client",
+    "my doctor's office",
+]
+OCCASIONS = [
+    "asking for a day off",
+    "thanking them for their help",
+    "rescheduling a meeting",
+    "complaining about a late order",
+    "inviting them to a party",
+    "apologizing for a mistake",
+    "asking for a refund",
+    "introducing myself",
+    "following up on an interview",
+    "declining an invitation",
+    "asking a question about my bill",
+]
+CHARACTERS = [
+    "a lonely robot",
+    "a brave mouse",
+    "a young wizard",
+    "an old fisherman",
+    "a curious cat",
+    "a lost astronaut",
+    "a kind dragon",
+    "a shy giraffe",
+    "a detective",
+    "a little cloud",
+    "a talking tree",
+    "a pirate captain",
+    "two best friends",
+    "a baker",
+    "a girl who could fly",
+    "a grumpy penguin",
+]
+EVENTS = [
+    "finds a secret door",
+    "learns to share",
+    "goes on a journey",
+    "makes a new friend",
+    "loses something important",
+    "saves the day",
+    "discovers a hidden talent",
+    "gets lost in a city",
+    "builds something amazing",
+    "solves a mystery",
+    "faces a big storm",
+    "visits the moon",
+]
+STORY_TEMPLATES = [
+    "Write a short story about {c} who {e}.",
+    "Tell me a bedtime story about {c}.",
+    "Write a story in five sentences about {c} who {e}.",
+    "Write a funny story about {c}.",
+    "Write a poem about {c} who {e}.",
+    "Write the opening paragraph of a story about {c}.",
+]
+LIST_TEMPLATES = [
+    "List {n} {t}.",
+    "Name {n} {t}.",
+    "Give me a list of {n} {t} with a short description of each.",
+    "What are {n} popular {t}?",
+    "Make a numbered list of {n} {t}.",
+    "Suggest {n} {t} for a beginner.",
+]
+HOWTO_TEMPLATES = [
+    "How do I get better at {a}?",
+    "Give me a step-by-step guide to {a}.",
+    "What are the first steps for {a}?",
+    "I want to start {a}. Where do I begin?",
+    "Write a checklist for {a}.",
+    "What are common mistakes when {a}?",
+]
+LETTER_TEMPLATES = [
+    "Write an email to {p} {o}.",
+    "Write a short message to {p} {o}.",
+    "Draft a polite letter to {p} {o}.",
+    "Help me write a text to {p} {o}.",
+]
+SENTENCES = [
+    "the meeting was moved to friday because the room was not free",
+    "i think we should try the new restaurant next week",
+    "our team finished the project two days early",
+    "the weather was bad so the game got cancelled",
+    "she forgot her keys at home and had to wait outside",
+    "we are happy to announce that the store opens on monday",
+    "he dont like coffee but he drink tea every morning",
+    "the report have many mistake and need more work",
+    "please send me the files when you have time",
+    "the train was late again and everyone was annoyed",
+]
+REWRITE_TEMPLATES = [
+    'Rewrite this sentence to sound more formal: "{x}"',
+    'Fix the grammar and spelling: "{x}"',
+    'Make this sound friendlier: "{x}"',
+    'Translate into French: "{x}"',
+    'Translate into Spanish: "{x}"',
+    'Summarize in a few words: "{x}"',
+    'Turn this into a question: "{x}"',
+]
+LANGUAGES = ["Python", "JavaScript", "Java", "C", "Go", "Rust", "TypeScript", "Bash", "SQL", "C++"]
+CODE_LANGUAGE_TEMPLATES = [
+    "Write a {l} function that {t}.",
+    "Show me how to write code in {l} that {t}.",
+    "In {l}, write a program that {t}. Keep it short.",
+    "Explain how to write a {l} function that {t}, then show the code.",
+]
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant.",
+    "You are a friendly assistant. Answer briefly.",
+    "You are a patient teacher who explains things simply.",
+    "You are a concise assistant. Use short sentences.",
+    "You are an expert programmer. Answer with code when it helps.",
+]
+JSON_TEMPLATES = [
+    "Give me {n} {t} as JSON, each with a name and a short description.",
+    "Return a JSON object describing {s} with the keys name, summary and facts.",
+    "List {n} {t} in JSON.",
+    "Describe {s} as a JSON object.",
+]
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+}
+EXTRACT_TEMPLATES = [
+    "Extract the name, age and city: {n} is {a} years old and lives in {c}.",
+    "{n}, aged {a}, moved to {c} last year. Give me the person's details.",
+    "Read this and fill in the fields: my name is {n}, I am {a} and I live in {c}.",
+]
+CITIES = ["Paris", "Berlin", "Tokyo", "Lima", "Cairo", "Oslo", "Toronto", "Madrid", "Nairobi", "Sydney", "Seoul"]
+TOOLS = {
+    "get_weather": ("Get the current weather for a city.", {"city": {"type": "string", "description": "City name"}}),
+    "search_web": ("Search the web and return the top results.", {"query": {"type": "string"}}),
+    "calculate": ("Evaluate an arithmetic expression.", {"expression": {"type": "string"}}),
+    "send_email": (
+        "Send an email.",
+        {"to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}},
+    ),
+    "get_time": ("Get the current time in a time zone.", {"timezone": {"type": "string"}}),
+    "convert_currency": (
+        "Convert an amount between currencies.",
+        {"amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}},
+    ),
+}
+TOOL_PROMPTS = {
+    "get_weather": ["What's the weather like in {c}?", "Is it raining in {c} right now?", "Do I need a coat in {c}?"],
+    "search_web": ["Search for the best way to learn {t}.", "Find recent news about {s}.", "Look up facts about {s}."],
+    "calculate": ["What is {a} times {b}?", "Calculate {a} plus {b} divided by 2.", "What is {a} squared?"],
+    "send_email": ["Send an email to {p} about {o}.", "Email {p} and tell them I'm running late."],
+    "get_time": ["What time is it in {c}?", "Tell me the current time in {c}."],
+    "convert_currency": ["Convert {a} dollars to euros.", "How much is {a} euros in yen?"],
+}
+
+
+def tool(name: str) -> dict:
+    description, properties = TOOLS[name]
+    parameters = {"type": "object", "properties": properties, "required": list(properties)}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+def everyday_requests(count: int, seed: int, taken: set[str]) -> list[dict]:
+    """`count` distinct request lines of the kinds above, in even shares as far as each kind's lists go (a kind
+    of few distinct prompts gives all it has): a `prompt`, or `messages` with a system prompt; tools or a
+    response_format where the kind asks for them. No prompt text in `taken`."""
+    rng = random.Random(seed)
+    tools = [
+        (template.format(a=a, b=b, c=c, p=p, o=o, t=t, s=s), name)
+        for name, templates in TOOL_PROMPTS.items()
+        for template in templates
+        for a, b, c, p, o, t, s in zip(
+            rng.choices(range(2, 500), k=60), rng.choices(range(2, 99), k=60), rng.choices(CITIES, k=60),
+            rng.choices(PEOPLE, k=60), rng.choices(OCCASIONS, k=60), rng.choices(THINGS, k=60),
+            rng.choices(SUBJECTS, k=60),
+        )
+    ]  # fmt: skip
+    people = [(rng.choice(NAMES), rng.randint(18, 90), rng.choice(CITIES)) for _ in range(600)]
+    json_object = {"response_format": {"type": "json_object"}}
+    person = {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
+    kinds: list[list[tuple[str, dict]]] = [
+        [(t.format(n=n, t=x), {}) for t in LIST_TEMPLATES for n in NUMBERS for x in THINGS],
+        [(t.format(a=a), {}) for t in HOWTO_TEMPLATES for a in ACTIVITIES],
+        [(t.format(c=c, e=e), {}) for t in STORY_TEMPLATES for c in CHARACTERS for e in EVENTS],
+        [(t.format(p=p, o=o), {}) for t in LETTER_TEMPLATES for p in PEOPLE for o in OCCASIONS],
+        [(t.format(x=x), {}) for t in REWRITE_TEMPLATES for x in SENTENCES],
+        [(t.format(l=lang, t=task), {}) for t in CODE_LANGUAGE_TEMPLATES for lang in LANGUAGES for task in CODE_TASKS],
+        [(p, {}) for p in math_prompts(3000, rng)],
+        [(t.format(n=n, t=x, s=s), json_object) for t in JSON_TEMPLATES for n in NUMBERS for x in THINGS
+         for s in rng.sample(SUBJECTS, 3)],
+        [(t.format(n=n, a=a, c=c), person) for t in EXTRACT_TEMPLATES for n, a, c in people],
+        [(text, {"tools": [tool(n) for n in sorted({name, *rng.sample(sorted(TOOLS), rng.randint(0, 2))})]})
+         for text, name in tools],
+        [(t.format(s=s), {}) for t in SUBJECT_TEMPLATES + MORE_SUBJECT_TEMPLATES for s in SUBJECTS],
+    ]  # fmt: skip
+    pools = []
+    for pool in kinds:
+        unique = {" ".join(text.split()): extra for text, extra in pool}
+        pools.append([(text, unique[text]) for text in sorted(set(unique) - taken)])
+        rng.shuffle(pools[-1])
+    lines: list[dict] = []
+    while len(lines) < count and any(pools):
+        for pool in pools:
+            if pool and len(lines) < count:
+                prompt, extra = pool.pop()
+                turns = [{"role": "user", "content": prompt}]
+                if rng.random() < 0.25:
+                    turns.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+                if len(turns) > 1 or "tools" in extra:  # (tools come with a conversation)
+                    lines.append({"messages": turns, **extra})
+                else:
+                    lines.append({"prompt": prompt, **extra})
+    return lines
+
+
+def write_prompt_files(out_dir: Path, held_out: int = 64, everyday: int = 0) -> None:
+    """The held-out and the training prompts; `everyday` more training requests of everyday_requests' kinds after
+    the first two batches (so that the files' first lines stay as they were)."""
     prompts = build_prompts()
     random.Random(0).shuffle(prompts)
     # The second batch goes after the first, so the held-out set and the first batch's order stay as they were.
     more = build_more_prompts(set(prompts))
     random.Random(2).shuffle(more)
+    bench = {json.loads(line)["prompt"] for f in BENCH_DIR.glob("*.jsonl") for line in f.read_text().splitlines()}
+    third = everyday_requests(everyday, 3, set(prompts) | set(more) | bench)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, chunk in (
-        ("demo_prompts_eval.jsonl", prompts[:held_out]),
-        ("demo_prompts_train.jsonl", prompts[held_out:] + more),
+    for name, lines in (
+        ("demo_prompts_eval.jsonl", [{"prompt": p} for p in prompts[:held_out]]),
+        ("demo_prompts_train.jsonl", [{"prompt": p} for p in prompts[held_out:] + more] + third),
     ):
         with open(out_dir / name, "w") as f:
-            f.writelines(json.dumps({"prompt": p}) + "\n" for p in chunk)
-        print(f"{out_dir / name}: {len(chunk)} prompts")
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+        print(f"{out_dir / name}: {len(lines)} prompts")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python scripts/make_demo_prompts.py [OUT_DIR]` (default dflash_cli/assets, relative to where it runs)."""
-    argv = sys.argv[1:] if argv is None else argv
-    write_prompt_files(Path(argv[0] if argv else "dflash_cli/assets"))
+    """`python -m benchmarks.demo_prompts [OUT_DIR] [--everyday N]` (default dflash_cli/assets and 0, the shipped
+    files; the demo drafter's training adds --everyday 30000 in its own folder)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_prompts", description=main.__doc__)
+    parser.add_argument("out_dir", nargs="?", default=str(ASSETS), type=Path)
+    parser.add_argument("--everyday", type=int, default=0, metavar="N")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    write_prompt_files(args.out_dir, everyday=args.everyday)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflash_cli"
 LAYERS: list[set[str]] = [
     {"cli"},
     {"commands", "bench"},
+    {"training"},
     {"loading"},
     {"setup"},
     {"engine"},

@@ -457,7 +457,7 @@ def train(
             "--prompts",
             metavar="FILE",
             callback=existing_file,
-            help='Prompts: .txt (one a line) or .jsonl as `dflash bench --prompts` reads it: {"prompt": ...} (a user turn, where `dflash run` reads plain completion) or {"messages": [...]}; optional "id".',
+            help='Prompts: .txt (one a line) or .jsonl as `dflash run` reads it: {"prompt": ...} (a user turn, where `dflash run` reads plain completion) or {"messages": [...]}, optionally with "tools", "tool_choice" or "response_format" (answered as the server answers them) and an "id".',
         ),
     ],
     output: Annotated[
@@ -466,7 +466,7 @@ def train(
             "--output",
             "-o",
             metavar="DIR",
-            help="Where the drafter, checkpoints, cached responses and metrics.json go.",
+            help="Where the drafter, checkpoints, the target's cached answers and features, and metrics.json go.",
         ),
     ],
     layers: Annotated[
@@ -504,6 +504,14 @@ def train(
             min=0, help="Prompts held out to measure tau at the end: the first N of --eval-file, else of --prompts."
         ),
     ] = 32,
+    eval_every: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Also measure held-out tau every N steps (a curve in metrics.json's history, with the CPU seconds so "
+            "far); 0: at the end only.",
+        ),
+    ] = 0,
     eval_file: Annotated[
         str | None,
         typer.Option(
@@ -523,11 +531,14 @@ def train(
         ),
     ] = 0,
     distill_batch_size: Annotated[
-        int,
+        int | None,
         typer.Option(
-            min=1, help="Prompts the target answers at once while it writes the training answers (on a GPU: 256)."
+            min=1,
+            show_default=False,
+            help="Prompts the target answers at once while it writes the training answers, as `dflash run "
+            "--batch-size` (default: the plan's; on a GPU try 256).",
         ),
-    ] = 32,
+    ] = None,
     train_minutes: Annotated[
         float | None,
         typer.Option(
@@ -550,7 +561,7 @@ def train(
         typer.Option(
             callback=check_dtype,
             show_default=False,
-            help="Target dtype while it writes answers and features (default: the one dflash serves it in here: "
+            help="Target dtype while it writes answers and features and tau is measured (default: the one dflash serves it in here: "
             "bf16 on GPUs and CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs).",
         ),
     ] = None,
@@ -559,11 +570,11 @@ def train(
 ) -> None:
     """Train a DFlash drafter for a target model (self-distillation: the target writes the training answers).
 
-    The answers are cached in DIR, so an interrupted run keeps its data; training saves a checkpoint every --checkpoint-every steps and where Ctrl-C stops it (--resume continues it, with a note if its data or objective flags changed; a run that reached --steps asks for more). Prompts are rendered with the chat template options of the target's recipe (Qwen3: thinking off), as chat serves them. The drafter lands in DIR/drafter in the z-lab format that dflash, vLLM and SGLang load; the closing message prints the command that uses it, e.g. `dflash chat demo --drafter runs/demo/drafter`.
+    The target answers every prompt as `dflash run` would (the plan, quantization and compiled steps dflash serves it with here; greedy), and its features of every answer are computed once; both are cached in DIR, so an interrupted run keeps its data and a later run adds to it. Training saves a checkpoint every --checkpoint-every steps and where Ctrl-C stops it (--resume continues it, with a note if its data or objective flags changed; a run that reached --steps asks for more). Prompts are rendered with the chat template options of the target's recipe (Qwen3: thinking off), as chat serves them. The drafter lands in DIR/drafter in the z-lab format that dflash, vLLM and SGLang load; the closing message prints the command that uses it, e.g. `dflash chat demo --drafter runs/demo/drafter`.
 
     Example (the shipped demo drafter): `dflash train --target demo --prompts prompts.jsonl --output runs/demo --steps 1500`
     """
-    from dflash_cli.commands.train_prompts import split_prompts
+    from dflash_cli.training.prompts import split_prompts
 
     resolve_recipe(None, None, target, None)  # input mistakes fail here, before torch is imported
     split_prompts(prompts, eval_file, eval_prompts)
@@ -586,6 +597,7 @@ def train(
         follow_ups=follow_ups,
         train_minutes=train_minutes,
         eval_prompts=eval_prompts,
+        eval_every=eval_every,
         eval_prompts_file=eval_file,
         checkpoint_every=checkpoint_every,
         resume=resume,

@@ -66,7 +66,9 @@ class Bf16Linear(nn.Linear):
     dflash_kernel = False  # set by use_cpu_products: whether this process runs dflash's kernel (decided once)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dflash_kernel:
+        # dflash's kernel has no backward: a product a gradient flows through (training reads the target's output
+        # head after the decode loop switched it, to measure tau) takes torch's.
+        if self.dflash_kernel and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             out = torch.ops.dflash.bf16_linear(x.reshape(-1, self.in_features), self.weight)
             if self.bias is not None:
                 out = out + self.bias

@@ -563,11 +563,14 @@ def prompt_file_fix(token_ids: bool) -> str:
     )
 
 
-def read_prompt_file(path: str | Path, command: str, *, token_ids: bool = True) -> list[Request]:
+def read_prompt_file(
+    path: str | Path, command: str, *, token_ids: bool = True, constraints: bool = False
+) -> list[Request]:
     """A prompt set for a command that runs every prompt with its own flags (`bench --prompts`, `train`): the lines
     `dflash run` reads, a line without an id named FILE-N; a bad line, or one that sets its own sampling, is an
     error naming the line, since one result over the whole set is the point. Without `token_ids` (train renders
-    text through the chat template) a prompt_ids line is one too."""
+    text through the chat template) a prompt_ids line is one too. With `constraints` (train: what a client asks
+    for shapes the answer it learns from) a line may carry tools and a response_format."""
     path = Path(path)
     if not path.exists():
         raise DflashError(f"prompt file {path} does not exist", fix=f"check the path given to `dflash {command}`")
@@ -582,9 +585,11 @@ def read_prompt_file(path: str | Path, command: str, *, token_ids: bool = True) 
                 f"{path}:{prompt.line}: prompt_ids: `dflash {command}` renders text through the chat template",
                 fix='give the prompt as text: {"prompt": "..."} or {"messages": [...]}',
             )
-        if prompt.sampling or prompt.endpoint is not None or prompt.tools is not None:
-            keys = [field.key for field in FIELDS if field.attr in prompt.sampling]
-            keys += ["response_format"] * ("grammar" in prompt.sampling) + ["tools"] * (prompt.tools is not None)
+        sampling = {k for k in prompt.sampling if not (constraints and k == "grammar")}
+        if sampling or prompt.endpoint is not None or (prompt.tools is not None and not constraints):
+            keys = [field.key for field in FIELDS if field.attr in sampling]
+            keys += ["response_format"] * ("grammar" in sampling)
+            keys += ["tools"] * (prompt.tools is not None and not constraints)
             what = ", ".join(keys) or "an OpenAI batch line"
             raise DflashError(
                 f"{path}:{prompt.line}: sets {what}, but `dflash {command}` runs every prompt with the same settings",

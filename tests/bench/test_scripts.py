@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,23 +31,6 @@ def test_every_script_is_a_thin_wrapper(script: Path) -> None:
     assert functions == [], script.name
     module = __import__(ours[0].module, fromlist=["main"])
     assert callable(module.main)
-
-
-def test_a_wrapper_runs_from_a_checkout(tmp_path: Path) -> None:
-    """The wrapper finds the package beside it (no install needed) and passes its arguments on."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_demo_prompts.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
-    )
-    assert done.returncode == 0, done.stderr
-    assert "demo_prompts_eval.jsonl: 64 prompts" in done.stdout
-    assert (tmp_path / "demo_prompts_eval.jsonl").read_bytes() == (
-        ROOT / "dflash_cli" / "assets" / "demo_prompts_eval.jsonl"
-    ).read_bytes()
 
 
 def test_recipe_sizes_are_the_ones_a_recipe_lists(capsys: pytest.CaptureFixture[str]) -> None:

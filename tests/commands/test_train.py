@@ -17,27 +17,23 @@ from rich.progress import Progress
 from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
-from dflash_cli.commands.train import (
-    FOLLOW_UPS,
-    Sample,
-    TrainOptions,
-    block_attention_mask,
-    decay_progress,
-    dflash_loss,
-    fitted_horizon,
-    interrupted_training_state,
-    learning_rate,
-    make_batch,
-    new_drafter,
-    open_target,
-    self_distill,
-    train,
-)
-from dflash_cli.commands.train_prompts import load_prompts, split_prompts
+from dflash_cli.commands.train import interrupted_training_state, train
 from dflash_cli.engine.target.base import capture_target_features
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import load_drafter
+from dflash_cli.loading.session import open_session
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.training import checkpoint as checkpoints
+from dflash_cli.training import loop as training
+from dflash_cli.training.data import block_attention_mask, make_batch
+from dflash_cli.training.distill import ANSWERS_FILE, FOLLOW_UPS, Sample, distill
+from dflash_cli.training.features import FeatureStore
+from dflash_cli.training.loop import new_drafter, open_target
+from dflash_cli.training.objective import decay_progress, dflash_loss, fitted_horizon, learning_rate
+from dflash_cli.training.options import TrainOptions
+from dflash_cli.training.prompts import load_prompts, split_prompts
 
 PROMPTS = [
     "Hello!",
@@ -93,7 +89,7 @@ def test_block_mask_is_block_sparse() -> None:
 
 
 def test_batch_labels_positions_and_blocks() -> None:
-    sample = Sample(prompt_ids=[10, 11, 12], response_ids=[20, 21, 22, 23])  # ids 10 11 12 20 21 22 23
+    sample = Sample("a", prompt_ids=[10, 11, 12], response_ids=[20, 21, 22, 23])  # ids 10 11 12 20 21 22 23
     batch = make_batch([sample], anchors_per_sequence=2, block_size=3, mask_id=99, pad_id=0, rng=random.Random(0))
     anchors = sorted({int(p) for p in batch.position_ids[0, 7::3]})
     assert all(3 <= a <= 5 for a in anchors) and len(anchors) == 2  # inside the response, room for one label
@@ -112,8 +108,8 @@ def test_batch_labels_positions_and_blocks() -> None:
 def test_batch_rows_of_other_lengths_pad_and_leave_unused_blocks_inert() -> None:
     """A short answer has fewer anchors than slots: its unused blocks hold MASK only, no labels, positions 0..B-1,
     and see only themselves; the shorter row is padded, and no label reads past its own tokens."""
-    long = Sample(prompt_ids=[10, 11], response_ids=[20, 21, 22, 23, 24, 25])
-    short = Sample(prompt_ids=[12], response_ids=[30, 31])  # one anchor candidate: position 1
+    long = Sample("a", prompt_ids=[10, 11], response_ids=[20, 21, 22, 23, 24, 25])
+    short = Sample("b", prompt_ids=[12], response_ids=[30, 31])  # one anchor candidate: position 1
     batch = make_batch([long, short], anchors_per_sequence=3, block_size=3, mask_id=99, pad_id=0, rng=random.Random(3))
     width = len(long.ids)
     assert batch.input_ids[1].tolist() == short.ids + [0] * (width - len(short.ids))
@@ -128,29 +124,76 @@ def test_batch_rows_of_other_lengths_pad_and_leave_unused_blocks_inert() -> None
         assert batch.labels[0, i].tolist() == [long.ids[a + k] if a + k < width else -100 for k in (1, 2)]
 
 
-def test_self_distill_caches_answers_and_features(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
-    target, tokenizer = open_target(str(tiny_qwen3_dir), "cpu", "float32")
-    conversations = load_prompts_from(PROMPTS[:3], tmp_path)
+def test_distill_answers_through_the_engine_and_caches_answers_and_features(
+    tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """The answers are the served engine's greedy ones (float32 here: transformers' greedy on the same model), cached
+    with what made them; the features, computed once into the store, are the target's forward's."""
+    run = RunOptions(
+        target=str(tiny_qwen3_dir),
+        sampling=SamplingParams(max_new_tokens=6),
+        no_spec=True,
+        dtype="float32",
+        batch_size=2,
+    )
+    session = open_session(run, batching=True)
+    requests = load_prompts_from(PROMPTS[:3], tmp_path)
     with Progress(disable=True) as progress:
-        first = self_distill(target, tokenizer, conversations, tmp_path, 6, 2, progress, [0, 1])
+        first = distill(session, run, requests, tmp_path, progress)
+    target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
     for sample in first:
         assert 1 <= len(sample.response_ids) <= 6
-        # Features captured while generating (left padded, batched) match a plain forward of the sequence.
+        logits = target(torch.tensor([sample.ids])).logits[0]  # greedy: the target's own continuation
+        assert logits[len(sample.prompt_ids) - 1 : -1].argmax(-1).tolist() == sample.response_ids
+    records = [json.loads(line) for line in (tmp_path / ANSWERS_FILE).read_text().splitlines()]
+    assert {r["made_by"]["dtype"] for r in records} == {"float32"} and len(records) == 3
+    lines = (tmp_path / ANSWERS_FILE).read_text()
+    with Progress(disable=True) as progress:
+        again = distill(session, run, requests, tmp_path, progress)
+        assert (tmp_path / ANSWERS_FILE).read_text() == lines  # served from the cache, nothing regenerated
+        assert [s.ids for s in again] == [s.ids for s in first]
+        # Another plan's answers are kept, not used: bf16 writes its own.
+        bf16 = RunOptions(target=str(tiny_qwen3_dir), sampling=SamplingParams(max_new_tokens=6), no_spec=True)
+        distill(open_session(bf16, batching=True), bf16, requests, tmp_path, progress)
+        assert len((tmp_path / ANSWERS_FILE).read_text().splitlines()) == 6
+
+        store = FeatureStore(tmp_path, [0, 1], 2 * target.config.hidden_size)
+        store.add(target, first, progress)
+        store.attach(first)
+        reopened = FeatureStore(tmp_path, [0, 1], 2 * target.config.hidden_size)
+        assert not reopened.missing(again)  # a later run reads them
+        reopened.attach(again)
+    for sample, same in zip(first, again):
         _, full = capture_target_features(target, torch.tensor([sample.ids]), [0, 1])
         assert sample.features.shape == (len(sample.ids) - 1, 2 * target.config.hidden_size)
         torch.testing.assert_close(sample.features.float(), full[0, :-1], rtol=2e-2, atol=2e-2)
-        # Greedy: the answer is the target's own continuation.
-        logits = target(torch.tensor([sample.ids])).logits[0]
-        assert (
-            logits[len(sample.prompt_ids) - 1 : -1].argmax(-1).tolist()
-            == sample.response_ids[: len(sample.ids) - len(sample.prompt_ids)]
-        )
-    lines = (tmp_path / "responses.jsonl").read_text()
+        assert torch.equal(same.features, sample.features)
+
+
+def test_distill_answers_under_the_requests_constraints(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """A prompt that asks for JSON is answered under the grammar, as the server answers it, and cached apart from
+    the same prompt asked without it."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"prompt": "Give me JSON."}\n{"prompt": "Give me JSON.", "response_format": {"type": "json_object"}}\n'
+    )
+    run = RunOptions(target=str(tiny_qwen3_dir), sampling=SamplingParams(max_new_tokens=24), no_spec=True)
+    session = open_session(run, batching=True)
     with Progress(disable=True) as progress:
-        again = self_distill(target, tokenizer, conversations, tmp_path, 6, 2, progress, [0, 1])
-    assert (tmp_path / "responses.jsonl").read_text() == lines  # served from the cache, nothing regenerated
-    assert [s.ids for s in again] == [s.ids for s in first]
-    assert all(torch.equal(a.features, b.features) for a, b in zip(first, again))
+        free, constrained = distill(session, run, load_prompts(path), tmp_path, progress)
+    assert free.prompt_ids == constrained.prompt_ids and free.key != constrained.key
+    text = session.tokenizer.decode(constrained.response_ids, skip_special_tokens=True)
+    assert text.lstrip().startswith("{") and not session.tokenizer.decode(free.response_ids).lstrip().startswith("{")
+
+
+def test_eval_every_draws_a_held_out_tau_curve(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = train(options(tiny_qwen3_dir, prompt_file, out, steps=6, eval_every=2))
+    measured = [row for row in result.history if "eval_tau" in row]
+    assert [row["step"] for row in measured] == [2, 4] and all(1.0 <= row["eval_tau"] <= 4 for row in measured)
+    seconds = [row["cpu_s"] for row in result.history if "cpu_s" in row]
+    assert seconds == sorted(seconds) and seconds[0] > 0
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["history"] == result.history
 
 
 def load_prompts_from(prompts: list[str], directory: Path) -> list:
@@ -163,7 +206,10 @@ def test_loss_goes_down(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path)
     opts = options(tiny_qwen3_dir, prompt_file, tmp_path)
     target, _ = open_target(opts.target, "cpu", "float32")
     drafter = new_drafter(target, opts, mask_token_id=5)
-    samples = [Sample([1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]), Sample([4, 5], [11, 12, 13, 14, 11, 12, 13, 14])]
+    samples = [
+        Sample("a", [1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]),
+        Sample("b", [4, 5], [11, 12, 13, 14, 11, 12, 13, 14]),
+    ]
     batch = make_batch(samples, 4, opts.block_size, drafter.mask_token_id, 0, random.Random(0))
     _, features = capture_target_features(target, batch.input_ids, drafter.config.target_layer_ids)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
@@ -236,8 +282,6 @@ def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
     tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C while making the fifth batch (checkpoints every 3 steps): the four whole steps are saved, not three."""
-    from dflash_cli.commands import train as training
-
     calls, make = [], training.make_batch
 
     def interrupted_at_the_fifth(*args, **kwargs):
@@ -257,7 +301,7 @@ def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
     assert train(options(tiny_qwen3_dir, prompt_file, out, steps=6, checkpoint_every=3, resume=True)).steps == 6
 
     # Ctrl-C in the middle of a save (removing the checkpoint it replaced): the interrupt's own save still works.
-    remove, cut = training.shutil.rmtree, []
+    remove, cut = checkpoints.shutil.rmtree, []
 
     def interrupted_once(path, *args, **kwargs):
         if str(path).endswith(".previous") and not cut:
@@ -265,7 +309,7 @@ def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
             raise KeyboardInterrupt
         return remove(path, *args, **kwargs)
 
-    monkeypatch.setattr(training.shutil, "rmtree", interrupted_once)
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", interrupted_once)
     with pytest.raises(KeyboardInterrupt):
         train(options(tiny_qwen3_dir, prompt_file, out, steps=20, checkpoint_every=3, resume=True))
     assert cut and json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 9
@@ -277,7 +321,7 @@ def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt
     answer, and the target answers those too: three answers per prompt, cached like the first ones."""
     out = tmp_path / "run"
     train(options(tiny_qwen3_dir, prompt_file, out, steps=2, follow_ups=2, eval_prompts=2))
-    records = [json.loads(line) for line in (out / "distill" / "responses.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).read_text().splitlines()]
     first = len(PROMPTS) - 2  # (two held out)
     assert len(records) == 3 * first and len({r["key"] for r in records}) == 3 * first
     _, tokenizer = open_target(str(tiny_qwen3_dir), "cpu", "float32")
@@ -403,7 +447,7 @@ def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path:
     assert again.exit_code == 1 and "--resume" in again.output
 
     # What Ctrl-C says: what the run kept, and the command's way on.
-    answers = len((out / "distill" / "responses.jsonl").read_text().splitlines())
+    answers = len((out / "distill" / ANSWERS_FILE).read_text().splitlines())
     said = interrupted_training_state(out)
     assert said.startswith(f"{answers} answers cached") and answers > 0
     assert "checkpoint at step 3" in said and "--resume" in said
@@ -443,17 +487,16 @@ def test_prompts_are_rendered_as_the_recipe_serves_them(tiny_recipe: str, prompt
     out = tmp_path / "run"
     train(options(Path(tiny_recipe), prompt_file, out, target=tiny_recipe, steps=1, eval_prompts=0))
     _, tokenizer = open_target(tiny_recipe, "cpu", "float32")
-    records = [json.loads(line) for line in (out / "distill" / "responses.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).read_text().splitlines()]
     assert len(records) == len(PROMPTS)
-    for record in records:
-        key = json.loads(record["key"])
-        assert key["chat_template_kwargs"] == {"enable_thinking": False}
-        thinking_off = tokenizer.apply_chat_template(key["messages"], add_generation_prompt=True, enable_thinking=False)
-        assert record["prompt_ids"] == thinking_off["input_ids"]
-        assert (
-            record["prompt_ids"]
-            != tokenizer.apply_chat_template(key["messages"], add_generation_prompt=True)["input_ids"]
-        )
+    rendered = sorted(record["prompt_ids"] for record in records)
+    messages = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
+    thinking_off = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, enable_thinking=False) for m in messages
+    ]
+    assert rendered == sorted(ids["input_ids"] for ids in thinking_off)
+    thinking_on = [tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"] for m in messages]
+    assert not set(map(tuple, rendered)) & set(map(tuple, thinking_on))
 
 
 def test_train_ends_with_the_command_that_uses_the_drafter(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:
@@ -493,7 +536,7 @@ def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:
     path = tmp_path / "p.txt"
     path.write_text("a\nb\nc\n")
     train_part, held_out = split_prompts(path, None, 1)
-    assert [c[0]["content"] for c in held_out] == ["a"] and len(train_part) == 2
+    assert [r.messages[0]["content"] for r in held_out] == ["a"] and len(train_part) == 2
     with pytest.raises(DflashError, match="has 3 prompts; the first 3 are held out"):
         split_prompts(path, None, 3)
     everything, none = split_prompts(path, None, 0)
@@ -521,7 +564,17 @@ def test_json_errors_never_read_at_at(tmp_path: Path) -> None:
 def test_train_reads_prompt_files_like_run_and_bench(tmp_path: Path) -> None:
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "hi", "id": "a"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
-    assert load_prompts(good) == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
+    assert [(r.prompt, r.messages) for r in load_prompts(good)] == [
+        ("hi", None),
+        (None, ({"role": "user", "content": "yo"},)),
+    ]
+    # What a client asks for shapes the answer: tools and a response_format are taken (sampling is the flags').
+    good.write_text(
+        '{"prompt": "hi", "response_format": {"type": "json_object"}}\n'
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}\n'
+    )
+    constrained, tools = load_prompts(good)
+    assert constrained.sampling["grammar"].kind == "json" and tools.tools.functions[0]["function"]["name"] == "f"
     for content, message in [
         ('{"prompt_ids": [1, 2]}\n', "p.jsonl:1: prompt_ids"),
         ('{"prompt": "a", "temperature": 0.5}\n', "sets temperature, but `dflash train`"),

@@ -86,7 +86,7 @@ def test_bf16_linear_runs_its_kernel(shape: tuple[int, ...], bias: bool, bf16_ke
     layer = nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(shape, dtype=torch.bfloat16)
     use_cpu_products(layer)
-    with _Ops() as seen:
+    with _Ops() as seen, torch.no_grad():  # as the decode loop runs (with gradients: torch's, tested below)
         out = layer(x)
     assert out.shape == (*shape[:-1], 80)
     rows = x.numel() // 48
@@ -100,6 +100,25 @@ def test_bf16_linear_runs_its_kernel(shape: tuple[int, ...], bias: bool, bf16_ke
         assert [shapes[-2] for shapes in products] == [(max(rows, 2), 48)], seen.ops
         reference = F.linear(x.reshape(-1, 48).expand(max(rows, 2), 48), layer.weight, layer.bias)[:rows]
         assert torch.equal(out.reshape(rows, 80), reference)
+
+
+def test_a_switched_bf16_linear_carries_gradients(bf16_kernel: str) -> None:
+    """Training reads the target's output head after the decode loop switched it (measuring tau mid-run): a product
+    a gradient flows through gets torch's gradient, never dflash's kernel, which has no backward."""
+    torch.manual_seed(0)
+    reference = nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    layer = nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    layer.load_state_dict(reference.state_dict())
+    use_cpu_products(layer)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    grads = []
+    for module in (reference, layer):
+        inputs = x.clone().requires_grad_()
+        module(inputs).float().square().sum().backward()
+        grads.append(inputs.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+    with torch.inference_mode():  # decoding still takes the switched product
+        assert torch.equal(layer(x), layer(x.clone()))
 
 
 def test_bf16_rows_agree_whatever_the_row_count(bf16_kernel: str) -> None:

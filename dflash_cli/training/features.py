@@ -1,0 +1,90 @@
+"""The target's features of every training sequence, computed once and kept on disk.
+
+A training step reads, for each sequence, the outputs of the drafter's target layers at every position; the target's
+forward that makes them costs far more than the drafter's step, so it runs once per sequence (right-padded batches
+of similar lengths) and its rows go to one flat bf16 file per set of layers, read memory-mapped: a run's data may
+outgrow host memory, and a later run (another drafter shape reading the same layers, a resumed run) reads them
+again for nothing. An index beside the file gives each sequence's first row and row count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import Progress
+
+from dflash_cli.engine.target.base import capture_target_features
+from dflash_cli.training.distill import Sample
+
+BATCH_TOKENS = 4096  # tokens per forward while computing features (padding included)
+
+
+class FeatureStore:
+    """`directory/features-L{layers}.bin` (rows of n*H bf16) and its `.json` index {key: [first row, rows]}."""
+
+    def __init__(self, directory: Path, layer_ids: Sequence[int], width: int) -> None:
+        name = "features-L" + "-".join(str(i) for i in layer_ids)
+        self.data, self.index_path = directory / f"{name}.bin", directory / f"{name}.json"
+        self.layer_ids, self.width = list(layer_ids), width
+        self.index: dict[str, list[int]] = json.loads(self.index_path.read_text()) if self.index_path.is_file() else {}
+        rows = self.data.stat().st_size // (2 * width) if self.data.is_file() else 0
+        # Rows past the index (a run stopped between writing rows and the index) are written over.
+        self.rows = max((first + count for first, count in self.index.values()), default=0)
+        if rows > self.rows:
+            with self.data.open("r+b") as file:
+                file.truncate(self.rows * 2 * width)
+
+    def missing(self, samples: Sequence[Sample]) -> list[Sample]:
+        return [s for s in samples if s.key not in self.index]
+
+    def add(self, target: Any, samples: Sequence[Sample], progress: Progress) -> None:
+        """Compute and store the features of the samples the store lacks (a batch at a time, so a stopped run keeps
+        what it wrote)."""
+        todo = sorted({s.key: s for s in self.missing(samples)}.values(), key=lambda s: len(s.ids))
+        if not todo:
+            return
+        task = progress.add_task("target features", total=len(todo), info="")
+        device = target.get_input_embeddings().weight.device
+        start = 0
+        with self.data.open("ab") as out:
+            while start < len(todo):
+                end = start + 1
+                while end < len(todo) and (end - start + 1) * len(todo[end].ids) <= BATCH_TOKENS:
+                    end += 1
+                batch = todo[start:end]
+                longest = max(len(s.ids) for s in batch)
+                # Right padding and causal attention: real positions never see the pads, so no mask is needed.
+                ids = torch.tensor([s.ids + [0] * (longest - len(s.ids)) for s in batch], device=device)
+                with torch.inference_mode():
+                    _, features = capture_target_features(
+                        target, ids, self.layer_ids, use_cache=False, logits_to_keep=1
+                    )
+                for row, sample in enumerate(batch):
+                    rows = features[row, : len(sample.ids) - 1].to(torch.bfloat16).cpu().contiguous()
+                    out.write(rows.view(torch.int16).numpy().tobytes())
+                    self.index[sample.key] = [self.rows, len(rows)]
+                    self.rows += len(rows)
+                out.flush()
+                self._save_index()
+                progress.advance(task, len(batch))
+                start = end
+
+    def attach(self, samples: Sequence[Sample]) -> None:
+        """Point each sample's `features` at its rows of the file (memory-mapped, copy-on-write: never written)."""
+        if not self.rows:
+            return
+        mapped = np.memmap(self.data, dtype=np.int16, mode="c", shape=(self.rows, self.width))
+        for sample in samples:
+            first, count = self.index[sample.key]
+            sample.features = torch.from_numpy(mapped[first : first + count]).view(torch.bfloat16)
+
+    def _save_index(self) -> None:
+        staging = self.index_path.with_suffix(".json.tmp")
+        staging.write_text(json.dumps(self.index))
+        os.replace(staging, self.index_path)  # the rows first, then the index that points at them

@@ -1,0 +1,406 @@
+"""A training run from start to end: the answers (distill), the features (features), then steps of the DFlash
+objective with checkpoints, and held-out tau measured with the real decode loop every --eval-every steps and at the
+end; everything lands in `<output>/metrics.json`."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
+from dflash_cli.errors import DflashError
+from dflash_cli.protocol.params import SamplingParams
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.threads import apply_threads
+from dflash_cli.training.checkpoint import (
+    load_checkpoint,
+    recover_checkpoint,
+    resumed_with_changes,
+    save_checkpoint,
+)
+from dflash_cli.training.data import batches, make_batch
+from dflash_cli.training.distill import Sample, distill, encode, follow_ups
+from dflash_cli.training.features import FeatureStore
+from dflash_cli.training.objective import decay_progress, dflash_loss, fitted_horizon, learning_rate
+from dflash_cli.training.options import CHECKPOINT_DIR, DISTILL_DIR, DRAFTER_DIR, TrainOptions, TrainResult
+from dflash_cli.training.prompts import split_prompts
+
+COLUMNS = (
+    TextColumn("{task.description}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TextColumn("{task.fields[info]}"),
+    TimeElapsedColumn(),
+    TimeRemainingColumn(),
+)
+
+
+def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlashDrafter:
+    tcfg = target.config.get_text_config()
+    config = DrafterConfig.for_target(
+        tcfg,
+        layers=options.layers,
+        block_size=options.block_size,
+        mask_token_id=mask_token_id,
+        feature_layers=options.feature_layers,
+        vocab_size=target.get_input_embeddings().num_embeddings,
+        rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=float(
+            (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))
+        ),
+    )
+    torch.manual_seed(options.seed)
+    drafter = DFlashDrafter(config)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    drafter.bind(target)
+    return drafter
+
+
+def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
+    """A token the drafter uses as MASK: the tokenizer's own, else the least chat-like special token.
+
+    Vocabularies without a MASK token still carry pretraining-only special tokens that never occur in
+    chat; the drafter learns what the id means from its position in the block, so any such id works.
+    """
+    if requested is not None:
+        return requested
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    in_use = {tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    special = [i for i in tokenizer.all_special_ids if i not in in_use]
+    added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in in_use)
+    spare = (added or special)[-1:]  # the last added special token: the most specialised one
+    if not spare:
+        raise DflashError(
+            "the tokenizer has no spare special token to use as MASK",
+            fix="pass --mask-token-id ID (a token that never appears in chat)",
+        )
+    return spare[0]
+
+
+def open_target(ref: str, device: str, dtype: str, console: Console | None = None) -> tuple[Any, Any]:
+    """The frozen target and its tokenizer, loaded as every command loads it (`loading.models.load_target`: the
+    plan's precision and quantization, the memory check), except that a CPU target trains unquantized. `ref` is what
+    `--target` takes everywhere: a recipe name (its target, with its offline source), a local directory or a repo
+    id."""
+    from dflash_cli.loading.models import load_target, load_tokenizer, resolve_ref
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import PlanOverrides, make_plan
+    from dflash_cli.setup.recipes import adhoc_recipe
+
+    recipe = adhoc_recipe(ref, None)
+    # On a CPU unquantized: the drafter's loss runs through the target's output head, and the CPU's packed int4/int8
+    # kernels (the demo's default there) have no backward. (The demo's int4 weights are its GGUF's exactly, which the
+    # unquantized copy holds dequantized: the same model.) NF4 on a GPU keeps the head dense: the plan's choice.
+    cpu = torch.device(device).type == "cpu"
+    plan = make_plan(detect_machine(), recipe, PlanOverrides(device=device, dtype=dtype, quant="none" if cpu else None))
+    directory = resolve_ref(recipe.target, "target", console)
+    return load_target(directory, plan, console=console), load_tokenizer(directory)
+
+
+def serving_dtype(device: str) -> torch.dtype:
+    """What `dflash` runs the target in by default on `device` here (planning.make_plan's choice)."""
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import default_dtype
+
+    kind = torch.device(device).type
+    return getattr(torch, default_dtype(kind, detect_machine())[0])
+
+
+def _check_resume(options: TrainOptions, output: Path, console: Console) -> None:
+    """Refuse a resume with nothing to resume or nothing left to do, and a new run over a checkpoint; note the
+    learning flags a resume changes."""
+    checkpoint = output / CHECKPOINT_DIR
+    resumable = (checkpoint / "trainer_state.json").exists()
+    if resumable and not options.resume:
+        raise DflashError(
+            f"{output} already holds a training checkpoint",
+            fix="pass --resume to continue it, or choose another --output",
+        )
+    if options.resume and not resumable:
+        raise DflashError(f"nothing to resume: {checkpoint} has no checkpoint", fix="drop --resume to start a new run")
+    if options.resume:
+        saved = json.loads((checkpoint / "trainer_state.json").read_text())
+        metrics = output / "metrics.json"
+        measured = json.loads(metrics.read_text()).get("steps") if metrics.is_file() else None
+        # Finished, and measured at that step: nothing left (it would "finish" in no time and overwrite metrics.json).
+        # A run stopped after its last step, while saving or measuring, resumes to do those.
+        if saved["step"] >= options.steps and measured == saved["step"]:
+            raise DflashError(
+                f"the run in {output} already reached step {saved['step']} (--steps {options.steps})",
+                fix=f"raise --steps above {saved['step']} to train further; its drafter is in {output / DRAFTER_DIR}",
+            )
+        changed = resumed_with_changes(saved.get("options", {}), options)
+        if changed:
+            console.print(f"[yellow]note:[/] resuming with other settings than the checkpoint's: {changed}")
+
+
+def write_answers(
+    options: TrainOptions, requests: list[Any], held_out: list[Any], progress: Progress, console: Console
+) -> tuple[list[Sample], list[list[int]], list[int]]:
+    """The target's answers through the engine users get (its plan for --device/--dtype): the training samples,
+    the held-out prompts' ids, and the stop ids."""
+    from dflash_cli.loading.session import open_session
+
+    run = RunOptions(
+        target=options.target,
+        sampling=SamplingParams(max_new_tokens=options.max_new_tokens),
+        no_spec=True,
+        device=options.device,
+        dtype=options.dtype,
+        threads=options.threads,
+        batch_size=options.distill_batch_size,
+    )  # greedy: SamplingParams' default temperature
+    session = open_session(run, console, batching=True)
+    directory = Path(options.output) / DISTILL_DIR
+    samples = distill(session, run, requests, directory, progress)
+    if options.follow_ups:
+        turns = follow_ups(requests, samples, session.tokenizer, options.follow_ups)
+        samples += distill(session, run, turns, directory, progress, "follow-up turns")
+    eval_ids = [ids for _, ids, _ in encode(session, run, held_out)]
+    stop_ids = list(session.stop_token_ids)
+    del session  # (before the training target loads: a large target is not held twice)
+    gc.collect()
+    return samples, eval_ids, stop_ids
+
+
+def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
+    console = console or Console(stderr=True)
+    if options.block_size < 2:
+        raise DflashError("--block-size must be at least 2 (the anchor plus one drafted token)")
+    output = Path(options.output)
+    if output.exists() and not output.is_dir():
+        raise DflashError(
+            f"--output {output} is a file", fix="name a directory for the run (it is created), e.g. runs/my-drafter"
+        )
+    checkpoint = output / CHECKPOINT_DIR
+    recover_checkpoint(checkpoint)
+    requests, held_out = split_prompts(options.prompts, options.eval_prompts_file, options.eval_prompts)
+    _check_resume(options, output, console)
+    output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
+    with Progress(*COLUMNS, console=console) as progress:
+        samples, eval_ids, stop_ids = write_answers(options, requests, held_out, progress, console)
+        samples = [s for s in samples if len(s.response_ids) >= 2]
+        if not samples:
+            raise DflashError(
+                "the target produced no usable responses (all shorter than 2 tokens)",
+                fix="check the prompts and --max-tokens",
+            )
+        dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
+        target, tokenizer = open_target(options.target, options.device, dtype, console)
+        # No more threads than free cores: oversubscribed, torch's thread pools spin against each other (on 2 cores,
+        # two runs side by side trained 7-9x slower with two threads each than with one; docs/benchmarks.md).
+        progress.console.print(f"[dim]Threads: {apply_threads(options.threads).reason}[/dim]")
+        drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
+        drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
+        store = FeatureStore(output / DISTILL_DIR, drafter.config.target_layer_ids, drafter.fc.in_features)
+        store.add(target, samples, progress)
+        store.attach(samples)
+        keep_features_on(drafter.fc.weight.device, samples)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        step, history, decayed = 0, [], None
+        if options.resume:
+            step, history, decayed = load_checkpoint(checkpoint, drafter, optimizer)
+            progress.console.print(f"Resuming from step {step} ({checkpoint})")
+
+        def held_out_tau() -> float | None:
+            if not eval_ids:
+                return None
+            return evaluate_tau(target, drafter, eval_ids, options.max_new_tokens, stop_ids, progress)
+
+        started = time.perf_counter()
+        stats, steps_done = _train_loop(
+            drafter,
+            samples,
+            optimizer,
+            options,
+            (step, decayed),
+            history,
+            progress,
+            checkpoint,
+            tokenizer,
+            held_out_tau,
+        )
+        train_seconds = time.perf_counter() - started
+        del samples  # (their features may fill a share of the GPU's memory that the measuring below wants)
+        final = output / DRAFTER_DIR
+        drafter.to(torch.bfloat16).save_pretrained(final)  # shipped in bf16, like the published drafters
+        drafter.to(torch.float32)
+        eval_tau = held_out_tau()
+    result = TrainResult(
+        str(final),
+        steps_done,
+        train_seconds,
+        stats.get("loss", float("nan")),
+        stats.get("tau", 1.0),
+        eval_tau,
+        len(eval_ids),
+        history,
+    )
+    (output / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    return result
+
+
+def _train_loop(
+    drafter: DFlashDrafter,
+    samples: list[Sample],
+    optimizer: torch.optim.Optimizer,
+    options: TrainOptions,
+    resumed: tuple[int, float | None],
+    history: list[dict[str, float]],
+    progress: Progress,
+    checkpoint: Path,
+    tokenizer: Any,
+    held_out_tau: Callable[[], float | None],
+) -> tuple[dict[str, float], int]:
+    """Train from the step `resumed` names (with the decay progress saved there, if any) to options.steps, or until
+    options.train_minutes have passed (a checkpoint is saved where it stops); returns the running figures and the
+    step reached. Every --eval-every steps the history row also holds held-out tau and the CPU seconds so far."""
+    step, start_progress = resumed
+    started, first_step = time.perf_counter(), step
+    cpu_before = history[-1].get("cpu_s", 0.0) if history else 0.0
+    cpu_started = time.process_time()
+    deadline = None if options.train_minutes is None else started + 60 * options.train_minutes
+    horizon, start = options.steps, max(step, options.warmup_steps)
+    if start_progress is None:  # a fresh run, or a checkpoint that did not record it: as --steps sets it
+        start_progress = decay_progress(start, options.warmup_steps, 0.0, options.steps)
+    rng = random.Random(options.seed * 1_000_003 + step)  # a resumed run does not replay the same batches
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    task = progress.add_task("training", total=options.steps, completed=step, info="")
+    running: dict[str, float] = {}
+    fast_bf16 = serving_dtype(options.device) == torch.bfloat16
+    order = batches(samples, options.batch_size, rng)
+    saved_at, updating = step, False
+    device = drafter.fc.weight.device
+
+    def save() -> None:
+        nonlocal saved_at
+        decayed = decay_progress(step, start, start_progress, horizon)
+        save_checkpoint(checkpoint, drafter, optimizer, step, options, history, decayed)
+        saved_at = step
+
+    try:
+        while step < options.steps:
+            began = time.perf_counter()
+            chosen = [samples[i] for i in next(order)]
+            batch = make_batch(
+                chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng
+            )
+            made = time.perf_counter()
+            features = stored_features(chosen, batch.input_ids.shape[1], device)
+            batch = batch.to(device)
+            fed = time.perf_counter()
+            if deadline is not None and step - first_step >= 20 and step % 10 == 0:
+                horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, options, decay_progress(step, start, start_progress, horizon))
+            # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
+            # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
+            # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast_bf16):
+                loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            updating = True
+            optimizer.step()
+            step, updating = step + 1, False
+            # Where a slow run's time goes: seconds a step, making its batch (the host alone), and its features on the
+            # device (stored ones copied; a copy also waits for the device's queue).
+            stats |= {"step_s": time.perf_counter() - began, "batch_s": made - began, "features_s": fed - made}
+            running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items() if k != "eval_tau"}
+            progress.update(
+                task,
+                completed=step,
+                info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}",
+            )
+            out_of_time = deadline is not None and time.perf_counter() >= deadline and step < options.steps
+            measure = options.eval_every and step % options.eval_every == 0 and step < options.steps
+            if step % 10 == 0 or step == options.steps or out_of_time or measure:
+                row = {"step": step, **running, "cpu_s": cpu_before + time.process_time() - cpu_started}
+                if measure:
+                    row["eval_tau"] = held_out_tau()
+                history.append(row)
+            if step % options.checkpoint_every == 0 or step == options.steps or out_of_time or measure:
+                save()
+            if out_of_time:
+                progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
+                break
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the steps since the last checkpoint: saved where the last whole step left the drafter and
+        # optimizer (if it came mid-update, the checkpoint before stands). The CLI then says how to --resume.
+        if step > saved_at and not updating:
+            recover_checkpoint(checkpoint)  # (if it came mid-save)
+            if not history or history[-1]["step"] != step:
+                history.append({"step": step, **running})
+            save()
+        raise
+    if not running and history:  # resumed at its last step (to save and measure): the checkpoint's figures stand
+        running = {key: value for key, value in history[-1].items() if key not in ("step", "eval_tau", "cpu_s")}
+    return running, step
+
+
+def keep_features_on(device: torch.device, samples: list[Sample]) -> None:
+    """Move the stored features onto a GPU once, when they take at most a quarter of its free memory (the training's
+    own tensors come after), so that each step pads its batch there: on the host, 64 rows of 300-615 tokens are 220
+    MiB a step to pad (0.2 s on one core of this VM; docs/benchmarks.md) and copy from pageable memory. A CPU run
+    reads them where they are (memory-mapped)."""
+    if device.type != "cuda":
+        return
+    away = [s for s in samples if s.features.device != device]
+    if away and sum(s.features.nbytes for s in away) <= torch.cuda.mem_get_info(device)[0] // 4:
+        for sample in away:
+            sample.features = sample.features.to(device)
+
+
+def stored_features(batch: Sequence[Sample], width: int, device: torch.device) -> torch.Tensor:
+    """The batch's target features [b, width, n*H], right-padded like its ids: padded where they are (on the GPU
+    when keep_features_on moved them there) in their stored bf16, then copied once."""
+    stored = torch.nn.utils.rnn.pad_sequence([s.features for s in batch], batch_first=True)
+    stored = torch.nn.functional.pad(stored, (0, 0, 0, width - stored.shape[1]))
+    return stored.to(device).float()
+
+
+def evaluate_tau(
+    target: Any,
+    drafter: DFlashDrafter,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    progress: Progress,
+) -> float:
+    """Mean acceptance length over held-out prompts with the real decode loop (greedy, the drafter's block size),
+    measured on a copy of the drafter in the serving dtype (the target's), as the shipped checkpoint is."""
+    from dflash_cli.engine import speculative_generate
+
+    copy = DFlashDrafter(drafter.config)
+    copy.load_state_dict(drafter.state_dict())
+    # Rounded to bf16 first, as the shipped checkpoint is.
+    copy.to(drafter.fc.weight.device, torch.bfloat16).to(target.get_input_embeddings().weight.dtype).eval()
+    copy.bind(target)
+    lengths: list[int] = []
+    task = progress.add_task("tau on held-out prompts", total=len(prompts), info="")
+    for ids in prompts:
+        result = speculative_generate(target, copy, list(ids), max_new_tokens, stop_token_ids=stop_ids)
+        lengths += result.acceptance_lengths
+        progress.advance(task)
+    progress.remove_task(task)
+    return sum(lengths) / max(1, len(lengths))

@@ -52,6 +52,17 @@ def exported_steps_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         yield directory
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_background_builds() -> Iterator[None]:
+    """No session a test opens starts a background build of compiled steps (a process outliving the test); the
+    tests of that build turn it back on (tests/loading/test_compiled_steps.py)."""
+    from dflash_cli.loading.compiled_steps import ENVIRONMENT
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENVIRONMENT, "0")
+        yield
+
+
 @pytest.fixture
 def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HF_HOME for this test (cache in `hf_home / "hub"`), online, with no token."""

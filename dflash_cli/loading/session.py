@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -29,7 +30,7 @@ from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply, template_format
 from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
-from dflash_cli.setup.planning import Plan, block_size_note, make_plan
+from dflash_cli.setup.planning import Plan, PlanOverrides, block_size_note, make_plan
 from dflash_cli.setup.recipes import Recipe
 from dflash_cli.setup.threads import ThreadPlan, apply_threads
 
@@ -48,6 +49,7 @@ class Session:
     # CPU: the drafter's stored steps (engine.drafter.step) for a drafter loaded later: "load" them, "build" them
     # first when missing (--compile on), or "off"
     draft_steps: Literal["off", "load", "build"] = "off"
+    build_note: str | None = None  # a background build of the compiled steps: started, running or failed
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -454,9 +456,12 @@ def load_exported_step(
     return step, f"exported step: the {part}'s step runs compiled ahead of time ({', '.join(map(str, step.paths))})"
 
 
-def open_session(options: RunOptions, console: Console | None = None, *, batching: bool = False) -> Session:
+def open_session(
+    options: RunOptions, console: Console | None = None, *, batching: bool = False, build_later: bool = False
+) -> Session:
     """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain). `batching`: the
-    frontend decodes several requests at once (run, serve)."""
+    frontend decodes several requests at once (run, serve). `build_later` (chat, run, serve): a CPU plan whose
+    compiled steps are not stored yet starts their build in the background (loading.compiled_steps) and runs eager."""
     recipe = options.resolve_recipe()
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
     threads = apply_threads(options.threads) if plan.device == "cpu" else None
@@ -469,16 +474,27 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
     kernels_why = cpu_kernels_reason(console) if plan.device == "cpu" else None
-    draft_steps, draft_why = "off", None
+    draft_steps, draft_why, missing = "off", None, False
     if plan.device == "cpu" and options.compile != "off":
         if standard.unsupported(models.target) is None:
-            _, compile_why = load_exported_step(models.target, build=compile, console=console)
+            step, compile_why = load_exported_step(models.target, build=compile, console=console)
+            missing = step is None
         draft_steps = "build" if options.compile == "on" else "load"
         if models.drafter is not None:
             build = draft_steps == "build"
-            _, draft_why = load_exported_step(models.drafter, build=build, console=console, part="drafter")
+            step, draft_why = load_exported_step(models.drafter, build=build, console=console, part="drafter")
+            missing = missing or (step is None and draft_step.unsupported(models.drafter) is None)
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
     session.draft_steps = draft_steps
+    # Built for the recipe's default plan: a session that overrides the plan would not find them.
+    default_plan = options.plan_overrides() == PlanOverrides(batch_size=options.batch_size)
+    if build_later and missing and options.compile == "auto" and default_plan:
+        from dflash_cli.loading import compiled_steps
+
+        if os.environ.get(compiled_steps.ENVIRONMENT, "1") != "0":
+            ref = {"name": options.recipe_name, "recipe_file": options.recipe_file, "target": options.target,
+                   "drafter": options.drafter}  # fmt: skip
+            session.build_note = compiled_steps.build_in_background(ref)
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
         with console.status(message) if console is not None else contextlib.nullcontext():
@@ -487,6 +503,8 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
+        if session.build_note is not None:
+            console.print(f"  {session.build_note}", style="dim", markup=False, highlight=False)
         if options.explain:
             source = (models.target_source,) if models.target_source else ()
             decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()

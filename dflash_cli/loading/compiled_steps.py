@@ -20,10 +20,12 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 
+from dflash_cli.engine.drafter import step as draft_step
+from dflash_cli.engine.target import exported, standard
 from dflash_cli.errors import DflashError
 
 if TYPE_CHECKING:
@@ -45,10 +47,7 @@ def build_compiled_steps(recipe: Recipe, console: Console | None) -> list[BuiltS
     """Build the compiled steps this machine's default plan of `recipe` runs (a CPU plan: the target's,
     engine.target.exported, for a standard family; the drafter's, engine.drafter.step), as the first `--compile on`
     start would. Raises DflashError when a build fails."""
-    from dflash_cli.engine.drafter import step as draft_step
-    from dflash_cli.engine.target import standard
     from dflash_cli.loading.models import load_models
-    from dflash_cli.loading.session import load_exported_step
     from dflash_cli.setup.hardware import detect_machine
     from dflash_cli.setup.planning import make_plan
 
@@ -69,6 +68,39 @@ def build_compiled_steps(recipe: Recipe, console: Console | None) -> list[BuiltS
             raise DflashError(why, fix="`dflash doctor` checks for a C++ compiler; chat and run still work, eager")
         built.append(BuiltStep(what, () if step is None else tuple(map(str, step.paths)), why))
     return built
+
+
+def load_exported_step(
+    model: Any, *, build: bool, console: Console | None, part: Literal["target", "drafter"] = "target"
+) -> tuple[Any, str]:
+    """Load the stored exported step of `model`, the target's (engine.target.exported) or, with `part="drafter"`, the
+    drafter's (engine.drafter.step), building it first when `build` (--compile on, pull --compile): the step (None:
+    it runs without one) and why. A build or load that fails leaves the model as it was asked for (eager; with
+    --compile on, torch.compile's steps), with a warning."""
+    unsupported, stored = (
+        (standard.unsupported, exported.exported_step)
+        if part == "target"
+        else (draft_step.unsupported, draft_step.exported_draft_step)
+    )
+    why_not = unsupported(model)
+    if why_not is not None:
+        return None, f"no compiled CPU step for this {part}: {why_not}"
+    notify = (lambda message: console.status(message)) if console is not None else None
+    try:
+        step = stored(model, build_missing=build, notify=notify)
+    except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step as asked
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        instead = "running it eagerly"
+        if build:  # (--compile on; a hybrid target's session runs eager, its drafter too)
+            instead = "torch.compile's steps instead" if part == "target" else "torch.compile's draft step or eager"
+        warnings.warn(f"the {part}'s compiled step failed to build or load ({first}); {instead}", stacklevel=2)
+        return None, f"compile: the {part}'s stored step failed ({first}); {instead}"
+    if step is None:
+        return None, (
+            f"compile off: no compiled step stored for this {part} yet (`dflash pull NAME --compile` or --compile on "
+            "builds it once, 1-3 minutes; every later start loads it in a second)"
+        )
+    return step, f"exported step: the {part}'s step runs compiled ahead of time ({', '.join(map(str, step.paths))})"
 
 
 def _folder() -> Path:

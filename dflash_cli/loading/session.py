@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.engine.text import TextStream
 from dflash_cli.engine.threads import DecodeThreads, decode_threads
 from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.loading import compiled_steps
+from dflash_cli.loading.compiled_steps import load_exported_step
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
 from dflash_cli.protocol.requests import Request
@@ -423,39 +424,6 @@ def cpu_kernels_reason(console: Console | None) -> str:
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 
-def load_exported_step(
-    model: Any, *, build: bool, console: Console | None, part: Literal["target", "drafter"] = "target"
-) -> tuple[Any, str]:
-    """Load the stored exported step of `model`, the target's (engine.target.exported) or, with `part="drafter"`, the
-    drafter's (engine.drafter.step), building it first when `build` (--compile on, pull --compile): the step (None:
-    it runs without one) and why. A build or load that fails leaves the model as it was asked for (eager; with
-    --compile on, torch.compile's steps), with a warning."""
-    unsupported, stored = (
-        (standard.unsupported, exported.exported_step)
-        if part == "target"
-        else (draft_step.unsupported, draft_step.exported_draft_step)
-    )
-    why_not = unsupported(model)
-    if why_not is not None:
-        return None, f"no compiled CPU step for this {part}: {why_not}"
-    notify = (lambda message: console.status(message)) if console is not None else None
-    try:
-        step = stored(model, build_missing=build, notify=notify)
-    except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step as asked
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        instead = "running it eagerly"
-        if build:  # (--compile on; a hybrid target's session runs eager, its drafter too)
-            instead = "torch.compile's steps instead" if part == "target" else "torch.compile's draft step or eager"
-        warnings.warn(f"the {part}'s compiled step failed to build or load ({first}); {instead}", stacklevel=2)
-        return None, f"compile: the {part}'s stored step failed ({first}); {instead}"
-    if step is None:
-        return None, (
-            f"compile off: no compiled step stored for this {part} yet (`dflash pull NAME --compile` or --compile on "
-            "builds it once, 1-3 minutes; every later start loads it in a second)"
-        )
-    return step, f"exported step: the {part}'s step runs compiled ahead of time ({', '.join(map(str, step.paths))})"
-
-
 def open_session(
     options: RunOptions, console: Console | None = None, *, batching: bool = False, build_later: bool = False
 ) -> Session:
@@ -489,8 +457,6 @@ def open_session(
     # Built for the recipe's default plan: a session that overrides the plan would not find them.
     default_plan = options.plan_overrides() == PlanOverrides(batch_size=options.batch_size)
     if build_later and missing and options.compile == "auto" and default_plan:
-        from dflash_cli.loading import compiled_steps
-
         if os.environ.get(compiled_steps.ENVIRONMENT, "1") != "0":
             ref = {"name": options.recipe_name, "recipe_file": options.recipe_file, "target": options.target,
                    "drafter": options.drafter}  # fmt: skip

@@ -52,6 +52,30 @@ def exported_steps_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         yield directory
 
 
+@pytest.fixture(scope="session", autouse=True)
+def quiet_measurements() -> Iterator[None]:
+    """The decode threads and step costs a test measures are kept as if the machine were quiet (a suite keeps a
+    small CI machine's cores busy with its own subprocesses); tests/engine/test_decode_threads.py measures under a
+    real load."""
+    from dflash_cli.engine import policy, threads
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(threads, "busy_since", lambda start: 0.0)
+        patch.setattr(policy, "busy_since", lambda start: 0.0)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_background_builds() -> Iterator[None]:
+    """No session a test opens starts a background build of compiled steps (a process outliving the test); the
+    tests of that build turn it back on (tests/loading/test_compiled_steps.py)."""
+    from dflash_cli.loading.compiled_steps import ENVIRONMENT
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENVIRONMENT, "0")
+        yield
+
+
 @pytest.fixture
 def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HF_HOME for this test (cache in `hf_home / "hub"`), online, with no token."""

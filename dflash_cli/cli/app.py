@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 from dflash_cli import __version__
 from dflash_cli.cli.flags import (
@@ -56,6 +56,14 @@ from dflash_cli.errors import DflashError
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.recipes import load_registry, resolve_recipe
 from dflash_cli.setup.threads import start_load_window
+
+
+def _flag_type(option: TyperOption, ctx: Any, shown: Any = TyperOption.display_type_rich) -> str | None:
+    """A flag takes no value, so --help shows no type beside it (typer 0.29 prints `<bool>` beside every flag)."""
+    return None if option.is_flag and option.metavar is None else shown(option, ctx)
+
+
+TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 
 class DflashGroup(TyperGroup):
@@ -415,17 +423,17 @@ def pull(
     compile: Annotated[
         bool,
         typer.Option(
-            "--compile",
+            "--compile/--no-compile",
             help="Also build this machine's compiled target and draft steps (a CPU plan; Llama, Mistral, Qwen2 "
             "and Qwen3 targets): 1-3 minutes once, then every start loads them in a second and decodes about 2.5x "
-            "faster (the demo on 2 cores).",
+            "faster (the demo on 2 cores). Without pull, the first chat, run or serve builds them in the background.",
         ),
-    ] = False,
+    ] = True,
     json_output: JsonFlag = False,
 ) -> None:
     """Download a recipe's target and drafter into the Hugging Face cache, showing sizes first.
 
-    Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files: run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time (`--compile`: the compiled target and draft steps too, which `--compile on` would otherwise build at its first start).
+    Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files: run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time, with this machine's compiled target and draft steps (which the first chat, run or serve otherwise builds in the background; `--no-compile` skips them).
     """
     from dflash_cli.commands.pull import compile_recipe, pull_recipe
 

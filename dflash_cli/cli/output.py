@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from dflash_cli.errors import DflashError
@@ -80,33 +81,28 @@ def checks_table(checks: Sequence[Check]) -> Table:
     return table
 
 
-def summary_table(summary: Summary) -> Table:
-    table = Table(
-        "requests",
-        "done",
-        "skipped",
-        "failed",
-        "tokens",
-        "reused prompt",
-        "time",
-        "tok/s",
-        "mean tau",
-        title_justify="left",
-    )
-    table.title = f"dflash run: {escape(summary.output)}"
+def summary_table(summary: Summary, width: int | None = None) -> Table:
+    """The run's figures as one row under their headers; as a field and value a line where that row is wider than
+    `width` (a narrow terminal folded the headers mid-word, "reque|sts")."""
     tau = f"{summary.tau:.2f}" if summary.tau is not None else "-"
-    failed = f"[red]{summary.failed}[/]" if summary.failed else "0"
-    table.add_row(
-        str(summary.total),
-        str(summary.done),
-        str(summary.skipped),
-        failed,
-        str(summary.completion_tokens),
-        f"{summary.cached_tokens}/{summary.prompt_tokens}",
-        f"{summary.wall_s:.1f}s",
-        f"{summary.tokens_per_s:.1f}",
-        tau,
-    )
+    fields = {
+        "requests": str(summary.total),
+        "done": str(summary.done),
+        "skipped": str(summary.skipped),
+        "failed": f"[red]{summary.failed}[/]" if summary.failed else "0",
+        "tokens": str(summary.completion_tokens),
+        "reused prompt": f"{summary.cached_tokens}/{summary.prompt_tokens}",
+        "time": f"{summary.wall_s:.1f}s",
+        "tok/s": f"{summary.tokens_per_s:.1f}",
+        "mean tau": tau,
+    }
+    table = Table(*fields, title_justify="left")
+    table.add_row(*fields.values())
+    if width is not None and Measurement.get(console, console.options.update_width(10_000), table).maximum > width:
+        table = Table("", "", show_header=False, title_justify="left")
+        for name, value in fields.items():
+            table.add_row(name, value)
+    table.title = f"dflash run: {escape(summary.output)}"
     if summary.errors:
         table.caption = f"failed requests: {escape(summary.errors)}"
     return table
@@ -114,7 +110,7 @@ def summary_table(summary: Summary) -> Table:
 
 def show_summary(summary: Summary) -> None:
     if summary.total:  # an empty prompts file: nothing ran, nothing to tabulate
-        console.print(summary_table(summary))
+        console.print(summary_table(summary, console.width))
 
 
 def show_trained(result: TrainResult, next_steps: dict[str, str]) -> None:

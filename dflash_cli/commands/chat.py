@@ -512,7 +512,7 @@ def run_chat(
 ) -> int:
     """`dflash chat`: one answer to `question` (from --prompt or piped stdin, read by the CLI before the model
     loads), else the REPL on the terminal. Returns the exit code."""
-    session = open_session(options, err_console)
+    session = open_session(options, err_console, build_later=True)
     state = ChatState.start(session, options, system=system, show_stats=show_stats)
     if question is not None:
         return answer_once(session, state, question, console, err_console)

@@ -20,6 +20,7 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from dflash_cli.engine import cpu_kernels, packages
+from dflash_cli.engine.policy import kept_measurements
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import quiet_bitsandbytes_import
 from dflash_cli.setup.choices import gb
@@ -509,6 +510,24 @@ def check_compiled_steps(facts: MachineFacts, compiler: str | None, stored: list
     )
 
 
+def check_measurements(kept: list[dict[str, Any]]) -> Check:
+    """What this machine keeps measured (decode threads, step costs), when, and whether it still stands (taken
+    quiet and recent; otherwise the next start measures again)."""
+    if not kept:
+        return Check("measurements", "pass", "none kept yet: the first chat, run or serve measures what it needs")
+    lines = []
+    for entry in kept:
+        if entry.get("unreadable"):
+            lines.append(f"{entry['what']}: {entry['path']} unreadable (measured again when needed)")
+            continue
+        when = entry["measured_at"] or "a busy moment, not kept"
+        state = "stands" if entry["stands"] else "measured again at the next start"
+        busy = f", others kept {entry['others_busy']:.2f} cores busy" if entry["others_busy"] is not None else ""
+        threads = f"{entry['threads']} thread{'s' if entry['threads'] != 1 else ''}"
+        lines.append(f"{entry['what']} of {entry['target']} ({threads}): {when}{busy}; {state}")
+    return Check("measurements", "pass", "\n".join(lines))
+
+
 def check_cpu_kernels(
     facts: MachineFacts, unusable: str | None, built: bool, compiler: str | None, failed: str | None = None
 ) -> Check:
@@ -591,6 +610,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         recipe_check,
         *(Check("user recipe", "fail", error.message, error.fix) for error in unreadable.values()),
         check_compiled_steps(facts, cpp_compiler(), packages.stored_packages()),
+        check_measurements(kept_measurements()),
         check_cpu_kernels(
             facts,
             cpu_kernels.unusable(),

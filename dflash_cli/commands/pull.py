@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,34 +70,15 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
 
 
 def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> list[PulledPart]:
-    """Build the compiled steps this machine's default plan of `recipe` runs (a CPU plan: the target's,
-    engine.target.exported, for a standard family; the drafter's, engine.drafter.step), as the first `--compile on`
-    start would; say where each is or why there is none. Raises DflashError when a build fails."""
-    from dflash_cli.engine.drafter import step as draft_step
-    from dflash_cli.engine.target import standard
-    from dflash_cli.loading.models import load_models
-    from dflash_cli.loading.session import load_exported_step
-    from dflash_cli.setup.hardware import detect_machine
-    from dflash_cli.setup.planning import make_plan
+    """Build the compiled steps this machine's default plan of `recipe` runs (loading.compiled_steps); say where
+    each is or why there is none. Raises DflashError when a build fails."""
+    from dflash_cli.loading.compiled_steps import build_compiled_steps
 
-    plan = make_plan(detect_machine(), recipe)
-    if plan.device != "cpu":
-        why = f"{plan.device}: its steps are captured as CUDA graphs at each start (--compile auto)"
-        return [PulledPart({"what": "compiled step", "paths": [], "why": why}, f"compiled step: none ({why})")]
-    models = load_models(recipe, plan, with_drafter=recipe.drafter is not None, console=None if json else console)
-    built = [("compiled step", models.target, "target", standard.unsupported)]
-    if models.drafter is not None:
-        built.append(("compiled draft step", models.drafter, "drafter", draft_step.unsupported))
     parts = []
-    for what, model, part, unsupported in built:
-        with warnings.catch_warnings():  # a failure is this command's error, not a warning beside it
-            warnings.simplefilter("ignore")
-            step, why = load_exported_step(model, build=True, console=None if json else console, part=part)
-        if step is None and unsupported(model) is None:
-            raise DflashError(why, fix="`dflash doctor` checks for a C++ compiler; chat and run still work, eager")
-        paths = [] if step is None else [str(path) for path in step.paths]
-        line = f"[green]✓[/] {what} ready in {', '.join(paths)}" if paths else f"{what}: none ({why})"
-        parts.append(PulledPart({"what": what, "paths": paths, "why": why}, line))
+    for built in build_compiled_steps(recipe, None if json else console):
+        paths = ", ".join(built.paths)
+        line = f"[green]✓[/] {built.what} ready in {paths}" if paths else f"{built.what}: none ({built.why})"
+        parts.append(PulledPart({"what": built.what, "paths": list(built.paths), "why": built.why}, line))
     return parts
 
 

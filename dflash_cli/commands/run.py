@@ -569,7 +569,7 @@ def _resume_and_run(
         if load is None:
             from dflash_cli.loading.session import open_session
 
-            load = functools.partial(open_session, batching=True)
+            load = functools.partial(open_session, batching=True, build_later=True)
         load_started = time.perf_counter()
         session = load(options, console)
         load_s = time.perf_counter() - load_started

@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import statistics
-import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dflash_cli.cpu_load import busy_since, cpu_snapshot, fresh, measured_now
 from dflash_cli.engine import cpu_kernels
 from dflash_cli.engine.drafter.step import loaded_draft_step
 from dflash_cli.engine.target.base import PACKED_SDPA
@@ -143,6 +143,8 @@ class StepCosts:
         self.draft_s: dict[int, float] = {}
         self.verify_s: dict[int, float] = {}
         self.load = 1.0
+        self.measured_at: str | None = None  # when the costs were calibrated
+        self.others_busy: float | None = None  # cores other processes kept busy meanwhile (over QUIET_CORES: not kept)
         self.successes = [0.0] * (max(self.sizes) - 1)
         self.failures = [0.0] * (max(self.sizes) - 1)
         self.path = (
@@ -177,6 +179,7 @@ class StepCosts:
         the loop after): interleaved rounds, first round dropped, medians. Leaves the state to be refilled."""
         from dflash_cli.engine.stats import PhaseClock
 
+        start = cpu_snapshot()
         device = prompt.device
         clock = PhaseClock(device)
         top = max(self.sizes)
@@ -215,6 +218,7 @@ class StepCosts:
         self.draft_s = {size: statistics.median(drafts[size]) if size > 1 else 0.0 for size in self.sizes}
         self.verify_s = {size: statistics.median(verifies[size]) for size in self.sizes}
         self.load = 1.0
+        self.measured_at, self.others_busy = measured_now(), busy_since(start)
 
     def _read(self) -> None:
         try:
@@ -230,23 +234,56 @@ class StepCosts:
             failures = [float(v) for v in data["failures"]]
         except (KeyError, TypeError, ValueError, AttributeError):
             return
-        if all(size in verify for size in self.sizes):
+        measured_at, others_busy = data.get("measured_at"), data.get("others_busy")
+        if all(size in verify for size in self.sizes) and fresh(measured_at, others_busy):
             self.draft_s, self.verify_s = draft, verify
+            self.measured_at, self.others_busy = measured_at, others_busy
         n = min(len(successes), len(failures), len(self.successes))
         self.successes[:n], self.failures[:n] = successes[:n], failures[:n]
 
     def save(self) -> None:
-        """Write the costs and the history (best effort: a read-only cache only loses the saving)."""
+        """Write the costs and the history (best effort: a read-only cache only loses the saving). Costs calibrated
+        while other processes kept the CPU busy are left out: a later start calibrates them again."""
+        quiet = fresh(self.measured_at, self.others_busy)
         data = {
             "schema": COSTS_SCHEMA,
             "key": self.key,
-            "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "draft_s": self.draft_s,
-            "verify_s": self.verify_s,
+            "saved": measured_now(),
+            "measured_at": self.measured_at if quiet else None,
+            "others_busy": self.others_busy if quiet else None,
+            "draft_s": self.draft_s if quiet else {},
+            "verify_s": self.verify_s if quiet else {},
             "successes": [round(v, 3) for v in self.successes],
             "failures": [round(v, 3) for v in self.failures],
         }
         save_measurement(self.path, data)
+
+
+def kept_measurements() -> list[dict[str, Any]]:
+    """What this machine keeps measured, for `dflash doctor`: per file what (decode threads, step costs), of which
+    target, when, under how much load, and the figures; one entry per unreadable file too."""
+    kept = []
+    for what, folder in (("decode threads", cost_cache_dir("decode-threads")), ("step costs", cost_cache_dir())):
+        for path in sorted(folder.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+                key = data["key"]
+            except (OSError, ValueError, KeyError, TypeError):
+                kept.append({"what": what, "path": str(path), "unreadable": True})
+                continue
+            figures = data.get("seconds") or data.get("verify_s") or {}
+            kept.append(
+                {
+                    "what": what,
+                    "target": key.get("target", "?"),
+                    "threads": key.get("threads"),
+                    "measured_at": data.get("measured_at"),
+                    "others_busy": data.get("others_busy"),
+                    "stands": fresh(data.get("measured_at"), data.get("others_busy")),
+                    "figures": {str(k): v for k, v in figures.items()},
+                }
+            )
+    return kept
 
 
 def save_measurement(path: Path, data: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -23,13 +23,15 @@ from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.engine.text import TextStream
 from dflash_cli.engine.threads import DecodeThreads, decode_threads
 from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.loading import compiled_steps
+from dflash_cli.loading.compiled_steps import load_exported_step
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply, template_format
 from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
-from dflash_cli.setup.planning import Plan, block_size_note, make_plan
+from dflash_cli.setup.planning import Plan, PlanOverrides, block_size_note, make_plan
 from dflash_cli.setup.recipes import Recipe
 from dflash_cli.setup.threads import ThreadPlan, apply_threads
 
@@ -48,6 +50,7 @@ class Session:
     # CPU: the drafter's stored steps (engine.drafter.step) for a drafter loaded later: "load" them, "build" them
     # first when missing (--compile on), or "off"
     draft_steps: Literal["off", "load", "build"] = "off"
+    build_note: str | None = None  # a background build of the compiled steps: started, running or failed
     _prefix_store: PrefixStore | None = field(default=None, repr=False)
 
     @property
@@ -421,42 +424,12 @@ def cpu_kernels_reason(console: Console | None) -> str:
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 
-def load_exported_step(
-    model: Any, *, build: bool, console: Console | None, part: Literal["target", "drafter"] = "target"
-) -> tuple[Any, str]:
-    """Load the stored exported step of `model`, the target's (engine.target.exported) or, with `part="drafter"`, the
-    drafter's (engine.drafter.step), building it first when `build` (--compile on, pull --compile): the step (None:
-    it runs without one) and why. A build or load that fails leaves the model as it was asked for (eager; with
-    --compile on, torch.compile's steps), with a warning."""
-    unsupported, stored = (
-        (standard.unsupported, exported.exported_step)
-        if part == "target"
-        else (draft_step.unsupported, draft_step.exported_draft_step)
-    )
-    why_not = unsupported(model)
-    if why_not is not None:
-        return None, f"no compiled CPU step for this {part}: {why_not}"
-    notify = (lambda message: console.status(message)) if console is not None else None
-    try:
-        step = stored(model, build_missing=build, notify=notify)
-    except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step as asked
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        instead = "running it eagerly"
-        if build:  # (--compile on; a hybrid target's session runs eager, its drafter too)
-            instead = "torch.compile's steps instead" if part == "target" else "torch.compile's draft step or eager"
-        warnings.warn(f"the {part}'s compiled step failed to build or load ({first}); {instead}", stacklevel=2)
-        return None, f"compile: the {part}'s stored step failed ({first}); {instead}"
-    if step is None:
-        return None, (
-            f"compile off: no compiled step stored for this {part} yet (`dflash pull NAME --compile` or --compile on "
-            "builds it once, 1-3 minutes; every later start loads it in a second)"
-        )
-    return step, f"exported step: the {part}'s step runs compiled ahead of time ({', '.join(map(str, step.paths))})"
-
-
-def open_session(options: RunOptions, console: Console | None = None, *, batching: bool = False) -> Session:
+def open_session(
+    options: RunOptions, console: Console | None = None, *, batching: bool = False, build_later: bool = False
+) -> Session:
     """Recipe -> machine facts -> plan -> loaded models. Prints the plan (and why, with --explain). `batching`: the
-    frontend decodes several requests at once (run, serve)."""
+    frontend decodes several requests at once (run, serve). `build_later` (chat, run, serve): a CPU plan whose
+    compiled steps are not stored yet starts their build in the background (loading.compiled_steps) and runs eager."""
     recipe = options.resolve_recipe()
     plan = make_plan(detect_machine(), recipe, options.plan_overrides())
     threads = apply_threads(options.threads) if plan.device == "cpu" else None
@@ -469,16 +442,25 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         if linear_cache_layers(models.target):  # say so rather than print "compiled" over an eager run
             compile, compile_why = False, "compile off: hybrid targets run eager (their state rollback is Python-side)"
     kernels_why = cpu_kernels_reason(console) if plan.device == "cpu" else None
-    draft_steps, draft_why = "off", None
+    draft_steps, draft_why, missing = "off", None, False
     if plan.device == "cpu" and options.compile != "off":
         if standard.unsupported(models.target) is None:
-            _, compile_why = load_exported_step(models.target, build=compile, console=console)
+            step, compile_why = load_exported_step(models.target, build=compile, console=console)
+            missing = step is None
         draft_steps = "build" if options.compile == "on" else "load"
         if models.drafter is not None:
             build = draft_steps == "build"
-            _, draft_why = load_exported_step(models.drafter, build=build, console=console, part="drafter")
+            step, draft_why = load_exported_step(models.drafter, build=build, console=console, part="drafter")
+            missing = missing or (step is None and draft_step.unsupported(models.drafter) is None)
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
     session.draft_steps = draft_steps
+    # Built for the recipe's default plan: a session that overrides the plan would not find them.
+    default_plan = options.plan_overrides() == PlanOverrides(batch_size=options.batch_size)
+    if build_later and missing and options.compile == "auto" and default_plan:
+        if os.environ.get(compiled_steps.ENVIRONMENT, "1") != "0":
+            ref = {"name": options.recipe_name, "recipe_file": options.recipe_file, "target": options.target,
+                   "drafter": options.drafter}  # fmt: skip
+            session.build_note = compiled_steps.build_in_background(ref)
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
         with console.status(message) if console is not None else contextlib.nullcontext():
@@ -487,6 +469,8 @@ def open_session(options: RunOptions, console: Console | None = None, *, batchin
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
+        if session.build_note is not None:
+            console.print(f"  {session.build_note}", style="dim", markup=False, highlight=False)
         if options.explain:
             source = (models.target_source,) if models.target_source else ()
             decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()

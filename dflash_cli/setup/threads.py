@@ -12,6 +12,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from dflash_cli.cpu_load import busy_since, cpu_snapshot
+
 SAMPLE_SECONDS = 0.2  # long enough to see a busy process, short next to loading a model
 
 
@@ -36,22 +38,13 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _busy_now() -> tuple[float, float, float]:
-    """(wall clock, CPU seconds all processes have been busy, CPU seconds this process has used)."""
-    import psutil
-
-    total, own = psutil.cpu_times(), psutil.Process().cpu_times()
-    busy = sum(total) - total.idle - getattr(total, "iowait", 0.0)
-    return time.perf_counter(), busy, own.user + own.system
-
-
 _window: list[tuple[float, float, float]] = []  # when the command started measuring (start_load_window)
 
 
 def start_load_window() -> None:
     """Start measuring the other processes' CPU load now. The CLI calls it first thing, so that by the time the
     plan is made the window already spans the imports of torch and transformers and no sleep is needed."""
-    _window[:] = [_busy_now()]
+    _window[:] = [cpu_snapshot()]
 
 
 def busy_elsewhere(seconds: float = SAMPLE_SECONDS, max_age: float = 30.0) -> float:
@@ -60,12 +53,11 @@ def busy_elsewhere(seconds: float = SAMPLE_SECONDS, max_age: float = 30.0) -> fl
     The window starts where `start_load_window` started it if that was under `max_age` seconds ago (a command
     that just started), else now (a long-running process, or a caller that started none)."""
     recent = [start for start in _window if time.perf_counter() - start[0] <= max_age]
-    start = recent[0] if recent else _busy_now()
+    start = recent[0] if recent else cpu_snapshot()
     wait = seconds - (time.perf_counter() - start[0])
     if wait > 0:
         time.sleep(wait)
-    end = _busy_now()
-    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+    return busy_since(start)
 
 
 def plan_threads(requested: int | None, *, cores: int, current: int, others_busy: float) -> ThreadPlan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -48,6 +49,15 @@ def test_help_lists_every_command() -> None:
     assert result.exit_code == 0
     for command in COMMANDS:
         assert f" {command} " in result.stdout
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "serve"])
+def test_help_shows_no_type_beside_a_flag(command: str) -> None:
+    """A flag takes no value: --help shows none beside it (typer printed `<bool>`), while options show theirs."""
+    shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).stdout
+    assert "<bool>" not in shown and "--help" in shown
+    if command == "chat":
+        assert re.search(r"--stats +A footer", shown) and re.search(r"--max-tokens +<int", shown)
 
 
 @pytest.mark.parametrize("command", ["chat", "run", "bench"])
@@ -176,7 +186,7 @@ def test_pull_downloads_target_and_drafter_then_works_offline(
 ) -> None:
     fake_hub.add_repo("org/tiny", tiny_qwen3_dir, sha="a" * 40)
     fake_hub.add_repo("org/tiny-dflash", CONFORMANCE_DRAFTER, sha="b" * 40)
-    args = ["pull", "--target", "org/tiny", "--drafter", "org/tiny-dflash"]
+    args = ["pull", "--target", "org/tiny", "--drafter", "org/tiny-dflash", "--no-compile"]
     planned = runner.invoke(app, [*args, "--dry-run", "--json"])
     assert planned.exit_code == 0, planned.output
     plans = json.loads(planned.stdout)

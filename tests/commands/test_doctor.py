@@ -89,6 +89,7 @@ def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
         "hugging face hub",
         "recipes",
         "compiled steps",
+        "measurements",
         "cpu kernels",
         "dflash command",
     }
@@ -392,3 +393,28 @@ def test_our_own_command_is_no_conflict() -> None:
     found = dflash_commands()
     assert all(dist == "dflash-cli" for dist, _ in found), found
     assert check_command_conflicts(found).status == "pass"
+
+
+def test_doctor_shows_what_was_measured_when_and_whether_it_stands(block_costs_cache: Path) -> None:
+    """Decode threads and step costs kept on this machine: each with its target, when, the others' load, and
+    whether it stands (a busy or old one is measured again at the next start)."""
+    from dflash_cli.cpu_load import measured_now
+    from dflash_cli.engine.policy import StepCosts, kept_measurements, save_measurement
+
+    assert doctor.check_measurements([]).detail.startswith("none kept yet")
+    key = {"host": "h", "target": "org/doctor-tiny", "dtype": "bfloat16", "threads": 2}
+    quiet = StepCosts(key, (1, 2))
+    quiet.verify_s, quiet.draft_s, quiet.measured_at, quiet.others_busy = {1: 0.01, 2: 0.02}, {}, measured_now(), 0.1
+    quiet.save()
+    busy = StepCosts({**key, "threads": 1}, (1, 2))
+    busy.verify_s, busy.measured_at, busy.others_busy = {1: 0.01, 2: 0.02}, measured_now(), 1.0
+    busy.save()
+    threads = block_costs_cache / "decode-threads" / "x.json"
+    old = {"key": key, "seconds": {"1": 0.01}, "measured_at": "2020-01-01T00:00:00Z", "others_busy": 0.0}
+    save_measurement(threads, old)
+    detail = doctor.check_measurements(kept_measurements()).detail
+    ours = [line for line in detail.splitlines() if "org/doctor-tiny" in line]
+    assert len(ours) == 3, detail
+    assert any("step costs of org/doctor-tiny (2 threads): 20" in line and "stands" in line for line in ours)
+    assert any("(1 thread): a busy moment, not kept" in line for line in ours)
+    assert any("decode threads" in line and "2020-01-01" in line and "measured again" in line for line in ours)

@@ -451,8 +451,12 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: A
     again = run_file(options, prompts, load=no_load)  # all done: the model is not even loaded
     assert (again.done, again.skipped, again.exit_code) == (0, 3, 0)
     console = Console(record=True, width=200)
-    console.print(summary_table(again))
+    console.print(summary_table(again, 200))
     assert re.search(r"│ 3 +│ 0 +│ 3 +│ 0 +│", console.export_text())
+    narrow = Console(record=True, width=60)  # the row does not fit: a field a line, no header folded mid-word
+    narrow.print(summary_table(again, 60))
+    shown = narrow.export_text()
+    assert re.search(r"│ requests +│ 3 +│", shown) and re.search(r"│ reused prompt +│ 0/0 +│", shown), shown
 
     kept = output.read_bytes().splitlines(keepends=True)[:2]
     output.write_bytes(b"".join(kept) + b'{"id": "r2", "text": "half')  # as if killed mid-write

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from dflash_cli import cpu_load
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine import policy as policy_module
+from dflash_cli.engine import threads as threads_module
 from dflash_cli.engine.threads import MIN_GAIN, decode_threads
 from helpers.drafters import random_drafter
 from helpers.tiny_models import sharp_tiny
@@ -57,3 +61,30 @@ def test_the_measurement_is_made_once_and_picks_one_thread_unless_more_is_faster
         assert decode_threads(target, 2).threads == chosen
     path.write_text("not json")  # a broken cache file: measured again
     assert not decode_threads(target, 2).cached
+
+
+def test_a_measurement_under_load_is_neither_used_nor_kept(two_threads, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy moment (here a process spinning on a core) is not this machine's truth: the plan's count decodes and
+    nothing is kept, so the start after it measures again and decides as after a quiet measurement."""
+    target = sharp_tiny("qwen3", 2, 3)  # (a config no other test measures: the key is the config, not the weights)
+    monkeypatch.setattr(threads_module, "busy_since", cpu_load.busy_since)  # the real load, not the suite's quiet
+    kept = policy_module.cost_cache_dir("decode-threads")
+    before = set(kept.glob("*.json"))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        loaded = decode_threads(target, 2)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert loaded.others_busy > cpu_load.QUIET_CORES and loaded.threads == 2, loaded
+    assert "not kept" in loaded.reason() and set(kept.glob("*.json")) == before
+    monkeypatch.setattr(threads_module, "busy_since", lambda start: 0.0)  # a quiet start
+    quiet = decode_threads(target, 2)
+    after = decode_threads(target, 2)
+    assert not quiet.cached and after.cached and after.threads == quiet.threads
+    # a kept measurement stands for MAX_AGE_DAYS, and only if it was taken quiet
+    (path,) = set(kept.glob("*.json")) - before
+    data = json.loads(path.read_text())
+    for stale in ({"measured_at": "2020-01-01T00:00:00Z"}, {"others_busy": 1.0}, {"measured_at": None}):
+        path.write_text(json.dumps({**data, **stale}))
+        assert not decode_threads(target, 2).cached

@@ -21,7 +21,7 @@ from dflash_cli.engine.drafter import step as draft_step
 from dflash_cli.engine.drafter.model import make_drafter
 from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.target import exported
-from dflash_cli.loading.session import load_exported_step
+from dflash_cli.loading.compiled_steps import load_exported_step
 from helpers.drafters import drafter_config, random_drafter
 from helpers.tiny_models import build_tiny
 

@@ -23,7 +23,7 @@ from dflash_cli.engine.quantized import quantize_target
 from dflash_cli.engine.target import exported, rounding_cause, standard
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.standard import StandardStep
-from dflash_cli.loading.session import load_exported_step
+from dflash_cli.loading.compiled_steps import load_exported_step
 from helpers.drafters import random_drafter
 from helpers.tiny_models import build_tiny, hf_greedy, int4_packable_tiny, make_tiny_llama
 

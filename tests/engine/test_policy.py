@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from dflash_cli.cpu_load import measured_now
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine import policy as policy_module
 from dflash_cli.engine.policy import (
@@ -251,6 +252,13 @@ def test_costs_and_history_are_cached_per_key(block_costs_cache):
     costs = StepCosts(key, (1, 2, 4))
     assert not costs.calibrated
     costs.verify_s, costs.draft_s = {1: 0.01, 2: 0.02, 4: 0.03}, {1: 0.0, 2: 0.005, 4: 0.006}
+    costs.measured_at, costs.others_busy = "2020-01-01T00:00:00Z", 0.0  # (calibrate's, long ago)
+    costs.save()
+    assert not StepCosts(key, (1, 2, 4)).calibrated  # stale: calibrated again
+    costs.measured_at, costs.others_busy = measured_now(), 1.2  # calibrated while another process kept a core busy
+    costs.save()
+    assert not StepCosts(key, (1, 2, 4)).calibrated  # not kept
+    costs.others_busy = 0.1
     costs.observe_acceptance(4, 1)
     costs.save()
     again = StepCosts(key, (1, 2, 4))

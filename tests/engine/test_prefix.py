@@ -92,6 +92,25 @@ def test_a_conversation_with_reuse_decodes_exactly_as_without(fmt) -> None:
         assert any(len(p) > 1 for p in with_reuse[-1][3])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_turn_with_another_block_size_keeps_the_prefix_exactly(fmt) -> None:
+    """chat's /set block_size between turns: the next turn still continues from what the state holds (a drafter
+    whose layers are all full-attention reads the same cache at any block size; a sliding ring is sized by the
+    block, so that one starts over), and decodes exactly as without reuse at its block size."""
+    target = tiny_target()
+    drafter = random_drafter(target, fmt=fmt, block_size=4, window=3)
+    params = SamplingParams(max_new_tokens=12)
+    first, second = conversation(target, drafter, [5, 6, 7, 8, 9, 10], params, 2)
+    collect(generate(target, drafter, first, params, block_size=4))
+    with Recorder(drafter) as proposals:
+        reused = collect(generate(target, drafter, second, params, block_size=2))
+    fresh = collect(generate(target, drafter, second, params, block_size=2, prefix_cache=False))
+    assert (reused.token_ids, reused.acceptance_lengths) == (fresh.token_ids, fresh.acceptance_lengths)
+    assert all(len(p) == 1 for _, p in proposals)  # blocks of 2: one proposal each
+    ring = drafter.new_cache(8, 4).ring is not None
+    assert (reused.stats.cached_tokens == 0) if ring else reused.stats.cached_tokens >= len(first), fmt
+
+
 @pytest.mark.parametrize("fmt", ["classic", "swa", "dflash2"])
 def test_truncated_and_diverging_prompts_reuse_what_still_holds(fmt) -> None:
     """A prompt that ends inside the last one, one that diverges early, one that diverges late, and one the

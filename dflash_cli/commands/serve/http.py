@@ -575,7 +575,7 @@ def run_server(
     sock = bind(host, port)
     engine = EngineThread()  # loads and decodes: the model's one thread (worker.EngineThread says why)
     try:
-        session = engine.run(lambda: open_session(options, console, batching=True))
+        session = engine.run(lambda: open_session(options, console, batching=True, build_later=True))
         speculative = not options.no_spec and session.can_speculate
         worker = Worker(session, engine, speculative=speculative, max_queue=max_queue)
         metrics = ServerMetrics(

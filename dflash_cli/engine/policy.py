@@ -179,7 +179,7 @@ class StepCosts:
         the loop after): interleaved rounds, first round dropped, medians. Leaves the state to be refilled."""
         from dflash_cli.engine.stats import PhaseClock
 
-        start = cpu_snapshot()
+        before = cpu_snapshot()
         device = prompt.device
         clock = PhaseClock(device)
         top = max(self.sizes)
@@ -218,7 +218,7 @@ class StepCosts:
         self.draft_s = {size: statistics.median(drafts[size]) if size > 1 else 0.0 for size in self.sizes}
         self.verify_s = {size: statistics.median(verifies[size]) for size in self.sizes}
         self.load = 1.0
-        self.measured_at, self.others_busy = measured_now(), busy_since(start)
+        self.measured_at, self.others_busy = measured_now(), busy_since(before)
 
     def _read(self) -> None:
         try:

@@ -165,7 +165,8 @@ def test_a_failing_row_fails_alone_and_a_cancelled_row_frees_its_slot() -> None:
         batch.add([1, 2, 3], params, key="keep")
         gone = batch.add([4, 5], params, key="gone")
         batch.step()  # both join
-        assert batch.room == 0 and [row.key for row in batch.active] == ["keep", "gone"]
+        # (by key: which slot a row takes depends on what earlier requests on this cached target left in them)
+        assert batch.room == 0 and sorted(row.key for row in batch.active) == ["gone", "keep"]
         batch.step()
         batch.cancel(gone)
         assert batch.room == 1 and [row.key for row in batch.active] == ["keep"]

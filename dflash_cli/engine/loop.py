@@ -337,7 +337,9 @@ class Batch:
             self.draft_slots.make_room(generation.end + self.block)
         elif self.drafter is not None:  # one row: its slot's own cache when it fits, else a new one
             cache, slot = held.draft_cache if held is not None and held.drafter is self.drafter else None, 0
-            if cache is None or cache.slots != 1 or cache.block_size != self.block:
+            # (the block size shapes only a sliding layer's ring: a full-attention cache serves any block, so a new
+            # block size, chat's /set block_size, keeps the prefix)
+            if cache is None or cache.slots != 1 or (cache.ring is not None and cache.block_size != self.block):
                 cache = self.drafter.new_cache(generation.end + self.block, self.block)
             cache.make_room(generation.end + self.block)
             if self.compile:

@@ -34,6 +34,9 @@ FIELD_NAMES = (
     (r"^response_format\.json_schema\.schema", "output_config.format.schema"),
     (r"^response_format", "output_config.format"),
 )
+# Claude Code's first system block (2.1.36+): `x-anthropic-billing-header: cc_version=...; cch=<nonce>;`, a nonce new
+# each request at the very start of the prompt, where it would defeat prefix reuse; it says nothing to the model
+BILLING_HEADER = "x-anthropic-billing-header:"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -117,13 +120,16 @@ def _text(block: Mapping[str, Any], where: str, key: str = "text") -> str:
     return value
 
 
-def _text_of(value: Any, name: str) -> str:
-    """Text given as a string or as text blocks (system, a tool_result's content), joined by newlines."""
+def _text_of(value: Any, name: str, *, dropping: str | None = None) -> str:
+    """Text given as a string or as text blocks (system, a tool_result's content), joined by newlines; text blocks
+    that start with `dropping` are left out."""
     parts = []
     for j, block in enumerate(_blocks(value, name)):
         if block["type"] != "text":
             raise _refused(block["type"], f"{name}[{j}]", "text blocks are")
-        parts.append(_text(block, f"{name}[{j}]"))
+        text = _text(block, f"{name}[{j}]")
+        if dropping is None or not text.startswith(dropping):
+            parts.append(text)
     return "\n".join(parts)
 
 
@@ -132,7 +138,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
     out: list[dict[str, Any]] = []
     names: list[tuple[str, str]] = []
     if body.get("system") is not None:
-        system = _text_of(body["system"], "system")
+        header = BILLING_HEADER if isinstance(body["system"], list) else None  # (a block of its own, as Claude Code's)
+        system = _text_of(body["system"], "system", dropping=header)
         if system:
             names.append((r"^messages\[0\]", "system"))
             out.append({"role": "system", "content": system})

@@ -261,6 +261,24 @@ def test_a_long_system_prompt_is_reused_turn_after_turn_as_chat_completions_answ
     assert fresh.text == history[-1]["content"]
 
 
+def test_claude_codes_billing_header_does_not_defeat_prefix_reuse(
+    server: RunningServer, claude: anthropic.Anthropic, session: Session
+) -> None:
+    """Claude Code's first system block carries a nonce new each request (cch=): it is left out of the prompt, so
+    two requests that differ only there share the whole system prompt in the cache."""
+    rules = "You are a coding agent. Read before you edit. " * 20
+    replies = []
+    for nonce in ("5f1e2", "a9c03"):
+        header = f"x-anthropic-billing-header: cc_version=2.1.36.e1f; cc_entrypoint=cli; cch={nonce};"
+        system = [{"type": "text", "text": header}, {"type": "text", "text": rules}]
+        replies.append(claude.messages.create(model=server.target, system=system, messages=user("Hi"), max_tokens=2))
+    system_tokens = len(session.encode_chat([{"role": "system", "content": rules}]))
+    assert replies[1].usage.cache_read_input_tokens > system_tokens
+    assert replies[1].usage.input_tokens + replies[1].usage.cache_read_input_tokens == len(
+        session.encode_chat([{"role": "system", "content": rules}, *user("Hi")])
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # OpenAI Responses
 

@@ -141,6 +141,17 @@ def test_a_messages_body_becomes_the_chat_request_it_means() -> None:
     assert count.request.messages == chat.messages and count.request.sampling == {}
 
 
+def test_claude_codes_billing_header_is_left_out_of_the_system_prompt() -> None:
+    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.36.e1f; cch=93b1a;"}
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    read = read_messages_request({**body, "system": [header, {"type": "text", "text": "Be brief."}]})
+    assert read.request.messages[0] == {"role": "system", "content": "Be brief."}
+    alone = read_messages_request({**body, "system": [header]})
+    assert [m["role"] for m in alone.request.messages] == ["user"]
+    quoted = "x-anthropic-billing-header: is what Claude Code sends."  # a system prompt given as a string stays
+    assert read_messages_request({**body, "system": quoted}).request.messages[0]["content"] == quoted
+
+
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [

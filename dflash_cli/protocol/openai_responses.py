@@ -43,10 +43,13 @@ ITEMS = "message, function_call, function_call_output and reasoning items are"
 
 @dataclass(frozen=True)
 class ResponsesRequest:
-    """A Responses request: the one request format, and the settings its Response object repeats."""
+    """A Responses request: the one request format, and the settings its Response object repeats. `fills_window`:
+    no max_output_tokens, so the reply may take the room the context window leaves (OpenAI's default is
+    unbounded, and Codex sends none and treats a reply cut short as an error)."""
 
     request: Request
     echo: Mapping[str, Any] = field(default_factory=dict)
+    fills_window: bool = False
 
 
 def read_responses_request(body: Any) -> ResponsesRequest:
@@ -82,7 +85,7 @@ def read_responses_request(body: Any) -> ResponsesRequest:
         "top_p": body.get("top_p"),
         "truncation": "disabled",
     }
-    return ResponsesRequest(request, echo)
+    return ResponsesRequest(request, echo, fills_window=body.get("max_output_tokens") is None)
 
 
 def _text(value: Any, name: str) -> str:

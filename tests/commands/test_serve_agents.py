@@ -20,11 +20,14 @@ import openai
 import pytest
 from test_serve import (  # the module's server and models (fixtures), and its helpers
     KEY,
+    MAX_TOKENS,
     RECORD,
     WEATHER,
+    WINDOW,
     RunningServer,
     client,
     local_options,
+    long_prompt,
     model_flags,
     models,
     raw_request,
@@ -37,7 +40,7 @@ from test_serve import (  # the module's server and models (fixtures), and its h
 from dflash_cli.engine import collect
 from dflash_cli.loading.session import Session
 
-__all__ = ["client", "models", "server", "session"]  # (fixtures, imported to be used here)
+__all__ = ["client", "long_prompt", "models", "server", "session"]  # (fixtures, imported to be used here)
 
 TOOL = {  # WEATHER, as Anthropic's tools are written
     "name": "get_weather",
@@ -318,6 +321,18 @@ def test_a_response_whole_and_streamed_is_the_chat_completion_of_its_input(
     ]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
     assert events[-1].response.output_text == reply.output_text
+
+
+def test_a_response_without_max_output_tokens_may_fill_the_context_window(
+    server: RunningServer, client: openai.OpenAI, long_prompt: str
+) -> None:
+    """OpenAI's default is unbounded, and Codex sends no max_output_tokens: the reply is not cut at the server's
+    --max-tokens (MAX_TOKENS) but may run until the window is full."""
+    reply = client.responses.create(model=server.target, input=long_prompt)
+    assert reply.max_output_tokens is None and reply.usage.output_tokens > MAX_TOKENS
+    assert reply.status == "completed" or reply.usage.input_tokens + reply.usage.output_tokens == WINDOW
+    bounded = client.responses.create(model=server.target, input=long_prompt, max_output_tokens=MAX_TOKENS + 1)
+    assert bounded.status == "incomplete" and bounded.usage.output_tokens == MAX_TOKENS + 1
 
 
 def test_a_forced_function_call_and_its_output_turn(server: RunningServer, client: openai.OpenAI) -> None:

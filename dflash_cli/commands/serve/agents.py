@@ -11,6 +11,7 @@ route's shapes, streamed or whole. This module only translates; the server does 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -35,6 +36,7 @@ class Backend(Protocol):
     """What these routes use of the server (http.Server)."""
 
     model: str
+    context_window: int | None
     worker: Worker
 
     def check_room(self) -> None: ...
@@ -84,7 +86,7 @@ class AgentRoutes:
     async def responses(self, http: HTTPRequest) -> Response:
         self.backend.check_room()
         read = openai_responses.read_responses_request(await self.read_json(http))
-        running = await self._start(read.request)
+        running = await self._start(read.request, fill_window=read.fills_window)
         events = openai_responses.ResponseEvents(
             id=openai_responses.new_id(), model=self.backend.model, created=now(), echo=read.echo
         )
@@ -92,9 +94,13 @@ class AgentRoutes:
             http, running, read.request, events, lambda error: events.failed(error.message), lambda: events.response
         )
 
-    async def _start(self, request: Request) -> Running:
+    async def _start(self, request: Request, *, fill_window: bool = False) -> Running:
+        """The request's job, submitted; `fill_window`: it may generate until the context window is full."""
         self.backend.check_model(request.model)
-        return self.backend.submit([await self.backend.prepare(request)])[0]
+        prompt_ids, params = await self.backend.prepare(request)
+        if fill_window and self.backend.context_window is not None:
+            params = dataclasses.replace(params, max_new_tokens=self.backend.context_window - len(prompt_ids))
+        return self.backend.submit([(prompt_ids, params)])[0]
 
     async def _reply(
         self,

@@ -73,6 +73,7 @@ class Server:
         self.session, self.options, self.worker, self.metrics = session, options, worker, metrics
         self.api_key = api_key or None
         self.model = session.served_name
+        self.context_window: int | None = session.context_window
         recipe = session.recipe
         self.names = {self.model, recipe.name, recipe.target.id, *recipe.aliases} - {"ad-hoc"}
         self.created = responses.now()
@@ -188,7 +189,7 @@ class Server:
             "created": self.created,
             "owned_by": "dflash",
             "root": self.session.recipe.target.id,
-            "max_model_len": self.session.context_window,
+            "max_model_len": self.context_window,
         }
 
     async def models(self, request: HTTPRequest) -> Response:

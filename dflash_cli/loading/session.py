@@ -243,21 +243,24 @@ class Session:
         spec = {"format": tag, "tools": list(tools.functions), "choice": tools.choice, "parallel": tools.parallel}
         return Grammar("tool_calls", json.dumps(spec, sort_keys=True), field="tool_choice")
 
-    def reply_text(self, token_ids: Sequence[int]) -> str:
+    def reply_text(self, token_ids: Sequence[int], stop_strings: Sequence[str] = ()) -> str:
         """Generated ids as a tool parser reads them: special tokens kept (they delimit calls), end-of-turn ids
-        left out."""
+        left out, and the text cut where the first of `stop_strings` starts (the engine's text is cut there)."""
         stops = set(self.stop_token_ids)
-        return self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
+        text = self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
+        return text[: min((at for at in map(text.find, filter(None, stop_strings)) if at >= 0), default=len(text))]
 
-    def reply_text_stream(self) -> TextStream:
-        """`reply_text` a step at a time: `push(ids)[0]` is the new raw text (a short window decoded per step)."""
-        return TextStream(self.require_tokenizer(), (), special=True, skip_ids=self.stop_token_ids)
+    def reply_text_stream(self, stop_strings: Sequence[str] = ()) -> TextStream:
+        """`reply_text` a step at a time: `push(ids)[0]` is the new raw text (a short window decoded per step),
+        held back where one of `stop_strings` may be starting and cut where one starts."""
+        return TextStream(self.require_tokenizer(), stop_strings, special=True, skip_ids=self.stop_token_ids)
 
     def parse_reply(self, request: Request, token_ids: Sequence[int], text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's content and tool calls: (text, []) for a request without tools."""
         if request.tools is None or self.tool_format is None:
             return text, []
-        return parse_reply(self.reply_text(token_ids), request.tools, self.tool_format)
+        raw = self.reply_text(token_ids, request.sampling.get("stop_strings") or ())
+        return parse_reply(raw, request.tools, self.tool_format)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""

@@ -255,9 +255,10 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
                     "tools ({name, description, input_schema}) that the client runs",
                     param=f"tools[{i}].type",
                 )
-            function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+            function = {"name": tool.get("name")}  # (in OpenAI's order: the template renders the tool as given)
             if tool.get("description") is not None:
                 function["description"] = tool["description"]
+            function["parameters"] = tool.get("input_schema")
             chat["tools"].append({"type": "function", "function": function})
     choice = body.get("tool_choice")
     if choice is not None:

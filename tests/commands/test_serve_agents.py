@@ -5,6 +5,7 @@ that route's answers to the same conversation."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
@@ -26,6 +27,7 @@ from test_serve import (  # the module's server and models (fixtures), and its h
     WINDOW,
     RunningServer,
     client,
+    expected_chat,
     local_options,
     long_prompt,
     model_flags,
@@ -37,8 +39,13 @@ from test_serve import (  # the module's server and models (fixtures), and its h
     user,
 )
 
+from dflash_cli.commands.serve.http import Server
+from dflash_cli.commands.serve.metrics import ServerMetrics
+from dflash_cli.commands.serve.worker import EngineThread, Worker
 from dflash_cli.engine import collect
 from dflash_cli.loading.session import Session
+from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.requests import CHAT_URL, read_body
 
 __all__ = ["client", "long_prompt", "models", "server", "session"]  # (fixtures, imported to be used here)
 
@@ -73,6 +80,47 @@ def sse_events(port: int, path: str, body: dict[str, Any]) -> list[tuple[str, di
         lines = dict(line.split(": ", 1) for line in block.splitlines())
         events.append((lines["event"], json.loads(lines["data"])))
     return events
+
+
+@pytest.fixture
+def backend(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
+    """The server's side of a route, in this process, over a worker of its own (the routes call its `parts`)."""
+    engine = EngineThread()
+    worker = Worker(session, engine, speculative=True, max_queue=4)
+    metrics = ServerMetrics(model=session.served_name, speculative=True, block_size=session.block_size,
+                            waiting=lambda: worker.waiting, running=lambda: worker.running)  # fmt: skip
+    worker.start()
+    try:
+        yield Server(session, local_options(models), worker, metrics, None)
+    finally:
+        worker.stop()
+        worker.join(30)
+        engine.close()
+
+
+def parts_of(backend: Server, body: dict[str, Any], **how: bool) -> list[Part | Ending]:
+    """A chat body's reply as `Server.parts` gives it to a route (`how`: its keywords)."""
+
+    async def reply() -> list[Part | Ending]:
+        request = read_body(body, CHAT_URL)
+        running = backend.submit([await backend.prepare(request)])[0]
+        return [part async for part in backend.parts(running, request, **how)]
+
+    return asyncio.run(reply())
+
+
+def test_the_stop_string_that_ended_a_reply_is_found_only_when_asked(
+    backend: Server, session: Session, models: tuple[Path, Path]
+) -> None:
+    """Naming it decodes the whole reply (under the tokenizer's lock): Messages asks, the chat route does not."""
+    full = expected_chat(session, models, user("Tell me a story.")).text
+    at = next(k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].isalnum())
+    body = {"messages": user("Tell me a story."), "stop": [full[at : at + 2]]}
+    *texts, asked = parts_of(backend, body, stop_sequence=True)
+    assert isinstance(asked, Ending) and (asked.finish_reason, asked.stop_sequence) == ("stop", full[at : at + 2])
+    assert "".join(part.text for part in texts if isinstance(part, Part)) == full[:at]
+    unasked = parts_of(backend, body)[-1]
+    assert isinstance(unasked, Ending) and (unasked.finish_reason, unasked.stop_sequence) == ("stop", None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,6 +171,30 @@ def test_stop_sequences_end_a_message_and_are_named(
     with claude.messages.stream(**fields) as stream:
         final = stream.get_final_message()
     assert (text_of(final), final.stop_reason, final.stop_sequence) == (full[:at], "stop_sequence", stop)
+
+
+def test_stop_sequences_cut_replies_under_tools_whole_and_streamed_on_every_route(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """With tools the reply is read raw (special tokens kept, for the calls): that text is cut at the stop string
+    as the engine's is, whole and streamed, on the chat and the Messages routes."""
+    messages = user("Tell me a story.")
+    full = chat_reply(client, server, messages, tools=[WEATHER], max_tokens=16).choices[0].message.content
+    at = next(  # (a random model writes broken characters too: the stop string is two plain ones)
+        k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].isalnum()
+    )
+    stop = full[at : at + 2]
+    chat = chat_reply(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop])
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (full[:at], "stop")
+    chunks = list(chat_reply(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full[:at]
+    fields = {"model": server.target, "messages": messages, "max_tokens": 16, "stop_sequences": [stop], "tools": [TOOL]}
+    reply = claude.messages.create(**fields)
+    assert (text_of(reply), reply.stop_reason, reply.stop_sequence) == (full[:at], "stop_sequence", stop)
+    with claude.messages.stream(**fields) as stream:
+        deltas = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(deltas) == text_of(final) == full[:at] and final.stop_sequence == stop
 
 
 def test_a_forced_tool_call_and_its_result_turn(

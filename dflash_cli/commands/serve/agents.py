@@ -44,7 +44,9 @@ class Backend(Protocol):
     async def prepare(self, request: Request) -> tuple[list[int], SamplingParams]: ...
     async def count_tokens(self, request: Request) -> int: ...
     def submit(self, prepared: list[tuple[list[int], SamplingParams]]) -> list[Running]: ...
-    def parts(self, running: Running, request: Request, *, reasoning: bool = False) -> AsyncIterator[Part | Ending]: ...
+    def parts(
+        self, running: Running, request: Request, *, reasoning: bool = False, stop_sequence: bool = False
+    ) -> AsyncIterator[Part | Ending]: ...
     async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None: ...
 
 
@@ -117,7 +119,7 @@ class AgentRoutes:
             return event_stream(self._stream(running, request, events, failed))
 
         async def gather() -> dict[str, Any]:
-            async for part in self.backend.parts(running, request, reasoning=True):
+            async for part in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
                 events.end(part) if isinstance(part, Ending) else events.part(part)
             return whole()
 
@@ -136,7 +138,7 @@ class AgentRoutes:
             for name, data in events.start():
                 yield sse(data, name)
             try:
-                async for part in self.backend.parts(running, request, reasoning=True):
+                async for part in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
                     for name, data in events.end(part) if isinstance(part, Ending) else events.part(part):
                         yield sse(data, name)
             except APIError as error:  # the status is sent already: the error goes in the stream

@@ -406,14 +406,16 @@ class Server:
         return None if gone.is_set() else result
 
     async def parts(
-        self, running: Running, request: Request, *, reasoning: bool = False
+        self, running: Running, request: Request, *, reasoning: bool = False, stop_sequence: bool = False
     ) -> AsyncIterator[Part | Ending]:
         """A job's reply as it comes: text, and under tools each call once it closes (the text read raw, special
-        tokens kept, and held back from where a call may start); with `reasoning`, the text split into reasoning
-        and text first. Then its Ending; an APIError when the generation failed."""
+        tokens kept, cut at the request's stop strings, and held back from where a call may start); with
+        `reasoning`, the text split into reasoning and text first. Then its Ending, which names the stop string
+        that ended the reply when `stop_sequence` asks; an APIError when the generation failed."""
         job, updates = running
         tools = ToolStream(request.tools, self.session.tool_format) if request.tools is not None else None
-        raw = self.session.reply_text_stream() if tools is not None else None
+        raw = self.session.reply_text_stream(request.sampling.get("stop_strings") or ()) if tools is not None else None
+        stopped = False  # the raw text reached a stop string: nothing after it is the reply's
         split = None
         if reasoning:
             async with self.encode_lock:  # (the tokenizer, one call at a time; the marker may take several tokens)
@@ -426,9 +428,12 @@ class Server:
             token_ids += update.token_ids
             fresh = update.text
             if raw is not None:
+                fresh = ""
                 async with self.encode_lock:
-                    fresh = raw.push(list(update.token_ids))[0]
-                    if update.finish_reason is not None:
+                    if not stopped:
+                        fresh, cut = raw.push(list(update.token_ids))
+                        stopped = cut is not None
+                    if update.finish_reason is not None and not stopped:
                         fresh += raw.flush()
             pieces = split.feed(fresh) if split is not None else [("text", fresh)]
             if split is not None and update.finish_reason is not None:
@@ -452,7 +457,9 @@ class Server:
                     yield Part("call", call=call)
                 finish_reason = responses.finish_with_calls(finish_reason, bool(tools.given or calls))
             stats = update.stats
-            stop = await self._stop_sequence(request, token_ids, "".join(text)) if finish_reason == "stop" else None
+            stop = None
+            if stop_sequence and finish_reason == "stop":
+                stop = await self._stop_sequence(request, token_ids, "".join(text))
             yield Ending(finish_reason, stop, stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens, stats)
             return
 

@@ -266,8 +266,9 @@ class Session:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
         return list(self.require_tokenizer()(text)["input_ids"])
 
-    def encode_request(self, request: Request, *, prompt_as_chat: bool = False) -> list[int]:
-        """A request's prompt ids, checked against this model (vocabulary, chat template, context window).
+    def encode_request(self, request: Request, *, prompt_as_chat: bool = False, fit_window: bool = True) -> list[int]:
+        """A request's prompt ids, checked against this model (vocabulary, chat template, and with `fit_window`
+        the context window: a count of tokens needs no room to generate).
 
         Raises RequestError for a request this model cannot take. With `prompt_as_chat` a plain `prompt` is sent
         as a user turn when the model has a chat template (bench measures chat replies)."""
@@ -299,7 +300,7 @@ class Session:
         if not ids:
             raise RequestError("the prompt encodes to no tokens", param=field)
         window = self.context_window
-        if window is not None and len(ids) >= window:
+        if fit_window and window is not None and len(ids) >= window:
             raise RequestError(
                 f"the prompt is {len(ids)} tokens, but the model's context window is {window}",
                 param=field,

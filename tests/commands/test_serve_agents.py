@@ -255,6 +255,19 @@ def test_count_tokens_counts_the_prompt_the_template_renders(
     assert off.input_tokens > on.input_tokens
 
 
+def test_count_tokens_counts_a_prompt_longer_than_the_window(
+    server: RunningServer, claude: anthropic.Anthropic, session: Session
+) -> None:
+    """A count is not a generation: a prompt over the context window is counted (Claude Code counts to compact),
+    and only generating from it is refused."""
+    messages = user("Lorem ipsum dolor sit amet. " * 400)
+    length = len(session.encode_chat(messages))
+    assert length > WINDOW
+    assert claude.messages.count_tokens(model=server.target, messages=messages).input_tokens == length
+    with pytest.raises(anthropic.BadRequestError, match=f"the prompt is {length} tokens"):
+        claude.messages.create(model=server.target, messages=messages, max_tokens=4)
+
+
 def test_structured_output_through_the_same_grammar(server: RunningServer, claude: anthropic.Anthropic) -> None:
     body = {"model": server.target, "max_tokens": 40, "messages": user("Describe it"),
             "output_config": {"format": {"type": "json_schema", "schema": RECORD}}}  # fmt: skip

@@ -19,6 +19,7 @@ import ipaddress
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -284,9 +285,9 @@ class Server:
         return prompt_ids, params
 
     async def count_tokens(self, request: Request) -> int:
-        """The prompt's length in tokens, as the chat template renders it."""
+        """The prompt's length in tokens, as the chat template renders it (however long: no window check)."""
         async with self.encode_lock:
-            return len(await anyio.to_thread.run_sync(self._encode, request))
+            return len(await anyio.to_thread.run_sync(partial(self.session.encode_request, request, fit_window=False)))
 
     def submit(self, prepared: list[tuple[list[int], SamplingParams]]) -> list[Running]:
         """A job each, queued for the engine, with the queue its updates arrive on; all or none (429, 503)."""

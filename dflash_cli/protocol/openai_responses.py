@@ -167,7 +167,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             }
             if last is not None and last["role"] == "assistant":  # (the calls of one turn join its text)
                 calls = len(last.get("tool_calls", []))
-                names.append((rf"^messages\[{len(out) - 1}\]\.tool_calls\[{calls}\]\.function", where))
+                # (before the turn's own name, which matches its calls' fields too: the first match names them)
+                names.insert(0, (rf"^messages\[{len(out) - 1}\]\.tool_calls\[{calls}\]\.function", where))
                 last.setdefault("tool_calls", []).append(call)
                 continue
             names.append((rf"^messages\[{len(out)}\]\.tool_calls\[0\]\.function", where))

@@ -355,6 +355,17 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
             "input[1].arguments",
             "not valid JSON",
         ),
+        (  # a call that joins the assistant message before it is named as its own item
+            {
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Let me check."},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"},
+                ]
+            },
+            "input[2].arguments",
+            "not valid JSON",
+        ),
     ],
 )
 def test_a_bad_responses_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:

@@ -255,12 +255,14 @@ def new_id() -> str:
 
 
 def usage(ending: Ending) -> dict[str, Any]:
-    """The Responses usage: `input_tokens` the whole prompt, `cached_tokens` its part reused (prefix reuse)."""
+    """The Responses usage: `input_tokens` the whole prompt, `cached_tokens` its part reused (prefix reuse; the
+    slots are written as a matter of course, not on request: no `cache_write_tokens`), `reasoning_tokens` the
+    output's that a reasoning item holds."""
     return {
         "input_tokens": ending.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": ending.cached_tokens},
+        "input_tokens_details": {"cached_tokens": ending.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": ending.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": ending.reasoning_tokens},
         "total_tokens": ending.prompt_tokens + ending.output_tokens,
     }
 
@@ -270,7 +272,8 @@ Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
 
 class ResponseEvents:
     """A reply as the Responses stream events, part by part; `response` is the Response object they add up to
-    (what a request without stream gets). Reasoning becomes a reasoning item (kept out of `output_text`)."""
+    (what a request without stream gets). Reasoning becomes a reasoning item; text, a message item (the SDKs'
+    `output_text` joins their text: it is not on the wire)."""
 
     def __init__(self, *, id: str, model: str, created: int, echo: Mapping[str, Any]) -> None:
         self.response: dict[str, Any] = {
@@ -282,7 +285,6 @@ class ResponseEvents:
             "incomplete_details": None,
             "model": model,
             "output": [],
-            "output_text": "",
             "previous_response_id": None,
             **echo,
             "usage": None,
@@ -352,7 +354,6 @@ class ResponseEvents:
         ids = {"item_id": self.open["id"], "output_index": index, "content_index": 0}
         self.open["content"][0]["text"] += part.text
         if kind == "message":
-            self.response["output_text"] += part.text
             return [*events, self._event("response.output_text.delta", **ids, delta=part.text, logprobs=[])]
         return [*events, self._event("response.reasoning_text.delta", **ids, delta=part.text)]
 

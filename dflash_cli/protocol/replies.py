@@ -29,8 +29,8 @@ class Part:
 class Ending:
     """How a reply ended: `finish_reason` "stop", "length" or "tool_calls" (OpenAI's words, finish_with_calls);
     `stop_sequence`, the request's stop string that ended it (None: the model's end or a limit); the token counts,
-    `cached_tokens` of the prompt's reused from a slot (prefix reuse); `stats`, the engine's numbers of the
-    generation (dflash's own report)."""
+    `cached_tokens` of the prompt's reused from a slot (prefix reuse), `reasoning_tokens` of the output's up to
+    the step that closed its reasoning; `stats`, the engine's numbers of the generation (dflash's own report)."""
 
     finish_reason: str
     stop_sequence: str | None
@@ -38,6 +38,7 @@ class Ending:
     cached_tokens: int
     output_tokens: int
     stats: Any = field(default=None, compare=False)
+    reasoning_tokens: int = 0
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
@@ -56,6 +57,11 @@ class ReasoningSplit:
         self.state = "reasoning" if opened else "start"  # start -> reasoning -> after -> text, or start -> text
         self.held = ""
         self.reasoned = False  # reasoning text was given out (its leading whitespace is dropped until then)
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the reply is in its reasoning (or still may be starting it)."""
+        return self.state in ("start", "reasoning")
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.held += text

@@ -19,6 +19,7 @@ import anthropic
 import jsonschema
 import openai
 import pytest
+from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
 from test_serve import (  # the module's server and models (fixtures), and its helpers
     KEY,
     MAX_TOKENS,
@@ -475,6 +476,28 @@ def test_metrics_count_each_route(server: RunningServer, claude: anthropic.Anthr
         assert f'dflash_http_requests_total{{route="{route}",status="200"}}' in metrics
 
 
+def test_every_event_and_object_sent_passes_the_sdks_strict_types(server: RunningServer) -> None:
+    """What the server sends, as sent (the SDKs' clients build their objects without validation): text cut by
+    the token limit and a forced call, whole and streamed, on both APIs."""
+    headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
+    forced = {"tools": [TOOL], "tool_choice": {"type": "any"}, "max_tokens": 200}
+    for fields in ({"max_tokens": 4}, forced):
+        body = {"model": server.target, "messages": user("Weather in Paris?"), **fields}
+        status, _, raw = raw_request(server.port, "POST", "/v1/messages", json.dumps(body).encode(), headers)
+        assert status == 200 and check_message(json.loads(raw)).stop_reason in ("max_tokens", "tool_use")
+        for _, data in sse_events(server.port, "/v1/messages", {**body, "stream": True}):
+            check_message_event(data)
+    forced = {"tools": [FUNCTION], "tool_choice": "required", "max_output_tokens": 200}
+    for fields in ({"max_output_tokens": 4}, forced):
+        body = {"model": server.target, "input": "Weather in Paris?", **fields}
+        status, _, raw = raw_request(server.port, "POST", "/v1/responses", json.dumps(body).encode(), headers)
+        assert status == 200 and check_response(json.loads(raw)).status in ("incomplete", "completed")
+        events = sse_events(server.port, "/v1/responses", {**body, "stream": True})
+        for _, data in events:
+            check_response_event(data)
+        assert check_response(events[-1][1]["response"]).usage.input_tokens_details.cache_write_tokens == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Fuzzing: 1,000 bad bodies get a 4xx in their API's shape; the requests beside them lose nothing
 
@@ -637,6 +660,7 @@ def test_a_thinking_template_gives_thinking_blocks_when_asked_and_keeps_reasonin
     response = oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16)
     (item,) = response.output
     assert item.type == "reasoning" and item.content[0].text == reasoning and response.output_text == ""
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == 16
     events = list(
         oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16, stream=True)
     )

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
+
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.anthropic import MessageEvents, read_messages_request
 from dflash_cli.protocol.openai_responses import ResponseEvents, read_responses_request
@@ -250,8 +252,12 @@ def test_message_events_add_up_to_the_whole_message() -> None:
     }
     unasked = MessageEvents(id="msg_2", model="demo", input_tokens=5, thinking=False)
     assert unasked.part(Part("reasoning", "Hmm.")) == []  # reasoning not asked for is kept out
-    unasked.end(Ending("stop", "END", 5, 0, 3))
+    stream += unasked.start() + unasked.end(Ending("stop", "END", 5, 0, 3))
     assert unasked.message["stop_reason"] == "stop_sequence" and unasked.message["stop_sequence"] == "END"
+    for _, data in stream:  # each event and each Message as the anthropic SDK's types have them, strictly
+        check_message_event(data)
+    for message in (events.message, unasked.message):
+        check_message(message)
 
 
 # -- OpenAI Responses --------------------------------------------------------------------------------------------
@@ -375,11 +381,13 @@ def test_a_bad_responses_body_is_refused_naming_its_field(change: dict, param: s
 
 def test_response_events_add_up_to_the_whole_response() -> None:
     call = ToolCall("get_weather", '{"city": "Paris"}', "call_abc")
-    events = ResponseEvents(id="resp_1", model="demo", created=1, echo={"tools": []})
+    echo = read_responses_request({"input": "Hi", "tools": [{"type": "function", "name": "get_weather"}]}).echo
+    events = ResponseEvents(id="resp_1", model="demo", created=1, echo=echo)
     stream = events.start()
     for part in [Part("reasoning", "Hmm."), Part("text", "Let me "), Part("text", "check."), Part("call", call=call)]:
         stream += events.part(part)
-    stream += events.end(Ending("tool_calls", None, prompt_tokens=100, cached_tokens=90, output_tokens=12))
+    ending = Ending("tool_calls", None, prompt_tokens=100, cached_tokens=90, output_tokens=12, reasoning_tokens=3)
+    stream += events.end(ending)
     assert [name for name, _ in stream] == [
         "response.created",
         "response.in_progress",
@@ -402,15 +410,24 @@ def test_response_events_add_up_to_the_whole_response() -> None:
     ]
     assert [data["sequence_number"] for _, data in stream] == list(range(len(stream)))
     response = stream[-1][1]["response"]
-    assert response["status"] == "completed" and response["output_text"] == "Let me check."
+    assert response["status"] == "completed" and "output_text" not in response  # (the SDKs' property, not a field)
+    assert check_response(response).output_text == "Let me check."
     reasoning, message, function_call = response["output"]
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Hmm."}]
     assert message["content"][0]["text"] == "Let me check." and message["status"] == "completed"
     assert function_call["call_id"] == "call_abc" and function_call["arguments"] == '{"city": "Paris"}'
-    assert response["usage"]["input_tokens_details"] == {"cached_tokens": 90}
+    assert response["usage"]["input_tokens_details"] == {"cached_tokens": 90, "cache_write_tokens": 0}
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
     assert stream[2][1]["item"]["content"] == []  # (an item's added event shows it as it was then)
-    cut = ResponseEvents(id="resp_2", model="demo", created=1, echo={})
+    cut = ResponseEvents(id="resp_2", model="demo", created=1, echo=echo)
+    stream += cut.start() + cut.part(Part("text", "Once"))
     last = cut.end(Ending("length", None, 5, 0, 8))[-1]
     assert last[0] == "response.incomplete" and last[1]["response"]["incomplete_details"] == {
         "reason": "max_output_tokens"
     }
+    failed = ResponseEvents(id="resp_3", model="demo", created=1, echo=echo)
+    stream += [last, *failed.start(), *failed.part(Part("text", "Once")), *failed.failed("generation failed: x")]
+    for _, data in stream:  # each event and each Response as the openai SDK's types have them, strictly
+        check_response_event(data)
+    for whole in (events, cut, failed):
+        check_response(whole.response)

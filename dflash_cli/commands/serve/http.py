@@ -423,6 +423,7 @@ class Server:
                 split = ReasoningSplit(prompt_opens_reasoning(self.session.reply_text(job.prompt_ids[-16:])))
         text: list[str] = []  # the reply's text as shown, for the stop sequence
         token_ids: list[int] = []
+        reasoning_tokens, reasoning_ended = 0, False  # (the tokens up to the step that closed the reasoning)
         while True:
             update = await updates.get()
             text.append(update.text)
@@ -439,6 +440,9 @@ class Server:
             pieces = split.feed(fresh) if split is not None else [("text", fresh)]
             if split is not None and update.finish_reason is not None:
                 pieces += split.finish()
+            if split is not None and not reasoning_ended:
+                reasoning_tokens = len(token_ids) if split.reasoned else 0
+                reasoning_ended = not split.reasoning
             for kind, piece in pieces:
                 if kind == "text" and tools is not None:
                     piece = tools.feed(piece)
@@ -461,7 +465,15 @@ class Server:
             stop = None
             if stop_sequence and finish_reason == "stop":
                 stop = await self._stop_sequence(request, token_ids, "".join(text))
-            yield Ending(finish_reason, stop, stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens, stats)
+            yield Ending(
+                finish_reason,
+                stop,
+                stats.prompt_tokens,
+                stats.cached_tokens,
+                stats.generated_tokens,
+                stats,
+                reasoning_tokens=min(reasoning_tokens, stats.generated_tokens),
+            )
             return
 
     async def _stop_sequence(self, request: Request, token_ids: list[int], text: str) -> str | None:

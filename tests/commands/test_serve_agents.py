@@ -19,7 +19,6 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
 from test_serve import (  # the module's server and models (fixtures), and its helpers
     KEY,
     MAX_TOKENS,
@@ -47,6 +46,7 @@ from dflash_cli.engine import collect
 from dflash_cli.loading.session import Session
 from dflash_cli.protocol.replies import Ending, Part
 from dflash_cli.protocol.requests import CHAT_URL, read_body
+from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
 
 __all__ = ["client", "long_prompt", "models", "server", "session"]  # (fixtures, imported to be used here)
 

@@ -10,14 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
-
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.anthropic import MessageEvents, read_messages_request
 from dflash_cli.protocol.openai_responses import ResponseEvents, read_responses_request
 from dflash_cli.protocol.replies import Ending, Part, ReasoningSplit, split_reasoning
 from dflash_cli.protocol.requests import read_body
 from dflash_cli.protocol.tools import ToolCall
+from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -79,14 +79,22 @@ def read_messages_request(body: Any, *, count_only: bool = False) -> MessagesReq
     chat.update(_tools(body))
     thinking = body.get("thinking")
     kind = thinking.get("type") if isinstance(thinking, dict) else None
-    if thinking is not None:
-        if kind not in ("enabled", "adaptive", "disabled"):
-            raise RequestError(
-                f'thinking must be {{"type": "enabled", "budget_tokens": N}} or {{"type": "disabled"}}, got '
-                f"{show(thinking)}",
-                param="thinking",
-            )
-        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}  # (Qwen3's templates read it)
+    if thinking is not None and kind not in ("enabled", "adaptive", "disabled"):
+        raise RequestError(
+            f'thinking must be {{"type": "enabled", "budget_tokens": N}} or {{"type": "disabled"}}, got '
+            f"{show(thinking)}",
+            param="thinking",
+        )
+    # No `thinking` is no thinking in Anthropic's API, whatever the template's default (Qwen3 thinks unless told
+    # not to, and its unseen reasoning would spend max_tokens); the request's own chat_template_kwargs (as the
+    # chat route takes them) say otherwise where they set it.
+    thinks = {"enable_thinking": kind in ("enabled", "adaptive")}  # (Qwen3's templates read it)
+    own = body.get("chat_template_kwargs")
+    if own is None:
+        chat["chat_template_kwargs"] = thinks
+    else:
+        names.insert(0, (r"^chat_template_kwargs", "chat_template_kwargs"))  # (its errors are its own)
+        chat["chat_template_kwargs"] = {**thinks, **own} if isinstance(own, dict) else own
     request = read_translated(chat, [*names, *FIELD_NAMES])
     return MessagesRequest(request, thinking=kind in ("enabled", "adaptive"))
 

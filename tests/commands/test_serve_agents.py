@@ -71,6 +71,14 @@ def chat_reply(client: openai.OpenAI, server: RunningServer, messages: list[dict
     return client.chat.completions.create(model=server.target, messages=messages, **fields)
 
 
+NO_THINKING = {"enable_thinking": False}  # the template's kwargs for a Messages request without `thinking`
+
+
+def chat_as_message(client: openai.OpenAI, server: RunningServer, messages: list[dict[str, Any]], **fields: Any) -> Any:
+    """The chat completion of a Messages request's conversation (thinking off, as a request without it has)."""
+    return chat_reply(client, server, messages, extra_body={"chat_template_kwargs": NO_THINKING}, **fields)
+
+
 def sse_events(port: int, path: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """A streamed reply's events as sent: (event name, data)."""
     headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
@@ -132,7 +140,7 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
     server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:
     system, messages = "You are terse.", user("Tell me a story.")
-    chat = chat_reply(client, server, [{"role": "system", "content": system}, *messages], max_tokens=12)
+    chat = chat_as_message(client, server, [{"role": "system", "content": system}, *messages], max_tokens=12)
     reply = claude.messages.create(model=server.target, system=system, messages=messages, max_tokens=12)
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert text_of(reply) == chat.choices[0].message.content and reply.model == server.target
@@ -153,7 +161,7 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
         and final.usage.cache_read_input_tokens == usage.cache_read_input_tokens
     )
 
-    body = {"model": server.target, "max_tokens": 4, "messages": messages, "stream": True}
+    body = {"model": server.target, "max_tokens": 12, "messages": messages, "stream": True}
     names = [name for name, _ in sse_events(server.port, "/v1/messages?beta=true", body)]  # (Claude Code's URL)
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -163,7 +171,7 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
 def test_stop_sequences_end_a_message_and_are_named(
     server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:
-    full = chat_reply(client, server, user("Tell me a story."), max_tokens=16).choices[0].message.content
+    full = chat_as_message(client, server, user("Tell me a story."), max_tokens=16).choices[0].message.content
     at = next(k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].strip())
     stop = full[at : at + 2]
     fields = {"model": server.target, "messages": user("Tell me a story."), "max_tokens": 16, "stop_sequences": [stop]}
@@ -180,14 +188,14 @@ def test_stop_sequences_cut_replies_under_tools_whole_and_streamed_on_every_rout
     """With tools the reply is read raw (special tokens kept, for the calls): that text is cut at the stop string
     as the engine's is, whole and streamed, on the chat and the Messages routes."""
     messages = user("Tell me a story.")
-    full = chat_reply(client, server, messages, tools=[WEATHER], max_tokens=16).choices[0].message.content
+    full = chat_as_message(client, server, messages, tools=[WEATHER], max_tokens=16).choices[0].message.content
     at = next(  # (a random model writes broken characters too: the stop string is two plain ones)
         k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].isalnum()
     )
     stop = full[at : at + 2]
-    chat = chat_reply(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop])
+    chat = chat_as_message(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop])
     assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (full[:at], "stop")
-    chunks = list(chat_reply(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop], stream=True))
+    chunks = list(chat_as_message(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full[:at]
     fields = {"model": server.target, "messages": messages, "max_tokens": 16, "stop_sequences": [stop], "tools": [TOOL]}
     reply = claude.messages.create(**fields)
@@ -215,7 +223,7 @@ def test_a_forced_tool_call_and_its_result_turn(
     assert reply.stop_reason == "tool_use" and call.type == "tool_use" and call.name == "get_weather"
     jsonschema.validate(call.input, TOOL["input_schema"])
     assert call.id.startswith("toolu_")
-    chat = chat_reply(client, server, user("Weather in Paris?"), tools=[WEATHER], tool_choice="required",
+    chat = chat_as_message(client, server, user("Weather in Paris?"), tools=[WEATHER], tool_choice="required",
                       parallel_tool_calls=False, max_tokens=200)  # fmt: skip
     assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) == call.input
 
@@ -242,10 +250,13 @@ def test_count_tokens_counts_the_prompt_the_template_renders(
 ) -> None:
     system, messages = "Be brief.", user("Weather in Rome?")
     with_tools = claude.messages.count_tokens(model=server.target, system=system, messages=messages, tools=[TOOL])
-    chat = chat_reply(client, server, [{"role": "system", "content": system}, *messages], tools=[WEATHER], max_tokens=1)
+    chat = chat_as_message(client, server, [{"role": "system", "content": system}, *messages], tools=[WEATHER],
+                           max_tokens=1)  # fmt: skip
     assert with_tools.input_tokens == chat.usage.prompt_tokens
     alone = claude.messages.count_tokens(model=server.target, system=system, messages=messages)
-    assert alone.input_tokens == len(session.encode_chat([{"role": "system", "content": system}, *messages]))
+    assert alone.input_tokens == len(
+        session.encode_chat([{"role": "system", "content": system}, *messages], NO_THINKING)
+    )
     assert alone.input_tokens < with_tools.input_tokens
     # thinking reaches the template as enable_thinking (the tiny template, like Qwen3's, writes an empty
     # reasoning block when it is off)
@@ -253,7 +264,8 @@ def test_count_tokens_counts_the_prompt_the_template_renders(
     on = claude.messages.count_tokens(
         model=server.target, messages=messages, thinking={"type": "enabled", "budget_tokens": 1024}
     )
-    assert off.input_tokens > on.input_tokens
+    absent = claude.messages.count_tokens(model=server.target, messages=messages)  # (no thinking: none)
+    assert absent.input_tokens == off.input_tokens > on.input_tokens
 
 
 def test_count_tokens_counts_a_prompt_longer_than_the_window(
@@ -262,7 +274,7 @@ def test_count_tokens_counts_a_prompt_longer_than_the_window(
     """A count is not a generation: a prompt over the context window is counted (Claude Code counts to compact),
     and only generating from it is refused."""
     messages = user("Lorem ipsum dolor sit amet. " * 400)
-    length = len(session.encode_chat(messages))
+    length = len(session.encode_chat(messages, NO_THINKING))
     assert length > WINDOW
     assert claude.messages.count_tokens(model=server.target, messages=messages).input_tokens == length
     with pytest.raises(anthropic.BadRequestError, match=f"the prompt is {length} tokens"):
@@ -313,7 +325,9 @@ def test_langchain_chat_anthropic(server: RunningServer, client: openai.OpenAI) 
 
     llm = ChatAnthropic(model=server.target, base_url=server.url, api_key=KEY, max_tokens=10, max_retries=0)
     reply = llm.invoke("Name a color.")
-    assert reply.text == chat_reply(client, server, user("Name a color."), max_tokens=10).choices[0].message.content
+    assert (
+        reply.text == chat_as_message(client, server, user("Name a color."), max_tokens=10).choices[0].message.content
+    )
     assert reply.usage_metadata["output_tokens"] > 0
     forced = llm.bind_tools([TOOL], tool_choice="get_weather", parallel_tool_calls=False)
     called = forced.invoke("Weather in Paris?", max_tokens=200)
@@ -333,7 +347,7 @@ def test_a_long_system_prompt_is_reused_turn_after_turn_as_chat_completions_answ
     for turn, question in enumerate(["List the files.", "Open the first.", "Fix the bug."]):
         history.append({"role": "user", "content": question})
         reply = claude.messages.create(model=server.target, system=system, messages=history, max_tokens=6)
-        chat = chat_reply(client, server, [{"role": "system", "content": system}, *history], max_tokens=6)
+        chat = chat_as_message(client, server, [{"role": "system", "content": system}, *history], max_tokens=6)
         assert text_of(reply) == chat.choices[0].message.content
         if turn:
             system_tokens = len(session.encode_chat([{"role": "system", "content": system}]))
@@ -343,7 +357,9 @@ def test_a_long_system_prompt_is_reused_turn_after_turn_as_chat_completions_answ
     try:
         params = session.sampling_params(local_options(models), max_new_tokens=6)
         fresh = collect(
-            session.stream(session.encode_chat([{"role": "system", "content": system}, *history[:-1]]), params)
+            session.stream(
+                session.encode_chat([{"role": "system", "content": system}, *history[:-1]], NO_THINKING), params
+            )
         )
     finally:
         session.prefix_cache = True
@@ -364,7 +380,7 @@ def test_claude_codes_billing_header_does_not_defeat_prefix_reuse(
     system_tokens = len(session.encode_chat([{"role": "system", "content": rules}]))
     assert replies[1].usage.cache_read_input_tokens > system_tokens
     assert replies[1].usage.input_tokens + replies[1].usage.cache_read_input_tokens == len(
-        session.encode_chat([{"role": "system", "content": rules}, *user("Hi")])
+        session.encode_chat([{"role": "system", "content": rules}, *user("Hi")], NO_THINKING)
     )
 
 
@@ -574,10 +590,17 @@ def bad_bodies(rng: random.Random, count: int) -> Iterator[tuple[str, bytes, dic
 def test_1000_fuzzed_bad_bodies_get_4xx_in_their_apis_shape_and_lose_nothing(
     server: RunningServer, claude: anthropic.Anthropic, client: openai.OpenAI
 ) -> None:
+    def settled(tokens: float) -> float:  # (a generation is counted just after its last update is delivered)
+        deadline = time.monotonic() + 10
+        while server.metric("dflash_generation_tokens_total") < tokens and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return server.metric("dflash_generation_tokens_total")
+
+    before = server.metric("dflash_generation_tokens_total")
     message = claude.messages.create(model=server.target, messages=user("Count."), max_tokens=40)
     response = client.responses.create(model=server.target, input="Count.", max_output_tokens=40)
     decoded = message.usage.output_tokens + response.usage.output_tokens
-    generated = server.metric("dflash_generation_tokens_total")
+    generated = settled(before + decoded)
     beside: dict[str, str] = {}
 
     def good_requests() -> None:  # streamed, while the bad ones arrive
@@ -603,10 +626,7 @@ def test_1000_fuzzed_bad_bodies_get_4xx_in_their_apis_shape_and_lose_nothing(
     worker.join(120)
     assert set(statuses) == {400, 401, 404}, statuses
     assert beside == {"message": text_of(message), "response": response.output_text}
-    deadline = time.monotonic() + 10  # (a generation is counted just after its last update is delivered)
-    while server.metric("dflash_generation_tokens_total") < generated + decoded and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.metric("dflash_generation_tokens_total") == generated + decoded  # only the two good requests decoded
+    assert settled(generated + decoded) == generated + decoded  # only the two good requests decoded
     assert server.get("/health")[1]["status"] == "ok"
 
 
@@ -650,13 +670,15 @@ def test_a_thinking_template_gives_thinking_blocks_when_asked_and_keeps_reasonin
         deltas = [event.thinking for event in stream if event.type == "thinking"]  # the SDK's thinking_delta events
         final = stream.get_final_message()
     assert "".join(deltas) == reasoning and [b.thinking for b in final.content] == [reasoning]
-    unasked = claude.messages.create(**fields)
-    assert unasked.content == [] and unasked.stop_reason == "max_tokens"  # all reasoning, none of it shown
     off = claude.messages.create(**fields, thinking={"type": "disabled"})  # the template closes it: text
     plain = chat_reply(
         oai, server, messages, max_tokens=16, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     )
-    assert text_of(off) == plain.choices[0].message.content
+    assert text_of(off) == plain.choices[0].message.content and text_of(off)
+    unasked = claude.messages.create(**fields)  # no thinking is none, as in Anthropic's API (not the template's)
+    assert [(b.type, b.text) for b in unasked.content] == [(b.type, b.text) for b in off.content]
+    hidden = claude.messages.create(**fields, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert hidden.content == [] and hidden.stop_reason == "max_tokens"  # all reasoning, none of it asked for
     response = oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16)
     (item,) = response.output
     assert item.type == "reasoning" and item.content[0].text == reasoning and response.output_text == ""

@@ -153,6 +153,30 @@ def test_claude_codes_billing_header_is_left_out_of_the_system_prompt() -> None:
     assert read_messages_request({**body, "system": quoted}).request.messages[0]["content"] == quoted
 
 
+def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
+    """In Anthropic's API no `thinking` is no thinking: a template that thinks by default (Qwen3) is told not to,
+    unless the request's own chat_template_kwargs say otherwise."""
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    kwargs = {
+        name: read_messages_request({**body, **change}).request.chat_template_kwargs
+        for name, change in {
+            "absent": {},
+            "disabled": {"thinking": {"type": "disabled"}},
+            "enabled": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "own": {"chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "low"}},
+        }.items()
+    }
+    assert kwargs == {
+        "absent": {"enable_thinking": False},
+        "disabled": {"enable_thinking": False},
+        "enabled": {"enable_thinking": True},
+        "own": {"enable_thinking": True, "reasoning_effort": "low"},
+    }
+    assert read_messages_request(body, count_only=True).request.chat_template_kwargs == {"enable_thinking": False}
+    error = error_of(read_messages_request, {**body, "chat_template_kwargs": "on"})
+    assert error.param == "chat_template_kwargs", error.message
+
+
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [

@@ -25,6 +25,7 @@ from dflash_cli.engine.threads import DecodeThreads, decode_threads
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
+from dflash_cli.protocol.replies import THINK_CLOSE, THINK_OPEN
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply, template_format
 from dflash_cli.setup.hardware import detect_machine
@@ -250,10 +251,18 @@ class Session:
         text = self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
         return text[: min((at for at in map(text.find, filter(None, stop_strings)) if at >= 0), default=len(text))]
 
-    def reply_text_stream(self, stop_strings: Sequence[str] = ()) -> TextStream:
+    def reply_text_stream(self, stop_strings: Sequence[str] = (), *, only_markers: bool = False) -> TextStream:
         """`reply_text` a step at a time: `push(ids)[0]` is the new raw text (a short window decoded per step),
-        held back where one of `stop_strings` may be starting and cut where one starts."""
-        return TextStream(self.require_tokenizer(), stop_strings, special=True, skip_ids=self.stop_token_ids)
+        held back where one of `stop_strings` may be starting and cut where one starts. `only_markers`: of the
+        special tokens only the reasoning markers are kept (a tokenizer may make `<think>` one), so the text is
+        the shown text with its reasoning marked."""
+        tokenizer = self.require_tokenizer()
+        skip = set(self.stop_token_ids)
+        if only_markers:
+            added = getattr(tokenizer, "added_tokens_decoder", {})
+            special = set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+            skip |= special - {i for i, token in added.items() if token.content in (THINK_OPEN, THINK_CLOSE)}
+        return TextStream(tokenizer, stop_strings, special=True, skip_ids=sorted(skip))
 
     def parse_reply(self, request: Request, token_ids: Sequence[int], text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's content and tool calls: (text, []) for a request without tools."""

@@ -41,6 +41,11 @@ class Ending:
     reasoning_tokens: int = 0
 
 
+# The rendered prompt's last tokens that `prompt_opens_reasoning` reads: the marker and the whitespace after it,
+# with room for a tokenizer that spells `<think>` in single characters (7 tokens) rather than one token.
+PROMPT_TAIL_TOKENS = 16
+
+
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
     """Whether a rendered prompt ends inside an open reasoning section (templates that write `<think>\\n` after the
     assistant's header): the reply then starts with reasoning and only closes it."""

@@ -6,6 +6,8 @@ that route's answers to the same conversation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import random
 import shutil
@@ -47,6 +49,7 @@ from dflash_cli.loading.session import Session
 from dflash_cli.protocol.replies import Ending, Part
 from dflash_cli.protocol.requests import CHAT_URL, read_body
 from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
+from helpers.tiny_models import CHAT_TEMPLATE, MODEL_VOCAB
 
 __all__ = ["client", "long_prompt", "models", "server", "session"]  # (fixtures, imported to be used here)
 
@@ -91,8 +94,8 @@ def sse_events(port: int, path: str, body: dict[str, Any]) -> list[tuple[str, di
     return events
 
 
-@pytest.fixture
-def backend(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
+@contextlib.contextmanager
+def serving(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
     """The server's side of a route, in this process, over a worker of its own (the routes call its `parts`)."""
     engine = EngineThread()
     worker = Worker(session, engine, speculative=True, max_queue=4)
@@ -105,6 +108,12 @@ def backend(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
         worker.stop()
         worker.join(30)
         engine.close()
+
+
+@pytest.fixture
+def backend(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
+    with serving(session, models) as server:
+        yield server
 
 
 def parts_of(backend: Server, body: dict[str, Any], **how: bool) -> list[Part | Ending]:
@@ -634,21 +643,66 @@ def test_1000_fuzzed_bad_bodies_get_4xx_in_their_apis_shape_and_lose_nothing(
 # A template that thinks
 
 
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(  # Qwen3.5's way: the reply's reasoning opened after the header
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}",
+    "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}",
+)
+
+
+def test_reasoning_markers_that_are_special_tokens_split_the_reply(session: Session, models: tuple[Path, Path]) -> None:
+    """A tokenizer may make `<think>` and `</think>` special tokens, which the shown text skips: the reply is read
+    raw to split it. The tiny model writes ids its tokenizer has no text for (320 and up): one of them, written
+    after some text and before more, is made `</think>` (the reply's ids do not change)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    def marked(markers: dict[str, int]) -> Session:
+        spec = json.loads(session.tokenizer.backend_tokenizer.to_str())
+        spec["added_tokens"] += [{"id": i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
+                                  "normalized": False, "special": True} for m, i in markers.items()]  # fmt: skip
+        spec["model"]["vocab"].update(markers)  # (an added token keeps its id only where the vocabulary has it)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                            eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                            chat_template=THINKING_TEMPLATE)  # fmt: skip
+        return dataclasses.replace(session, models=dataclasses.replace(session.models, tokenizer=tokenizer))
+
+    opened = marked({"<think>": MODEL_VOCAB - 1})
+    prompt = opened.encode_chat(user("Tell me a story."))
+    assert prompt[-2] == MODEL_VOCAB - 1  # the template's `<think>` is the special token
+    params = opened.sampling_params(local_options(models), max_new_tokens=40)
+    reply = collect(opened.stream(prompt, params)).token_ids
+
+    def shown(ids: list[int]) -> str:
+        return opened.tokenizer.decode(ids, skip_special_tokens=True)
+
+    close = next(  # (an id with no text, first written here, with text before and after it)
+        k
+        for k, token in enumerate(reply)
+        if token >= len(session.tokenizer) and token not in reply[:k] and shown(reply[:k]).strip()
+        and shown(reply[k:]).strip()
+    )  # fmt: skip
+    with serving(marked({"<think>": MODEL_VOCAB - 1, "</think>": reply[close]}), models) as backend:
+        parts = parts_of(backend, {"messages": user("Tell me a story."), "max_tokens": 40}, reasoning=True)
+    *pieces, ending = parts
+    assert isinstance(ending, Ending) and ending.output_tokens == len(reply)
+    split = {
+        kind: "".join(p.text for p in pieces if isinstance(p, Part) and p.kind == kind)
+        for kind in ("reasoning", "text")
+    }
+    assert split == {"reasoning": shown(reply[:close]).strip(), "text": shown(reply[close + 1 :]).lstrip()}
+    assert 0 < ending.reasoning_tokens <= close + 1
+
+
 @pytest.fixture(scope="module")
 def thinking_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """The tiny model under a template that opens its reply's reasoning (`<think>\\n` after the assistant's header,
     as Qwen3.5's does) unless enable_thinking is false: all of a random reply is reasoning then."""
     from transformers import AutoTokenizer
 
-    from helpers.tiny_models import CHAT_TEMPLATE
-
     target = Path(shutil.copytree(models[0], tmp_path_factory.mktemp("thinking") / "target"))
-    closed = "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    assert closed in CHAT_TEMPLATE
+    assert THINKING_TEMPLATE != CHAT_TEMPLATE
     tokenizer = AutoTokenizer.from_pretrained(target)
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        closed, "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}"
-    )
+    tokenizer.chat_template = THINKING_TEMPLATE
     tokenizer.save_pretrained(target)
     with running_server([*model_flags((target, models[1])), "--batch-size", "2"]) as running:
         yield running

@@ -41,7 +41,7 @@ from dflash_cli.protocol import responses
 from dflash_cli.protocol.anthropic import COUNT_TOKENS_URL, MESSAGES_URL
 from dflash_cli.protocol.openai_responses import RESPONSES_URL
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.replies import Ending, Part, ReasoningSplit, prompt_opens_reasoning
+from dflash_cli.protocol.replies import PROMPT_TAIL_TOKENS, Ending, Part, ReasoningSplit, prompt_opens_reasoning
 from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, prompt_list, read_body
 from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
@@ -411,16 +411,21 @@ class Server:
     ) -> AsyncIterator[Part | Ending]:
         """A job's reply as it comes: text, and under tools each call once it closes (the text read raw, special
         tokens kept, cut at the request's stop strings, and held back from where a call may start); with
-        `reasoning`, the text split into reasoning and text first. Then its Ending, which names the stop string
-        that ended the reply when `stop_sequence` asks; an APIError when the generation failed."""
+        `reasoning`, the text split into reasoning and text first (read raw too, the reasoning markers kept where
+        they are special tokens). Then its Ending, which names the stop string that ended the reply when
+        `stop_sequence` asks; an APIError when the generation failed."""
         job, updates = running
         tools = ToolStream(request.tools, self.session.tool_format) if request.tools is not None else None
-        raw = self.session.reply_text_stream(request.sampling.get("stop_strings") or ()) if tools is not None else None
+        raw = None
+        if tools is not None or reasoning:
+            stops = request.sampling.get("stop_strings") or ()
+            raw = self.session.reply_text_stream(stops, only_markers=tools is None)
         stopped = False  # the raw text reached a stop string: nothing after it is the reply's
         split = None
         if reasoning:
-            async with self.encode_lock:  # (the tokenizer, one call at a time; the marker may take several tokens)
-                split = ReasoningSplit(prompt_opens_reasoning(self.session.reply_text(job.prompt_ids[-16:])))
+            async with self.encode_lock:  # (the tokenizer, one call at a time)
+                tail = self.session.reply_text(job.prompt_ids[-PROMPT_TAIL_TOKENS:])
+            split = ReasoningSplit(prompt_opens_reasoning(tail))
         text: list[str] = []  # the reply's text as shown, for the stop sequence
         token_ids: list[int] = []
         reasoning_tokens, reasoning_ended = 0, False  # (the tokens up to the step that closed the reasoning)

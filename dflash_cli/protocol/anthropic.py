@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.errors import RequestError
-from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import Request, read_translated, show
 from dflash_cli.protocol.tools import ToolCall
 
@@ -320,13 +320,13 @@ def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def usage(ending: Ending) -> dict[str, int]:
+def usage(prompt: Prompt | Ending, output_tokens: int = 0) -> dict[str, int]:
     """Anthropic's usage: `input_tokens` counts the prompt tokens not read from the cache (prefix reuse), as
     Anthropic's does; the whole prompt is input_tokens + cache_read_input_tokens."""
     return {
-        "input_tokens": ending.prompt_tokens - ending.cached_tokens,
-        "output_tokens": ending.output_tokens,
-        "cache_read_input_tokens": ending.cached_tokens,
+        "input_tokens": prompt.prompt_tokens - prompt.cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": prompt.cached_tokens,
         "cache_creation_input_tokens": 0,
     }
 
@@ -335,11 +335,11 @@ Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
 
 
 class MessageEvents:
-    """A reply as Anthropic's stream events, part by part; `message` is the whole Message they add up to (what a
-    request without stream gets). Reasoning becomes thinking blocks when the request asked for them, and is left
-    out otherwise."""
+    """A reply as Anthropic's stream events, item by item (`render`); `message` is the whole Message they add up to
+    (what a request without stream gets). Reasoning becomes thinking blocks when the request asked for them, and
+    is left out otherwise. message_start waits for the Prompt: its usage is the final one's, cache reads known."""
 
-    def __init__(self, *, id: str, model: str, input_tokens: int, thinking: bool) -> None:
+    def __init__(self, *, id: str, model: str, thinking: bool) -> None:
         self.thinking = thinking
         self.message: dict[str, Any] = {
             "id": id,
@@ -349,11 +349,18 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+            "usage": None,
         }
         self.open: str | None = None  # the type of the block being streamed
 
-    def start(self) -> list[Event]:
+    def render(self, item: Prompt | Part | Ending) -> list[Event]:
+        """The events of a reply's next item."""
+        if isinstance(item, Prompt):
+            return self.start(item)
+        return self.end(item) if isinstance(item, Ending) else self.part(item)
+
+    def start(self, prompt: Prompt) -> list[Event]:
+        self.message["usage"] = usage(prompt)
         return [
             ("message_start", {"type": "message_start", "message": copy.deepcopy(self.message)}),
             ("ping", {"type": "ping"}),
@@ -396,11 +403,12 @@ class MessageEvents:
 
     def end(self, ending: Ending) -> list[Event]:
         reason = "stop_sequence" if ending.stop_sequence is not None else STOP_REASONS[ending.finish_reason]
-        self.message.update(stop_reason=reason, stop_sequence=ending.stop_sequence, usage=usage(ending))
+        final = usage(ending, ending.output_tokens)
+        self.message.update(stop_reason=reason, stop_sequence=ending.stop_sequence, usage=final)
         delta = {"stop_reason": reason, "stop_sequence": ending.stop_sequence}
         return [
             *self._close(),
-            ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(ending)}),
+            ("message_delta", {"type": "message_delta", "delta": delta, "usage": final}),
             ("message_stop", {"type": "message_stop"}),
         ]
 

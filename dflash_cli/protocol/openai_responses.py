@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_cli.errors import RequestError
-from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import Request, read_translated, show
 
 RESPONSES_URL = "/v1/responses"
@@ -296,6 +296,12 @@ class ResponseEvents:
         data = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
         self.sequence += 1
         return kind, data
+
+    def render(self, item: Prompt | Part | Ending) -> list[Event]:
+        """The events of a reply's next item (the Prompt starts the Response; its usage comes at the end)."""
+        if isinstance(item, Prompt):
+            return self.start()
+        return self.end(item) if isinstance(item, Ending) else self.part(item)
 
     def start(self) -> list[Event]:
         return [

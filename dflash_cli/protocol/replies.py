@@ -1,9 +1,9 @@
 """A reply as the agents' APIs (Anthropic Messages, OpenAI Responses) hand it out: reasoning, text and tool calls,
 in the order the model wrote them, then how it ended. Torch-free.
 
-`dflash serve` turns a generation's updates into `Part`s (the text split by `ReasoningSplit`, the calls found by
-`tools.ToolStream`) and ends them with an `Ending`; each API's module renders the parts as its stream events, and
-a whole reply is the same parts gathered, so a streamed and a whole reply cannot differ.
+`dflash serve` turns a generation's updates into a `Prompt`, then `Part`s (the text split by `ReasoningSplit`, the
+calls found by `tools.ToolStream`), then an `Ending`; each API's module renders them as its stream events, and a
+whole reply is the same items gathered, so a streamed and a whole reply cannot differ.
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ from typing import Any
 from dflash_cli.protocol.tools import ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # Qwen3's (and DeepSeek-R1's) reasoning markers
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt as the engine took it, a reply's first item (once its first step is in): its tokens, and how many
+    of them were read from a slot (prefix reuse)."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,10 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
     )
 
     body = {"model": server.target, "max_tokens": 12, "messages": messages, "stream": True}
-    names = [name for name, _ in sse_events(server.port, "/v1/messages?beta=true", body)]  # (Claude Code's URL)
+    events = sse_events(server.port, "/v1/messages?beta=true", body)  # (Claude Code's URL)
+    names = [name for name, _ in events]
+    started, ended = events[0][1]["message"]["usage"], events[-2][1]["usage"]  # both know the cache's part
+    assert {**started, "output_tokens": ended["output_tokens"]} == ended and ended["cache_read_input_tokens"] > 0
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) == {"content_block_delta"}

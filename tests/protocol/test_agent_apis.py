@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.anthropic import MessageEvents, read_messages_request
 from dflash_cli.protocol.openai_responses import ResponseEvents, read_responses_request
-from dflash_cli.protocol.replies import Ending, Part, ReasoningSplit, split_reasoning
+from dflash_cli.protocol.replies import Ending, Part, Prompt, ReasoningSplit, split_reasoning
 from dflash_cli.protocol.requests import read_body
 from dflash_cli.protocol.tools import ToolCall
 from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
@@ -232,8 +232,8 @@ def test_a_bad_messages_body_is_refused_naming_its_field(change: dict, param: st
 
 def test_message_events_add_up_to_the_whole_message() -> None:
     call = ToolCall("get_weather", '{"city": "Paris"}', "call_abc")
-    events = MessageEvents(id="msg_1", model="demo", input_tokens=100, thinking=True)
-    stream = events.start()
+    events = MessageEvents(id="msg_1", model="demo", thinking=True)
+    stream = events.render(Prompt(prompt_tokens=100, cached_tokens=90))
     for part in [
         Part("reasoning", "Hmm."),
         Part("reasoning", " Paris."),
@@ -273,9 +273,11 @@ def test_message_events_add_up_to_the_whole_message() -> None:
         "cache_read_input_tokens": 90,
         "cache_creation_input_tokens": 0,
     }
-    unasked = MessageEvents(id="msg_2", model="demo", input_tokens=5, thinking=False)
+    started, ended = stream[0][1]["message"]["usage"], stream[-2][1]["usage"]  # (the same counts, but the output's)
+    assert {**started, "output_tokens": 12} == ended == events.message["usage"]
+    unasked = MessageEvents(id="msg_2", model="demo", thinking=False)
     assert unasked.part(Part("reasoning", "Hmm.")) == []  # reasoning not asked for is kept out
-    stream += unasked.start() + unasked.end(Ending("stop", "END", 5, 0, 3))
+    stream += unasked.render(Prompt(5, 0)) + unasked.render(Ending("stop", "END", 5, 0, 3))
     assert unasked.message["stop_reason"] == "stop_sequence" and unasked.message["stop_sequence"] == "END"
     for _, data in stream:  # each event and each Message as the anthropic SDK's types have them, strictly
         check_message_event(data)

@@ -23,7 +23,7 @@ from dflash_cli.commands.serve.wire import APIError, event_stream, sse
 from dflash_cli.commands.serve.worker import Job, Update, Worker
 from dflash_cli.protocol import anthropic, openai_responses
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.responses import now
 
@@ -46,7 +46,7 @@ class Backend(Protocol):
     def submit(self, prepared: list[tuple[list[int], SamplingParams]]) -> list[Running]: ...
     def parts(
         self, running: Running, request: Request, *, reasoning: bool = False, stop_sequence: bool = False
-    ) -> AsyncIterator[Part | Ending]: ...
+    ) -> AsyncIterator[Prompt | Part | Ending]: ...
     async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None: ...
 
 
@@ -68,12 +68,7 @@ class AgentRoutes:
         self.backend.check_room()
         read = anthropic.read_messages_request(await self.read_json(http))
         running = await self._start(read.request)
-        events = anthropic.MessageEvents(
-            id=anthropic.new_id(),
-            model=self.backend.model,
-            input_tokens=len(running[0].prompt_ids),
-            thinking=read.thinking,
-        )
+        events = anthropic.MessageEvents(id=anthropic.new_id(), model=self.backend.model, thinking=read.thinking)
 
         def failed(error: APIError) -> list[tuple[str, dict[str, Any]]]:
             return [("error", anthropic.error(error.status, error.message)[1])]
@@ -119,8 +114,8 @@ class AgentRoutes:
             return event_stream(self._stream(running, request, events, failed))
 
         async def gather() -> dict[str, Any]:
-            async for part in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
-                events.end(part) if isinstance(part, Ending) else events.part(part)
+            async for item in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
+                events.render(item)
             return whole()
 
         body = await self.backend.unless_gone(http, [running], gather())
@@ -135,11 +130,9 @@ class AgentRoutes:
     ) -> AsyncIterator[str]:
         """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
         try:
-            for name, data in events.start():
-                yield sse(data, name)
             try:
-                async for part in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
-                    for name, data in events.end(part) if isinstance(part, Ending) else events.part(part):
+                async for item in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
+                    for name, data in events.render(item):
                         yield sse(data, name)
             except APIError as error:  # the status is sent already: the error goes in the stream
                 for name, data in failed(error):

@@ -41,7 +41,7 @@ from dflash_cli.protocol import responses
 from dflash_cli.protocol.anthropic import COUNT_TOKENS_URL, MESSAGES_URL
 from dflash_cli.protocol.openai_responses import RESPONSES_URL
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.replies import PROMPT_TAIL_TOKENS, Ending, Part, ReasoningSplit, prompt_opens_reasoning
+from dflash_cli.protocol.replies import PROMPT_TAIL_TOKENS, Ending, Part, Prompt, ReasoningSplit, prompt_opens_reasoning
 from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, prompt_list, read_body
 from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
@@ -408,8 +408,9 @@ class Server:
 
     async def parts(
         self, running: Running, request: Request, *, reasoning: bool = False, stop_sequence: bool = False
-    ) -> AsyncIterator[Part | Ending]:
-        """A job's reply as it comes: text, and under tools each call once it closes (the text read raw, special
+    ) -> AsyncIterator[Prompt | Part | Ending]:
+        """A job's reply as it comes: its Prompt once the first step is in, text, and under tools each call once it
+        closes (the text read raw, special
         tokens kept, cut at the request's stop strings, and held back from where a call may start); with
         `reasoning`, the text split into reasoning and text first (read raw too, the reasoning markers kept where
         they are special tokens). Then its Ending, which names the stop string that ended the reply when
@@ -431,6 +432,8 @@ class Server:
         reasoning_tokens, reasoning_ended = 0, False  # (the tokens up to the step that closed the reasoning)
         while True:
             update = await updates.get()
+            if not text:  # the first update: the prompt is in
+                yield Prompt(len(job.prompt_ids), update.cached_tokens)
             text.append(update.text)
             token_ids += update.token_ids
             fresh = update.text
@@ -509,6 +512,8 @@ class Server:
                 yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
             try:
                 async for part in self.parts((job, updates), request):
+                    if isinstance(part, Prompt):
+                        continue  # (the chat chunks carry no usage before the end)
                     if isinstance(part, Ending):
                         last = responses.chunk(endpoint, finish_reason=part.finish_reason, with_usage=usage, **ids)
                         last["dflash"] = responses.dflash_stats(part.stats)

@@ -34,6 +34,7 @@ FIELD_NAMES = (
     (r"^response_format\.json_schema\.schema", "output_config.format.schema"),
     (r"^response_format", "output_config.format"),
 )
+OMITTED = "[{} omitted: this model reads text only]"  # an image or document a tool returned, in its place
 # Claude Code's first system block (2.1.36+): `x-anthropic-billing-header: cc_version=...; cch=<nonce>;`, a nonce new
 # each request at the very start of the prompt, where it would defeat prefix reuse; it says nothing to the model
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -113,6 +114,10 @@ def _blocks(value: Any, name: str) -> list[dict[str, Any]]:
     return value
 
 
+def _is_media(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") in ("image", "document")
+
+
 def _refused(kind: str, where: str, allowed: str) -> RequestError:
     if kind in ("image", "document"):
         why = f"{kind} blocks are not supported: the served model reads text only"
@@ -164,6 +169,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
                 f"{where}.role must be user or assistant, got {show(role)} (a system prompt goes in `system`)",
                 param=f"{where}.role",
             )
+        if message.get("content") in ("", []):  # (Anthropic's API refuses them too)
+            raise RequestError(f"{where}.content must not be empty", param=f"{where}.content")
         blocks = _blocks(message.get("content"), f"{where}.content")
         for turn in _user_turns(blocks, where) if role == "user" else [_assistant_turn(blocks, where, names, len(out))]:
             names.append((rf"^messages\[{len(out)}\]", where))
@@ -200,10 +207,17 @@ def _user_turns(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]
 
 
 def _tool_result(block: Mapping[str, Any], at: str) -> dict[str, Any]:
+    """A tool turn. An image or document the tool returned (Claude Code's Read of one) becomes a line saying it was
+    left out: refused, it would end the session, as the client resends it with every turn that follows."""
     tool_use_id = block.get("tool_use_id")
     if not isinstance(tool_use_id, str) or not tool_use_id:
         raise RequestError(f"{at}.tool_use_id must be the id of a tool_use block", param=f"{at}.tool_use_id")
-    content = _text_of(block.get("content", ""), f"{at}.content")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        content = [
+            {"type": "text", "text": OMITTED.format(part["type"])} if _is_media(part) else part for part in content
+        ]
+    content = _text_of(content, f"{at}.content")
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise RequestError(f"{at}.is_error must be true or false, got {show(is_error)}", param=f"{at}.is_error")
@@ -224,8 +238,10 @@ def _assistant_turn(
             for key in ("id", "name"):
                 if not isinstance(block.get(key), str) or not block[key]:
                     raise RequestError(f"{at}.{key} must be a non-empty string", param=f"{at}.{key}")
+            arguments = block.get("input")
+            if not isinstance(arguments, dict):
+                raise RequestError(f"{at}.input must be a JSON object, got {show(arguments)}", param=f"{at}.input")
             names.append((rf"^messages\[{index}\]\.tool_calls\[{len(calls)}\]\.function\.arguments", f"{at}.input"))
-            arguments = block.get("input", {})
             calls.append(
                 {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
             )

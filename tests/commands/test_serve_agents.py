@@ -257,6 +257,22 @@ def test_a_forced_tool_call_and_its_result_turn(
     assert answer.usage.cache_read_input_tokens > 0  # the call's conversation, continued
 
 
+def test_an_image_a_tool_returned_does_not_end_the_session(server: RunningServer, claude: anthropic.Anthropic) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    history = [
+        *user("What is in a.png?"),
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "a.png"}}],
+        },  # fmt: skip
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}]},
+    ]
+    reply = claude.messages.create(model=server.target, messages=history, tools=[TOOL], max_tokens=4)
+    assert reply.usage.output_tokens > 0
+    history += [{"role": "assistant", "content": "It is a picture."}, *user("Thanks.")]  # (the next turn resends it)
+    assert claude.messages.count_tokens(model=server.target, messages=history, tools=[TOOL]).input_tokens > 0
+
+
 def test_count_tokens_counts_the_prompt_the_template_renders(
     server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic, session: Session
 ) -> None:
@@ -538,6 +554,7 @@ def bad_bodies(rng: random.Random, count: int) -> Iterator[tuple[str, bytes, dic
     response = {"input": "Hi", "max_output_tokens": 4}
     bad_messages: dict[str, list[Any]] = {
         "messages": [None, [], "Hi", [1], [{}], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}],
+                     [{"role": "user", "content": []}],
                      [{"role": "user", "content": [{"type": "image", "source": {}}]}],
                      [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"text": "x"}]}],
                      [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],

@@ -142,6 +142,26 @@ def test_a_messages_body_becomes_the_chat_request_it_means() -> None:
     assert count.request.messages == chat.messages and count.request.sampling == {}
 
 
+def test_an_image_a_tool_returned_is_left_out_by_name_and_one_the_user_sent_is_refused() -> None:
+    """Claude Code's Read of an image returns it in a tool_result, and every later turn resends it: it becomes a
+    line that says it was left out, not a 400 that would end the session."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "a.png:"}, image]}
+    body = {
+        "max_tokens": 8,
+        "messages": [
+            {"role": "user", "content": "Look at a.png"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ],
+    }
+    (tool,) = [m for m in read_messages_request(body).request.messages if m["role"] == "tool"]
+    assert tool["content"] == "a.png:\n[image omitted: this model reads text only]"
+    error = error_of(read_messages_request, {**body, "messages": [{"role": "user", "content": [image]}]})
+    assert error.param == "messages[0].content[0]" and "image blocks are not supported" in error.message
+
+
 def test_claude_codes_billing_header_is_left_out_of_the_system_prompt() -> None:
     header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.36.e1f; cch=93b1a;"}
     body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
@@ -222,6 +242,22 @@ def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
             "messages[0].content[0].tool_use_id",
             "tool_use",
         ),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "must not be empty"),
+        ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content", "must not be empty"),
+        *[
+            (
+                {
+                    "messages": [
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", **given}]},
+                        {"role": "user", "content": "Go on"},
+                    ]
+                },
+                "messages[1].content[0].input",
+                "must be a JSON object",
+            )
+            for given in ({"input": '{"city": "Paris"}'}, {"input": None}, {})  # (a string is not the object)
+        ],
     ],
 )
 def test_a_bad_messages_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import random
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import jsonschema
 import openai
 import pytest
 from test_serve import (  # the module's server and models (fixtures), and its helpers
+    BUSY,
     KEY,
     MAX_TOKENS,
     RECORD,
@@ -540,6 +542,36 @@ def test_every_event_and_object_sent_passes_the_sdks_strict_types(server: Runnin
         for _, data in events:
             check_response_event(data)
         assert check_response(events[-1][1]["response"]).usage.input_tokens_details.cache_write_tokens == 0
+
+
+def test_a_stream_whose_client_is_gone_before_it_starts_is_cancelled(server: RunningServer, long_prompt: str) -> None:
+    """A client that sends a streaming request and goes away at once, on every streaming route: its job is
+    cancelled, not decoded to max_tokens for nobody (the stream's own cleanup never runs when it never starts)."""
+    bodies = {
+        "/v1/chat/completions": {"messages": user(long_prompt), "max_tokens": BUSY},
+        "/v1/messages": {"messages": user(long_prompt), "max_tokens": BUSY},
+        "/v1/responses": {"input": long_prompt, "max_output_tokens": BUSY},
+    }
+    for path, body in bodies.items():
+        finished = {reason: server.metric(f'dflash_requests_finished_total{{finish_reason="{reason}"}}')
+                    for reason in ("cancelled", "length")}  # fmt: skip
+        payload = json.dumps({**body, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as raw:
+            raw.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nx-api-key: {KEY}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+        deadline = time.monotonic() + 60
+        while sum(server.metric(f'dflash_requests_finished_total{{finish_reason="{r}"}}') for r in finished) <= sum(
+            finished.values()
+        ):
+            assert time.monotonic() < deadline, path
+            time.sleep(0.05)
+        now = {
+            reason: server.metric(f'dflash_requests_finished_total{{finish_reason="{reason}"}}') for reason in finished
+        }
+        assert now == {"cancelled": finished["cancelled"] + 1, "length": finished["length"]}, path
 
 
 # ---------------------------------------------------------------------------------------------------------------

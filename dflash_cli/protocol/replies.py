@@ -125,10 +125,3 @@ class ReasoningSplit:
         if self.state == "after":
             return []
         return [("text", held)] if held else []
-
-
-def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
-    """A whole reply's (reasoning, text), as `ReasoningSplit` streams them."""
-    split = ReasoningSplit(opened)
-    pieces = split.feed(text) + split.finish()
-    return "".join(t for kind, t in pieces if kind == "reasoning"), "".join(t for kind, t in pieces if kind == "text")

@@ -574,6 +574,40 @@ def test_a_stream_whose_client_is_gone_before_it_starts_is_cancelled(server: Run
         assert now == {"cancelled": finished["cancelled"] + 1, "length": finished["length"]}, path
 
 
+def test_an_event_stream_closes_however_it_ends() -> None:
+    """The job's cancel runs when the response ends: sent whole, or the client gone before the first event, when
+    the events never start (a server that raises on a closed socket: ASGI 2.4), so their own cleanup never runs."""
+    from starlette.requests import ClientDisconnect
+
+    from dflash_cli.commands.serve.wire import event_stream
+
+    async def answer(send: Any) -> tuple[list[str], list[bool]]:
+        began, closed = [], []
+
+        async def events() -> Any:
+            began.append(True)
+            yield "data: 1\n\n"
+
+        async def receive() -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+        response = event_stream(events(), lambda error: [], lambda: closed.append(True))
+        try:
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        except ClientDisconnect:
+            pass
+        return began, closed
+
+    async def gone(message: Any) -> None:
+        raise OSError("the client closed the connection")
+
+    async def there(message: Any) -> None:
+        pass
+
+    assert asyncio.run(answer(gone)) == ([], [True])
+    assert asyncio.run(answer(there)) == ([True], [True])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Fuzzing: 1,000 bad bodies get a 4xx in their API's shape; the requests beside them lose nothing
 

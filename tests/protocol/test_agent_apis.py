@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.anthropic import MessageEvents, read_messages_request
 from dflash_cli.protocol.openai_responses import ResponseEvents, read_responses_request
-from dflash_cli.protocol.replies import Ending, Part, Prompt, ReasoningSplit, split_reasoning
+from dflash_cli.protocol.replies import Ending, Part, Prompt, ReasoningSplit
 from dflash_cli.protocol.requests import read_body
 from dflash_cli.protocol.tools import ToolCall
 from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
@@ -30,6 +30,18 @@ def error_of(read, body) -> RequestError:  # type: ignore[no-untyped-def]
 # -- reasoning ---------------------------------------------------------------------------------------------------
 
 
+def split(reply: str, opened: bool = False, cuts: list[int] | None = None) -> tuple[str, str]:
+    """A reply's (reasoning, text) as a ReasoningSplit streams them, the text fed in pieces cut at `cuts`; each
+    piece it gives is non-empty."""
+    splitter, pieces, at = ReasoningSplit(opened), [], 0
+    for cut in [*(cuts or []), len(reply)]:
+        pieces += splitter.feed(reply[at:cut])
+        at = cut
+    pieces += splitter.finish()
+    assert all(text for _, text in pieces)
+    return "".join(t for kind, t in pieces if kind == "reasoning"), "".join(t for kind, t in pieces if kind == "text")
+
+
 @pytest.mark.parametrize(
     ("reply", "opened", "reasoning", "text"),
     [
@@ -43,7 +55,7 @@ def error_of(read, body) -> RequestError:  # type: ignore[no-untyped-def]
     ],
 )
 def test_a_reply_splits_into_reasoning_and_text(reply: str, opened: bool, reasoning: str, text: str) -> None:
-    assert split_reasoning(reply, opened) == (reasoning, text)
+    assert split(reply, opened) == (reasoning, text)
 
 
 @given(
@@ -55,14 +67,7 @@ def test_a_streamed_split_equals_the_whole_split_wherever_the_text_is_cut(
 ) -> None:
     reply = "".join(words)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=6)))
-    split, pieces, at = ReasoningSplit(), [], 0
-    for cut in [*cuts, len(reply)]:
-        pieces += split.feed(reply[at:cut])
-        at = cut
-    pieces += split.finish()
-    streamed = tuple("".join(t for kind, t in pieces if kind == want) for want in ("reasoning", "text"))
-    assert streamed == split_reasoning(reply)
-    assert all(t for _, t in pieces)  # no empty pieces
+    assert split(reply, cuts=cuts) == split(reply)
 
 
 # -- Anthropic Messages ------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from dflash_cli.protocol.responses import now
 
 Running = tuple[Job, asyncio.Queue[Update]]  # a submitted job and the queue its updates arrive on
 Events = anthropic.MessageEvents | openai_responses.ResponseEvents
-T = TypeVar("T")
+Result = TypeVar("Result")  # what the work a client waits for returns (Backend.unless_gone)
 
 
 class Backend(Protocol):
@@ -47,7 +47,7 @@ class Backend(Protocol):
     def parts(
         self, running: Running, request: Request, *, reasoning: bool = False, stop_sequence: bool = False
     ) -> AsyncIterator[Prompt | Part | Ending]: ...
-    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None: ...
+    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[Result]) -> Result | None: ...
 
 
 class AgentRoutes:
@@ -111,7 +111,11 @@ class AgentRoutes:
         """The reply as `events` render it: streamed (a failure after the first event is `failed`'s events), or
         whole (`whole()` once every part is in; a failure is the route's error response)."""
         if request.stream:
-            return event_stream(self._stream(running, request, events, failed))
+            return event_stream(
+                self._stream(running, request, events),
+                lambda error: [sse(data, name) for name, data in failed(error)],
+                lambda: self.backend.worker.cancel(running[0]),
+            )
 
         async def gather() -> dict[str, Any]:
             async for item in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
@@ -121,21 +125,8 @@ class AgentRoutes:
         body = await self.backend.unless_gone(http, [running], gather())
         return Response(status_code=499) if body is None else JSONResponse(body)
 
-    async def _stream(
-        self,
-        running: Running,
-        request: Request,
-        events: Events,
-        failed: Callable[[APIError], list[tuple[str, dict[str, Any]]]],
-    ) -> AsyncIterator[str]:
-        """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
-        try:
-            try:
-                async for item in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
-                    for name, data in events.render(item):
-                        yield sse(data, name)
-            except APIError as error:  # the status is sent already: the error goes in the stream
-                for name, data in failed(error):
-                    yield sse(data, name)
-        finally:
-            self.backend.worker.cancel(running[0])
+    async def _stream(self, running: Running, request: Request, events: Events) -> AsyncIterator[str]:
+        """The reply's server-sent events, named as the API names them."""
+        async for item in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
+            for name, data in events.render(item):
+                yield sse(data, name)

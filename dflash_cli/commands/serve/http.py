@@ -20,7 +20,7 @@ import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import uvicorn
@@ -32,7 +32,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from dflash_cli.commands.serve.agents import AgentRoutes, Running
+from dflash_cli.commands.serve.agents import AgentRoutes, Result, Running
 from dflash_cli.commands.serve.metrics import CONTENT_TYPE, ServerMetrics
 from dflash_cli.commands.serve.wire import APIError, event_stream, sse
 from dflash_cli.commands.serve.worker import EngineThread, Job, QueueFull, ShuttingDown, Update, Worker
@@ -46,6 +46,7 @@ from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, pro
 from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
 
+DONE = "data: [DONE]\n\n"  # the last event of an OpenAI stream
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
 MODEL_URL = "/v1/models/{model:path}"  # one model's card (the openai client's models.retrieve)
@@ -60,7 +61,6 @@ ROUTES = (
     COUNT_TOKENS_URL,
     RESPONSES_URL,
 )
-T = TypeVar("T")
 
 
 def _no_constants(name: str) -> Any:
@@ -197,14 +197,7 @@ class Server:
         return JSONResponse({"object": "list", "data": [self._card()]})
 
     async def model_card(self, request: HTTPRequest) -> Response:
-        name = request.path_params["model"]
-        if name not in self.names:
-            raise APIError(
-                404,
-                f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        self.check_model(request.path_params["model"])
         return JSONResponse(self._card())
 
     # -- completions ------------------------------------------------------------------------------------------
@@ -325,29 +318,26 @@ class Server:
                 param="prompt",
             )
         prepared = []
-        try:
-            for index, one in enumerate([body] if prompts is None else [{**body, "prompt": p} for p in prompts]):
-                request = read_body(one, endpoint, prompt_index=None if prompts is None else index)
-                self.check_model(request.model)
-                if prompts is not None and request.stream:
-                    raise RequestError(
-                        "prompt: several prompts are answered whole; to stream, send one prompt a request",
-                        param="prompt",
-                    )
-                prepared.append((request, *await self.prepare(request)))
-        except RequestError as error:
-            raise APIError(400, error.message, param=error.param, code=error.code) from None
+        for index, one in enumerate([body] if prompts is None else [{**body, "prompt": p} for p in prompts]):
+            request = read_body(one, endpoint, prompt_index=None if prompts is None else index)
+            self.check_model(request.model)
+            if prompts is not None and request.stream:
+                raise RequestError(
+                    "prompt: several prompts are answered whole; to stream, send one prompt a request", param="prompt"
+                )
+            prepared.append((request, *await self.prepare(request)))
         jobs = self.submit([(prompt_ids, params) for _, prompt_ids, params in prepared])
         ids = {"id": responses.new_id(endpoint), "model": self.model, "created": responses.now()}
         request = prepared[0][0]
         if request.stream:
-            stream = self._stream(*jobs[0], request, ids)
-            return event_stream(stream)
+
+            def failed(error: APIError) -> list[str]:  # (as vLLM's: the error, then the stream's end)
+                return [sse(responses.error(error.message, error.type, code=error.code)), DONE]
+
+            return event_stream(self._stream(jobs[0], request, ids), failed, lambda: self.worker.cancel(jobs[0][0]))
         return await self._whole(http, jobs, request, ids)
 
-    async def _whole(
-        self, http: HTTPRequest, jobs: list[tuple[Job, asyncio.Queue[Update]]], request: Request, ids: dict[str, Any]
-    ) -> Response:
+    async def _whole(self, http: HTTPRequest, jobs: list[Running], request: Request, ids: dict[str, Any]) -> Response:
         """The reply, whole; with several prompts (legacy completions) one choice each, in their order."""
 
         async def collect(updates: asyncio.Queue[Update]) -> tuple[str, list[int], Update]:
@@ -381,7 +371,7 @@ class Server:
             )
         return JSONResponse(bodies[0] if len(bodies) == 1 else responses.choices_of(bodies))
 
-    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None:
+    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[Result]) -> Result | None:
         """What `work` (the jobs' replies, gathered) returns; None when the client disconnected first, which
         cancels the jobs."""
         gone = asyncio.Event()
@@ -501,36 +491,28 @@ class Server:
         if update.finish_reason == "cancelled":  # only shutdown cancels a job whose client is still there
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
 
-    async def _stream(
-        self, job: Job, updates: asyncio.Queue[Update], request: Request, ids: dict[str, Any]
-    ) -> AsyncIterator[str]:
-        """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
+    async def _stream(self, running: Running, request: Request, ids: dict[str, Any]) -> AsyncIterator[str]:
+        """The reply's server-sent events, as OpenAI's chunks."""
         endpoint, usage = request.endpoint or CHAT_URL, request.include_usage
         calls = 0
-        try:
-            if endpoint == CHAT_URL:
-                yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
-            try:
-                async for part in self.parts((job, updates), request):
-                    if isinstance(part, Prompt):
-                        continue  # (the chat chunks carry no usage before the end)
-                    if isinstance(part, Ending):
-                        last = responses.chunk(endpoint, finish_reason=part.finish_reason, with_usage=usage, **ids)
-                        last["dflash"] = responses.dflash_stats(part.stats)
-                        yield sse(last)
-                        if usage:
-                            yield sse(responses.usage_chunk(endpoint, stats=part.stats, **ids))
-                    elif part.call is not None:
-                        for chunk in responses.tool_call_chunks(endpoint, [part.call], calls, with_usage=usage, **ids):
-                            yield sse(chunk)
-                        calls += 1
-                    else:
-                        yield sse(responses.chunk(endpoint, text=part.text, with_usage=usage, **ids))
-            except APIError as error:  # the status is sent already: the error goes in the stream, as vLLM's
-                yield sse(responses.error(error.message, error.type, code=error.code))
-            yield "data: [DONE]\n\n"
-        finally:
-            self.worker.cancel(job)
+        if endpoint == CHAT_URL:
+            yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
+        async for part in self.parts(running, request):
+            if isinstance(part, Prompt):
+                continue  # (the chat chunks carry no usage before the end)
+            if isinstance(part, Ending):
+                last = responses.chunk(endpoint, finish_reason=part.finish_reason, with_usage=usage, **ids)
+                last["dflash"] = responses.dflash_stats(part.stats)
+                yield sse(last)
+                if usage:
+                    yield sse(responses.usage_chunk(endpoint, stats=part.stats, **ids))
+            elif part.call is not None:
+                for chunk in responses.tool_call_chunks(endpoint, [part.call], calls, with_usage=usage, **ids):
+                    yield sse(chunk)
+                calls += 1
+            else:
+                yield sse(responses.chunk(endpoint, text=part.text, with_usage=usage, **ids))
+        yield DONE
 
 
 # ---------------------------------------------------------------------------------------------------------------

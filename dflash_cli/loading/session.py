@@ -27,6 +27,7 @@ from dflash_cli.loading import compiled_steps
 from dflash_cli.loading.compiled_steps import load_exported_step
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
+from dflash_cli.protocol.replies import THINK_CLOSE, THINK_OPEN
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply, template_format
 from dflash_cli.setup.hardware import detect_machine
@@ -246,28 +247,40 @@ class Session:
         spec = {"format": tag, "tools": list(tools.functions), "choice": tools.choice, "parallel": tools.parallel}
         return Grammar("tool_calls", json.dumps(spec, sort_keys=True), field="tool_choice")
 
-    def reply_text(self, token_ids: Sequence[int]) -> str:
+    def reply_text(self, token_ids: Sequence[int], stop_strings: Sequence[str] = ()) -> str:
         """Generated ids as a tool parser reads them: special tokens kept (they delimit calls), end-of-turn ids
-        left out."""
+        left out, and the text cut where the first of `stop_strings` starts (the engine's text is cut there)."""
         stops = set(self.stop_token_ids)
-        return self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
+        text = self.require_tokenizer().decode([t for t in token_ids if t not in stops], skip_special_tokens=False)
+        return text[: min((at for at in map(text.find, filter(None, stop_strings)) if at >= 0), default=len(text))]
 
-    def reply_text_stream(self) -> TextStream:
-        """`reply_text` a step at a time: `push(ids)[0]` is the new raw text (a short window decoded per step)."""
-        return TextStream(self.require_tokenizer(), (), special=True, skip_ids=self.stop_token_ids)
+    def reply_text_stream(self, stop_strings: Sequence[str] = (), *, only_markers: bool = False) -> TextStream:
+        """`reply_text` a step at a time: `push(ids)[0]` is the new raw text (a short window decoded per step),
+        held back where one of `stop_strings` may be starting and cut where one starts. `only_markers`: of the
+        special tokens only the reasoning markers are kept (a tokenizer may make `<think>` one), so the text is
+        the shown text with its reasoning marked."""
+        tokenizer = self.require_tokenizer()
+        skip = set(self.stop_token_ids)
+        if only_markers:
+            added = getattr(tokenizer, "added_tokens_decoder", {})
+            special = set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+            skip |= special - {i for i, token in added.items() if token.content in (THINK_OPEN, THINK_CLOSE)}
+        return TextStream(tokenizer, stop_strings, special=True, skip_ids=sorted(skip))
 
     def parse_reply(self, request: Request, token_ids: Sequence[int], text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's content and tool calls: (text, []) for a request without tools."""
         if request.tools is None or self.tool_format is None:
             return text, []
-        return parse_reply(self.reply_text(token_ids), request.tools, self.tool_format)
+        raw = self.reply_text(token_ids, request.sampling.get("stop_strings") or ())
+        return parse_reply(raw, request.tools, self.tool_format)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""
         return list(self.require_tokenizer()(text)["input_ids"])
 
-    def encode_request(self, request: Request, *, prompt_as_chat: bool = False) -> list[int]:
-        """A request's prompt ids, checked against this model (vocabulary, chat template, context window).
+    def encode_request(self, request: Request, *, prompt_as_chat: bool = False, fit_window: bool = True) -> list[int]:
+        """A request's prompt ids, checked against this model (vocabulary, chat template, and with `fit_window`
+        the context window: a count of tokens needs no room to generate).
 
         Raises RequestError for a request this model cannot take. With `prompt_as_chat` a plain `prompt` is sent
         as a user turn when the model has a chat template (bench measures chat replies)."""
@@ -299,7 +312,7 @@ class Session:
         if not ids:
             raise RequestError("the prompt encodes to no tokens", param=field)
         window = self.context_window
-        if window is not None and len(ids) >= window:
+        if fit_window and window is not None and len(ids) >= window:
             raise RequestError(
                 f"the prompt is {len(ids)} tokens, but the model's context window is {window}",
                 param=field,

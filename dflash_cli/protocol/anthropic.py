@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.errors import RequestError
-from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import Request, read_translated, show
 from dflash_cli.protocol.tools import ToolCall
 
@@ -34,6 +34,10 @@ FIELD_NAMES = (
     (r"^response_format\.json_schema\.schema", "output_config.format.schema"),
     (r"^response_format", "output_config.format"),
 )
+OMITTED = "[{} omitted: this model reads text only]"  # an image or document a tool returned, in its place
+# Claude Code's first system block (2.1.36+): `x-anthropic-billing-header: cc_version=...; cch=<nonce>;`, a nonce new
+# each request at the very start of the prompt, where it would defeat prefix reuse; it says nothing to the model
+BILLING_HEADER = "x-anthropic-billing-header:"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -76,14 +80,22 @@ def read_messages_request(body: Any, *, count_only: bool = False) -> MessagesReq
     chat.update(_tools(body))
     thinking = body.get("thinking")
     kind = thinking.get("type") if isinstance(thinking, dict) else None
-    if thinking is not None:
-        if kind not in ("enabled", "adaptive", "disabled"):
-            raise RequestError(
-                f'thinking must be {{"type": "enabled", "budget_tokens": N}} or {{"type": "disabled"}}, got '
-                f"{show(thinking)}",
-                param="thinking",
-            )
-        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}  # (Qwen3's templates read it)
+    if thinking is not None and kind not in ("enabled", "adaptive", "disabled"):
+        raise RequestError(
+            f'thinking must be {{"type": "enabled", "budget_tokens": N}} or {{"type": "disabled"}}, got '
+            f"{show(thinking)}",
+            param="thinking",
+        )
+    # No `thinking` is no thinking in Anthropic's API, whatever the template's default (Qwen3 thinks unless told
+    # not to, and its unseen reasoning would spend max_tokens); the request's own chat_template_kwargs (as the
+    # chat route takes them) say otherwise where they set it.
+    thinks = {"enable_thinking": kind in ("enabled", "adaptive")}  # (Qwen3's templates read it)
+    own = body.get("chat_template_kwargs")
+    if own is None:
+        chat["chat_template_kwargs"] = thinks
+    else:
+        names.insert(0, (r"^chat_template_kwargs", "chat_template_kwargs"))  # (its errors are its own)
+        chat["chat_template_kwargs"] = {**thinks, **own} if isinstance(own, dict) else own
     request = read_translated(chat, [*names, *FIELD_NAMES])
     return MessagesRequest(request, thinking=kind in ("enabled", "adaptive"))
 
@@ -102,6 +114,10 @@ def _blocks(value: Any, name: str) -> list[dict[str, Any]]:
     return value
 
 
+def _is_media(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") in ("image", "document")
+
+
 def _refused(kind: str, where: str, allowed: str) -> RequestError:
     if kind in ("image", "document"):
         why = f"{kind} blocks are not supported: the served model reads text only"
@@ -117,13 +133,16 @@ def _text(block: Mapping[str, Any], where: str, key: str = "text") -> str:
     return value
 
 
-def _text_of(value: Any, name: str) -> str:
-    """Text given as a string or as text blocks (system, a tool_result's content), joined by newlines."""
+def _text_of(value: Any, name: str, *, dropping: str | None = None) -> str:
+    """Text given as a string or as text blocks (system, a tool_result's content), joined by newlines; text blocks
+    that start with `dropping` are left out."""
     parts = []
     for j, block in enumerate(_blocks(value, name)):
         if block["type"] != "text":
             raise _refused(block["type"], f"{name}[{j}]", "text blocks are")
-        parts.append(_text(block, f"{name}[{j}]"))
+        text = _text(block, f"{name}[{j}]")
+        if dropping is None or not text.startswith(dropping):
+            parts.append(text)
     return "\n".join(parts)
 
 
@@ -132,7 +151,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
     out: list[dict[str, Any]] = []
     names: list[tuple[str, str]] = []
     if body.get("system") is not None:
-        system = _text_of(body["system"], "system")
+        header = BILLING_HEADER if isinstance(body["system"], list) else None  # (a block of its own, as Claude Code's)
+        system = _text_of(body["system"], "system", dropping=header)
         if system:
             names.append((r"^messages\[0\]", "system"))
             out.append({"role": "system", "content": system})
@@ -149,6 +169,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
                 f"{where}.role must be user or assistant, got {show(role)} (a system prompt goes in `system`)",
                 param=f"{where}.role",
             )
+        if message.get("content") in ("", []):  # (Anthropic's API refuses them too)
+            raise RequestError(f"{where}.content must not be empty", param=f"{where}.content")
         blocks = _blocks(message.get("content"), f"{where}.content")
         for turn in _user_turns(blocks, where) if role == "user" else [_assistant_turn(blocks, where, names, len(out))]:
             names.append((rf"^messages\[{len(out)}\]", where))
@@ -185,10 +207,17 @@ def _user_turns(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]
 
 
 def _tool_result(block: Mapping[str, Any], at: str) -> dict[str, Any]:
+    """A tool turn. An image or document the tool returned (Claude Code's Read of one) becomes a line saying it was
+    left out: refused, it would end the session, as the client resends it with every turn that follows."""
     tool_use_id = block.get("tool_use_id")
     if not isinstance(tool_use_id, str) or not tool_use_id:
         raise RequestError(f"{at}.tool_use_id must be the id of a tool_use block", param=f"{at}.tool_use_id")
-    content = _text_of(block.get("content", ""), f"{at}.content")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        content = [
+            {"type": "text", "text": OMITTED.format(part["type"])} if _is_media(part) else part for part in content
+        ]
+    content = _text_of(content, f"{at}.content")
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise RequestError(f"{at}.is_error must be true or false, got {show(is_error)}", param=f"{at}.is_error")
@@ -209,8 +238,10 @@ def _assistant_turn(
             for key in ("id", "name"):
                 if not isinstance(block.get(key), str) or not block[key]:
                     raise RequestError(f"{at}.{key} must be a non-empty string", param=f"{at}.{key}")
+            arguments = block.get("input")
+            if not isinstance(arguments, dict):
+                raise RequestError(f"{at}.input must be a JSON object, got {show(arguments)}", param=f"{at}.input")
             names.append((rf"^messages\[{index}\]\.tool_calls\[{len(calls)}\]\.function\.arguments", f"{at}.input"))
-            arguments = block.get("input", {})
             calls.append(
                 {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
             )
@@ -248,9 +279,10 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
                     "tools ({name, description, input_schema}) that the client runs",
                     param=f"tools[{i}].type",
                 )
-            function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+            function = {"name": tool.get("name")}  # (in OpenAI's order: the template renders the tool as given)
             if tool.get("description") is not None:
                 function["description"] = tool["description"]
+            function["parameters"] = tool.get("input_schema")
             chat["tools"].append({"type": "function", "function": function})
     choice = body.get("tool_choice")
     if choice is not None:
@@ -304,13 +336,13 @@ def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def usage(ending: Ending) -> dict[str, int]:
+def usage(prompt: Prompt | Ending, output_tokens: int = 0) -> dict[str, int]:
     """Anthropic's usage: `input_tokens` counts the prompt tokens not read from the cache (prefix reuse), as
     Anthropic's does; the whole prompt is input_tokens + cache_read_input_tokens."""
     return {
-        "input_tokens": ending.prompt_tokens - ending.cached_tokens,
-        "output_tokens": ending.output_tokens,
-        "cache_read_input_tokens": ending.cached_tokens,
+        "input_tokens": prompt.prompt_tokens - prompt.cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": prompt.cached_tokens,
         "cache_creation_input_tokens": 0,
     }
 
@@ -319,11 +351,11 @@ Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
 
 
 class MessageEvents:
-    """A reply as Anthropic's stream events, part by part; `message` is the whole Message they add up to (what a
-    request without stream gets). Reasoning becomes thinking blocks when the request asked for them, and is left
-    out otherwise."""
+    """A reply as Anthropic's stream events, item by item (`render`); `message` is the whole Message they add up to
+    (what a request without stream gets). Reasoning becomes thinking blocks when the request asked for them, and
+    is left out otherwise. message_start waits for the Prompt: its usage is the final one's, cache reads known."""
 
-    def __init__(self, *, id: str, model: str, input_tokens: int, thinking: bool) -> None:
+    def __init__(self, *, id: str, model: str, thinking: bool) -> None:
         self.thinking = thinking
         self.message: dict[str, Any] = {
             "id": id,
@@ -333,11 +365,18 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+            "usage": None,
         }
         self.open: str | None = None  # the type of the block being streamed
 
-    def start(self) -> list[Event]:
+    def render(self, item: Prompt | Part | Ending) -> list[Event]:
+        """The events of a reply's next item."""
+        if isinstance(item, Prompt):
+            return self.start(item)
+        return self.end(item) if isinstance(item, Ending) else self.part(item)
+
+    def start(self, prompt: Prompt) -> list[Event]:
+        self.message["usage"] = usage(prompt)
         return [
             ("message_start", {"type": "message_start", "message": copy.deepcopy(self.message)}),
             ("ping", {"type": "ping"}),
@@ -380,11 +419,12 @@ class MessageEvents:
 
     def end(self, ending: Ending) -> list[Event]:
         reason = "stop_sequence" if ending.stop_sequence is not None else STOP_REASONS[ending.finish_reason]
-        self.message.update(stop_reason=reason, stop_sequence=ending.stop_sequence, usage=usage(ending))
+        final = usage(ending, ending.output_tokens)
+        self.message.update(stop_reason=reason, stop_sequence=ending.stop_sequence, usage=final)
         delta = {"stop_reason": reason, "stop_sequence": ending.stop_sequence}
         return [
             *self._close(),
-            ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(ending)}),
+            ("message_delta", {"type": "message_delta", "delta": delta, "usage": final}),
             ("message_stop", {"type": "message_stop"}),
         ]
 

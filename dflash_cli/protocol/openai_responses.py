@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_cli.errors import RequestError
-from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import Request, read_translated, show
 
 RESPONSES_URL = "/v1/responses"
@@ -43,10 +43,13 @@ ITEMS = "message, function_call, function_call_output and reasoning items are"
 
 @dataclass(frozen=True)
 class ResponsesRequest:
-    """A Responses request: the one request format, and the settings its Response object repeats."""
+    """A Responses request: the one request format, and the settings its Response object repeats. `fills_window`:
+    no max_output_tokens, so the reply may take the room the context window leaves (OpenAI's default is
+    unbounded, and Codex sends none and treats a reply cut short as an error)."""
 
     request: Request
     echo: Mapping[str, Any] = field(default_factory=dict)
+    fills_window: bool = False
 
 
 def read_responses_request(body: Any) -> ResponsesRequest:
@@ -82,7 +85,7 @@ def read_responses_request(body: Any) -> ResponsesRequest:
         "top_p": body.get("top_p"),
         "truncation": "disabled",
     }
-    return ResponsesRequest(request, echo)
+    return ResponsesRequest(request, echo, fills_window=body.get("max_output_tokens") is None)
 
 
 def _text(value: Any, name: str) -> str:
@@ -164,7 +167,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             }
             if last is not None and last["role"] == "assistant":  # (the calls of one turn join its text)
                 calls = len(last.get("tool_calls", []))
-                names.append((rf"^messages\[{len(out) - 1}\]\.tool_calls\[{calls}\]\.function", where))
+                # (before the turn's own name, which matches its calls' fields too: the first match names them)
+                names.insert(0, (rf"^messages\[{len(out) - 1}\]\.tool_calls\[{calls}\]\.function", where))
                 last.setdefault("tool_calls", []).append(call)
                 continue
             names.append((rf"^messages\[{len(out)}\]\.tool_calls\[0\]\.function", where))
@@ -251,12 +255,14 @@ def new_id() -> str:
 
 
 def usage(ending: Ending) -> dict[str, Any]:
-    """The Responses usage: `input_tokens` the whole prompt, `cached_tokens` its part reused (prefix reuse)."""
+    """The Responses usage: `input_tokens` the whole prompt, `cached_tokens` its part reused (prefix reuse; the
+    slots are written as a matter of course, not on request: no `cache_write_tokens`), `reasoning_tokens` the
+    output's that a reasoning item holds."""
     return {
         "input_tokens": ending.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": ending.cached_tokens},
+        "input_tokens_details": {"cached_tokens": ending.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": ending.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": ending.reasoning_tokens},
         "total_tokens": ending.prompt_tokens + ending.output_tokens,
     }
 
@@ -266,7 +272,8 @@ Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
 
 class ResponseEvents:
     """A reply as the Responses stream events, part by part; `response` is the Response object they add up to
-    (what a request without stream gets). Reasoning becomes a reasoning item (kept out of `output_text`)."""
+    (what a request without stream gets). Reasoning becomes a reasoning item; text, a message item (the SDKs'
+    `output_text` joins their text: it is not on the wire)."""
 
     def __init__(self, *, id: str, model: str, created: int, echo: Mapping[str, Any]) -> None:
         self.response: dict[str, Any] = {
@@ -278,7 +285,6 @@ class ResponseEvents:
             "incomplete_details": None,
             "model": model,
             "output": [],
-            "output_text": "",
             "previous_response_id": None,
             **echo,
             "usage": None,
@@ -290,6 +296,12 @@ class ResponseEvents:
         data = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
         self.sequence += 1
         return kind, data
+
+    def render(self, item: Prompt | Part | Ending) -> list[Event]:
+        """The events of a reply's next item (the Prompt starts the Response; its usage comes at the end)."""
+        if isinstance(item, Prompt):
+            return self.start()
+        return self.end(item) if isinstance(item, Ending) else self.part(item)
 
     def start(self) -> list[Event]:
         return [
@@ -348,7 +360,6 @@ class ResponseEvents:
         ids = {"item_id": self.open["id"], "output_index": index, "content_index": 0}
         self.open["content"][0]["text"] += part.text
         if kind == "message":
-            self.response["output_text"] += part.text
             return [*events, self._event("response.output_text.delta", **ids, delta=part.text, logprobs=[])]
         return [*events, self._event("response.reasoning_text.delta", **ids, delta=part.text)]
 

@@ -1,9 +1,9 @@
 """A reply as the agents' APIs (Anthropic Messages, OpenAI Responses) hand it out: reasoning, text and tool calls,
 in the order the model wrote them, then how it ended. Torch-free.
 
-`dflash serve` turns a generation's updates into `Part`s (the text split by `ReasoningSplit`, the calls found by
-`tools.ToolStream`) and ends them with an `Ending`; each API's module renders the parts as its stream events, and
-a whole reply is the same parts gathered, so a streamed and a whole reply cannot differ.
+`dflash serve` turns a generation's updates into a `Prompt`, then `Part`s (the text split by `ReasoningSplit`, the
+calls found by `tools.ToolStream`), then an `Ending`; each API's module renders them as its stream events, and a
+whole reply is the same items gathered, so a streamed and a whole reply cannot differ.
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ from typing import Any
 from dflash_cli.protocol.tools import ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # Qwen3's (and DeepSeek-R1's) reasoning markers
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt as the engine took it, a reply's first item (once its first step is in): its tokens, and how many
+    of them were read from a slot (prefix reuse)."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass(frozen=True)
@@ -29,8 +38,8 @@ class Part:
 class Ending:
     """How a reply ended: `finish_reason` "stop", "length" or "tool_calls" (OpenAI's words, finish_with_calls);
     `stop_sequence`, the request's stop string that ended it (None: the model's end or a limit); the token counts,
-    `cached_tokens` of the prompt's reused from a slot (prefix reuse); `stats`, the engine's numbers of the
-    generation (dflash's own report)."""
+    `cached_tokens` of the prompt's reused from a slot (prefix reuse), `reasoning_tokens` of the output's up to
+    the step that closed its reasoning; `stats`, the engine's numbers of the generation (dflash's own report)."""
 
     finish_reason: str
     stop_sequence: str | None
@@ -38,6 +47,12 @@ class Ending:
     cached_tokens: int
     output_tokens: int
     stats: Any = field(default=None, compare=False)
+    reasoning_tokens: int = 0
+
+
+# The rendered prompt's last tokens that `prompt_opens_reasoning` reads: the marker and the whitespace after it,
+# with room for a tokenizer that spells `<think>` in single characters (7 tokens) rather than one token.
+PROMPT_TAIL_TOKENS = 16
 
 
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
@@ -56,6 +71,11 @@ class ReasoningSplit:
         self.state = "reasoning" if opened else "start"  # start -> reasoning -> after -> text, or start -> text
         self.held = ""
         self.reasoned = False  # reasoning text was given out (its leading whitespace is dropped until then)
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the reply is in its reasoning (or still may be starting it)."""
+        return self.state in ("start", "reasoning")
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.held += text
@@ -105,10 +125,3 @@ class ReasoningSplit:
         if self.state == "after":
             return []
         return [("text", held)] if held else []
-
-
-def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
-    """A whole reply's (reasoning, text), as `ReasoningSplit` streams them."""
-    split = ReasoningSplit(opened)
-    pieces = split.feed(text) + split.finish()
-    return "".join(t for kind, t in pieces if kind == "reasoning"), "".join(t for kind, t in pieces if kind == "text")

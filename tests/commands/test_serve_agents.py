@@ -5,9 +5,13 @@ that route's answers to the same conversation."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 import random
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,12 +23,17 @@ import jsonschema
 import openai
 import pytest
 from test_serve import (  # the module's server and models (fixtures), and its helpers
+    BUSY,
     KEY,
+    MAX_TOKENS,
     RECORD,
     WEATHER,
+    WINDOW,
     RunningServer,
     client,
+    expected_chat,
     local_options,
+    long_prompt,
     model_flags,
     models,
     raw_request,
@@ -34,10 +43,17 @@ from test_serve import (  # the module's server and models (fixtures), and its h
     user,
 )
 
+from dflash_cli.commands.serve.http import Server
+from dflash_cli.commands.serve.metrics import ServerMetrics
+from dflash_cli.commands.serve.worker import EngineThread, Worker
 from dflash_cli.engine import collect
 from dflash_cli.loading.session import Session
+from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.requests import CHAT_URL, read_body
+from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
+from helpers.tiny_models import CHAT_TEMPLATE, MODEL_VOCAB
 
-__all__ = ["client", "models", "server", "session"]  # (fixtures, imported to be used here)
+__all__ = ["client", "long_prompt", "models", "server", "session"]  # (fixtures, imported to be used here)
 
 TOOL = {  # WEATHER, as Anthropic's tools are written
     "name": "get_weather",
@@ -60,6 +76,14 @@ def chat_reply(client: openai.OpenAI, server: RunningServer, messages: list[dict
     return client.chat.completions.create(model=server.target, messages=messages, **fields)
 
 
+NO_THINKING = {"enable_thinking": False}  # the template's kwargs for a Messages request without `thinking`
+
+
+def chat_as_message(client: openai.OpenAI, server: RunningServer, messages: list[dict[str, Any]], **fields: Any) -> Any:
+    """The chat completion of a Messages request's conversation (thinking off, as a request without it has)."""
+    return chat_reply(client, server, messages, extra_body={"chat_template_kwargs": NO_THINKING}, **fields)
+
+
 def sse_events(port: int, path: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """A streamed reply's events as sent: (event name, data)."""
     headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
@@ -72,6 +96,53 @@ def sse_events(port: int, path: str, body: dict[str, Any]) -> list[tuple[str, di
     return events
 
 
+@contextlib.contextmanager
+def serving(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
+    """The server's side of a route, in this process, over a worker of its own (the routes call its `parts`)."""
+    engine = EngineThread()
+    worker = Worker(session, engine, speculative=True, max_queue=4)
+    metrics = ServerMetrics(model=session.served_name, speculative=True, block_size=session.block_size,
+                            waiting=lambda: worker.waiting, running=lambda: worker.running)  # fmt: skip
+    worker.start()
+    try:
+        yield Server(session, local_options(models), worker, metrics, None)
+    finally:
+        worker.stop()
+        worker.join(30)
+        engine.close()
+
+
+@pytest.fixture
+def backend(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
+    with serving(session, models) as server:
+        yield server
+
+
+def parts_of(backend: Server, body: dict[str, Any], **how: bool) -> list[Part | Ending]:
+    """A chat body's reply as `Server.parts` gives it to a route (`how`: its keywords)."""
+
+    async def reply() -> list[Part | Ending]:
+        request = read_body(body, CHAT_URL)
+        running = backend.submit([await backend.prepare(request)])[0]
+        return [part async for part in backend.parts(running, request, **how)]
+
+    return asyncio.run(reply())
+
+
+def test_the_stop_string_that_ended_a_reply_is_found_only_when_asked(
+    backend: Server, session: Session, models: tuple[Path, Path]
+) -> None:
+    """Naming it decodes the whole reply (under the tokenizer's lock): Messages asks, the chat route does not."""
+    full = expected_chat(session, models, user("Tell me a story.")).text
+    at = next(k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].isalnum())
+    body = {"messages": user("Tell me a story."), "stop": [full[at : at + 2]]}
+    *texts, asked = parts_of(backend, body, stop_sequence=True)
+    assert isinstance(asked, Ending) and (asked.finish_reason, asked.stop_sequence) == ("stop", full[at : at + 2])
+    assert "".join(part.text for part in texts if isinstance(part, Part)) == full[:at]
+    unasked = parts_of(backend, body)[-1]
+    assert isinstance(unasked, Ending) and (unasked.finish_reason, unasked.stop_sequence) == ("stop", None)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Anthropic Messages
 
@@ -80,7 +151,7 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
     server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:
     system, messages = "You are terse.", user("Tell me a story.")
-    chat = chat_reply(client, server, [{"role": "system", "content": system}, *messages], max_tokens=12)
+    chat = chat_as_message(client, server, [{"role": "system", "content": system}, *messages], max_tokens=12)
     reply = claude.messages.create(model=server.target, system=system, messages=messages, max_tokens=12)
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert text_of(reply) == chat.choices[0].message.content and reply.model == server.target
@@ -101,8 +172,11 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
         and final.usage.cache_read_input_tokens == usage.cache_read_input_tokens
     )
 
-    body = {"model": server.target, "max_tokens": 4, "messages": messages, "stream": True}
-    names = [name for name, _ in sse_events(server.port, "/v1/messages?beta=true", body)]  # (Claude Code's URL)
+    body = {"model": server.target, "max_tokens": 12, "messages": messages, "stream": True}
+    events = sse_events(server.port, "/v1/messages?beta=true", body)  # (Claude Code's URL)
+    names = [name for name, _ in events]
+    started, ended = events[0][1]["message"]["usage"], events[-2][1]["usage"]  # both know the cache's part
+    assert {**started, "output_tokens": ended["output_tokens"]} == ended and ended["cache_read_input_tokens"] > 0
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) == {"content_block_delta"}
@@ -111,7 +185,7 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
 def test_stop_sequences_end_a_message_and_are_named(
     server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:
-    full = chat_reply(client, server, user("Tell me a story."), max_tokens=16).choices[0].message.content
+    full = chat_as_message(client, server, user("Tell me a story."), max_tokens=16).choices[0].message.content
     at = next(k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].strip())
     stop = full[at : at + 2]
     fields = {"model": server.target, "messages": user("Tell me a story."), "max_tokens": 16, "stop_sequences": [stop]}
@@ -120,6 +194,30 @@ def test_stop_sequences_end_a_message_and_are_named(
     with claude.messages.stream(**fields) as stream:
         final = stream.get_final_message()
     assert (text_of(final), final.stop_reason, final.stop_sequence) == (full[:at], "stop_sequence", stop)
+
+
+def test_stop_sequences_cut_replies_under_tools_whole_and_streamed_on_every_route(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """With tools the reply is read raw (special tokens kept, for the calls): that text is cut at the stop string
+    as the engine's is, whole and streamed, on the chat and the Messages routes."""
+    messages = user("Tell me a story.")
+    full = chat_as_message(client, server, messages, tools=[WEATHER], max_tokens=16).choices[0].message.content
+    at = next(  # (a random model writes broken characters too: the stop string is two plain ones)
+        k for k in range(3, len(full) - 2) if full.find(full[k : k + 2]) == k and full[k : k + 2].isalnum()
+    )
+    stop = full[at : at + 2]
+    chat = chat_as_message(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop])
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (full[:at], "stop")
+    chunks = list(chat_as_message(client, server, messages, tools=[WEATHER], max_tokens=16, stop=[stop], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full[:at]
+    fields = {"model": server.target, "messages": messages, "max_tokens": 16, "stop_sequences": [stop], "tools": [TOOL]}
+    reply = claude.messages.create(**fields)
+    assert (text_of(reply), reply.stop_reason, reply.stop_sequence) == (full[:at], "stop_sequence", stop)
+    with claude.messages.stream(**fields) as stream:
+        deltas = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(deltas) == text_of(final) == full[:at] and final.stop_sequence == stop
 
 
 def test_a_forced_tool_call_and_its_result_turn(
@@ -139,7 +237,7 @@ def test_a_forced_tool_call_and_its_result_turn(
     assert reply.stop_reason == "tool_use" and call.type == "tool_use" and call.name == "get_weather"
     jsonschema.validate(call.input, TOOL["input_schema"])
     assert call.id.startswith("toolu_")
-    chat = chat_reply(client, server, user("Weather in Paris?"), tools=[WEATHER], tool_choice="required",
+    chat = chat_as_message(client, server, user("Weather in Paris?"), tools=[WEATHER], tool_choice="required",
                       parallel_tool_calls=False, max_tokens=200)  # fmt: skip
     assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) == call.input
 
@@ -161,15 +259,34 @@ def test_a_forced_tool_call_and_its_result_turn(
     assert answer.usage.cache_read_input_tokens > 0  # the call's conversation, continued
 
 
+def test_an_image_a_tool_returned_does_not_end_the_session(server: RunningServer, claude: anthropic.Anthropic) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    history = [
+        *user("What is in a.png?"),
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "a.png"}}],
+        },  # fmt: skip
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}]},
+    ]
+    reply = claude.messages.create(model=server.target, messages=history, tools=[TOOL], max_tokens=4)
+    assert reply.usage.output_tokens > 0
+    history += [{"role": "assistant", "content": "It is a picture."}, *user("Thanks.")]  # (the next turn resends it)
+    assert claude.messages.count_tokens(model=server.target, messages=history, tools=[TOOL]).input_tokens > 0
+
+
 def test_count_tokens_counts_the_prompt_the_template_renders(
     server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic, session: Session
 ) -> None:
     system, messages = "Be brief.", user("Weather in Rome?")
     with_tools = claude.messages.count_tokens(model=server.target, system=system, messages=messages, tools=[TOOL])
-    chat = chat_reply(client, server, [{"role": "system", "content": system}, *messages], tools=[WEATHER], max_tokens=1)
+    chat = chat_as_message(client, server, [{"role": "system", "content": system}, *messages], tools=[WEATHER],
+                           max_tokens=1)  # fmt: skip
     assert with_tools.input_tokens == chat.usage.prompt_tokens
     alone = claude.messages.count_tokens(model=server.target, system=system, messages=messages)
-    assert alone.input_tokens == len(session.encode_chat([{"role": "system", "content": system}, *messages]))
+    assert alone.input_tokens == len(
+        session.encode_chat([{"role": "system", "content": system}, *messages], NO_THINKING)
+    )
     assert alone.input_tokens < with_tools.input_tokens
     # thinking reaches the template as enable_thinking (the tiny template, like Qwen3's, writes an empty
     # reasoning block when it is off)
@@ -177,7 +294,21 @@ def test_count_tokens_counts_the_prompt_the_template_renders(
     on = claude.messages.count_tokens(
         model=server.target, messages=messages, thinking={"type": "enabled", "budget_tokens": 1024}
     )
-    assert off.input_tokens > on.input_tokens
+    absent = claude.messages.count_tokens(model=server.target, messages=messages)  # (no thinking: none)
+    assert absent.input_tokens == off.input_tokens > on.input_tokens
+
+
+def test_count_tokens_counts_a_prompt_longer_than_the_window(
+    server: RunningServer, claude: anthropic.Anthropic, session: Session
+) -> None:
+    """A count is not a generation: a prompt over the context window is counted (Claude Code counts to compact),
+    and only generating from it is refused."""
+    messages = user("Lorem ipsum dolor sit amet. " * 400)
+    length = len(session.encode_chat(messages, NO_THINKING))
+    assert length > WINDOW
+    assert claude.messages.count_tokens(model=server.target, messages=messages).input_tokens == length
+    with pytest.raises(anthropic.BadRequestError, match=f"the prompt is {length} tokens"):
+        claude.messages.create(model=server.target, messages=messages, max_tokens=4)
 
 
 def test_structured_output_through_the_same_grammar(server: RunningServer, claude: anthropic.Anthropic) -> None:
@@ -224,7 +355,9 @@ def test_langchain_chat_anthropic(server: RunningServer, client: openai.OpenAI) 
 
     llm = ChatAnthropic(model=server.target, base_url=server.url, api_key=KEY, max_tokens=10, max_retries=0)
     reply = llm.invoke("Name a color.")
-    assert reply.text == chat_reply(client, server, user("Name a color."), max_tokens=10).choices[0].message.content
+    assert (
+        reply.text == chat_as_message(client, server, user("Name a color."), max_tokens=10).choices[0].message.content
+    )
     assert reply.usage_metadata["output_tokens"] > 0
     forced = llm.bind_tools([TOOL], tool_choice="get_weather", parallel_tool_calls=False)
     called = forced.invoke("Weather in Paris?", max_tokens=200)
@@ -244,7 +377,7 @@ def test_a_long_system_prompt_is_reused_turn_after_turn_as_chat_completions_answ
     for turn, question in enumerate(["List the files.", "Open the first.", "Fix the bug."]):
         history.append({"role": "user", "content": question})
         reply = claude.messages.create(model=server.target, system=system, messages=history, max_tokens=6)
-        chat = chat_reply(client, server, [{"role": "system", "content": system}, *history], max_tokens=6)
+        chat = chat_as_message(client, server, [{"role": "system", "content": system}, *history], max_tokens=6)
         assert text_of(reply) == chat.choices[0].message.content
         if turn:
             system_tokens = len(session.encode_chat([{"role": "system", "content": system}]))
@@ -254,11 +387,31 @@ def test_a_long_system_prompt_is_reused_turn_after_turn_as_chat_completions_answ
     try:
         params = session.sampling_params(local_options(models), max_new_tokens=6)
         fresh = collect(
-            session.stream(session.encode_chat([{"role": "system", "content": system}, *history[:-1]]), params)
+            session.stream(
+                session.encode_chat([{"role": "system", "content": system}, *history[:-1]], NO_THINKING), params
+            )
         )
     finally:
         session.prefix_cache = True
     assert fresh.text == history[-1]["content"]
+
+
+def test_claude_codes_billing_header_does_not_defeat_prefix_reuse(
+    server: RunningServer, claude: anthropic.Anthropic, session: Session
+) -> None:
+    """Claude Code's first system block carries a nonce new each request (cch=): it is left out of the prompt, so
+    two requests that differ only there share the whole system prompt in the cache."""
+    rules = "You are a coding agent. Read before you edit. " * 20
+    replies = []
+    for nonce in ("5f1e2", "a9c03"):
+        header = f"x-anthropic-billing-header: cc_version=2.1.36.e1f; cc_entrypoint=cli; cch={nonce};"
+        system = [{"type": "text", "text": header}, {"type": "text", "text": rules}]
+        replies.append(claude.messages.create(model=server.target, system=system, messages=user("Hi"), max_tokens=2))
+    system_tokens = len(session.encode_chat([{"role": "system", "content": rules}]))
+    assert replies[1].usage.cache_read_input_tokens > system_tokens
+    assert replies[1].usage.input_tokens + replies[1].usage.cache_read_input_tokens == len(
+        session.encode_chat([{"role": "system", "content": rules}, *user("Hi")], NO_THINKING)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -300,6 +453,18 @@ def test_a_response_whole_and_streamed_is_the_chat_completion_of_its_input(
     ]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
     assert events[-1].response.output_text == reply.output_text
+
+
+def test_a_response_without_max_output_tokens_may_fill_the_context_window(
+    server: RunningServer, client: openai.OpenAI, long_prompt: str
+) -> None:
+    """OpenAI's default is unbounded, and Codex sends no max_output_tokens: the reply is not cut at the server's
+    --max-tokens (MAX_TOKENS) but may run until the window is full."""
+    reply = client.responses.create(model=server.target, input=long_prompt)
+    assert reply.max_output_tokens is None and reply.usage.output_tokens > MAX_TOKENS
+    assert reply.status == "completed" or reply.usage.input_tokens + reply.usage.output_tokens == WINDOW
+    bounded = client.responses.create(model=server.target, input=long_prompt, max_output_tokens=MAX_TOKENS + 1)
+    assert bounded.status == "incomplete" and bounded.usage.output_tokens == MAX_TOKENS + 1
 
 
 def test_a_forced_function_call_and_its_output_turn(server: RunningServer, client: openai.OpenAI) -> None:
@@ -357,6 +522,92 @@ def test_metrics_count_each_route(server: RunningServer, claude: anthropic.Anthr
         assert f'dflash_http_requests_total{{route="{route}",status="200"}}' in metrics
 
 
+def test_every_event_and_object_sent_passes_the_sdks_strict_types(server: RunningServer) -> None:
+    """What the server sends, as sent (the SDKs' clients build their objects without validation): text cut by
+    the token limit and a forced call, whole and streamed, on both APIs."""
+    headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
+    forced = {"tools": [TOOL], "tool_choice": {"type": "any"}, "max_tokens": 200}
+    for fields in ({"max_tokens": 4}, forced):
+        body = {"model": server.target, "messages": user("Weather in Paris?"), **fields}
+        status, _, raw = raw_request(server.port, "POST", "/v1/messages", json.dumps(body).encode(), headers)
+        assert status == 200 and check_message(json.loads(raw)).stop_reason in ("max_tokens", "tool_use")
+        for _, data in sse_events(server.port, "/v1/messages", {**body, "stream": True}):
+            check_message_event(data)
+    forced = {"tools": [FUNCTION], "tool_choice": "required", "max_output_tokens": 200}
+    for fields in ({"max_output_tokens": 4}, forced):
+        body = {"model": server.target, "input": "Weather in Paris?", **fields}
+        status, _, raw = raw_request(server.port, "POST", "/v1/responses", json.dumps(body).encode(), headers)
+        assert status == 200 and check_response(json.loads(raw)).status in ("incomplete", "completed")
+        events = sse_events(server.port, "/v1/responses", {**body, "stream": True})
+        for _, data in events:
+            check_response_event(data)
+        assert check_response(events[-1][1]["response"]).usage.input_tokens_details.cache_write_tokens == 0
+
+
+def test_a_stream_whose_client_is_gone_before_it_starts_is_cancelled(server: RunningServer, long_prompt: str) -> None:
+    """A client that sends a streaming request and goes away at once, on every streaming route: its job is
+    cancelled, not decoded to max_tokens for nobody (the stream's own cleanup never runs when it never starts)."""
+    bodies = {
+        "/v1/chat/completions": {"messages": user(long_prompt), "max_tokens": BUSY},
+        "/v1/messages": {"messages": user(long_prompt), "max_tokens": BUSY},
+        "/v1/responses": {"input": long_prompt, "max_output_tokens": BUSY},
+    }
+    for path, body in bodies.items():
+        finished = {reason: server.metric(f'dflash_requests_finished_total{{finish_reason="{reason}"}}')
+                    for reason in ("cancelled", "length")}  # fmt: skip
+        payload = json.dumps({**body, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as raw:
+            raw.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nx-api-key: {KEY}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+        deadline = time.monotonic() + 60
+        while sum(server.metric(f'dflash_requests_finished_total{{finish_reason="{r}"}}') for r in finished) <= sum(
+            finished.values()
+        ):
+            assert time.monotonic() < deadline, path
+            time.sleep(0.05)
+        now = {
+            reason: server.metric(f'dflash_requests_finished_total{{finish_reason="{reason}"}}') for reason in finished
+        }
+        assert now == {"cancelled": finished["cancelled"] + 1, "length": finished["length"]}, path
+
+
+def test_an_event_stream_closes_however_it_ends() -> None:
+    """The job's cancel runs when the response ends: sent whole, or the client gone before the first event, when
+    the events never start (a server that raises on a closed socket: ASGI 2.4), so their own cleanup never runs."""
+    from starlette.requests import ClientDisconnect
+
+    from dflash_cli.commands.serve.wire import event_stream
+
+    async def answer(send: Any) -> tuple[list[str], list[bool]]:
+        began, closed = [], []
+
+        async def events() -> Any:
+            began.append(True)
+            yield "data: 1\n\n"
+
+        async def receive() -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+        response = event_stream(events(), lambda error: [], lambda: closed.append(True))
+        try:
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        except ClientDisconnect:
+            pass
+        return began, closed
+
+    async def gone(message: Any) -> None:
+        raise OSError("the client closed the connection")
+
+    async def there(message: Any) -> None:
+        pass
+
+    assert asyncio.run(answer(gone)) == ([], [True])
+    assert asyncio.run(answer(there)) == ([True], [True])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Fuzzing: 1,000 bad bodies get a 4xx in their API's shape; the requests beside them lose nothing
 
@@ -369,6 +620,7 @@ def bad_bodies(rng: random.Random, count: int) -> Iterator[tuple[str, bytes, dic
     response = {"input": "Hi", "max_output_tokens": 4}
     bad_messages: dict[str, list[Any]] = {
         "messages": [None, [], "Hi", [1], [{}], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}],
+                     [{"role": "user", "content": []}],
                      [{"role": "user", "content": [{"type": "image", "source": {}}]}],
                      [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"text": "x"}]}],
                      [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
@@ -433,10 +685,17 @@ def bad_bodies(rng: random.Random, count: int) -> Iterator[tuple[str, bytes, dic
 def test_1000_fuzzed_bad_bodies_get_4xx_in_their_apis_shape_and_lose_nothing(
     server: RunningServer, claude: anthropic.Anthropic, client: openai.OpenAI
 ) -> None:
+    def settled(tokens: float) -> float:  # (a generation is counted just after its last update is delivered)
+        deadline = time.monotonic() + 10
+        while server.metric("dflash_generation_tokens_total") < tokens and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return server.metric("dflash_generation_tokens_total")
+
+    before = server.metric("dflash_generation_tokens_total")
     message = claude.messages.create(model=server.target, messages=user("Count."), max_tokens=40)
     response = client.responses.create(model=server.target, input="Count.", max_output_tokens=40)
     decoded = message.usage.output_tokens + response.usage.output_tokens
-    generated = server.metric("dflash_generation_tokens_total")
+    generated = settled(before + decoded)
     beside: dict[str, str] = {}
 
     def good_requests() -> None:  # streamed, while the bad ones arrive
@@ -462,15 +721,62 @@ def test_1000_fuzzed_bad_bodies_get_4xx_in_their_apis_shape_and_lose_nothing(
     worker.join(120)
     assert set(statuses) == {400, 401, 404}, statuses
     assert beside == {"message": text_of(message), "response": response.output_text}
-    deadline = time.monotonic() + 10  # (a generation is counted just after its last update is delivered)
-    while server.metric("dflash_generation_tokens_total") < generated + decoded and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.metric("dflash_generation_tokens_total") == generated + decoded  # only the two good requests decoded
+    assert settled(generated + decoded) == generated + decoded  # only the two good requests decoded
     assert server.get("/health")[1]["status"] == "ok"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # A template that thinks
+
+
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(  # Qwen3.5's way: the reply's reasoning opened after the header
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}",
+    "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}",
+)
+
+
+def test_reasoning_markers_that_are_special_tokens_split_the_reply(session: Session, models: tuple[Path, Path]) -> None:
+    """A tokenizer may make `<think>` and `</think>` special tokens, which the shown text skips: the reply is read
+    raw to split it. The tiny model writes ids its tokenizer has no text for (320 and up): one of them, written
+    after some text and before more, is made `</think>` (the reply's ids do not change)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    def marked(markers: dict[str, int]) -> Session:
+        spec = json.loads(session.tokenizer.backend_tokenizer.to_str())
+        spec["added_tokens"] += [{"id": i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
+                                  "normalized": False, "special": True} for m, i in markers.items()]  # fmt: skip
+        spec["model"]["vocab"].update(markers)  # (an added token keeps its id only where the vocabulary has it)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                            eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                            chat_template=THINKING_TEMPLATE)  # fmt: skip
+        return dataclasses.replace(session, models=dataclasses.replace(session.models, tokenizer=tokenizer))
+
+    opened = marked({"<think>": MODEL_VOCAB - 1})
+    prompt = opened.encode_chat(user("Tell me a story."))
+    assert prompt[-2] == MODEL_VOCAB - 1  # the template's `<think>` is the special token
+    params = opened.sampling_params(local_options(models), max_new_tokens=40)
+    reply = collect(opened.stream(prompt, params)).token_ids
+
+    def shown(ids: list[int]) -> str:
+        return opened.tokenizer.decode(ids, skip_special_tokens=True)
+
+    close = next(  # (an id with no text, first written here, with text before and after it)
+        k
+        for k, token in enumerate(reply)
+        if token >= len(session.tokenizer) and token not in reply[:k] and shown(reply[:k]).strip()
+        and shown(reply[k:]).strip()
+    )  # fmt: skip
+    with serving(marked({"<think>": MODEL_VOCAB - 1, "</think>": reply[close]}), models) as backend:
+        parts = parts_of(backend, {"messages": user("Tell me a story."), "max_tokens": 40}, reasoning=True)
+    *pieces, ending = parts
+    assert isinstance(ending, Ending) and ending.output_tokens == len(reply)
+    split = {
+        kind: "".join(p.text for p in pieces if isinstance(p, Part) and p.kind == kind)
+        for kind in ("reasoning", "text")
+    }
+    assert split == {"reasoning": shown(reply[:close]).strip(), "text": shown(reply[close + 1 :]).lstrip()}
+    assert 0 < ending.reasoning_tokens <= close + 1
 
 
 @pytest.fixture(scope="module")
@@ -479,15 +785,10 @@ def thinking_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPath
     as Qwen3.5's does) unless enable_thinking is false: all of a random reply is reasoning then."""
     from transformers import AutoTokenizer
 
-    from helpers.tiny_models import CHAT_TEMPLATE
-
     target = Path(shutil.copytree(models[0], tmp_path_factory.mktemp("thinking") / "target"))
-    closed = "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    assert closed in CHAT_TEMPLATE
+    assert THINKING_TEMPLATE != CHAT_TEMPLATE
     tokenizer = AutoTokenizer.from_pretrained(target)
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        closed, "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}"
-    )
+    tokenizer.chat_template = THINKING_TEMPLATE
     tokenizer.save_pretrained(target)
     with running_server([*model_flags((target, models[1])), "--batch-size", "2"]) as running:
         yield running
@@ -509,16 +810,19 @@ def test_a_thinking_template_gives_thinking_blocks_when_asked_and_keeps_reasonin
         deltas = [event.thinking for event in stream if event.type == "thinking"]  # the SDK's thinking_delta events
         final = stream.get_final_message()
     assert "".join(deltas) == reasoning and [b.thinking for b in final.content] == [reasoning]
-    unasked = claude.messages.create(**fields)
-    assert unasked.content == [] and unasked.stop_reason == "max_tokens"  # all reasoning, none of it shown
     off = claude.messages.create(**fields, thinking={"type": "disabled"})  # the template closes it: text
     plain = chat_reply(
         oai, server, messages, max_tokens=16, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     )
-    assert text_of(off) == plain.choices[0].message.content
+    assert text_of(off) == plain.choices[0].message.content and text_of(off)
+    unasked = claude.messages.create(**fields)  # no thinking is none, as in Anthropic's API (not the template's)
+    assert [(b.type, b.text) for b in unasked.content] == [(b.type, b.text) for b in off.content]
+    hidden = claude.messages.create(**fields, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert hidden.content == [] and hidden.stop_reason == "max_tokens"  # all reasoning, none of it asked for
     response = oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16)
     (item,) = response.output
     assert item.type == "reasoning" and item.content[0].text == reasoning and response.output_text == ""
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == 16
     events = list(
         oai.responses.create(model=server.target, input="Tell me a story.", max_output_tokens=16, stream=True)
     )

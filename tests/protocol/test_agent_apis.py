@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.anthropic import MessageEvents, read_messages_request
 from dflash_cli.protocol.openai_responses import ResponseEvents, read_responses_request
-from dflash_cli.protocol.replies import Ending, Part, ReasoningSplit, split_reasoning
+from dflash_cli.protocol.replies import Ending, Part, Prompt, ReasoningSplit
 from dflash_cli.protocol.requests import read_body
 from dflash_cli.protocol.tools import ToolCall
+from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -27,6 +28,18 @@ def error_of(read, body) -> RequestError:  # type: ignore[no-untyped-def]
 
 
 # -- reasoning ---------------------------------------------------------------------------------------------------
+
+
+def split(reply: str, opened: bool = False, cuts: list[int] | None = None) -> tuple[str, str]:
+    """A reply's (reasoning, text) as a ReasoningSplit streams them, the text fed in pieces cut at `cuts`; each
+    piece it gives is non-empty."""
+    splitter, pieces, at = ReasoningSplit(opened), [], 0
+    for cut in [*(cuts or []), len(reply)]:
+        pieces += splitter.feed(reply[at:cut])
+        at = cut
+    pieces += splitter.finish()
+    assert all(text for _, text in pieces)
+    return "".join(t for kind, t in pieces if kind == "reasoning"), "".join(t for kind, t in pieces if kind == "text")
 
 
 @pytest.mark.parametrize(
@@ -42,7 +55,7 @@ def error_of(read, body) -> RequestError:  # type: ignore[no-untyped-def]
     ],
 )
 def test_a_reply_splits_into_reasoning_and_text(reply: str, opened: bool, reasoning: str, text: str) -> None:
-    assert split_reasoning(reply, opened) == (reasoning, text)
+    assert split(reply, opened) == (reasoning, text)
 
 
 @given(
@@ -54,14 +67,7 @@ def test_a_streamed_split_equals_the_whole_split_wherever_the_text_is_cut(
 ) -> None:
     reply = "".join(words)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=6)))
-    split, pieces, at = ReasoningSplit(), [], 0
-    for cut in [*cuts, len(reply)]:
-        pieces += split.feed(reply[at:cut])
-        at = cut
-    pieces += split.finish()
-    streamed = tuple("".join(t for kind, t in pieces if kind == want) for want in ("reasoning", "text"))
-    assert streamed == split_reasoning(reply)
-    assert all(t for _, t in pieces)  # no empty pieces
+    assert split(reply, cuts=cuts) == split(reply)
 
 
 # -- Anthropic Messages ------------------------------------------------------------------------------------------
@@ -141,6 +147,61 @@ def test_a_messages_body_becomes_the_chat_request_it_means() -> None:
     assert count.request.messages == chat.messages and count.request.sampling == {}
 
 
+def test_an_image_a_tool_returned_is_left_out_by_name_and_one_the_user_sent_is_refused() -> None:
+    """Claude Code's Read of an image returns it in a tool_result, and every later turn resends it: it becomes a
+    line that says it was left out, not a 400 that would end the session."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "a.png:"}, image]}
+    body = {
+        "max_tokens": 8,
+        "messages": [
+            {"role": "user", "content": "Look at a.png"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ],
+    }
+    (tool,) = [m for m in read_messages_request(body).request.messages if m["role"] == "tool"]
+    assert tool["content"] == "a.png:\n[image omitted: this model reads text only]"
+    error = error_of(read_messages_request, {**body, "messages": [{"role": "user", "content": [image]}]})
+    assert error.param == "messages[0].content[0]" and "image blocks are not supported" in error.message
+
+
+def test_claude_codes_billing_header_is_left_out_of_the_system_prompt() -> None:
+    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.36.e1f; cch=93b1a;"}
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    read = read_messages_request({**body, "system": [header, {"type": "text", "text": "Be brief."}]})
+    assert read.request.messages[0] == {"role": "system", "content": "Be brief."}
+    alone = read_messages_request({**body, "system": [header]})
+    assert [m["role"] for m in alone.request.messages] == ["user"]
+    quoted = "x-anthropic-billing-header: is what Claude Code sends."  # a system prompt given as a string stays
+    assert read_messages_request({**body, "system": quoted}).request.messages[0]["content"] == quoted
+
+
+def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
+    """In Anthropic's API no `thinking` is no thinking: a template that thinks by default (Qwen3) is told not to,
+    unless the request's own chat_template_kwargs say otherwise."""
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    kwargs = {
+        name: read_messages_request({**body, **change}).request.chat_template_kwargs
+        for name, change in {
+            "absent": {},
+            "disabled": {"thinking": {"type": "disabled"}},
+            "enabled": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "own": {"chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "low"}},
+        }.items()
+    }
+    assert kwargs == {
+        "absent": {"enable_thinking": False},
+        "disabled": {"enable_thinking": False},
+        "enabled": {"enable_thinking": True},
+        "own": {"enable_thinking": True, "reasoning_effort": "low"},
+    }
+    assert read_messages_request(body, count_only=True).request.chat_template_kwargs == {"enable_thinking": False}
+    error = error_of(read_messages_request, {**body, "chat_template_kwargs": "on"})
+    assert error.param == "chat_template_kwargs", error.message
+
+
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [
@@ -186,6 +247,22 @@ def test_a_messages_body_becomes_the_chat_request_it_means() -> None:
             "messages[0].content[0].tool_use_id",
             "tool_use",
         ),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "must not be empty"),
+        ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content", "must not be empty"),
+        *[
+            (
+                {
+                    "messages": [
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", **given}]},
+                        {"role": "user", "content": "Go on"},
+                    ]
+                },
+                "messages[1].content[0].input",
+                "must be a JSON object",
+            )
+            for given in ({"input": '{"city": "Paris"}'}, {"input": None}, {})  # (a string is not the object)
+        ],
     ],
 )
 def test_a_bad_messages_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:
@@ -196,8 +273,8 @@ def test_a_bad_messages_body_is_refused_naming_its_field(change: dict, param: st
 
 def test_message_events_add_up_to_the_whole_message() -> None:
     call = ToolCall("get_weather", '{"city": "Paris"}', "call_abc")
-    events = MessageEvents(id="msg_1", model="demo", input_tokens=100, thinking=True)
-    stream = events.start()
+    events = MessageEvents(id="msg_1", model="demo", thinking=True)
+    stream = events.render(Prompt(prompt_tokens=100, cached_tokens=90))
     for part in [
         Part("reasoning", "Hmm."),
         Part("reasoning", " Paris."),
@@ -237,10 +314,16 @@ def test_message_events_add_up_to_the_whole_message() -> None:
         "cache_read_input_tokens": 90,
         "cache_creation_input_tokens": 0,
     }
-    unasked = MessageEvents(id="msg_2", model="demo", input_tokens=5, thinking=False)
+    started, ended = stream[0][1]["message"]["usage"], stream[-2][1]["usage"]  # (the same counts, but the output's)
+    assert {**started, "output_tokens": 12} == ended == events.message["usage"]
+    unasked = MessageEvents(id="msg_2", model="demo", thinking=False)
     assert unasked.part(Part("reasoning", "Hmm.")) == []  # reasoning not asked for is kept out
-    unasked.end(Ending("stop", "END", 5, 0, 3))
+    stream += unasked.render(Prompt(5, 0)) + unasked.render(Ending("stop", "END", 5, 0, 3))
     assert unasked.message["stop_reason"] == "stop_sequence" and unasked.message["stop_sequence"] == "END"
+    for _, data in stream:  # each event and each Message as the anthropic SDK's types have them, strictly
+        check_message_event(data)
+    for message in (events.message, unasked.message):
+        check_message(message)
 
 
 # -- OpenAI Responses --------------------------------------------------------------------------------------------
@@ -344,6 +427,17 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
             "input[1].arguments",
             "not valid JSON",
         ),
+        (  # a call that joins the assistant message before it is named as its own item
+            {
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Let me check."},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"},
+                ]
+            },
+            "input[2].arguments",
+            "not valid JSON",
+        ),
     ],
 )
 def test_a_bad_responses_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:
@@ -353,11 +447,13 @@ def test_a_bad_responses_body_is_refused_naming_its_field(change: dict, param: s
 
 def test_response_events_add_up_to_the_whole_response() -> None:
     call = ToolCall("get_weather", '{"city": "Paris"}', "call_abc")
-    events = ResponseEvents(id="resp_1", model="demo", created=1, echo={"tools": []})
+    echo = read_responses_request({"input": "Hi", "tools": [{"type": "function", "name": "get_weather"}]}).echo
+    events = ResponseEvents(id="resp_1", model="demo", created=1, echo=echo)
     stream = events.start()
     for part in [Part("reasoning", "Hmm."), Part("text", "Let me "), Part("text", "check."), Part("call", call=call)]:
         stream += events.part(part)
-    stream += events.end(Ending("tool_calls", None, prompt_tokens=100, cached_tokens=90, output_tokens=12))
+    ending = Ending("tool_calls", None, prompt_tokens=100, cached_tokens=90, output_tokens=12, reasoning_tokens=3)
+    stream += events.end(ending)
     assert [name for name, _ in stream] == [
         "response.created",
         "response.in_progress",
@@ -380,15 +476,24 @@ def test_response_events_add_up_to_the_whole_response() -> None:
     ]
     assert [data["sequence_number"] for _, data in stream] == list(range(len(stream)))
     response = stream[-1][1]["response"]
-    assert response["status"] == "completed" and response["output_text"] == "Let me check."
+    assert response["status"] == "completed" and "output_text" not in response  # (the SDKs' property, not a field)
+    assert check_response(response).output_text == "Let me check."
     reasoning, message, function_call = response["output"]
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Hmm."}]
     assert message["content"][0]["text"] == "Let me check." and message["status"] == "completed"
     assert function_call["call_id"] == "call_abc" and function_call["arguments"] == '{"city": "Paris"}'
-    assert response["usage"]["input_tokens_details"] == {"cached_tokens": 90}
+    assert response["usage"]["input_tokens_details"] == {"cached_tokens": 90, "cache_write_tokens": 0}
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
     assert stream[2][1]["item"]["content"] == []  # (an item's added event shows it as it was then)
-    cut = ResponseEvents(id="resp_2", model="demo", created=1, echo={})
+    cut = ResponseEvents(id="resp_2", model="demo", created=1, echo=echo)
+    stream += cut.start() + cut.part(Part("text", "Once"))
     last = cut.end(Ending("length", None, 5, 0, 8))[-1]
     assert last[0] == "response.incomplete" and last[1]["response"]["incomplete_details"] == {
         "reason": "max_output_tokens"
     }
+    failed = ResponseEvents(id="resp_3", model="demo", created=1, echo=echo)
+    stream += [last, *failed.start(), *failed.part(Part("text", "Once")), *failed.failed("generation failed: x")]
+    for _, data in stream:  # each event and each Response as the openai SDK's types have them, strictly
+        check_response_event(data)
+    for whole in (events, cut, failed):
+        check_response(whole.response)

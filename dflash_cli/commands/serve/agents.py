@@ -11,6 +11,7 @@ route's shapes, streamed or whole. This module only translates; the server does 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -22,19 +23,20 @@ from dflash_cli.commands.serve.wire import APIError, event_stream, sse
 from dflash_cli.commands.serve.worker import Job, Update, Worker
 from dflash_cli.protocol import anthropic, openai_responses
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.responses import now
 
 Running = tuple[Job, asyncio.Queue[Update]]  # a submitted job and the queue its updates arrive on
 Events = anthropic.MessageEvents | openai_responses.ResponseEvents
-T = TypeVar("T")
+Result = TypeVar("Result")  # what the work a client waits for returns (Backend.unless_gone)
 
 
 class Backend(Protocol):
     """What these routes use of the server (http.Server)."""
 
     model: str
+    context_window: int | None
     worker: Worker
 
     def check_room(self) -> None: ...
@@ -42,8 +44,10 @@ class Backend(Protocol):
     async def prepare(self, request: Request) -> tuple[list[int], SamplingParams]: ...
     async def count_tokens(self, request: Request) -> int: ...
     def submit(self, prepared: list[tuple[list[int], SamplingParams]]) -> list[Running]: ...
-    def parts(self, running: Running, request: Request, *, reasoning: bool = False) -> AsyncIterator[Part | Ending]: ...
-    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None: ...
+    def parts(
+        self, running: Running, request: Request, *, reasoning: bool = False, stop_sequence: bool = False
+    ) -> AsyncIterator[Prompt | Part | Ending]: ...
+    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[Result]) -> Result | None: ...
 
 
 class AgentRoutes:
@@ -64,12 +68,7 @@ class AgentRoutes:
         self.backend.check_room()
         read = anthropic.read_messages_request(await self.read_json(http))
         running = await self._start(read.request)
-        events = anthropic.MessageEvents(
-            id=anthropic.new_id(),
-            model=self.backend.model,
-            input_tokens=len(running[0].prompt_ids),
-            thinking=read.thinking,
-        )
+        events = anthropic.MessageEvents(id=anthropic.new_id(), model=self.backend.model, thinking=read.thinking)
 
         def failed(error: APIError) -> list[tuple[str, dict[str, Any]]]:
             return [("error", anthropic.error(error.status, error.message)[1])]
@@ -84,7 +83,7 @@ class AgentRoutes:
     async def responses(self, http: HTTPRequest) -> Response:
         self.backend.check_room()
         read = openai_responses.read_responses_request(await self.read_json(http))
-        running = await self._start(read.request)
+        running = await self._start(read.request, fill_window=read.fills_window)
         events = openai_responses.ResponseEvents(
             id=openai_responses.new_id(), model=self.backend.model, created=now(), echo=read.echo
         )
@@ -92,9 +91,13 @@ class AgentRoutes:
             http, running, read.request, events, lambda error: events.failed(error.message), lambda: events.response
         )
 
-    async def _start(self, request: Request) -> Running:
+    async def _start(self, request: Request, *, fill_window: bool = False) -> Running:
+        """The request's job, submitted; `fill_window`: it may generate until the context window is full."""
         self.backend.check_model(request.model)
-        return self.backend.submit([await self.backend.prepare(request)])[0]
+        prompt_ids, params = await self.backend.prepare(request)
+        if fill_window and self.backend.context_window is not None:
+            params = dataclasses.replace(params, max_new_tokens=self.backend.context_window - len(prompt_ids))
+        return self.backend.submit([(prompt_ids, params)])[0]
 
     async def _reply(
         self,
@@ -108,33 +111,22 @@ class AgentRoutes:
         """The reply as `events` render it: streamed (a failure after the first event is `failed`'s events), or
         whole (`whole()` once every part is in; a failure is the route's error response)."""
         if request.stream:
-            return event_stream(self._stream(running, request, events, failed))
+            return event_stream(
+                self._stream(running, request, events),
+                lambda error: [sse(data, name) for name, data in failed(error)],
+                lambda: self.backend.worker.cancel(running[0]),
+            )
 
         async def gather() -> dict[str, Any]:
-            async for part in self.backend.parts(running, request, reasoning=True):
-                events.end(part) if isinstance(part, Ending) else events.part(part)
+            async for item in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
+                events.render(item)
             return whole()
 
         body = await self.backend.unless_gone(http, [running], gather())
         return Response(status_code=499) if body is None else JSONResponse(body)
 
-    async def _stream(
-        self,
-        running: Running,
-        request: Request,
-        events: Events,
-        failed: Callable[[APIError], list[tuple[str, dict[str, Any]]]],
-    ) -> AsyncIterator[str]:
-        """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
-        try:
-            for name, data in events.start():
+    async def _stream(self, running: Running, request: Request, events: Events) -> AsyncIterator[str]:
+        """The reply's server-sent events, named as the API names them."""
+        async for item in self.backend.parts(running, request, reasoning=True, stop_sequence=True):
+            for name, data in events.render(item):
                 yield sse(data, name)
-            try:
-                async for part in self.backend.parts(running, request, reasoning=True):
-                    for name, data in events.end(part) if isinstance(part, Ending) else events.part(part):
-                        yield sse(data, name)
-            except APIError as error:  # the status is sent already: the error goes in the stream
-                for name, data in failed(error):
-                    yield sse(data, name)
-        finally:
-            self.backend.worker.cancel(running[0])

@@ -19,7 +19,8 @@ import ipaddress
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any
 
 import anyio
 import uvicorn
@@ -31,7 +32,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from dflash_cli.commands.serve.agents import AgentRoutes, Running
+from dflash_cli.commands.serve.agents import AgentRoutes, Result, Running
 from dflash_cli.commands.serve.metrics import CONTENT_TYPE, ServerMetrics
 from dflash_cli.commands.serve.wire import APIError, event_stream, sse
 from dflash_cli.commands.serve.worker import EngineThread, Job, QueueFull, ShuttingDown, Update, Worker
@@ -40,11 +41,12 @@ from dflash_cli.protocol import responses
 from dflash_cli.protocol.anthropic import COUNT_TOKENS_URL, MESSAGES_URL
 from dflash_cli.protocol.openai_responses import RESPONSES_URL
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.replies import Ending, Part, ReasoningSplit, prompt_opens_reasoning
+from dflash_cli.protocol.replies import PROMPT_TAIL_TOKENS, Ending, Part, Prompt, ReasoningSplit, prompt_opens_reasoning
 from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, prompt_list, read_body
 from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
 
+DONE = "data: [DONE]\n\n"  # the last event of an OpenAI stream
 MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
 MODEL_URL = "/v1/models/{model:path}"  # one model's card (the openai client's models.retrieve)
@@ -59,7 +61,6 @@ ROUTES = (
     COUNT_TOKENS_URL,
     RESPONSES_URL,
 )
-T = TypeVar("T")
 
 
 def _no_constants(name: str) -> Any:
@@ -73,6 +74,7 @@ class Server:
         self.session, self.options, self.worker, self.metrics = session, options, worker, metrics
         self.api_key = api_key or None
         self.model = session.served_name
+        self.context_window: int | None = session.context_window
         recipe = session.recipe
         self.names = {self.model, recipe.name, recipe.target.id, *recipe.aliases} - {"ad-hoc"}
         self.created = responses.now()
@@ -188,21 +190,14 @@ class Server:
             "created": self.created,
             "owned_by": "dflash",
             "root": self.session.recipe.target.id,
-            "max_model_len": self.session.context_window,
+            "max_model_len": self.context_window,
         }
 
     async def models(self, request: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
 
     async def model_card(self, request: HTTPRequest) -> Response:
-        name = request.path_params["model"]
-        if name not in self.names:
-            raise APIError(
-                404,
-                f"model {name!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        self.check_model(request.path_params["model"])
         return JSONResponse(self._card())
 
     # -- completions ------------------------------------------------------------------------------------------
@@ -283,9 +278,9 @@ class Server:
         return prompt_ids, params
 
     async def count_tokens(self, request: Request) -> int:
-        """The prompt's length in tokens, as the chat template renders it."""
+        """The prompt's length in tokens, as the chat template renders it (however long: no window check)."""
         async with self.encode_lock:
-            return len(await anyio.to_thread.run_sync(self._encode, request))
+            return len(await anyio.to_thread.run_sync(partial(self.session.encode_request, request, fit_window=False)))
 
     def submit(self, prepared: list[tuple[list[int], SamplingParams]]) -> list[Running]:
         """A job each, queued for the engine, with the queue its updates arrive on; all or none (429, 503)."""
@@ -323,29 +318,26 @@ class Server:
                 param="prompt",
             )
         prepared = []
-        try:
-            for index, one in enumerate([body] if prompts is None else [{**body, "prompt": p} for p in prompts]):
-                request = read_body(one, endpoint, prompt_index=None if prompts is None else index)
-                self.check_model(request.model)
-                if prompts is not None and request.stream:
-                    raise RequestError(
-                        "prompt: several prompts are answered whole; to stream, send one prompt a request",
-                        param="prompt",
-                    )
-                prepared.append((request, *await self.prepare(request)))
-        except RequestError as error:
-            raise APIError(400, error.message, param=error.param, code=error.code) from None
+        for index, one in enumerate([body] if prompts is None else [{**body, "prompt": p} for p in prompts]):
+            request = read_body(one, endpoint, prompt_index=None if prompts is None else index)
+            self.check_model(request.model)
+            if prompts is not None and request.stream:
+                raise RequestError(
+                    "prompt: several prompts are answered whole; to stream, send one prompt a request", param="prompt"
+                )
+            prepared.append((request, *await self.prepare(request)))
         jobs = self.submit([(prompt_ids, params) for _, prompt_ids, params in prepared])
         ids = {"id": responses.new_id(endpoint), "model": self.model, "created": responses.now()}
         request = prepared[0][0]
         if request.stream:
-            stream = self._stream(*jobs[0], request, ids)
-            return event_stream(stream)
+
+            def failed(error: APIError) -> list[str]:  # (as vLLM's: the error, then the stream's end)
+                return [sse(responses.error(error.message, error.type, code=error.code)), DONE]
+
+            return event_stream(self._stream(jobs[0], request, ids), failed, lambda: self.worker.cancel(jobs[0][0]))
         return await self._whole(http, jobs, request, ids)
 
-    async def _whole(
-        self, http: HTTPRequest, jobs: list[tuple[Job, asyncio.Queue[Update]]], request: Request, ids: dict[str, Any]
-    ) -> Response:
+    async def _whole(self, http: HTTPRequest, jobs: list[Running], request: Request, ids: dict[str, Any]) -> Response:
         """The reply, whole; with several prompts (legacy completions) one choice each, in their order."""
 
         async def collect(updates: asyncio.Queue[Update]) -> tuple[str, list[int], Update]:
@@ -379,7 +371,7 @@ class Server:
             )
         return JSONResponse(bodies[0] if len(bodies) == 1 else responses.choices_of(bodies))
 
-    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[T]) -> T | None:
+    async def unless_gone(self, http: HTTPRequest, jobs: list[Running], work: Awaitable[Result]) -> Result | None:
         """What `work` (the jobs' replies, gathered) returns; None when the client disconnected first, which
         cancels the jobs."""
         gone = asyncio.Event()
@@ -405,33 +397,50 @@ class Server:
         return None if gone.is_set() else result
 
     async def parts(
-        self, running: Running, request: Request, *, reasoning: bool = False
-    ) -> AsyncIterator[Part | Ending]:
-        """A job's reply as it comes: text, and under tools each call once it closes (the text read raw, special
-        tokens kept, and held back from where a call may start); with `reasoning`, the text split into reasoning
-        and text first. Then its Ending; an APIError when the generation failed."""
+        self, running: Running, request: Request, *, reasoning: bool = False, stop_sequence: bool = False
+    ) -> AsyncIterator[Prompt | Part | Ending]:
+        """A job's reply as it comes: its Prompt once the first step is in, text, and under tools each call once it
+        closes (the text read raw, special
+        tokens kept, cut at the request's stop strings, and held back from where a call may start); with
+        `reasoning`, the text split into reasoning and text first (read raw too, the reasoning markers kept where
+        they are special tokens). Then its Ending, which names the stop string that ended the reply when
+        `stop_sequence` asks; an APIError when the generation failed."""
         job, updates = running
         tools = ToolStream(request.tools, self.session.tool_format) if request.tools is not None else None
-        raw = self.session.reply_text_stream() if tools is not None else None
+        raw = None
+        if tools is not None or reasoning:
+            stops = request.sampling.get("stop_strings") or ()
+            raw = self.session.reply_text_stream(stops, only_markers=tools is None)
+        stopped = False  # the raw text reached a stop string: nothing after it is the reply's
         split = None
         if reasoning:
-            async with self.encode_lock:  # (the tokenizer, one call at a time; the marker may take several tokens)
-                split = ReasoningSplit(prompt_opens_reasoning(self.session.reply_text(job.prompt_ids[-16:])))
+            async with self.encode_lock:  # (the tokenizer, one call at a time)
+                tail = self.session.reply_text(job.prompt_ids[-PROMPT_TAIL_TOKENS:])
+            split = ReasoningSplit(prompt_opens_reasoning(tail))
         text: list[str] = []  # the reply's text as shown, for the stop sequence
         token_ids: list[int] = []
+        reasoning_tokens, reasoning_ended = 0, False  # (the tokens up to the step that closed the reasoning)
         while True:
             update = await updates.get()
+            if not text:  # the first update: the prompt is in
+                yield Prompt(len(job.prompt_ids), update.cached_tokens)
             text.append(update.text)
             token_ids += update.token_ids
             fresh = update.text
             if raw is not None:
+                fresh = ""
                 async with self.encode_lock:
-                    fresh = raw.push(list(update.token_ids))[0]
-                    if update.finish_reason is not None:
+                    if not stopped:
+                        fresh, cut = raw.push(list(update.token_ids))
+                        stopped = cut is not None
+                    if update.finish_reason is not None and not stopped:
                         fresh += raw.flush()
             pieces = split.feed(fresh) if split is not None else [("text", fresh)]
             if split is not None and update.finish_reason is not None:
                 pieces += split.finish()
+            if split is not None and not reasoning_ended:
+                reasoning_tokens = len(token_ids) if split.reasoned else 0
+                reasoning_ended = not split.reasoning
             for kind, piece in pieces:
                 if kind == "text" and tools is not None:
                     piece = tools.feed(piece)
@@ -451,8 +460,18 @@ class Server:
                     yield Part("call", call=call)
                 finish_reason = responses.finish_with_calls(finish_reason, bool(tools.given or calls))
             stats = update.stats
-            stop = await self._stop_sequence(request, token_ids, "".join(text)) if finish_reason == "stop" else None
-            yield Ending(finish_reason, stop, stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens, stats)
+            stop = None
+            if stop_sequence and finish_reason == "stop":
+                stop = await self._stop_sequence(request, token_ids, "".join(text))
+            yield Ending(
+                finish_reason,
+                stop,
+                stats.prompt_tokens,
+                stats.cached_tokens,
+                stats.generated_tokens,
+                stats,
+                reasoning_tokens=min(reasoning_tokens, stats.generated_tokens),
+            )
             return
 
     async def _stop_sequence(self, request: Request, token_ids: list[int], text: str) -> str | None:
@@ -472,34 +491,28 @@ class Server:
         if update.finish_reason == "cancelled":  # only shutdown cancels a job whose client is still there
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
 
-    async def _stream(
-        self, job: Job, updates: asyncio.Queue[Update], request: Request, ids: dict[str, Any]
-    ) -> AsyncIterator[str]:
-        """Server-sent events; a client that goes away cancels this generator, which cancels the job."""
+    async def _stream(self, running: Running, request: Request, ids: dict[str, Any]) -> AsyncIterator[str]:
+        """The reply's server-sent events, as OpenAI's chunks."""
         endpoint, usage = request.endpoint or CHAT_URL, request.include_usage
         calls = 0
-        try:
-            if endpoint == CHAT_URL:
-                yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
-            try:
-                async for part in self.parts((job, updates), request):
-                    if isinstance(part, Ending):
-                        last = responses.chunk(endpoint, finish_reason=part.finish_reason, with_usage=usage, **ids)
-                        last["dflash"] = responses.dflash_stats(part.stats)
-                        yield sse(last)
-                        if usage:
-                            yield sse(responses.usage_chunk(endpoint, stats=part.stats, **ids))
-                    elif part.call is not None:
-                        for chunk in responses.tool_call_chunks(endpoint, [part.call], calls, with_usage=usage, **ids):
-                            yield sse(chunk)
-                        calls += 1
-                    else:
-                        yield sse(responses.chunk(endpoint, text=part.text, with_usage=usage, **ids))
-            except APIError as error:  # the status is sent already: the error goes in the stream, as vLLM's
-                yield sse(responses.error(error.message, error.type, code=error.code))
-            yield "data: [DONE]\n\n"
-        finally:
-            self.worker.cancel(job)
+        if endpoint == CHAT_URL:
+            yield sse(responses.chunk(endpoint, first=True, with_usage=usage, **ids))
+        async for part in self.parts(running, request):
+            if isinstance(part, Prompt):
+                continue  # (the chat chunks carry no usage before the end)
+            if isinstance(part, Ending):
+                last = responses.chunk(endpoint, finish_reason=part.finish_reason, with_usage=usage, **ids)
+                last["dflash"] = responses.dflash_stats(part.stats)
+                yield sse(last)
+                if usage:
+                    yield sse(responses.usage_chunk(endpoint, stats=part.stats, **ids))
+            elif part.call is not None:
+                for chunk in responses.tool_call_chunks(endpoint, [part.call], calls, with_usage=usage, **ids):
+                    yield sse(chunk)
+                calls += 1
+            else:
+                yield sse(responses.chunk(endpoint, text=part.text, with_usage=usage, **ids))
+        yield DONE
 
 
 # ---------------------------------------------------------------------------------------------------------------

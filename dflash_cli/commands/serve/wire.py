@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from dflash_cli.protocol import anthropic, responses
 
@@ -47,5 +48,33 @@ def sse(data: Any, event: str | None = None) -> str:
     return f"{named}data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+class EventStream(StreamingResponse):
+    """Server-sent events, and `on_close` once the response ends however it ends: sent whole, the client gone
+    mid-stream, or gone before the first event (then the events' own cleanup never runs: they never started)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def event_stream(
+    events: AsyncIterator[str], failed: Callable[[APIError], Iterable[str]], on_close: Callable[[], None]
+) -> EventStream:
+    """A reply streamed: `events`, and where its generation fails after the status was sent, `failed`'s events
+    for the error (in the stream, as vLLM's); `on_close` (which cancels the job) once the response ends."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except APIError as error:
+            for event in failed(error):
+                yield event
+
+    return EventStream(guarded(), on_close)

@@ -32,6 +32,7 @@ class Update:
     finish_reason: str | None = None  # on the last update: "stop", "length", "cancelled" or "error"
     stats: Any = None  # on the last update: the generation's engine GenerationStats (None if it never started)
     error: str | None = None  # with finish_reason "error": what went wrong
+    cached_tokens: int = 0  # the prompt tokens read from its slot (prefix reuse), known from the first update
 
 
 class Job:
@@ -224,9 +225,12 @@ class Worker:
             traceback.print_exception(event)
             self._end(job, Update(finish_reason="error", error=_first_line(event), stats=_copy_stats(row)))
         elif event.finish_reason is not None:
-            self._end(job, Update(event.text, tuple(event.token_ids), event.finish_reason, copy.deepcopy(event.stats)))
+            stats = copy.deepcopy(event.stats)
+            ids = tuple(event.token_ids)
+            self._end(job, Update(event.text, ids, event.finish_reason, stats, cached_tokens=stats.cached_tokens))
         elif not job.cancelled:
-            self._send(job, Update(event.text, tuple(event.token_ids)))
+            cached = row.generation.stats.cached_tokens
+            self._send(job, Update(event.text, tuple(event.token_ids), cached_tokens=cached))
 
     def _end(self, job: Job, update: Update) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ then each method puts the state back to n kept tokens, for n = 1, B/4, B/2, B-1.
 Costs are CPU time of this process (one thread: the machine's other load hardly moves it), medians over
 `--repeats` rounds with the methods interleaved. Prints one row per (method, n): extra work / verify.
 
-    python scripts/hybrid_rollback_bench.py [--dtype float32] [--block 16] [--repeats 5]
+    python -m benchmarks.hybrid_rollback_bench [--dtype float32] [--block 16] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -199,3 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"load {os.getloadavg()}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""scripts/gpu_bench.py (dflash_cli.bench.gpu) in its CPU configuration (--smoke): the code path the GPU run takes, on tiny shapes.
+"""`python -m benchmarks.gpu_bench` in its CPU configuration (--smoke): the code path the GPU run takes, on tiny shapes.
 
 No timings are asserted. What is asserted: the results have the structure docs/benchmarks.md reads, every
 figure is there next to its target, NF4 really quantized the target, and the controlled-acceptance double
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli.bench import gpu as gpu_module
+from benchmarks import gpu_bench as gpu_module
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_bench.py"
 WHEEL_NAME = "dflash-0.1.0-py3-none-any.whl"
 
 
@@ -47,11 +46,11 @@ def reference_wheel(tmp: Path) -> Path | None:
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("gpu_bench")
     out = tmp / "results.json"
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--output", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--output", str(out)]
     wheel = reference_wheel(tmp)
     if wheel is not None:
         cmd += ["--reference-wheel", str(wheel)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)  # run as from a checkout
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"results": json.loads(out.read_text()), "table": proc.stdout, "wheel": wheel}
 

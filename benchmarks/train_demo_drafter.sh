@@ -9,7 +9,7 @@
 # runs the same data and step count in one schedule: a comparable drafter, not a bit-identical one.
 # Results in docs/benchmarks.md. On a GPU, add --device cuda (and raise STEPS).
 #
-#   scripts/train_demo_drafter.sh [OUTPUT_DIR]
+#   benchmarks/train_demo_drafter.sh [OUTPUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,4 +1,4 @@
-"""The few-row products of a decode step on this CPU, kernel against kernel: `python scripts/cpu_products.py
+"""The few-row products of a decode step on this CPU, kernel against kernel: `python -m benchmarks.cpu_products
 [--rows 1 2 4 16] [--repeats N]`, run from a checkout.
 
 Random weights in the shapes of a model's layers (default: the demo target, SmolLM2-135M: 30 layers of q/k/v/o

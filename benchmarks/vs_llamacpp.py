@@ -17,8 +17,8 @@ processes hits every figure alike:
 Every figure is decode tokens/s (prefill excluded on both sides), median over rounds, with both tools on the
 same number of threads; the ratios in the summary are dflash / llama.cpp within this one run.
 
-    python scripts/vs_llamacpp.py                          # build once into ~/.cache/dflash/llama.cpp, 3 rounds
-    python scripts/vs_llamacpp.py --rounds 5 --threads 2 --json vs.json
+    python -m benchmarks.vs_llamacpp                          # build once into ~/.cache/dflash/llama.cpp, 3 rounds
+    python -m benchmarks.vs_llamacpp --rounds 5 --threads 2 --json vs.json
 """
 
 from __future__ import annotations
@@ -238,3 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "samples": samples}
         args.json.write_text(json.dumps(record, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

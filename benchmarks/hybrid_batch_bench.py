@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     rollback = {"s": 0.0}
     keep = LinearStateRollback.keep
 
-    def timed_keep(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def timed_keep(self, *a, **kw):
         t0 = time.perf_counter()
         try:
             return keep(self, *a, **kw)

@@ -164,7 +164,10 @@ def summary(results: dict[str, dict[str, float]], draft_max: list[int]) -> list[
         return results[name]["tok_s"]
 
     best_spec = max((f"llama.cpp dflash n_max={n}" for n in draft_max), key=tok_s)
-    lines = [f"| {name} | {r['tok_s']:.1f} | {r.get('tau', r.get('accept', float('nan'))):.2f} |" for name, r in results.items()]  # fmt: skip
+    lines = [
+        f"| {name} | {r['tok_s']:.1f} | {r.get('tau', r.get('accept', float('nan'))):.2f} |"
+        for name, r in results.items()
+    ]
     lines = ["| configuration | decode tok/s (median) | tau / accept |", "|---|---|---|", *lines, ""]
     lines.append(f"plain bf16: dflash / llama.cpp = {tok_s('dflash plain bf16') / tok_s('llama.cpp plain bf16'):.2f}x")
     lines.append(
@@ -179,14 +182,21 @@ def summary(results: dict[str, dict[str, float]], draft_max: list[int]) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, help="where llama.cpp is built and the GGUFs go "
-                        "(default: the dflash cache's llama.cpp folder)")  # fmt: skip
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="where llama.cpp is built and the GGUFs go (default: the dflash cache's llama.cpp folder)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", type=int, nargs="+", default=[2, 3, 4], help="llama.cpp's --spec-draft-n-max")
-    parser.add_argument("--compile", choices=["auto", "off"], default="auto",
-                        help="dflash's --compile (auto: the stored exported step, built first when missing)")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        choices=["auto", "off"],
+        default="auto",
+        help="dflash's --compile (auto: the stored exported step, built first when missing)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 

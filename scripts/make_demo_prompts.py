@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cli.commands.demo_prompts import main  # noqa: E402
+from dflash_cli.commands.demo_prompts import main
 
 if __name__ == "__main__":
     sys.exit(main())

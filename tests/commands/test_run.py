@@ -731,7 +731,7 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
         expected[request.id] = collect(session.stream(session.encode_request(request), params)).text
     seen_rows: list[int] = []
 
-    def one_row_fits(_module, _args, kwargs):  # noqa: ANN001
+    def one_row_fits(_module, _args, kwargs):
         ids = kwargs["input_ids"]
         seen_rows.append(ids.shape[0])
         if ids.shape[0] > 1 or ids.shape[1] == huge:

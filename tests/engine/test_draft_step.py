@@ -34,7 +34,7 @@ FORMAT_SETS = [
 KINDS = [("classic", None), ("dflash2-full", True), ("swa", None), ("dflash2", None)]
 
 
-def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):
     """A random two-layer drafter of `fmt` ("...-full": every layer full attention), causal where asked."""
     config = drafter_config(target, num_layers=2, block_size=4, fmt=fmt.removesuffix("-full"))
     if fmt.endswith("-full"):
@@ -53,11 +53,11 @@ def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):  # noqa
     return drafter
 
 
-def _width(drafter) -> int:  # noqa: ANN001
+def _width(drafter) -> int:
     return len(drafter.config.target_layer_ids) * drafter.config.hidden_size
 
 
-def _one_sequence(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _one_sequence(drafter, dtype: torch.dtype):
     """A prompt's first draft, then four steps of 1-4 new context rows and blocks of 2-4 (views of a wider block,
     as the loop passes them): each call's hidden states, and the cache."""
     torch.manual_seed(5)
@@ -72,7 +72,7 @@ def _one_sequence(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
     return hidden, cache
 
 
-def _several_rows(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _several_rows(drafter, dtype: torch.dtype):
     """Three slots: two rows' first drafts, then rows in slots 2 and 0 (not contiguous) with padded blocks, then all
     three (blocks as views of wider ones, as the loop passes them): each call's hidden states of the real block
     slots, and the cache."""
@@ -101,7 +101,7 @@ def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], dtype: to
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def _cached(cache) -> list[torch.Tensor]:  # noqa: ANN001
+def _cached(cache) -> list[torch.Tensor]:
     """What a cache's layers hold that a later query can see: full layers their committed positions, rings all."""
     return [
         buffer if window is not None else buffer[:, :, : cache.length or None]
@@ -150,7 +150,7 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
     call = draft_step.ExportedDraftStep.one_sequence
     monkeypatch.setattr(draft_step.ExportedDraftStep, "one_sequence", lambda s, *a: ran.append(1) or call(s, *a))
 
-    def prepare(drafter) -> None:  # noqa: ANN001
+    def prepare(drafter) -> None:
         assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
 
     try:
@@ -216,7 +216,7 @@ def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.Monk
     runs = step.one.runner.loader.boxed_run
     calls = []
 
-    def boxed_run(flat):  # noqa: ANN001, ANN202
+    def boxed_run(flat):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("shape guard")
@@ -268,7 +268,7 @@ def test_a_later_start_loads_the_stored_draft_steps(monkeypatch: pytest.MonkeyPa
         draft_step.unload(drafter)
 
 
-def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:  # noqa: ANN001
+def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:
     """Packages are named `{kind}-{build}-{model}`: `prune` removes the packages of a kind that another build
     (versions, code, CPU) made, those named before builds were named and the scratch directories of builds killed
     an hour ago; it keeps this build's other models, other kinds and a build running now."""

@@ -118,7 +118,7 @@ def test_without_dflash_kernels_the_package_runs_mkl_and_stays_exact(monkeypatch
         _eager(target)
 
 
-def _assert_blocks_are_one_token_steps(target) -> None:  # noqa: ANN001
+def _assert_blocks_are_one_token_steps(target) -> None:
     state = AttentionState(target)
     state.reserve(200, 16, ())
     assert state.exported is not None
@@ -157,7 +157,7 @@ def test_exported_decoding_is_eager_decoding(int4_target) -> None:
 
 
 @pytest.mark.parametrize("which", ["int4_target", "bf16_target"])
-def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest.FixtureRequest, monkeypatch) -> None:  # noqa: ANN001
+def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest.FixtureRequest, monkeypatch) -> None:
     """Several rows verify together through the package too (each at its own positions), and every row decodes
     the tokens it decodes alone, with and without a drafter: the package gives a row the same bits in any step."""
     from test_batch import run_batch

@@ -277,7 +277,7 @@ def test_a_quantized_target_gets_its_own_step_costs() -> None:
             num_key_value_heads=2,
             head_dim=16,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
     ).eval()
     drafter = random_drafter(target, seed=0, num_layers=1, block_size=4)
     plain = cost_key(target, drafter, compile=False)

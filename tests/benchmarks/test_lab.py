@@ -32,20 +32,21 @@ def test_every_benchmark_runs_as_a_module(module: Path) -> None:
     assert ast.unparse(last.body[0]) == "sys.exit(main())", module.name
 
 
-@pytest.mark.slow
-def test_a_benchmark_runs_from_a_checkout() -> None:
-    """`python -m benchmarks.NAME` in the checkout's root finds both the lab and the package (no install of either
-    needed) and passes its arguments on."""
+def test_a_wrapper_runs_from_a_checkout(tmp_path: Path) -> None:
+    """The wrapper finds the package beside it (no install needed) and passes its arguments on."""
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.recipe_sizes", "qwen3.5-4b"],
+        [sys.executable, str(ROOT / "scripts" / "make_demo_prompts.py"), str(tmp_path)],
         capture_output=True,
         text=True,
-        cwd=ROOT,
-        timeout=120,
+        cwd=tmp_path,
+        timeout=60,
         env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("# qwen3.5-4b: 4.21 B params loaded")
+    assert "demo_prompts_eval.jsonl: 64 prompts" in done.stdout
+    assert (tmp_path / "demo_prompts_eval.jsonl").read_bytes() == (
+        ROOT / "dflash_cli" / "assets" / "demo_prompts_eval.jsonl"
+    ).read_bytes()
 
 
 def test_recipe_sizes_are_the_ones_a_recipe_lists(capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,3 +263,19 @@ def test_cpu_products_tabulates_each_kernel_at_each_row_count(capsys: pytest.Cap
     assert [line.split("|")[1].strip() for line in table] == ["1", "3"]
     assert all(len(line.split("|")) == 8 for line in table)  # rows + five kernels
     assert "1 layers x 7 products" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_benchmark_runs_from_a_checkout() -> None:
+    """`python -m benchmarks.NAME` in the checkout's root finds both the lab and the package (no install of either
+    needed) and passes its arguments on."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.recipe_sizes", "qwen3.5-4b"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# qwen3.5-4b: 4.21 B params loaded")

@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_module
-from test_drafter_formats import GOLDEN_SETS
 from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM
 
 import dflash_cli.engine.compiled as compiled_module
 import dflash_cli.engine.loop as loop_module
 import dflash_cli.engine.target.attention as target_module
-from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
 from dflash_cli.engine.policy import target_key
 from dflash_cli.engine.target.attention import PACKED_SDPA, packed_sdpa_attention
 from helpers.drafters import OracleDrafter, random_drafter
+from helpers.golden import GOLDEN_SETS, check_golden_sets
 from helpers.tiny_models import build_tiny, hf_greedy, sharp_tiny
-
-FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 @pytest.fixture
@@ -139,49 +131,6 @@ def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
         assert (compiled.token_ids, compiled.acceptance_lengths) == (eager.token_ids, eager.acceptance_lengths)
         assert turn == 0 or compiled.stats.cached_tokens >= len(prompt) - 3
         prompt = prompt + compiled.token_ids + [11, 12]
-
-
-def check_golden_sets(
-    names: list[str],
-    shown: list[str] | None = None,
-    *,
-    compile: bool = True,
-    baseline: bool = False,
-    target: Any = None,
-    prepare: Callable[[Any], None] | None = None,
-) -> set[int]:
-    """Every case of each golden set (tokens and acceptance lengths), on one target object (every set was made on the
-    same target, whose copies are byte-identical; default: a fresh float32 one), both steps compiled unless not
-    `compile` (progress lines into `shown`), `prepare(drafter)` first for each set's drafter, and with `baseline`
-    the plain decoding's greedy tokens too. Returns the block sizes used."""
-    if target is None:
-        target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
-    notify = None if shown is None else (lambda message: shown.append(message) or contextlib.nullcontext())
-    sizes = set()
-    for name in names:
-        golden = json.loads((FIXTURES / name / "golden.json").read_text())
-        drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
-        if prepare is not None:
-            prepare(drafter)
-        for case in golden["cases"]:
-            sizes.add(case.get("block_size") or drafter.block_size)
-            params = SamplingParams(max_new_tokens=golden["max_new_tokens"])
-            steps = generate(
-                target,
-                drafter,
-                case["prompt_ids"],
-                params,
-                block_size=case.get("block_size"),
-                compile=compile,
-                notify=notify,
-            )
-            result = collect(steps)
-            assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
-            assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
-            if baseline:
-                plain = collect(generate(target, None, case["prompt_ids"], params, compile=compile))
-                assert plain.token_ids == case["greedy_new_token_ids"], (name, case["prompt_ids"][:4])
-    return sizes
 
 
 def test_every_golden_set_with_traced_steps(traced_only, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,9 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_batch import run_batch
-from test_compiled import FIXTURES, check_golden_sets
-from test_drafter_formats import GOLDEN_SETS
 from transformers import AutoModelForCausalLM
 
 from dflash_cli.engine import SamplingParams, collect, generate
@@ -23,6 +20,8 @@ from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.target import exported
 from dflash_cli.loading.session import load_exported_step
 from helpers.drafters import drafter_config, random_drafter
+from helpers.golden import FIXTURES, GOLDEN_SETS, check_golden_sets
+from helpers.runs import run_batch
 from helpers.tiny_models import build_tiny
 
 FORMAT_SETS = [

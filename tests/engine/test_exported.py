@@ -11,8 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_compiled import FIXTURES, check_golden_sets
-from test_drafter_formats import GOLDEN_SETS
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -25,6 +23,8 @@ from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.standard import StandardStep
 from dflash_cli.loading.session import load_exported_step
 from helpers.drafters import random_drafter
+from helpers.golden import FIXTURES, GOLDEN_SETS, check_golden_sets
+from helpers.runs import run_batch
 from helpers.tiny_models import build_tiny, hf_greedy, int4_packable_tiny, make_tiny_llama
 
 
@@ -160,8 +160,6 @@ def test_exported_decoding_is_eager_decoding(int4_target) -> None:
 def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest.FixtureRequest, monkeypatch) -> None:
     """Several rows verify together through the package too (each at its own positions), and every row decodes
     the tokens it decodes alone, with and without a drafter: the package gives a row the same bits in any step."""
-    from test_batch import run_batch
-
     target = request.getfixturevalue(which)
     drafter = random_drafter(target, seed=1, block_size=4, dtype=torch.bfloat16)
     params = SamplingParams(max_new_tokens=16)

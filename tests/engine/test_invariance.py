@@ -13,14 +13,13 @@ import functools
 
 import pytest
 import torch
-from test_batch import run_batch
-from test_prefix import conversation, turns
 
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.kernels import INVARIANT_EAGER
 from dflash_cli.engine.policy import FixedBlock
 from dflash_cli.engine.target import attention
 from helpers.drafters import random_drafter
+from helpers.runs import conversation, run_batch, turns
 from helpers.tiny_models import build_tiny
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def traced_only(
 
 
 @pytest.fixture
-def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> list[torch.fx.GraphModule]:
+def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> Iterator[list[torch.fx.GraphModule]]:
     """The target's step as CUDA takes it (fixed shapes, so the state hands attention whole K/V buffers), traced
     by dynamo and run by the eager backend on the CPU. Returns the graphs dynamo made."""
     backend = EagerAndRecordGraphs()
@@ -55,8 +56,9 @@ def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> list[torch.fx
     draft_step = CompiledStep(run_drafter, "draft step", "cpu", backend="eager")
     monkeypatch.setattr(target_module, "compiled_step", lambda device: step)
     monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # one graph per block size
-    return backend.graphs
+    # (dynamo's own patch: monkeypatch's undo deletes a setting from torch 2.13's config module, and later tests fail)
+    with torch._dynamo.config.patch(recompile_limit=64):  # one graph per block size
+        yield backend.graphs
 
 
 def _graphs() -> int:
@@ -133,11 +135,11 @@ def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
         prompt = prompt + compiled.token_ids + [11, 12]
 
 
-def test_every_golden_set_with_traced_steps(traced_only, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # one entry per drafter format and block size
+def test_every_golden_set_with_traced_steps(traced_only) -> None:
     target_graphs, draft_graphs = traced_only
     shown: list[str] = []
-    sizes = check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
+    with torch._dynamo.config.patch(recompile_limit=64):  # one entry per drafter format and block size
+        sizes = check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
     assert len(sizes) >= 5 and target_graphs.frame_count >= 1 and draft_graphs.frame_count >= 3
     assert any("draft step" in m for m in shown) and any("target step" in m for m in shown)
 

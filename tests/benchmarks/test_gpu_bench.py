@@ -55,6 +55,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"results": json.loads(out.read_text()), "table": proc.stdout, "wheel": wheel}
 
 
+@pytest.mark.slow
 def test_every_section_is_there(smoke):
     results = smoke["results"]
     settings = results["settings"]
@@ -99,6 +100,7 @@ def test_every_section_is_there(smoke):
     assert set(results["nf4_vs_dense"]) == {"ar_step", "spec_step"}
 
 
+@pytest.mark.slow
 def test_nf4_quantizes_every_decoder_linear(smoke):
     results = smoke["results"]
     shape = results["settings"]["shape"]
@@ -108,6 +110,7 @@ def test_nf4_quantizes_every_decoder_linear(smoke):
     assert nf4["lm_head_bytes"] == dense["lm_head_bytes"]  # the head stays dense, as transformers leaves it
 
 
+@pytest.mark.slow
 def test_controlled_acceptance_double_hits_the_requested_tau(smoke):
     block = smoke["results"]["settings"]["shape"]["block_size"]
     for run in smoke["results"]["runs"].values():
@@ -120,6 +123,7 @@ def test_controlled_acceptance_double_hits_the_requested_tau(smoke):
             assert abs(r["tau_measured"] - wanted) <= 1 / steps, (key, r["tau_measured"])
 
 
+@pytest.mark.slow
 def test_table_prints_each_figure_with_its_target(smoke):
     table = smoke["table"]
     figures = ("AR step / AR floor", "spec step / AR floor", "spec step ours / reference", "host overhead per AR step")
@@ -129,6 +133,7 @@ def test_table_prints_each_figure_with_its_target(smoke):
     assert "predicted at tau 6.5" in table
 
 
+@pytest.mark.slow
 def test_reference_runs_side_by_side(smoke):
     if smoke["wheel"] is None:
         pytest.skip("z-lab's dflash==0.1.0 wheel could not be had (no DFLASH_REFERENCE_WHEEL, no .whl/, no PyPI)")

@@ -8,11 +8,14 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from benchmarks import gpu_correctness as correctness
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     fixtures = tmp_path / "fixtures"
     shutil.copytree(ROOT / "tests" / "fixtures" / "qwen3-tiny-swa", fixtures / "qwen3-tiny-swa")

@@ -220,6 +220,7 @@ def test_grammar_bench_runs_every_mode_and_the_constrained_ones_agree(tiny_qwen3
     assert results["schema, no drafter"]["tau"] == 1.0 and results["schema"]["steps"] > 0
 
 
+@pytest.mark.slow
 def test_prefix_bench_times_chat_turns_and_served_requests_both_ways(
     tiny_qwen3_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

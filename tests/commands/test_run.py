@@ -536,6 +536,7 @@ def dflash_run(*args: str, cwd: Path) -> tuple[list[str], dict[str, Any]]:
     return [sys.executable, "-m", "dflash_cli", "run", *args], {"cwd": cwd, "env": env}
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_loses_nothing(tmp_path: Path, models: tuple[Path, Path]) -> None:
     ids = [f"q{i:02d}" for i in range(16)]
     write_lines(tmp_path / "prompts.jsonl", [{"id": i, "prompt": f"Tell me about {i}"} for i in ids])
@@ -639,6 +640,7 @@ def test_run_help_names_the_errors_file_it_writes() -> None:
     assert "PROMPTS.errors.jsonl" in help_text and "OUTPUT.errors.jsonl" not in help_text
 
 
+@pytest.mark.slow
 def test_cli_errors_and_exit_codes(tmp_path: Path) -> None:
     write_lines(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}])
     command, kwargs = dflash_run("p.jsonl", "--target", str(tmp_path / "missing-model"), cwd=tmp_path)

@@ -40,6 +40,7 @@ request_strategy = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arch=st.sampled_from(["qwen3", "llama"]),

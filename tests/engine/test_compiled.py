@@ -76,6 +76,7 @@ class VaryingOracle(OracleDrafter):
         return super().propose(features, block_ids, starts, cache, **rows)
 
 
+@pytest.mark.slow
 def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> None:
     target_graphs, draft_graphs = traced_only
     target = sharp_tiny("llama", 1)
@@ -94,6 +95,7 @@ def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> Non
     assert baseline.token_ids == hf_greedy(target, [9, 8, 7], 64)
 
 
+@pytest.mark.slow
 def test_a_step_that_compiles_counts_as_compiling_not_decoding(traced_only) -> None:
     """A step that compiles a graph (minutes on a CPU) is reported as `compile_s`, kept out of the decode time
     (tok/s) and out of the draft and verify times that the block policy and bench read."""
@@ -110,6 +112,7 @@ def test_a_step_that_compiles_counts_as_compiling_not_decoding(traced_only) -> N
     assert first.draft_s + first.verify_s <= first.decode_s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("seed", "block_size"), [(0, 2), (1, 8)])
 def test_compiled_greedy_equals_transformers_greedy(traced_only, seed: int, block_size: int) -> None:
     target = sharp_tiny("llama", seed)
@@ -120,6 +123,7 @@ def test_compiled_greedy_equals_transformers_greedy(traced_only, seed: int, bloc
     assert sum(result.acceptance_lengths) == 32
 
 
+@pytest.mark.slow
 def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
     """Prefix reuse with compiled steps: the first draft of a later turn (a context of many kept and new rows, in
     the compiled draft step) gives what an eager whole prefill gives."""
@@ -135,6 +139,7 @@ def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
         prompt = prompt + compiled.token_ids + [11, 12]
 
 
+@pytest.mark.slow
 def test_every_golden_set_with_traced_steps(traced_only) -> None:
     target_graphs, draft_graphs = traced_only
     shown: list[str] = []
@@ -144,6 +149,7 @@ def test_every_golden_set_with_traced_steps(traced_only) -> None:
     assert any("draft step" in m for m in shown) and any("target step" in m for m in shown)
 
 
+@pytest.mark.slow
 def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.fx.GraphModule]) -> None:
     """The CUDA-graph layout (attention over the whole K/V buffer, a length on the device) on the CPU: DFlash and
     the plain decoding give the reference's tokens. A one-token step once attended every slot of the buffer
@@ -157,6 +163,7 @@ def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.f
     assert any(graph.graph.find_nodes(op="call_method", target="index_copy_") for graph in whole_buffer)
 
 
+@pytest.mark.slow
 def test_whole_buffer_attention_reads_each_kv_head_once(
     whole_buffer: list[torch.fx.GraphModule], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -203,6 +210,7 @@ def test_packed_sdpa_is_sdpa(queries: int, additive: bool) -> None:
         packed_sdpa_attention(module, query, key, value, mask, scaling=0.25, softcap=30.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
 def test_whole_buffer_steps_keep_sliding_windows(whole_buffer: list[torch.fx.GraphModule], family: str) -> None:
     """Targets with sliding-window layers beside full ones (a mask per layer kind; gpt-oss's eager attention takes
@@ -214,6 +222,7 @@ def test_whole_buffer_steps_keep_sliding_windows(whole_buffer: list[torch.fx.Gra
     assert whole_buffer
 
 
+@pytest.mark.slow
 def test_inductor_reproduces_the_public_golden_sets(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fresh_dynamo
 ) -> None:
@@ -230,6 +239,7 @@ def test_inductor_reproduces_the_public_golden_sets(
     assert any("draft step" in m for m in shown) and any("target step for blocks of 8" in m for m in shown)
 
 
+@pytest.mark.slow
 def test_a_cpu_step_runs_inductors_gemm_kernels_over_frozen_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo
 ) -> None:

@@ -108,6 +108,7 @@ def _cached(cache) -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "causal", "dtype"), [(*kind, torch.bfloat16) for kind in KINDS] + [("dflash2", None, torch.float32)]
 )
@@ -137,6 +138,7 @@ def test_the_exported_draft_steps_are_the_eager_forward(
         _assert_same(_cached(cache), _cached(eager_cache), dtype)
 
 
+@pytest.mark.slow
 def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: the reference's tokens and acceptance lengths with the target's and the drafter's every step run by
     their packages, a golden set of each drafter format: classic, sliding layers (through the rows' step), DFlash2
@@ -159,6 +161,7 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
     assert len(ran) > 100
 
 
+@pytest.mark.slow
 def test_a_batch_drafts_through_the_rows_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows decoding together draft in one call of the rows' package, with the eager batch's drafts (its acceptance
     lengths) and tokens, which are each row's tokens alone."""
@@ -182,6 +185,7 @@ def test_a_batch_drafts_through_the_rows_step(monkeypatch: pytest.MonkeyPatch) -
     assert any(not isinstance(rows, slice) or rows.stop - rows.start > 1 for rows in calls)
 
 
+@pytest.mark.slow
 def test_without_dflash_kernels_the_steps_round_as_eager_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 products on MKL (another CPU, no compiler): a one-row context product runs as two in eager, and so in the
     steps (a package of its own: the key differs); every call bit-equal to the eager forward, one-row contexts
@@ -202,6 +206,7 @@ def test_without_dflash_kernels_the_steps_round_as_eager_does(monkeypatch: pytes
         _assert_same(_cached(cache), _cached(eager_cache), torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loaded step raising mid-generation (after calls that ran): a warning, the eager drafter from then on,
     the same tokens and drafts."""
@@ -229,6 +234,7 @@ def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.Monk
     assert draft_step.loaded_draft_step(drafter) is None
 
 
+@pytest.mark.slow
 def test_a_loaded_draft_step_changes_the_cost_key() -> None:
     """Draft costs measured on the eager drafter are not the package's."""
     from dflash_cli.engine.policy import cost_key
@@ -241,6 +247,7 @@ def test_a_loaded_draft_step_changes_the_cost_key() -> None:
     draft_step.unload(drafter)
 
 
+@pytest.mark.slow
 def test_a_later_start_loads_the_stored_draft_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stored once (a build deletes its kind's packages another build left: `packages.prune`), found by a later load
     (a drafter of the same shapes: any checkpoint of them, bound to its own weights); a load without building finds

@@ -47,6 +47,7 @@ def test_every_golden_set_is_checked():
     assert len(GOLDEN_SETS) >= 8, GOLDEN_SETS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GOLDEN_SETS)
 def test_golden_set_reproduces_exactly(name, targets):
     directory = FIXTURES / name

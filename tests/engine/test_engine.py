@@ -79,6 +79,7 @@ def test_conformance_baseline_is_plain_greedy(golden, conformance_pair):
 # --- b. property: speculative greedy == transformers greedy --------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arch=st.sampled_from(["qwen3", "llama"]),
@@ -168,6 +169,7 @@ def sampling_target():
 # random drafters in the 2026 formats check that their proposals (DFlash2: the selector's greedy chain)
 # go through the same one-hot acceptance rule, which keeps sampling exact whatever the proposal (their seeds
 # are ones whose first draft the target often samples: about 40% of runs).
+@pytest.mark.slow
 @pytest.mark.parametrize(("proposer", "seed"), [("oracle", 0), ("baseline", 0), ("swa", 6), ("dflash2", 2)])
 def test_speculative_sampling_matches_the_target_distribution(sampling_target, proposer, seed):
     """Chi-square goodness of fit against the exact marginals. With fixed seeds the test is deterministic;

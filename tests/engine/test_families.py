@@ -116,6 +116,7 @@ def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessl
     assert speculative_generate(model, drafter, prompt, 24).token_ids == expected
 
 
+@pytest.mark.slow
 def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> None:
     """Exact sampling where a rejection must also roll the recurrent state back: the 2nd and 3rd sampled tokens'
     frequencies against their exact marginals (enumerated), chi-square at alpha = 0.001, fixed seeds."""

@@ -56,6 +56,7 @@ def _greedy(target, drafter, prompt, n, policy):
 # --- losslessness while the size switches -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
@@ -122,6 +123,7 @@ def test_after_plain_steps_the_drafter_reads_the_whole_committed_context(fmt):
 # --- sampling stays exact while the size switches ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sampling_is_exact_with_a_switching_schedule():
     """The 2nd and 3rd tokens' distributions (chi-square against exact marginals) with a plain step, then a
     drafted one that reads both steps' context; alpha = 0.001 per check."""

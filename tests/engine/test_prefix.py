@@ -130,6 +130,7 @@ operations = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(FORMATS), rows=st.integers(1, 3), ops=operations, seed=st.integers(0, 3))
 def test_interleaved_conversations_share_extend_truncate_and_diverge(fmt, rows, ops, seed) -> None:
@@ -163,6 +164,7 @@ def test_seeded_sampling_is_the_same_with_and_without_reuse() -> None:
     assert with_reuse == without and cached[-1] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "bamba"])
 def test_a_hybrid_target_reuses_at_its_snapshots_exactly(family) -> None:
     """Recurrent states cannot go back to any position: a conversation continues from the snapshot at its last

@@ -135,7 +135,6 @@ def test_speculative_greedy_on_switched_models_is_the_targets_greedy(seed: int) 
     assert any(op == "aten.mm" and shapes[0][1] == hidden and shapes[1] == (hidden, 4) for op, shapes in seen.ops)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 4, SMALL_ROWS + 3])
 def test_a_compiled_step_sees_every_product_as_a_linear(rows: int) -> None:
     """Compiled CPU steps freeze the weights and pack them for inductor's GEMM kernels, whose pattern is the
@@ -157,7 +156,6 @@ def test_a_compiled_step_sees_every_product_as_a_linear(rows: int) -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_compiled_step_takes_a_bf16_layer_whole(rows: int, bf16_kernel: str) -> None:
     """torch.compile (the draft step, --compile on) traces a bf16 layer in one graph on either kernel: the choice
@@ -172,7 +170,6 @@ def test_a_compiled_step_takes_a_bf16_layer_whole(rows: int, bf16_kernel: str) -
     torch._dynamo.reset()
 
 
-@pytest.mark.slow
 def test_a_dynamic_graph_is_not_guarded_on_its_row_count() -> None:
     """The engine's CPU graphs take any block width and any number of new drafter rows in one graph (dynamic
     shapes): the row-count rule must not become a guard that recompiles (minutes on a CPU) when a width crosses

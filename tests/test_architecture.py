@@ -49,6 +49,17 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return found & known
 
 
+def imported_roots(source: str) -> set[str]:
+    """The top-level names of what `source` imports anywhere in its body (absolute imports only)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports_of(path, set(known)) - {name} for name, path in known.items()}
@@ -128,6 +139,14 @@ def test_the_checks_find_what_they_look_for() -> None:
         "dflash_cli.bench.measure imports dflash_cli.commands.run",
         "dflash_cli.engine.loop imports dflash_cli.loading.session",
     ]
+    assert imported_roots("def main():\n    from benchmarks.gpu_bench import run\n") == {"benchmarks"}
+
+
+def test_the_package_never_imports_the_lab() -> None:
+    """benchmarks/ (the checkout's benchmarks, not in the wheel) uses the package, never the other way round: an
+    installed dflash has no `benchmarks` to import."""
+    importing = [name for name, path in modules().items() if "benchmarks" in imported_roots(path.read_text("utf-8"))]
+    assert importing == []
 
 
 def test_the_request_format_and_the_engine_stay_low() -> None:

@@ -2,8 +2,8 @@
 
 At batch 1 a plain decode step reads every weight once (the input embedding only for its one row, unless
 it doubles as the output head) plus the K/V of the context (`setup.sizes.step_bytes`), and does little arithmetic
-per byte: its time cannot drop below bytes / read bandwidth (the "floor"). `dflash bench` and `scripts/cpu_decode_floor.py` report steps
-against that floor, as gpt-fast reports "bandwidth achieved".
+per byte: its time cannot drop below bytes / read bandwidth (the "floor"). `dflash bench` and
+`python -m benchmarks.cpu_decode_floor` report steps against that floor, as gpt-fast reports "bandwidth achieved".
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from two: engine.kernels); a batched product over a K/V buffer first copies the 
 layer, a fifth of a demo step). These read each weight once per call for all its rows, read the keys in place,
 and compute every output in one order whatever the row count and threads, so a row's bits do not depend on the
 step it runs in (a plain step, a verify block, a batch, a prefill chunk): bf16 speculative decoding stays lossless
-with no one-row special case. Measured on the 2-core AVX512-BF16 VM (`scripts/cpu_products.py`,
+with no one-row special case. Measured on the 2-core AVX512-BF16 VM (`benchmarks/cpu_products.py`,
 docs/benchmarks.md): the demo target's 210 layer products at one row 4.7 against MKL's 10.5 ms.
 
 The library is compiled once per machine (the C++ compiler and torch's headers, about 10 s) into the dflash cache

@@ -107,9 +107,14 @@ def _family_eager(module: nn.Module) -> Any:
 
 
 def invariant_eager_attention(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    *args: Any,
     **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:  # fmt: skip
+) -> tuple[torch.Tensor, Any]:
     """The family's eager attention; a one-query call runs as two (the query twice) and keeps the first."""
     eager = _family_eager(module)
     if query.shape[2] != 1:

@@ -32,8 +32,14 @@ class Int4Linear(nn.Module):
 
     weight_buffers = ("packed", "scales_zeros")  # what its weight is held in (setup.sizes counts them)
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, in_features: int,
-                 bias: torch.Tensor | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("packed", packed)
@@ -41,8 +47,14 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def from_groups(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype,
-                    bias: torch.Tensor | None = None) -> Int4Linear:  # fmt: skip
+    def from_groups(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+    ) -> Int4Linear:
         """From codes [out, in] in 0..15 and per-group scales and mins [out, in/GROUP_SIZE] (w = q * scale + min)."""
         out_features, in_features = codes.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)

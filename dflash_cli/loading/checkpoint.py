@@ -89,7 +89,7 @@ class Checkpoint:
 
         try:
             return count_parameters(AutoConfig.from_pretrained(self.path))
-        except Exception:  # noqa: BLE001 - any failure here only means: size it from the tensors instead
+        except Exception:  # any failure here only means: size it from the tensors instead
             return None
 
     def nbytes(self, dtype: str, quant: str = "none", native: tuple[str, ...] = ()) -> int:

@@ -489,7 +489,14 @@ def open_session(
             decoding = (session.decode_threads.reason(),) if session.decode_threads is not None else ()
             kernels = (kernels_why,) if kernels_why is not None else ()
             drafting = (draft_why,) if draft_why is not None else ()
-            for reason in (*plan.reasons, *source, *((threads.reason,) if threads else ()), *decoding, *kernels,
-                           compile_why, *drafting):  # fmt: skip
+            for reason in (
+                *plan.reasons,
+                *source,
+                *((threads.reason,) if threads else ()),
+                *decoding,
+                *kernels,
+                compile_why,
+                *drafting,
+            ):
                 console.print(f"  - {reason}", style="dim", markup=False, highlight=False)
     return session

@@ -71,7 +71,7 @@ def scaled_from_bf16(bf16_bytes: float, dtype: str) -> float:
 def recipe_weight_bytes(recipe: Recipe, weights_in: str, dtype: str) -> int | None:
     """A recipe's target weights held in `weights_in` ("nf4", a pre-quantized format kept as stored, or the compute
     dtype) with compute dtype `dtype`, from the recipe's listed sizes (bf16 sizes, made with `ParameterCounts` by
-    scripts/recipe_sizes.py); None when it lists none. NF4 counts the fused expert weights at the compute dtype:
+    benchmarks/recipe_sizes.py); None when it lists none. NF4 counts the fused expert weights at the compute dtype:
     bitsandbytes leaves them as they are, and the listed NF4 size holds them in bf16. The CPU formats ("int4",
     "int8") take their listed size, else the bf16 size (an upper bound: quantizing only shrinks)."""
     if weights_in == "nf4":

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import demo_prompts
 from dflash_cli.training.prompts import load_prompts
 
@@ -20,6 +22,7 @@ def texts(path: Path) -> list[str]:
     return [line.get("prompt") or line["messages"][-1]["content"] for line in lines]
 
 
+@pytest.mark.slow
 def test_the_shipped_files_are_rebuilt_exactly_from_a_checkout(tmp_path: Path) -> None:
     """`python -m benchmarks.demo_prompts DIR` from a checkout (no install needed) writes the shipped files byte for
     byte; held-out and bench prompts are never trained on."""

@@ -309,6 +309,7 @@ def isolated_env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}  # no user recipes
 
 
+@pytest.mark.slow
 def test_help_does_not_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
@@ -322,6 +323,7 @@ def test_help_does_not_import_torch(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env=isolated_env(tmp_path))
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "dflash_cli", "--version"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == f"dflash {__version__}"
@@ -354,6 +356,7 @@ TORCH_PROBE = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -388,6 +391,7 @@ def test_usage_errors_exit_2_before_torch_is_imported(tmp_path: Path, args: list
     assert not (tmp_path / "out").exists()  # a refused train leaves no output folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

@@ -540,6 +540,7 @@ def dflash_run(*args: str, cwd: Path) -> tuple[list[str], dict[str, Any]]:
     return [sys.executable, "-m", "dflash_cli", "run", *args], {"cwd": cwd, "env": env}
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_loses_nothing(tmp_path: Path, models: tuple[Path, Path]) -> None:
     ids = [f"q{i:02d}" for i in range(16)]
     write_lines(tmp_path / "prompts.jsonl", [{"id": i, "prompt": f"Tell me about {i}"} for i in ids])
@@ -643,6 +644,7 @@ def test_run_help_names_the_errors_file_it_writes() -> None:
     assert "PROMPTS.errors.jsonl" in help_text and "OUTPUT.errors.jsonl" not in help_text
 
 
+@pytest.mark.slow
 def test_cli_errors_and_exit_codes(tmp_path: Path) -> None:
     write_lines(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}])
     command, kwargs = dflash_run("p.jsonl", "--target", str(tmp_path / "missing-model"), cwd=tmp_path)
@@ -735,7 +737,7 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
         expected[request.id] = collect(session.stream(session.encode_request(request), params)).text
     seen_rows: list[int] = []
 
-    def one_row_fits(_module, _args, kwargs):  # noqa: ANN001
+    def one_row_fits(_module, _args, kwargs):
         ids = kwargs["input_ids"]
         seen_rows.append(ids.shape[0])
         if ids.shape[0] > 1 or ids.shape[1] == huge:

@@ -44,6 +44,7 @@ BATCH = 4  # the server's --batch-size: rows decoded together
 WINDOW = 2048  # the served model's context window
 BUSY = 1500  # tokens a request that keeps the server busy asks for
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+pytestmark = pytest.mark.slow  # a real server in a subprocess, started once for the module
 
 
 @dataclass

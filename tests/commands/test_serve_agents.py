@@ -54,6 +54,7 @@ from helpers.sdk_types import check_message, check_message_event, check_response
 from helpers.tiny_models import CHAT_TEMPLATE, MODEL_VOCAB
 
 __all__ = ["client", "long_prompt", "models", "server", "session"]  # (fixtures, imported to be used here)
+pytestmark = pytest.mark.slow  # real servers in subprocesses
 
 TOOL = {  # WEATHER, as Anthropic's tools are written
     "name": "get_weather",

@@ -17,62 +17,14 @@ from hypothesis import strategies as st
 
 from dflash_cli.engine import Batch, SamplingParams, collect, generate
 from dflash_cli.engine.policy import FixedBlock
-from helpers.drafters import FORMATS, OracleDrafter, random_drafter
-from helpers.tiny_models import sharp_tiny
+from helpers.drafters import FORMATS, RowOracle, random_drafter
+from helpers.runs import run_batch
+from helpers.tiny_models import family_target, sharp_tiny
 
 
 @functools.cache
 def tiny_target(arch: str, seed: int, layers: int = 2):
     return sharp_tiny(arch, seed, layers)
-
-
-class RowOracle(OracleDrafter):
-    """An oracle per row: a row's first draft (its context from position 0: the whole prompt) says which request it
-    is by its prompt's length (distinct here), so every row drafts its own continuation right for `correct` slots
-    per block. A row is its draft cache alone, its slot in a batch."""
-
-    def __init__(
-        self, target, continuations: list[list[int]], prompt_lengths: list[int], *, block_size: int, correct: list[int]
-    ) -> None:
-        super().__init__(target, [], block_size=block_size, correct=correct)
-        self.by_length = dict(zip(prompt_lengths, continuations, strict=True))
-        assert len(self.by_length) == len(continuations), "the prompts' lengths must differ"
-        self.rows: dict = {}  # id(cache) alone, the slot in a batch -> (sequence, [steps])
-
-    def row_proposal(self, context, size, start, row):
-        if start == context.shape[1]:
-            self.rows[row] = (self.by_length[start], [0])
-        self.sequence, steps = self.rows[row]
-        self.steps = steps[0]
-        steps[0] += 1
-        return super().row_proposal(context, size, start, row)
-
-
-def run_batch(target, drafter, requests: list[tuple[list[int], SamplingParams, int]], rows: int) -> tuple[list, int]:
-    """Decode `requests` (prompt, params, the step at which it joins) in one batch of `rows`; return each
-    request's (token ids, finish reason, acceptance lengths) and the most rows that verified together."""
-    batch = Batch(target, drafter, rows=rows)
-    results: dict[int, list] = {}
-    pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
-    widest, step = 0, 0
-    try:
-        while pending or not batch.idle:
-            while pending and requests[pending[0]][2] <= step:
-                i = pending.pop(0)
-                results[i] = [[], None, None]
-                batch.add(requests[i][0], requests[i][1], key=i)
-            decoding = len(batch.active) if not (batch.waiting and None in batch.slots) else 0
-            widest = max(widest, decoding)
-            for row, event in batch.step():
-                assert not isinstance(event, BaseException), event
-                results[row.key][0] += event.token_ids
-                if event.finish_reason:
-                    results[row.key][1] = event.finish_reason
-                    results[row.key][2] = list(event.stats.acceptance_lengths)
-            step += 1
-    finally:
-        batch.close()
-    return [tuple(results[i]) for i in range(len(requests))], widest
 
 
 def alone(target, drafter, prompt: list[int], params: SamplingParams) -> tuple:
@@ -88,6 +40,7 @@ request_strategy = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arch=st.sampled_from(["qwen3", "llama"]),
@@ -303,8 +256,6 @@ def test_hybrid_rows_roll_back_each_to_its_own_count(family: str) -> None:
     row left) and share each verify, each rolls its recurrent state back to its own kept count (the oracle makes
     every step keep a different number of drafts in each row), and each row makes exactly its tokens and steps
     alone; seeded sampling rows among them are reproducible at any batch size and equal their decoding alone."""
-    from test_families import target as family_target
-
     from helpers.tiny_models import hf_greedy
 
     target = family_target(family)

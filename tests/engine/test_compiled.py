@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_module
-from test_drafter_formats import GOLDEN_SETS
 from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM
 
 import dflash_cli.engine.compiled as compiled_module
 import dflash_cli.engine.loop as loop_module
 import dflash_cli.engine.target.attention as target_module
-from dflash_cli import load_drafter
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
 from dflash_cli.engine.policy import target_key
 from dflash_cli.engine.target.attention import PACKED_SDPA, packed_sdpa_attention
 from helpers.drafters import OracleDrafter, random_drafter
+from helpers.golden import GOLDEN_SETS, check_golden_sets
 from helpers.tiny_models import build_tiny, hf_greedy, sharp_tiny
-
-FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 @pytest.fixture
@@ -63,6 +56,7 @@ def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> Iterator[list
     draft_step = CompiledStep(run_drafter, "draft step", "cpu", backend="eager")
     monkeypatch.setattr(target_module, "compiled_step", lambda device: step)
     monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
+    # (dynamo's own patch: monkeypatch's undo deletes a setting from torch 2.13's config module, and later tests fail)
     with torch._dynamo.config.patch(recompile_limit=64):  # one graph per block size
         yield backend.graphs
 
@@ -82,6 +76,7 @@ class VaryingOracle(OracleDrafter):
         return super().propose(features, block_ids, starts, cache, **rows)
 
 
+@pytest.mark.slow
 def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> None:
     target_graphs, draft_graphs = traced_only
     target = sharp_tiny("llama", 1)
@@ -100,6 +95,7 @@ def test_no_recompiles_in_a_generation_at_a_fixed_block_size(traced_only) -> Non
     assert baseline.token_ids == hf_greedy(target, [9, 8, 7], 64)
 
 
+@pytest.mark.slow
 def test_a_step_that_compiles_counts_as_compiling_not_decoding(traced_only) -> None:
     """A step that compiles a graph (minutes on a CPU) is reported as `compile_s`, kept out of the decode time
     (tok/s) and out of the draft and verify times that the block policy and bench read."""
@@ -116,6 +112,7 @@ def test_a_step_that_compiles_counts_as_compiling_not_decoding(traced_only) -> N
     assert first.draft_s + first.verify_s <= first.decode_s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("seed", "block_size"), [(0, 2), (1, 8)])
 def test_compiled_greedy_equals_transformers_greedy(traced_only, seed: int, block_size: int) -> None:
     target = sharp_tiny("llama", seed)
@@ -126,6 +123,7 @@ def test_compiled_greedy_equals_transformers_greedy(traced_only, seed: int, bloc
     assert sum(result.acceptance_lengths) == 32
 
 
+@pytest.mark.slow
 def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
     """Prefix reuse with compiled steps: the first draft of a later turn (a context of many kept and new rows, in
     the compiled draft step) gives what an eager whole prefill gives."""
@@ -141,58 +139,17 @@ def test_a_compiled_conversation_reuses_its_prefix_exactly(traced_only) -> None:
         prompt = prompt + compiled.token_ids + [11, 12]
 
 
-def check_golden_sets(
-    names: list[str],
-    shown: list[str] | None = None,
-    *,
-    compile: bool = True,
-    baseline: bool = False,
-    target: Any = None,
-    prepare: Callable[[Any], None] | None = None,
-) -> set[int]:
-    """Every case of each golden set (tokens and acceptance lengths), on one target object (every set was made on the
-    same target, whose copies are byte-identical; default: a fresh float32 one), both steps compiled unless not
-    `compile` (progress lines into `shown`), `prepare(drafter)` first for each set's drafter, and with `baseline`
-    the plain decoding's greedy tokens too. Returns the block sizes used."""
-    if target is None:
-        target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
-    notify = None if shown is None else (lambda message: shown.append(message) or contextlib.nullcontext())
-    sizes = set()
-    for name in names:
-        golden = json.loads((FIXTURES / name / "golden.json").read_text())
-        drafter = load_drafter(FIXTURES / name / golden.get("drafter_dir", "drafter"), target)
-        if prepare is not None:
-            prepare(drafter)
-        for case in golden["cases"]:
-            sizes.add(case.get("block_size") or drafter.block_size)
-            params = SamplingParams(max_new_tokens=golden["max_new_tokens"])
-            steps = generate(
-                target,
-                drafter,
-                case["prompt_ids"],
-                params,
-                block_size=case.get("block_size"),
-                compile=compile,
-                notify=notify,
-            )
-            result = collect(steps)
-            assert result.token_ids == case["new_token_ids"], (name, case["prompt_ids"][:4])
-            assert result.acceptance_lengths == case["acceptance_lengths"], (name, case["prompt_ids"][:4])
-            if baseline:
-                plain = collect(generate(target, None, case["prompt_ids"], params, compile=compile))
-                assert plain.token_ids == case["greedy_new_token_ids"], (name, case["prompt_ids"][:4])
-    return sizes
-
-
-@torch._dynamo.config.patch(recompile_limit=64)  # one entry per drafter format and block size
+@pytest.mark.slow
 def test_every_golden_set_with_traced_steps(traced_only) -> None:
     target_graphs, draft_graphs = traced_only
     shown: list[str] = []
-    sizes = check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
+    with torch._dynamo.config.patch(recompile_limit=64):  # one entry per drafter format and block size
+        sizes = check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], shown)
     assert len(sizes) >= 5 and target_graphs.frame_count >= 1 and draft_graphs.frame_count >= 3
     assert any("draft step" in m for m in shown) and any("target step" in m for m in shown)
 
 
+@pytest.mark.slow
 def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.fx.GraphModule]) -> None:
     """The CUDA-graph layout (attention over the whole K/V buffer, a length on the device) on the CPU: DFlash and
     the plain decoding give the reference's tokens. A one-token step once attended every slot of the buffer
@@ -206,6 +163,7 @@ def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.f
     assert any(graph.graph.find_nodes(op="call_method", target="index_copy_") for graph in whole_buffer)
 
 
+@pytest.mark.slow
 def test_whole_buffer_attention_reads_each_kv_head_once(
     whole_buffer: list[torch.fx.GraphModule], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,6 +210,7 @@ def test_packed_sdpa_is_sdpa(queries: int, additive: bool) -> None:
         packed_sdpa_attention(module, query, key, value, mask, scaling=0.25, softcap=30.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
 def test_whole_buffer_steps_keep_sliding_windows(whole_buffer: list[torch.fx.GraphModule], family: str) -> None:
     """Targets with sliding-window layers beside full ones (a mask per layer kind; gpt-oss's eager attention takes
@@ -263,6 +222,7 @@ def test_whole_buffer_steps_keep_sliding_windows(whole_buffer: list[torch.fx.Gra
     assert whole_buffer
 
 
+@pytest.mark.slow
 def test_inductor_reproduces_the_public_golden_sets(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fresh_dynamo
 ) -> None:
@@ -279,6 +239,7 @@ def test_inductor_reproduces_the_public_golden_sets(
     assert any("draft step" in m for m in shown) and any("target step for blocks of 8" in m for m in shown)
 
 
+@pytest.mark.slow
 def test_a_cpu_step_runs_inductors_gemm_kernels_over_frozen_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_dynamo
 ) -> None:

@@ -119,6 +119,7 @@ def test_attention_refuses_what_it_cannot_read() -> None:
         torch.ops.dflash.attention(rows.float(), keys, keys, torch.tensor([[3]]), 0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.needs_no_kernels
 def test_the_environment_switches_them_off() -> None:
     """`DFLASH_CPU_KERNELS=0`: the process keeps torch's kernels and says why."""
@@ -128,8 +129,9 @@ def test_the_environment_switches_them_off() -> None:
     assert done.stdout.split() == ["False", f"{cpu_kernels.ENVIRONMENT}=0"]
 
 
+@pytest.mark.slow
 @pytest.mark.needs_no_kernels
-def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiler that fails: a warning naming the failure, torch's kernels, nothing half-written in the cache."""
     code = (
         "import warnings; from pathlib import Path; from dflash_cli.engine import cpu_kernels, compiled\n"
@@ -158,7 +160,8 @@ def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.Monke
     assert first == "False False" and "could not build them" in reason and "another compiler" in reason
 
 
-def test_a_build_deletes_the_libraries_of_earlier_sources(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.slow
+def test_a_build_deletes_the_libraries_of_earlier_sources(tmp_path) -> None:
     """One library per machine: a build removes the libraries (and failure markers) other sources, torch versions,
     flags or names left in the cache."""
     stale = [

@@ -11,9 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_batch import run_batch
-from test_compiled import FIXTURES, check_golden_sets
-from test_drafter_formats import GOLDEN_SETS
 from transformers import AutoModelForCausalLM
 
 from dflash_cli.engine import SamplingParams, collect, generate
@@ -23,6 +20,8 @@ from dflash_cli.engine.kernels import use_cpu_products
 from dflash_cli.engine.target import exported
 from dflash_cli.loading.compiled_steps import load_exported_step
 from helpers.drafters import drafter_config, random_drafter
+from helpers.golden import FIXTURES, GOLDEN_SETS, check_golden_sets
+from helpers.runs import run_batch
 from helpers.tiny_models import build_tiny
 
 FORMAT_SETS = [
@@ -34,7 +33,7 @@ FORMAT_SETS = [
 KINDS = [("classic", None), ("dflash2-full", True), ("swa", None), ("dflash2", None)]
 
 
-def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):
     """A random two-layer drafter of `fmt` ("...-full": every layer full attention), causal where asked."""
     config = drafter_config(target, num_layers=2, block_size=4, fmt=fmt.removesuffix("-full"))
     if fmt.endswith("-full"):
@@ -53,11 +52,11 @@ def _drafter(target, fmt: str, causal: bool | None, dtype: torch.dtype):  # noqa
     return drafter
 
 
-def _width(drafter) -> int:  # noqa: ANN001
+def _width(drafter) -> int:
     return len(drafter.config.target_layer_ids) * drafter.config.hidden_size
 
 
-def _one_sequence(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _one_sequence(drafter, dtype: torch.dtype):
     """A prompt's first draft, then four steps of 1-4 new context rows and blocks of 2-4 (views of a wider block,
     as the loop passes them): each call's hidden states, and the cache."""
     torch.manual_seed(5)
@@ -72,7 +71,7 @@ def _one_sequence(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
     return hidden, cache
 
 
-def _several_rows(drafter, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _several_rows(drafter, dtype: torch.dtype):
     """Three slots: two rows' first drafts, then rows in slots 2 and 0 (not contiguous) with padded blocks, then all
     three (blocks as views of wider ones, as the loop passes them): each call's hidden states of the real block
     slots, and the cache."""
@@ -101,7 +100,7 @@ def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], dtype: to
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def _cached(cache) -> list[torch.Tensor]:  # noqa: ANN001
+def _cached(cache) -> list[torch.Tensor]:
     """What a cache's layers hold that a later query can see: full layers their committed positions, rings all."""
     return [
         buffer if window is not None else buffer[:, :, : cache.length or None]
@@ -109,6 +108,7 @@ def _cached(cache) -> list[torch.Tensor]:  # noqa: ANN001
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "causal", "dtype"), [(*kind, torch.bfloat16) for kind in KINDS] + [("dflash2", None, torch.float32)]
 )
@@ -138,6 +138,7 @@ def test_the_exported_draft_steps_are_the_eager_forward(
         _assert_same(_cached(cache), _cached(eager_cache), dtype)
 
 
+@pytest.mark.slow
 def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: the reference's tokens and acceptance lengths with the target's and the drafter's every step run by
     their packages, a golden set of each drafter format: classic, sliding layers (through the rows' step), DFlash2
@@ -150,7 +151,7 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
     call = draft_step.ExportedDraftStep.one_sequence
     monkeypatch.setattr(draft_step.ExportedDraftStep, "one_sequence", lambda s, *a: ran.append(1) or call(s, *a))
 
-    def prepare(drafter) -> None:  # noqa: ANN001
+    def prepare(drafter) -> None:
         assert draft_step.exported_draft_step(drafter, build_missing=True) is not None
 
     try:
@@ -160,6 +161,7 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
     assert len(ran) > 100
 
 
+@pytest.mark.slow
 def test_a_batch_drafts_through_the_rows_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows decoding together draft in one call of the rows' package, with the eager batch's drafts (its acceptance
     lengths) and tokens, which are each row's tokens alone."""
@@ -183,6 +185,7 @@ def test_a_batch_drafts_through_the_rows_step(monkeypatch: pytest.MonkeyPatch) -
     assert any(not isinstance(rows, slice) or rows.stop - rows.start > 1 for rows in calls)
 
 
+@pytest.mark.slow
 def test_without_dflash_kernels_the_steps_round_as_eager_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 products on MKL (another CPU, no compiler): a one-row context product runs as two in eager, and so in the
     steps (a package of its own: the key differs); every call bit-equal to the eager forward, one-row contexts
@@ -203,6 +206,7 @@ def test_without_dflash_kernels_the_steps_round_as_eager_does(monkeypatch: pytes
         _assert_same(_cached(cache), _cached(eager_cache), torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loaded step raising mid-generation (after calls that ran): a warning, the eager drafter from then on,
     the same tokens and drafts."""
@@ -216,7 +220,7 @@ def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.Monk
     runs = step.one.runner.loader.boxed_run
     calls = []
 
-    def boxed_run(flat):  # noqa: ANN001, ANN202
+    def boxed_run(flat):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("shape guard")
@@ -230,6 +234,7 @@ def test_a_failing_draft_step_runs_eagerly_from_then_on(monkeypatch: pytest.Monk
     assert draft_step.loaded_draft_step(drafter) is None
 
 
+@pytest.mark.slow
 def test_a_loaded_draft_step_changes_the_cost_key() -> None:
     """Draft costs measured on the eager drafter are not the package's."""
     from dflash_cli.engine.policy import cost_key
@@ -242,6 +247,7 @@ def test_a_loaded_draft_step_changes_the_cost_key() -> None:
     draft_step.unload(drafter)
 
 
+@pytest.mark.slow
 def test_a_later_start_loads_the_stored_draft_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stored once (a build deletes its kind's packages another build left: `packages.prune`), found by a later load
     (a drafter of the same shapes: any checkpoint of them, bound to its own weights); a load without building finds
@@ -268,7 +274,7 @@ def test_a_later_start_loads_the_stored_draft_steps(monkeypatch: pytest.MonkeyPa
         draft_step.unload(drafter)
 
 
-def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:  # noqa: ANN001
+def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:
     """Packages are named `{kind}-{build}-{model}`: `prune` removes the packages of a kind that another build
     (versions, code, CPU) made, those named before builds were named and the scratch directories of builds killed
     an hour ago; it keeps this build's other models, other kinds and a build running now."""

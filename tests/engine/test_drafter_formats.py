@@ -20,13 +20,7 @@ from dflash_cli.engine.drafter.layers import GroupedDynamicConv
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.drafters import DEFAULT_BLOCK_SIZE
 from helpers.drafters import random_drafter
-
-FIXTURES = Path(__file__).parents[1] / "fixtures"
-# Copies of shared/conformance (made with z-lab's reference, dflash==0.1.0), and golden sets we made with the
-# same reference for rules the public ones do not show (reference-extra/README.md).
-GOLDEN_SETS = ["qwen3-tiny-swa", "qwen3-tiny-dflash2"] + sorted(
-    f"reference-extra/{p.parent.name}" for p in (FIXTURES / "reference-extra").glob("*/golden.json")
-)
+from helpers.golden import FIXTURES, GOLDEN_SETS
 
 
 def _raw(name: str) -> dict:
@@ -53,6 +47,7 @@ def test_every_golden_set_is_checked():
     assert len(GOLDEN_SETS) >= 8, GOLDEN_SETS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GOLDEN_SETS)
 def test_golden_set_reproduces_exactly(name, targets):
     directory = FIXTURES / name

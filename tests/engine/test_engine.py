@@ -17,6 +17,7 @@ from dflash_cli.engine import SamplingParams, generate, sample_tokens
 from dflash_cli.engine.drafter import DrafterConfig, default_target_layer_ids
 from dflash_cli.errors import DflashError
 from helpers.drafters import FORMATS, OracleDrafter, random_drafter, save_random_drafter
+from helpers.sampling import chi2_p_value, exact_marginals
 from helpers.tiny_models import hf_greedy, make_tiny_qwen3, sharp_tiny, tiny_tokenizer
 
 # A copy of shared/conformance/qwen3-tiny (golden data from z-lab's reference, dflash==0.1.0).
@@ -78,6 +79,7 @@ def test_conformance_baseline_is_plain_greedy(golden, conformance_pair):
 # --- b. property: speculative greedy == transformers greedy --------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arch=st.sampled_from(["qwen3", "llama"]),
@@ -139,37 +141,6 @@ def test_nf4_target_speculative_equals_its_own_greedy(tmp_path):
 # --- d. sampling is exact --------------------------------------------------------------------------
 
 
-def _exact_marginals(target, prompt: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact distributions of the 2nd and 3rd generated tokens, by enumerating the first two."""
-    vocab = target.config.vocab_size
-    with torch.no_grad():
-
-        def dist(ids):
-            return torch.softmax(target(torch.tensor([ids])).logits[0, -1].double() / temperature, -1)
-
-        p1 = dist(prompt)
-        p2 = torch.zeros(vocab, dtype=torch.float64)
-        p3 = torch.zeros(vocab, dtype=torch.float64)
-        for a in range(vocab):
-            pa = dist(prompt + [a])
-            p2 += p1[a] * pa
-            for b in range(vocab):
-                p3 += p1[a] * pa[b] * dist(prompt + [a, b])
-    return p2, p3
-
-
-def _chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    from scipy.stats import chisquare
-
-    n = counts.sum().item()
-    keep = probs * n >= 5  # pool rare cells so the chi-square approximation holds
-    observed = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)]).double()
-    expected = torch.cat([probs[keep], probs[~keep].sum(0, keepdim=True)]) * n
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
-
-
 @pytest.fixture(scope="module")
 def sampling_target():
     common = dict(
@@ -191,13 +162,14 @@ def sampling_target():
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(12)
     prompt, temperature = [1, 4, 2], 0.8
-    return target, prompt, temperature, _exact_marginals(target, prompt, temperature)
+    return target, prompt, temperature, exact_marginals(target, prompt, temperature)
 
 
 # The oracle proposes the most likely continuation: often accepted, so the accept path is exercised. The
 # random drafters in the 2026 formats check that their proposals (DFlash2: the selector's greedy chain)
 # go through the same one-hot acceptance rule, which keeps sampling exact whatever the proposal (their seeds
 # are ones whose first draft the target often samples: about 40% of runs).
+@pytest.mark.slow
 @pytest.mark.parametrize(("proposer", "seed"), [("oracle", 0), ("baseline", 0), ("swa", 6), ("dflash2", 2)])
 def test_speculative_sampling_matches_the_target_distribution(sampling_target, proposer, seed):
     """Chi-square goodness of fit against the exact marginals. With fixed seeds the test is deterministic;
@@ -219,8 +191,8 @@ def test_speculative_sampling_matches_the_target_distribution(sampling_target, p
         accepted_multi += drafter is not None and r.acceptance_lengths[0] > 1
     if drafter is not None:
         assert accepted_multi > runs // 10, "the accept path must be exercised for this test to mean anything"
-    assert _chi2_p_value(counts[0], p2) > 1e-3
-    assert _chi2_p_value(counts[1], p3) > 1e-3
+    assert chi2_p_value(counts[0], p2) > 1e-3
+    assert chi2_p_value(counts[1], p3) > 1e-3
 
 
 def test_seeded_sampling_is_reproducible():

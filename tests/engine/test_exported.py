@@ -11,8 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_compiled import FIXTURES, check_golden_sets
-from test_drafter_formats import GOLDEN_SETS
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -25,6 +23,8 @@ from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.standard import StandardStep
 from dflash_cli.loading.compiled_steps import load_exported_step
 from helpers.drafters import random_drafter
+from helpers.golden import FIXTURES, GOLDEN_SETS, check_golden_sets
+from helpers.runs import run_batch
 from helpers.tiny_models import build_tiny, hf_greedy, int4_packable_tiny, make_tiny_llama
 
 
@@ -95,6 +95,7 @@ def test_the_standard_step_is_transformers_eager_forward(family: str, dtype: tor
             torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["int4_target", "bf16_target"])
 def test_a_block_computes_each_row_as_one_token_steps_do(which: str, request: pytest.FixtureRequest) -> None:
     """bf16 through the package: every row of a verify block is bit-equal to the one-token step at its position, so
@@ -105,6 +106,7 @@ def test_a_block_computes_each_row_as_one_token_steps_do(which: str, request: py
     _assert_blocks_are_one_token_steps(target)
 
 
+@pytest.mark.slow
 def test_without_dflash_kernels_the_package_runs_mkl_and_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process without dflash's kernels (another CPU, no compiler): MKL's products in the graph, a one-row block
     run as two, and still every row of a block bit-equal to one-token steps (a package of its own: the key differs)."""
@@ -118,7 +120,7 @@ def test_without_dflash_kernels_the_package_runs_mkl_and_stays_exact(monkeypatch
         _eager(target)
 
 
-def _assert_blocks_are_one_token_steps(target) -> None:  # noqa: ANN001
+def _assert_blocks_are_one_token_steps(target) -> None:
     state = AttentionState(target)
     state.reserve(200, 16, ())
     assert state.exported is not None
@@ -140,6 +142,7 @@ def _assert_blocks_are_one_token_steps(target) -> None:  # noqa: ANN001
     assert state.exported is not None and exported.loaded_step(target) is not None
 
 
+@pytest.mark.slow
 def test_exported_decoding_is_eager_decoding(int4_target) -> None:
     """Greedy text through the package: the baseline's, with drafts of any block size (bit-equal rows), and
     transformers' own greedy text on this sharp tiny model (within bf16 ulps of the eager forward)."""
@@ -156,12 +159,11 @@ def test_exported_decoding_is_eager_decoding(int4_target) -> None:
     assert through == [hf_greedy(int4_target, p, 24) for p in prompts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["int4_target", "bf16_target"])
-def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest.FixtureRequest, monkeypatch) -> None:  # noqa: ANN001
+def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest.FixtureRequest, monkeypatch) -> None:
     """Several rows verify together through the package too (each at its own positions), and every row decodes
     the tokens it decodes alone, with and without a drafter: the package gives a row the same bits in any step."""
-    from test_batch import run_batch
-
     target = request.getfixturevalue(which)
     drafter = random_drafter(target, seed=1, block_size=4, dtype=torch.bfloat16)
     params = SamplingParams(max_new_tokens=16)
@@ -181,6 +183,7 @@ def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest
     assert rounding_cause(target) is None
 
 
+@pytest.mark.slow
 def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loaded step raising mid-generation: a warning, and the same tokens from the eager forward."""
     step = exported.loaded_step(int4_target)
@@ -197,6 +200,7 @@ def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monke
         exported._LOADED[int4_target] = step
 
 
+@pytest.mark.slow
 def test_a_loaded_step_changes_the_cost_key(int4_target) -> None:
     """Costs measured on eager steps are not the package's."""
     from dflash_cli.engine.policy import target_key
@@ -211,6 +215,7 @@ def test_a_loaded_step_changes_the_cost_key(int4_target) -> None:
         exported._LOADED[int4_target] = step
 
 
+@pytest.mark.slow
 def test_every_golden_set_through_the_exported_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: the reference's tokens and acceptance lengths, the target's every step (prefill chunks, verify
     blocks of every size) run by the package."""
@@ -227,6 +232,7 @@ def test_every_golden_set_through_the_exported_step(monkeypatch: pytest.MonkeyPa
     assert len(ran) > 100
 
 
+@pytest.mark.slow
 def test_a_later_start_loads_the_stored_package(int4_target, monkeypatch: pytest.MonkeyPatch) -> None:
     path = exported.loaded_step(int4_target).path
     _eager(int4_target)
@@ -238,6 +244,7 @@ def test_a_later_start_loads_the_stored_package(int4_target, monkeypatch: pytest
     assert exported.package_path(other) != path and exported.exported_step(other, build_missing=False) is None
 
 
+@pytest.mark.slow
 def test_a_broken_package_leaves_the_target_eager_until_built_again() -> None:
     model = build_tiny("llama", 5).to(torch.bfloat16)
     path = exported.package_path(model)
@@ -268,6 +275,7 @@ def test_other_families_have_no_exported_step(family: str, fields: dict, why: st
     assert exported.exported_step(model, build_missing=True) is None
 
 
+@pytest.mark.slow
 def test_pull_builds_it_once_and_every_later_start_loads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI: `dflash pull --compile` builds the package (as a first `--compile on` start would); a later default
     start finds it and says so, `--compile on` loads it without building, `--compile off` runs eager; all answer

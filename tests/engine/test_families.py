@@ -21,8 +21,10 @@ from typer.testing import CliRunner
 
 from dflash_cli import speculative_generate
 from dflash_cli.cli.app import app
-from helpers.drafters import OracleDrafter, save_random_drafter
-from helpers.tiny_models import build_tiny, hf_greedy, make_tiny, make_tiny_mxfp4_gpt_oss
+from helpers.drafters import OracleDrafter, RowOracle, save_random_drafter
+from helpers.runs import run_batch
+from helpers.sampling import chi2_p_value, exact_marginals
+from helpers.tiny_models import build_tiny, family_target, hf_greedy, make_tiny, make_tiny_mxfp4_gpt_oss
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba"]  # a rejected draft must roll their state back
 FAMILIES = ["qwen3_moe", "gemma4", "gemma4_moe", "gpt_oss", "llama4", *HYBRIDS]
@@ -30,18 +32,8 @@ NEW_TOKENS = 40
 
 
 @functools.cache
-def target(family: str, seed: int = 1):
-    """A tiny model of `family` with a sharpened output head (fewer near-ties between the top two logits)."""
-    model = build_tiny(family, seed)
-    if not model.config.get_text_config().tie_word_embeddings:
-        with torch.no_grad():
-            model.get_output_embeddings().weight.mul_(8)
-    return model
-
-
-@functools.cache
 def reference(family: str, prompt: tuple[int, ...]) -> list[int]:
-    return hf_greedy(target(family), list(prompt), NEW_TOKENS)
+    return hf_greedy(family_target(family), list(prompt), NEW_TOKENS)
 
 
 PROMPT = (5, 17, 42, 8, 9, 3, 3, 11, 12)  # longer than the tiny models' sliding windows (4)
@@ -50,7 +42,7 @@ PROMPT = (5, 17, 42, 8, 9, 3, 3, 11, 12)  # longer than the tiny models' sliding
 @pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_speculative_greedy_equals_generate_with_partial_acceptance(family: str, block_size: int) -> None:
-    model, expected = target(family), reference(family, PROMPT)
+    model, expected = family_target(family), reference(family, PROMPT)
     pattern = [0, block_size - 1, 1, block_size // 2, 2]  # right drafts per step: rejections at varying depths
     drafter = OracleDrafter(model, list(PROMPT) + expected, block_size=block_size, correct=pattern)
     result = speculative_generate(model, drafter, list(PROMPT), NEW_TOKENS)
@@ -70,7 +62,7 @@ def test_speculative_greedy_equals_generate_with_partial_acceptance(family: str,
 def test_any_prompt_and_acceptance_pattern_is_lossless(
     family: str, prompt: list[int], block_size: int, pattern: list[int]
 ) -> None:
-    model = target(family)
+    model = family_target(family)
     expected = hf_greedy(model, prompt, 24)
     drafter = OracleDrafter(model, prompt + expected, block_size=block_size, correct=pattern)
     assert speculative_generate(model, drafter, prompt, 24).token_ids == expected
@@ -124,18 +116,17 @@ def test_gpt_oss_published_as_mxfp4_loads_dequantized_here_and_decodes_losslessl
     assert speculative_generate(model, drafter, prompt, 24).token_ids == expected
 
 
+@pytest.mark.slow
 def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> None:
     """Exact sampling where a rejection must also roll the recurrent state back: the 2nd and 3rd sampled tokens'
     frequencies against their exact marginals (enumerated), chi-square at alpha = 0.001, fixed seeds."""
-    from test_engine import _chi2_p_value, _exact_marginals
-
     model = build_tiny(
         "qwen3_5", seed=11, vocab_size=6, hidden_size=32, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8
     )
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(12)
     prompt, temperature, runs = [1, 4, 2], 0.8, 800
-    p2, p3 = _exact_marginals(model, prompt, temperature)
+    p2, p3 = exact_marginals(model, prompt, temperature)
     drafter = OracleDrafter(model, prompt + hf_greedy(model, prompt, 3), block_size=4)
     counts, multi = torch.zeros(2, 6), 0
     for seed in range(runs):
@@ -144,7 +135,7 @@ def test_speculative_sampling_on_a_hybrid_matches_the_target_distribution() -> N
         counts[1, result.token_ids[2]] += 1
         multi += result.acceptance_lengths[0] > 1
     assert runs // 10 < multi < runs  # both paths taken: accepted drafts, and rejections that roll back
-    assert _chi2_p_value(counts[0], p2) > 1e-3 and _chi2_p_value(counts[1], p3) > 1e-3
+    assert chi2_p_value(counts[0], p2) > 1e-3 and chi2_p_value(counts[1], p3) > 1e-3
 
 
 def test_a_hybrid_target_says_it_runs_eager_when_compiling_is_asked_for(tmp_path: Path) -> None:
@@ -173,12 +164,10 @@ def test_every_row_of_a_batch_decodes_as_it_does_alone(family: str) -> None:
     """Rows of different lengths share each verify (hybrids too: each row's recurrent state is its own and rolls
     back to its own kept count), each row's greedy output is transformers' own; sliding, chunked and full layers
     each get their own row mask."""
-    from test_batch import RowOracle, run_batch
-
     from dflash_cli.engine import Batch, SamplingParams
     from dflash_cli.engine.target.base import batch_limit
 
-    model = target(family)
+    model = family_target(family)
     prompts = [list(PROMPT), [3, 1, 4], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [27]]
     lengths = [NEW_TOKENS, 12, 30, 20]
     expected = [reference(family, tuple(p))[:n] for p, n in zip(prompts, lengths)]

@@ -128,6 +128,7 @@ def _masked_probs(ids: list[int], matcher, temperature: float) -> torch.Tensor:
     return torch.softmax(logits[0] / temperature, dim=-1)
 
 
+@pytest.mark.slow
 def test_sampling_under_a_grammar_has_the_targets_masked_distribution() -> None:
     """Chi-square on the first two tokens under `"n": integer` style output: frequencies from speculative sampling
     (one seed per run) against the exact masked distribution from the model's logits."""
@@ -260,6 +261,7 @@ def _schemas():
     return objects(st.recursive(leaf, objects, max_leaves=4))
 
 
+@pytest.mark.slow
 def test_any_small_schema_speculative_equals_plain_and_validates() -> None:
     """Random schemas (nested objects, enums, bounded integers, patterns, arrays): speculation gives the plain
     constrained tokens, and a reply that ends is valid JSON that validates."""

@@ -13,14 +13,13 @@ import functools
 
 import pytest
 import torch
-from test_batch import run_batch
-from test_prefix import conversation, turns
 
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.kernels import INVARIANT_EAGER
 from dflash_cli.engine.policy import FixedBlock
 from dflash_cli.engine.target import attention
 from helpers.drafters import random_drafter
+from helpers.runs import conversation, run_batch, turns
 from helpers.tiny_models import build_tiny
 
 
@@ -56,11 +55,13 @@ def texts(target, attn_note: str) -> None:
         assert [g[0] for g in got] == baseline, (attn_note, rows, "baseline batched")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "gemma4", "gpt_oss"])
 def test_greedy_text_is_the_same_alone_batched_and_in_any_block(family: str) -> None:
     texts(bf16_target(family, 0), family)
 
 
+@pytest.mark.slow
 def test_the_same_checks_fail_with_the_fused_attention_kernel() -> None:
     """The test above can fail: with SDPA a row's rounding follows the step's shape, and some text differs."""
     differs = 0
@@ -72,6 +73,7 @@ def test_the_same_checks_fail_with_the_fused_attention_kernel() -> None:
     assert differs > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_reproduces_across_batch_compositions() -> None:
     target = bf16_target("qwen3", 1)
     drafter = random_drafter(target, seed=2, block_size=4, dtype=torch.bfloat16)
@@ -98,6 +100,7 @@ def test_a_prompt_prefilled_in_chunks_continues_as_prefilled_whole(
     assert alone(target, drafter, prompt, params) == whole == alone(target, None, prompt, params)
 
 
+@pytest.mark.slow
 def test_a_conversation_reusing_its_prefix_decodes_as_without() -> None:
     """A chat's later turns continue from the K/V its earlier turns left (one-token and block steps, another
     prefill's chunks): in bf16 the replies equal a fresh prefill's, token for token."""

@@ -24,7 +24,7 @@ class _Ops(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[str, list[tuple[int, ...]]]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append((str(func.overloadpacket), [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
         return func(*args, **(kwargs or {}))
 
@@ -161,7 +161,7 @@ def test_a_compiled_step_sees_every_product_as_a_linear(rows: int) -> None:
     torch._dynamo.reset()
     graphs: list[torch.fx.GraphModule] = []
 
-    def record(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:  # noqa: ARG001
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
         graphs.append(gm)
         return gm
 

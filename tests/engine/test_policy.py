@@ -27,6 +27,7 @@ from dflash_cli.engine.policy import (
 )
 from dflash_cli.engine.target.base import capture_target_features
 from helpers.drafters import FORMATS, OracleDrafter, random_drafter
+from helpers.sampling import chi2_p_value, exact_marginals
 from helpers.tiny_models import hf_greedy, sharp_tiny
 
 
@@ -56,6 +57,7 @@ def _greedy(target, drafter, prompt, n, policy):
 # --- losslessness while the size switches -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
@@ -122,11 +124,10 @@ def test_after_plain_steps_the_drafter_reads_the_whole_committed_context(fmt):
 # --- sampling stays exact while the size switches ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sampling_is_exact_with_a_switching_schedule():
     """The 2nd and 3rd tokens' distributions (chi-square against exact marginals) with a plain step, then a
     drafted one that reads both steps' context; alpha = 0.001 per check."""
-    from test_engine import _chi2_p_value, _exact_marginals
-
     config = Qwen3Config(
         vocab_size=6,
         hidden_size=16,
@@ -146,7 +147,7 @@ def test_sampling_is_exact_with_a_switching_schedule():
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(12)
     prompt, temperature = [1, 4, 2], 0.8
-    p2, p3 = _exact_marginals(target, prompt, temperature)
+    p2, p3 = exact_marginals(target, prompt, temperature)
     drafter = OracleDrafter(target, prompt + hf_greedy(target, prompt, 4), block_size=4)
     runs, counts, drafted_accepts = 1200, torch.zeros(2, 6), 0
     for i in range(runs):
@@ -157,8 +158,8 @@ def test_sampling_is_exact_with_a_switching_schedule():
         counts[1, result.token_ids[2]] += 1
         drafted_accepts += any(a > 1 for a in result.acceptance_lengths)
     assert drafted_accepts > runs // 10, "the accept path must be exercised for this test to mean anything"
-    assert _chi2_p_value(counts[0], p2) > 1e-3
-    assert _chi2_p_value(counts[1], p3) > 1e-3
+    assert chi2_p_value(counts[0], p2) > 1e-3
+    assert chi2_p_value(counts[1], p3) > 1e-3
 
 
 @pytest.mark.parametrize("fmt", ["classic", "dflash2"])
@@ -285,7 +286,7 @@ def test_a_quantized_target_gets_its_own_step_costs() -> None:
             num_key_value_heads=2,
             head_dim=16,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
     ).eval()
     drafter = random_drafter(target, seed=0, num_layers=1, block_size=4)
     plain = cost_key(target, drafter, compile=False)

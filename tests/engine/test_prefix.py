@@ -19,63 +19,13 @@ from hypothesis import strategies as st
 from dflash_cli.engine import Batch, PrefixStore, SamplingParams, collect, generate
 from dflash_cli.engine.prefix import Held, choose_slot, common_prefix
 from helpers.drafters import FORMATS, random_drafter
-from helpers.tiny_models import sharp_tiny
+from helpers.runs import Recorder, conversation, decode, turns
+from helpers.tiny_models import family_target, sharp_tiny
 
 
 @functools.cache
 def tiny_target(arch: str = "qwen3", seed: int = 0):
     return sharp_tiny(arch, seed, 2)
-
-
-class Recorder:
-    """Records every proposal of `drafter` (row by row) while installed."""
-
-    def __init__(self, drafter) -> None:
-        self.drafter, self.proposals = drafter, []
-        self.propose = drafter.propose if drafter is not None else None
-
-    def __enter__(self) -> list:
-        def recording(features, block_ids, starts, cache, *, sizes=None, slots=None):
-            out = self.propose(features, block_ids, starts, cache, sizes=sizes, slots=slots)
-            sizes = sizes or [block_ids.shape[1]] * len(starts)
-            self.proposals += [(start, row[: size - 1].tolist()) for start, row, size in zip(starts, out, sizes)]
-            return out
-
-        if self.drafter is not None:
-            self.drafter.propose = recording
-        return self.proposals
-
-    def __exit__(self, *exc) -> None:
-        if self.drafter is not None:
-            del self.drafter.propose
-
-
-def decode(target, drafter, prompt, params, *, reuse: bool):
-    with Recorder(drafter) as proposals:
-        result = collect(generate(target, drafter, prompt, params, prefix_cache=reuse))
-    return (result.token_ids, result.finish_reason, result.acceptance_lengths, proposals), result.stats
-
-
-def turns(target, drafter, prompts, params):
-    """Each prompt decoded with reuse (in order, on one state) and without; both outcomes and the reused counts."""
-    with_reuse, cached = [], []
-    for prompt in prompts:
-        outcome, stats = decode(target, drafter, prompt, params, reuse=True)
-        with_reuse.append(outcome)
-        cached.append(stats.cached_tokens)
-    without = [decode(target, drafter, prompt, params, reuse=False)[0] for prompt in prompts]
-    return with_reuse, without, cached
-
-
-def conversation(target, drafter, first, params, count: int, seed: int = 0) -> list[list[int]]:
-    """A chat's prompts: each turn is the last prompt, its reply, and a new user message."""
-    rng = random.Random(seed)
-    prompts, prompt = [], list(first)
-    for _ in range(count):
-        prompts.append(prompt)
-        reply = collect(generate(target, drafter, prompt, params, prefix_cache=False)).token_ids
-        prompt = prompt + reply + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 6))]
-    return prompts
 
 
 @pytest.mark.parametrize("fmt", [None, *FORMATS])
@@ -199,6 +149,7 @@ operations = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(FORMATS), rows=st.integers(1, 3), ops=operations, seed=st.integers(0, 3))
 def test_interleaved_conversations_share_extend_truncate_and_diverge(fmt, rows, ops, seed) -> None:
@@ -232,13 +183,12 @@ def test_seeded_sampling_is_the_same_with_and_without_reuse() -> None:
     assert with_reuse == without and cached[-1] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "bamba"])
 def test_a_hybrid_target_reuses_at_its_snapshots_exactly(family) -> None:
     """Recurrent states cannot go back to any position: a conversation continues from the snapshot at its last
     reply's end; a request that ends inside a turn continues from the last snapshot before it (at a prompt's last
     token), and the same prompt again from its own."""
-    from test_families import target as family_target
-
     target = family_target(family)
     drafter = random_drafter(target, fmt="classic", block_size=4)
     params = SamplingParams(max_new_tokens=12)

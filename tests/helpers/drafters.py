@@ -7,7 +7,8 @@
 - `save_random_drafter(dir, target, ...)`: the same, saved in the published checkpoint format.
 - `OracleDrafter(target, continuation, correct=None)`: proposes the target's own continuation for the
   first `correct` slots of each block (all when None) and a wrong token after, so a test can demand an
-  exact acceptance length from the real decode loop.
+  exact acceptance length from the real decode loop. `RowOracle(target, continuations, prompt_lengths, ...)`: one
+  per row of a batch, each row known by its prompt's length.
 """
 
 from __future__ import annotations
@@ -143,3 +144,25 @@ class OracleDrafter(DFlashDrafter):
             right = self.sequence[pos] if pos < len(self.sequence) else 0
             proposal.append(right if correct is None or j < correct else (right + 1) % self.vocab)
         return proposal
+
+
+class RowOracle(OracleDrafter):
+    """An oracle per row: a row's first draft (its context from position 0: the whole prompt) says which request it
+    is by its prompt's length (distinct here), so every row drafts its own continuation right for `correct` slots
+    per block. A row is its draft cache alone, its slot in a batch."""
+
+    def __init__(
+        self, target, continuations: list[list[int]], prompt_lengths: list[int], *, block_size: int, correct: list[int]
+    ) -> None:
+        super().__init__(target, [], block_size=block_size, correct=correct)
+        self.by_length = dict(zip(prompt_lengths, continuations, strict=True))
+        assert len(self.by_length) == len(continuations), "the prompts' lengths must differ"
+        self.rows: dict = {}  # id(cache) alone, the slot in a batch -> (sequence, [steps])
+
+    def row_proposal(self, context, size, start, row):
+        if start == context.shape[1]:
+            self.rows[row] = (self.by_length[start], [0])
+        self.sequence, steps = self.rows[row]
+        self.steps = steps[0]
+        steps[0] += 1
+        return super().row_proposal(context, size, start, row)

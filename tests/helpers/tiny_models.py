@@ -6,7 +6,7 @@ Everything here builds real artifacts offline, in milliseconds:
   the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrids, Gemma 4 dense and MoE, gpt-oss) saved with `save_pretrained`
   (safetensors, float32) plus a real byte-level BPE tokenizer with a ChatML chat template;
   `make_tiny_qwen3(dir, seed)` / `make_tiny_llama(dir, seed)` are its two oldest uses. `build_tiny(family, seed)`
-  builds the same model in memory.
+  builds the same model in memory; `family_target(family)` that one with a sharpened output head, shared.
 - `sharp_tiny(arch, seed, layers)`: the engine tests' Qwen3 / Llama (vocabulary 96, hidden 32) with a sharpened
   output head; `hf_greedy(model, prompt, n)`: transformers' own greedy continuation, what lossless decoding equals.
 - `make_hf_cache(hf_home, repo_id, src_dir)`: the files of `src_dir` laid out the way huggingface_hub stores a
@@ -188,6 +188,19 @@ def build_tiny(family: str, seed: int = 0, **overrides: Any) -> Any:
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@functools.cache
+def family_target(family: str, seed: int = 1) -> Any:
+    """A tiny model of `family` (`build_tiny`) with a sharpened output head (fewer near-ties between the top two
+    logits); one object per family and seed, shared by the tests that decode it."""
+    import torch
+
+    model = build_tiny(family, seed)
+    if not model.config.get_text_config().tie_word_embeddings:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(8)
+    return model
 
 
 def sharp_tiny(arch: str, seed: int, layers: int = 2) -> Any:

@@ -116,6 +116,7 @@ def test_the_pull_command_names_the_recipe_that_uses_a_repo() -> None:
     assert hub.pull_command("Qwen/Qwen3-8B", "abc") == "dflash pull --target Qwen/Qwen3-8B --revision abc"
 
 
+@pytest.mark.slow
 def test_offline_not_cached_in_a_clean_process_has_no_traceback(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     code = (

@@ -254,6 +254,7 @@ def test_load_models_with_a_local_drafter(tiny_qwen3_dir: Path, tmp_path: Path) 
     assert loaded.target_dir == tiny_qwen3_dir.resolve()
 
 
+@pytest.mark.slow
 def test_bitsandbytes_import_says_nothing_the_plan_says_better() -> None:
     """bitsandbytes' import warns about an optional CPU kernel package on CPUs with AVX512-BF16; loading an NF4
     target imports it quietly (the plan's note on NF4 off CUDA is what the user reads)."""

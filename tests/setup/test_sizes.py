@@ -1,5 +1,5 @@
 """One model's size, counted by every part that counts it, agrees: the planner (from a recipe's listed sizes, made as
-scripts/recipe_sizes.py makes them), the loader's memory check (from the checkpoint's files), doctor's speed bound,
+benchmarks/recipe_sizes.py makes them), the loader's memory check (from the checkpoint's files), doctor's speed bound,
 the GPU benchmark (the loaded module, NF4's quantization data included) and the roofline (what a step reads)."""
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ def test_the_flag_wins() -> None:
     assert plan.threads == 3 and plan.label() == "3 threads" and "--threads" in plan.reason
 
 
+@pytest.mark.slow
 def test_a_busy_process_is_seen_and_this_one_is_not() -> None:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

@@ -190,9 +190,12 @@ class DFlashDrafter(nn.Module):
         return self.run_rows(self.fuse_context(packed), block_ids, forward, rotated)[:, 1:]
 
     def run_rows(
-        self, context: torch.Tensor, block_ids: torch.Tensor, forward: SlotsForward,
+        self,
+        context: torch.Tensor,
+        block_ids: torch.Tensor,
+        forward: SlotsForward,
         rotated: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The forward over several slots (`draft_hidden`): the rows' new context packed and fused [1, C, H]
         (`fuse_context`), their blocks [n, w], the `forward` that writes and masks them, the rotation's (cos, sin) at
         its positions -> hidden of every block slot [n, w, H]."""

@@ -115,9 +115,14 @@ class DraftStep(_StepModule):
         super().__init__(drafter)
 
     def forward(
-        self, features: torch.Tensor, block_ids: torch.Tensor, first: torch.Tensor, span: torch.Tensor,
-        keys: list[torch.Tensor], values: list[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        features: torch.Tensor,
+        block_ids: torch.Tensor,
+        first: torch.Tensor,
+        span: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
         drafter = self.drafter
         rows = torch.cat([self.fused(features), drafter.embed(block_ids).to(drafter.fc.weight.dtype)], dim=1)
         positions = (torch.arange(rows.shape[1], device=rows.device) + first)[None]
@@ -128,8 +133,13 @@ class DraftStep(_StepModule):
 class _Buffers:
     """The part of a `DraftCache` a forward over several slots reads, inside the step: its buffers as handed in."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], windows: list[int | None],
-                 ring_positions: torch.Tensor) -> None:  # fmt: skip
+    def __init__(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        windows: list[int | None],
+        ring_positions: torch.Tensor,
+    ) -> None:
         self.keys, self.values, self.windows, self.ring_positions = keys, values, windows, ring_positions
 
     def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,9 +150,18 @@ class _RowWrites(SlotsForward):
     """`SlotsForward` inside the step: what its host work computed comes in as tensors (no `__init__` of its own
     runs); writing, taking each row's keys and the masks are its own methods."""
 
-    def __init__(self, cache: _Buffers, positions: torch.Tensor, token_slots: torch.Tensor, starts: torch.Tensor,
-                 limits: torch.Tensor, rows: torch.Tensor, width: Any, end: Any,
-                 ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cache: _Buffers,
+        positions: torch.Tensor,
+        token_slots: torch.Tensor,
+        starts: torch.Tensor,
+        limits: torch.Tensor,
+        rows: torch.Tensor,
+        width: Any,
+        end: Any,
+        ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
         self.cache, self.width, self.end = cache, width, end
         self.positions, self.token_slots, self.limits, self.rows = positions, token_slots, limits, rows
         self.query_positions = starts[:, None] + torch.arange(width, device=starts.device)
@@ -163,19 +182,37 @@ class RowsDraftStep(_StepModule):
         self.windows = [drafter.config.layer_window(i) for i in range(drafter.config.num_hidden_layers)]
 
     def forward(
-        self, features: torch.Tensor, block_ids: torch.Tensor, context_positions: torch.Tensor,
-        context_slots: torch.Tensor, starts: torch.Tensor, limits: torch.Tensor, rows: torch.Tensor,
-        span: torch.Tensor, ring_tokens: torch.Tensor, ring_slots: torch.Tensor, ring_at: torch.Tensor,
-        ring_positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        features: torch.Tensor,
+        block_ids: torch.Tensor,
+        context_positions: torch.Tensor,
+        context_slots: torch.Tensor,
+        starts: torch.Tensor,
+        limits: torch.Tensor,
+        rows: torch.Tensor,
+        span: torch.Tensor,
+        ring_tokens: torch.Tensor,
+        ring_slots: torch.Tensor,
+        ring_at: torch.Tensor,
+        ring_positions: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
         drafter, width = self.drafter, block_ids.shape[1]
         block_positions = (starts[:, None] + torch.arange(width, device=starts.device)).reshape(-1)
         positions = torch.cat([context_positions, block_positions])
         token_slots = torch.cat([context_slots, rows[:, None].expand(-1, width).reshape(-1)])
         writes = _RowWrites(
-            _Buffers(keys, values, self.windows, ring_positions), positions, token_slots, starts, limits, rows,
-            width, span.shape[0], (ring_tokens, ring_slots, ring_at),
-        )  # fmt: skip
+            _Buffers(keys, values, self.windows, ring_positions),
+            positions,
+            token_slots,
+            starts,
+            limits,
+            rows,
+            width,
+            span.shape[0],
+            (ring_tokens, ring_slots, ring_at),
+        )
         return drafter.run_rows(self.fused(features), block_ids, writes, self.rotated(positions[None]))
 
 
@@ -198,8 +235,9 @@ class ExportedDraftStep:
         block `block_ids` [1, q] from there; the cache then holds the context (its length moves to `start`)."""
         end = start + block_ids.shape[1]
         if self.one is None:  # sliding layers: the rows' step over the cache's one slot
-            forward = SlotsForward(cache, [features.shape[1]], [start], [block_ids.shape[1]], [0], end - start,
-                                   block_ids.device)  # fmt: skip
+            forward = SlotsForward(
+                cache, [features.shape[1]], [start], [block_ids.shape[1]], [0], end - start, block_ids.device
+            )
             hidden = self.several(forward, features, block_ids)
         else:
             cache.make_room(end)

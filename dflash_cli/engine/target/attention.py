@@ -73,9 +73,15 @@ MIN_PREFILL_CHUNK = 16
 
 
 def packed_sdpa_attention(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
-) -> tuple[torch.Tensor, None]:  # fmt: skip
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, except where it would copy K/V per query head (a mask shared by the heads,
     grouped query heads): there the g query heads of each K/V head become g x q query rows of one head, each row
     under its query's mask row, so every K/V head is read once, in place. Each query row's scores, softmax and sum

@@ -44,9 +44,13 @@ class ExportedStep:
         return [self.path]
 
     def __call__(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, end: int, keys: list[torch.Tensor],
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        end: int,
+        keys: list[torch.Tensor],
         values: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         span = torch.empty(end, dtype=torch.uint8)  # only its length is read
         # (AOTInductor reads inputs at its sample's strides: contiguous ones; a view of a wider tensor is not)
         return self.package(token_ids.contiguous(), positions.contiguous(), span, keys, values)

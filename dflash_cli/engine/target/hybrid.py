@@ -158,7 +158,7 @@ class _Recording:
         self.calls: list[tuple[LinearAttentionCacheLayerMixin, dict[str, Any], Callable[..., Any]]] = []
 
     def wrap(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
-        def recording_kernel(query, key, value, g, beta, initial_state=None, **kwargs: Any):  # noqa: ANN001
+        def recording_kernel(query, key, value, g, beta, initial_state=None, **kwargs: Any):
             layer = self.states.get(initial_state.data_ptr()) if initial_state is not None else None
             if layer is not None:  # the start state is the cache's own tensor, overwritten after this call
                 inputs = dict(query=query, key=key, value=value, g=g, beta=beta, initial_state=initial_state.clone())

@@ -82,9 +82,13 @@ class StandardStep(nn.Module):
         )
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, span: torch.Tensor, keys: list[torch.Tensor],
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        span: torch.Tensor,
+        keys: list[torch.Tensor],
         values: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         base = self.target.model
         q, end = token_ids.shape[1], span.shape[0]
         x = base.embed_tokens(token_ids)
@@ -102,9 +106,17 @@ class StandardStep(nn.Module):
         return base.norm(x)[:, :q], outputs
 
     def _layer(
-        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, future: torch.Tensor | None,
-        positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int | torch.SymInt,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        future: torch.Tensor | None,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        end: int | torch.SymInt,
+    ) -> torch.Tensor:
         attention = layer.self_attn
         batch, q = x.shape[0], x.shape[1] - self.extra
         h = layer.input_layernorm(x)

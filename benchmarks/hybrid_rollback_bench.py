@@ -15,7 +15,7 @@ then each method puts the state back to n kept tokens, for n = 1, B/4, B/2, B-1.
 Costs are CPU time of this process (one thread: the machine's other load hardly moves it), medians over
 `--repeats` rounds with the methods interleaved. Prints one row per (method, n): extra work / verify.
 
-    python scripts/hybrid_rollback_bench.py [--dtype float32] [--block 16] [--repeats 5]
+    python -m benchmarks.hybrid_rollback_bench [--dtype float32] [--block 16] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -59,7 +60,7 @@ def target(dtype: torch.dtype) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def per_token_rule(query, key, value, g, beta, initial_state=None, use_qk_l2norm_in_kernel=False, **_):  # noqa: ANN001
+def per_token_rule(query, key, value, g, beta, initial_state=None, use_qk_l2norm_in_kernel=False, **_):
     """The gated delta rule one token at a time, returning every intermediate state (the `pertoken` method)."""
     heads = value.shape[2]
     if query.shape[2] != heads:
@@ -97,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     modules = hybrid._rule_modules(model)
     mixers = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
 
-    def verify(cache) -> None:  # noqa: ANN001
+    def verify(cache) -> None:
         model(input_ids=block, position_ids=positions, past_key_values=cache, use_cache=True)
 
-    def crop(cache, length: int) -> None:  # noqa: ANN001
+    def crop(cache, length: int) -> None:
         for layer in cache.layers:
             if hasattr(layer, "keys") and layer.get_seq_length() > length:
                 layer.crop(length - layer.get_seq_length())
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         elif method == "mixer":
             saved = rollback._copy_states()
 
-            def keep_input(i: int):  # noqa: ANN202
-                def hook(_module, args, kwargs):  # noqa: ANN001, ANN202
+            def keep_input(i: int):
+                def hook(_module, args, kwargs):
                     inputs[i] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
                 return hook
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             states: list[torch.Tensor] = []
             kernels = {module: getattr(module, RULE) for module in modules}
 
-            def capture(*a, **kw):  # noqa: ANN002, ANN003
+            def capture(*a, **kw):
                 out, all_states = per_token_rule(*a, **kw)
                 states.append(all_states)
                 return out, all_states[-1]
@@ -199,3 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"load {os.getloadavg()}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

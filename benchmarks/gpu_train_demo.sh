@@ -3,10 +3,10 @@
 # 24 of them, and the demo target's GGUF is 94 MiB: it travels in three parts, in three `run` calls made back to
 # back (a held machine keeps /tmp between them; idle 30 s and it is gone, and the parts with it).
 #
-#   here, once:  scripts/gpu_train_demo.sh pack      # .stage/part-0..2 (the GGUF), .stage/wheels, .stage/gguf.sha256
-#   call 1:      scripts/gpu_train_demo.sh receive   # carry [".stage/part-0"]
-#   call 2:      scripts/gpu_train_demo.sh receive   # carry [".stage/part-1"]
-#   call 3:      scripts/gpu_train_demo.sh train     # carry [".stage/part-2", ".stage/wheels", ".stage/gguf.sha256"]
+#   here, once:  benchmarks/gpu_train_demo.sh pack      # .stage/part-0..2 (the GGUF), .stage/wheels, .stage/gguf.sha256
+#   call 1:      benchmarks/gpu_train_demo.sh receive   # carry [".stage/part-0"]
+#   call 2:      benchmarks/gpu_train_demo.sh receive   # carry [".stage/part-1"]
+#   call 3:      benchmarks/gpu_train_demo.sh train     # carry [".stage/part-2", ".stage/wheels", ".stage/gguf.sha256"]
 #
 # `train` joins the parts into the dflash cache (where the demo recipe's loader looks before it downloads), installs
 # the wheels the image lacks, distils the demo prompts and FOLLOW_UPS turns after them once (--follow-ups; cut
@@ -81,7 +81,7 @@ train)
         mv "$gguf.part" "$gguf"
     fi
     rm -rf /tmp/dflash-prompts
-    python3 scripts/make_demo_prompts.py /tmp/dflash-prompts >/dev/null
+    python3 -m benchmarks.demo_prompts /tmp/dflash-prompts >/dev/null
     head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
     common=(--target demo --prompts /tmp/dflash-prompts/train.jsonl --feature-layers 5 --block-size 8
         --max-tokens 128 --device "$device" --dtype bfloat16 --json)
@@ -191,7 +191,7 @@ PY
     exit "$status"
     ;;
 *)
-    echo "usage: scripts/gpu_train_demo.sh pack | receive | train [cpu|cuda]" >&2
+    echo "usage: benchmarks/gpu_train_demo.sh pack | receive | train [cpu|cuda]" >&2
     exit 2
     ;;
 esac

@@ -17,8 +17,8 @@ processes hits every figure alike:
 Every figure is decode tokens/s (prefill excluded on both sides), median over rounds, with both tools on the
 same number of threads; the ratios in the summary are dflash / llama.cpp within this one run.
 
-    python scripts/vs_llamacpp.py                          # build once into ~/.cache/dflash/llama.cpp, 3 rounds
-    python scripts/vs_llamacpp.py --rounds 5 --threads 2 --json vs.json
+    python -m benchmarks.vs_llamacpp                          # build once into ~/.cache/dflash/llama.cpp, 3 rounds
+    python -m benchmarks.vs_llamacpp --rounds 5 --threads 2 --json vs.json
 """
 
 from __future__ import annotations
@@ -164,7 +164,10 @@ def summary(results: dict[str, dict[str, float]], draft_max: list[int]) -> list[
         return results[name]["tok_s"]
 
     best_spec = max((f"llama.cpp dflash n_max={n}" for n in draft_max), key=tok_s)
-    lines = [f"| {name} | {r['tok_s']:.1f} | {r.get('tau', r.get('accept', float('nan'))):.2f} |" for name, r in results.items()]  # fmt: skip
+    lines = [
+        f"| {name} | {r['tok_s']:.1f} | {r.get('tau', r.get('accept', float('nan'))):.2f} |"
+        for name, r in results.items()
+    ]
     lines = ["| configuration | decode tok/s (median) | tau / accept |", "|---|---|---|", *lines, ""]
     lines.append(f"plain bf16: dflash / llama.cpp = {tok_s('dflash plain bf16') / tok_s('llama.cpp plain bf16'):.2f}x")
     lines.append(
@@ -179,14 +182,21 @@ def summary(results: dict[str, dict[str, float]], draft_max: list[int]) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, help="where llama.cpp is built and the GGUFs go "
-                        "(default: the dflash cache's llama.cpp folder)")  # fmt: skip
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="where llama.cpp is built and the GGUFs go (default: the dflash cache's llama.cpp folder)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", type=int, nargs="+", default=[2, 3, 4], help="llama.cpp's --spec-draft-n-max")
-    parser.add_argument("--compile", choices=["auto", "off"], default="auto",
-                        help="dflash's --compile (auto: the stored exported step, built first when missing)")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        choices=["auto", "off"],
+        default="auto",
+        help="dflash's --compile (auto: the stored exported step, built first when missing)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -238,3 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "samples": samples}
         args.json.write_text(json.dumps(record, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

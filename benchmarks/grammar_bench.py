@@ -7,7 +7,7 @@ decoding). `grammar ms/step`: the time the grammar's masks, draft choices and co
 its share of the step (draft + verify). Also checks that the constrained modes give the same text (they must:
 the drafts only change speed) and that every constrained reply validates against its schema.
 
-    python scripts/grammar_bench.py [--recipe demo] [--max-tokens 96] [--rounds 1] [-- FLAGS]
+    python -m benchmarks.grammar_bench [--recipe demo] [--max-tokens 96] [--rounds 1] [-- FLAGS]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -209,3 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{valid}/{total} replies are complete and validate (the rest were cut by --max-tokens)"
     )
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,7 @@ tokens each) run through `engine.Batch` at each row count, the row counts interl
 load falls on both alike; the ratio is taken within a round. The rollback's share: time inside
 `LinearStateRollback.keep` over the decode steps' time (the recording during the verify is not separated).
 
-    python scripts/hybrid_batch_bench.py [--family qwen3_5|bamba] [--rows 1 4] [--requests 8] [--rounds 3]
+    python -m benchmarks.hybrid_batch_bench [--family qwen3_5|bamba] [--rows 1 4] [--requests 8] [--rounds 3]
                                           [--block 8] [--threads 1]
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from unittest import mock
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     rollback = {"s": 0.0}
     keep = LinearStateRollback.keep
 
-    def timed_keep(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def timed_keep(self, *a, **kw):
         t0 = time.perf_counter()
         try:
             return keep(self, *a, **kw)
@@ -164,3 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

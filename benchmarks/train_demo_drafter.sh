@@ -9,7 +9,7 @@
 # runs the same data and step count in one schedule: a comparable drafter, not a bit-identical one.
 # Results in docs/benchmarks.md. On a GPU, add --device cuda (and raise STEPS).
 #
-#   scripts/train_demo_drafter.sh [OUTPUT_DIR]
+#   benchmarks/train_demo_drafter.sh [OUTPUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +18,7 @@ PROMPTS_USED=${PROMPTS_USED:-4017}
 STEPS=${STEPS:-7600}
 
 # 1. The prompt set (deterministic; licence-clean: our templates + Python's own reference text).
-python scripts/make_demo_prompts.py dflash_cli/assets
+python -m benchmarks.demo_prompts dflash_cli/assets
 mkdir -p "$OUT"
 head -n "$PROMPTS_USED" dflash_cli/assets/demo_prompts_train.jsonl >"$OUT/prompts.jsonl"
 

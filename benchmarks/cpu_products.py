@@ -1,4 +1,4 @@
-"""The few-row products of a decode step on this CPU, kernel against kernel: `python scripts/cpu_products.py
+"""The few-row products of a decode step on this CPU, kernel against kernel: `python -m benchmarks.cpu_products
 [--rows 1 2 4 16] [--repeats N]`, run from a checkout.
 
 Random weights in the shapes of a model's layers (default: the demo target, SmolLM2-135M: 30 layers of q/k/v/o
@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     head = (torch.randn(*DEMO_HEAD) * 0.02).to(torch.bfloat16)
     weight_bytes = bytes_of(bf16)
     ours = cpu_kernels.available()
-    print(f"{args.layers} layers x {len(DEMO_LAYER)} products ({weight_bytes / 1e6:.0f} MB bf16), head {DEMO_HEAD}, "
-          f"{args.threads} threads; dflash's kernels: {'yes' if ours else cpu_kernels.unavailable()}")  # fmt: skip
+    print(
+        f"{args.layers} layers x {len(DEMO_LAYER)} products ({weight_bytes / 1e6:.0f} MB bf16), head {DEMO_HEAD}, "
+        f"{args.threads} threads; dflash's kernels: {'yes' if ours else cpu_kernels.unavailable()}"
+    )
     print("| rows | dflash bf16 (ms, GB/s) | MKL bf16 | torch int4 | head: dflash bf16 | head: MKL bf16 |")
     print("| --- | --- | --- | --- | --- | --- |")
     for rows in args.rows:

@@ -11,14 +11,15 @@ int8 (bf16 compute) then read prompt + reference in one forward (teacher forcing
 - `mean KL`: KL(p_ref || p) per position (nats);
 - `identical greedy`: the share of prompts whose own greedy continuation equals the reference entirely.
 
-    python scripts/quant_loss.py                     # the demo target, 24 prompts, 64 tokens each
-    python scripts/quant_loss.py --prompts 6 --tokens 32 --json out.json
+    python -m benchmarks.quant_loss                     # the demo target, 24 prompts, 64 tokens each
+    python -m benchmarks.quant_loss --prompts 6 --tokens 32 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"prompts": len(prompts), "tokens": args.tokens, "results": results}, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""scripts/gpu_correctness.py (dflash_cli.bench.correctness) on the CPU: the checks the GPU run makes (golden sets
+"""`python -m benchmarks.gpu_correctness` on the CPU: the checks the GPU run makes (golden sets
 exactly in float32; identity and mismatch causes outside it), on one golden set, eagerly. It must pass on our engine
 and fail on a golden set whose recorded numbers are not what the engine produces."""
 
@@ -8,11 +8,14 @@ import json
 import shutil
 from pathlib import Path
 
-from dflash_cli.bench import correctness
+import pytest
+
+from benchmarks import gpu_correctness as correctness
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_golden_set_passes_and_an_altered_one_fails(tmp_path: Path) -> None:
     fixtures = tmp_path / "fixtures"
     shutil.copytree(ROOT / "tests" / "fixtures" / "qwen3-tiny-swa", fixtures / "qwen3-tiny-swa")

@@ -1,4 +1,5 @@
-"""scripts/: thin wrappers over the package, and each benchmark behind them run on tiny shapes in seconds.
+"""benchmarks/: each benchmark only we run, as `python -m benchmarks.NAME` from a checkout, run on tiny shapes in
+seconds.
 
 The benchmarks' figures are timings, which no test can check; what is checked is that each one runs through the
 engine's code it measures (a benchmark that imports what the engine no longer has, or calls it the old way, fails
@@ -9,32 +10,30 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+BENCHMARKS = sorted(path for path in (ROOT / "benchmarks").glob("*.py") if path.name != "__init__.py")
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
-def test_every_script_is_a_thin_wrapper(script: Path) -> None:
-    """A script imports one module's `main` and calls it: the code lives in the package, where the tests and the
-    layer checks see it."""
-    tree = ast.parse(script.read_text(encoding="utf-8"))
-    imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
-    ours = [node for node in imports if node.module.startswith("dflash_cli")]
-    assert [[alias.name for alias in node.names] for node in ours] == [["main"]], script.name
-    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
-    assert functions == [], script.name
-    module = __import__(ours[0].module, fromlist=["main"])
-    assert callable(module.main)
+@pytest.mark.parametrize("module", BENCHMARKS, ids=lambda path: path.stem)
+def test_every_benchmark_runs_as_a_module(module: Path) -> None:
+    """Each file is a command: `main(argv)` returning the exit status, called when run with `python -m`."""
+    tree = ast.parse(module.read_text(encoding="utf-8"))
+    assert any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body), module.name
+    last = tree.body[-1]
+    assert isinstance(last, ast.If) and ast.unparse(last.test) == "__name__ == '__main__'", module.name
+    assert ast.unparse(last.body[0]) == "sys.exit(main())", module.name
 
 
 def test_recipe_sizes_are_the_ones_a_recipe_lists(capsys: pytest.CaptureFixture[str]) -> None:
-    from dflash_cli.bench import recipe_sizes
+    from benchmarks import recipe_sizes
 
     assert recipe_sizes.main(["qwen3.5-4b"]) == 0
     out = capsys.readouterr().out
@@ -53,15 +52,17 @@ def test_recipe_sizes_are_the_ones_a_recipe_lists(capsys: pytest.CaptureFixture[
 def test_cpu_decode_floor_measures_every_variant(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """scripts/cpu_decode_floor.py on a tiny Qwen3 in place of the recipe's target."""
-    from dflash_cli.bench import floor
+    """benchmarks.cpu_decode_floor on a tiny Qwen3 in place of the recipe's target."""
+    from benchmarks import cpu_decode_floor
     from helpers.tiny_models import build_tiny
 
     loaded: list[tuple[str, str]] = []
-    monkeypatch.setattr(floor, "load", lambda recipe, dtype: loaded.append((recipe, dtype)) or build_tiny("qwen3"))
+    monkeypatch.setattr(
+        cpu_decode_floor, "load", lambda recipe, dtype: loaded.append((recipe, dtype)) or build_tiny("qwen3")
+    )
     out = tmp_path / "floor.json"
     argv = ["--threads", "1", "--context", "8", "--blocks", "2,4", "--rounds", "1", "--calls", "1"]
-    assert floor.main([*argv, "--compare-kernel", "--compare-layout", "--json", str(out)]) == 0
+    assert cpu_decode_floor.main([*argv, "--compare-kernel", "--compare-layout", "--json", str(out)]) == 0
     assert loaded == [("demo", "float32")] * 3  # eager, F.linear, column-major
     summary = json.loads(out.read_text())
     assert summary["threads"] == 1 and summary["context"] == 8 and len(summary["rounds"]) == 1
@@ -81,9 +82,9 @@ def test_cpu_decode_floor_measures_every_variant(
 def test_batch_bench_tabulates_every_size_and_compares_the_texts(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """scripts/batch_bench.py with `dflash run` replaced by a double that writes what the command writes; the
+    """benchmarks.batch_bench with `dflash run` replaced by a double that writes what the command writes; the
     table and the text check are the script's own. At batch size 4 the double's texts differ: the check says so."""
-    from dflash_cli.bench import batching
+    from benchmarks import batch_bench
 
     commands: list[list[str]] = []
 
@@ -100,9 +101,9 @@ def test_batch_bench_tabulates_every_size_and_compares_the_texts(
         summary = {"completion_tokens": 11 * len(records), "generate_s": 4.0 / size, "tokens_per_s": 10.0 * size}
         return subprocess.CompletedProcess(command, 0, json.dumps({**summary, "tau": 1.5}), "")
 
-    monkeypatch.setattr(batching.subprocess, "run", fake_run)
+    monkeypatch.setattr(batch_bench.subprocess, "run", fake_run)
     argv = ["--sizes", "1", "2", "4", "--rounds", "1", "--prompts", "3", "--max-tokens", "11", "--", "--threads", "1"]
-    assert batching.main(argv) == 0
+    assert batch_bench.main(argv) == 0
     assert [c[c.index("--batch-size") + 1] for c in commands] == ["1", "2", "4"]
     assert all(c[2:5] == ["dflash_cli", "run", "demo"] and c[-3:] == ["--json", "--threads", "1"] for c in commands)
     lines = capsys.readouterr().out.splitlines()
@@ -116,13 +117,15 @@ def test_batch_bench_tabulates_every_size_and_compares_the_texts(
 def test_hybrid_batch_bench_gives_every_row_count_the_same_tokens(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dflash_cli.bench import hybrid_batch
+    from benchmarks import hybrid_batch_bench
     from dflash_cli.engine.target.hybrid import LinearStateRollback
 
     keep = LinearStateRollback.keep
-    monkeypatch.setattr(hybrid_batch, "COMMON", {**hybrid_batch.COMMON, "hidden_size": 64, "intermediate_size": 128})
+    monkeypatch.setattr(
+        hybrid_batch_bench, "COMMON", {**hybrid_batch_bench.COMMON, "hidden_size": 64, "intermediate_size": 128}
+    )
     argv = ["--rows", "1", "3", "--requests", "3", "--rounds", "1", "--block", "4", "--threads", "1"]
-    assert hybrid_batch.main(argv) == 0
+    assert hybrid_batch_bench.main(argv) == 0
     assert LinearStateRollback.keep is keep  # the timing is put back
     out = capsys.readouterr().out
     assert re.search(r"round 1 rows 1: [\d.]+ tok/s \(1\.00x rows 1\), rollback [\d.]+% of decode step time", out)
@@ -135,13 +138,13 @@ def test_hybrid_batch_bench_gives_every_row_count_the_same_tokens(
 def test_hybrid_rollback_bench_runs_every_method(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dflash_cli.bench import rollback
+    from benchmarks import hybrid_rollback_bench
 
     small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16, linear_key_head_dim=16)
     small.update(linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
-    monkeypatch.setattr(rollback, "SHAPE", {**rollback.SHAPE, **small})
-    monkeypatch.setattr(rollback, "PROMPT", 16)
-    assert rollback.main(["--block", "8", "--repeats", "1"]) == 0
+    monkeypatch.setattr(hybrid_rollback_bench, "SHAPE", {**hybrid_rollback_bench.SHAPE, **small})
+    monkeypatch.setattr(hybrid_rollback_bench, "PROMPT", 16)
+    assert hybrid_rollback_bench.main(["--block", "8", "--repeats", "1"]) == 0
     rows = re.findall(r"^(\w+) +(\d+) +([\d.]+) +(-?[\d.]+)  -?[\d.]+ \(", capsys.readouterr().out, re.MULTILINE)
     assert [(method, int(n)) for method, n, _, _ in rows] == [
         (method, n) for method in ("replay", "rerun", "mixer", "pertoken") for n in (1, 2, 4, 7)
@@ -150,7 +153,7 @@ def test_hybrid_rollback_bench_runs_every_method(
 
 
 def test_quant_loss_reports_each_format_against_bf16(tiny_qwen3_dir: Path, tmp_path: Path, capsys) -> None:
-    from dflash_cli.bench import quant_loss
+    from benchmarks import quant_loss
 
     out = tmp_path / "loss.json"
     argv = ["--target", str(tiny_qwen3_dir), "--prompts", "2", "--tokens", "6", "--json", str(out)]
@@ -166,7 +169,7 @@ def test_quant_loss_reports_each_format_against_bf16(tiny_qwen3_dir: Path, tmp_p
 def test_vs_llamacpp_reads_both_llama_cpp_outputs() -> None:
     """The two lines of llama.cpp's output the side-by-side reads, in the formats of its sources (llama-bench's
     JSON records; speculative-simple.cpp's `decoded %4d tokens in %8.3f seconds, speed: %8.3f t/s`)."""
-    from dflash_cli.bench import vs_llamacpp
+    from benchmarks import vs_llamacpp
 
     bench = [{"n_prompt": 0, "n_gen": 128, "avg_ts": 101.5, "stddev_ts": 1.2}]
     assert vs_llamacpp.parse_llama_bench(json.dumps(bench)) == 101.5
@@ -178,11 +181,11 @@ def test_vs_llamacpp_reads_both_llama_cpp_outputs() -> None:
 
 
 def test_grammar_bench_runs_every_mode_and_the_constrained_ones_agree(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
-    """scripts/grammar_bench.py's modes on the tiny Qwen3 with a random drafter, float32: the three constrained
+    """benchmarks.grammar_bench's modes on the tiny Qwen3 with a random drafter, float32: the three constrained
     modes give the same text (only the drafts differ), the grammar's time is counted, text mode has none."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.bench import grammar
+    from benchmarks import grammar_bench
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
     from helpers.drafters import save_random_drafter
@@ -191,24 +194,27 @@ def test_grammar_bench_runs_every_mode_and_the_constrained_ones_agree(tiny_qwen3
     drafter = save_random_drafter(tmp_path / "drafter", target, block_size=4)
     options = RunOptions(target=str(tiny_qwen3_dir), drafter=str(drafter), dtype="float32")
     session = open_session(options)
-    message, schema = grammar.PROMPTS[3]
-    results = {mode: grammar.run_mode(session, options, mode, message, schema, 24) for mode in grammar.MODES}
-    assert len({results[mode]["text"] for mode in grammar.MODES[1:]}) == 1
-    assert results["text"]["grammar_s"] == 0 and all(results[m]["grammar_s"] > 0 for m in grammar.MODES[1:])
+    message, schema = grammar_bench.PROMPTS[3]
+    results = {
+        mode: grammar_bench.run_mode(session, options, mode, message, schema, 24) for mode in grammar_bench.MODES
+    }
+    assert len({results[mode]["text"] for mode in grammar_bench.MODES[1:]}) == 1
+    assert results["text"]["grammar_s"] == 0 and all(results[m]["grammar_s"] > 0 for m in grammar_bench.MODES[1:])
     assert results["schema, no drafter"]["tau"] == 1.0 and results["schema"]["steps"] > 0
 
 
+@pytest.mark.slow
 def test_prefix_bench_times_chat_turns_and_served_requests_both_ways(
     tiny_qwen3_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """scripts/prefix_bench.py on a tiny model (short questions: its context is 512 tokens): the chat turns (the same
+    """benchmarks.prefix_bench on a tiny model (short questions: its context is 512 tokens): the chat turns (the same
     replies both ways, later turns reusing the earlier ones) and a real `dflash serve` with and without
     --no-prefix-cache (cached_tokens from the usage)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.bench import prefix
+    from benchmarks import prefix_bench
 
-    monkeypatch.setattr(prefix, "questions", lambda: [f"Question {i}: why is the sky blue?" for i in range(12)])
+    monkeypatch.setattr(prefix_bench, "questions", lambda: [f"Question {i}: why is the sky blue?" for i in range(12)])
     from dflash_cli.protocol.params import SamplingParams
     from dflash_cli.setup.options import RunOptions
     from helpers.drafters import save_random_drafter
@@ -218,8 +224,8 @@ def test_prefix_bench_times_chat_turns_and_served_requests_both_ways(
     )
     model = ["--target", str(tiny_qwen3_dir), "--drafter", str(drafter)]
     options = RunOptions(target=model[1], drafter=model[3], dtype="float32", sampling=SamplingParams())
-    prefix.chat(options, 3, 4)
-    prefix.serve(model, 3, 60, 4, ["--dtype", "float32", "--threads", "1"])
+    prefix_bench.chat(options, 3, 4)
+    prefix_bench.serve(model, 3, 60, 4, ["--dtype", "float32", "--threads", "1"])
     out = capsys.readouterr().out
     assert "differ" not in out
     turns = re.findall(r"^\| (\d) \| (\d+) \| (\d+) \| [\d.]+ \| [\d.]+ \|$", out, re.M)
@@ -233,11 +239,27 @@ def test_prefix_bench_times_chat_turns_and_served_requests_both_ways(
 
 
 def test_cpu_products_tabulates_each_kernel_at_each_row_count(capsys: pytest.CaptureFixture[str]) -> None:
-    from dflash_cli.bench import products
+    from benchmarks import cpu_products
 
-    assert products.main(["--layers", "1", "--repeats", "1", "--rows", "1", "3", "--threads", "1"]) == 0
+    assert cpu_products.main(["--layers", "1", "--repeats", "1", "--rows", "1", "3", "--threads", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     table = [line for line in lines if re.match(r"\| \d+ \|", line)]
     assert [line.split("|")[1].strip() for line in table] == ["1", "3"]
     assert all(len(line.split("|")) == 8 for line in table)  # rows + five kernels
     assert "1 layers x 7 products" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_benchmark_runs_from_a_checkout() -> None:
+    """`python -m benchmarks.NAME` in the checkout's root finds both the lab and the package (no install of either
+    needed) and passes its arguments on."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.recipe_sizes", "qwen3.5-4b"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# qwen3.5-4b: 4.21 B params loaded")

@@ -1,4 +1,4 @@
-"""scripts/gpu_bench.py (dflash_cli.bench.gpu) in its CPU configuration (--smoke): the code path the GPU run takes, on tiny shapes.
+"""`python -m benchmarks.gpu_bench` in its CPU configuration (--smoke): the code path the GPU run takes, on tiny shapes.
 
 No timings are asserted. What is asserted: the results have the structure docs/benchmarks.md reads, every
 figure is there next to its target, NF4 really quantized the target, and the controlled-acceptance double
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli.bench import gpu as gpu_module
+from benchmarks import gpu_bench as gpu_module
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_bench.py"
 WHEEL_NAME = "dflash-0.1.0-py3-none-any.whl"
 
 
@@ -47,15 +46,16 @@ def reference_wheel(tmp: Path) -> Path | None:
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("gpu_bench")
     out = tmp / "results.json"
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--output", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--output", str(out)]
     wheel = reference_wheel(tmp)
     if wheel is not None:
         cmd += ["--reference-wheel", str(wheel)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)  # run as from a checkout
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"results": json.loads(out.read_text()), "table": proc.stdout, "wheel": wheel}
 
 
+@pytest.mark.slow
 def test_every_section_is_there(smoke):
     results = smoke["results"]
     settings = results["settings"]
@@ -100,6 +100,7 @@ def test_every_section_is_there(smoke):
     assert set(results["nf4_vs_dense"]) == {"ar_step", "spec_step"}
 
 
+@pytest.mark.slow
 def test_nf4_quantizes_every_decoder_linear(smoke):
     results = smoke["results"]
     shape = results["settings"]["shape"]
@@ -109,6 +110,7 @@ def test_nf4_quantizes_every_decoder_linear(smoke):
     assert nf4["lm_head_bytes"] == dense["lm_head_bytes"]  # the head stays dense, as transformers leaves it
 
 
+@pytest.mark.slow
 def test_controlled_acceptance_double_hits_the_requested_tau(smoke):
     block = smoke["results"]["settings"]["shape"]["block_size"]
     for run in smoke["results"]["runs"].values():
@@ -121,6 +123,7 @@ def test_controlled_acceptance_double_hits_the_requested_tau(smoke):
             assert abs(r["tau_measured"] - wanted) <= 1 / steps, (key, r["tau_measured"])
 
 
+@pytest.mark.slow
 def test_table_prints_each_figure_with_its_target(smoke):
     table = smoke["table"]
     figures = ("AR step / AR floor", "spec step / AR floor", "spec step ours / reference", "host overhead per AR step")
@@ -130,6 +133,7 @@ def test_table_prints_each_figure_with_its_target(smoke):
     assert "predicted at tau 6.5" in table
 
 
+@pytest.mark.slow
 def test_reference_runs_side_by_side(smoke):
     if smoke["wheel"] is None:
         pytest.skip("z-lab's dflash==0.1.0 wheel could not be had (no DFLASH_REFERENCE_WHEEL, no .whl/, no PyPI)")

@@ -15,8 +15,8 @@ Every figure is taken in wall time and in CPU time. With one thread, CPU time is
 ran, so its ratios hold on a machine shared with other busy processes; wall-time ratios drift with the load.
 Prints each round and the medians: plain step / floor, verify q / plain step, variant / eager.
 
-    python scripts/cpu_decode_floor.py                      # the demo target (SmolLM2-135M), float32
-    python scripts/cpu_decode_floor.py --compare-layout --compile --json out.json
+    python -m benchmarks.cpu_decode_floor                      # the demo target (SmolLM2-135M), float32
+    python -m benchmarks.cpu_decode_floor --compare-layout --compile --json out.json
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -183,3 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

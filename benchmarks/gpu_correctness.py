@@ -18,9 +18,9 @@ sets made with it for rules the public ones do not show):
   a near-tie that the block's different kernel shapes rounded the other way (expected outside float32); a wide
   margin would be a bug.
 
-Usage on a GPU machine: `python scripts/gpu_correctness.py --output $OUT/correctness.json` (about a minute).
-`--device cpu --precisions float32` runs the same checks here (tests/bench/test_gpu_correctness.py, on one set).
-The script wraps this module; the golden sets are read from the checkout's tests/fixtures (`--fixtures`).
+Usage on a GPU machine: `python -m benchmarks.gpu_correctness --output $OUT/correctness.json` (about a minute).
+`--device cpu --precisions float32` runs the same checks here (tests/benchmarks/test_gpu_correctness.py, on one
+set). The golden sets are read from the checkout's tests/fixtures (`--fixtures`).
 The greedy identity rate on a real model over the bench prompt sets is `dflash bench demo --before-after --full
 --dtype bfloat16 --json` (per prompt: identical, first_mismatch).
 """
@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_cli.bench.gpu import environment, quantize_nf4  # (the loader's NF4 settings, layer by layer)
+from benchmarks.gpu_bench import environment, quantize_nf4  # (the loader's NF4 settings, layer by layer)
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.loop import Batch
 from dflash_cli.loading.models import load_drafter
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
 FIXTURES = ROOT / "tests" / "fixtures"
 PRECISIONS = ("float32", "bfloat16", "nf4")
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = {"set": name, **check_set(args.fixtures / name, precision, args.device, modes)}
                 if precision == "float32":
                     run["paths"] = check_paths(args.fixtures / name, args.device, compiled)
-            except Exception as error:  # noqa: BLE001 - one broken precision (no NF4 kernels) must not hide the rest
+            except Exception as error:  # one broken precision (no NF4 kernels) must not hide the rest
                 run = {"set": name, "precision": precision, "error": f"{type(error).__name__}: {error}"}
             results["runs"].append(run)
             ok &= "error" not in run and all(
@@ -279,3 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         args.output.write_text(json.dumps(results, indent=1) + "\n")
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

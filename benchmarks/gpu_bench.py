@@ -12,7 +12,7 @@ accepted) and a matching 5-layer block-16 drafter, then for bf16 and NF4 measure
 - z-lab's reference (`dflash==0.1.0`, imported from its wheel) on the same target and drafter weights.
 
 Every figure is printed next to its target from the issue. `--smoke` runs the same code on tiny shapes on
-the CPU (CI runs it: tests/test_gpu_bench.py). The exact device command is in docs/benchmarks.md.
+the CPU (CI runs it: tests/benchmarks/test_gpu_bench.py). The exact device command is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -1074,7 +1074,7 @@ def at_least(minimum: int) -> Callable[[str], int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Benchmark the DFlash fast path on a GPU: floor, step times, end to end, and z-lab's reference.",
-        epilog="Example (device machine): python scripts/gpu_bench.py --reference-wheel .whl/"
+        epilog="Example (device machine): python -m benchmarks.gpu_bench --reference-wheel .whl/"
         + REFERENCE_WHEEL
         + " --output $OUT/gpu_bench.json",
     )

@@ -9,7 +9,7 @@ linear-attention state. Drafter sizes come from the drafter shapes we know (laye
 hidden size. These are estimates of what transformers loads; `dflash pull NAME --dry-run` shows the real
 download sizes.
 
-    python scripts/recipe_sizes.py [NAME ...]
+    python -m benchmarks.recipe_sizes [NAME ...]
 """
 
 from __future__ import annotations
@@ -254,3 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         quantized = counts.linear + counts.experts
         print(f"fp8 = {int(quantized * (1 + 4 / 128**2) + counts.other * 2):_}\n")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

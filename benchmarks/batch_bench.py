@@ -7,7 +7,7 @@ load is not timed), so a busy machine's noise falls on all sizes alike; ratios a
 prompts are the first N of the demo's held-out prompts, sent as chat messages. Also checks that every request's
 text is the same at every batch size (true in float32).
 
-    python scripts/batch_bench.py [--recipe demo] [--sizes 1 4 16] [--rounds 2] [--prompts 16] [--max-tokens 128] [-- FLAGS]
+    python -m benchmarks.batch_bench [--recipe demo] [--sizes 1 4 16] [--rounds 2] [--prompts 16] [--max-tokens 128] [-- FLAGS]
 
 FLAGS after `--` go to `dflash run` (e.g. `-- --no-spec`).
 """
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_prompts_eval.jsonl"
+ASSET = Path(__file__).resolve().parents[1] / "dflash_cli" / "assets" / "demo_prompts_eval.jsonl"
 
 
 def run(recipe: str, prompts: Path, size: int, max_tokens: int, extra: list[str], out: Path) -> dict:
@@ -119,3 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         same = all(texts[size] == texts[args.sizes[0]] for size in texts)
         print(f"every request's text is the same at every batch size: {'yes' if same else 'NO'}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ that share a system prompt of about S tokens (the demo's prompts, joined) and ea
 the client's: request sent to the first token's chunk (the one after the role's, which comes before the prefill). The same again with `--no-prefix-cache`. Prints each request's
 TTFT and `usage.prompt_tokens_details.cached_tokens`, then requests 2..R's TTFT as a share of the first's.
 
-    python scripts/prefix_bench.py [chat|serve|both] [--recipe demo] [--turns 10] [--requests 8]
+    python -m benchmarks.prefix_bench [chat|serve|both] [--recipe demo] [--turns 10] [--requests 8]
         [--system-tokens 1500] [--max-tokens 32] [--dtype float32] [-- FLAGS]
 
 FLAGS after `--` go to `dflash serve` (e.g. `-- --batch-size 1`); the chat runs the recipe's plan.
@@ -33,7 +33,7 @@ from typing import Any
 
 from dflash_cli.setup.options import RunOptions
 
-ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo_prompts_eval.jsonl"
+ASSET = Path(__file__).resolve().parents[1] / "dflash_cli" / "assets" / "demo_prompts_eval.jsonl"
 
 
 def questions() -> list[str]:
@@ -187,3 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = ["--dtype", args.dtype] if args.dtype else []
         serve([args.recipe], args.requests, args.system_tokens, args.max_tokens, [*dtype, *extra])
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -341,6 +341,8 @@ def _train_loop(
                 history.append(row)
             if step % options.checkpoint_every == 0 or step == options.steps or out_of_time or measure:
                 save()
+                if not progress.console.is_terminal:  # (a run in the background: its log gets a line a checkpoint)
+                    progress.console.print(checkpoint_line(step, options.steps, history[-1] if history else running))
             if out_of_time:
                 progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
                 break
@@ -356,6 +358,16 @@ def _train_loop(
     if not running and history:  # resumed at its last step (to save and measure): the checkpoint's figures stand
         running = {key: value for key, value in history[-1].items() if key not in ("step", "eval_tau", "cpu_s")}
     return running, step
+
+
+def checkpoint_line(step: int, steps: int, row: dict[str, float]) -> str:
+    """One log line at a checkpoint: where the run is and how it learns (held-out tau when measured there)."""
+    figures = [f"{key} {row[key]:.3f}" for key in ("loss", "acc", "tau") if key in row]
+    if row.get("eval_tau") is not None:
+        figures.append(f"held-out tau {row['eval_tau']:.3f}")
+    if "step_s" in row:
+        figures.append(f"{row['step_s']:.2f} s a step")
+    return f"step {step}/{steps}: " + ", ".join(figures)
 
 
 def keep_features_on(device: torch.device, samples: list[Sample]) -> None:

@@ -188,7 +188,10 @@ def test_distill_answers_under_the_requests_constraints(tiny_qwen3_dir: Path, tm
 
 def test_eval_every_draws_a_held_out_tau_curve(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = train(options(tiny_qwen3_dir, prompt_file, out, steps=6, eval_every=2))
+    log = StringIO()  # (not a terminal: a run in the background logs a line a checkpoint)
+    result = train(options(tiny_qwen3_dir, prompt_file, out, steps=6, eval_every=2), Console(file=log))
+    lines = [line for line in log.getvalue().splitlines() if line.startswith("step ")]
+    assert lines[0].startswith("step 2/6: loss ") and "held-out tau" in lines[0] and " s a step" in lines[0], lines
     measured = [row for row in result.history if "eval_tau" in row]
     assert [row["step"] for row in measured] == [2, 4] and all(1.0 <= row["eval_tau"] <= 4 for row in measured)
     seconds = [row["cpu_s"] for row in result.history if "cpu_s" in row]

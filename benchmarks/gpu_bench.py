@@ -12,7 +12,7 @@ accepted) and a matching 5-layer block-16 drafter, then for bf16 and NF4 measure
 - z-lab's reference (`dflash==0.1.0`, imported from its wheel) on the same target and drafter weights.
 
 Every figure is printed next to its target from the issue. `--smoke` runs the same code on tiny shapes on
-the CPU (CI runs it: tests/benchmarks/test_gpu_bench.py). The exact device command is in docs/benchmarks.md.
+the CPU (CI runs it: tests/benchmarks/test_gpu_bench.py). The exact device command is in benchmarks/results/history.md.
 """
 
 from __future__ import annotations

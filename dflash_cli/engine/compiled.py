@@ -13,7 +13,7 @@ minutes on a small CPU, so it is used where it pays (`--compile auto`: CUDA only
   the graph (`CPU_INDUCTOR_OPTIONS`): inductor packs each one once, at compile time, into the blocked layout of
   its own GEMM micro-kernels, which read float32 weights for 1-8 rows near the machine's bandwidth where MKL's
   kernels over row-major weights do not (docs/benchmarks.md: the demo's plain step from 2.1x the floor to
-  1.36x). See docs/benchmarks.md for what compiling costs and saves on a 2-core CPU.
+  1.36x). See benchmarks/results/history.md for what compiling costs and saves on a 2-core CPU.
 - Drafter: inductor with dynamic shapes on every device (the new context rows and the attended prefix change
   each step, which CUDA graphs would re-record); its first call, over the whole prompt, runs eagerly like the
   target's prefill. The proposal (argmax, DFlash2's selector chain) stays outside the graph.

@@ -4,7 +4,7 @@ A decode step multiplies 1 to 16 rows (a plain step, a verify block, a small bat
 its time is the time to read the weights. `F.linear(x, W)` hands MKL `x @ W.T`; for 2-9 rows MKL then takes a
 kernel that reads float32 weights far below the machine's bandwidth, while the same product asked as
 `W @ x.T` streams them (measured on the 2-core AMD EPYC VM, SmolLM2-135M's 211 products: 2 / 4 / 8 rows in
-1.77 / 1.64 / 2.66x the weights' read time against 2.42 / 2.63 / 3.38x; docs/benchmarks.md). One row is the
+1.77 / 1.64 / 2.66x the weights' read time against 2.42 / 2.63 / 3.38x; benchmarks/results/history.md). One row is the
 same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel is the faster (SMALL_ROWS).
 
 bf16 products run on dflash's own kernel (`engine.cpu_kernels`) where the process has it: it sums every output in

@@ -4,8 +4,8 @@ A decode step on a CPU reads every weight once per step, so its time is the weig
 bandwidth; 4-bit weights read a quarter of bf16's. torch ships the kernels llama.cpp-style weight-only layouts
 need: `_weight_int4pack_mm_for_cpu` (int4, asymmetric, one scale and zero per group of 32 inputs, weights packed
 once for the machine's SIMD width) and `_weight_int8pack_mm` (int8, one scale per output channel). Measured on
-the 2-core AVX512-BF16 VM against MKL's bf16 product (docs/benchmarks.md): a 576x1536 product at one row 82 /
-50 / 51 us (bf16 / int8 / int4), the 576x49152 lm_head 5.9 / 3.2 / 1.5 ms; both kernels cost time in proportion
+the 2-core AVX512-BF16 VM against MKL's bf16 product (benchmarks/results/history.md): a 576x1536 product at one
+row 82 / 50 / 51 us (bf16 / int8 / int4), the 576x49152 lm_head 5.9 / 3.2 / 1.5 ms; both kernels cost time in proportion
 to the rows, so verify blocks of 8-16 rows are slower than bf16's. torchao's CPU layouts call the same two kernels;
 we use them directly rather than add the dependency. Both want bf16 activations: with float32 ones they run
 10-30x slower than the dense product, so a quantized target computes in bf16 (planning enforces it).
@@ -162,7 +162,7 @@ def quantize_linears(model: nn.Module, kind: str, dtype: torch.dtype, skip: Iter
 def quantize_target(target: nn.Module, kind: str, dtype: torch.dtype) -> int:
     """`quantize_linears` for a transformers causal LM, its output head in int8 whatever `kind`: GGUF's 4-bit
     files keep their output matrix at 6-8 bits (the demo's is Q8_0), and a 4-bit head is where 4 bits cost the
-    most quality (docs/benchmarks.md). Returns how many linears were replaced."""
+    most quality (benchmarks/results/history.md). Returns how many linears were replaced."""
     head = target.get_output_embeddings()
     replaced = quantize_linears(target, kind, dtype, skip=[head] if head is not None else [])
     if head is not None and quantizable(head, "int8"):

@@ -207,7 +207,8 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
         target, tokenizer = open_target(options.target, options.device, dtype, console)
         # No more threads than free cores: oversubscribed, torch's thread pools spin against each other (on 2 cores,
-        # two runs side by side trained 7-9x slower with two threads each than with one; docs/benchmarks.md).
+        # two runs side by side trained 7-9x slower with two threads each than with one;
+        # benchmarks/results/history.md).
         progress.console.print(f"[dim]Threads: {apply_threads(options.threads).reason}[/dim]")
         drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
         drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
@@ -373,8 +374,8 @@ def checkpoint_line(step: int, steps: int, row: dict[str, float]) -> str:
 def keep_features_on(device: torch.device, samples: list[Sample]) -> None:
     """Move the stored features onto a GPU once, when they take at most a quarter of its free memory (the training's
     own tensors come after), so that each step pads its batch there: on the host, 64 rows of 300-615 tokens are 220
-    MiB a step to pad (0.2 s on one core of this VM; docs/benchmarks.md) and copy from pageable memory. A CPU run
-    reads them where they are (memory-mapped)."""
+    MiB a step to pad (0.2 s on one core of this VM; benchmarks/results/history.md) and copy from pageable memory. A
+    CPU run reads them where they are (memory-mapped)."""
     if device.type != "cuda":
         return
     away = [s for s in samples if s.features.device != device]

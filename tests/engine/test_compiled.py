@@ -247,7 +247,7 @@ def test_a_cpu_step_runs_inductors_gemm_kernels_over_frozen_weights(
     graph, so that inductor's C++ GEMM kernels over packed weights become candidates beside MKL's and each product
     is timed (autotuned) to pick one. Given as torch.compile's `options`, freezing is silently not applied.
     (inductor then packs the weights as MKL tensors, which its graph cache cannot pickle: each new process lowers
-    the graph again; docs/benchmarks.md has the cost.)"""
+    the graph again; benchmarks/results/history.md has the cost.)"""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached: the choice is timed here
     layer = torch.nn.Linear(64, 96)
     step = CompiledStep(lambda module, x: module(x), "test step", "cpu")

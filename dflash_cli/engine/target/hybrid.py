@@ -7,7 +7,7 @@ last K inputs) and a recurrent state. A verify of B tokens leaves both B tokens 
 them the layer must be put back to that row's state after n. transformers cannot do it (`is_croppable` is False
 once a recurrent state exists).
 
-How, by measurement (docs/benchmarks.md, "Hybrid targets: rolling back the recurrent state"):
+How, by measurement (benchmarks/results/history.md, "Hybrid targets: rolling back the recurrent state"):
 
 - Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next and their kin: every transformers model whose layers
   call a `torch_chunk_gated_delta_rule`): while the verify runs, record what the recurrence was given (q, k, v,

@@ -54,8 +54,11 @@ def test_the_measurement_is_made_once_and_picks_one_thread_unless_more_is_faster
     assert again.cached and again.seconds == first.seconds and again.threads == first.threads
     assert "measured before" in again.reason() and "prompts with 2" in again.reason()
     # the rule, on what a cache file says: 2 threads only where they are faster by MIN_GAIN
-    (path,) = policy_module.cost_cache_dir("decode-threads").glob("*.json")
+    # this target's file, found by its key (other tests' measurements share the folder)
+    key = {**policy_module.target_key(target, compile=False), "schema": threads_module.SCHEMA}
+    path = policy_module.cost_cache_dir("decode-threads") / f"{policy_module.fingerprint(key)}.json"
     data = json.loads(path.read_text())
+    assert data["key"] == key
     for one, two, chosen in ((1.0, 0.99, 1), (1.0, 0.9, 2), (0.8, 1.0, 1)):
         path.write_text(json.dumps({**data, "seconds": {"1": one, "2": two}}))
         assert decode_threads(target, 2).threads == chosen

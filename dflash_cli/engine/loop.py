@@ -278,12 +278,18 @@ class Batch:
         slot = choose_slot(free, state.held, prompt)
         store = self.prefix_store if state.storable else None
         if store is not None:
-            stored, shared = store.best(prompt, self._fits)
             held = state.held[slot]
-            if stored is not None and shared > (common_prefix(held.ids, prompt) if held is not None else 0):
+            # (taken out of the store as it is found: the stash below, which makes room there, cannot evict it)
+            stored = store.take(prompt, self._fits, common_prefix(held.ids, prompt) if held is not None else 0)
+            if stored is not None:
                 slot = choose_slot(free, state.held, ())
                 self._stash(state, slot)
-                self._restore(state, slot, store.take(stored), row.generation.end)
+                state.forget(slot)  # (a copy that fails half-way leaves nothing a later request would reuse)
+                try:
+                    self._restore(state, slot, stored, row.generation.end)
+                except BaseException:
+                    store.add(stored)  # still whole in host memory: it stays for a later request
+                    raise
         self.slots[row.slot], self.slots[slot], row.slot = None, row, slot
 
     def _fits(self, stored: Stored) -> bool:

@@ -83,7 +83,8 @@ def check_json_content_type(header: str | None) -> None:
         got = f"Content-Type {header!r}" if header else "no Content-Type"
         raise APIError(
             415,
-            f"the request body must be JSON sent as Content-Type: application/json (got {got})",
+            f"the request body must be JSON sent as Content-Type: application/json (got {got}; curl -d sends a "
+            "form unless told -H 'Content-Type: application/json')",
             code="unsupported_media_type",
         )
 

@@ -811,6 +811,19 @@ def cyclic_schema(rng: random.Random) -> dict[str, Any]:
     )
 
 
+def deep_schema(rng: random.Random) -> dict[str, Any]:
+    """A schema nested past what the checks and the compiler recurse through (a chain of 20,000 references
+    crashed the compiler): arrays in arrays, or a chain of references."""
+    length = rng.randrange(520, 3000)
+    if rng.random() < 0.5:
+        schema: dict[str, Any] = {"type": "string"}
+        for _ in range(length // 4):  # (json.dumps recurses too: a few hundred levels)
+            schema = {"type": "array", "items": schema}
+        return schema
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(length)} | {f"d{length}": {"type": "null"}}
+    return {"type": "object", "properties": {"k": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
 def bad_fields(rng: random.Random, chat: bool) -> dict[str, Any]:
     """One field of a request with a value the API refuses (the key is the field an error must name)."""
     user_turn = {"role": "user", "content": "Hi"}
@@ -846,6 +859,7 @@ def bad_fields(rng: random.Random, chat: bool) -> dict[str, Any]:
                 {"type": "json_schema"},
                 {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
                 {"type": "json_schema", "json_schema": {"name": "r", "schema": cyclic_schema(rng)}},
+                {"type": "json_schema", "json_schema": {"name": "r", "schema": deep_schema(rng)}},
                 {"type": "json_schema", "json_schema": {"name": 5, "schema": {}}},
                 {"type": "json_schema", "json_schema": {"schema": {"not": {}}}},
             ]

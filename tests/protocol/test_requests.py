@@ -52,7 +52,7 @@ def tool(parameters: object) -> list[dict]:
     return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
 
 
-def schema(value: object) -> dict:
+def schema_format(value: object) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
 
 
@@ -74,15 +74,19 @@ BAD_BODIES = [  # (fields over a valid chat body, the param the error names, wor
     ({"user": 5}, "user", "user must be a string"),
     ({"metadata": {"a": 1}}, "metadata", "metadata must be an object of strings"),
     ({"store": "yes"}, "store", "store must be true or false"),
-    ({"response_format": schema({"$ref": "#"})}, "response_format.json_schema.schema", "admits no finite JSON value"),
     (
-        {"response_format": schema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})},
+        {"response_format": schema_format({"$ref": "#"})},
+        "response_format.json_schema.schema",
+        "admits no finite JSON value",
+    ),
+    (
+        {"response_format": schema_format({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})},
         "response_format.json_schema.schema",
         "admits no finite JSON value",
     ),
     (
         {
-            "response_format": schema(
+            "response_format": schema_format(
                 {"$defs": {"x": {"items": {"$ref": "#/$defs/x"}, "minItems": 1}}, "$ref": "#/$defs/x"}
             )
         },
@@ -171,8 +175,8 @@ def test_what_the_api_takes_is_still_taken() -> None:
         {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
         {"tools": tool({})},  # a function without arguments
         {"tools": tool({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})},
-        {"response_format": schema({"anyOf": [{"$ref": "#"}, {"type": "string"}]})},  # recursion with a way out
-        {"response_format": schema({"type": "object", "properties": {"child": {"$ref": "#"}}})},  # (optional)
+        {"response_format": schema_format({"anyOf": [{"$ref": "#"}, {"type": "string"}]})},  # recursion with a way out
+        {"response_format": schema_format({"type": "object", "properties": {"child": {"$ref": "#"}}})},  # (optional)
         {"messages": call},
         {"messages": [*call[:2], {"role": "tool", "content": "x"}]},  # no tool_call_id: the call before it
     ]
@@ -240,4 +244,32 @@ def test_a_schema_admits_a_finite_value_unless_every_way_recurses() -> None:
     }
     started = time.perf_counter()
     assert admits_finite_value({"$defs": {"w": wide}, "anyOf": [{"$ref": "#/$defs/w"}] * 50})
-    assert time.perf_counter() - started < 1
+    assert time.perf_counter() - started < 10
+
+
+def chain(length: int) -> dict:
+    """$defs a0 -> a1 -> ... -> a{length}: a string at the end, reached from a property."""
+    defs = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(length)} | {f"a{length}": {"type": "string"}}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "$defs": defs}
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "minItems": 1, "items": schema}
+    return schema
+
+
+def test_a_schema_nested_too_deep_is_refused_before_any_walk_recurses() -> None:
+    """A chain of 20,000 references segfaulted xgrammar's compiler (the server with it), and 300 nested arrays
+    overflowed Python's recursion in the checks (a 500): both are a 400 naming the field, found in linear time."""
+    for schema in (chain(20_000), chain(200), nested(300), nested(2000)):
+        started = time.perf_counter()
+        with pytest.raises(RequestError, match="nests schemas more than 128 deep") as deep:
+            read_body({"messages": USER, "response_format": schema_format(schema)}, CHAT_URL)
+        assert deep.value.param == "response_format.json_schema.schema" and time.perf_counter() - started < 10
+    with pytest.raises(RequestError, match="more than 128 deep") as in_tool:
+        read_body({"messages": USER, "tools": tool({"type": "object", "properties": {"a": nested(300)}})}, CHAT_URL)
+    assert in_tool.value.param == "tools[0].function.parameters"
+    for schema in (chain(100), nested(60)):  # deep, but not too deep
+        read_body({"messages": USER, "response_format": schema_format(schema)}, CHAT_URL)

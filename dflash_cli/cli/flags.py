@@ -179,6 +179,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         float,
         typer.Option(
             min=0.0,
+            max=2.0,
             help="0 = greedy. Output follows the target's distribution at any temperature "
             "(speculative decoding is lossless).",
             rich_help_panel=SAMPLING,

@@ -410,8 +410,9 @@ def run_jobs(
             prompt_ids = session.encode_request(request)
             session.request_params(options, request)  # a grammar this tokenizer cannot take fails here, by name
             work.append((request, prompt_ids))
-        except RequestError as error:  # a prompt this model cannot take: too long, ids outside its vocabulary, ...
-            errors.append(LineError(request.line, error.code, error.message, request.id))
+        except DflashError as error:  # a request this model cannot take: too long, ids outside its vocabulary, ...
+            code = error.code if isinstance(error, RequestError) else "invalid_request"
+            errors.append(LineError(request.line, code, error.message, request.id))
             summary.failed += 1
     work = deque(sorted(work, key=lambda item: (len(item[1]), item[0].line)))
     model = session.served_name  # as `dflash serve` names it: the recipe, or an ad-hoc target's id
@@ -426,11 +427,15 @@ def run_jobs(
             progress.update(task, rate=f"{tokens / (time.perf_counter() - started):.1f} tok/s", tau=tau)
 
         def failed(request: Request, error: BaseException) -> None:
-            if not isinstance(error, (DflashError, torch.OutOfMemoryError)):
+            if not isinstance(error, Exception):  # (Ctrl-C: the run stops, resumable)
                 raise error
-            # One request too big for the device fails alone; the rest of the file goes on.
-            reason = getattr(error, "message", None) or f"out of memory: {error}".splitlines()[0]
-            errors.append(LineError(request.line, "generation_failed", reason, request.id))
+            # A request that fails alone (too big for the device, or any failure of its own) is its error record;
+            # the rest of the file goes on.
+            if isinstance(error, torch.OutOfMemoryError):
+                reason = f"out of memory: {error}"
+            else:
+                reason = getattr(error, "message", None) or f"{type(error).__name__}: {error}"
+            errors.append(LineError(request.line, "generation_failed", reason.splitlines()[0], request.id))
             summary.failed += 1
             progress.update(task, advance=1)
 
@@ -448,7 +453,7 @@ def run_jobs(
                     try:
                         params = session.request_params(options, request)
                         row = batch.add(prompt_ids, params)
-                    except DflashError as error:
+                    except Exception as error:
                         failed(request, error)
                         continue
                     in_flight[row] = (request, prompt_ids, [], [])
@@ -475,7 +480,7 @@ def run_jobs(
             try:
                 params = session.request_params(options, request)
                 result = collect(session.stream(prompt_ids, params, speculative=speculative))
-            except (DflashError, torch.OutOfMemoryError) as error:
+            except Exception as error:
                 failed(request, error)
                 continue
             done(request, result)

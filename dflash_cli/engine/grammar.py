@@ -49,18 +49,36 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
     compiler = _compiler(tokenizer, vocab_size)
     try:
         if grammar.kind == "json":
-            return compiler.compile_json_schema('{"type": "object"}', **JSON_LAYOUT)
-        if grammar.kind == "json_schema":
-            return compiler.compile_json_schema(grammar.source, **JSON_LAYOUT)
-        if grammar.kind == "tool_calls":
-            return compiler.compile_structural_tag(_tool_call_tag(grammar.source))
+            compiled = compiler.compile_json_schema('{"type": "object"}', **JSON_LAYOUT)
+        elif grammar.kind == "json_schema":
+            compiled = compiler.compile_json_schema(grammar.source, **JSON_LAYOUT)
+        elif grammar.kind == "tool_calls":
+            compiled = compiler.compile_structural_tag(_tool_call_tag(grammar.source))
+        else:
+            raise AssertionError(f"unknown grammar kind {grammar.kind!r}")
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's errors for schemas it does not support
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # (xgrammar's time and source line)
         raise RequestError(
             f"{grammar.field}: the grammar library cannot use this: {reason}", param=grammar.field
         ) from None
-    raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+    if not _can_start(compiled, vocab_size):
+        raise RequestError(
+            f"{grammar.field}: nothing this model writes can match it (no token may start its output)",
+            param=grammar.field,
+        )
+    return compiled
+
+
+def _can_start(compiled: Any, vocab_size: int) -> bool:
+    """Whether some token, or the end, may come first under `compiled`: a grammar that allows nothing would have
+    its row commit a token it rejects (protocol.schemas refuses the schemas known to, this catches the rest)."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return matcher.is_terminated() or bool(bitmask.any())
 
 
 def _tool_call_tag(source: str) -> str:

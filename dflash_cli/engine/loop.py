@@ -278,12 +278,18 @@ class Batch:
         slot = choose_slot(free, state.held, prompt)
         store = self.prefix_store if state.storable else None
         if store is not None:
-            stored, shared = store.best(prompt, self._fits)
             held = state.held[slot]
-            if stored is not None and shared > (common_prefix(held.ids, prompt) if held is not None else 0):
+            # (taken out of the store as it is found: the stash below, which makes room there, cannot evict it)
+            stored = store.take(prompt, self._fits, common_prefix(held.ids, prompt) if held is not None else 0)
+            if stored is not None:
                 slot = choose_slot(free, state.held, ())
                 self._stash(state, slot)
-                self._restore(state, slot, store.take(stored), row.generation.end)
+                state.forget(slot)  # (a copy that fails half-way leaves nothing a later request would reuse)
+                try:
+                    self._restore(state, slot, stored, row.generation.end)
+                except BaseException:
+                    store.add(stored)  # still whole in host memory: it stays for a later request
+                    raise
         self.slots[row.slot], self.slots[slot], row.slot = None, row, slot
 
     def _fits(self, stored: Stored) -> bool:
@@ -364,7 +370,7 @@ class Batch:
         generation.stats.cached_tokens, generation.stats.unreused_tokens = kept, matched - kept
         return kept, unread
 
-    def _decode(self, rows: list[Row]) -> list[Step]:
+    def _decode(self, rows: list[Row]) -> list[Step | BaseException]:
         state, drafter, clock = self.state, self.drafter, self.clock
         starts = [state.lengths[row.slot] for row in rows]  # the position of each row's `last`
         limits = [row.generation.block_at(start) for row, start in zip(rows, starts)]
@@ -417,14 +423,20 @@ class Batch:
         t_verify, compiled_drafting = clock.mark(), compiling_seconds()
         logits = state.verify(block_ids, [row.slot for row in rows])
         host_parts, posteriors = [], []
+        failed: dict[int, Exception] = {}  # rows whose own part of the step failed: they leave, the others commit
         for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
-            if row.generation.grammar is not None:  # each position under the grammar's state after the drafts before it
-                row.generation.grammar.mask(logits[i, :size], block_ids[i, 1:size].tolist())
-            # (block slot j chooses the token at position start + 1 + j: that position's own uniform)
-            uniforms = row.generation.uniforms_at(start + 1, size)
-            posterior = sample_tokens(logits[i, :size], row.generation.params, row.generation.generator, uniforms)
-            # Draft j+1 stands while it equals the target's choice after position j.
-            host_parts += [accepted_drafts(block_ids[i, 1:size], posterior[:-1]).view(1), posterior]
+            try:
+                if row.generation.grammar is not None:  # each position under the grammar's state after the drafts
+                    row.generation.grammar.mask(logits[i, :size], block_ids[i, 1:size].tolist())
+                # (block slot j chooses the token at position start + 1 + j: that position's own uniform)
+                uniforms = row.generation.uniforms_at(start + 1, size)
+                posterior = sample_tokens(logits[i, :size], row.generation.params, row.generation.generator, uniforms)
+                # Draft j+1 stands while it equals the target's choice after position j.
+                accepted = accepted_drafts(block_ids[i, 1:size], posterior[:-1])
+            except Exception as error:  # its sampling or grammar: its own failure (the step's layout stays)
+                failed[i] = error
+                posterior, accepted = block_ids[i, :size], block_ids.new_zeros(())
+            host_parts += [accepted.view(1), posterior]
             posteriors.append(posterior)
         t_end = clock.mark()
         host = torch.cat(host_parts).tolist()  # the step's one host sync
@@ -435,34 +447,43 @@ class Batch:
         compiling = compiled_after - compiled_before
         # The rows' acceptance, pooled; a row cut short by its own end says nothing about the later positions.
         offsets = [sum(size + 1 for size in sizes[:i]) for i in range(len(rows))]
-        full = [host[at] for at, size in zip(offsets, sizes) if size == chosen]
+        full = [host[at] for i, (at, size) in enumerate(zip(offsets, sizes)) if size == chosen and i not in failed]
         if full:
             self.policy.observe(chosen, full[0] if len(full) == 1 else full, draft_s, verify_s)
-        steps, at = [], 0
-        for row, size, posterior in zip(rows, sizes, posteriors):
-            accepted = host[at]
-            committed = host[
-                at + 1 : at + accepted + 2
-            ]  # accepted drafts equal the target's own tokens, then the bonus
-            at += size + 1
-            stats = (
-                row.generation.stats
-            )  # (each row waited for the whole step: its draft and verify times are the step's)
-            stats.draft_s += draft_s
-            stats.verify_s += verify_s
-            stats.compile_s += compiling
-            row.decode_started += compiling
-            state.commit(accepted + 1, row.slot)
-            row.ids += [row.last_id, *committed[:accepted]]  # the block's kept tokens, now in the state
-            row.last_id = committed[accepted]
-            if drafter is not None:
-                # Features of the committed block positions; the bonus token's arrive with the next verify.
-                row.pending.append(state.features(accepted + 1, row.slot))
-            row.last = posterior[accepted : accepted + 1]
-            step = row.generation.commit(committed, verified=True, block_size=size)
-            stats.decode_s = time.perf_counter() - row.decode_started
-            steps.append(step)
+        steps: list[Step | BaseException] = []
+        for i, (row, size, posterior, at) in enumerate(zip(rows, sizes, posteriors, offsets)):
+            if i in failed:
+                self.state.commit(1, row.slot)  # (a state that commits every row of a verify at once waits for it)
+                steps.append(failed[i])
+                continue
+            try:
+                steps.append(self._commit(row, host, at, size, posterior, (draft_s, verify_s, compiling)))
+            except Exception as error:  # its stop conditions or grammar: its own failure, the others' steps stand
+                steps.append(error)
         return steps
+
+    def _commit(
+        self, row: Row, host: list[int], at: int, size: int, posterior: torch.Tensor, times: tuple[float, ...]
+    ) -> Step:
+        """Commit `row`'s part of a verify step: its accepted count at host[at], then the target's tokens."""
+        state, (draft_s, verify_s, compiling) = self.state, times
+        accepted = host[at]
+        committed = host[at + 1 : at + accepted + 2]  # accepted drafts equal the target's own tokens, then the bonus
+        stats = row.generation.stats  # (each row waited for the whole step: its draft and verify times are the step's)
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        stats.compile_s += compiling
+        row.decode_started += compiling
+        state.commit(accepted + 1, row.slot)
+        row.ids += [row.last_id, *committed[:accepted]]  # the block's kept tokens, now in the state
+        row.last_id = committed[accepted]
+        if self.drafter is not None:
+            # Features of the committed block positions; the bonus token's arrive with the next verify.
+            row.pending.append(state.features(accepted + 1, row.slot))
+        row.last = posterior[accepted : accepted + 1]
+        step = row.generation.commit(committed, verified=True, block_size=size)
+        stats.decode_s = time.perf_counter() - row.decode_started
+        return step
 
 
 @torch.inference_mode()

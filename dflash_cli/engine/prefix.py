@@ -13,7 +13,8 @@ that draft sees the whole conversation, as it would without reuse.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,42 +78,48 @@ class Stored:
 class PrefixStore:
     """More prefixes than slots: those a slot held before a request overwrote them, least recently used first out,
     in host memory (pinned on CUDA, for the copies back), at most `limit` bytes. A request whose prompt shares more
-    with a stored prefix than with any free slot has it copied back into a slot (`Batch`), then continues from it
-    like from a slot's own."""
+    with a stored prefix than with any free slot takes it out of the store (`take`) and has it copied back into a
+    slot (`Batch`), then continues from it like from a slot's own.
+
+    The store owns its entries and one lock guards them: `take` finds and removes the best entry in one step, so
+    the placement that took it holds it alone (an `add` that makes room, in this thread or another, can no longer
+    evict it) until it is copied back, or `add`ed again when that fails."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.entries: list[Stored] = []  # least recently used first
         self.used = 0  # bytes
+        self._lock = threading.Lock()
 
     def add(self, stored: Stored) -> None:
         """Keep `stored` (most recently used), dropping the least recently used ones it needs room from; one larger
         than the whole store is not kept."""
         if stored.nbytes > self.limit:
             return
-        while self.entries and self.used + stored.nbytes > self.limit:
-            self.used -= self.entries.pop(0).nbytes
-        self.entries.append(stored)
-        self.used += stored.nbytes
+        with self._lock:
+            while self.entries and self.used + stored.nbytes > self.limit:
+                self.used -= self.entries.pop(0).nbytes
+            self.entries.append(stored)
+            self.used += stored.nbytes
 
-    def best(self, prompt: Sequence[int], fits: Any) -> tuple[Stored | None, int]:
-        """The stored prefix with the longest common prefix with `prompt` among those `fits(stored)` accepts, and
-        that length (None, 0: none shares a token)."""
-        found, length = None, 0
-        for stored in self.entries:
-            shared = common_prefix(stored.held.ids, prompt)
-            if shared > length and fits(stored):
-                found, length = stored, shared
-        return found, length
-
-    def take(self, stored: Stored) -> Stored:
-        """Remove `stored` from the store (it goes back into a slot)."""
-        self.entries.remove(stored)
-        self.used -= stored.nbytes
-        return stored
+    def take(self, prompt: Sequence[int], fits: Callable[[Stored], bool], longer_than: int = 0) -> Stored | None:
+        """Remove and return the stored prefix with the longest common prefix with `prompt` among those
+        `fits(stored)` accepts, if that is longer than `longer_than` tokens (else None, and the store is as it
+        was)."""
+        with self._lock:
+            found, length = None, longer_than
+            for stored in self.entries:
+                shared = common_prefix(stored.held.ids, prompt)
+                if shared > length and fits(stored):
+                    found, length = stored, shared
+            if found is not None:
+                self.entries.remove(found)
+                self.used -= found.nbytes
+            return found
 
     def clear(self) -> None:
-        self.entries, self.used = [], 0
+        with self._lock:
+            self.entries, self.used = [], 0
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -28,7 +29,7 @@ from dflash_cli.loading.compiled_steps import load_exported_step
 from dflash_cli.loading.models import LoadedModels, load_models
 from dflash_cli.protocol.params import Grammar
 from dflash_cli.protocol.replies import THINK_CLOSE, THINK_OPEN
-from dflash_cli.protocol.requests import Request
+from dflash_cli.protocol.requests import Request, check_context
 from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages, parse_reply, template_format
 from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
@@ -214,38 +215,44 @@ class Session:
 
     def request_params(self, options: RunOptions, request: Request) -> SamplingParams:
         """A request's sampling params (its fields over the options') with its grammar (response_format, or the
-        forced tool call) compiled for this tokenizer. Raises RequestError naming the field it cannot take."""
+        forced tool call) compiled for this tokenizer, and each tool's parameters too (a schema the grammar cannot
+        take is refused now, not when a reply calls the tool). Raises RequestError naming the field it cannot
+        take. The admission check of every route: what it accepts, the engine decodes."""
         from dflash_cli.engine.grammar import compile_grammar
 
         changes = dict(request.sampling)
         tools = request.tools
+        vocab = self.target.config.get_text_config().vocab_size
         if tools is not None:
             if self.tool_format is None:
                 raise RequestError(
-                    f"tools: {self.recipe.name} has no known tool-call format (its recipe sets no tool_parser)",
-                    param="tools",
+                    f"{tools.field}: {self.recipe.name} has no known tool-call format (its recipe sets no tool_parser)",
+                    param=tools.field,
                     fix=f"set tool_parser in the recipe to one of {', '.join(FORMATS)}",
                 )
+            for i, tool in enumerate(tools.functions):
+                parameters = tool["function"].get("parameters")
+                if parameters:
+                    where = f"{tools.field}[{i}].function.parameters"
+                    grammar = Grammar("json_schema", json.dumps(parameters, ensure_ascii=False), field=where)
+                    compile_grammar(grammar, self.require_tokenizer(), vocab)
             if tools.forced:
                 changes["grammar"] = self._tool_grammar(tools)
         params = self.sampling_params(options, **changes)
         if params.grammar is not None:
-            vocab = self.target.config.get_text_config().vocab_size
             compile_grammar(params.grammar, self.require_tokenizer(), vocab)  # (cached for the generation)
         return params
 
     def _tool_grammar(self, tools: Tools) -> Grammar:
-        import json
-
-        tag = FORMATS[self.tool_format].grammar
+        tag, field = FORMATS[self.tool_format].grammar, tools.field.removesuffix("tools") + "tool_choice"
         if tag is None:
             raise RequestError(
-                f"tool_choice {tools.choice!r}: forcing a call is not supported for the {self.tool_format} format; "
+                f"{field} {tools.choice!r}: forcing a call is not supported for the {self.tool_format} format; "
                 "use auto",
-                param="tool_choice",
+                param=field,
             )
         spec = {"format": tag, "tools": list(tools.functions), "choice": tools.choice, "parallel": tools.parallel}
-        return Grammar("tool_calls", json.dumps(spec, sort_keys=True), field="tool_choice")
+        return Grammar("tool_calls", json.dumps(spec, sort_keys=True), field=field)
 
     def reply_text(self, token_ids: Sequence[int], stop_strings: Sequence[str] = ()) -> str:
         """Generated ids as a tool parser reads them: special tokens kept (they delimit calls), end-of-turn ids
@@ -280,13 +287,11 @@ class Session:
 
     def encode_request(self, request: Request, *, prompt_as_chat: bool = False, fit_window: bool = True) -> list[int]:
         """A request's prompt ids, checked against this model (vocabulary, chat template, and with `fit_window`
-        the context window: a count of tokens needs no room to generate).
+        the context window: the prompt and the max_tokens it asks for; a count of tokens needs no room to generate).
 
         Raises RequestError for a request this model cannot take. With `prompt_as_chat` a plain `prompt` is sent
         as a user turn when the model has a chat template (bench measures chat replies)."""
-        field = request.prompt_field or (
-            "messages" if request.is_chat else "prompt_ids" if request.prompt_ids is not None else "prompt"
-        )
+        field = request.prompt_key
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
             vocab = self.target.get_input_embeddings().num_embeddings
@@ -311,14 +316,8 @@ class Session:
                 raise RequestError(error.message, param=field, fix=error.fix) from None
         if not ids:
             raise RequestError("the prompt encodes to no tokens", param=field)
-        window = self.context_window
-        if fit_window and window is not None and len(ids) >= window:
-            raise RequestError(
-                f"the prompt is {len(ids)} tokens, but the model's context window is {window}",
-                param=field,
-                code="context_length_exceeded",
-                fix="shorten the prompt",
-            )
+        if fit_window:
+            check_context(request, len(ids), self.context_window)
         return ids
 
     def sampling_params(self, options: RunOptions, **changes: Any) -> SamplingParams:

@@ -8,6 +8,7 @@ server request body, a bench prompt line, the CLI flags) and its errors name the
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ from dflash_cli.errors import DflashError, RequestError
 GREEDY_BELOW = 1e-5
 
 
+# The largest count a request may ask for (max_tokens, top_k): what a 32-bit integer holds, far past any context
+# window or vocabulary, and small enough for every tensor size and index it becomes.
+MOST_COUNT = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Field:
     key: str  # the request key; RunOptions and the CLI flags use the same name
@@ -28,6 +34,13 @@ class Field:
     valid: Callable[[Any], bool]
     help: str
     aliases: tuple[str, ...] = ()
+    most: int | None = None  # an integer's upper bound (said apart from `rule`: "must be at most ...")
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with a value of the right type ("must be ..."), or None."""
+        if self.most is not None and value > self.most:
+            return f"must be at most {self.most}"
+        return None if self.valid(value) else f"must be {self.rule}"
 
 
 FIELDS: tuple[Field, ...] = (
@@ -39,10 +52,20 @@ FIELDS: tuple[Field, ...] = (
         lambda v: v >= 1,
         "most tokens to generate",
         aliases=("max_completion_tokens",),
+        most=MOST_COUNT,
     ),
-    Field("temperature", "temperature", float, ">= 0", lambda v: v >= 0, "0 = greedy (below 1e-5 too)"),
+    # (OpenAI's range; past 2 sampling is all but uniform: garbage, never what a user means)
+    Field("temperature", "temperature", float, "in [0, 2]", lambda v: 0 <= v <= 2, "0 = greedy (below 1e-5 too)"),
     Field("top_p", "top_p", float, "in (0, 1]", lambda v: 0 < v <= 1, "nucleus sampling; 1 = off"),
-    Field("top_k", "top_k", int, ">= 0 (0 = off)", lambda v: v >= 0, "keep the K most likely tokens (-1 = off too)"),
+    Field(
+        "top_k",
+        "top_k",
+        int,
+        ">= 0 (0 = off)",
+        lambda v: v >= 0,
+        "keep the K most likely tokens (-1 = off too)",
+        most=MOST_COUNT,
+    ),
     Field("min_p", "min_p", float, "in [0, 1)", lambda v: 0 <= v < 1, "drop tokens below this share of the top one"),
     Field("seed", "seed", int, "a 64-bit integer", lambda v: -(2**63) <= v < 2**64, "random seed (null = none)"),
     Field(
@@ -85,13 +108,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for field in FIELDS:
             value = getattr(self, field.attr)
-            if value is not None and not field.valid(value):
-                raise DflashError(f"invalid sampling parameter: {field.attr} must be {field.rule}")
+            if value is not None and (problem := field.problem(value)) is not None:
+                raise DflashError(f"invalid sampling parameter: {field.attr} {problem}")
 
 
-def _show(value: Any) -> str:
-    import json
-
+def show(value: Any) -> str:
+    """A value as JSON, cut short, for error messages (every protocol module's)."""
     text = json.dumps(value, ensure_ascii=False, default=repr)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -101,23 +123,41 @@ def read_value(field: Field, value: Any, name: str) -> Any:
     if field.kind is tuple:
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
-            raise RequestError(f"{name} must be {field.rule}, got {_show(value)}", param=name)
+            raise RequestError(f"{name} must be {field.rule}, got {show(value)}", param=name)
         if not all(stops):
             raise RequestError(f"{name} must be {field.rule}: an empty stop string would stop at once", param=name)
         return tuple(stops)
-    wanted = (int,) if field.kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, wanted):
-        kind = "an integer" if field.kind is int else "a number"
-        raise RequestError(f"{name} must be {kind}, got {_show(value)}", param=name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RequestError(f"{name} must be a finite number, got {value}", param=name)
+    value = read_number(value, name, integer=field.kind is int)
     if field.attr == "top_k" and value == -1:  # vLLM's spelling of "off"
         return 0
-    if not field.valid(value):
-        raise RequestError(f"{name} must be {field.rule}, got {_show(value)}", param=name)
+    if (problem := field.problem(value)) is not None:
+        raise RequestError(f"{name} {problem}, got {show(value)}", param=name)
     if field.attr == "temperature" and value < GREEDY_BELOW:
         return 0.0
     return value
+
+
+def read_number(
+    value: Any, name: str, *, integer: bool = False, low: float | None = None, high: float | None = None
+) -> Any:
+    """A request's number, checked: an integer (`integer`) or any finite number (not a boolean), within [low, high]
+    where given. Any route's parser checks its numeric fields with this; RequestError names `name`."""
+    wanted = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, wanted):
+        raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got {show(value)}", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value}", param=name)
+    below, above = low is not None and value < low, high is not None and value > high
+    if below or above:
+        both = low is not None and high is not None
+        rule = f"in [{low:g}, {high:g}]" if both else f">= {low:g}" if below else f"<= {high:g}"
+        raise RequestError(f"{name} must be {rule}, got {show(value)}", param=name)
+    return value
+
+
+def _given(source: Mapping[str, Any], field: Field) -> list[tuple[str, Any]]:
+    """The (key, value) pairs `source` sets `field` with, its aliases too (JSON null: not set)."""
+    return [(name, source[name]) for name in (field.key, *field.aliases) if source.get(name) is not None]
 
 
 def read_sampling(source: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
@@ -125,7 +165,7 @@ def read_sampling(source: Mapping[str, Any], *, prefix: str = "") -> dict[str, A
     other keys are not looked at. `prefix` goes before key names in errors (e.g. "body.")."""
     params: dict[str, Any] = {}
     for field in FIELDS:
-        given = [(name, source[name]) for name in (field.key, *field.aliases) if source.get(name) is not None]
+        given = _given(source, field)
         if len(given) > 1 and any(value != given[0][1] for _, value in given):
             names = " and ".join(prefix + name for name, _ in given)
             raise RequestError(f"{names} disagree: give one of them", param=prefix + given[0][0])
@@ -133,6 +173,12 @@ def read_sampling(source: Mapping[str, Any], *, prefix: str = "") -> dict[str, A
             name, value = given[0]
             params[field.attr] = read_value(field, value, prefix + name)
     return params
+
+
+def sampling_keys(source: Mapping[str, Any], *, prefix: str = "") -> dict[str, str]:
+    """The key each SamplingParams field `source` sets came under, by attribute (`max_completion_tokens` where the
+    request said so), for errors found later (requests.check_context)."""
+    return {field.attr: prefix + given[0][0] for field in FIELDS if (given := _given(source, field))}
 
 
 def read_setting(key: str, text: str) -> tuple[str, Any]:

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.errors import DflashError, RequestError, json_problem
-from dflash_cli.protocol.params import BY_KEY, FIELDS, Grammar, read_sampling
+from dflash_cli.protocol.params import BY_KEY, FIELDS, Grammar, read_number, read_sampling, sampling_keys, show
+from dflash_cli.protocol.schemas import read_schema
 from dflash_cli.protocol.tools import Tools, read_tools
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -83,6 +84,25 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (it would change the distribution)"),
     "repetition_penalty": (_number_is(1), "repetition_penalty is not supported (it would change the distribution)"),
 }
+# The numbers among them, checked against the API's own range first: a value no API takes is told so, not that
+# it is unsupported. (integer?, low, high)
+UNSUPPORTED_RANGES: dict[str, tuple[bool, float, float]] = {
+    "n": (True, 1, 128),
+    "best_of": (True, 1, 20),
+    "top_logprobs": (True, 0, 20),
+    "presence_penalty": (False, -2, 2),
+    "frequency_penalty": (False, -2, 2),
+    "repetition_penalty": (False, 0, 2),
+}
+# Fields read by nobody here but typed by the API: a value of another type is refused (a client bug said early).
+IGNORED_TYPES: dict[str, tuple[type, str]] = {
+    "user": (str, "a string"),
+    "safety_identifier": (str, "a string"),
+    "prompt_cache_key": (str, "a string"),
+    "service_tier": (str, "a string"),
+    "store": (bool, "true or false"),
+    "metadata": (dict, "an object of strings"),
+}
 
 
 @dataclass(frozen=True)
@@ -94,6 +114,7 @@ class Request:
     prompt_ids: tuple[int, ...] | None = None  # token ids as they are
     prompt_field: str | None = None  # the field the prompt came in, where its name says otherwise (for errors)
     sampling: Mapping[str, Any] = field(default_factory=dict)  # the SamplingParams fields it sets, by attribute
+    sampling_keys: Mapping[str, str] = field(default_factory=dict)  # the key each of them came under (for errors)
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # over the recipe's own
     tools: Tools | None = None  # function tools the reply may call (rendered by the chat template)
     stream: bool = False
@@ -107,11 +128,37 @@ class Request:
     def is_chat(self) -> bool:
         return self.messages is not None
 
+    @property
+    def prompt_key(self) -> str:
+        """The field the prompt came in, for errors about it."""
+        if self.prompt_field is not None:
+            return self.prompt_field
+        return "messages" if self.is_chat else "prompt_ids" if self.prompt_ids is not None else "prompt"
 
-def show(value: Any) -> str:
-    """A value as JSON, cut short, for error messages."""
-    text = json.dumps(value, ensure_ascii=False, default=repr)
-    return text if len(text) <= 60 else text[:57] + "..."
+
+def check_context(request: Request, prompt_tokens: int, window: int | None) -> None:
+    """A prompt of `prompt_tokens` tokens and the max_tokens the request asks for (when it does: the default is cut
+    at the window) against the model's context window; RequestError (context_length_exceeded) naming the field,
+    with the most it can ask for. Every route checks its encoded prompt with this."""
+    if window is None:
+        return
+    if prompt_tokens >= window:
+        raise RequestError(
+            f"the prompt is {prompt_tokens} tokens, but the model's context window is {window}",
+            param=request.prompt_key,
+            code="context_length_exceeded",
+            fix="shorten the prompt",
+        )
+    asked, left = request.sampling.get("max_new_tokens"), window - prompt_tokens
+    if asked is not None and asked > left:
+        key = request.sampling_keys.get("max_new_tokens", "max_tokens")
+        raise RequestError(
+            f"{key} is {asked}, but the model's context window of {window} tokens leaves {left} after the "
+            f"prompt's {prompt_tokens}: ask for at most {left}",
+            param=key,
+            code="context_length_exceeded",
+            fix=f"set {key} to {left} or less (or leave it out: the reply then stops at the window)",
+        )
 
 
 def read_text(value: Any, name: str, *, allow_empty: bool = False) -> str:
@@ -205,12 +252,37 @@ def read_messages(value: Any, name: str = "messages") -> tuple[dict[str, Any], .
             turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
         if role == "assistant" and message.get("reasoning_content"):  # passed back (templates that render it)
             turn["reasoning_content"] = read_text(message["reasoning_content"], f"{where}.reasoning_content")
-        if role == "tool":
-            for key in ("tool_call_id", "name"):
-                if isinstance(message.get(key), str):
-                    turn[key] = message[key]
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise RequestError(f"{where}.{key} must be a string, got {show(message[key])}", param=f"{where}.{key}")
+            if role == "tool" and message.get(key) is not None:
+                turn[key] = message[key]
         messages.append(turn)
+    check_tool_answers(messages, name)
     return tuple(messages)
+
+
+def check_tool_answers(messages: Sequence[Mapping[str, Any]], name: str = "messages") -> None:
+    """Each tool message of a conversation (read_messages' form) answers a call: an assistant message before it
+    calls tools, and its tool_call_id, when it has one, is one of their ids. RequestError names the message."""
+    called: list[str] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            called += [call["id"] for call in message.get("tool_calls") or ()]
+        elif message["role"] == "tool":
+            where = f"{name}[{i}]"
+            if not called:
+                raise RequestError(
+                    f"{where}: a tool message answers a tool call, but no assistant message before it calls a tool",
+                    param=f"{where}.role",
+                )
+            answered = message.get("tool_call_id")
+            if answered is not None and answered not in called:
+                raise RequestError(
+                    f"{where}.tool_call_id {show(answered)} answers no tool call of the conversation (the calls: "
+                    f"{', '.join(show(call) for call in called[-8:])})",
+                    param=f"{where}.tool_call_id",
+                )
 
 
 def read_prompt_ids(value: Any, name: str) -> tuple[int, ...]:
@@ -265,15 +337,30 @@ FOREIGN_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "rand
 
 
 def check_supported(body: Mapping[str, Any], prefix: str = "") -> None:
+    """Refuse a field we do not implement set to another value than its default (after its range: UNSUPPORTED),
+    an ignored field of the wrong type, and a misspelt field (did you mean ...)."""
     for key, (is_default, why) in UNSUPPORTED.items():
-        if body.get(key) is not None and not is_default(body[key]):
+        if body.get(key) is None:
+            continue
+        if key in UNSUPPORTED_RANGES:
+            integer, low, high = UNSUPPORTED_RANGES[key]
+            read_number(body[key], prefix + key, integer=integer, low=low, high=high)
+        if not is_default(body[key]):
             raise RequestError(f"{prefix}{why}", param=prefix + key)
+    for key, (kind, what) in IGNORED_TYPES.items():
+        value = body.get(key)
+        if value is not None and not (isinstance(value, kind) and (kind is not dict or _strings(value))):
+            raise RequestError(f"{prefix}{key} must be {what}, got {show(value)}", param=prefix + key)
     for key in sorted(body.keys() - READ_KEYS - UNSUPPORTED.keys()):
         meant = FOREIGN_NAMES.get(key) or next(iter(difflib.get_close_matches(key, READ_KEYS, n=1, cutoff=0.85)), None)
         if meant is not None:
             raise RequestError(
                 f"{prefix}{key} is not a request field: did you mean {prefix}{meant}?", param=prefix + key
             )
+
+
+def _strings(value: Mapping[str, Any]) -> bool:
+    return all(isinstance(item, str) for item in value.values())
 
 
 def _template_kwargs(value: Any, name: str) -> dict[str, Any]:
@@ -285,29 +372,6 @@ def _template_kwargs(value: Any, name: str) -> dict[str, Any]:
     if reserved:
         raise RequestError(f"{name} cannot set {', '.join(reserved)}", param=name)
     return dict(value)
-
-
-# JSON schema keywords the grammar (xgrammar) would ignore without a word: refused by name, so a strict schema is
-# either followed or refused
-IGNORED_SCHEMA_KEYWORDS = frozenset(
-    {"not", "if", "then", "else", "dependentSchemas", "dependentRequired", "unevaluatedProperties", "unevaluatedItems"}
-)
-
-
-def check_schema(schema: Any, name: str) -> None:
-    """Refuse what the grammar would not enforce: the keywords above, and a $ref outside the schema."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            check_schema(item, f"{name}[{i}]")
-    elif isinstance(schema, dict):
-        for key, value in schema.items():
-            where = f"{name}.{key}"
-            if key in IGNORED_SCHEMA_KEYWORDS:
-                raise RequestError(f"{where}: the JSON schema keyword {key!r} is not supported", param=where)
-            if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
-                raise RequestError(f"{where}: only references inside the schema (#/...) are supported", param=where)
-            if key not in ("enum", "const", "default", "examples"):  # (values, not schemas)
-                check_schema(value, where)
 
 
 def read_response_format(value: Any, name: str = "response_format") -> Grammar | None:
@@ -326,12 +390,10 @@ def read_response_format(value: Any, name: str = "response_format") -> Grammar |
             raise RequestError(
                 f'{name}.json_schema must be an object {{"name", "schema", "strict"}}', param=f"{name}.json_schema"
             )
-        schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise RequestError(
-                f"{name}.json_schema.schema must be a JSON schema object", param=f"{name}.json_schema.schema"
-            )
-        check_schema(schema, f"{name}.json_schema.schema")
+        if spec.get("name") is not None and not isinstance(spec["name"], str):
+            where = f"{name}.json_schema.name"
+            raise RequestError(f"{where} must be a string, got {show(spec['name'])}", param=where)
+        schema = read_schema(spec.get("schema", {}), f"{name}.json_schema.schema")
         return Grammar("json_schema", json.dumps(schema, ensure_ascii=False), field=f"{name}.json_schema.schema")
     raise RequestError(
         f'{name} must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": "json_schema", "json_schema": '
@@ -352,7 +414,11 @@ def _constraints(source: Mapping[str, Any], prefix: str, chat: bool) -> dict[str
             param=prefix + "response_format",
         )
     sampling = read_sampling(source, prefix=prefix)
-    return {"sampling": {**sampling, "grammar": grammar} if grammar is not None else sampling, "tools": tools}
+    return {
+        "sampling": {**sampling, "grammar": grammar} if grammar is not None else sampling,
+        "sampling_keys": sampling_keys(source, prefix=prefix),
+        "tools": tools,
+    }
 
 
 def _flag(body: Mapping[str, Any], key: str, name: str) -> bool:

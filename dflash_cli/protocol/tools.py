@@ -14,6 +14,7 @@ the system message by `hermes_system_prompt`, and its replies are parsed as herm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cli.errors import RequestError
+from dflash_cli.protocol.params import show
+from dflash_cli.protocol.schemas import read_parameters
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class Tools:
     functions: tuple[Mapping[str, Any], ...]
     choice: str = "auto"
     parallel: bool = True
+    # the request field they came in, as the user wrote it (for errors; not what a result is made from)
+    field: str = dataclasses.field(default="tools", repr=False, compare=False)
 
     @property
     def forced(self) -> bool:
@@ -55,11 +60,6 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=repr)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def read_tools(body: Mapping[str, Any], prefix: str = "") -> Tools | None:
     """`tools`, `tool_choice` and `parallel_tool_calls` of an OpenAI request, checked. None: no tools (or
     tool_choice "none": the reply is text)."""
@@ -80,14 +80,15 @@ def read_tools(body: Mapping[str, Any], prefix: str = "") -> Tools | None:
             raise RequestError(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", function["name"]):
             raise RequestError(
-                f"{where}.function.name must be letters, digits, _ . - (at most 64), got {_show(function['name'])}",
+                f"{where}.function.name must be letters, digits, _ . - (at most 64), got {show(function['name'])}",
                 param=f"{where}.function.name",
             )
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise RequestError(
-                f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function.parameters"
-            )
+        if function.get("parameters") is not None:
+            read_parameters(function["parameters"], f"{where}.function.parameters")
+        for key, kind, what in (("description", str, "a string"), ("strict", bool, "true or false")):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                name = f"{where}.function.{key}"
+                raise RequestError(f"{name} must be {what}, got {show(function[key])}", param=name)
         names.append(function["name"])
     if len(set(names)) < len(names):
         raise RequestError(f"{prefix}tools: function names must be unique", param=prefix + "tools")
@@ -104,19 +105,19 @@ def read_tools(body: Mapping[str, Any], prefix: str = "") -> Tools | None:
         mode = choice["function"].get("name")
         if mode not in names:
             raise RequestError(
-                f"{prefix}tool_choice names {_show(mode)}, which is not among the tools", param=prefix + "tool_choice"
+                f"{prefix}tool_choice names {show(mode)}, which is not among the tools", param=prefix + "tool_choice"
             )
     else:
         raise RequestError(
             f'{prefix}tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
-            f'{{"name": ...}}}}, got {_show(choice)}',
+            f'{{"name": ...}}}}, got {show(choice)}',
             param=prefix + "tool_choice",
         )
     # only what the template and the grammar read: a function's name, description and parameters
     functions = tuple(
         {"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools
     )
-    return Tools(functions, mode, parallel is not False)
+    return Tools(functions, mode, parallel is not False, field=prefix + "tools")
 
 
 def call_id() -> str:

@@ -270,7 +270,8 @@ def test_set_changes_a_sampling_setting(session: Session, state: ChatState, line
     ("line", "message"),
     [
         ("/set temperature hot", "temperature needs a number, got 'hot'"),
-        ("/set temperature -1", "temperature must be >= 0"),
+        ("/set temperature -1", "temperature must be in [0, 2]"),
+        ("/set temperature 2.5", "temperature must be in [0, 2]"),
         ("/set temperature nan", "temperature must be a finite number"),
         ("/set top_p 1.5", "top_p must be in (0, 1]"),
         ("/set top_k 2.5", "top_k needs a whole number"),

@@ -427,6 +427,48 @@ def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, opt
     assert failures[7]["id"] == "huge" and "context window is 512" in failures[7]["error"]["message"]
 
 
+def test_the_bodies_that_reached_the_engine_are_error_records_and_the_rest_runs(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    """Issue 48 through `dflash run`: each line the server once let through to the engine is its own error record
+    naming its field (at parsing, or against the model: the context left, the schema); the good lines between
+    them are done."""
+    hi = [{"role": "user", "content": "Hi"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    bad = {
+        "temperature": {"prompt": "x", "temperature": 10**30},
+        "top_k": {"prompt": "x", "top_k": 10**30},
+        "max_tokens": {"prompt": "x", "max_tokens": 1_000_000},  # (the window is 512)
+        "response_format.json_schema.schema": {
+            "messages": hi,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}},
+        },
+        "tools[0].function.parameters": {
+            "messages": hi,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+        },
+        "messages[2].tool_call_id": {
+            "messages": [
+                *hi,
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "x", "content": "sunny"},
+            ],
+        },
+        "user": {"prompt": "x", "user": 5},
+        "body.temperature": {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 1e9}},
+    }
+    lines: list[Any] = []
+    for i, line in enumerate(bad.values()):
+        lines += [{"id": f"good-{i}", "prompt": f"Line {i}", "max_tokens": 3}, line]
+    summary = run_with(session, options, write_lines(tmp_path / "p.jsonl", lines))
+    assert (summary.done, summary.failed, summary.exit_code) == (len(bad), len(bad), 1)
+    assert {r["id"] for r in read_jsonl(tmp_path / "p.out.jsonl")} == {f"good-{i}" for i in range(len(bad))}
+    errors = {e["line"]: e["error"] for e in read_jsonl(tmp_path / "p.errors.jsonl")}
+    for i, field in enumerate(bad):
+        assert errors[2 * i + 2]["message"].startswith(field), (field, errors[2 * i + 2])
+    assert errors[6]["code"] == "context_length_exceeded" and "ask for at most" in errors[6]["message"]
+
+
 def test_greedy_results_match_single_runs_and_stop_overrides(tmp_path: Path, session: Any, options: RunOptions) -> None:
     from dflash_cli.engine import collect
 

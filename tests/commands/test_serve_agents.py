@@ -316,7 +316,11 @@ def test_structured_output_through_the_same_grammar(server: RunningServer, claud
     body = {"model": server.target, "max_tokens": 40, "messages": user("Describe it"),
             "output_config": {"format": {"type": "json_schema", "schema": RECORD}}}  # fmt: skip
     status, _, raw = raw_request(
-        server.port, "POST", "/v1/messages", json.dumps(body).encode(), {"x-api-key": KEY, "anthropic-version": "1"}
+        server.port,
+        "POST",
+        "/v1/messages",
+        json.dumps(body).encode(),
+        {"x-api-key": KEY, "anthropic-version": "1", "Content-Type": "application/json"},
     )
     reply = json.loads(raw)
     assert status == 200 and reply["stop_reason"] == "end_turn", reply

@@ -290,3 +290,61 @@ def test_hybrid_rows_roll_back_each_to_its_own_count(family: str) -> None:
     assert any(1 < n < 8 for i, g in enumerate(got) if i not in sampled for n in g[2])  # partial acceptance
     again, _ = run_batch(target, oracle(sorted(range(len(prompts)), key=joins.__getitem__)), requests, rows=2)
     assert [g[0] for g in again] == [g[0] for g in got]
+
+
+def break_sampling(row, batch) -> None:
+    """Make `row`'s sampling fail as an unchecked request's did (issue 48: a 31-digit temperature overflowed)."""
+    params = SamplingParams(max_new_tokens=row.generation.params.max_new_tokens, temperature=1.0)
+    object.__setattr__(params, "temperature", 10**30)  # (no request can carry it now: protocol refuses it)
+    row.generation.params = params
+
+
+def break_grammar(row, batch) -> None:
+    """Give `row` a grammar that allows no token (compiled past the admission checks that now refuse it): its
+    mask leaves nothing, and the token chosen anyway is one the grammar rejects when it is committed."""
+    import xgrammar
+
+    from dflash_cli.engine.grammar import GrammarState
+    from helpers.tiny_models import tiny_tokenizer
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tiny_tokenizer(), vocab_size=batch.vocab_size)
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema('{"$ref": "#"}')
+    row.generation.grammar = GrammarState(compiled, block_size=batch.block, vocab_size=batch.vocab_size)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("breaking", [break_sampling, break_grammar])
+def test_a_row_that_fails_in_a_shared_step_fails_alone(family, breaking) -> None:
+    """Three rows share each verify; one row's own part of a step fails (its sampling, or its grammar when its
+    tokens are committed): that row gets its error, the other two decode on, each exactly as alone (on a hybrid
+    target too, whose state commits every row of a verify together)."""
+    if family == "qwen3":
+        target = tiny_target("qwen3", 2)
+    else:
+        target = family_target(family)
+    drafter = random_drafter(target, block_size=4)
+    prompts = {"a": [5, 6, 7, 8], "bad": [9, 10, 11], "c": [40, 41, 42, 43, 44]}
+    params = SamplingParams(max_new_tokens=12)
+    batch = Batch(target, drafter, rows=3)
+    tokens: dict[str, list[int]] = {key: [] for key in prompts}
+    outcome: dict[str, object] = {}
+    try:
+        rows = {key: batch.add(prompt, params, key=key) for key, prompt in prompts.items()}
+        for row, event in batch.step():  # all three join
+            tokens[row.key] += event.token_ids
+        assert len(batch.active) == 3
+        breaking(rows["bad"], batch)
+        while not batch.idle:
+            for row, event in batch.step():
+                if isinstance(event, BaseException):
+                    outcome[row.key] = event
+                    continue
+                tokens[row.key] += event.token_ids
+                if event.finish_reason:
+                    outcome[row.key] = event.finish_reason
+    finally:
+        batch.close()
+    assert isinstance(outcome.pop("bad"), (OverflowError, RuntimeError))
+    assert outcome == {"a": "length", "c": "length"}
+    for key in ("a", "c"):
+        assert tokens[key] == alone(target, drafter, prompts[key], params)[0]

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_cli.engine import Batch, PrefixStore, SamplingParams, collect, generate
-from dflash_cli.engine.prefix import Held, choose_slot, common_prefix
+from dflash_cli.engine.prefix import Held, Stored, choose_slot, common_prefix
 from helpers.drafters import FORMATS, random_drafter
 from helpers.runs import Recorder, conversation, decode, turns
 from helpers.tiny_models import family_target, sharp_tiny
@@ -275,3 +275,113 @@ def test_the_store_stays_within_its_bound_least_recently_used_out_first() -> Non
     small = PrefixStore(size - 1)
     small.add(one.entries[0])
     assert small.entries == [] and small.used == 0  # larger than the whole store: not kept
+
+
+def test_many_conversations_through_a_tiny_store_lose_no_request() -> None:
+    """Under pressure (issue 48): more conversations than the store holds, several rows placing and stashing
+    between steps, so that what one placement stashes evicts what the store holds. Each request is decoded (none
+    fails) exactly as without reuse, and the store stays within its bound."""
+    target = tiny_target()
+    drafter = random_drafter(target, fmt="swa", block_size=4, window=6)
+    params = SamplingParams(max_new_tokens=6)
+    rng = random.Random(48)
+    system = [rng.randrange(1, 90) for _ in range(20)]  # a shared system prompt: every conversation matches some
+    chats = [
+        conversation(target, drafter, system + [rng.randrange(1, 90) for _ in range(rng.randrange(2, 9))], params, 3, i)
+        for i in range(10)
+    ]
+    requests = [chat[turn] for turn in range(3) for chat in rng.sample(chats, len(chats))]
+    sizing = PrefixStore(2**30)
+    run_batch(target, drafter, requests[:4], params, 3, reuse=True, store=sizing)
+    store = PrefixStore(int(1.5 * max(stored.nbytes for stored in sizing.entries)))  # one or two prefixes at most
+    got, cached = run_batch(target, drafter, requests, params, 3, reuse=True, store=store, join_every=1)
+    assert got == run_batch(target, drafter, requests, params, 3, reuse=False, join_every=1)[0]
+    assert store.used <= store.limit and store.used == sum(stored.nbytes for stored in store.entries)
+    assert sum(c > 0 for c in cached) > len(requests) // 2
+
+
+def stored_prefix(ids: list[int], nbytes: int) -> Stored:
+    """A stored prefix of `ids` whose tensors take `nbytes` (K/V rows of one float32 layer)."""
+    return Stored(Held(list(ids)), [torch.zeros(nbytes // 4)], [], [], None)
+
+
+store_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.integers(0, 3), min_size=1, max_size=5), st.integers(1, 12)),
+        st.tuples(st.just("take"), st.lists(st.integers(0, 3), min_size=1, max_size=5), st.integers(0, 3)),
+        st.tuples(st.just("clear"), st.just([]), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(ops=store_operations, limit=st.integers(4, 40))
+def test_the_store_keeps_its_invariants_under_any_order_of_operations(ops, limit) -> None:
+    """add, take and clear in any order: the bytes add up and stay within the bound, an add drops only the least
+    recently used entries it needs room from, and a take returns the best fitting entry and removes it (a taken
+    entry is never in the store again, so nothing can evict or take it twice)."""
+    store = PrefixStore(limit * 4)
+    fits = lambda stored: stored.held.ids[0] != 3  # noqa: E731 (some entries never fit: take skips them)
+    taken: set[int] = set()
+    for op, ids, n in ops:
+        before = list(store.entries)
+        if op == "add":
+            new = stored_prefix(ids, n * 4)
+            store.add(new)
+            if new.nbytes > store.limit:
+                assert store.entries == before
+            else:
+                assert store.entries[-1] is new and before[len(before) - len(store.entries) + 1 :] == store.entries[:-1]
+                dropped = before[: len(before) - len(store.entries) + 1]
+                assert not dropped or store.used - new.nbytes + dropped[-1].nbytes + new.nbytes > store.limit
+        elif op == "take":
+            got = store.take(ids, fits, n)
+            candidates = [s for s in before if fits(s) and common_prefix(s.held.ids, ids) > n]
+            if not candidates:
+                assert got is None and store.entries == before
+            else:
+                best = max(common_prefix(s.held.ids, ids) for s in candidates)
+                assert got in before and common_prefix(got.held.ids, ids) == best and fits(got)
+                assert store.entries == [s for s in before if s is not got] and id(got) not in taken
+                taken.add(id(got))
+        else:
+            store.clear()
+            assert store.entries == []
+        assert store.used == sum(s.nbytes for s in store.entries) <= store.limit
+        assert len({id(s) for s in store.entries}) == len(store.entries)
+        assert not taken & {id(s) for s in store.entries}
+
+
+def test_placements_and_evictions_from_several_threads_never_share_an_entry() -> None:
+    """One store, four threads adding and taking at once: each entry is taken by one of them at most, and the
+    store's bytes add up at the end. (Threads switch every microsecond here: without the store's lock, two of
+    five runs took an entry twice or lost count of its bytes.)"""
+    import sys
+    import threading
+
+    store = PrefixStore(64 * 4)
+    took: list[list[Stored]] = [[] for _ in range(4)]
+
+    def work(worker: int) -> None:
+        rng = random.Random(worker)
+        for _ in range(2000):
+            if rng.random() < 0.5:
+                store.add(stored_prefix([rng.randrange(4), rng.randrange(4)], 4 * rng.randrange(1, 16)))
+            elif (stored := store.take([rng.randrange(4), rng.randrange(4)], lambda s: True)) is not None:
+                took[worker].append(stored)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    every = [id(stored) for taken in took for stored in taken]
+    assert len(every) == len(set(every)) > 100
+    assert not set(every) & {id(s) for s in store.entries}
+    assert store.used == sum(s.nbytes for s in store.entries) <= store.limit

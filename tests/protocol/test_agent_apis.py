@@ -221,7 +221,7 @@ def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
             "prefill",
         ),
         ({"tools": [{"name": "bad name!", "input_schema": {}}]}, "tools[0].name", "letters, digits"),
-        ({"tools": [{"name": "f", "input_schema": []}]}, "tools[0].input_schema", "JSON schema object"),
+        ({"tools": [{"name": "f", "input_schema": []}]}, "tools[0].input_schema", 'JSON schema of "type": "object"'),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "custom tools"),
         ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
         ({"tool_choice": {"type": "whatever"}}, "tool_choice", '"type": "auto"'),
@@ -408,7 +408,7 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
         ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
         ({"top_p": 2}, "top_p", "in (0, 1]"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function tools"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters", "JSON schema object"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters", 'JSON schema of "type": "object"'),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (
             {"text": {"format": {"type": "json_schema", "name": "r", "schema": {"if": {}}}}},

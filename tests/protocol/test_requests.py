@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dflash_cli.errors import RequestError
-from dflash_cli.protocol.requests import read_messages
+from dflash_cli.protocol.requests import CHAT_URL, check_context, read_body, read_line, read_messages
+from dflash_cli.protocol.schemas import admits_finite_value
 
 
 def test_a_bad_role_lists_every_role_accepted() -> None:
@@ -36,3 +39,237 @@ def test_a_replayed_tool_call_is_read_for_the_template_and_function_call_is_refu
     with pytest.raises(RequestError, match="not valid JSON") as broken:
         read_messages(bad)
     assert broken.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every field checked before a request is queued (issue 48)
+
+USER = [{"role": "user", "content": "hi"}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def tool(parameters: object) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+def schema_format(value: object) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
+
+
+BAD_BODIES = [  # (fields over a valid chat body, the param the error names, words of its message)
+    ({"temperature": 10**30}, "temperature", "temperature must be in [0, 2]"),
+    ({"temperature": 1e9}, "temperature", "must be in [0, 2]"),
+    ({"temperature": 2.01}, "temperature", "must be in [0, 2]"),
+    ({"top_k": 10**30}, "top_k", "top_k must be at most 2147483647"),
+    ({"max_tokens": 10**30}, "max_tokens", "max_tokens must be at most 2147483647"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
+    ({"seed": 2**64}, "seed", "seed must be a 64-bit integer"),
+    ({"n": 0}, "n", "n must be in [1, 128]"),
+    ({"n": 10**30}, "n", "n must be in [1, 128]"),
+    ({"n": 3}, "n", "n must be 1"),
+    ({"presence_penalty": 5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": "x"}, "frequency_penalty", "frequency_penalty must be a number"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"top_logprobs": 50}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    ({"user": 5}, "user", "user must be a string"),
+    ({"metadata": {"a": 1}}, "metadata", "metadata must be an object of strings"),
+    ({"store": "yes"}, "store", "store must be true or false"),
+    (
+        {"response_format": schema_format({"$ref": "#"})},
+        "response_format.json_schema.schema",
+        "admits no finite JSON value",
+    ),
+    (
+        {"response_format": schema_format({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})},
+        "response_format.json_schema.schema",
+        "admits no finite JSON value",
+    ),
+    (
+        {
+            "response_format": schema_format(
+                {"$defs": {"x": {"items": {"$ref": "#/$defs/x"}, "minItems": 1}}, "$ref": "#/$defs/x"}
+            )
+        },
+        "response_format.json_schema.schema",
+        "admits no finite JSON value",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": 5}}},
+        "response_format.json_schema.name",
+        "a string",
+    ),
+    ({"tools": tool({"type": "string"})}, "tools[0].function.parameters.type", '"type": "object"'),
+    (
+        {"tools": tool({"type": "object", "properties": "a"})},
+        "tools[0].function.parameters.properties",
+        "an object of schemas",
+    ),
+    (
+        {"tools": tool({"type": "object", "required": "a"})},
+        "tools[0].function.parameters.required",
+        "a list of argument names",
+    ),
+    ({"tools": tool([])}, "tools[0].function.parameters", '"type": "object"'),
+    (
+        {"tools": tool({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})},
+        "tools[0].function.parameters",
+        "admits no finite JSON value",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]},
+        "tools[0].function.description",
+        "a string",
+    ),
+    (
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "c9", "content": "x"},
+            ]
+        },
+        "messages[2].tool_call_id",
+        '"c9" answers no tool call of the conversation (the calls: "c1")',
+    ),
+    (
+        {"messages": [*USER, {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
+        "messages[1].role",
+        "no assistant message before it calls a tool",
+    ),
+    ({"messages": [{"role": "user", "content": "hi", "name": 7}]}, "messages[0].name", "must be a string"),
+    (
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": 1, "content": "x"},
+            ]
+        },
+        "messages[2].tool_call_id",
+        "must be a string",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), BAD_BODIES)
+def test_a_bad_field_is_refused_by_name_in_a_body_and_in_a_run_line(fields, param, words) -> None:
+    with pytest.raises(RequestError) as bad:
+        read_body({"messages": USER, **fields}, CHAT_URL)
+    assert bad.value.param == param and words in bad.value.message, bad.value.message
+    with pytest.raises(RequestError) as in_batch:  # an OpenAI batch line of `dflash run`: the same, under body.
+        read_line({"custom_id": "a", "method": "POST", "url": CHAT_URL, "body": {"messages": USER, **fields}})
+    assert in_batch.value.param == "body." + param
+    with pytest.raises(RequestError) as in_line:  # a plain `dflash run` line
+        read_line({"messages": USER, **fields})
+    assert in_line.value.param == param
+
+
+def test_what_the_api_takes_is_still_taken() -> None:
+    call = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]
+    fine = [
+        {"temperature": 2, "top_p": 1, "top_k": -1, "max_tokens": 2**31 - 1, "n": 1, "presence_penalty": 0},
+        {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
+        {"tools": tool({})},  # a function without arguments
+        {"tools": tool({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})},
+        {"response_format": schema_format({"anyOf": [{"$ref": "#"}, {"type": "string"}]})},  # recursion with a way out
+        {"response_format": schema_format({"type": "object", "properties": {"child": {"$ref": "#"}}})},  # (optional)
+        {"messages": call},
+        {"messages": [*call[:2], {"role": "tool", "content": "x"}]},  # no tool_call_id: the call before it
+    ]
+    for fields in fine:
+        read_body({"messages": USER, **fields}, CHAT_URL)
+
+
+def test_max_tokens_is_checked_against_the_context_left_after_the_prompt() -> None:
+    request = read_body({"messages": USER, "max_completion_tokens": 100}, CHAT_URL)
+    check_context(request, 1948, 2048)  # exactly what is left
+    with pytest.raises(RequestError) as bad:
+        check_context(request, 1949, 2048)
+    assert bad.value.param == "max_completion_tokens" and bad.value.code == "context_length_exceeded"
+    assert bad.value.message == (
+        "max_completion_tokens is 100, but the model's context window of 2048 tokens leaves 99 after the prompt's "
+        "1949: ask for at most 99"
+    )
+    check_context(read_body({"messages": USER}, CHAT_URL), 2047, 2048)  # the default is cut at the window
+    with pytest.raises(RequestError, match="the prompt is 2048 tokens") as full:
+        check_context(read_body({"messages": USER}, CHAT_URL), 2048, 2048)
+    assert full.value.param == "messages"
+    line = read_line({"custom_id": "a", "url": CHAT_URL, "body": {"messages": USER, "max_tokens": 10}})
+    with pytest.raises(RequestError) as in_batch:
+        check_context(line, 2040, 2048)
+    assert in_batch.value.param == "body.max_tokens"
+
+
+def test_a_schema_admits_a_finite_value_unless_every_way_recurses() -> None:
+    cyclic = [
+        {"$ref": "#"},
+        {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+        {"properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # (an object, as the grammar reads it)
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {"anyOf": [{"$ref": "#"}, {"type": "array", "items": {"$ref": "#"}, "minItems": 2}]},
+        {"type": "object", "required": ["x"], "additionalProperties": False},  # a required key it cannot have
+        {"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1},
+        False,
+    ]
+    finite = [
+        {},
+        True,
+        {"type": "string"},
+        {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+        {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+        {"type": "object", "properties": {"a": {"$ref": "#"}}},  # a is optional
+        {
+            "$defs": {
+                "tree": {
+                    "type": "object",
+                    "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/tree"}}},
+                    "required": ["kids"],
+                }
+            },
+            "$ref": "#/$defs/tree",
+        },
+        {"$ref": "#/nowhere"},  # (the compiler names a reference to nothing)
+        {"enum": [1, 2]},
+    ]
+    assert [admits_finite_value(s) for s in cyclic] == [False] * len(cyclic)
+    assert [admits_finite_value(s) for s in finite] == [True] * len(finite)
+    # A schema too large to decide within SCHEMA_STEPS nodes (it has no finite value) is left to the compiler,
+    # quickly: an exponential walk would hang the request's handler.
+    wide = {
+        "anyOf": [{"$ref": "#"}] * 50 + [{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}] * 50
+    }
+    started = time.perf_counter()
+    assert admits_finite_value({"$defs": {"w": wide}, "anyOf": [{"$ref": "#/$defs/w"}] * 50})
+    assert time.perf_counter() - started < 10
+
+
+def chain(length: int) -> dict:
+    """$defs a0 -> a1 -> ... -> a{length}: a string at the end, reached from a property."""
+    defs = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(length)} | {f"a{length}": {"type": "string"}}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "$defs": defs}
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "minItems": 1, "items": schema}
+    return schema
+
+
+def test_a_schema_nested_too_deep_is_refused_before_any_walk_recurses() -> None:
+    """A chain of 20,000 references segfaulted xgrammar's compiler (the server with it), and 300 nested arrays
+    overflowed Python's recursion in the checks (a 500): both are a 400 naming the field, found in linear time."""
+    for schema in (chain(20_000), chain(200), nested(300), nested(2000)):
+        started = time.perf_counter()
+        with pytest.raises(RequestError, match="nests schemas more than 128 deep") as deep:
+            read_body({"messages": USER, "response_format": schema_format(schema)}, CHAT_URL)
+        assert deep.value.param == "response_format.json_schema.schema" and time.perf_counter() - started < 10
+    with pytest.raises(RequestError, match="more than 128 deep") as in_tool:
+        read_body({"messages": USER, "tools": tool({"type": "object", "properties": {"a": nested(300)}})}, CHAT_URL)
+    assert in_tool.value.param == "tools[0].function.parameters"
+    for schema in (chain(100), nested(60)):  # deep, but not too deep
+        read_body({"messages": USER, "response_format": schema_format(schema)}, CHAT_URL)

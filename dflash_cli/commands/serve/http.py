@@ -63,6 +63,27 @@ ROUTES = (
 )
 
 
+def check_json_content_type(header: str | None) -> None:
+    """A body's Content-Type must be application/json (charset utf-8, if one is named: JSON's own): else 415."""
+    media, _, parameters = (header or "").partition(";")
+    charset = next(
+        (
+            value.strip().strip('"').lower()
+            for key, _, value in (p.partition("=") for p in parameters.split(";"))
+            if key.strip().lower() == "charset"
+        ),
+        "utf-8",
+    )
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        got = f"Content-Type {header!r}" if header else "no Content-Type"
+        raise APIError(
+            415,
+            f"the request body must be JSON sent as Content-Type: application/json (got {got}; curl -d sends a "
+            "form unless told -H 'Content-Type: application/json')",
+            code="unsupported_media_type",
+        )
+
+
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -209,6 +230,10 @@ class Server:
         return await self._complete(request, COMPLETIONS_URL)
 
     async def _read_json(self, http: HTTPRequest) -> Any:
+        """The request's JSON body, for any route that takes one: 415 unless it is sent as application/json (a
+        form, text or multipart body is not parsed as JSON by chance), 413 past MAX_BODY_BYTES, 400 when it is
+        not JSON."""
+        check_json_content_type(http.headers.get("content-type"))
         declared = http.headers.get("content-length", "")
         too_big = APIError(
             413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", code="request_too_large"

@@ -118,9 +118,10 @@ class Int8Linear(nn.Module):
 
 
 def quantizable(linear: nn.Module, kind: str) -> bool:
-    """Whether the kernel of `kind` can take this layer: a plain CPU `nn.Linear`; int4's packing also wants the
-    outputs in multiples of 16 and the inputs in whole groups of 64."""
-    if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+    """Whether the kernel of `kind` can take this layer: a plain CPU `nn.Linear` (or one on the meta device, not
+    read yet: its size is counted, or its weight is about to be read); int4's packing also wants the outputs in
+    multiples of 16 and the inputs in whole groups of 64."""
+    if type(linear) is not nn.Linear or linear.weight.device.type not in ("cpu", "meta"):
         return False
     return kind != "int4" or int4_packable(*linear.weight.shape)
 

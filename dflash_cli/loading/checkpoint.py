@@ -34,17 +34,21 @@ _MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 
 def count_parameters(config: Any) -> ParameterCounts:
-    """Build the model of `config` on the meta device (no memory, no weights) and sort its parameters the way
-    bitsandbytes treats them: transformers 5 fuses MoE experts into 3-D tensors, which bitsandbytes (it replaces
-    nn.Linear only) leaves in the compute dtype, so NF4 saves nothing on them."""
+    """Build the model of `config` on the meta device (no memory, no weights) and sort its parameters the way the
+    weight-only formats treat them: transformers 5 fuses MoE experts into 3-D tensors, which bitsandbytes and the
+    CPU formats (they replace nn.Linear only) leave in the compute dtype, so quantizing saves nothing on them."""
     import torch
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from dflash_cli.engine.quantized import quantizable
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
-    counts = {"linear": 0, "experts": 0, "other": 0, "linear_tensors": 0}
+    counts = dict.fromkeys(
+        ("linear", "experts", "other", "linear_tensors", "int8_left", "int4_left", "int8_outputs"), 0
+    )
     seen: set[int] = set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -53,13 +57,22 @@ def count_parameters(config: Any) -> ParameterCounts:
             seen.add(id(param))
             if isinstance(module, nn.Linear) and module is not head and name == "weight":
                 kind = "linear"
+                counts["int8_outputs"] += param.shape[0] if quantizable(module, "int8") else 0
+                counts["int8_left"] += 0 if quantizable(module, "int8") else param.numel()
+                counts["int4_left"] += 0 if quantizable(module, "int4") else param.numel()
             elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
                 kind = "experts"
             else:
                 kind = "other"
             counts[kind] += param.numel()
             counts["linear_tensors"] += kind == "linear"
-    return ParameterCounts(**counts)
+    plain_head = quantizable(head, "int8")  # what engine.quantized.quantize_target turns into int8
+    return ParameterCounts(
+        **counts,
+        head=head.weight.numel() if plain_head else 0,
+        head_tied=plain_head and head.weight is model.get_input_embeddings().weight,
+        head_outputs=head.weight.shape[0] if plain_head else 0,
+    )
 
 
 @dataclass

@@ -157,6 +157,23 @@ def corrupt_file_error(where: str, detail: str) -> DflashError:
 def _safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
     """(name, numel, stored bytes) of each tensor in a safetensors file, checking the file holds every byte its
     header claims."""
+    return [(name, math.prod(t.shape), t.end - t.begin) for name, t in safetensors_header(path).items()]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor in a safetensors file: its dtype as the format names it ("BF16", "F32", ...), its shape, and the
+    byte range of its data in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file by name, from its header; the file checked to hold every byte the header
+    claims (a DflashError that says how to fetch it again, if not)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         prefix = f.read(8)
@@ -165,15 +182,22 @@ def _safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
             raise corrupt_file_error(f"file {path}", f"{size} bytes, no complete safetensors header")
         try:
             header = json.loads(f.read(header_len))
-            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
-            data_end = max((v["data_offsets"][1] for _, v in entries), default=0)
-            tensors = [(k, math.prod(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0]) for k, v in entries]
+            start = 8 + header_len
+            tensors = {
+                name: StoredTensor(
+                    str(entry["dtype"]),
+                    tuple(int(n) for n in entry["shape"]),
+                    start + int(entry["data_offsets"][0]),
+                    start + int(entry["data_offsets"][1]),
+                )
+                for name, entry in header.items()
+                if name != "__metadata__"
+            }
         except (ValueError, KeyError, TypeError, AttributeError, IndexError):
             raise corrupt_file_error(f"file {path}", "unreadable safetensors header") from None
-    if size < 8 + header_len + data_end:
-        raise corrupt_file_error(
-            f"file {path}", f"{size} bytes on disk, its header describes {8 + header_len + data_end}"
-        )
+    data_end = max((t.end for t in tensors.values()), default=start)
+    if size < data_end:
+        raise corrupt_file_error(f"file {path}", f"{size} bytes on disk, its header describes {data_end}")
     return tensors
 
 

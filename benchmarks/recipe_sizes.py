@@ -22,6 +22,14 @@ import transformers
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.loading.checkpoint import count_parameters
 
+QWEN3 = dict(
+    vocab_size=151936,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
 QWEN35 = dict(
     vocab_size=248320,
     linear_conv_kernel_dim=4,
@@ -72,6 +80,38 @@ DRAFTER_HEADS = {"gpt-oss-20b": (64, 8, 64), "gpt-oss-120b": (64, 8, 64)}
 
 # name: (config class, fields, drafter (layers, taps))
 TARGETS = {
+    "demo": (
+        "LlamaConfig",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+        ),
+        (1, 5),
+    ),
+    "qwen3-4b": (
+        "Qwen3Config",
+        dict(QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
+        (5, 5),
+    ),
+    "qwen3-8b": ("Qwen3Config", dict(QWEN3, hidden_size=4096, intermediate_size=12288), (5, 5)),
+    "llama3.1-8b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+        ),
+        (5, 5),
+    ),
     "qwen3.5-4b": (
         "Qwen3_5TextConfig",
         dict(
@@ -249,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"expert_bytes = {counts.experts * 2:_}")
         print(f"bf16 = {counts.nbytes('bfloat16'):_}")
         print(f"nf4 = {counts.nbytes('bfloat16', 'nf4'):_}")
+        # the CPU formats (engine.quantized): linears int4 / int8, the output head int8, the rest bf16
+        print(f"int4 = {counts.nbytes('bfloat16', 'int4'):_}")
+        print(f"int8 = {counts.nbytes('bfloat16', 'int8'):_}")
         # fine-grained FP8 (Qwen's -FP8 checkpoints): linear layers and experts at 1 byte plus one fp32 scale per
         # 128x128 block; embeddings, output head and norms stay bf16
         quantized = counts.linear + counts.experts

@@ -25,6 +25,9 @@ from torch import nn
 GROUP_SIZE = 32  # inputs per int4 scale/zero group (Q4_1's block)
 KINDS = ("int4", "int8")
 _INNER_K_TILES = 2  # the CPU packing's tile parameter (any of 2, 4, 8 packs the same; 2 allows K % 64 == 0)
+# Weight elements quantized at once: float32 temporaries of 1 MiB however large the weight (a 248k-row head's would
+# be 5 GB whole), so loading.streaming's peak stays the quantized weights and the tensor being read.
+QUANTIZE_SLICE_ELEMENTS = 2**18
 
 
 class Int4Linear(nn.Module):
@@ -65,13 +68,25 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int4Linear:
-        """Min-max int4 per group of GROUP_SIZE inputs: the group's min maps to 0 and its max to 15."""
-        weight = linear.weight.detach().float()
-        groups = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scales = ((high - low) / 15).clamp(min=1e-12)
-        codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).reshape(weight.shape)
+        """`from_weight` of a float linear's weight and bias."""
         bias = None if linear.bias is None else linear.bias.detach()
+        return cls.from_weight(linear.weight.detach(), dtype, bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Min-max int4 per group of GROUP_SIZE inputs of a float weight [out, in]: the group's min maps to 0 and
+        its max to 15. Rows are quantized a slice at a time (each group is within a row, so the codes are those of
+        the whole), so the float32 temporaries stay small beside a large weight."""
+        out_features, in_features = weight.shape
+        codes = torch.empty(out_features, in_features, dtype=torch.int32)
+        scales = torch.empty(out_features, in_features // GROUP_SIZE, dtype=torch.float32)
+        low = torch.empty_like(scales)
+        for rows in _row_slices(weight):
+            groups = weight[rows].float().reshape(-1, in_features // GROUP_SIZE, GROUP_SIZE)
+            low[rows], high = groups.amin(dim=-1), groups.amax(dim=-1)
+            scales[rows] = ((high - low[rows]) / 15).clamp(min=1e-12)
+            quantized = ((groups - low[rows][..., None]) / scales[rows][..., None]).round().clamp(0, 15)
+            codes[rows] = quantized.reshape(-1, in_features)
         return cls.from_groups(codes, scales, low, dtype, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,11 +124,15 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric int8 per output channel of a float weight [out, in]."""
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        codes = (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # in place: a head is large
-        return cls(codes.contiguous(), scales.to(dtype), None if bias is None else bias.to(dtype))
+        """Symmetric int8 per output channel of a float weight [out, in], a slice of rows at a time (a head is
+        large, and each row's scale is its own)."""
+        codes = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(weight.shape[0], dtype=torch.float32)
+        for rows in _row_slices(weight):
+            part = weight[rows].float()
+            scales[rows] = (part.abs().amax(dim=1) / 127).clamp(min=1e-12)
+            codes[rows] = (part / scales[rows][:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(codes, scales.to(dtype), None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -129,10 +148,17 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
 
 
+def _row_slices(weight: torch.Tensor) -> list[slice]:
+    """Slices of `weight`'s rows of about QUANTIZE_SLICE_ELEMENTS elements each."""
+    step = max(1, QUANTIZE_SLICE_ELEMENTS // max(1, weight.shape[1]))
+    return [slice(start, start + step) for start in range(0, weight.shape[0], step)]
+
+
 def quantizable(linear: nn.Module, kind: str) -> bool:
-    """Whether the kernel of `kind` can take this layer: a plain CPU `nn.Linear`; int4's packing also wants the
-    outputs in multiples of 16 and the inputs in whole groups of 64."""
-    if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+    """Whether the kernel of `kind` can take this layer: a plain CPU `nn.Linear` (or one on the meta device, not
+    read yet: its size is counted, or its weight is about to be read); int4's packing also wants the outputs in
+    multiples of 16 and the inputs in whole groups of 64."""
+    if type(linear) is not nn.Linear or linear.weight.device.type not in ("cpu", "meta"):
         return False
     return kind != "int4" or int4_packable(*linear.weight.shape)
 

@@ -34,17 +34,21 @@ _MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 
 def count_parameters(config: Any) -> ParameterCounts:
-    """Build the model of `config` on the meta device (no memory, no weights) and sort its parameters the way
-    bitsandbytes treats them: transformers 5 fuses MoE experts into 3-D tensors, which bitsandbytes (it replaces
-    nn.Linear only) leaves in the compute dtype, so NF4 saves nothing on them."""
+    """Build the model of `config` on the meta device (no memory, no weights) and sort its parameters the way the
+    weight-only formats treat them: transformers 5 fuses MoE experts into 3-D tensors, which bitsandbytes and the
+    CPU formats (they replace nn.Linear only) leave in the compute dtype, so quantizing saves nothing on them."""
     import torch
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from dflash_cli.engine.quantized import quantizable
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
-    counts = {"linear": 0, "experts": 0, "other": 0, "linear_tensors": 0}
+    counts = dict.fromkeys(
+        ("linear", "experts", "other", "linear_tensors", "int8_left", "int4_left", "int8_outputs"), 0
+    )
     seen: set[int] = set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -53,13 +57,22 @@ def count_parameters(config: Any) -> ParameterCounts:
             seen.add(id(param))
             if isinstance(module, nn.Linear) and module is not head and name == "weight":
                 kind = "linear"
+                counts["int8_outputs"] += param.shape[0] if quantizable(module, "int8") else 0
+                counts["int8_left"] += 0 if quantizable(module, "int8") else param.numel()
+                counts["int4_left"] += 0 if quantizable(module, "int4") else param.numel()
             elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
                 kind = "experts"
             else:
                 kind = "other"
             counts[kind] += param.numel()
             counts["linear_tensors"] += kind == "linear"
-    return ParameterCounts(**counts)
+    plain_head = quantizable(head, "int8")  # what engine.quantized.quantize_target turns into int8
+    return ParameterCounts(
+        **counts,
+        head=head.weight.numel() if plain_head else 0,
+        head_tied=plain_head and head.weight is model.get_input_embeddings().weight,
+        head_outputs=head.weight.shape[0] if plain_head else 0,
+    )
 
 
 @dataclass
@@ -144,6 +157,23 @@ def corrupt_file_error(where: str, detail: str) -> DflashError:
 def _safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
     """(name, numel, stored bytes) of each tensor in a safetensors file, checking the file holds every byte its
     header claims."""
+    return [(name, math.prod(t.shape), t.end - t.begin) for name, t in safetensors_header(path).items()]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor in a safetensors file: its dtype as the format names it ("BF16", "F32", ...), its shape, and the
+    byte range of its data in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file by name, from its header; the file checked to hold every byte the header
+    claims (a DflashError that says how to fetch it again, if not)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         prefix = f.read(8)
@@ -152,15 +182,22 @@ def _safetensors_tensors(path: Path) -> list[tuple[str, int, int]]:
             raise corrupt_file_error(f"file {path}", f"{size} bytes, no complete safetensors header")
         try:
             header = json.loads(f.read(header_len))
-            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
-            data_end = max((v["data_offsets"][1] for _, v in entries), default=0)
-            tensors = [(k, math.prod(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0]) for k, v in entries]
+            start = 8 + header_len
+            tensors = {
+                name: StoredTensor(
+                    str(entry["dtype"]),
+                    tuple(int(n) for n in entry["shape"]),
+                    start + int(entry["data_offsets"][0]),
+                    start + int(entry["data_offsets"][1]),
+                )
+                for name, entry in header.items()
+                if name != "__metadata__"
+            }
         except (ValueError, KeyError, TypeError, AttributeError, IndexError):
             raise corrupt_file_error(f"file {path}", "unreadable safetensors header") from None
-    if size < 8 + header_len + data_end:
-        raise corrupt_file_error(
-            f"file {path}", f"{size} bytes on disk, its header describes {8 + header_len + data_end}"
-        )
+    data_end = max((t.end for t in tensors.values()), default=start)
+    if size < data_end:
+        raise corrupt_file_error(f"file {path}", f"{size} bytes on disk, its header describes {data_end}")
     return tensors
 
 

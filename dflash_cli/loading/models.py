@@ -29,6 +29,7 @@ from dflash_cli.loading.hub import (
     quiet_transformers_progress,
     resolve_model_dir,
 )
+from dflash_cli.loading.streaming import cannot_stream, load_quantized_target
 from dflash_cli.setup.choices import CPU_QUANTS, PREQUANTIZED_FORMATS
 from dflash_cli.setup.sizes import (
     RUNTIME_OVERHEAD,
@@ -182,16 +183,27 @@ def load_target(
         )
     weights = prequantized if kept else (plan.quant if plan.quant in ("nf4", *CPU_QUANTS) else plan.dtype)
     message = f"loading {name} ({format_bytes(size)}, {weights} weights) on {plan.device}"
+    # int4 / int8 weights are quantized as each tensor is read, so no bf16 copy of the model is ever held; a
+    # checkpoint that cannot be read so loads whole and is quantized after
+    whole = cannot_stream(checkpoint.config, config) if plan.quant in CPU_QUANTS else None
+    streamed = plan.quant in CPU_QUANTS and whole is None
+    if whole is not None and console is not None:
+        console.print(f"[dim]{name} loads whole in {plan.dtype}, then is quantized to {plan.quant}: {whole}[/dim]")
     try:
         with _loading_display(console, message), quiet_bitsandbytes_import():
-            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+            if streamed:
+                model = load_quantized_target(
+                    model_dir, checkpoint.weight_files, config, plan.quant, plan.torch_dtype, attention
+                )
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except SafetensorError as exc:
         raise corrupt_file_error(f"a weight file in {model_dir}", f"safetensors: {exc}") from None
     except ImportError as exc:  # bitsandbytes / accelerate missing or too old for nf4
         raise DflashError(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
         ) from None
-    if plan.quant in CPU_QUANTS:
+    if plan.quant in CPU_QUANTS and not streamed:
         from dflash_cli.engine.quantized import quantize_target
 
         with _loading_display(console, f"quantizing {name} to {plan.quant}"):

@@ -206,7 +206,8 @@ def _candidates(
 ) -> list[tuple[str, str]]:
     """(dtype, quant) pairs in order of preference: the published weights; the recipe's FP8 checkpoint on GPUs
     that run FP8 natively; NF4 (automatic on CUDA only, where bitsandbytes has fast kernels). On CPU the fallback
-    is bf16 (half of fp32), and NF4 only when asked for."""
+    is bf16 (half of fp32), then on a CPU with bf16 instructions int8 and int4 weights (torch's packed kernels,
+    which take bf16 activations) where the recipe lists their sizes; NF4 only when asked for."""
     preferred = default_dtype(kind, facts)[0]
     pairs = [(preferred, "none")]
     if kind == "cuda" and "fp8" in recipe.checkpoints and "fp8" in native_formats(kind, facts):
@@ -215,9 +216,11 @@ def _candidates(
         pairs.append((preferred, "nf4"))
     if kind == "cpu":
         pairs.append(("bfloat16", "none"))
+        if facts.cpu_bf16 and recipe.checkpoint_precision == "bf16":
+            pairs += [("bfloat16", q) for q in ("int8", "int4") if q in recipe.weight_bytes]
     pairs = list(dict.fromkeys(pairs))
-    if dtype is not None:
-        pairs = [(dtype, q) for q in dict.fromkeys(q for _, q in pairs)]
+    if dtype is not None:  # a forced compute dtype other than bf16 rules out the CPU formats (they compute in bf16)
+        pairs = [(dtype, q) for q in dict.fromkeys(q for _, q in pairs if dtype == "bfloat16" or q not in CPU_QUANTS)]
     if quant is not None:
         pairs = [(d, quant) for d in dict.fromkeys(d for d, _ in pairs)]
     if quant in CPU_QUANTS and dtype is None:
@@ -289,11 +292,12 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     fitting = [c for c in estimates if c[2] is not None and (budget is None or c[2] <= budget)]
     forced = overrides.dtype is not None or overrides.quant is not None
     if fitting:
-        dtype, quant, estimate = fitting[0]
+        chosen = fitting[0]
     elif estimates[0][2] is None or forced:
-        dtype, quant, estimate = estimates[0]
+        chosen = estimates[0]
     else:
         raise _does_not_fit(recipe, estimates, budget, kind, cls, facts)
+    dtype, quant, _ = chosen
 
     memory = estimate_memory(recipe, dtype, quant, kind, native)
     if memory is None:
@@ -343,8 +347,9 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     elif quant == "none":
         quant_why = "the published weights fit, so no quantization error is paid"
     else:
-        first = weights_format(recipe, estimates[0][0], estimates[0][1], native)
-        quant_why = f"the {first} weights do not fit (~{gb(estimates[0][2] or 0)} in all)"
+        larger = [(weights_format(recipe, d, q, native), size) for d, q, size in estimates[: estimates.index(chosen)]]
+        quant_why = f"the {larger[0][0]} weights do not fit (~{gb(larger[0][1] or 0)} in all)"
+        quant_why += "".join(f", nor {weights} (~{gb(size or 0)})" for weights, size in larger[1:])
     detail = {
         "nf4": f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute",
         "int4": "; weight-only 4-bit in groups of 32 (torch's packed CPU kernel), bf16 compute; the output head "

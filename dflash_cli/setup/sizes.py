@@ -18,7 +18,7 @@ BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_BYTES_PER_TENSOR = (16 + 256) * 4
 # CPU weight-only formats (engine.quantized): int4 stores 4 bits per weight and a bf16 scale and zero per group of
-# 32; int8 one byte per weight and a bf16 scale per output channel (counted per weight: under 1%).
+# 32; int8 one byte per weight, and a scale per output channel in the compute dtype (`ParameterCounts` counts them).
 CPU_QUANT_BYTES_PER_PARAM = {"int4": 0.5 + 4 / 32, "int8": 1.0}
 # The runtime beside the model, by device kind. A GPU: the CUDA (or Metal) context, library workspaces and allocator
 # slack. The CPU: the process itself (Python, torch, transformers, the tokenizer, the server) and what the allocator
@@ -39,12 +39,21 @@ RUNTIME_OVERHEAD = 1.10
 
 @dataclass(frozen=True)
 class ParameterCounts:
-    """A causal LM's parameters as transformers builds it, grouped by what bitsandbytes NF4 does with them."""
+    """A causal LM's parameters as transformers builds it, grouped by what the weight-only formats do with them."""
 
-    linear: int  # weights of nn.Linear layers other than the output head: quantized to 4 bits
+    linear: int  # weights of nn.Linear layers other than the output head: quantized (NF4, int8, int4)
     experts: int  # fused expert weights (3-D parameters outside Linear and convolution layers): left as they are
-    other: int  # embeddings, the output head, norms, biases, routers, convolutions: left as they are
+    other: int  # embeddings, the output head, norms, biases, routers, convolutions: left as they are (NF4)
     linear_tensors: int = 0  # how many weights `linear` holds (NF4 adds its code tables per tensor)
+    head: int = 0  # the output head's weight when it is a plain nn.Linear (in `other`, or the embedding when tied)
+    head_tied: bool = False  # the head's weight is the input embedding's (counted once, in `other`)
+    head_outputs: int = 0  # that head's output channels (int8 holds a scale for each)
+    # Of `linear`, the weights the CPU formats leave in the dtype (engine.quantized.quantizable: subclasses of
+    # nn.Linear, such as a MoE router; for int4 also shapes its packing cannot take); and the output channels of
+    # those int8 takes.
+    int8_left: int = 0
+    int4_left: int = 0
+    int8_outputs: int = 0
 
     @property
     def total(self) -> int:
@@ -52,14 +61,18 @@ class ParameterCounts:
 
     def nbytes(self, dtype: str, quant: str = "none") -> int:
         """Weight bytes once loaded as `dtype`, the linear layers quantized when `quant` is "nf4", "int4" or
-        "int8" (the output head counted in `other`, at the compute dtype: the CPU formats quantize a copy of a
-        tied head, so this is their upper bound)."""
+        "int8". NF4 (bitsandbytes) leaves the output head in `dtype`; the CPU formats hold it in int8 whatever
+        `quant`, a tied head as its own int8 copy beside the embedding (engine.quantized.quantize_target)."""
         dtype_bytes = BYTES_PER_ELEMENT[dtype]
         if quant == "nf4":
             quantized = self.linear * NF4_BYTES_PER_PARAM + self.linear_tensors * NF4_BYTES_PER_TENSOR
             return int(quantized + (self.experts + self.other) * dtype_bytes)
         if quant in CPU_QUANT_BYTES_PER_PARAM:
-            return int(self.linear * CPU_QUANT_BYTES_PER_PARAM[quant] + (self.experts + self.other) * dtype_bytes)
+            packed = self.linear - (self.int4_left if quant == "int4" else self.int8_left)
+            unquantized = self.total - packed - (0 if self.head_tied else self.head)
+            scales = self.head_outputs + (self.int8_outputs if quant == "int8" else 0)  # int8's, per channel
+            head = self.head * CPU_QUANT_BYTES_PER_PARAM["int8"]
+            return int(packed * CPU_QUANT_BYTES_PER_PARAM[quant] + head + (unquantized + scales) * dtype_bytes)
         return self.total * dtype_bytes
 
 
@@ -73,7 +86,8 @@ def recipe_weight_bytes(recipe: Recipe, weights_in: str, dtype: str) -> int | No
     dtype) with compute dtype `dtype`, from the recipe's listed sizes (bf16 sizes, made with `ParameterCounts` by
     benchmarks/recipe_sizes.py); None when it lists none. NF4 counts the fused expert weights at the compute dtype:
     bitsandbytes leaves them as they are, and the listed NF4 size holds them in bf16. The CPU formats ("int4",
-    "int8") take their listed size, else the bf16 size (an upper bound: quantizing only shrinks)."""
+    "int8", which compute in bf16) take their listed size (`ParameterCounts.nbytes`), else the bf16 size (an upper
+    bound: quantizing only shrinks)."""
     if weights_in == "nf4":
         weights = recipe.weight_bytes.get("nf4")
         if weights is not None and recipe.expert_bytes:

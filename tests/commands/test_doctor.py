@@ -326,6 +326,19 @@ def test_recipe_fit_report() -> None:
     assert nothing.status == "warn" and "qwen3-4b: does not fit" in nothing.detail
 
 
+def test_a_24_gb_cpu_lists_the_27b_recipes_as_fitting_in_int4() -> None:
+    """A 24.5 GB machine with bf16 instructions and 23 GiB free: the 27 B dense targets fit in int4 (bf16 takes
+    59 GB), the 35B-A3B MoEs fit in nothing (their fused experts stay bf16 in every CPU format)."""
+    machine = MachineFacts(kind="cpu", cpu_ram_total=int(24.5e9), cpu_ram_available=23 * GIB, cpu_bf16=True)
+    check = check_recipes(machine, list(load_recipes().values()))
+    lines = {line.split(":")[0]: line for line in check.detail.splitlines()}
+    assert lines["qwen3.6-27b"].startswith("qwen3.6-27b: fits, cpu int4, ~24.2 GB at 8,192 tokens")
+    assert "qwen3.5-35b-a3b: does not fit" in lines["qwen3.5-35b-a3b"] and "in int4" in lines["qwen3.5-35b-a3b"]
+    items = {item["name"]: item for item in check.to_dict()["items"]}
+    assert (items["qwen3.6-27b"]["fits"], items["qwen3.6-27b"]["weights"]) == (True, "int4")
+    assert (items["qwen3-8b"]["fits"], items["qwen3-8b"]["weights"]) == (True, "bfloat16")  # 20.9 GB: fits as is
+
+
 def test_a_broken_user_recipe_is_a_failed_check(tmp_path: Path) -> None:
     (tmp_path / "user-recipes").mkdir()
     (tmp_path / "user-recipes" / "bad.toml").write_text("name = 1\n")

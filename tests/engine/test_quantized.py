@@ -8,6 +8,7 @@ import transformers
 from torch import nn
 
 from dflash_cli import speculative_generate
+from dflash_cli.engine import quantized
 from dflash_cli.engine.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -55,6 +56,23 @@ def test_quantized_weights_stay_within_half_a_step_of_the_float_ones(kind: str) 
     x = torch.randn(5, 128)
     torch.testing.assert_close(layer(x), x @ layer.dequantized().T + linear.bias, rtol=1e-5, atol=1e-5)
     assert not torch.equal(layer.dequantized(), linear.weight)  # it did quantize
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_weight_quantized_a_few_rows_at_a_time_is_the_weight_quantized_whole(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each group (int4) and each scale (int8) lies within a row, so slicing the rows (which keeps a large head's
+    float32 temporaries small) changes no code and no scale."""
+    torch.manual_seed(3)
+    weight, bias = torch.randn(80, 192, dtype=torch.bfloat16), torch.randn(80, dtype=torch.bfloat16)
+    layer = Int4Linear if kind == "int4" else Int8Linear
+    whole = layer.from_weight(weight, torch.bfloat16, bias)
+    monkeypatch.setattr(quantized, "QUANTIZE_SLICE_ELEMENTS", 3 * 192)  # 27 slices, the last of 2 rows
+    sliced = layer.from_weight(weight, torch.bfloat16, bias)
+    assert whole.state_dict().keys() == sliced.state_dict().keys()
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, sliced.state_dict()[name]), name
 
 
 def test_only_cpu_linears_of_packable_shapes_are_quantized() -> None:

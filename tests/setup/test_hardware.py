@@ -496,6 +496,56 @@ def test_the_demo_runs_int4_on_a_bf16_cpu_and_yields_to_dtype_and_quant_flags() 
     assert make_plan(H100, demo).quant == "none"  # a GPU class: the CPU override does not apply
 
 
+def test_a_bf16_cpu_runs_int8_then_int4_where_the_bf16_weights_do_not_fit() -> None:
+    """qwen3.6-27b: ~59 GB in bf16, ~33 GB in int8, ~24 GB in int4 with its bf16 drafter, KV cache and runtime. The
+    planner takes the first that fits, and says why the larger ones were passed over."""
+    recipe = get_recipe("qwen3.6-27b")
+    by_ram = {gib: dataclasses.replace(CPU_64, cpu_bf16=True, cpu_ram_available=gib * GIB) for gib in (23, 40, 60)}
+    plans = {gib: make_plan(facts, recipe) for gib, facts in by_ram.items()}
+    assert [(plans[gib].dtype, plans[gib].quant) for gib in (23, 40, 60)] == [
+        ("bfloat16", "int4"),
+        ("bfloat16", "int8"),
+        ("bfloat16", "none"),
+    ]
+    assert plans[23].estimated_bytes is not None and plans[23].estimated_bytes < 23 * GIB
+    assert "int4 weights" in plans[23].one_line() and plans[23].weights == "int4"
+    why = next(reason for reason in plans[23].reasons if reason.startswith("quant int4:"))
+    assert why.startswith("quant int4: the bfloat16 weights do not fit (~59.0 GB in all), nor int8 (~33.4 GB)")
+    assert "the output head int8" in why
+    assert any(r.startswith("quant int8: the bfloat16 weights do not fit (~59.0 GB") for r in plans[40].reasons)
+    assert not plans[23].notes  # the planner's own choice: nothing to warn about
+    # a user's choice still wins: --quant, and --dtype bf16 (which keeps the 4-bit fallback)
+    assert make_plan(by_ram[60], recipe, PlanOverrides(quant="int4")).quant == "int4"
+    assert make_plan(by_ram[23], recipe, PlanOverrides(dtype="bf16")).quant == "int4"
+    forced = make_plan(by_ram[23], recipe, PlanOverrides(quant="none"))
+    assert forced.quant == "none" and any("out-of-memory" in note for note in forced.notes)
+    with pytest.raises(DflashError) as refused:  # too small for any: every size weighed is named
+        make_plan(dataclasses.replace(by_ram[23], cpu_ram_available=16 * GIB), recipe)
+    assert "~59.0 GB in bfloat16, ~33.4 GB in int8, ~24.2 GB in int4" in refused.value.message
+
+
+def test_the_cpu_formats_are_offered_only_where_they_run_well_and_are_sized() -> None:
+    """int4 / int8 compute in bf16: not on a CPU without bf16 instructions, nor under --dtype fp32; not for a
+    pre-quantized checkpoint; and not for a recipe that does not list their sizes (the planner could not tell
+    whether they fit)."""
+    recipe = get_recipe("qwen3.6-27b")
+    small = dataclasses.replace(CPU_64, cpu_bf16=True, cpu_ram_available=23 * GIB)
+    with pytest.raises(DflashError) as refused:
+        make_plan(dataclasses.replace(small, cpu_bf16=False), recipe)
+    assert "int4" not in refused.value.message and "int8" not in refused.value.message
+    fp32 = make_plan(small, recipe, PlanOverrides(dtype="fp32"))  # forced: planned as asked, with a warning
+    assert (fp32.dtype, fp32.quant) == ("float32", "none") and fp32.notes
+    unsized = dataclasses.replace(
+        recipe, weight_bytes={k: v for k, v in recipe.weight_bytes.items() if k not in ("int4", "int8")}
+    )
+    with pytest.raises(DflashError):
+        make_plan(small, unsized)
+    gpt_oss = get_recipe("gpt-oss-20b")  # published in MXFP4: never quantized again
+    with pytest.raises(DflashError) as refused:
+        make_plan(dataclasses.replace(small, cpu_ram_available=30 * GIB), gpt_oss)
+    assert "int4" not in refused.value.message
+
+
 def test_the_prefix_store_takes_a_quarter_of_the_free_ram_at_most_8_gib() -> None:
     recipe = get_recipe("demo")
     assert make_plan(CPU_64, recipe).cache_ram_mib == 8192

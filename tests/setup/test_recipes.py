@@ -61,6 +61,19 @@ def test_every_shipped_recipe_loads_and_is_consistent() -> None:
         assert 0.3 < recipe.weight_bytes["nf4"] / recipe.weight_bytes["bf16"] < 0.4
 
 
+def test_every_runnable_bf16_recipe_lists_its_cpu_int4_and_int8_sizes() -> None:
+    """What the planner weighs on a CPU when bf16 does not fit (scripts/recipe_sizes.py prints them): smaller than
+    bf16, int4 smaller than int8; for a MoE, barely (the fused experts stay bf16)."""
+    for recipe in load_recipes().values():
+        if not recipe.runnable or recipe.checkpoint_precision != "bf16" or not recipe.weight_bytes:
+            continue
+        sizes = recipe.weight_bytes
+        assert sizes["int4"] < sizes["int8"] < sizes["bf16"], recipe.name
+        if recipe.expert_bytes:
+            assert sizes["int4"] > recipe.expert_bytes, recipe.name
+    assert get_recipe("qwen3.6-27b").weight_bytes["int4"] == pytest.approx(19.04e9, rel=0.01)
+
+
 def test_shipped_recipe_facts() -> None:
     assert get_recipe("qwen3-8b").drafter == ModelRef("z-lab/Qwen3-8B-DFlash-b16")
     assert get_recipe("qwen3-8b").chat_template_kwargs == {"enable_thinking": False}

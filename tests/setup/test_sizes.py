@@ -38,6 +38,7 @@ from dflash_cli.setup.sizes import (
     tensor_bytes,
 )
 from helpers.machines import GIB
+from helpers.tiny_models import make_tiny
 
 
 def cpu_plan(dtype: str, quant: str = "none") -> Plan:
@@ -81,6 +82,25 @@ def test_nf4_counts_agree_with_what_bitsandbytes_holds(tiny_qwen3_dir: Path) -> 
 
 
 CPU = MachineFacts(kind="cpu", cpu_ram_total=64 * GIB, cpu_ram_available=60 * GIB, cpu_bf16=True)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3",  # an untied head: int8 in place of the bf16 one
+        "gemma4",  # a tied head: its own int8 copy beside the bf16 embedding
+        "qwen3_5_moe",  # fused experts and a shared expert's one-output gate: left in bf16
+        "llama4",  # a router that subclasses nn.Linear: left in bf16
+    ],
+)
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_the_cpu_formats_count_the_bytes_the_loaded_model_holds(tmp_path: Path, family: str, quant: str) -> None:
+    """The int4 / int8 estimate (what recipes list, from scripts/recipe_sizes.py, and what the loader checks) is what
+    `quantize_target` leaves: quantized linears with their scales, the head in int8, everything else in bf16."""
+    checkpoint = read_checkpoint(make_tiny(family, tmp_path / family, with_tokenizer=False))
+    target = load_target(checkpoint.path, cpu_plan("bfloat16", quant), check_free_memory=False)
+    assert checkpoint.nbytes("bfloat16", quant) == module_weight_bytes(target)
+    assert checkpoint.nbytes("bfloat16", "int4") < checkpoint.nbytes("bfloat16", "int8") < checkpoint.nbytes("bfloat16")
 
 
 def test_the_memory_estimate_is_its_parts_at_the_plans_context() -> None:
@@ -146,7 +166,7 @@ def test_the_banner_says_the_context_and_a_batch_holds_every_row() -> None:
     assert one.endswith(f"~{plan.memory.total / 1e9:.1f} GB at 8,192 tokens")
     assert f"~{plan.memory.with_rows(16) / 1e9:.1f} GB at 8,192 tokens" in plan.one_line(rows=16)
     memory = next(reason for reason in plan.reasons if reason.startswith("memory:"))
-    for part in ("weights 269 MB", "drafter 10 MB", "KV cache 195 MB", "prefill activations 268 MB", "--cache-ram"):
+    for part in ("weights 151 MB", "drafter 10 MB", "KV cache 195 MB", "prefill activations 268 MB", "--cache-ram"):
         assert part in memory
     # the prefix store has its own bound (--cache-ram): not in the estimate, so not counted twice
     assert make_plan(CPU, get_recipe("demo"), PlanOverrides(cache_ram_mib=0)).memory == plan.memory

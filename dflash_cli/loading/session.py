@@ -414,11 +414,42 @@ def apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True, **template_kwargs
         )
     except (TemplateError, TypeError) as error:  # templates that allow no system prompt; odd template kwargs
+        folded = fold_system(messages)
+        if folded != list(messages):  # a template that takes no system message (or only first): fold them in
+            return apply_chat_template(tokenizer, folded, template_kwargs)
         raise DflashError(
             f"the chat template rejects this conversation: {error}",
             fix="drop the system message, or start the conversation with a user message",
         ) from None
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def fold_system(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with its system messages as text of user turns, order kept: joined to the user turn just
+    before (or else just after), or a user turn of their own; for templates that render no system message, or
+    one only first (agents send them mid-conversation), as ollama's templates fold a system prompt."""
+
+    def is_text(message: dict[str, Any], role: str) -> bool:
+        return message["role"] == role and isinstance(message.get("content"), str)
+
+    out: list[dict[str, Any]] = []
+    waiting: list[str] = []  # system text not yet placed
+    for message in messages:
+        if is_text(message, "system") and not waiting and out and is_text(out[-1], "user"):
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{message['content']}"}
+        elif is_text(message, "system"):
+            waiting.append(message["content"])
+        elif waiting and is_text(message, "user"):
+            out.append({**message, "content": "\n\n".join([*waiting, message["content"]])})
+            waiting = []
+        else:
+            if waiting:
+                out.append({"role": "user", "content": "\n\n".join(waiting)})
+                waiting = []
+            out.append(dict(message))
+    if waiting:
+        out.append({"role": "user", "content": "\n\n".join(waiting)})
+    return out
 
 
 def cpu_kernels_reason(console: Console | None) -> str:

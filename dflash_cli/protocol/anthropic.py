@@ -13,7 +13,7 @@ import copy
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dflash_cli.errors import RequestError
@@ -96,7 +96,9 @@ def read_messages_request(body: Any, *, count_only: bool = False) -> MessagesReq
     else:
         names.insert(0, (r"^chat_template_kwargs", "chat_template_kwargs"))  # (its errors are its own)
         chat["chat_template_kwargs"] = {**thinks, **own} if isinstance(own, dict) else own
-    request = read_translated(chat, [*names, *FIELD_NAMES])
+    # A max_tokens past what the window leaves generates until the window is full, as Anthropic's API does since
+    # Claude Sonnet 4.5 (stop_reason model_context_window_exceeded): Claude Code asks for 32,000 whatever the model.
+    request = replace(read_translated(chat, [*names, *FIELD_NAMES]), cut_at_window=True)
     return MessagesRequest(request, thinking=kind in ("enabled", "adaptive"))
 
 
@@ -164,17 +166,22 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object, got {show(message)}", param=where)
         role = message.get("role")
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "system"):
             raise RequestError(
-                f"{where}.role must be user or assistant, got {show(role)} (a system prompt goes in `system`)",
-                param=f"{where}.role",
+                f"{where}.role must be user, assistant or system, got {show(role)}", param=f"{where}.role"
             )
         if message.get("content") in ("", []):  # (Anthropic's API refuses them too)
             raise RequestError(f"{where}.content must not be empty", param=f"{where}.content")
+        if role == "system":  # mid-conversation system text (Claude Code's beta mid-conversation-system-2026-04-07)
+            names.append((rf"^messages\[{len(out)}\]", where))
+            out.append({"role": "system", "content": _text_of(message["content"], f"{where}.content")})
+            continue
         blocks = _blocks(message.get("content"), f"{where}.content")
         for turn in _user_turns(blocks, where) if role == "user" else [_assistant_turn(blocks, where, names, len(out))]:
             names.append((rf"^messages\[{len(out)}\]", where))
             out.append(turn)
+    if not any(message["role"] in ("user", "tool") for message in out):
+        raise RequestError("messages has no user turn: system text alone goes in `system`", param="messages")
     if out[-1]["role"] == "assistant":
         where = f"messages[{len(messages) - 1}]"
         raise RequestError(
@@ -355,8 +362,9 @@ class MessageEvents:
     (what a request without stream gets). Reasoning becomes thinking blocks when the request asked for them, and
     is left out otherwise. message_start waits for the Prompt: its usage is the final one's, cache reads known."""
 
-    def __init__(self, *, id: str, model: str, thinking: bool) -> None:
+    def __init__(self, *, id: str, model: str, thinking: bool, window_cut: bool = False) -> None:
         self.thinking = thinking
+        self.window_cut = window_cut  # max_tokens was cut to the room the window left: a "length" end is the window
         self.message: dict[str, Any] = {
             "id": id,
             "type": "message",
@@ -419,6 +427,8 @@ class MessageEvents:
 
     def end(self, ending: Ending) -> list[Event]:
         reason = "stop_sequence" if ending.stop_sequence is not None else STOP_REASONS[ending.finish_reason]
+        if reason == "max_tokens" and self.window_cut:
+            reason = "model_context_window_exceeded"
         final = usage(ending, ending.output_tokens)
         self.message.update(stop_reason=reason, stop_sequence=ending.stop_sequence, usage=final)
         delta = {"stop_reason": reason, "stop_sequence": ending.stop_sequence}

@@ -123,6 +123,7 @@ class Request:
     endpoint: str | None = None  # OpenAI's endpoint, whose response shape the result takes; None: dflash's own
     id: str | None = None  # a file line's id (or custom_id)
     line: int | None = None  # a file line's number
+    cut_at_window: bool = False  # a max_tokens past what the context window leaves stops there, not refused
 
     @property
     def is_chat(self) -> bool:
@@ -138,8 +139,9 @@ class Request:
 
 def check_context(request: Request, prompt_tokens: int, window: int | None) -> None:
     """A prompt of `prompt_tokens` tokens and the max_tokens the request asks for (when it does: the default is cut
-    at the window) against the model's context window; RequestError (context_length_exceeded) naming the field,
-    with the most it can ask for. Every route checks its encoded prompt with this."""
+    at the window, and with `cut_at_window` so is any) against the model's context window; RequestError
+    (context_length_exceeded) naming the field, with the most it can ask for. Every route checks its encoded prompt
+    with this."""
     if window is None:
         return
     if prompt_tokens >= window:
@@ -150,7 +152,7 @@ def check_context(request: Request, prompt_tokens: int, window: int | None) -> N
             fix="shorten the prompt",
         )
     asked, left = request.sampling.get("max_new_tokens"), window - prompt_tokens
-    if asked is not None and asked > left:
+    if asked is not None and asked > left and not request.cut_at_window:
         key = request.sampling_keys.get("max_new_tokens", "max_tokens")
         raise RequestError(
             f"{key} is {asked}, but the model's context window of {window} tokens leaves {left} after the "

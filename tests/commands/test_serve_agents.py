@@ -183,6 +183,49 @@ def test_a_message_whole_and_streamed_is_the_chat_completion_of_its_conversation
     assert set(names[3:-3]) == {"content_block_delta"}
 
 
+def test_claude_codes_request_shape_runs_to_the_window_with_its_system_message_in_place(
+    server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    """Claude Code 2.1 (run against `dflash serve demo`) asks for max_tokens 32,000 whatever the model and sends a
+    system message mid-conversation (beta mid-conversation-system-2026-04-07), with thinking adaptive, an effort
+    and context_management: served as Anthropic's API serves them, the reply running until the context window is
+    full (stop_reason model_context_window_exceeded) with the system message rendered where it was sent."""
+    room = 6
+    for word in ("lorem ", "tell me more ", "story time ", "x "):
+
+        def conversation(n: int, word: str = word) -> list[dict[str, Any]]:
+            return [*user(word * n), {"role": "system", "content": "Answer at length."}]
+
+        def length(n: int) -> int:
+            return claude.messages.count_tokens(model=server.target, messages=conversation(n)).input_tokens
+
+        low, high = 1, WINDOW  # the most repeats that leave at least `room` tokens
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if length(middle) <= WINDOW - room else (low, middle - 1)
+        messages, left = conversation(low), WINDOW - length(low)
+        chat = chat_as_message(client, server, messages, max_tokens=left)
+        if chat.choices[0].finish_reason == "length":  # a reply that fills the window
+            break
+    else:
+        raise AssertionError("no filler keeps the tiny model talking to the end of its window")
+    body = {
+        "model": server.target, "max_tokens": 32000, "messages": messages, "stream": True,
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }  # fmt: skip
+    events = sse_events(server.port, "/v1/messages?beta=true", body)
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] == "model_context_window_exceeded", events[-2:]
+    usage = delta["usage"]  # (thinking on: the template renders a shorter prompt, so the room is larger)
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["output_tokens"] == WINDOW
+    whole = claude.messages.create(model=server.target, messages=messages, max_tokens=32000)
+    assert whole.stop_reason == "model_context_window_exceeded" and text_of(whole) == chat.choices[0].message.content
+    assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens + whole.usage.output_tokens == WINDOW
+    enough = claude.messages.create(model=server.target, messages=messages, max_tokens=left)  # room enough: as before
+    assert enough.stop_reason == "max_tokens" and text_of(enough) == text_of(whole)
+
+
 def test_stop_sequences_end_a_message_and_are_named(
     server: RunningServer, client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:

@@ -269,3 +269,52 @@ def test_bitsandbytes_import_says_nothing_the_plan_says_better() -> None:
     if "kernels" in stderr("import bitsandbytes"):  # (a CPU where the real import warns: there it says nothing)
         quiet = "from dflash_cli.loading.models import quiet_bitsandbytes_import as q\nwith q(): import bitsandbytes"
         assert "kernels" not in stderr(quiet)
+
+
+# Gemma's rule, as its templates enforce it: no system role, user and assistant strictly alternating.
+STRICT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['user', 'assistant'] %}{{ raise_exception('Only user and assistant roles') }}"
+    "{% endif %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Roles must alternate') }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "conversation, folded",
+    [
+        ([("system", "S"), ("user", "u")], [("user", "S\n\nu")]),
+        ([("user", "u"), ("system", "S")], [("user", "u\n\nS")]),  # Claude Code's mid-conversation system text
+        (
+            [("system", "S"), ("user", "u"), ("assistant", "a"), ("system", "T"), ("system", "W"), ("user", "v")],
+            [("user", "S\n\nu"), ("assistant", "a"), ("user", "T\n\nW\n\nv")],
+        ),
+        ([("user", "u"), ("assistant", "a"), ("system", "T")], [("user", "u"), ("assistant", "a"), ("user", "T")]),
+    ],
+)
+def test_a_template_without_system_messages_gets_them_folded_into_user_turns_in_order(
+    conversation: list[tuple[str, str]], folded: list[tuple[str, str]]
+) -> None:
+    """A template that renders no system message (Gemma's) gets the conversation with its system messages as text
+    of the nearest user turn, order kept (as ollama folds a system prompt); a template that renders them gets
+    them as sent."""
+    from dflash_cli.loading.session import apply_chat_template
+    from helpers.tiny_models import tiny_tokenizer
+
+    messages = [{"role": role, "content": text} for role, text in conversation]
+    tokenizer = tiny_tokenizer()
+    assert (
+        apply_chat_template(tokenizer, messages, {})
+        == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
+    tokenizer.chat_template = STRICT_TEMPLATE
+    expected = tokenizer.apply_chat_template(
+        [{"role": role, "content": text} for role, text in folded], add_generation_prompt=True, tokenize=True
+    )
+    assert apply_chat_template(tokenizer, messages, {}) == list(expected["input_ids"])
+    with pytest.raises(DflashError, match="Roles must alternate"):  # what folding cannot mend is refused as before
+        apply_chat_template(tokenizer, [{"role": "assistant", "content": "a"}, *messages], {})

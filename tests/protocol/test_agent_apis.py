@@ -4,6 +4,7 @@ text, and rendered as each API's events and whole objects."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -142,7 +143,7 @@ def test_a_messages_body_becomes_the_chat_request_it_means() -> None:
         },
         "/v1/chat/completions",
     )
-    assert read.request == chat and read.thinking
+    assert read.request == dataclasses.replace(chat, cut_at_window=True) and read.thinking  # (Anthropic's max_tokens)
     count = read_messages_request({k: body[k] for k in ("system", "messages", "tools")}, count_only=True)
     assert count.request.messages == chat.messages and count.request.sampling == {}
 
@@ -214,7 +215,8 @@ def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
             "messages[0].content[0]",
             "image blocks are not supported",
         ),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "`system`"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role", "user, assistant or system"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages", "no user turn"),
         (
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]},
             "messages[1]",

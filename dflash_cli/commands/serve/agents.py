@@ -67,8 +67,10 @@ class AgentRoutes:
     async def messages(self, http: HTTPRequest) -> Response:
         self.backend.check_room()
         read = anthropic.read_messages_request(await self.read_json(http))
-        running = await self._start(read.request)
-        events = anthropic.MessageEvents(id=anthropic.new_id(), model=self.backend.model, thinking=read.thinking)
+        running, cut = await self._start(read.request)
+        events = anthropic.MessageEvents(
+            id=anthropic.new_id(), model=self.backend.model, thinking=read.thinking, window_cut=cut
+        )
 
         def failed(error: APIError) -> list[tuple[str, dict[str, Any]]]:
             return [("error", anthropic.error(error.status, error.message)[1])]
@@ -83,7 +85,7 @@ class AgentRoutes:
     async def responses(self, http: HTTPRequest) -> Response:
         self.backend.check_room()
         read = openai_responses.read_responses_request(await self.read_json(http))
-        running = await self._start(read.request, fill_window=read.fills_window)
+        running, _ = await self._start(read.request, fill_window=read.fills_window)
         events = openai_responses.ResponseEvents(
             id=openai_responses.new_id(), model=self.backend.model, created=now(), echo=read.echo
         )
@@ -91,13 +93,18 @@ class AgentRoutes:
             http, running, read.request, events, lambda error: events.failed(error.message), lambda: events.response
         )
 
-    async def _start(self, request: Request, *, fill_window: bool = False) -> Running:
-        """The request's job, submitted; `fill_window`: it may generate until the context window is full."""
+    async def _start(self, request: Request, *, fill_window: bool = False) -> tuple[Running, bool]:
+        """The request's job, submitted, and whether its max_tokens was cut to the room the context window leaves
+        (`request.cut_at_window`); `fill_window`: it may generate until the window is full."""
         self.backend.check_model(request.model)
         prompt_ids, params = await self.backend.prepare(request)
-        if fill_window and self.backend.context_window is not None:
-            params = dataclasses.replace(params, max_new_tokens=self.backend.context_window - len(prompt_ids))
-        return self.backend.submit([(prompt_ids, params)])[0]
+        window, cut = self.backend.context_window, False
+        if window is not None and (
+            fill_window or (request.cut_at_window and params.max_new_tokens > window - len(prompt_ids))
+        ):
+            cut = not fill_window
+            params = dataclasses.replace(params, max_new_tokens=window - len(prompt_ids))
+        return self.backend.submit([(prompt_ids, params)])[0], cut
 
     async def _reply(
         self,

@@ -39,6 +39,12 @@ REFUSED = {
     "background": "background responses are not supported: this server answers while the request waits",
 }
 ITEMS = "message, function_call, function_call_output and reasoning items are"
+# Tools OpenAI's servers run, or whose calls are not function calls: not offered to the model here (Codex sends
+# web_search with every request), so a request that brings them is served with its function tools.
+NOT_OFFERED = {
+    "web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation", "mcp", "tool_search",
+    "computer", "computer_use_preview", "local_shell", "shell", "apply_patch", "custom", "programmatic_tool_calling",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,11 +72,12 @@ def read_responses_request(body: Any) -> ResponsesRequest:
     chat.update({key: body[key] for key in ("temperature", "top_p", "stream", "parallel_tool_calls") if key in body})
     if "max_output_tokens" in body:
         chat["max_tokens"] = body["max_output_tokens"]
-    chat.update(_tools(body))
+    tools, tool_names = _tools(body)
+    chat.update(tools)
     text_format = _text_format(body.get("text"))
     if text_format is not None:
         chat["response_format"] = text_format
-    request = read_translated(chat, [*names, *FIELD_NAMES])
+    request = read_translated(chat, [*names, *tool_names, *FIELD_NAMES])
     echo = {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -193,9 +200,10 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
     return out, names
 
 
-def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
-    """`tools` and `tool_choice` as a chat body has them."""
+def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """`tools` and `tool_choice` as a chat body has them, and the names of the functions' fields in a namespace."""
     chat: dict[str, Any] = {}
+    names: list[tuple[str, str]] = []
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -203,14 +211,24 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
         chat["tools"] = []
         for i, tool in enumerate(tools):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
+            inner = tool.get("tools") if kind == "namespace" and isinstance(tool, dict) else None
+            if kind == "namespace":  # its functions, called by their names (namespaces() names their calls')
+                _string(tool, "name", f"tools[{i}]")
+                if not isinstance(inner, list):
+                    raise RequestError(f"tools[{i}].tools must be a list of tools", param=f"tools[{i}].tools")
+                for k, function in enumerate(inner):
+                    if isinstance(function, dict) and function.get("type") == "function":
+                        at = rf"^tools\[{len(chat['tools'])}\]\.function"
+                        names += [(at + r"\.", f"tools[{i}].tools[{k}]."), (at, f"tools[{i}].tools[{k}]")]
+                        chat["tools"].append(_function(function))
+            elif kind == "function":
+                chat["tools"].append(_function(tool))
+            elif kind not in NOT_OFFERED:
                 raise RequestError(
-                    f"tools[{i}].type: {show(kind)} tools are not supported: this server runs no tools itself (function "
-                    "tools, which the client runs, are)",
+                    f"tools[{i}].type: {show(kind)} tools are not supported (function tools, which the client runs, "
+                    "are, also in a namespace; tools OpenAI's servers run are not offered to the model)",
                     param=f"tools[{i}].type",
                 )
-            function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
-            chat["tools"].append({"type": "function", "function": function})
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -222,7 +240,23 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         chat["tool_choice"] = choice
-    return chat
+    return chat, names
+
+
+def _function(tool: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {key: tool[key] for key in ("name", "description", "parameters") if key in tool},
+    }
+
+
+def namespaces(tools: Any) -> dict[str, str]:
+    """The namespace of each function offered inside one (`tools` as the body has them): its calls name it."""
+    found = {}
+    for tool in tools if isinstance(tools, list) else []:
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+            found |= {t["name"]: tool["name"] for t in tool["tools"] if isinstance(t, dict) and "name" in t}
+    return found
 
 
 def _text_format(value: Any) -> dict[str, Any] | None:
@@ -291,6 +325,7 @@ class ResponseEvents:
         }
         self.sequence = 0
         self.open: dict[str, Any] | None = None  # the message or reasoning item being streamed
+        self.namespaces = namespaces(echo.get("tools"))
 
     def _event(self, kind: str, **fields: Any) -> Event:
         data = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
@@ -326,6 +361,8 @@ class ResponseEvents:
                 "name": part.call.name,
                 "arguments": "",
             }
+            if part.call.name in self.namespaces:
+                item["namespace"] = self.namespaces[part.call.name]
             events.append(self._add(item))
             ids = {"item_id": item["id"], "output_index": index}
             item.update(arguments=part.call.arguments, status="completed")

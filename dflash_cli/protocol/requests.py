@@ -488,12 +488,12 @@ def read_translated(body: dict[str, Any], names: Sequence[tuple[str, str]]) -> R
     except RequestError as error:
         if error.param is None:
             raise
-        param = error.param
+        param, message = error.param, error.message
         for pattern, replacement in names:
             param, renamed = re.subn(pattern, replacement, param, count=1)
-            if renamed:
+            if renamed:  # the message names the field, or a part of its path: renamed the same way
+                message = re.sub(pattern.removeprefix("^").removesuffix("$"), replacement, message, count=1)
                 break
-        message = error.message.replace(error.param, param, 1)
         raise RequestError(message, param=param, code=error.code, fix=error.fix) from None
 
 

@@ -535,6 +535,27 @@ def test_a_forced_function_call_and_its_output_turn(server: RunningServer, clien
     assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens_details.cached_tokens > 0
 
 
+def test_codexs_tools_namespaced_functions_are_offered_and_hosted_ones_left_out(
+    server: RunningServer, client: openai.OpenAI
+) -> None:
+    """Codex 0.171 (run against `dflash serve demo`) sends web_search and a namespace of functions beside its
+    function tools (both were a 400): the namespace's functions are offered by name and a call of one names its
+    namespace; tools OpenAI's servers run are not offered, and the reply is the one without them."""
+    namespace = {"type": "namespace", "name": "weather_v1", "description": "Weather tools", "tools": [FUNCTION]}
+    fields = {"model": server.target, "tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 200}
+    plain = client.responses.create(input="Weather in Paris?", tools=[FUNCTION], **fields)
+    codex = client.responses.create(
+        input="Weather in Paris?", tools=[{"type": "web_search", "external_web_access": False}, namespace], **fields
+    )
+    (call,), (plain_call,) = codex.output, plain.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.namespace == "weather_v1"
+    assert call.arguments == plain_call.arguments and plain_call.namespace is None
+    assert [tool.type for tool in codex.tools] == ["web_search", "namespace"]  # (echoed as sent)
+    events = list(client.responses.create(input="Weather in Paris?", stream=True, tools=[namespace], **fields))
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.namespace == "weather_v1" and done.item.arguments == call.arguments
+
+
 def test_json_schema_text_format_validates_and_is_the_chat_routes(server: RunningServer, client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "name": "record", "schema": RECORD, "strict": True}
     reply = client.responses.create(
@@ -700,7 +721,7 @@ def bad_bodies(rng: random.Random, count: int) -> Iterator[tuple[str, bytes, dic
         "max_output_tokens": [0, -3, "5", 1.5],
         "temperature": [-1, "x"],
         "top_p": [0, 3],
-        "tools": [[{"type": "web_search"}], [{"type": "function"}], "x", [{"type": "function", "name": "a b"}]],
+        "tools": [[{"type": "web_searcher"}], [{"type": "function"}], "x", [{"type": "function", "name": "a b"}]],
         "tool_choice": ["required", {"type": "allowed_tools"}, 5],
         "text": ["json", {"format": {"type": "yaml"}}, {"format": {"type": "json_schema", "schema": {"if": {}}}}],
         "previous_response_id": ["resp_1"],

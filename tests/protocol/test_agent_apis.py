@@ -409,7 +409,17 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
         ),
         ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
         ({"top_p": 2}, "top_p", "in (0, 1]"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function tools"),
+        ({"tools": [{"type": "web_searcher"}]}, "tools[0].type", "function tools"),
+        ({"tools": [{"type": "namespace", "tools": []}]}, "tools[0].name", "non-empty string"),
+        (  # a function in a namespace is named where it is
+            {
+                "tools": [
+                    {"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "f", "parameters": 3}]}
+                ]
+            },
+            "tools[0].tools[0].parameters",
+            'JSON schema of "type": "object"',
+        ),
         (
             {"tools": [{"type": "function", "name": "f", "parameters": 3}]},
             "tools[0].parameters",

@@ -39,7 +39,7 @@ def chat(
     With --prompt or piped stdin it answers once and exits, only the reply on stdout:
     `echo "Why is the sky blue?" | dflash chat demo`
     """
-    options = dataclasses.replace(options, prefix_cache=not no_prefix_cache, cache_ram_mib=cache_ram)
+    options = dataclasses.replace(options.overriding(cache_ram_mib=cache_ram), prefix_cache=not no_prefix_cache)
     options.resolve_recipe()  # input mistakes fail here, in a fraction of a second, before torch is imported
     question = _one_shot_question(prompt)
     from dflash_cli.commands.chat import run_chat

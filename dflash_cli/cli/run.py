@@ -45,7 +45,7 @@ def run(
     from dflash_cli.commands import run as jobs
 
     options = dataclasses.replace(
-        options, batch_size=batch_size, prefix_cache=not no_prefix_cache, cache_ram_mib=cache_ram
+        options.overriding(batch_size=batch_size, cache_ram_mib=cache_ram), prefix_cache=not no_prefix_cache
     )
     options, prompts = jobs.split_positionals(options, prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched

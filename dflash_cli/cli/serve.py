@@ -51,7 +51,7 @@ def serve(
     Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
     """
     options = dataclasses.replace(
-        options, batch_size=batch_size, prefix_cache=not no_prefix_cache, cache_ram_mib=cache_ram
+        options.overriding(batch_size=batch_size, cache_ram_mib=cache_ram), prefix_cache=not no_prefix_cache
     )
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     from dflash_cli.commands.serve.http import run_server

@@ -49,7 +49,8 @@ CACHE_RAM_MIB = 8192
 
 @dataclass(frozen=True)
 class PlanOverrides:
-    """What the user forced on the command line (`--device`, `--dtype`, `--quant`, `--attention`, `--block-size`)."""
+    """What the user forced on the command line (`--device`, `--dtype`, `--quant`, `--attention`, `--block-size`,
+    `--batch-size`, `--cache-ram`); None: the plan decides."""
 
     device: str | None = None
     dtype: str | None = None

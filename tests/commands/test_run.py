@@ -28,6 +28,7 @@ from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.protocol.requests import LineError, Request, parse_line
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from helpers.drafters import save_random_drafter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -535,7 +536,7 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
         assert "-o" in refused.value.fix
         assert output.read_bytes() == done and errors.exists()  # nothing written, nothing removed
     write_lines(prompts, [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}])
-    assert run_file(dataclasses.replace(options, block_size=2), prompts, load=no_load).skipped == 2  # (lossless)
+    assert run_file(options.overriding(block_size=2), prompts, load=no_load).skipped == 2  # (lossless)
 
 
 def test_the_errors_file_is_ours_to_rewrite_or_refused(tmp_path: Path) -> None:
@@ -728,8 +729,7 @@ def test_a_batched_run_gives_every_request_its_result_alone(
         target=str(models[0]),
         drafter=str(models[1]),
         sampling=SamplingParams(max_new_tokens=12),
-        dtype="float32",
-        batch_size=batch_size,
+        overrides=PlanOverrides(dtype="float32", batch_size=batch_size),
     )
     session = open_session(options, batching=True)
     assert session.batch_size == batch_size
@@ -764,8 +764,7 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
         target=str(models[0]),
         drafter=str(models[1]),
         sampling=SamplingParams(max_new_tokens=8),
-        dtype="float32",
-        batch_size=3,
+        overrides=PlanOverrides(dtype="float32", batch_size=3),
         prefix_cache=False,  # the huge request's whole prompt is what runs out of memory, not a reused part
     )
     session = open_session(options, batching=True)

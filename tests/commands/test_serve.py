@@ -35,6 +35,7 @@ from dflash_cli.loading.session import Session, open_session
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from helpers.drafters import save_random_drafter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,8 +169,8 @@ def local_options(models: tuple[Path, Path]) -> RunOptions:
     return RunOptions(
         target=str(models[0]),
         drafter=str(models[1]),
-        dtype="float32",
         sampling=SamplingParams(max_new_tokens=MAX_TOKENS),
+        overrides=PlanOverrides(dtype="float32"),
     )
 
 

@@ -149,6 +149,20 @@ def test_the_package_never_imports_the_lab() -> None:
     assert importing == []
 
 
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/helpers/ (and conftest.py's fixtures): a test module imported by another
+    would run its tests' setup twice and tie two files together for whoever moves one."""
+    tests = Path(__file__).resolve().parent
+    names = {path.stem for path in tests.rglob("test_*.py")}
+    importing = [
+        path.relative_to(tests).as_posix()
+        for path in tests.rglob("*.py")
+        if imported_roots(path.read_text("utf-8")) & names
+    ]
+    assert importing == []
+    assert imported_roots("from test_serve import server\n") & names == {"test_serve"}
+
+
 def test_the_request_format_and_the_engine_stay_low() -> None:
     graph = import_graph()
     for module, imported in graph.items():

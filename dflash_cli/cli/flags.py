@@ -17,17 +17,17 @@ import typer
 
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import FIELDS, SamplingParams, read_sampling
-from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, QUANTS, normalize_device, normalize_dtype
+from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, QUANTS, Quant, normalize_device, normalize_dtype
 from dflash_cli.setup.options import COMPILE_SETTINGS, RunOptions
 from dflash_cli.setup.planning import PlanOverrides
 
 MODEL, SAMPLING, PLANNING, SERVER, BENCH = "Model", "Sampling", "Planning", "Server", "Benchmark"
 
 
-def check_quant(value: str | None) -> str | None:
+def check_quant(value: str | None) -> Quant | None:
     if value is not None and value not in QUANTS:
         raise typer.BadParameter(f"use one of {', '.join(QUANTS)}")
-    return value
+    return None if value is None else Quant(value)
 
 
 def check_attention(value: str | None) -> str | None:

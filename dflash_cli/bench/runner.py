@@ -1,6 +1,6 @@
 """`dflash bench`: DFlash against the baseline on the same prompts, measured so the numbers can be trusted.
 
-The method (docs/benchmarks.md has it with results):
+The method (docs/benchmarks.md section 6 sums it up; benchmarks/results/history.md has it whole):
 
 - The baseline is the same decode loop with a block of 1 and no drafter: same recipe, plan, prompts, sampling
   and max tokens, so the comparison is like for like.

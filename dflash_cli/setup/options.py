@@ -38,7 +38,7 @@ class RunOptions:
             return True, "compile on: CUDA graphs remove the launch overhead of an eager step (--compile off to skip)"
         return False, (
             "compile off: on a CPU compiling takes minutes at every start and pays only after several thousand "
-            "tokens (docs/benchmarks.md; --compile on for a long run or serve)"
+            "tokens (benchmarks/results/history.md, compile on CPU; --compile on for a long run or serve)"
         )
 
     def overriding(self, **changes: Any) -> RunOptions:

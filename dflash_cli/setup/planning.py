@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 # counted in the batch size.
 PLAN_CONTEXT_TOKENS = 8192
 # Rows `dflash run` and `dflash serve` decode together at most, unless --batch-size says otherwise: where one verify
-# of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (docs/benchmarks.md).
+# of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (benchmarks/results/history.md,
+# "Batched decoding").
 MAX_BATCH_ROWS = 16
 # The prefix store's default bound (prefixes beyond the slots, in host memory): llama-server's --cache-ram default,
 # or a quarter of the RAM free at start where that is less.
@@ -389,7 +390,8 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         attn_why = (
             "on a CPU, eager attention gives each row the same numbers however many queries and keys a step holds "
             "(the same text alone or batched, streamed or not, with or without drafts); PyTorch's fused CPU kernel "
-            "rounds a row by the step's shape, and decodes no faster (docs/benchmarks.md)"
+            "rounds a row by the step's shape (--attention sdpa decodes about 1.2x faster and prefills long prompts "
+            "1.2-1.5x faster: benchmarks/results/history.md, batch invariance)"
         )
     else:
         attn_why = (

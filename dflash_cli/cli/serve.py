@@ -54,6 +54,6 @@ def serve(
         options.overriding(batch_size=batch_size, cache_ram_mib=cache_ram), prefix_cache=not no_prefix_cache
     )
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
-    from dflash_cli.commands.serve.http import run_server
+    from dflash_cli.commands.serve.launch import run_server
 
     run_server(options, host=host, port=port, api_key=api_key, max_queue=max_queue, console=err_console)

@@ -1,6 +1,6 @@
 """`dflash run PROMPTS.jsonl`: a file of generation jobs, run with the model loaded once, losing nothing.
 
-Input lines are read by `requests.read_jsonl`, each on its own (the one request format, shared with `serve` and
+Input lines are read by `request_files.read_jsonl`, each on its own (the one request format, shared with `serve` and
 `bench`):
   {"prompt": "..."}                                      plain completion (no chat template)
   {"messages": [{"role": "user", "content": "..."}]}     chat (the model's chat template)
@@ -42,7 +42,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
-from dflash_cli.protocol.requests import LineError, Request, RequestFile, read_jsonl
+from dflash_cli.protocol.request_files import LineError, RequestFile, read_jsonl
+from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import ToolCall
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.recipes import Recipe
@@ -61,7 +62,7 @@ def auto_id(number: int, raw: bytes) -> str:
 
 
 def read_requests(path: Path) -> RequestFile:
-    """Every line of `path` (requests.read_jsonl): requests with their ids, and the lines that cannot run."""
+    """Every line of `path` (request_files.read_jsonl): requests with their ids, and the lines that cannot run."""
     return read_jsonl(path, auto_id)
 
 

@@ -33,9 +33,9 @@ from dflash_cli.commands.doctor import (
     check_torch,
     dflash_commands,
     exit_code,
-    hub_reachable,
     run_checks,
 )
+from dflash_cli.loading.hub import hub_reachable
 from dflash_cli.setup import recipes
 from dflash_cli.setup.hardware import MachineFacts, detect_machine
 from dflash_cli.setup.planning import PlanOverrides, expected_speed, make_plan

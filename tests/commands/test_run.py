@@ -26,7 +26,8 @@ from dflash_cli.commands import run as jobs
 from dflash_cli.commands.run import completed_ids, read_requests, run_file
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.requests import LineError, Request, parse_line
+from dflash_cli.protocol.request_files import LineError, parse_line
+from dflash_cli.protocol.requests import Request
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import PlanOverrides
 from helpers.drafters import save_random_drafter

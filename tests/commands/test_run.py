@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from dflash_cli.cli.app import app
 from dflash_cli.cli.output import summary_table
 from dflash_cli.commands import run as jobs
-from dflash_cli.commands.run import completed_ids, read_requests, run_file
+from dflash_cli.commands.run import read_requests, run_file
+from dflash_cli.commands.run_output import ErrorsFile, ResultsFile, Resume, completed_ids
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.protocol.request_files import LineError, parse_line
@@ -239,7 +240,7 @@ def test_a_torn_last_line_is_cut_away(tmp_path: Path) -> None:
     assert output.read_bytes() == good
     output.write_bytes(good + b"\x00\x00\x00\n")  # a line that ends but is garbage (a crash mid-block)
     assert completed_ids(output).repaired_bytes == 4 and output.read_bytes() == good
-    assert completed_ids(output) == jobs.Resume({"a": None, "b": None}, 0)
+    assert completed_ids(output) == Resume({"a": None, "b": None}, 0)
 
 
 def test_a_broken_line_in_the_middle_is_not_touched(tmp_path: Path) -> None:
@@ -284,10 +285,10 @@ def test_unwritable_output_fails_before_the_model_loads(tmp_path: Path) -> None:
 
 
 def test_two_runs_cannot_write_one_output(tmp_path: Path) -> None:
-    first = jobs.ResultsFile(tmp_path / "out.jsonl")
+    first = ResultsFile(tmp_path / "out.jsonl")
     try:
         with pytest.raises(DflashError, match="another dflash run"):
-            jobs.ResultsFile(tmp_path / "out.jsonl")
+            ResultsFile(tmp_path / "out.jsonl")
     finally:
         first.close()
 
@@ -298,15 +299,15 @@ def test_a_foreign_output_is_refused_and_let_go(tmp_path: Path) -> None:
     output = tmp_path / "out.jsonl"
     output.write_bytes(b'{"name": "not a result"}\n')
     with pytest.raises(DflashError, match="not a dflash result") as refused:
-        jobs.ResultsFile(output)
+        ResultsFile(output)
     output.write_bytes(b"")
-    jobs.ResultsFile(output).close()  # "another dflash run is writing" if the refused handle still held the lock
+    ResultsFile(output).close()  # "another dflash run is writing" if the refused handle still held the lock
     assert refused.value.fix
 
 
 def test_an_error_record_for_odd_input_is_one_valid_line(tmp_path: Path) -> None:
     error = parse(b'{"prompt": "x", "id": "\\ud800"}\n', 4)  # a lone surrogate escape: valid JSON, not UTF-8-able
-    with jobs.ErrorsFile(tmp_path / "errors.jsonl") as errors:
+    with ErrorsFile(tmp_path / "errors.jsonl") as errors:
         errors.append(error)
     (line,) = (tmp_path / "errors.jsonl").read_bytes().splitlines()
     assert json.loads(line)["line"] == 4 and "surrogate" in json.loads(line)["error"]["message"]

@@ -26,9 +26,10 @@ from dflash_cli.loading.hub import hub_reachable
 from dflash_cli.loading.models import quiet_bitsandbytes_import
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, torch_release_table, weight_bandwidth
-from dflash_cli.setup.planning import expected_speed, make_plan, native_formats
+from dflash_cli.setup.planning import make_plan, native_formats
 from dflash_cli.setup.recipes import Recipe, load_registry
 from dflash_cli.setup.sizes import recipe_stored_bytes
+from dflash_cli.setup.speed import expected_speed
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
 OUR_DISTRIBUTION = "dflash-cli"  # ours is the `dflash` command this distribution installs, whatever its entry point

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
+    from dflash_cli.setup.planning import PlanOverrides
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="demo")
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default=None, help="float32: the constrained modes' texts must be identical")
     args = parser.parse_args(argv)
-    options = RunOptions(recipe_name=args.recipe, threads=args.threads, dtype=args.dtype)
+    options = RunOptions(recipe_name=args.recipe, threads=args.threads, overrides=PlanOverrides(dtype=args.dtype))
     session = open_session(options)
     session.ensure_drafter()
     rows: dict[str, list[dict]] = {mode: [] for mode in MODES}

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 
 ASSET = Path(__file__).resolve().parents[1] / "dflash_cli" / "assets" / "demo_prompts_eval.jsonl"
 
@@ -182,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     extra = [flag for flag in extra if flag != "--"]
     if args.what in ("chat", "both"):
-        chat(RunOptions(recipe_name=args.recipe, dtype=args.dtype), args.turns, args.max_tokens)
+        chat(
+            RunOptions(recipe_name=args.recipe, overrides=PlanOverrides(dtype=args.dtype)), args.turns, args.max_tokens
+        )
     if args.what in ("serve", "both"):
         dtype = ["--dtype", args.dtype] if args.dtype else []
         serve([args.recipe], args.requests, args.system_tokens, args.max_tokens, [*dtype, *extra])

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from dflash_cli.engine.loop import speculative_generate
+from dflash_cli.setup.choices import Quant
 
-QUANTS = ("int4", "int8")
+CPU_FORMATS = [quant.value for quant in Quant if quant.cpu_kernels]
 
 
 def load(recipe_name: str | None, target: str | None, quant: str, dtype: str = "bfloat16") -> tuple[Any, Any]:
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="a model directory or repo id instead of the recipe's target")
     parser.add_argument("--prompts", type=int, default=24, help="how many bench prompts (default 24)")
     parser.add_argument("--tokens", type=int, default=64, help="reference tokens per prompt (default 64)")
-    parser.add_argument("--quant", nargs="+", choices=QUANTS, default=list(QUANTS))
+    parser.add_argument("--quant", nargs="+", choices=CPU_FORMATS, default=CPU_FORMATS)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -132,8 +132,15 @@ def dflash_runner(
     from dflash_cli.engine.target import exported
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
+    from dflash_cli.setup.planning import PlanOverrides
 
-    options = RunOptions(recipe_name="demo", quant=quant, threads=threads, compile=compile, no_spec=not speculative)
+    options = RunOptions(
+        recipe_name="demo",
+        threads=threads,
+        compile=compile,
+        no_spec=not speculative,
+        overrides=PlanOverrides(quant=quant),
+    )
     session = open_session(options)
     if compile == "auto" and not session.exported:  # the default runs the stored steps: store them first (once)
         log(f"building the exported target step ({quant or 'default'} weights), once")

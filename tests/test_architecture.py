@@ -149,6 +149,38 @@ def test_the_package_never_imports_the_lab() -> None:
     assert importing == []
 
 
+def test_each_command_has_its_own_cli_module_and_app_only_wires_them() -> None:
+    """cli/<command>.py holds one command's typer signature and imports no other command's; cli/app.py registers
+    them and holds none."""
+    graph = import_graph()
+    shared = {"dflash_cli.cli", "dflash_cli.cli.app", "dflash_cli.cli.flags", "dflash_cli.cli.output"}
+    commands = {name for name in modules() if name.startswith("dflash_cli.cli.")} - shared
+    assert {name.rsplit(".", 1)[1] for name in commands} >= {"chat", "run", "serve", "bench", "doctor", "export"}
+    for command in commands:
+        assert {other for other in graph[command] if layer_of(other) == "cli"} <= {
+            "dflash_cli.cli.flags",
+            "dflash_cli.cli.output",
+        }, command
+    assert commands <= graph["dflash_cli.cli.app"]
+    tree = ast.parse(modules()["dflash_cli.cli.app"].read_text(encoding="utf-8"))
+    decorated = [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.decorator_list]
+    assert decorated == ["_main"]  # the group's callback (--version); no command is defined in app.py
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/helpers/ (and conftest.py's fixtures): a test module imported by another
+    would run its tests' setup twice and tie two files together for whoever moves one."""
+    tests = Path(__file__).resolve().parent
+    names = {path.stem for path in tests.rglob("test_*.py")}
+    importing = [
+        path.relative_to(tests).as_posix()
+        for path in tests.rglob("*.py")
+        if imported_roots(path.read_text("utf-8")) & names
+    ]
+    assert importing == []
+    assert imported_roots("from test_serve import server\n") & names == {"test_serve"}
+
+
 def test_the_request_format_and_the_engine_stay_low() -> None:
     graph = import_graph()
     for module, imported in graph.items():

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_cli.errors import DflashError, RequestError
-from dflash_cli.protocol.requests import Request, read_prompt_file
+from dflash_cli.protocol.request_files import read_prompt_file
+from dflash_cli.protocol.requests import Request
 
 if TYPE_CHECKING:
     from dflash_cli.loading.session import Session
@@ -32,7 +33,7 @@ def load_prompt_set(name: str) -> list[Request]:
 
 
 def load_prompt_file(path: str | os.PathLike[str]) -> list[Request]:
-    """Prompts from a JSONL file, read like `dflash run` reads its lines (requests.read_prompt_file)."""
+    """Prompts from a JSONL file, read like `dflash run` reads its lines (request_files.read_prompt_file)."""
     return read_prompt_file(path, "bench")
 
 

@@ -28,7 +28,7 @@ from dflash_cli.bench.measure import BASELINE, CUDA_MEMORY, Mode, PromptRuns, hi
 SCHEMA = "dflash-bench/1"
 # The default run is sized to finish in about a minute, like llama-bench's default (one 128-token generation
 # test): from the warm-up's measured pace, as many prompts as fit; on a machine too slow for one prompt per mode,
-# shorter generations. --full is the sweep docs/benchmarks.md reports: every prompt, 512 tokens, 3 rounds.
+# shorter generations. --full is the sweep docs/benchmarks.md describes: every prompt, 512 tokens, 3 rounds.
 QUICK_MAX_TOKENS, FULL_MAX_TOKENS = 128, 512
 QUICK_REPEAT, FULL_REPEAT = 1, 3
 QUICK_BUDGET_S = 60.0  # warm-up and timed generations together

@@ -1,6 +1,6 @@
 """`dflash bench`: DFlash against the baseline on the same prompts, measured so the numbers can be trusted.
 
-The method (docs/benchmarks.md has it with results):
+The method (docs/benchmarks.md section 6 sums it up; benchmarks/results/history.md has it whole):
 
 - The baseline is the same decode loop with a block of 1 and no drafter: same recipe, plan, prompts, sampling
   and max tokens, so the comparison is like for like.
@@ -90,7 +90,7 @@ def load_prompts(settings: BenchSettings) -> list[Request]:
 def plan_modes(session: Session, options: RunOptions, settings: BenchSettings) -> list[Mode]:
     """Baseline (with --before-after, or when there is no drafter) and DFlash: adaptive (the default, unless
     --block-size fixes the size), then each size of a --block-sizes sweep."""
-    if options.block_size is not None and settings.block_sizes:
+    if options.overrides.block_size is not None and settings.block_sizes:
         raise DflashError(
             "give --block-size or --block-sizes, not both", fix="--block-sizes 4,8,16 sweeps; --block-size 8 runs one"
         )

@@ -1,7 +1,7 @@
 """The flags commands share, declared once, and the validators that turn bad values into usage errors (exit 2).
 
 Model selection is used by every command that names a model; the run flags by chat, run, serve and bench (through
-`with_run_flags`), their defaults read from RunOptions and SamplingParams. A command declares only its own flags.
+`with_run_flags`), their defaults read from RunOptions, SamplingParams and PlanOverrides. A command declares only its own flags.
 Validators run while typer parses, before any model or torch loads.
 """
 
@@ -17,16 +17,17 @@ import typer
 
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import FIELDS, SamplingParams, read_sampling
-from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, QUANTS, normalize_device, normalize_dtype
+from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, QUANTS, Quant, normalize_device, normalize_dtype
 from dflash_cli.setup.options import COMPILE_SETTINGS, RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 
 MODEL, SAMPLING, PLANNING, SERVER, BENCH = "Model", "Sampling", "Planning", "Server", "Benchmark"
 
 
-def check_quant(value: str | None) -> str | None:
+def check_quant(value: str | None) -> Quant | None:
     if value is not None and value not in QUANTS:
         raise typer.BadParameter(f"use one of {', '.join(QUANTS)}")
-    return value
+    return None if value is None else Quant(value)
 
 
 def check_attention(value: str | None) -> str | None:
@@ -166,7 +167,8 @@ Threads = Annotated[
     ),
 ]
 
-# The run flags by parameter name: RunOptions' fields, and for its `sampling` the keys of params.FIELDS.
+# The run flags by parameter name: RunOptions' fields, for its `sampling` the keys of params.FIELDS, for its
+# `overrides` PlanOverrides' fields.
 RUN_FLAG_TYPES: dict[str, Any] = {
     "recipe_name": RecipeName,
     "target": Target,
@@ -290,27 +292,28 @@ RUN_FLAG_TYPES: dict[str, Any] = {
 }
 
 
-def _flag(name: str, default: Any) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=RUN_FLAG_TYPES[name])
-
-
-# `stop` is a request field, not a flag; `--batch-size` a flag of `run` and `serve` only (they declare it).
+# `stop` is a request field, not a flag; `--batch-size` and `--cache-ram` flags of some commands only (they declare
+# them and set them with RunOptions.overriding).
 SAMPLING_FLAGS = [field for field in FIELDS if field.key in RUN_FLAG_TYPES]
-OPTION_FLAGS = [option for option in dataclasses.fields(RunOptions) if option.name in RUN_FLAG_TYPES]
+OVERRIDE_FLAGS = [override.name for override in dataclasses.fields(PlanOverrides) if override.name in RUN_FLAG_TYPES]
+OPTION_FLAGS = [option.name for option in dataclasses.fields(RunOptions) if option.name in RUN_FLAG_TYPES]
 
 
-def _run_flags() -> list[inspect.Parameter]:
-    """RunOptions' fields as flags, in their order, its `sampling` spread into one flag per sampling field."""
-    flags = []
-    for option in dataclasses.fields(RunOptions):
-        if option.name == "sampling":
-            flags += [_flag(field.key, getattr(option.default, field.attr)) for field in SAMPLING_FLAGS]
-        elif option.name in RUN_FLAG_TYPES:
-            flags.append(_flag(option.name, option.default))
-    return flags
+def _default(name: str) -> Any:
+    """A run flag's default: its SamplingParams, PlanOverrides or RunOptions field's."""
+    sampling = {field.key: getattr(SamplingParams(), field.attr) for field in SAMPLING_FLAGS}
+    return (
+        sampling[name]
+        if name in sampling
+        else getattr(PlanOverrides() if name in OVERRIDE_FLAGS else RunOptions(), name)
+    )
 
 
-RUN_FLAGS = _run_flags()
+# In RUN_FLAG_TYPES' order: the order --help lists them in.
+RUN_FLAGS = [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=_default(name), annotation=annotation)
+    for name, annotation in RUN_FLAG_TYPES.items()
+]
 
 
 def run_options(flags: dict[str, Any]) -> RunOptions:
@@ -318,7 +321,9 @@ def run_options(flags: dict[str, Any]) -> RunOptions:
     (the same checks and errors)."""
     sampling = read_sampling({field.key: flags[field.key] for field in SAMPLING_FLAGS})
     return RunOptions(
-        **{option.name: flags[option.name] for option in OPTION_FLAGS}, sampling=SamplingParams(**sampling)
+        **{name: flags[name] for name in OPTION_FLAGS},
+        sampling=SamplingParams(**sampling),
+        overrides=PlanOverrides(**{name: flags[name] for name in OVERRIDE_FLAGS}),
     )
 
 

@@ -22,12 +22,14 @@ from packaging.utils import canonicalize_name
 from dflash_cli.engine import cpu_kernels, packages
 from dflash_cli.engine.policy import kept_measurements
 from dflash_cli.errors import DflashError
+from dflash_cli.loading.hub import hub_reachable
 from dflash_cli.loading.models import quiet_bitsandbytes_import
 from dflash_cli.setup.choices import gb
-from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, weight_bandwidth
-from dflash_cli.setup.planning import expected_speed, make_plan, native_formats
+from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, torch_release_table, weight_bandwidth
+from dflash_cli.setup.planning import make_plan, native_formats
 from dflash_cli.setup.recipes import Recipe, load_registry
 from dflash_cli.setup.sizes import recipe_stored_bytes
+from dflash_cli.setup.speed import expected_speed
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
 OUR_DISTRIBUTION = "dflash-cli"  # ours is the `dflash` command this distribution installs, whatever its entry point
@@ -392,28 +394,6 @@ def check_hf_token(has_token: bool, recipes: list[Recipe]) -> Check:
     )
 
 
-HUB_TIMEOUT_S = 3.0
-
-
-def hub_reachable(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
-    """None when the Hub at `endpoint` answers a HEAD request (any HTTP status: something answered), else why
-    not. Honours HTTPS_PROXY / HTTP_PROXY as huggingface_hub does."""
-    import socket
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout):
-            return None
-    except urllib.error.HTTPError as exc:
-        return f"it answers HTTP {exc.code}" if exc.code >= 500 else None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if isinstance(reason, (socket.timeout, TimeoutError)):
-            return f"no answer within {timeout:g} s"
-        return str(reason) or type(reason).__name__
-
-
 def check_hub(offline: bool, endpoint: str, unreachable: str | None) -> Check:
     """Whether models can download: HF_HUB_OFFLINE, else whether `endpoint` answered (`unreachable` is why not)."""
     if offline:
@@ -565,19 +545,6 @@ def measured_bandwidth(device: str, dtype: str) -> float | None:
         return weight_bandwidth(device, dtype)
     except Exception:  # a broken CUDA setup raises anything from RuntimeError to AssertionError; other checks say why
         return None
-
-
-def torch_release_table() -> dict[str, set[int]] | None:
-    """torch's own table of which CUDA builds of this release ship which sm codes (private; may be absent)."""
-    import platform
-
-    import torch.cuda
-
-    table = getattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", None)
-    if not isinstance(table, dict):
-        return None
-    host = "aarch64" if platform.machine().lower() == "aarch64" else "x86_64"
-    return {cuda: set(by_arch.get(host, ())) for cuda, by_arch in table.items()}
 
 
 def run_checks(facts: MachineFacts | None = None) -> list[Check]:

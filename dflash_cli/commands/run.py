@@ -1,6 +1,6 @@
 """`dflash run PROMPTS.jsonl`: a file of generation jobs, run with the model loaded once, losing nothing.
 
-Input lines are read by `requests.read_jsonl`, each on its own (the one request format, shared with `serve` and
+Input lines are read by `request_files.read_jsonl`, each on its own (the one request format, shared with `serve` and
 `bench`):
   {"prompt": "..."}                                      plain completion (no chat template)
   {"messages": [{"role": "user", "content": "..."}]}     chat (the model's chat template)
@@ -27,32 +27,33 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from dflash_cli.commands.run_output import (
+    ErrorsFile,
+    ResultsFile,
+    default_errors_path,
+    default_output_path,
+)
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
-from dflash_cli.protocol.requests import LineError, Request, RequestFile, read_jsonl
+from dflash_cli.protocol.request_files import LineError, RequestFile, read_jsonl
+from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import ToolCall
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.recipes import Recipe
 
 Reply = tuple[str | None, list[ToolCall]]  # a reply's content and tool calls
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; two runs on one output are then the user's to avoid
-    fcntl = None  # type: ignore[assignment]
 
 
 def auto_id(number: int, raw: bytes) -> str:
@@ -61,192 +62,8 @@ def auto_id(number: int, raw: bytes) -> str:
 
 
 def read_requests(path: Path) -> RequestFile:
-    """Every line of `path` (requests.read_jsonl): requests with their ids, and the lines that cannot run."""
+    """Every line of `path` (request_files.read_jsonl): requests with their ids, and the lines that cannot run."""
     return read_jsonl(path, auto_id)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The output and errors files
-
-
-def default_output_path(prompts: Path) -> Path:
-    return prompts.with_name(prompts.stem + ".out.jsonl")
-
-
-def default_errors_path(output: Path) -> Path:
-    return output.with_name(output.name.removesuffix(".jsonl").removesuffix(".out") + ".errors.jsonl")
-
-
-def append_record(file: IO[bytes], record: dict[str, Any]) -> None:
-    """One complete line in one write, on disk before returning: a kill can only ever tear the last line."""
-    # backslashreplace: a lone surrogate (only an input's JSON escape can make one) goes back out as that escape
-    file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace"))
-    file.flush()
-    os.fsync(file.fileno())
-
-
-def _record_id(record: Any) -> str | None:
-    """The id of a result record (ours: `id` and `text`; an OpenAI batch line: `custom_id` and `response`)."""
-    if not isinstance(record, dict):
-        return None
-    value = record.get("custom_id") if "response" in record else record.get("id") if "text" in record else None
-    return value if isinstance(value, str) else None
-
-
-@dataclass(frozen=True)
-class Resume:
-    made_from: dict[str, str | None]  # the ids the output already holds -> each result's request_hash (if any)
-    repaired_bytes: int  # size of the torn last line cut away (0: none)
-
-    @property
-    def ids(self) -> set[str]:
-        return set(self.made_from)
-
-
-def completed_ids(path: Path) -> Resume:
-    """The ids already in the output file. A torn last line (a killed run: no newline, or not JSON) is cut away.
-
-    A torn line before the end, or a JSON line that is no result, means the file is not (only) ours:
-    DflashError, and the file is left as it is."""
-    if not path.exists():
-        return Resume({}, 0)
-
-    def not_ours(number: int, why: str) -> DflashError:
-        return DflashError(
-            f"line {number} of {path} {why}", fix="move the file aside, or write the results elsewhere with -o"
-        )
-
-    made_from: dict[str, str | None] = {}
-    offset, torn = 0, None  # torn: (offset, line number) of an unreadable line
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            if torn is not None:
-                raise not_ours(torn[1], "is not JSON, and more lines follow it")
-            try:
-                record = json.loads(raw) if raw.endswith(b"\n") else None
-            except ValueError:  # not JSON, or not UTF-8
-                record = None
-            if record is None and raw.strip():
-                torn = (offset, number)
-            elif record is not None:
-                request_id = _record_id(record)
-                if request_id is None:
-                    raise not_ours(number, "is JSON but not a dflash result (no id with a text or response)")
-                made_from[request_id] = record.get("request_hash")
-            offset += len(raw)
-    if torn is None:
-        return Resume(made_from, 0)
-    with path.open("r+b") as file:
-        file.truncate(torn[0])
-        file.flush()
-        os.fsync(file.fileno())
-    return Resume(made_from, offset - torn[0])
-
-
-def _open_for_writing(path: Path, mode: str, what: str, flag: str) -> IO[bytes]:
-    """Open the `what` file (given with `flag`), or say exactly why not and how to choose another."""
-    parent = path.parent
-    if parent.exists() and not parent.is_dir():
-        raise DflashError(
-            f"the {what} file {path} cannot be created: {parent} is a file, not a directory",
-            fix=f"pass a path in a directory with {flag}, e.g. {flag} {parent.with_suffix('')}.{what}.jsonl",
-        )
-    if not parent.is_dir():
-        raise DflashError(
-            f"the {what} directory {parent} does not exist", fix=f"mkdir -p {parent}, or pass another {flag}"
-        )
-    try:
-        return path.open(mode)
-    except IsADirectoryError:
-        raise DflashError(
-            f"the {what} file {path} is a directory", fix=f"pass a file path: {flag} {path}/{what}.jsonl"
-        ) from None
-    except OSError as error:
-        raise DflashError(
-            f"cannot write the {what} file {path}: {error.strerror}",
-            fix=f"choose a writable path with {flag}, or fix the file's permissions",
-        ) from None
-
-
-class ResultsFile:
-    """The output JSONL, opened for appending under an exclusive lock (two runs must not interleave)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = _open_for_writing(path, "ab", "output", "-o")
-        if fcntl is not None:
-            try:
-                fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.file.close()
-                raise DflashError(
-                    f"another dflash run is writing {path}", fix="wait for it to finish, or pass another -o"
-                ) from None
-        try:
-            self.resume = completed_ids(path)
-        except BaseException:  # not a results file of ours: let go of it (and of its lock)
-            self.file.close()
-            raise
-
-    def append(self, record: dict[str, Any]) -> None:
-        append_record(self.file, record)
-
-    def close(self) -> None:
-        self.file.close()
-
-    def __enter__(self) -> ResultsFile:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _check_errors_file(path: Path) -> None:
-    """Refuse to rewrite a file that is not an errors file of an earlier run: it is someone's data."""
-    if not path.is_file():
-        return  # nothing there yet, or something _open_for_writing explains
-    records = 0
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                record = None
-            if isinstance(record, dict) and "line" in record and isinstance(record.get("error"), dict):
-                records += 1
-            elif not (records and not raw.endswith(b"\n")):  # (a last line after records: torn by a killed run)
-                raise DflashError(
-                    f"the errors file {path} holds something else (line {number} is not a dflash error record), "
-                    "and each run rewrites it",
-                    fix="pass another --errors, or move the file aside",
-                )
-
-
-class ErrorsFile:
-    """Rewritten each run (it lists what is still missing); removed at the end when it stayed empty."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        _check_errors_file(path)
-        self.file = _open_for_writing(path, "wb", "errors", "--errors")
-        self.count = 0
-
-    def append(self, error: LineError) -> None:
-        append_record(self.file, error.to_dict())
-        self.count += 1
-
-    def close(self) -> None:
-        self.file.close()
-        if self.count == 0:
-            self.path.unlink(missing_ok=True)
-
-    def __enter__(self) -> ErrorsFile:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------

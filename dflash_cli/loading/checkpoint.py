@@ -17,6 +17,7 @@ from dflash_cli.loading.hub import (
     check_model_dir,
     safetensors_files,
 )
+from dflash_cli.setup.choices import Quant
 from dflash_cli.setup.sizes import (
     BYTES_PER_ELEMENT,
     CPU_QUANT_BYTES_PER_PARAM,
@@ -118,7 +119,7 @@ class Checkpoint:
         total = 0.0
         for name, numel, _ in self.tensors:
             # by name: a per-expert weight (".experts.") is fused on load, and bitsandbytes leaves fused experts
-            quantized = quant in ("nf4", *CPU_QUANT_BYTES_PER_PARAM) and name.endswith("proj.weight")
+            quantized = Quant(quant).quantizes_on_load and name.endswith("proj.weight")
             if not quantized or ".experts." in name:
                 total += numel * dtype_bytes
             elif quant == "nf4":

@@ -543,3 +543,25 @@ class _BlobProgress:
         if exc_type is None:
             self.progress.update(self.task, completed=self.total)
         self.progress.stop()
+
+
+HUB_TIMEOUT_S = 3.0  # dflash doctor's question: is the Hub there?
+
+
+def hub_reachable(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """None when the Hub at `endpoint` answers a HEAD request (any HTTP status: something answered), else why
+    not. Honours HTTPS_PROXY / HTTP_PROXY as huggingface_hub does."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError as exc:
+        return f"it answers HTTP {exc.code}" if exc.code >= 500 else None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            return f"no answer within {timeout:g} s"
+        return str(reason) or type(reason).__name__

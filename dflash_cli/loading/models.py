@@ -30,7 +30,7 @@ from dflash_cli.loading.hub import (
     resolve_model_dir,
 )
 from dflash_cli.loading.streaming import cannot_stream, load_quantized_target
-from dflash_cli.setup.choices import CPU_QUANTS, PREQUANTIZED_FORMATS
+from dflash_cli.setup.choices import PREQUANTIZED_FORMATS, Quant
 from dflash_cli.setup.sizes import (
     RUNTIME_OVERHEAD,
 )
@@ -74,11 +74,11 @@ def check_memory(needed: int, plan: Plan, what: str, nf4_needed: int | None = No
         return
     fixes = []
     moe_note = ""
-    if plan.quant == "none" and nf4_needed is None:
+    if plan.quant is Quant.NONE and nf4_needed is None:
         fixes.append("`--quant nf4` (4-bit weights)")
-    elif plan.quant == "none" and nf4_needed < 0.6 * needed:
+    elif plan.quant is Quant.NONE and nf4_needed < 0.6 * needed:
         fixes.append(f"`--quant nf4` (4-bit weights: about {format_bytes(nf4_needed)})")
-    elif plan.quant == "none":
+    elif plan.quant is Quant.NONE:
         moe_note = (
             f" (NF4 would still need about {format_bytes(nf4_needed)}: bitsandbytes leaves fused expert weights "
             "unquantized)"
@@ -90,7 +90,7 @@ def check_memory(needed: int, plan: Plan, what: str, nf4_needed: int | None = No
         fixes.append("closing other programs")
     raise DflashError(
         f"{what} needs about {format_bytes(needed)} on {plan.device} ({plan.dtype}"
-        f"{', nf4' if plan.quant == 'nf4' else ''}) but only {format_bytes(free)} is free{moe_note}; "
+        f"{', nf4' if plan.quant is Quant.NF4 else ''}) but only {format_bytes(free)} is free{moe_note}; "
         "refusing to start rather than run out of memory halfway",
         fix="try " + ", or ".join(fixes),
     )
@@ -152,7 +152,7 @@ def load_target(
     name = display_name(model_dir)
     size = checkpoint.nbytes(plan.dtype, plan.quant, plan.native_formats)
     if check_free_memory:
-        nf4 = None if checkpoint.prequantized else int(checkpoint.nbytes(plan.dtype, "nf4") * RUNTIME_OVERHEAD)
+        nf4 = None if checkpoint.prequantized else int(checkpoint.nbytes(plan.dtype, Quant.NF4) * RUNTIME_OVERHEAD)
         check_memory(plan.estimated_bytes or int(size * RUNTIME_OVERHEAD), plan, name, nf4)
     kwargs: dict[str, Any] = dict(
         config=config, dtype=plan.torch_dtype, device_map={"": plan.device}, use_safetensors=True
@@ -165,7 +165,7 @@ def load_target(
     prequantized = checkpoint.prequantized
     kept = prequantized in PREQUANTIZED_FORMATS and prequantized in plan.native_formats
     if prequantized in PREQUANTIZED_FORMATS:
-        if plan.quant == "nf4":
+        if plan.quant is Quant.NF4:
             raise DflashError(
                 f"{name} is published pre-quantized ({prequantized}); bitsandbytes NF4 cannot quantize it again",
                 fix="drop --quant nf4: it then loads as published, or dequantized to bf16 where this device has "
@@ -173,7 +173,7 @@ def load_target(
             )
         if not kept:  # say so explicitly: transformers would do it anyway, with a warning about missing kernels
             kwargs["quantization_config"] = _dequantizing_config(prequantized)
-    if plan.quant == "nf4":
+    if plan.quant is Quant.NF4:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -181,12 +181,12 @@ def load_target(
             bnb_4bit_compute_dtype=plan.torch_dtype,
             bnb_4bit_use_double_quant=True,
         )
-    weights = prequantized if kept else (plan.quant if plan.quant in ("nf4", *CPU_QUANTS) else plan.dtype)
+    weights = prequantized if kept else (plan.quant.value if plan.quant.quantizes_on_load else plan.dtype)
     message = f"loading {name} ({format_bytes(size)}, {weights} weights) on {plan.device}"
     # int4 / int8 weights are quantized as each tensor is read, so no bf16 copy of the model is ever held; a
     # checkpoint that cannot be read so loads whole and is quantized after
-    whole = cannot_stream(checkpoint.config, config) if plan.quant in CPU_QUANTS else None
-    streamed = plan.quant in CPU_QUANTS and whole is None
+    whole = cannot_stream(checkpoint.config, config) if plan.quant.cpu_kernels else None
+    streamed = plan.quant.cpu_kernels and whole is None
     if whole is not None and console is not None:
         console.print(f"[dim]{name} loads whole in {plan.dtype}, then is quantized to {plan.quant}: {whole}[/dim]")
     try:
@@ -203,7 +203,7 @@ def load_target(
         raise DflashError(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
         ) from None
-    if plan.quant in CPU_QUANTS and not streamed:
+    if plan.quant.cpu_kernels and not streamed:
         from dflash_cli.engine.quantized import quantize_target
 
         with _loading_display(console, f"quantizing {name} to {plan.quant}"):
@@ -364,7 +364,7 @@ def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Pat
 
 def target_ref(recipe: Recipe, plan: Plan) -> ModelRef:
     """The checkpoint the plan runs: the recipe's target, or its published FP8 copy under `--quant fp8`."""
-    return recipe.checkpoints.get(plan.quant, recipe.target)
+    return recipe.checkpoints.get(plan.quant.value, recipe.target)
 
 
 def load_models(
@@ -374,7 +374,7 @@ def load_models(
     plan reads a target whose source is a Q4_0/Q4_1 GGUF straight from it (`loading.gguf.load_int4_target`)."""
     ref = target_ref(recipe, plan)
     gguf, source = None, None
-    if plan.quant == "int4" and ref.gguf_fallback:
+    if plan.quant is Quant.INT4 and ref.gguf_fallback:
         from dflash_cli.loading.gguf import converted_dir, int4_gguf_source
 
         gguf, source = int4_gguf_source(ref.id, ref.gguf_fallback, console)
@@ -395,7 +395,7 @@ def load_models(
     nf4 = (
         None
         if checkpoint.prequantized
-        else int((checkpoint.nbytes(plan.dtype, "nf4") + drafter_bytes) * RUNTIME_OVERHEAD)
+        else int((checkpoint.nbytes(plan.dtype, Quant.NF4) + drafter_bytes) * RUNTIME_OVERHEAD)
     )
     check_memory(needed, plan, f"{recipe.target.id}" + (" with its drafter" if drafter_dir else ""), nf4)
     target = load_target(target_dir, plan, console=console, check_free_memory=False, checkpoint=checkpoint)

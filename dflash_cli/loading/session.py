@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rich.console import Console
@@ -474,7 +474,7 @@ def open_session(
     frontend decodes several requests at once (run, serve). `build_later` (chat, run, serve): a CPU plan whose
     compiled steps are not stored yet starts their build in the background (loading.compiled_steps) and runs eager."""
     recipe = options.resolve_recipe()
-    plan = make_plan(detect_machine(), recipe, options.plan_overrides())
+    plan = make_plan(detect_machine(), recipe, options.overrides)
     threads = apply_threads(options.threads) if plan.device == "cpu" else None
     compile, compile_why = options.compile_on(plan.device)
     speculative = not options.no_spec and recipe.drafter is not None
@@ -498,7 +498,7 @@ def open_session(
     session = Session(recipe, plan, models, threads, compile, console, batching, options.prefix_cache)
     session.draft_steps = draft_steps
     # Built for the recipe's default plan: a session that overrides the plan would not find them.
-    default_plan = options.plan_overrides() == PlanOverrides(batch_size=options.batch_size)
+    default_plan = replace(options.overrides, batch_size=None) == PlanOverrides()
     if build_later and missing and options.compile == "auto" and default_plan:
         if os.environ.get(compiled_steps.ENVIRONMENT, "1") != "0":
             ref = {"name": options.recipe_name, "recipe_file": options.recipe_file, "target": options.target,

@@ -6,8 +6,7 @@ the sampling fields of `params.FIELDS` and `chat_template_kwargs`. It arrives in
 - an OpenAI request body (`dflash serve`; the `body` of an OpenAI batch line): `read_body(body, endpoint)`;
 - a JSONL line (`dflash run`, `dflash bench --prompts`): `{"prompt"}`, `{"messages"}` or `{"prompt_ids"}` with
   sampling keys beside it and an optional `id`, or an OpenAI batch line (`custom_id`, `method`, `url`, `body`):
-  `read_line(obj)`; a whole file, every line read on its own so one bad line cannot stop the rest:
-  `read_jsonl(path)`;
+  `read_line(obj)`; a whole file of them: request_files.py;
 - a conversation alone (chat's `/load`): `read_messages(value)`.
 
 Errors are `RequestError`s that name the field as the user wrote it. Torch-free: everything is checked before a
@@ -21,11 +20,10 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from dflash_cli.errors import DflashError, RequestError, json_problem
-from dflash_cli.protocol.params import BY_KEY, FIELDS, Grammar, read_number, read_sampling, sampling_keys, show
+from dflash_cli.errors import RequestError
+from dflash_cli.protocol.params import BY_KEY, Grammar, read_number, read_sampling, sampling_keys, show
 from dflash_cli.protocol.schemas import read_schema
 from dflash_cli.protocol.tools import Tools, read_tools
 
@@ -543,126 +541,3 @@ def read_line(line: Any) -> Request:
         chat_template_kwargs=_template_kwargs(line.get("chat_template_kwargs"), "chat_template_kwargs"),
         id=_read_id(line["id"], "id") if line.get("id") is not None else None,
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# JSONL files
-
-
-@dataclass(frozen=True)
-class LineError:
-    line: int
-    code: str  # invalid_utf8, invalid_json, invalid_request, duplicate_id, context_length_exceeded, generation_failed
-    message: str
-    id: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"line": self.line, "id": self.id, "error": {"code": self.code, "message": self.message}}
-
-
-@dataclass(frozen=True)
-class RequestFile:
-    path: Path
-    requests: list[Request]  # each with its `line` and `id`
-    errors: list[LineError]
-
-    @property
-    def total(self) -> int:
-        return len(self.requests) + len(self.errors)
-
-
-def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str]) -> Request | LineError | None:
-    """One line as read (bytes) -> a Request with its id, a LineError saying why not, or None for a blank line."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        return LineError(number, "invalid_utf8", f"not UTF-8: byte 0x{raw[error.start]:02x} at offset {error.start}")
-    text = text.strip().lstrip("\ufeff")  # a byte order mark, as some editors write
-    if not text:
-        return None
-    try:
-        line = json.loads(text)
-    except json.JSONDecodeError as error:
-        return LineError(number, "invalid_json", f"not valid JSON: {json_problem(error)}")
-    except RecursionError:
-        return LineError(number, "invalid_json", "not valid JSON: nested too deeply")
-    try:
-        request = read_line(line)
-    except RequestError as error:
-        given = line.get("custom_id", line.get("id")) if isinstance(line, dict) else None
-        return LineError(number, error.code, error.message, id=given if isinstance(given, str) else None)
-    return replace(request, line=number, id=request.id if request.id is not None else default_id(number, raw))
-
-
-def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
-    """Every line of `path`, read as bytes so one bad line cannot stop the rest. `default_id(number, raw)` names
-    a line without an id. Every line that repeats an earlier line's id is an error (`duplicate_id`)."""
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "not found"
-        raise DflashError(f"{path} {what}", fix="pass a JSONL file of prompts, one request per line")
-    requests: list[Request] = []
-    errors: list[LineError] = []
-    first_line: dict[str, int] = {}
-    try:
-        with path.open("rb") as lines:
-            for number, raw in enumerate(lines, start=1):
-                parsed = parse_line(raw, number, default_id)
-                if isinstance(parsed, LineError):
-                    errors.append(parsed)
-                elif parsed is not None and parsed.id in first_line:
-                    message = (
-                        f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
-                    )
-                    errors.append(LineError(number, "duplicate_id", message, parsed.id))
-                elif parsed is not None:
-                    first_line[parsed.id] = number  # type: ignore[index]
-                    requests.append(parsed)
-    except OSError as error:
-        raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
-    return RequestFile(path, requests, errors)
-
-
-def prompt_file_fix(token_ids: bool) -> str:
-    """What a prompt file's lines look like (token ids where the command takes them)."""
-    ids = ' or {"prompt_ids": [1, 2, 3]} (token ids: no tokenizer needed)' if token_ids else ""
-    return (
-        'one JSON object a line: {"prompt": "..."}, {"messages": [{"role": "user", "content": "..."}]}'
-        f'{ids}, each optionally with an "id"'
-    )
-
-
-def read_prompt_file(
-    path: str | Path, command: str, *, token_ids: bool = True, constraints: bool = False
-) -> list[Request]:
-    """A prompt set for a command that runs every prompt with its own flags (`bench --prompts`, `train`): the lines
-    `dflash run` reads, a line without an id named FILE-N; a bad line, or one that sets its own sampling, is an
-    error naming the line, since one result over the whole set is the point. Without `token_ids` (train renders
-    text through the chat template) a prompt_ids line is one too. With `constraints` (train: what a client asks
-    for shapes the answer it learns from) a line may carry tools and a response_format."""
-    path = Path(path)
-    if not path.exists():
-        raise DflashError(f"prompt file {path} does not exist", fix=f"check the path given to `dflash {command}`")
-    parsed = read_jsonl(path, lambda number, raw: f"{path.stem}-{number}")
-    if parsed.errors:
-        error = parsed.errors[0]
-        more = f" (and {len(parsed.errors) - 1} more bad lines)" if len(parsed.errors) > 1 else ""
-        raise DflashError(f"{path}:{error.line}: {error.message}{more}", fix=prompt_file_fix(token_ids))
-    for prompt in parsed.requests:
-        if prompt.prompt_ids is not None and not token_ids:
-            raise DflashError(
-                f"{path}:{prompt.line}: prompt_ids: `dflash {command}` renders text through the chat template",
-                fix='give the prompt as text: {"prompt": "..."} or {"messages": [...]}',
-            )
-        sampling = {k for k in prompt.sampling if not (constraints and k == "grammar")}
-        if sampling or prompt.endpoint is not None or (prompt.tools is not None and not constraints):
-            keys = [field.key for field in FIELDS if field.attr in sampling]
-            keys += ["response_format"] * ("grammar" in sampling)
-            keys += ["tools"] * (prompt.tools is not None and not constraints)
-            what = ", ".join(keys) or "an OpenAI batch line"
-            raise DflashError(
-                f"{path}:{prompt.line}: sets {what}, but `dflash {command}` runs every prompt with the same settings",
-                fix="drop the field and pass it as a flag (--max-tokens, --temperature, ...)",
-            )
-    if not parsed.requests:
-        raise DflashError(f"prompt file {path} holds no prompts", fix=prompt_file_fix(token_ids))
-    return parsed.requests

@@ -182,3 +182,16 @@ def weight_bandwidth(device: str, dtype: str) -> float:
     seconds()  # warm-up: first-call dispatch and page faults
     best = min(seconds() for _ in range(3))
     return weights.numel() * weights.element_size() / best
+
+
+def torch_release_table() -> dict[str, set[int]] | None:
+    """torch's own table of which CUDA builds of this release ship which sm codes (private; may be absent)."""
+    import platform
+
+    import torch.cuda
+
+    table = getattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", None)
+    if not isinstance(table, dict):
+        return None
+    host = "aarch64" if platform.machine().lower() == "aarch64" else "x86_64"
+    return {cuda: set(by_arch.get(host, ())) for cuda, by_arch in table.items()}

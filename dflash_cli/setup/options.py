@@ -20,18 +20,12 @@ class RunOptions:
     drafter: str | None = None
     recipe_file: str | None = None
     sampling: SamplingParams = SamplingParams()  # the sampling flags, named like the request fields (params.FIELDS)
-    block_size: int | None = None
+    overrides: PlanOverrides = PlanOverrides()  # what the user forced on the plan: --device, --dtype, --quant, ...
     no_spec: bool = False  # baseline: the same loop without the drafter
-    device: str | None = None
-    dtype: str | None = None
-    quant: str | None = None
-    attention: str | None = None  # sdpa or eager; None: the plan's (eager on a CPU: batch-invariant)
     explain: bool = False  # print the plan and why each choice was made
     threads: int | None = None  # CPU threads; None: the cores other processes leave free
     compile: str = "auto"  # compile the target's steps: auto (on CUDA only), on, off
-    batch_size: int | None = None  # rows `run` and `serve` decode together; None: the plan's
     prefix_cache: bool = True  # chat, run, serve: continue from what a slot holds of a prompt (engine.prefix)
-    cache_ram_mib: int | None = None  # chat, run, serve: the prefix store's bound in host memory; None: the plan's
 
     def resolve_recipe(self) -> Recipe:
         return resolve_recipe(self.recipe_name, self.recipe_file, self.target, self.drafter)
@@ -44,19 +38,12 @@ class RunOptions:
             return True, "compile on: CUDA graphs remove the launch overhead of an eager step (--compile off to skip)"
         return False, (
             "compile off: on a CPU compiling takes minutes at every start and pays only after several thousand "
-            "tokens (docs/benchmarks.md; --compile on for a long run or serve)"
+            "tokens (benchmarks/results/history.md, compile on CPU; --compile on for a long run or serve)"
         )
 
-    def plan_overrides(self) -> PlanOverrides:
-        return PlanOverrides(
-            device=self.device,
-            dtype=self.dtype,
-            quant=self.quant,
-            attention=self.attention,
-            block_size=self.block_size,
-            batch_size=self.batch_size,
-            cache_ram_mib=self.cache_ram_mib,
-        )
+    def overriding(self, **changes: Any) -> RunOptions:
+        """These options with `changes` to the plan's overrides (PlanOverrides fields: a command's own flags)."""
+        return dataclasses.replace(self, overrides=dataclasses.replace(self.overrides, **changes))
 
     def sampling_params(self, **changes: Any) -> SamplingParams:
         """The sampling of one request: the flags' values with `changes` (SamplingParams attributes: a request's

@@ -10,18 +10,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_cli.errors import DflashError
-from dflash_cli.setup.choices import (
-    CPU_QUANTS,
-    GPU_CLASSES,
-    PREQUANTIZED_FORMATS,
-    QUANTS,
-    gb,
-    normalize_device,
-    normalize_dtype,
-)
+from dflash_cli.setup.choices import GPU_CLASSES, PREQUANTIZED_FORMATS, Quant, gb, normalize_device, normalize_dtype
 from dflash_cli.setup.hardware import GpuClass, MachineFacts, gpu_class, has_native_bf16
 from dflash_cli.setup.sizes import (
-    BYTES_PER_ELEMENT,
     MemoryEstimate,
     memory_estimate,
     recipe_weight_bytes,
@@ -40,7 +31,8 @@ if TYPE_CHECKING:
 # counted in the batch size.
 PLAN_CONTEXT_TOKENS = 8192
 # Rows `dflash run` and `dflash serve` decode together at most, unless --batch-size says otherwise: where one verify
-# of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (docs/benchmarks.md).
+# of 16 rows stops being nearly free on a GPU, and past where a small CPU gains (benchmarks/results/history.md,
+# "Batched decoding").
 MAX_BATCH_ROWS = 16
 # The prefix store's default bound (prefixes beyond the slots, in host memory): llama-server's --cache-ram default,
 # or a quarter of the RAM free at start where that is less.
@@ -49,11 +41,12 @@ CACHE_RAM_MIB = 8192
 
 @dataclass(frozen=True)
 class PlanOverrides:
-    """What the user forced on the command line (`--device`, `--dtype`, `--quant`, `--attention`, `--block-size`)."""
+    """What the user forced on the command line (`--device`, `--dtype`, `--quant`, `--attention`, `--block-size`,
+    `--batch-size`, `--cache-ram`); None: the plan decides."""
 
     device: str | None = None
     dtype: str | None = None
-    quant: str | None = None
+    quant: Quant | None = None
     attention: str | None = None
     block_size: int | None = None
     batch_size: int | None = None
@@ -64,7 +57,7 @@ class PlanOverrides:
 class Plan:
     device: str  # "cuda", "cuda:1", "mps", "cpu"
     dtype: str  # compute dtype (and weight dtype when quant == "none")
-    quant: str  # "none" | "nf4" (bitsandbytes 4-bit, double quant, compute in `dtype`)
+    quant: Quant  # none, nf4 (bitsandbytes 4-bit, double quant, compute in `dtype`), fp8, int4, int8
     block_size: int | None  # None: the drafter's config decides
     attn_implementation: str
     gpu_class: str
@@ -82,8 +75,9 @@ class Plan:
     cache_ram_mib: int = CACHE_RAM_MIB  # the prefix store's bound in host memory (engine.prefix.PrefixStore); 0: none
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quant", Quant.named(self.quant))
         if not self.weights:
-            object.__setattr__(self, "weights", self.dtype if self.quant == "none" else self.quant)
+            object.__setattr__(self, "weights", self.dtype if self.quant is Quant.NONE else self.quant.value)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -202,36 +196,36 @@ def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
 
 
 def _candidates(
-    kind: str, facts: MachineFacts, recipe: Recipe, dtype: str | None, quant: str | None
-) -> list[tuple[str, str]]:
+    kind: str, facts: MachineFacts, recipe: Recipe, dtype: str | None, quant: Quant | None
+) -> list[tuple[str, Quant]]:
     """(dtype, quant) pairs in order of preference: the published weights; the recipe's FP8 checkpoint on GPUs
     that run FP8 natively; NF4 (automatic on CUDA only, where bitsandbytes has fast kernels). On CPU the fallback
     is bf16 (half of fp32), then on a CPU with bf16 instructions int8 and int4 weights (torch's packed kernels,
     which take bf16 activations) where the recipe lists their sizes; NF4 only when asked for."""
     preferred = default_dtype(kind, facts)[0]
-    pairs = [(preferred, "none")]
-    if kind == "cuda" and "fp8" in recipe.checkpoints and "fp8" in native_formats(kind, facts):
-        pairs.append((preferred, "fp8"))
-    if kind == "cuda" and "nf4" in recipe.weight_bytes:
-        pairs.append((preferred, "nf4"))
+    pairs = [(preferred, Quant.NONE)]
+    if kind == "cuda" and Quant.FP8 in recipe.checkpoints and Quant.FP8 in native_formats(kind, facts):
+        pairs.append((preferred, Quant.FP8))
+    if kind == "cuda" and Quant.NF4 in recipe.weight_bytes:
+        pairs.append((preferred, Quant.NF4))
     if kind == "cpu":
-        pairs.append(("bfloat16", "none"))
+        pairs.append(("bfloat16", Quant.NONE))
         if facts.cpu_bf16 and recipe.checkpoint_precision == "bf16":
-            pairs += [("bfloat16", q) for q in ("int8", "int4") if q in recipe.weight_bytes]
+            pairs += [("bfloat16", q) for q in (Quant.INT8, Quant.INT4) if q in recipe.weight_bytes]
     pairs = list(dict.fromkeys(pairs))
     if dtype is not None:  # a forced compute dtype other than bf16 rules out the CPU formats (they compute in bf16)
-        pairs = [(dtype, q) for q in dict.fromkeys(q for _, q in pairs if dtype == "bfloat16" or q not in CPU_QUANTS)]
+        pairs = [(dtype, q) for q in dict.fromkeys(q for _, q in pairs if dtype == "bfloat16" or not q.cpu_kernels)]
     if quant is not None:
         pairs = [(d, quant) for d in dict.fromkeys(d for d, _ in pairs)]
-    if quant in CPU_QUANTS and dtype is None:
+    if quant is not None and quant.cpu_kernels and dtype is None:
         pairs = [("bfloat16", quant)]  # the packed kernels want bf16 activations (engine.quantized)
     return pairs
 
 
-def _check_forced_quant(recipe: Recipe, quant: str, kind: str, facts: MachineFacts, cls: GpuClass) -> None:
+def _check_forced_quant(recipe: Recipe, quant: Quant, kind: str, facts: MachineFacts, cls: GpuClass) -> None:
     """A --quant (or recipe override) this recipe or device cannot honour is an error before anything loads."""
-    if quant == "fp8":
-        if "fp8" not in recipe.checkpoints:
+    if quant is Quant.FP8:
+        if Quant.FP8 not in recipe.checkpoints:
             raise DflashError(
                 f"--quant fp8: recipe {recipe.name} names no published FP8 checkpoint of its target",
                 fix="pass an FP8 checkpoint as --target (it then loads as stored), or use --quant none / nf4",
@@ -241,12 +235,12 @@ def _check_forced_quant(recipe: Recipe, quant: str, kind: str, facts: MachineFac
                 f"--quant fp8: FP8 weights need a CUDA GPU of compute capability 8.9 or newer; this is {cls.label}",
                 fix="use --quant none (bf16) or --quant nf4",
             )
-    if quant in CPU_QUANTS and kind != "cpu":
+    if quant.cpu_kernels and kind != "cpu":
         raise DflashError(
             f"--quant {quant}: the int4/int8 weight-only kernels run on the CPU; this plan runs on {cls.label}",
             fix="use --quant nf4 on a CUDA GPU (bitsandbytes), or --device cpu",
         )
-    if quant in ("nf4", *CPU_QUANTS) and recipe.checkpoint_precision != "bf16":
+    if quant.quantizes_on_load and recipe.checkpoint_precision != "bf16":
         raise DflashError(
             f"--quant {quant}: {recipe.target.id} is published pre-quantized ({recipe.checkpoint_precision}), and "
             "dflash does not quantize it again",
@@ -277,13 +271,17 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     dtype = overrides.dtype or tuned.get("dtype")
     dtype = normalize_dtype(dtype) if dtype else None
     quant = overrides.quant or tuned.get("quant")
-    if quant in CPU_QUANTS and not overrides.quant and (dtype not in (None, "bfloat16") or not facts.cpu_bf16):
+    quant = Quant.named(quant) if quant is not None else None
+    if (
+        quant is not None
+        and quant.cpu_kernels
+        and not overrides.quant
+        and (dtype not in (None, "bfloat16") or not facts.cpu_bf16)
+    ):
         # A recipe's CPU format computes in bf16: it yields to a --dtype and to CPUs without bf16 instructions.
         why = f"--dtype {dtype}" if dtype not in (None, "bfloat16") else "this CPU has no bf16 instructions"
         reasons.append(f"{recipe_override} ({quant}) skipped: it computes in bf16, and {why}")
         quant, tuned = None, {k: v for k, v in tuned.items() if k != "quant"}
-    if quant is not None and quant not in QUANTS:
-        raise DflashError(f"unknown quantization {quant!r}", fix=f"use one of {', '.join(QUANTS)}")
     if quant is not None:
         _check_forced_quant(recipe, quant, kind, facts, cls)
     native = native_formats(kind, facts)
@@ -323,7 +321,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
             )
 
     preferred_dtype, default_why = default_dtype(kind, facts)
-    if quant in CPU_QUANTS and dtype != "bfloat16":
+    if quant.cpu_kernels and dtype != "bfloat16":
         raise DflashError(
             f"--quant {quant} computes in bfloat16: with {dtype} activations its kernels run 10-30x slower than "
             "unquantized weights",
@@ -333,7 +331,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         dtype_why = "--dtype" if overrides.dtype else recipe_override
     elif dtype == preferred_dtype:
         dtype_why = default_why
-    elif quant in CPU_QUANTS:
+    elif quant.cpu_kernels:
         dtype_why = f"the {quant} kernels take bf16 activations (fp32 ones are 10-30x slower)"
     else:
         dtype_why = f"{preferred_dtype} would not fit; {dtype} needs half the memory"
@@ -344,7 +342,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     weights = weights_format(recipe, dtype, quant, native)
     if overrides.quant or "quant" in tuned:
         quant_why = "--quant" if overrides.quant else recipe_override
-    elif quant == "none":
+    elif quant is Quant.NONE:
         quant_why = "the published weights fit, so no quantization error is paid"
     else:
         larger = [(weights_format(recipe, d, q, native), size) for d, q, size in estimates[: estimates.index(chosen)]]
@@ -358,10 +356,10 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         "stays bf16",
         "fp8": f"; the published FP8 checkpoint {recipe.checkpoints['fp8'].id if 'fp8' in recipe.checkpoints else ''}",
     }.get(quant, "")
-    if quant == "nf4" and recipe.expert_bytes:
+    if quant is Quant.NF4 and recipe.expert_bytes:
         detail += f" (the {gb(recipe.expert_bytes)} of fused expert weights stay {dtype}: bitsandbytes skips them)"
     reasons.append(f"quant {quant}: {quant_why}{detail}")
-    if recipe.checkpoint_precision != "bf16" and quant == "none":
+    if recipe.checkpoint_precision != "bf16" and quant is Quant.NONE:
         stored = recipe.checkpoint_precision.upper()
         if weights == recipe.checkpoint_precision:
             reasons.append(f"weights {weights}: this GPU runs the published {stored} weights as they are")
@@ -370,7 +368,7 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
                 f"weights {weights}: transformers dequantizes the published {stored} weights here "
                 f"({_native_hint(recipe.checkpoint_precision)})"
             )
-    if quant == "nf4" and kind != "cuda":
+    if quant is Quant.NF4 and kind != "cuda":
         notes.append(
             f"NF4 on {kind.upper()} is slow: bitsandbytes has no fast 4-bit kernels here and dequantizes every weight "
             "at each step (several times slower than unquantized); drop --quant nf4 if the weights fit"
@@ -391,7 +389,8 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         attn_why = (
             "on a CPU, eager attention gives each row the same numbers however many queries and keys a step holds "
             "(the same text alone or batched, streamed or not, with or without drafts); PyTorch's fused CPU kernel "
-            "rounds a row by the step's shape, and decodes no faster (docs/benchmarks.md)"
+            "rounds a row by the step's shape (--attention sdpa decodes about 1.2x faster and prefills long prompts "
+            "1.2-1.5x faster: benchmarks/results/history.md, batch invariance)"
         )
     else:
         attn_why = (
@@ -542,66 +541,3 @@ def _does_not_fit(
     if notes:
         message += " (" + "; ".join(notes) + ")"
     return DflashError(message, fix=fix)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Expected speed
-
-# Plain decoding reads every weight once per token, so tokens/s <= weight bandwidth / weight bytes. Verdicts by
-# that bound: reading speed is about 5-8 tokens/s.
-SPEED_VERDICTS = (
-    (30.0, "fast"),
-    (8.0, "fine for chat"),
-    (2.0, "slow: sluggish in chat, usable for `dflash run` batches"),
-    (0.0, "too slow for chat"),
-)
-
-
-@dataclass(frozen=True)
-class SpeedEstimate:
-    """The most tokens per second plain decoding can reach here: the target's weights read once per token at the
-    bandwidth measured on this device (hardware.weight_bandwidth). DFlash multiplies it by up to tau; the KV
-    cache and per-step overheads take some of it back."""
-
-    tokens_per_s: float
-    bytes_per_token: int
-    bandwidth: float  # bytes/s
-    note: str = ""  # what makes the real speed lower still
-
-    @property
-    def verdict(self) -> str:
-        return next(label for floor, label in SPEED_VERDICTS if self.tokens_per_s >= floor)
-
-    def describe(self, where: str = "here") -> str:
-        rate = f"{self.tokens_per_s:.1f}" if self.tokens_per_s < 10 else f"{self.tokens_per_s:.0f}"
-        note = f"; {self.note}" if self.note else ""
-        return (
-            f"~{rate} tok/s at most {where} without drafting ({gb(self.bytes_per_token)} read per token at "
-            f"{self.bandwidth / 1e9:.0f} GB/s): {self.verdict}{note}"
-        )
-
-
-def _bytes_read_per_token(recipe: Recipe, plan: Plan, weights: int) -> int:
-    """A MoE token reads the dense part and only the experts it is routed to (`active_params_billion`)."""
-    if not (recipe.expert_bytes and recipe.active_params_billion and recipe.params_billion):
-        return weights
-    expert_params = recipe.expert_bytes / 2e9  # billions (expert_bytes are bf16)
-    dense_params = recipe.params_billion - expert_params
-    share = min(max((recipe.active_params_billion - dense_params) / expert_params, 0.0), 1.0)
-    # the experts' bytes as held: 4.25 bits a weight in MXFP4, 1 byte in FP8, the compute dtype otherwise (NF4 too)
-    per_param = {"mxfp4": 4.25 / 8, "fp8": 1.0}.get(plan.weights, BYTES_PER_ELEMENT[plan.dtype])
-    experts = expert_params * 1e9 * per_param
-    return int(weights - experts * (1 - share))
-
-
-def expected_speed(recipe: Recipe, plan: Plan, bandwidth: float) -> SpeedEstimate | None:
-    """The speed bound of `recipe` run as `plan` at `bandwidth` bytes/s (measured in the plan's dtype on its
-    device); None when the recipe does not list its size."""
-    weights = target_weight_bytes(recipe, plan.dtype, plan.quant, plan.native_formats)
-    if weights is None or bandwidth <= 0:
-        return None
-    weights = _bytes_read_per_token(recipe, plan, weights)
-    note = ""
-    if plan.quant == "nf4" and plan.device.partition(":")[0] != "cuda":
-        note = "NF4 off CUDA dequantizes every weight each step, several times slower than this"
-    return SpeedEstimate(bandwidth / weights, weights, bandwidth, note)

@@ -20,7 +20,7 @@ from typing import Any
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.drafters import config_block_size
 from dflash_cli.protocol.tools import FORMATS as TOOL_FORMATS
-from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, CPU_QUANTS, DTYPES, GPU_CLASSES, QUANTS
+from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, DTYPES, GPU_CLASSES, QUANTS, Quant
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -272,9 +272,9 @@ def _parse_gpu_overrides(fields: _Fields) -> dict[str, dict[str, Any]]:
                 value = entry.positive_int(key)
             elif (value := values[key]) not in OVERRIDE_CHOICES[key]:
                 raise entry.error(key, f"one of {', '.join(OVERRIDE_CHOICES[key])}")
-            elif key == "quant" and value in CPU_QUANTS and gpu_class != "cpu":
+            elif key == "quant" and Quant(value).cpu_kernels and gpu_class != "cpu":
                 raise entry.error(key, f"not {value} (a CPU format): one of none, nf4, fp8 on a GPU class")
-            parsed[gpu_class][key] = value
+            parsed[gpu_class][key] = Quant(value) if key == "quant" else value
     return parsed
 
 

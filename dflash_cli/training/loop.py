@@ -27,6 +27,7 @@ from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from dflash_cli.setup.threads import apply_threads
 from dflash_cli.training.checkpoint import (
     load_checkpoint,
@@ -164,10 +165,8 @@ def write_answers(
         target=options.target,
         sampling=SamplingParams(max_new_tokens=options.max_new_tokens),
         no_spec=True,
-        device=options.device,
-        dtype=options.dtype,
+        overrides=PlanOverrides(device=options.device, dtype=options.dtype, batch_size=options.distill_batch_size),
         threads=options.threads,
-        batch_size=options.distill_batch_size,
     )  # greedy: SamplingParams' default temperature
     session = open_session(run, console, batching=True)
     directory = Path(options.output) / DISTILL_DIR

@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_cli.errors import DflashError
-from dflash_cli.protocol.requests import Request, read_prompt_file
+from dflash_cli.protocol.request_files import read_prompt_file
+from dflash_cli.protocol.requests import Request
 
 
 def load_prompts(path: str | Path) -> list[Request]:
     """Requests to distil answers for: a .txt (one user prompt a line) or a .jsonl read like `dflash run`'s lines
-    (`requests.read_prompt_file`), where a `prompt` is a user turn, as in `dflash bench --prompts`; a line may ask
+    (`request_files.read_prompt_file`), where a `prompt` is a user turn, as in `dflash bench --prompts`; a line may ask
     for tools or a response_format, as a client would (the answer is then what the server gives it)."""
     path = Path(path)
     if path.suffix == ".jsonl":

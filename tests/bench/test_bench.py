@@ -27,6 +27,7 @@ from dflash_cli.cli.app import app
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from helpers.drafters import save_random_drafter
 from helpers.tiny_models import make_tiny_qwen3
 
@@ -56,7 +57,7 @@ def report(models: tuple[Path, Path]) -> BenchReport:
     the real loop."""
     settings = BenchSettings(before_after=True, prompt_set="math", limit=2, repeat=2, block_sizes=(2, 4))
     # float32, where greedy identity is bit-exact (a CPU with AVX512-BF16 would otherwise plan bf16)
-    return bench_run.benchmark(options_for(models, dtype="float32"), settings)
+    return bench_run.benchmark(options_for(models, overrides=PlanOverrides(dtype="float32")), settings)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,7 +391,7 @@ def test_terminal_report(report: BenchReport) -> None:
 
 def test_speculative_only_without_before_after(models: tuple[Path, Path]) -> None:
     settings = BenchSettings(prompt_set="code", limit=1, repeat=1)
-    only = bench_run.benchmark(options_for(models, block_size=3), settings)
+    only = bench_run.benchmark(options_for(models, overrides=PlanOverrides(block_size=3)), settings)
     assert [s.mode.label for s in only.modes] == ["dflash b3"]  # --block-size goes through the plan
     assert only.identical is None and only.modes[0].speedup is None
     assert "not checked" in bench_report.render_identity(only).plain
@@ -410,7 +411,11 @@ def test_sampling_says_identity_is_not_expected(models: tuple[Path, Path]) -> No
     ("changes", "settings", "message"),
     [
         ({"no_spec": True}, BenchSettings(before_after=True), "--no-spec was given"),
-        ({"block_size": 4}, BenchSettings(block_sizes=(2, 4)), "--block-size or --block-sizes, not both"),
+        (
+            {"overrides": PlanOverrides(block_size=4)},
+            BenchSettings(block_sizes=(2, 4)),
+            "--block-size or --block-sizes, not both",
+        ),
     ],
 )
 def test_contradictory_modes(models: tuple[Path, Path], changes: dict, settings: BenchSettings, message: str) -> None:
@@ -518,8 +523,7 @@ def test_conformance_fixture_acceptance_matches_golden(tmp_path: Path) -> None:
         target=str(CONFORMANCE / "target"),
         drafter=str(CONFORMANCE / "drafter"),
         sampling=SamplingParams(max_new_tokens=golden["max_new_tokens"]),
-        dtype="float32",
-        block_size=golden["block_size"],  # the golden run's fixed block
+        overrides=PlanOverrides(dtype="float32", block_size=golden["block_size"]),  # the golden run's fixed block
     )
     result = bench_run.benchmark(options, BenchSettings(before_after=True, prompts_file=str(prompts), repeat=1))
     assert result.identical is True

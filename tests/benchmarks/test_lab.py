@@ -188,11 +188,12 @@ def test_grammar_bench_runs_every_mode_and_the_constrained_ones_agree(tiny_qwen3
     from benchmarks import grammar_bench
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
+    from dflash_cli.setup.planning import PlanOverrides
     from helpers.drafters import save_random_drafter
 
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
     drafter = save_random_drafter(tmp_path / "drafter", target, block_size=4)
-    options = RunOptions(target=str(tiny_qwen3_dir), drafter=str(drafter), dtype="float32")
+    options = RunOptions(target=str(tiny_qwen3_dir), drafter=str(drafter), overrides=PlanOverrides(dtype="float32"))
     session = open_session(options)
     message, schema = grammar_bench.PROMPTS[3]
     results = {
@@ -217,13 +218,16 @@ def test_prefix_bench_times_chat_turns_and_served_requests_both_ways(
     monkeypatch.setattr(prefix_bench, "questions", lambda: [f"Question {i}: why is the sky blue?" for i in range(12)])
     from dflash_cli.protocol.params import SamplingParams
     from dflash_cli.setup.options import RunOptions
+    from dflash_cli.setup.planning import PlanOverrides
     from helpers.drafters import save_random_drafter
 
     drafter = save_random_drafter(
         tmp_path / "drafter", AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir), block_size=4
     )
     model = ["--target", str(tiny_qwen3_dir), "--drafter", str(drafter)]
-    options = RunOptions(target=model[1], drafter=model[3], dtype="float32", sampling=SamplingParams())
+    options = RunOptions(
+        target=model[1], drafter=model[3], sampling=SamplingParams(), overrides=PlanOverrides(dtype="float32")
+    )
     prefix_bench.chat(options, 3, 4)
     prefix_bench.serve(model, 3, 60, 4, ["--dtype", "float32", "--threads", "1"])
     out = capsys.readouterr().out

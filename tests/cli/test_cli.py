@@ -19,12 +19,13 @@ from typer.testing import CliRunner
 
 from dflash_cli import __version__
 from dflash_cli.cli.app import app
-from dflash_cli.cli.flags import RUN_FLAGS, with_run_flags
+from dflash_cli.cli.flags import RUN_FLAG_TYPES, RUN_FLAGS, with_run_flags
 from dflash_cli.commands import doctor
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from helpers.tiny_models import make_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,19 +128,18 @@ def test_run_flags_build_one_run_options() -> None:
     assert seen["options"] == RunOptions(
         recipe_name="qwen3-8b",
         sampling=SamplingParams(temperature=0.7, top_k=20, seed=1),
-        quant="nf4",
-        dtype="bfloat16",
-        block_size=8,
         no_spec=True,
         explain=True,
+        overrides=PlanOverrides(quant="nf4", dtype="bfloat16", block_size=8),
     )
-    # every option is a shared flag, its sampling one flag per request field but `stop`; --batch-size is not (only
-    # `run` and `serve` decode several requests at once), nor --no-prefix-cache (bench prefills every prompt whole)
-    sampling = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"]
-    own = ("batch_size", "prefix_cache", "cache_ram_mib")
-    options = [f.name for f in dataclasses.fields(RunOptions) if f.name not in own]
-    assert [p.name for p in RUN_FLAGS] == options[:4] + sampling + options[5:]
-    assert options[4] == "sampling"
+    # every option is a shared flag, its sampling one flag per request field but `stop`, its overrides one flag per
+    # field; --batch-size and --cache-ram are not (only some commands have them), nor --no-prefix-cache (bench
+    # prefills every prompt whole)
+    sampling = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"}
+    options = {f.name for f in dataclasses.fields(RunOptions)} - {"sampling", "overrides", "prefix_cache"}
+    overrides = {f.name for f in dataclasses.fields(PlanOverrides)} - {"batch_size", "cache_ram_mib"}
+    assert [p.name for p in RUN_FLAGS] == list(RUN_FLAG_TYPES)  # --help lists them in this order
+    assert set(RUN_FLAG_TYPES) == options | sampling | overrides
 
 
 def test_run_flag_defaults_are_the_sampling_defaults() -> None:
@@ -159,10 +159,11 @@ def test_a_sampling_flag_outside_its_range_is_an_error_before_loading(tmp_path: 
 
 def test_run_options_feed_the_planner_and_the_sampler() -> None:
     sampling = SamplingParams(max_new_tokens=64, temperature=0.5)
-    options = RunOptions(recipe_name="qwen3:8b", sampling=sampling, quant="nf4", device="cpu")
+    options = RunOptions(recipe_name="qwen3:8b", sampling=sampling, overrides=PlanOverrides(quant="nf4", device="cpu"))
     assert options.resolve_recipe().name == "qwen3-8b"
-    assert (options.plan_overrides().quant, options.plan_overrides().device) == ("nf4", "cpu")
-    assert dataclasses.replace(options, cache_ram_mib=512).plan_overrides().cache_ram_mib == 512
+    assert options.overriding(cache_ram_mib=512).overrides == PlanOverrides(
+        quant="nf4", device="cpu", cache_ram_mib=512
+    )
     params = options.sampling_params(stop_token_ids=(2,))
     assert (params.max_new_tokens, params.temperature, params.stop_token_ids) == (64, 0.5, (2,))
 

@@ -33,13 +33,14 @@ from dflash_cli.commands.doctor import (
     check_torch,
     dflash_commands,
     exit_code,
-    hub_reachable,
     run_checks,
 )
+from dflash_cli.loading.hub import hub_reachable
 from dflash_cli.setup import recipes
 from dflash_cli.setup.hardware import MachineFacts, detect_machine
-from dflash_cli.setup.planning import PlanOverrides, expected_speed, make_plan
+from dflash_cli.setup.planning import PlanOverrides, make_plan
 from dflash_cli.setup.recipes import get_recipe, load_recipes
+from dflash_cli.setup.speed import expected_speed
 from helpers.machines import CU126_ARCHS, CU128_ARCHS, GIB, cuda_machine
 
 TORCH_213_RELEASES = {

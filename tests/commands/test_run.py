@@ -23,11 +23,14 @@ from typer.testing import CliRunner
 from dflash_cli.cli.app import app
 from dflash_cli.cli.output import summary_table
 from dflash_cli.commands import run as jobs
-from dflash_cli.commands.run import completed_ids, read_requests, run_file
+from dflash_cli.commands.run import read_requests, run_file
+from dflash_cli.commands.run_output import ErrorsFile, ResultsFile, Resume, completed_ids
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.requests import LineError, Request, parse_line
+from dflash_cli.protocol.request_files import LineError, parse_line
+from dflash_cli.protocol.requests import Request
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from helpers.drafters import save_random_drafter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,7 +240,7 @@ def test_a_torn_last_line_is_cut_away(tmp_path: Path) -> None:
     assert output.read_bytes() == good
     output.write_bytes(good + b"\x00\x00\x00\n")  # a line that ends but is garbage (a crash mid-block)
     assert completed_ids(output).repaired_bytes == 4 and output.read_bytes() == good
-    assert completed_ids(output) == jobs.Resume({"a": None, "b": None}, 0)
+    assert completed_ids(output) == Resume({"a": None, "b": None}, 0)
 
 
 def test_a_broken_line_in_the_middle_is_not_touched(tmp_path: Path) -> None:
@@ -282,10 +285,10 @@ def test_unwritable_output_fails_before_the_model_loads(tmp_path: Path) -> None:
 
 
 def test_two_runs_cannot_write_one_output(tmp_path: Path) -> None:
-    first = jobs.ResultsFile(tmp_path / "out.jsonl")
+    first = ResultsFile(tmp_path / "out.jsonl")
     try:
         with pytest.raises(DflashError, match="another dflash run"):
-            jobs.ResultsFile(tmp_path / "out.jsonl")
+            ResultsFile(tmp_path / "out.jsonl")
     finally:
         first.close()
 
@@ -296,15 +299,15 @@ def test_a_foreign_output_is_refused_and_let_go(tmp_path: Path) -> None:
     output = tmp_path / "out.jsonl"
     output.write_bytes(b'{"name": "not a result"}\n')
     with pytest.raises(DflashError, match="not a dflash result") as refused:
-        jobs.ResultsFile(output)
+        ResultsFile(output)
     output.write_bytes(b"")
-    jobs.ResultsFile(output).close()  # "another dflash run is writing" if the refused handle still held the lock
+    ResultsFile(output).close()  # "another dflash run is writing" if the refused handle still held the lock
     assert refused.value.fix
 
 
 def test_an_error_record_for_odd_input_is_one_valid_line(tmp_path: Path) -> None:
     error = parse(b'{"prompt": "x", "id": "\\ud800"}\n', 4)  # a lone surrogate escape: valid JSON, not UTF-8-able
-    with jobs.ErrorsFile(tmp_path / "errors.jsonl") as errors:
+    with ErrorsFile(tmp_path / "errors.jsonl") as errors:
         errors.append(error)
     (line,) = (tmp_path / "errors.jsonl").read_bytes().splitlines()
     assert json.loads(line)["line"] == 4 and "surrogate" in json.loads(line)["error"]["message"]
@@ -535,7 +538,7 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
         assert "-o" in refused.value.fix
         assert output.read_bytes() == done and errors.exists()  # nothing written, nothing removed
     write_lines(prompts, [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}])
-    assert run_file(dataclasses.replace(options, block_size=2), prompts, load=no_load).skipped == 2  # (lossless)
+    assert run_file(options.overriding(block_size=2), prompts, load=no_load).skipped == 2  # (lossless)
 
 
 def test_the_errors_file_is_ours_to_rewrite_or_refused(tmp_path: Path) -> None:
@@ -728,8 +731,7 @@ def test_a_batched_run_gives_every_request_its_result_alone(
         target=str(models[0]),
         drafter=str(models[1]),
         sampling=SamplingParams(max_new_tokens=12),
-        dtype="float32",
-        batch_size=batch_size,
+        overrides=PlanOverrides(dtype="float32", batch_size=batch_size),
     )
     session = open_session(options, batching=True)
     assert session.batch_size == batch_size
@@ -764,8 +766,7 @@ def test_rows_of_a_batched_step_that_ran_out_of_memory_are_retried_alone(
         target=str(models[0]),
         drafter=str(models[1]),
         sampling=SamplingParams(max_new_tokens=8),
-        dtype="float32",
-        batch_size=3,
+        overrides=PlanOverrides(dtype="float32", batch_size=3),
         prefix_cache=False,  # the huge request's whole prompt is what runs out of memory, not a reused part
     )
     session = open_session(options, batching=True)

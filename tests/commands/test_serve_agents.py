@@ -1,4 +1,4 @@
-"""`dflash serve`'s agent APIs, on the real server of test_serve.py (a tiny Qwen3 with a random drafter): Anthropic
+"""`dflash serve`'s agent APIs, on the real server of helpers/served.py (a tiny Qwen3 with a random drafter): Anthropic
 Messages driven by the official `anthropic` SDK and LangChain's ChatAnthropic, OpenAI Responses by the official
 `openai` SDK, and raw HTTP. Each route runs the path /v1/chat/completions runs, so its answers are checked against
 that route's answers to the same conversation."""
@@ -22,7 +22,16 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from test_serve import (  # the module's server and models (fixtures), and its helpers
+
+from dflash_cli.commands.serve.http import Server
+from dflash_cli.commands.serve.metrics import ServerMetrics
+from dflash_cli.commands.serve.worker import EngineThread, Worker
+from dflash_cli.engine import collect
+from dflash_cli.loading.session import Session
+from dflash_cli.protocol.replies import Ending, Part
+from dflash_cli.protocol.requests import CHAT_URL, read_body
+from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
+from helpers.served import (  # the fixtures (a server and its models, once per module), and their helpers
     BUSY,
     KEY,
     MAX_TOKENS,
@@ -42,15 +51,6 @@ from test_serve import (  # the module's server and models (fixtures), and its h
     session,
     user,
 )
-
-from dflash_cli.commands.serve.http import Server
-from dflash_cli.commands.serve.metrics import ServerMetrics
-from dflash_cli.commands.serve.worker import EngineThread, Worker
-from dflash_cli.engine import collect
-from dflash_cli.loading.session import Session
-from dflash_cli.protocol.replies import Ending, Part
-from dflash_cli.protocol.requests import CHAT_URL, read_body
-from helpers.sdk_types import check_message, check_message_event, check_response, check_response_event
 from helpers.tiny_models import CHAT_TEMPLATE, MODEL_VOCAB
 
 __all__ = ["client", "long_prompt", "models", "server", "session"]  # (fixtures, imported to be used here)

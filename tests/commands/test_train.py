@@ -25,6 +25,7 @@ from dflash_cli.loading.session import open_session
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from dflash_cli.training import checkpoint as checkpoints
 from dflash_cli.training import loop as training
 from dflash_cli.training.data import block_attention_mask, make_batch
@@ -133,8 +134,7 @@ def test_distill_answers_through_the_engine_and_caches_answers_and_features(
         target=str(tiny_qwen3_dir),
         sampling=SamplingParams(max_new_tokens=6),
         no_spec=True,
-        dtype="float32",
-        batch_size=2,
+        overrides=PlanOverrides(dtype="float32", batch_size=2),
     )
     session = open_session(run, batching=True)
     requests = load_prompts_from(PROMPTS[:3], tmp_path)

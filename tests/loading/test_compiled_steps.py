@@ -12,6 +12,7 @@ from dflash_cli.engine import packages
 from dflash_cli.loading.compiled_steps import ENVIRONMENT
 from dflash_cli.loading.session import open_session
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 
 
 @pytest.fixture
@@ -45,7 +46,9 @@ def test_the_first_start_builds_in_the_background_and_the_next_one_loads(
     wait_for_the_build(user_cache)
     later = open_session(options, build_later=True)
     assert later.exported and later.build_note is None
-    overridden = open_session(RunOptions(target=str(tiny_qwen3_dir), no_spec=True, dtype="float32"), build_later=True)
+    overridden = open_session(
+        RunOptions(target=str(tiny_qwen3_dir), no_spec=True, overrides=PlanOverrides(dtype="float32")), build_later=True
+    )
     assert overridden.build_note is None  # built for the default plan only: another plan does not start one
 
 

@@ -14,6 +14,7 @@ from dflash_cli.engine import collect
 from dflash_cli.loading.session import open_session
 from dflash_cli.protocol.requests import read_body
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides
 from helpers.tiny_models import make_tiny_qwen3
 
 # ChatML with Qwen3's tool sections (tools in the system turn, calls as <tool_call> JSON, results in
@@ -50,7 +51,7 @@ def session(tmp_path_factory: pytest.TempPathFactory):
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     for stale in Path(directory).glob("chat_template.jinja"):
         stale.unlink()
-    options = RunOptions(target=str(directory), dtype="float32")
+    options = RunOptions(target=str(directory), overrides=PlanOverrides(dtype="float32"))
     return open_session(options), options
 
 

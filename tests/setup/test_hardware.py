@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from dflash_cli.errors import DflashError
+from dflash_cli.setup.choices import Quant
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class
 from dflash_cli.setup.planning import (
     MAX_BATCH_ROWS,
@@ -472,6 +474,21 @@ def test_cpu_weight_only_quant_is_refused_on_a_gpu_with_the_gpu_format_as_fix(qu
     assert "--quant nf4" in err.value.fix
     plan = make_plan(H100, get_recipe("qwen3-8b"), PlanOverrides(quant=quant, device="cpu"))
     assert plan.quant == quant and plan.device == "cpu"
+
+
+def test_a_plan_holds_one_quant_that_says_how_it_loads_and_prints_as_its_flag() -> None:
+    """--quant and a recipe's override arrive as text; the plan holds the Quant, whose own facts the loader asks,
+    and which reads as the flag's word wherever it is printed or saved."""
+    int4 = make_plan(CPU_64, get_recipe("qwen3-8b"), PlanOverrides(quant="int4"))
+    assert int4.quant is Quant.INT4 and int4.quant.cpu_kernels and int4.quant.quantizes_on_load
+    assert [q for q in Quant if q.quantizes_on_load] == [Quant.NF4, Quant.INT4, Quant.INT8]
+    assert not Quant.FP8.quantizes_on_load and not Quant.NF4.cpu_kernels
+    assert (f"{int4.quant}", f"{int4.quant:>5}", int4.weights) == ("int4", " int4", "int4")
+    assert any(reason.startswith("quant int4: --quant;") for reason in int4.reasons)
+    assert json.loads(json.dumps(int4.to_dict()))["quant"] == "int4"
+    with pytest.raises(DflashError, match="unknown quantization 'q3_k'") as unknown:
+        Quant.named("q3_k")
+    assert unknown.value.fix == "use one of none, nf4, fp8, int4, int8"
 
 
 def test_cpu_weight_only_quant_never_estimates_more_than_bf16() -> None:

@@ -18,7 +18,6 @@ from dflash_cli.setup.planning import (
     PLAN_CONTEXT_TOKENS,
     Plan,
     PlanOverrides,
-    expected_speed,
     make_plan,
     target_weight_bytes,
 )
@@ -37,6 +36,7 @@ from dflash_cli.setup.sizes import (
     step_bytes,
     tensor_bytes,
 )
+from dflash_cli.setup.speed import expected_speed
 from helpers.machines import GIB
 from helpers.tiny_models import make_tiny
 

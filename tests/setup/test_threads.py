@@ -50,10 +50,12 @@ def test_the_plan_line_shows_the_threads(tiny_qwen3_dir) -> None:
 
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
+    from dflash_cli.setup.planning import PlanOverrides
 
     out = io.StringIO()
     session = open_session(
-        RunOptions(target=str(tiny_qwen3_dir), device="cpu", threads=1, explain=True), Console(file=out, width=300)
+        RunOptions(target=str(tiny_qwen3_dir), threads=1, explain=True, overrides=PlanOverrides(device="cpu")),
+        Console(file=out, width=300),
     )
     printed = out.getvalue()
     assert session.plan_line().endswith(", 1 thread") and session.plan_line() in printed

@@ -1,0 +1,59 @@
+"""`dflash serve`: the OpenAI- and Anthropic-compatible HTTP server."""
+
+import dataclasses
+from typing import Annotated
+
+import typer
+
+from dflash_cli.cli.flags import SERVER, BatchSize, CacheRam, NoPrefixCache, with_run_flags
+from dflash_cli.cli.output import err_console
+from dflash_cli.setup.options import RunOptions
+
+
+@with_run_flags
+def serve(
+    options: RunOptions,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Address to listen on (0.0.0.0: every interface; then set --api-key).", rich_help_panel=SERVER
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).", rich_help_panel=SERVER)
+    ] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="DFLASH_API_KEY",
+            show_default=False,
+            help="Require `Authorization: Bearer KEY` on /v1 routes (default: $DFLASH_API_KEY, else open).",
+            rich_help_panel=SERVER,
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Requests that may wait while the batch is full; more get HTTP 429 at once.",
+            rich_help_panel=SERVER,
+        ),
+    ] = 64,
+    batch_size: BatchSize = None,
+    no_prefix_cache: NoPrefixCache = False,
+    cache_ram: CacheRam = None,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API, for Open WebUI, editors, agents and the `openai` client.
+
+    POST /v1/chat/completions and /v1/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus). The model loads once and one engine thread decodes the queued requests, up to --batch-size at once (continuous batching); a client that disconnects stops its generation. Request fields override the sampling flags, which are the defaults (greedy unless --temperature); replies carry usage plus a "dflash" object (tau, acceptance histogram, decode tok/s).
+
+    Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
+    """
+    options = dataclasses.replace(
+        options.overriding(batch_size=batch_size, cache_ram_mib=cache_ram), prefix_cache=not no_prefix_cache
+    )
+    options.resolve_recipe()  # input mistakes fail here, before torch is imported
+    from dflash_cli.commands.serve.launch import run_server
+
+    run_server(options, host=host, port=port, api_key=api_key, max_queue=max_queue, console=err_console)

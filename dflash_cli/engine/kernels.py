@@ -20,12 +20,16 @@ float32 has no such rule here: MKL's float32 kernels round a row by the product'
 Attention's products have the same one-row case: a one-query step (a plain decode step) multiplies [1, keys] by
 the values, which MKL's one-row kernel rounded otherwise than a block's first row (seen at 2,500 keys, 8 KV heads
 x 128). `invariant_eager_attention` (registered with transformers as INVARIANT_EAGER) is the model family's own
-eager attention with a one-query call run as two.
+eager attention with a one-query call run as two; or, for a bf16 target of the standard families (causal attention
+by position, nothing else: `plain_attention`) where the process has dflash's kernels, `torch.ops.dflash.attention`,
+the fused kernel the stored step runs: invariant by construction (each query reads its own keys in one order) and
+faster than SDPA, so an eager start (before its stored step is built, or `--compile off`) pays nothing for
+invariance either (the demo's plain int4 decoding, eager: 0.69x of SDPA's speed before; docs/benchmarks.md).
 
 `use_cpu_products(model)` switches a model's plain CPU `nn.Linear` layers in place, same parameters and state
 dict: float32 ones to `SmallRowLinear` (`W @ x.T` for 2 to `SMALL_ROWS` rows; its rounding differs from `F.linear`
 in the last bits there, never for one row), bf16 ones to `Bf16Linear`; and a CPU model's eager attention to
-INVARIANT_EAGER.
+INVARIANT_EAGER (the fused kernel's layers marked there, `dflash_attention`).
 """
 
 from __future__ import annotations
@@ -106,6 +110,22 @@ def _family_eager(module: nn.Module) -> Any:
     return family_function(module, "eager_attention_forward")
 
 
+STANDARD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # attention is softmax(q.k * scaling) over causal keys
+
+
+def plain_attention(config: Any) -> str | None:
+    """Why a model of `config` has attention other than plain causal attention by position in every layer (None: it
+    has that, which `torch.ops.dflash.attention` and the standard stored step compute)."""
+    if config.model_type not in STANDARD_FAMILIES:
+        return f"{config.model_type} is not one of the standard families ({', '.join(STANDARD_FAMILIES)})"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds:
+        kinds = {"sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"}
+    if kinds != {"full_attention"}:
+        return f"layers of kind {', '.join(sorted(kinds - {'full_attention'}))}"
+    return None
+
+
 def invariant_eager_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -115,7 +135,23 @@ def invariant_eager_attention(
     *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
-    """The family's eager attention; a one-query call runs as two (the query twice) and keeps the first."""
+    """dflash's fused attention where `module` is marked for it (`use_cpu_products`) and the call is an inference
+    call in bf16 with each query's position given; else the family's eager attention, a one-query call run as two
+    (the query twice), keeping the first. The fused kernel reads each query's keys up to its position, which is the
+    engine's mask (causal by position: no padding); its result has the shape the family's eager function returns."""
+    positions = kwargs.get("position_ids")
+    if (
+        getattr(module, "dflash_attention", False)
+        and positions is not None
+        and query.dtype == torch.bfloat16
+        and not module.training
+        and not (torch.is_grad_enabled() and query.requires_grad)
+    ):
+        batch, heads, q, dim = query.shape
+        rows = query.reshape(batch, key.shape[1], heads // key.shape[1] * q, dim)  # a KV head's query heads, folded
+        scaling = kwargs.get("scaling", module.scaling)
+        out = torch.ops.dflash.attention(rows, key, value, positions.expand(batch, q), scaling)
+        return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous(), None
     eager = _family_eager(module)
     if query.shape[2] != 1:
         return eager(module, query, key, value, attention_mask, *args, **kwargs)
@@ -149,6 +185,10 @@ def use_cpu_products(model: nn.Module) -> int:
         and all(_family_eager(m) is not None for m in model.modules() if type(m).__name__.endswith("Attention"))
     ):
         model.set_attn_implementation(INVARIANT_EAGER)
+        fused = cpu_kernels.available() and plain_attention(config) is None
+        for module in model.modules():  # (decided here, outside any traced graph, as Bf16Linear's kernel is)
+            if type(module).__name__.endswith("Attention"):
+                module.dflash_attention = fused and getattr(module, "head_dim", 0) % 32 == 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if type(module) is nn.Linear and weight is not None and weight.device.type == "cpu":

@@ -375,7 +375,7 @@ class Batch:
         starts = [state.lengths[row.slot] for row in rows]  # the position of each row's `last`
         limits = [row.generation.block_at(start) for row, start in zip(rows, starts)]
         # One size for the step (the policy's); near its end a row's block shortens (as in the reference).
-        chosen = self.policy.choose(max(limits))
+        chosen = self.policy.choose(max(limits), len(rows))
         sizes = [min(chosen, limit) for limit in limits]
         # Several rows share one width, and some states verify whole blocks regardless: the target is causal, so
         # slots after a row's real block change nothing before them.

@@ -2,7 +2,7 @@
 
 The loop asks once per step and reports once per step, after its one host sync:
 
-    size = policy.choose(limit)                          # 1 .. limit; 1 = a plain step, no drafting
+    size = policy.choose(limit, rows)                    # 1 .. limit; 1 = a plain step, no drafting
     policy.observe(size, accepted, draft_s, verify_s)    # accepted drafts (one count, or one per batch row)
 
 `FixedBlock` is `--block-size N` (and the stable API's default). `AdaptiveBlock` is the default of the CLI:
@@ -11,7 +11,9 @@ The loop asks once per step and reports once per step, after its one host sync:
   block), measured once per machine, model pair, dtype, threads and compile mode by running the real steps
   (`StepCosts.calibrate`, interleaved rounds, medians) and cached as JSON in the dflash cache directory. Online,
   every step's measured time over its calibrated cost feeds one load factor that scales them all (a busy
-  machine slows every size alike; the calibrated shape stays).
+  machine slows every size alike; the calibrated shape stays). A step of several rows costs what one row's step
+  of as many tokens costs (`StepCosts.cost`): its products run every row of every block, so on a CPU 4 rows'
+  blocks of 2 cost about one row's block of 8, not one row's block of 2.
 - Acceptance: the chance a_j that draft j stands given drafts 1..j-1 stood, per position, as a Beta posterior:
   a prior of strength PRIOR_WEIGHT whose mean is the drafter's pooled history (this process and earlier ones,
   kept in the same file; a position it has not seen accepts like the one before), updated by this
@@ -67,8 +69,8 @@ class BlockPolicy(Protocol):
 
     max_size: int
 
-    def choose(self, limit: int) -> int:
-        """The block for the next step: 1 .. limit tokens (1: a plain step)."""
+    def choose(self, limit: int, rows: int = 1) -> int:
+        """The block for the next step of `rows` rows: 1 .. limit tokens (1: a plain step)."""
 
     def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
         """What a step of `size` did: drafts accepted (per row in a batch) and its phase times."""
@@ -89,7 +91,7 @@ class FixedBlock:
     def __init__(self, size: int) -> None:
         self.max_size = size
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, rows: int = 1) -> int:
         return min(self.max_size, limit)
 
     def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
@@ -108,6 +110,17 @@ class FixedBlock:
 def sizes_up_to(max_size: int) -> tuple[int, ...]:
     """The sizes an adaptive policy picks from: the fixed set up to `max_size`, and `max_size` itself."""
     return tuple(sorted({*(s for s in SIZES if s <= max_size), max_size}))
+
+
+def _tokens_cost(seconds: dict[int, float], tokens: int) -> float:
+    """A calibrated table's seconds at `tokens`: its own figure, else linear between the calibrated sizes around it,
+    or from the last two past the largest (a step's products cost in proportion to their rows there)."""
+    if tokens in seconds or len(seconds) == 1:
+        return seconds.get(tokens, next(iter(seconds.values())))
+    sizes = sorted(seconds)
+    above = [size for size in sizes if size > tokens]
+    low, high = (max(s for s in sizes if s < tokens), above[0]) if above else (sizes[-2], sizes[-1])
+    return seconds[low] + (tokens - low) * (seconds[high] - seconds[low]) / (high - low)
 
 
 def expected_tokens(acceptance: Sequence[float], size: int) -> float:
@@ -156,12 +169,16 @@ class StepCosts:
     def calibrated(self) -> bool:
         return all(size in self.verify_s for size in self.sizes)
 
-    def cost(self, size: int) -> float:
-        return (self.draft_s.get(size, 0.0) + self.verify_s[size]) * self.load
+    def cost(self, size: int, rows: int = 1) -> float:
+        """Seconds of a step of `rows` rows drafting and verifying blocks of `size`: one row's calibrated step of
+        size x rows tokens (interpolated between the calibrated sizes, extrapolated past the largest), a plain step
+        drafting nothing; times the load."""
+        draft = 0.0 if size == 1 else _tokens_cost(self.draft_s, size * rows)
+        return (draft + _tokens_cost(self.verify_s, size * rows)) * self.load
 
-    def observe_time(self, size: int, seconds: float) -> None:
+    def observe_time(self, size: int, seconds: float, rows: int = 1) -> None:
         if size in self.verify_s and seconds > 0:
-            ratio = seconds / ((self.draft_s.get(size, 0.0) + self.verify_s[size]) or seconds)
+            ratio = seconds / ((self.cost(size, rows) / self.load) or seconds)
             ratio = min(max(ratio, self.load / 4), self.load * 4)  # one stalled step moves it little
             self.load += LOAD_RATE * (ratio - self.load)
 
@@ -394,14 +411,13 @@ class AdaptiveBlock:
             estimates.append(base)
         return estimates
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, rows: int = 1) -> int:
         if limit <= 1 or not self.costs.calibrated:
             return 1
         acceptance = self.acceptance()
-        # expected tokens per second of each size <= limit
-        rates = {
-            size: expected_tokens(acceptance, size) / self.costs.cost(size) for size in self.sizes if size <= limit
-        }
+        cost = {size: self.costs.cost(size, rows) for size in self.sizes if size <= limit}
+        # expected tokens per second of each size <= limit (each row commits alike: the rows' count cancels)
+        rates = {size: expected_tokens(acceptance, size) / cost[size] for size in cost}
         best = max(rates, key=rates.__getitem__)
         self.probing = False
         if best > 1:
@@ -411,7 +427,7 @@ class AdaptiveBlock:
             return 1
         probe = max(drafting, key=drafting.__getitem__)
         # The probe's expected loss against plain steps: its cost minus the plain time its tokens would take.
-        loss = self.costs.cost(probe) - expected_tokens(acceptance, probe) * self.costs.cost(1)
+        loss = cost[probe] - expected_tokens(acceptance, probe) * cost[1]
         self.probing = self.banked >= loss
         return probe if self.probing else 1
 
@@ -419,15 +435,15 @@ class AdaptiveBlock:
         rows = [accepted] if isinstance(accepted, int) else list(accepted)
         if size == 1:
             self.plain_run += 1
-            self.banked += PROBE_SHARE * self.costs.cost(1)
-            self.costs.observe_time(1, draft_s + verify_s)
+            self.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
+            self.costs.observe_time(1, draft_s + verify_s, len(rows))
             return
         if self.plain_run == 0:  # the first draft after plain steps also reads their context: not a typical step
-            self.costs.observe_time(size, draft_s + verify_s)
+            self.costs.observe_time(size, draft_s + verify_s, len(rows))
         self.plain_run = 0
         if self.probing:  # what it really lost against plain steps for the same tokens
             tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
-            self.banked -= draft_s + verify_s - tokens * self.costs.cost(1)
+            self.banked -= draft_s + verify_s - tokens * self.costs.cost(1, len(rows))
         else:
             self.banked = 0.0
         for j in range(self.max_size - 1):

@@ -389,8 +389,9 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         attn_why = (
             "on a CPU, eager attention gives each row the same numbers however many queries and keys a step holds "
             "(the same text alone or batched, streamed or not, with or without drafts); PyTorch's fused CPU kernel "
-            "rounds a row by the step's shape (--attention sdpa decodes about 1.2x faster and prefills long prompts "
-            "1.2-1.5x faster: benchmarks/results/history.md, batch invariance)"
+            "rounds a row by the step's shape (a bf16 or int4 Llama, Mistral, Qwen2 or Qwen3 target runs dflash's fused "
+            "invariant kernel, as fast as sdpa: docs/benchmarks.md; other families' eager attention decodes about "
+            "1.2x slower than sdpa: benchmarks/results/history.md, batch invariance)"
         )
     else:
         attn_why = (

@@ -99,6 +99,7 @@ def test_batch_bench_tabulates_every_size_and_compares_the_texts(
         ]
         out.write_text("".join(json.dumps(record) + "\n" for record in records))
         summary = {"completion_tokens": 11 * len(records), "generate_s": 4.0 / size, "tokens_per_s": 10.0 * size}
+        summary["wall_s"] = 2.0 + 4.0 / size  # the load and the rest: the same at every size
         return subprocess.CompletedProcess(command, 0, json.dumps({**summary, "tau": 1.5}), "")
 
     monkeypatch.setattr(batch_bench.subprocess, "run", fake_run)
@@ -109,8 +110,9 @@ def test_batch_bench_tabulates_every_size_and_compares_the_texts(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("demo: 3 prompts, --max-tokens 11, --threads 1;")
     # 33 tokens; draft share 1 / (1 + 3); each row: 0.5 s to its first token, 10 more at 10 tok/s
-    assert lines[3].startswith("| 1 | 1 | 33 | 4.0 | 10.0 | 1.00x | 1.50 | 25% | 1.5 / 1.5 |")
-    assert lines[4].startswith("| 1 | 2 | 33 | 2.0 | 20.0 | 2.00x |") and lines[5].startswith("| 1 | 4 | 33 | 1.0 |")
+    assert lines[3].startswith("| 1 | 1 | 33 | 4.0 | 10.0 | 1.00x | 6.0 | 1.00x | 1.50 | 25% | 1.5 / 1.5 |")
+    assert lines[4].startswith("| 1 | 2 | 33 | 2.0 | 20.0 | 2.00x | 4.0 | 0.67x |")
+    assert lines[5].startswith("| 1 | 4 | 33 | 1.0 | 40.0 | 4.00x | 3.0 | 0.50x |")
     assert lines[6] == "every request's text is the same at every batch size: NO"
 
 
@@ -267,3 +269,31 @@ def test_a_benchmark_runs_from_a_checkout() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("# qwen3.5-4b: 4.21 B params loaded")
+
+
+def test_attention_bench_alternates_the_attentions_and_compares_the_texts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks.attention_bench with `dflash chat` replaced by a double printing what chat prints: the rounds
+    alternate which attention runs first, the ratio is of the medians, and differing texts are reported."""
+    from benchmarks import attention_bench
+
+    commands: list[list[str]] = []
+    rates = {"eager": iter([90.0, 100.0, 110.0]), "sdpa": iter([100.0, 100.0, 130.0])}
+
+    def fake_run(command: list[str], **_: object) -> subprocess.CompletedProcess:
+        commands.append(command)
+        attention = command[command.index("--attention") + 1]
+        stats = f"128 tokens, {next(rates[attention])} tok/s, TTFT 0.30 s (prompt 42, 0 reused), tau 1.00\n"
+        return subprocess.CompletedProcess(command, 0, f"a story ({attention})\n", "plan line\n" + stats)
+
+    monkeypatch.setattr(attention_bench.subprocess, "run", fake_run)
+    assert attention_bench.main(["--rounds", "3", "--", "--compile", "off"]) == 0
+    order = [c[c.index("--attention") + 1] for c in commands]
+    assert order == ["eager", "sdpa", "sdpa", "eager", "eager", "sdpa"]
+    assert all(
+        c[2:6] == ["dflash_cli", "chat", "demo", "--no-spec"] and c[-2:] == ["--compile", "off"] for c in commands
+    )
+    out = capsys.readouterr().out
+    assert "default (invariant) median 100.0 tok/s, sdpa median 100.0 tok/s: 1.00x" in out
+    assert out.rstrip().endswith("the same text with both: NO")

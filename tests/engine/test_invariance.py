@@ -14,8 +14,8 @@ import functools
 import pytest
 import torch
 
-from dflash_cli.engine import SamplingParams, collect, generate
-from dflash_cli.engine.kernels import INVARIANT_EAGER
+from dflash_cli.engine import SamplingParams, collect, cpu_kernels, generate
+from dflash_cli.engine.kernels import INVARIANT_EAGER, invariant_eager_attention, use_cpu_products
 from dflash_cli.engine.policy import FixedBlock
 from dflash_cli.engine.target import attention
 from helpers.drafters import random_drafter
@@ -159,3 +159,74 @@ def test_a_hybrids_prefill_in_chunks_carries_its_recurrent_states(monkeypatch: p
     assert len(chunked[1]) == len(whole[1]) > 0
     for got, expected in zip(chunked[1], whole[1]):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@functools.cache
+def wide_heads_target(family: str, seed: int):
+    """`bf16_target` with heads 32 wide: the engine's eager attention runs dflash's fused kernel on it (engine.kernels)."""
+    model = build_tiny(family, seed, head_dim=32).to(torch.bfloat16)
+    model.set_attn_implementation("eager")
+    return model
+
+
+fused_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="dflash's CPU kernels are not built here")
+
+
+@fused_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_eager_decoding_runs_the_fused_attention(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager start (no stored step yet, or --compile off) of a bf16 standard target: every attention call of its
+    plain and drafted steps, prefill included, runs dflash's fused kernel, not the family's eager attention (0.69x of
+    SDPA's speed), and the text is the same either way."""
+    import transformers.models.llama.modeling_llama as llama
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    target = wide_heads_target(family, 4)
+    drafter = random_drafter(target, seed=1, block_size=4, dtype=torch.bfloat16)
+    seen: list[int] = []
+    module = {"llama": llama, "qwen3": qwen3}[family]
+    eager = module.eager_attention_forward
+
+    def spy(attention_module, query, *args, **kwargs):
+        seen.append(query.shape[2])
+        return eager(attention_module, query, *args, **kwargs)
+
+    monkeypatch.setattr(module, "eager_attention_forward", spy)
+    params = SamplingParams(max_new_tokens=12)
+    plain = alone(target, None, PROMPTS[1], params)
+    assert plain == alone(target, drafter, PROMPTS[1], params, 3)
+    assert target.config._attn_implementation == INVARIANT_EAGER and seen == []
+
+
+@fused_kernel
+def test_the_fused_eager_attention_is_the_familys_attention() -> None:
+    """The fused path computes the family's eager attention (query heads folded onto their KV head, each query over
+    its own row's keys up to its position) to bf16 rounding, for rows of different lengths and a one-query step."""
+    target = wide_heads_target("qwen3", 5)
+    use_cpu_products(target)
+    layer = target.model.layers[0].self_attn
+    assert layer.dflash_attention
+    torch.manual_seed(0)
+    for positions in (torch.tensor([[3, 4, 5, 6, 7], [7, 8, 9, 10, 11]]), torch.tensor([[9], [2]])):
+        rows, q = positions.shape
+        query = torch.randn(rows, 4, q, 32, dtype=torch.bfloat16)
+        key, value = (torch.randn(rows, 2, 12, 32, dtype=torch.bfloat16) for _ in range(2))
+        future = torch.arange(12)[None, None, None, :] > positions[:, None, :, None]
+        mask = torch.zeros(future.shape, dtype=torch.bfloat16).masked_fill(future, torch.finfo(torch.bfloat16).min)
+        fused, _ = invariant_eager_attention(
+            layer, query, key, value, mask, scaling=layer.scaling, position_ids=positions
+        )
+        layer.dflash_attention = False
+        try:
+            expected, _ = invariant_eager_attention(layer, query, key, value, mask, scaling=layer.scaling)
+        finally:
+            layer.dflash_attention = True
+        assert fused.shape == expected.shape == (rows, q, 4, 32)
+        torch.testing.assert_close(fused.float(), expected.float(), rtol=0.02, atol=0.02)
+
+
+@fused_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_text_is_the_same_alone_batched_and_in_any_block_on_the_fused_attention(family: str) -> None:
+    texts(wide_heads_target(family, 0), f"{family}, fused eager attention")

@@ -38,7 +38,7 @@ class Schedule(FixedBlock):
         super().__init__(max(sizes))
         self.sizes, self.chosen, self.accepted = list(sizes), [], []
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, rows: int = 1) -> int:
         size = min(self.sizes[len(self.chosen) % len(self.sizes)], limit)
         self.chosen.append(size)
         return size
@@ -207,6 +207,22 @@ def test_the_rule_picks_the_fastest_size():
     assert poor.choose(8) == 8  # at ~0.9 acceptance even this CPU drafts
     poor.successes, poor.failures = [0.0] * 7, [20.0] * 7
     assert poor.choose(8) == 1
+
+
+def test_a_batch_step_costs_what_one_row_of_as_many_tokens_costs():
+    """On a CPU a block of 2 is nearly free beside a plain step for one row, not for 4 rows (their products run 8
+    rows: about one row's block of 8). The demo under load: one row 34.3 / 35.8 ms for blocks of 1 / 2, four rows
+    44.4 / 85.0 ms, where the one-row costs had the batch draft at tau 1.4 and lose to plain steps."""
+    costs = _costs({1: 1.0, 2: 1.04, 4: 1.15, 8: 2.6}, draft=0.05)
+    policy = AdaptiveBlock(costs)
+    policy.successes, policy.failures = [2.0] * 7, [3.0] * 7  # about 0.45 of first drafts stand
+    assert costs.cost(2, rows=4) == pytest.approx(2.6 + 0.05) and costs.cost(1, rows=4) == 1.15
+    assert costs.cost(8, rows=4) == pytest.approx(2.6 + 24 * 1.45 / 4 + 0.05 + 24 * 0.0)  # past 8: extrapolated
+    assert policy.choose(8) > 1  # one row: drafting pays
+    assert policy.choose(8, rows=4) == 1  # four rows: it does not
+    for _ in range(50):  # a batch's plain steps at its own cost leave the load where it was
+        policy.observe(1, [0, 0, 0, 0], 0.0, costs.cost(1, rows=4))
+    assert costs.load == pytest.approx(1.0)
 
 
 def test_probes_are_bounded_and_find_a_drafter_that_improves():

@@ -28,10 +28,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from dflash_cli.engine import cpu_kernels
-from dflash_cli.engine.kernels import family_function, one_row_runs_twice, use_cpu_products
+from dflash_cli.engine.kernels import family_function, one_row_runs_twice, plain_attention, use_cpu_products
 from dflash_cli.engine.target.base import compute_dtype
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope types whose frequencies change with the sequence length at run time (not a constant of the graph).
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -39,13 +38,9 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")
 def unsupported(target: PreTrainedModel) -> str | None:
     """Why `target` has no standard step (None: it has one)."""
     config = target.config
-    if config.model_type not in FAMILIES:
-        return f"{config.model_type} is not one of the standard families ({', '.join(FAMILIES)})"
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if not kinds:
-        kinds = {"sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"}
-    if kinds != {"full_attention"}:
-        return f"layers of kind {', '.join(sorted(kinds - {'full_attention'}))}"
+    why = plain_attention(config)
+    if why is not None:
+        return why
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope in _DYNAMIC_ROPE:
         return f"{rope} rope (its frequencies depend on the length)"

@@ -44,6 +44,9 @@ if [ "$ANSWERED_ONLY" = 1 ]; then
 fi
 
 # 3. Training, resumed when a checkpoint is there, at the lowest priority, one line a checkpoint in train.log.
+#    With the kernel's autogroups (/proc/sys/kernel/sched_autogroup_enabled = 1) nice ranks a process only within
+#    its session: started apart (setsid, nohup from another terminal), give its group the low priority too,
+#    `echo 19 > /proc/PID/autogroup`, or it takes a fair share from the work in the foreground.
 resume=()
 [ -f "$OUT/checkpoint/trainer_state.json" ] && resume=(--resume)
 nice -n 19 python -m dflash_cli train --target demo --prompts "$prompts" \

@@ -1,5 +1,8 @@
 """`dflash train`: train a DFlash drafter for a target by self-distillation."""
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -170,10 +173,30 @@ def train(
         threads=threads,
     )
     try:
-        result = run_training(options, err_console)
+        with stops_save_a_checkpoint():
+            result = run_training(options, err_console)
     except KeyboardInterrupt:
         err_console.print(f"interrupted: {escape(interrupted_training_state(Path(output)))}")
         raise
     steps = next_steps(target, result.output)
     summary = {**{k: v for k, v in result.to_dict().items() if k != "history"}, "chat_command": steps["chat_command"]}
     emit(summary, json_output, lambda: show_trained(result, steps))
+
+
+@contextlib.contextmanager
+def stops_save_a_checkpoint() -> Iterator[None]:
+    """SIGTERM (`kill`, a scheduler's stop) stops training as Ctrl-C does, saving a checkpoint; and Ctrl-C does so
+    even where the shell that started a background run left SIGINT ignored (`nohup ... &`, a script's `&`)."""
+
+    def stop(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    before = {
+        sig: signal.signal(sig, handler)
+        for sig, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, stop))
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

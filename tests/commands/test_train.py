@@ -7,6 +7,7 @@ import math
 import os
 import random
 import shutil
+import signal
 from io import StringIO
 from pathlib import Path
 
@@ -317,6 +318,37 @@ def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
         train(options(tiny_qwen3_dir, prompt_file, out, steps=20, checkpoint_every=3, resume=True))
     assert cut and json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 9
     assert not (out / "checkpoint.previous").exists()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_background_run_stopped_by_a_signal_keeps_its_steps(
+    stop: signal.Signals, tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kill` (SIGTERM), or `kill -INT` of a run started in the background (`nohup dflash train ... &`, where the
+    shell leaves SIGINT ignored), stops `dflash train` as Ctrl-C does: the steps since the last checkpoint are
+    saved and it says how to go on. Both signals arrive while the fifth batch is made (checkpoints every 3)."""
+    calls, make = [], training.make_batch
+
+    def signalled_at_the_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), stop)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(training, "make_batch", signalled_at_the_fifth)
+    out = tmp_path / "run"
+    args = ["train", "--target", str(tiny_qwen3_dir), "--prompts", str(prompt_file), "--output", str(out),
+            "--steps", "50", "--checkpoint-every", "3", "--batch-size", "4", "--block-size", "4",
+            "--feature-layers", "2", "--max-tokens", "8", "--eval-prompts", "2", "--threads", "1"]  # fmt: skip
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job's shell leaves it
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+    assert signal.getsignal(signal.SIGTERM) == handlers[1]  # (the command's own handler is gone with it)
+    assert result.exit_code != 0 and "a checkpoint at step 4" in result.output, result.output
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 4
 
 
 def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:

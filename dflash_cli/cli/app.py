@@ -17,13 +17,16 @@ from dflash_cli.cli.output import print_error
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.threads import start_load_window
 
+_shown_type = getattr(TyperOption, "display_type_rich", None)  # (typer 0.29's; older versions print no such type)
 
-def _flag_type(option: TyperOption, ctx: Any, shown: Any = TyperOption.display_type_rich) -> str | None:
+
+def _flag_type(option: TyperOption, ctx: Any) -> str | None:
     """A flag takes no value, so --help shows no type beside it (typer 0.29 prints `<bool>` beside every flag)."""
-    return None if option.is_flag and option.metavar is None else shown(option, ctx)
+    return None if option.is_flag and option.metavar is None else _shown_type(option, ctx)
 
 
-TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
+if _shown_type is not None:
+    TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 
 class DflashGroup(TyperGroup):

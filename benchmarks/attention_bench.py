@@ -1,5 +1,5 @@
 """Plain decoding of the demo with the default attention (batch-invariant: dflash's fused kernel where the process
-has it, engine.kernels) against `--attention sdpa` (PyTorch's fused kernel, whose rounding follows the step's shape),
+has it, engine.kernels.layers) against `--attention sdpa` (PyTorch's fused kernel, whose rounding follows the step's shape),
 alternating, one `dflash chat` process per run; decode tok/s as chat's `--stats` line gives it.
 
     python -m benchmarks.attention_bench [--rounds 4] [--max-tokens 128] [-- FLAGS]

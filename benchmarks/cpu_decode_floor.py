@@ -6,7 +6,7 @@ then measures in rounds, interleaved so that load from other processes hits ever
 - the floor of a plain step: the bytes it reads (weights + K/V of the context, `dflash_cli.bench.roofline`) at the
   speed this process reads the target's own weights (a sum over them, same threads);
 - the plain step (a 1-token verify: the baseline's step) and verify steps of 2, 4, 8 tokens, through the
-  engine's own `AttentionState` and its products (engine.kernels): eager, compiled (`--compile`), eager with
+  engine's own `AttentionState` and its products (engine.kernels.layers): eager, compiled (`--compile`), eager with
   the products as transformers asks them (`--compare-kernel`: `F.linear` for every row count), and eager with
   the weights stored column-major (`--compare-layout`: faster for 1-2 rows, slower for 4-8 on the CPU
   measured, so not used); with `--compile`, compiled over each variant.
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from dflash_cli.bench.roofline import read_bandwidth
-from dflash_cli.engine.compiled import compiled_step, use_compile_cache
-from dflash_cli.engine.kernels import use_cpu_products
+from dflash_cli.engine.compiled.jit import compiled_step, use_compile_cache
+from dflash_cli.engine.kernels.layers import use_cpu_products
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.setup.sizes import step_bytes
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [1, *blocks]
     generator = torch.Generator().manual_seed(0)
     targets = {"eager": load(args.recipe, args.dtype)}
-    use_cpu_products(targets["eager"])  # the products as the engine asks them (engine.kernels)
+    use_cpu_products(targets["eager"])  # the products as the engine asks them (engine.kernels.layers)
     if args.compare_kernel:
         targets["F.linear"] = load(args.recipe, args.dtype)  # the products as transformers asks them
     if args.compare_layout:

@@ -4,8 +4,8 @@
 Random weights in the shapes of a model's layers (default: the demo target, SmolLM2-135M: 30 layers of q/k/v/o
 and gate/up/down, and its 49152 x 576 output head), enough layers that the weights exceed the last-level cache,
 so every call reads memory as a decode step does. For each row count: the time for one pass over every layer's
-products on dflash's bf16 kernel (`engine.cpu_kernels`, where this machine has it), MKL's bf16 product (two rows
-at least: `engine.kernels`' rule for it), torch's int4 kernel (the int4 plan's), and the head on each; with the
+products on dflash's bf16 kernel (`engine.kernels.native`, where this machine has it), MKL's bf16 product (two rows
+at least: `engine.kernels.layers`' rule for it), torch's int4 kernel (the int4 plan's), and the head on each; with the
 GB/s the bf16 pass reads.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash_cli.engine import cpu_kernels
-from dflash_cli.engine.quantized import GROUP_SIZE, Int4Linear
+from dflash_cli.engine.kernels import native
+from dflash_cli.engine.kernels.quantized import GROUP_SIZE, Int4Linear
 
 # (outputs, inputs) of one layer's products: q, k, v, o, gate, up, down (the demo target's shapes)
 DEMO_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -82,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             int4.append(Int4Linear.quantize(linear, torch.bfloat16))
     head = (torch.randn(*DEMO_HEAD) * 0.02).to(torch.bfloat16)
     weight_bytes = bytes_of(bf16)
-    ours = cpu_kernels.available()
+    ours = native.available()
     print(
         f"{args.layers} layers x {len(DEMO_LAYER)} products ({weight_bytes / 1e6:.0f} MB bf16), head {DEMO_HEAD}, "
-        f"{args.threads} threads; dflash's kernels: {'yes' if ours else cpu_kernels.unavailable()}"
+        f"{args.threads} threads; dflash's kernels: {'yes' if ours else native.unavailable()}"
     )
     print("| rows | dflash bf16 (ms, GB/s) | MKL bf16 | torch int4 | head: dflash bf16 | head: MKL bf16 |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -281,7 +281,7 @@ def quantize_nf4(target: nn.Module, compute_dtype: torch.dtype) -> int:
     for layer in target.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
-                # (a dense Linear, or the engine's SmallRowLinear after a CPU float32 run: engine.kernels)
+                # (a dense Linear, or the engine's SmallRowLinear after a CPU float32 run: engine.kernels.layers)
                 if not isinstance(child, nn.Linear) or isinstance(child, bnb.nn.Linear4bit):
                     continue
                 q = bnb.nn.Linear4bit(

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"expert_bytes = {counts.experts * 2:_}")
         print(f"bf16 = {counts.nbytes('bfloat16'):_}")
         print(f"nf4 = {counts.nbytes('bfloat16', 'nf4'):_}")
-        # the CPU formats (engine.quantized): linears int4 / int8, the output head int8, the rest bf16
+        # the CPU formats (engine.kernels.quantized): linears int4 / int8, the output head int8, the rest bf16
         print(f"int4 = {counts.nbytes('bfloat16', 'int4'):_}")
         print(f"int8 = {counts.nbytes('bfloat16', 'int8'):_}")
         # fine-grained FP8 (Qwen's -FP8 checkpoints): linear layers and experts at 1 byte plus one fp32 scale per

@@ -128,8 +128,8 @@ def dflash_runner(
     """One decode of `prompt_text` (chat template applied) through the path `dflash chat demo` takes; returns its
     decode tokens/s and tau. `compile` "auto" (the default) runs the target's stored exported step, built here
     first when missing."""
-    from dflash_cli.engine.drafter import step as draft_step
-    from dflash_cli.engine.target import exported
+    from dflash_cli.engine.drafter import compiled_step as draft_step
+    from dflash_cli.engine.target import compiled_step
     from dflash_cli.loading.session import open_session
     from dflash_cli.setup.options import RunOptions
     from dflash_cli.setup.planning import PlanOverrides
@@ -144,7 +144,7 @@ def dflash_runner(
     session = open_session(options)
     if compile == "auto" and not session.exported:  # the default runs the stored steps: store them first (once)
         log(f"building the exported target step ({quant or 'default'} weights), once")
-        exported.exported_step(session.target, build_missing=True)
+        compiled_step.exported_step(session.target, build_missing=True)
     if compile == "auto" and session.drafter is not None and draft_step.loaded_draft_step(session.drafter) is None:
         log("building the exported draft step, once")
         draft_step.exported_draft_step(session.drafter, build_missing=True)

@@ -42,13 +42,13 @@ def block_costs_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 
 @pytest.fixture(scope="session", autouse=True)
 def exported_steps_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Exported steps (engine.packages: the target's, the drafter's) are built into and found in a temporary
+    """Exported steps (engine.compiled.stored: the target's, the drafter's) are built into and found in a temporary
     directory: a test never loads a package from the user's cache, nor writes one there."""
-    from dflash_cli.engine import packages
+    from dflash_cli.engine.compiled import stored
 
     directory = tmp_path_factory.mktemp("compile")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packages, "packages_dir", lambda: directory / "exported")
+        patch.setattr(stored, "packages_dir", lambda: directory / "exported")
         yield directory
 
 

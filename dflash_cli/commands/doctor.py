@@ -19,7 +19,8 @@ from typing import Any
 
 from packaging.utils import canonicalize_name
 
-from dflash_cli.engine import cpu_kernels, packages
+from dflash_cli.engine.compiled import stored
+from dflash_cli.engine.kernels import native
 from dflash_cli.engine.policy import kept_measurements
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.hub import hub_reachable
@@ -511,7 +512,7 @@ def check_measurements(kept: list[dict[str, Any]]) -> Check:
 def check_cpu_kernels(
     facts: MachineFacts, unusable: str | None, built: bool, compiler: str | None, failed: str | None = None
 ) -> Check:
-    """Whether dflash's bf16 CPU kernels (engine.cpu_kernels) run here: usable, built, buildable, or why the last
+    """Whether dflash's bf16 CPU kernels (engine.kernels.native) run here: usable, built, buildable, or why the last
     build failed."""
     if facts.gpu_name is not None:
         return Check("cpu kernels", "pass", "GPU: products run on CUDA (dflash's CPU kernels are for CPU decoding)")
@@ -576,14 +577,14 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,
         *(Check("user recipe", "fail", error.message, error.fix) for error in unreadable.values()),
-        check_compiled_steps(facts, cpp_compiler(), packages.stored_packages()),
+        check_compiled_steps(facts, cpp_compiler(), stored.stored_packages()),
         check_measurements(kept_measurements()),
         check_cpu_kernels(
             facts,
-            cpu_kernels.unusable(),
-            cpu_kernels.library_path().is_file(),
-            shutil.which(cpu_kernels.compiler()),
-            cpu_kernels.failed_build(),
+            native.unusable(),
+            native.library_path().is_file(),
+            shutil.which(native.compiler()),
+            native.failed_build(),
         ),
         check_command_conflicts(dflash_commands()),
     ]

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.compiled import Notify, compiled_draft_step, compiling_seconds
+from dflash_cli.engine.compiled.jit import Notify, compiled_draft_step, compiling_seconds
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
 from dflash_cli.engine.drafter.cache import ring_rows
 from dflash_cli.engine.grammar import grammar_state
-from dflash_cli.engine.kernels import use_cpu_products
+from dflash_cli.engine.kernels.layers import use_cpu_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
 from dflash_cli.engine.prefix import Held, PrefixStore, Stored, choose_slot, common_prefix, to_host
 from dflash_cli.engine.row import Generation, GenerationResult, Step
@@ -93,7 +93,7 @@ class Batch:
         self.prefix_store = prefix_store if prefix_cache else None  # prefixes beyond the slots, in host memory
         self.device = target.get_input_embeddings().weight.device
         self.vocab_size = target.config.get_text_config().vocab_size  # the logits' width (grammar bitmasks)
-        for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels)
+        for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels.layers)
             if model is not None:
                 use_cpu_products(model)
         if drafter is None:
@@ -505,7 +505,7 @@ def generate(
     """Decode from `prompt_ids`; yield a `Step` per committed chunk. The last step has a finish_reason.
 
     The batch loop with one row. `compile`: run the target's and the drafter's steps compiled
-    (engine.compiled); `notify(message)` is a context manager shown while a step compiles for the first time.
+    (engine.compiled.jit); `notify(message)` is a context manager shown while a step compiles for the first time.
     `policy` (engine.policy) picks each step's block size, up to its `max_size`; without one, every step verifies
     `block_size` (default: the drafter's). `prefix_cache`: continue from what the target's state holds of the
     prompt (the last generation's prompt and output: a conversation's earlier turns), see engine.prefix;

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from dflash_cli.cpu_load import busy_since, cpu_snapshot, fresh, measured_now
-from dflash_cli.engine import cpu_kernels
-from dflash_cli.engine.drafter.step import loaded_draft_step
+from dflash_cli.engine.drafter.compiled_step import loaded_draft_step
+from dflash_cli.engine.kernels import native
 from dflash_cli.engine.target.base import PACKED_SDPA
-from dflash_cli.engine.target.exported import loaded_step
+from dflash_cli.engine.target.compiled_step import loaded_step
 
 if TYPE_CHECKING:
     from dflash_cli.engine.drafter import DFlashDrafter
@@ -205,7 +205,7 @@ class StepCosts:
         features = state.features(length)
         cache = drafter.new_cache(length + top + CALIBRATION_ROUNDS * len(self.sizes) * CALIBRATION_CONTEXT, top)
         if self.key.get("compile"):
-            from dflash_cli.engine.compiled import compiled_draft_step
+            from dflash_cli.engine.compiled.jit import compiled_draft_step
 
             cache.step, cache.notify = compiled_draft_step(device), notify
         block = prompt.new_full((1, top), drafter.mask_token_id)
@@ -353,13 +353,13 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "exported": loaded_step(target) is not None,
-        "cpu_kernels": device.type == "cpu" and cpu_kernels.available(),
+        "cpu_kernels": device.type == "cpu" and native.available(),
         "torch": torch.__version__,
     }
 
 
 def _weight_kind(module: torch.nn.Module) -> str | None:
-    """How a linear layer holds its weight: engine.quantized's layer, else the weight's class (a plain Parameter
+    """How a linear layer holds its weight: engine.kernels.quantized's layer, else the weight's class (a plain Parameter
     whatever product the layer asks for, bitsandbytes' Params4bit); None for other modules."""
     if hasattr(module, "weight_buffers"):
         return type(module).__name__

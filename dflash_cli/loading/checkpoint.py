@@ -42,7 +42,7 @@ def count_parameters(config: Any) -> ParameterCounts:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from dflash_cli.engine.quantized import quantizable
+    from dflash_cli.engine.kernels.quantized import quantizable
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -67,7 +67,7 @@ def count_parameters(config: Any) -> ParameterCounts:
                 kind = "other"
             counts[kind] += param.numel()
             counts["linear_tensors"] += kind == "linear"
-    plain_head = quantizable(head, "int8")  # what engine.quantized.quantize_target turns into int8
+    plain_head = quantizable(head, "int8")  # what engine.kernels.quantized.quantize_target turns into int8
     return ParameterCounts(
         **counts,
         head=head.weight.numel() if plain_head else 0,

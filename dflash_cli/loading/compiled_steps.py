@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 
-from dflash_cli.engine.drafter import step as draft_step
-from dflash_cli.engine.target import exported, standard
+from dflash_cli.engine.drafter import compiled_step as draft_step
+from dflash_cli.engine.target import compiled_step, standard
 from dflash_cli.errors import DflashError
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class BuiltStep:
 
 def build_compiled_steps(recipe: Recipe, console: Console | None) -> list[BuiltStep]:
     """Build the compiled steps this machine's default plan of `recipe` runs (a CPU plan: the target's,
-    engine.target.exported, for a standard family; the drafter's, engine.drafter.step), as the first `--compile on`
+    engine.target.compiled_step, for a standard family; the drafter's, engine.drafter.compiled_step), as the first `--compile on`
     start would. Raises DflashError when a build fails."""
     from dflash_cli.loading.models import load_models
     from dflash_cli.setup.hardware import detect_machine
@@ -73,12 +73,12 @@ def build_compiled_steps(recipe: Recipe, console: Console | None) -> list[BuiltS
 def load_exported_step(
     model: Any, *, build: bool, console: Console | None, part: Literal["target", "drafter"] = "target"
 ) -> tuple[Any, str]:
-    """Load the stored exported step of `model`, the target's (engine.target.exported) or, with `part="drafter"`, the
-    drafter's (engine.drafter.step), building it first when `build` (--compile on, pull --compile): the step (None:
+    """Load the stored exported step of `model`, the target's (engine.target.compiled_step) or, with `part="drafter"`, the
+    drafter's (engine.drafter.compiled_step), building it first when `build` (--compile on, pull --compile): the step (None:
     it runs without one) and why. A build or load that fails leaves the model as it was asked for (eager; with
     --compile on, torch.compile's steps), with a warning."""
     unsupported, stored = (
-        (standard.unsupported, exported.exported_step)
+        (standard.unsupported, compiled_step.exported_step)
         if part == "target"
         else (draft_step.unsupported, draft_step.exported_draft_step)
     )
@@ -114,7 +114,7 @@ def _key(ref: dict[str, str | None]) -> str:
     import torch
 
     from dflash_cli import __version__
-    from dflash_cli.engine.cpu_kernels import cpu_flag_line
+    from dflash_cli.engine.kernels.native import cpu_flag_line
 
     facts = {"ref": ref, "torch": torch.__version__, "dflash": __version__, "cpu": cpu_flag_line()}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]

@@ -111,7 +111,7 @@ def load_int4_target(gguf: Path, config_dir: Path, dtype: torch.dtype) -> PreTra
     """The causal LM of `gguf` (a file `int4_gguf_problem` passes; its config in `config_dir`) with its Q4_0/Q4_1
     linears as `Int4Linear`s of the stored groups, computing in `dtype`. Built with empty weights, so no float copy
     of a linear is ever made. Embeddings, norms and biases are dequantized to `dtype`; the head is int8, quantized
-    from its float32 values, as `engine.quantized.quantize_target` makes it."""
+    from its float32 values, as `engine.kernels.quantized.quantize_target` makes it."""
     import numpy as np
     import torch
     from accelerate import init_empty_weights
@@ -120,7 +120,7 @@ def load_int4_target(gguf: Path, config_dir: Path, dtype: torch.dtype) -> PreTra
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash_cli.engine.quantized import Int4Linear, Int8Linear, int4_packable
+    from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, int4_packable
 
     config = AutoConfig.from_pretrained(config_dir)
     with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) computed for real

@@ -204,7 +204,7 @@ def load_target(
             f"cannot load {name} with quantization {plan.quant}: {exc}", fix="pip install -U bitsandbytes accelerate"
         ) from None
     if plan.quant.cpu_kernels and not streamed:
-        from dflash_cli.engine.quantized import quantize_target
+        from dflash_cli.engine.kernels.quantized import quantize_target
 
         with _loading_display(console, f"quantizing {name} to {plan.quant}"):
             quantize_target(model, plan.quant, plan.torch_dtype)

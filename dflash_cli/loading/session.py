@@ -16,10 +16,11 @@ from typing import Any, Literal
 
 from rich.console import Console
 
-from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, cpu_kernels, forget_prefixes, generate
-from dflash_cli.engine.drafter import step as draft_step
+from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_prefixes, generate
+from dflash_cli.engine.drafter import compiled_step as draft_step
+from dflash_cli.engine.kernels import native
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
-from dflash_cli.engine.target import exported, standard
+from dflash_cli.engine.target import compiled_step, standard
 from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.engine.text import TextStream
 from dflash_cli.engine.threads import DecodeThreads, decode_threads
@@ -44,12 +45,12 @@ class Session:
     plan: Plan
     models: LoadedModels
     threads: ThreadPlan | None = None  # CPU plans: torch's thread count and why
-    compile: bool = False  # run the target's steps compiled (engine.compiled)
+    compile: bool = False  # run the target's steps compiled (engine.compiled.jit)
     console: Console | None = None  # where a progress line shows while a step compiles
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
     prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
     decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
-    # CPU: the drafter's stored steps (engine.drafter.step) for a drafter loaded later: "load" them, "build" them
+    # CPU: the drafter's stored steps (engine.drafter.compiled_step) for a drafter loaded later: "load" them, "build" them
     # first when missing (--compile on), or "off"
     draft_steps: Literal["off", "load", "build"] = "off"
     build_note: str | None = None  # a background build of the compiled steps: started, running or failed
@@ -81,9 +82,9 @@ class Session:
 
     @property
     def exported(self) -> bool:
-        """Whether one-row steps run the target's stored exported step (engine.target.exported; a step that failed
+        """Whether one-row steps run the target's stored exported step (engine.target.compiled_step; a step that failed
         mid-run has been unloaded)."""
-        return exported.loaded_step(self.target) is not None
+        return compiled_step.loaded_step(self.target) is not None
 
     @property
     def compiled(self) -> bool:
@@ -456,14 +457,12 @@ def cpu_kernels_reason(console: Console | None) -> str:
     """Load dflash's CPU kernels into this process before its first product (compiled first, once per machine, with
     a status line); the --explain line saying which kernels the bf16 products (and the stored step's attention)
     run on."""
-    building = cpu_kernels.pending_build()
+    building = native.pending_build()
     message = "Compiling dflash's CPU kernels (once on this machine, about 10 s)..."
     with console.status(message) if console is not None and building else contextlib.nullcontext():
-        why = cpu_kernels.unavailable()
+        why = native.unavailable()
     if why is None:
-        return (
-            "kernels: bf16 products on dflash's CPU kernels, its attention too in the stored step (engine.cpu_kernels)"
-        )
+        return "kernels: bf16 products on dflash's CPU kernels, its attention too in the stored step (engine.kernels.native)"
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 

@@ -1,6 +1,6 @@
 """A target read from its safetensors tensor by tensor into int4 / int8 layers: no bf16 copy of the model exists.
 
-`from_pretrained` then `engine.quantized.quantize_target` holds the whole model in bf16 before quantizing it: a 27 B
+`from_pretrained` then `engine.kernels.quantized.quantize_target` holds the whole model in bf16 before quantizing it: a 27 B
 model takes 54 GB on the way to 19 GB. Here the model is built with empty weights (accelerate's
 `init_empty_weights`: parameters on the meta device, buffers such as the rotary frequencies computed), and each
 checkpoint tensor is read alone, renamed and converted by the family's own transformers conversion mapping (the
@@ -67,7 +67,7 @@ def load_quantized_target(
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-    from dflash_cli.engine.quantized import Int8Linear, quantizable
+    from dflash_cli.engine.kernels.quantized import Int8Linear, quantizable
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(
@@ -158,7 +158,7 @@ def _place(model: Any, name: str, value: torch.Tensor, kind: str, dtype: torch.d
     layer in the linear's place (the output head int8, whatever `kind`)."""
     from torch import nn
 
-    from dflash_cli.engine.quantized import Int4Linear, Int8Linear, quantizable
+    from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, quantizable
 
     module_name, _, attribute = name.rpartition(".")
     module = model.get_submodule(module_name)

@@ -54,7 +54,7 @@ class Quant(str, Enum):
 
     @property
     def cpu_kernels(self) -> bool:
-        """int4 / int8: quantized on load into engine.quantized's layers, which run on the CPU in bf16 only."""
+        """int4 / int8: quantized on load into engine.kernels.quantized's layers, which run on the CPU in bf16 only."""
         return self in (Quant.INT4, Quant.INT8)
 
     @property

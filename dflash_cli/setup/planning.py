@@ -218,7 +218,7 @@ def _candidates(
     if quant is not None:
         pairs = [(d, quant) for d in dict.fromkeys(d for d, _ in pairs)]
     if quant is not None and quant.cpu_kernels and dtype is None:
-        pairs = [("bfloat16", quant)]  # the packed kernels want bf16 activations (engine.quantized)
+        pairs = [("bfloat16", quant)]  # the packed kernels want bf16 activations (engine.kernels.quantized)
     return pairs
 
 

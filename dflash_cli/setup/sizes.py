@@ -17,7 +17,7 @@ BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4}
 # absmax (256 entries).
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 NF4_BYTES_PER_TENSOR = (16 + 256) * 4
-# CPU weight-only formats (engine.quantized): int4 stores 4 bits per weight and a bf16 scale and zero per group of
+# CPU weight-only formats (engine.kernels.quantized): int4 stores 4 bits per weight and a bf16 scale and zero per group of
 # 32; int8 one byte per weight, and a scale per output channel in the compute dtype (`ParameterCounts` counts them).
 CPU_QUANT_BYTES_PER_PARAM = {"int4": 0.5 + 4 / 32, "int8": 1.0}
 # The runtime beside the model, by device kind. A GPU: the CUDA (or Metal) context, library workspaces and allocator
@@ -48,7 +48,7 @@ class ParameterCounts:
     head: int = 0  # the output head's weight when it is a plain nn.Linear (in `other`, or the embedding when tied)
     head_tied: bool = False  # the head's weight is the input embedding's (counted once, in `other`)
     head_outputs: int = 0  # that head's output channels (int8 holds a scale for each)
-    # Of `linear`, the weights the CPU formats leave in the dtype (engine.quantized.quantizable: subclasses of
+    # Of `linear`, the weights the CPU formats leave in the dtype (engine.kernels.quantized.quantizable: subclasses of
     # nn.Linear, such as a MoE router; for int4 also shapes its packing cannot take); and the output channels of
     # those int8 takes.
     int8_left: int = 0
@@ -62,7 +62,7 @@ class ParameterCounts:
     def nbytes(self, dtype: str, quant: str = "none") -> int:
         """Weight bytes once loaded as `dtype`, the linear layers quantized when `quant` is "nf4", "int4" or
         "int8". NF4 (bitsandbytes) leaves the output head in `dtype`; the CPU formats hold it in int8 whatever
-        `quant`, a tied head as its own int8 copy beside the embedding (engine.quantized.quantize_target)."""
+        `quant`, a tied head as its own int8 copy beside the embedding (engine.kernels.quantized.quantize_target)."""
         dtype_bytes = BYTES_PER_ELEMENT[dtype]
         if quant == "nf4":
             quantized = self.linear * NF4_BYTES_PER_PARAM + self.linear_tensors * NF4_BYTES_PER_TENSOR

@@ -513,7 +513,7 @@ def test_a_target_served_quantized_trains_unquantized(
         f'name = "tiny-int4"\ndescription = "t"\n[target]\nid = "{tiny_qwen3_dir}"\n[gpu_overrides.cpu]\nquant = "int4"\n'
     )
     target, _ = open_target("tiny-int4", "cpu", "bfloat16")
-    assert not [m for m in target.modules() if hasattr(m, "weight_buffers")]  # (engine.quantized's layers)
+    assert not [m for m in target.modules() if hasattr(m, "weight_buffers")]  # (engine.kernels.quantized's layers)
     result = train(options(tiny_qwen3_dir, prompt_file, tmp_path / "run", target="tiny-int4", steps=2, eval_prompts=0))
     assert result.steps == 2 and math.isfinite(result.final_loss)
 

@@ -13,11 +13,11 @@ import transformers.integrations.sdpa_attention as sdpa_module
 from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
-import dflash_cli.engine.compiled as compiled_module
 import dflash_cli.engine.loop as loop_module
 import dflash_cli.engine.target.attention as target_module
 from dflash_cli.engine import SamplingParams, collect, generate
-from dflash_cli.engine.compiled import CompiledStep, run_drafter, run_target
+from dflash_cli.engine.compiled import jit
+from dflash_cli.engine.compiled.jit import CompiledStep, run_drafter, run_target
 from dflash_cli.engine.policy import target_key
 from dflash_cli.engine.target.attention import PACKED_SDPA, packed_sdpa_attention
 from helpers.drafters import OracleDrafter, random_drafter
@@ -231,9 +231,9 @@ def test_inductor_reproduces_the_public_golden_sets(
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(request.config.cache.mkdir("inductor")))
     # The products in inductor's own C++ GEMM kernels over frozen weights, the CPU's compiled path; autotuning
     # each tiny shape against MKL as well would double this test's minutes (MKL's products are the eager path's).
-    options = {**compiled_module.CPU_INDUCTOR_OPTIONS, "max_autotune_gemm_backends": "CPP"}
-    monkeypatch.setattr(compiled_module, "CPU_INDUCTOR_OPTIONS", options)
-    monkeypatch.setattr(compiled_module, "_STEPS", {})
+    options = {**jit.CPU_INDUCTOR_OPTIONS, "max_autotune_gemm_backends": "CPP"}
+    monkeypatch.setattr(jit, "CPU_INDUCTOR_OPTIONS", options)
+    monkeypatch.setattr(jit, "_STEPS", {})
     shown: list[str] = []
     check_golden_sets(["qwen3-tiny", "qwen3-tiny-swa", "qwen3-tiny-dflash2"], shown)
     assert any("draft step" in m for m in shown) and any("target step for blocks of 8" in m for m in shown)

@@ -1,4 +1,4 @@
-"""engine/cpu_kernels.py: dflash's bf16 CPU kernels, built here (the C++ compiler), against float references, and
+"""engine/kernels/native.py: dflash's bf16 CPU kernels, built here (the C++ compiler), against float references, and
 the rule the engine rests on: a row's bits never depend on the rows around it, the row count or the threads."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from dflash_cli.engine import cpu_kernels
+from dflash_cli.engine.kernels import native
 
 
 @pytest.fixture(autouse=True)
 def kernels(request: pytest.FixtureRequest) -> None:
     """The ops' tests need the kernels built and loaded here (not at collection: a build takes seconds)."""
-    if "needs_no_kernels" not in request.keywords and not cpu_kernels.available():
-        pytest.skip(f"dflash's CPU kernels: {cpu_kernels.unavailable()}")
+    if "needs_no_kernels" not in request.keywords and not native.available():
+        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
 
 
 @pytest.fixture(params=[1, 2])
@@ -123,10 +123,10 @@ def test_attention_refuses_what_it_cannot_read() -> None:
 @pytest.mark.needs_no_kernels
 def test_the_environment_switches_them_off() -> None:
     """`DFLASH_CPU_KERNELS=0`: the process keeps torch's kernels and says why."""
-    code = "from dflash_cli.engine import cpu_kernels; print(cpu_kernels.available(), cpu_kernels.unavailable())"
-    env = {**os.environ, cpu_kernels.ENVIRONMENT: "0"}
+    code = "from dflash_cli.engine.kernels import native; print(native.available(), native.unavailable())"
+    env = {**os.environ, native.ENVIRONMENT: "0"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert done.stdout.split() == ["False", f"{cpu_kernels.ENVIRONMENT}=0"]
+    assert done.stdout.split() == ["False", f"{native.ENVIRONMENT}=0"]
 
 
 @pytest.mark.slow
@@ -134,11 +134,11 @@ def test_the_environment_switches_them_off() -> None:
 def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiler that fails: a warning naming the failure, torch's kernels, nothing half-written in the cache."""
     code = (
-        "import warnings; from pathlib import Path; from dflash_cli.engine import cpu_kernels, compiled\n"
-        f"compiled.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
+        "import warnings; from pathlib import Path; from dflash_cli.engine.compiled import jit; from dflash_cli.engine.kernels import native\n"
+        f"jit.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
         "with warnings.catch_warnings(record=True) as seen:\n"
         "    warnings.simplefilter('always')\n"
-        "    print(cpu_kernels.available())\n"
+        "    print(native.available())\n"
         "print(seen[0].message)\n"
         "print(sorted(p.name for p in Path(%r).rglob('*') if p.is_file()))\n" % str(tmp_path)
     )
@@ -150,10 +150,10 @@ def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.Monke
     assert [name for name in ast.literal_eval(lines[2]) if not name.endswith(".failed")] == []  # no library at all
     # the next start reads the failure without building or warning again, and says it
     again = (
-        "import warnings; from pathlib import Path; from dflash_cli.engine import cpu_kernels, compiled\n"
-        f"compiled.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
+        "import warnings; from pathlib import Path; from dflash_cli.engine.compiled import jit; from dflash_cli.engine.kernels import native\n"
+        f"jit.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
         "warnings.simplefilter('error')\n"
-        "print(cpu_kernels.pending_build(), cpu_kernels.available()); print(cpu_kernels.unavailable())\n"
+        "print(native.pending_build(), native.available()); print(native.unavailable())\n"
     )
     done = subprocess.run([sys.executable, "-c", again], capture_output=True, text=True, env=env, check=True)
     first, reason = done.stdout.splitlines()
@@ -173,9 +173,9 @@ def test_a_build_deletes_the_libraries_of_earlier_sources(tmp_path) -> None:
     for path in stale:
         path.write_text("from an earlier dflash")
     code = (
-        "from pathlib import Path; from dflash_cli.engine import cpu_kernels, compiled\n"
-        f"compiled.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
-        "print(cpu_kernels.available(), cpu_kernels.library_path().name)\n"
+        "from pathlib import Path; from dflash_cli.engine.compiled import jit; from dflash_cli.engine.kernels import native\n"
+        f"jit.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
+        "print(native.available(), native.library_path().name)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     built, name = done.stdout.split()

@@ -1,4 +1,4 @@
-"""The drafter's exported steps (AOTInductor, engine.drafter.step): the eager drafter's numbers for one sequence and
+"""The drafter's exported steps (AOTInductor, engine.drafter.compiled_step): the eager drafter's numbers for one sequence and
 for several rows of a batch (bit-equal in bf16), the golden sets in float32 through them and the target's step, a
 failed call falling back to the eager forward, the cost key, and packages stored once and pruned."""
 
@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_cli.engine import SamplingParams, collect, generate
-from dflash_cli.engine.drafter import step as draft_step
+from dflash_cli.engine.drafter import compiled_step as draft_step
 from dflash_cli.engine.drafter.model import make_drafter
-from dflash_cli.engine.kernels import use_cpu_products
-from dflash_cli.engine.target import exported
+from dflash_cli.engine.kernels.layers import use_cpu_products
+from dflash_cli.engine.target import compiled_step
 from dflash_cli.loading.compiled_steps import load_exported_step
 from helpers.drafters import drafter_config, random_drafter
 from helpers.golden import FIXTURES, GOLDEN_SETS, check_golden_sets
@@ -146,7 +146,7 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
     assert set(FORMAT_SETS) <= set(GOLDEN_SETS)
     target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
     use_cpu_products(target)
-    assert exported.exported_step(target, build_missing=True) is not None
+    assert compiled_step.exported_step(target, build_missing=True) is not None
     ran = []
     call = draft_step.ExportedDraftStep.one_sequence
     monkeypatch.setattr(draft_step.ExportedDraftStep, "one_sequence", lambda s, *a: ran.append(1) or call(s, *a))
@@ -157,7 +157,7 @@ def test_golden_sets_through_both_exported_steps(monkeypatch: pytest.MonkeyPatch
     try:
         check_golden_sets(["qwen3-tiny", *FORMAT_SETS], compile=False, target=target, prepare=prepare)
     finally:
-        exported.unload(target)
+        compiled_step.unload(target)
     assert len(ran) > 100
 
 
@@ -190,9 +190,9 @@ def test_without_dflash_kernels_the_steps_round_as_eager_does(monkeypatch: pytes
     """bf16 products on MKL (another CPU, no compiler): a one-row context product runs as two in eager, and so in the
     steps (a package of its own: the key differs); every call bit-equal to the eager forward, one-row contexts
     included."""
-    from dflash_cli.engine import cpu_kernels
+    from dflash_cli.engine.kernels import native
 
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     target = build_tiny("qwen3", 2).to(torch.bfloat16)
     use_cpu_products(target)
     drafter = _drafter(target, "classic", None, torch.bfloat16)
@@ -249,14 +249,14 @@ def test_a_loaded_draft_step_changes_the_cost_key() -> None:
 
 @pytest.mark.slow
 def test_a_later_start_loads_the_stored_draft_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stored once (a build deletes its kind's packages another build left: `packages.prune`), found by a later load
+    """Stored once (a build deletes its kind's packages another build left: `stored.prune`), found by a later load
     (a drafter of the same shapes: any checkpoint of them, bound to its own weights); a load without building finds
     nothing for other shapes; the reason line names the packages."""
-    from dflash_cli.engine import packages
+    from dflash_cli.engine.compiled import stored
 
     target = build_tiny("qwen3", 2)
     first = random_drafter(target, seed=2, block_size=4, num_layers=2)
-    stale = packages.packages_dir() / f"draftrows-{'0' * 8}-{'c' * 16}.pt2"
+    stale = stored.packages_dir() / f"draftrows-{'0' * 8}-{'c' * 16}.pt2"
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_bytes(b"a package another build made")
     step, why = load_exported_step(first, build=True, console=None, part="drafter")
@@ -278,7 +278,7 @@ def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:
     """Packages are named `{kind}-{build}-{model}`: `prune` removes the packages of a kind that another build
     (versions, code, CPU) made, those named before builds were named and the scratch directories of builds killed
     an hour ago; it keeps this build's other models, other kinds and a build running now."""
-    from dflash_cli.engine import packages
+    from dflash_cli.engine.compiled import stored
 
     path = tmp_path / f"drafter-{'1' * 8}-{'e' * 16}.pt2"
     kept = [tmp_path / f"drafter-{'1' * 8}-{'a' * 16}.pt2", tmp_path / f"qwen3-{'0' * 8}-{'b' * 16}.pt2"]
@@ -290,6 +290,6 @@ def test_pruning_keeps_this_builds_packages_and_other_kinds(tmp_path) -> None:
         scratch.mkdir()
         (scratch / path.name).write_bytes(b"half a package")
     os.utime(killed, (time.time() - 7200, time.time() - 7200))
-    assert sorted(packages.prune(path)) == sorted(stale)
+    assert sorted(stored.prune(path)) == sorted(stale)
     assert sorted(tmp_path.glob("*.pt2")) == sorted([path, *kept])
     assert not killed.exists() and building.exists()  # (one still running, perhaps)

@@ -1,4 +1,4 @@
-"""The target's exported step (AOTInductor, engine.target.exported): built once, stored, loaded by later starts, and
+"""The target's exported step (AOTInductor, engine.target.compiled_step): built once, stored, loaded by later starts, and
 decoding exactly: the golden sets in float32, a block's rows bit-equal to one-token steps in bf16, the standard
 step itself bit-equal to transformers' eager forward in bf16."""
 
@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
-from dflash_cli.engine import SamplingParams, collect, cpu_kernels, generate
-from dflash_cli.engine.kernels import use_cpu_products
-from dflash_cli.engine.quantized import quantize_target
-from dflash_cli.engine.target import exported, rounding_cause, standard
+from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine.kernels import native
+from dflash_cli.engine.kernels.layers import use_cpu_products
+from dflash_cli.engine.kernels.quantized import quantize_target
+from dflash_cli.engine.target import compiled_step, rounding_cause, standard
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.standard import StandardStep
 from dflash_cli.loading.compiled_steps import load_exported_step
@@ -30,7 +31,7 @@ from helpers.tiny_models import build_tiny, hf_greedy, int4_packable_tiny, make_
 
 def _eager(target) -> None:
     """Forget the loaded step: the target runs transformers' eager forward again."""
-    exported.unload(target)
+    compiled_step.unload(target)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def int4_target():
     model.set_attn_implementation("eager")
     quantize_target(model, "int4", torch.bfloat16)
     use_cpu_products(model)
-    step = exported.exported_step(model, build_missing=True)
+    step = compiled_step.exported_step(model, build_missing=True)
     assert step is not None and step.path.exists()
     yield model
     _eager(model)
@@ -52,7 +53,7 @@ def _dense_bf16_target():
     model = build_tiny("llama", 6, intermediate_size=8960, head_dim=32).to(torch.bfloat16)
     model.set_attn_implementation("eager")
     use_cpu_products(model)
-    assert exported.exported_step(model, build_missing=True) is not None
+    assert compiled_step.exported_step(model, build_missing=True) is not None
     return model
 
 
@@ -101,7 +102,7 @@ def test_a_block_computes_each_row_as_one_token_steps_do(which: str, request: py
     """bf16 through the package: every row of a verify block is bit-equal to the one-token step at its position, so
     drafting changes no token (the exported step is batch-invariant by itself)."""
     target = request.getfixturevalue(which)
-    if which == "bf16_target" and cpu_kernels.available():
+    if which == "bf16_target" and native.available():
         assert StandardStep(target).fused_attention  # dflash's attention and products in the graph
     _assert_blocks_are_one_token_steps(target)
 
@@ -110,7 +111,7 @@ def test_a_block_computes_each_row_as_one_token_steps_do(which: str, request: py
 def test_without_dflash_kernels_the_package_runs_mkl_and_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process without dflash's kernels (another CPU, no compiler): MKL's products in the graph, a one-row block
     run as two, and still every row of a block bit-equal to one-token steps (a package of its own: the key differs)."""
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     target = _dense_bf16_target()
     try:
         step = StandardStep(target)
@@ -139,7 +140,7 @@ def _assert_blocks_are_one_token_steps(target) -> None:
             for q, logits in blocks.items():
                 for i in range(q):
                     assert torch.equal(logits[i], ones[i]), (start, q, i)
-    assert state.exported is not None and exported.loaded_step(target) is not None
+    assert state.exported is not None and compiled_step.loaded_step(target) is not None
 
 
 @pytest.mark.slow
@@ -155,7 +156,7 @@ def test_exported_decoding_is_eager_decoding(int4_target) -> None:
         for block in (2, 8):
             drafted = [collect(generate(int4_target, drafter, p, params, block_size=block)).token_ids for p in prompts]
             assert drafted == through, block
-    assert exported.loaded_step(int4_target) is not None
+    assert compiled_step.loaded_step(int4_target) is not None
     assert through == [hf_greedy(int4_target, p, 24) for p in prompts]
 
 
@@ -171,9 +172,9 @@ def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest
     alone = [collect(generate(target, None, p, params)).token_ids for p in prompts]
     assert [collect(generate(target, drafter, p, params)).token_ids for p in prompts] == alone
     calls = []
-    call = exported.ExportedStep.__call__
+    call = compiled_step.ExportedStep.__call__
     monkeypatch.setattr(
-        exported.ExportedStep, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a)
+        compiled_step.ExportedStep, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a)
     )
     monkeypatch.setattr(AttentionState, "_masks", lambda *a: pytest.fail("a batched step ran eagerly"))
     for with_drafter in (None, drafter):
@@ -186,7 +187,7 @@ def test_a_batch_runs_every_step_through_the_package(which: str, request: pytest
 @pytest.mark.slow
 def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loaded step raising mid-generation: a warning, and the same tokens from the eager forward."""
-    step = exported.loaded_step(int4_target)
+    step = compiled_step.loaded_step(int4_target)
     params = SamplingParams(max_new_tokens=12)
     expected = collect(generate(int4_target, None, [5, 17, 42], params)).token_ids
     refusing = SimpleNamespace(boxed_run=lambda flat: (_ for _ in ()).throw(RuntimeError("shape guard")))
@@ -194,10 +195,10 @@ def test_a_step_the_package_refuses_runs_eagerly_from_then_on(int4_target, monke
     try:
         with pytest.warns(UserWarning, match="exported target step failed .shape guard.; running it eagerly"):
             assert collect(generate(int4_target, None, [5, 17, 42], params)).token_ids == expected
-        assert exported.loaded_step(int4_target) is None
+        assert compiled_step.loaded_step(int4_target) is None
     finally:
         monkeypatch.undo()
-        exported._LOADED[int4_target] = step
+        compiled_step._LOADED[int4_target] = step
 
 
 @pytest.mark.slow
@@ -207,12 +208,12 @@ def test_a_loaded_step_changes_the_cost_key(int4_target) -> None:
 
     with_step = target_key(int4_target, compile=False)
     assert with_step["exported"] and rounding_cause(int4_target) is None
-    step = exported.loaded_step(int4_target)
+    step = compiled_step.loaded_step(int4_target)
     _eager(int4_target)
     try:
         assert not target_key(int4_target, compile=False)["exported"] and rounding_cause(int4_target) is None
     finally:
-        exported._LOADED[int4_target] = step
+        compiled_step._LOADED[int4_target] = step
 
 
 @pytest.mark.slow
@@ -221,10 +222,10 @@ def test_every_golden_set_through_the_exported_step(monkeypatch: pytest.MonkeyPa
     blocks of every size) run by the package."""
     target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
     use_cpu_products(target)
-    assert exported.exported_step(target, build_missing=True) is not None
+    assert compiled_step.exported_step(target, build_missing=True) is not None
     ran = []
-    call = exported.ExportedStep.__call__
-    monkeypatch.setattr(exported.ExportedStep, "__call__", lambda self, *a: ran.append(1) or call(self, *a))
+    call = compiled_step.ExportedStep.__call__
+    monkeypatch.setattr(compiled_step.ExportedStep, "__call__", lambda self, *a: ran.append(1) or call(self, *a))
     try:
         check_golden_sets(["qwen3-tiny", *GOLDEN_SETS], compile=False, target=target)
     finally:
@@ -234,25 +235,25 @@ def test_every_golden_set_through_the_exported_step(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.slow
 def test_a_later_start_loads_the_stored_package(int4_target, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = exported.loaded_step(int4_target).path
+    path = compiled_step.loaded_step(int4_target).path
     _eager(int4_target)
-    monkeypatch.setattr(exported, "build", lambda *a: pytest.fail("built again"))
-    assert exported.exported_step(int4_target, build_missing=False).path == path
+    monkeypatch.setattr(compiled_step, "build", lambda *a: pytest.fail("built again"))
+    assert compiled_step.exported_step(int4_target, build_missing=False).path == path
     # a model of other shapes has no package yet: without building, none
     other = int4_packable_tiny("qwen3", 3, vocab_size=320).to(torch.bfloat16)
     quantize_target(other, "int4", torch.bfloat16)
-    assert exported.package_path(other) != path and exported.exported_step(other, build_missing=False) is None
+    assert compiled_step.package_path(other) != path and compiled_step.exported_step(other, build_missing=False) is None
 
 
 @pytest.mark.slow
 def test_a_broken_package_leaves_the_target_eager_until_built_again() -> None:
     model = build_tiny("llama", 5).to(torch.bfloat16)
-    path = exported.package_path(model)
+    path = compiled_step.package_path(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"not a package")
     with pytest.warns(UserWarning, match="compiled step failed to build or load .*running it eagerly"):
         step, why = load_exported_step(model, build=False, console=None)
-    assert step is None and "failed" in why and exported.loaded_step(model) is None
+    assert step is None and "failed" in why and compiled_step.loaded_step(model) is None
     state = AttentionState(model)
     state.reserve(16, 2, ())
     assert state.exported is None
@@ -272,7 +273,7 @@ def test_a_broken_package_leaves_the_target_eager_until_built_again() -> None:
 def test_other_families_have_no_exported_step(family: str, fields: dict, why: str) -> None:
     model = build_tiny(family, 0, **fields)
     assert why in standard.unsupported(model)
-    assert exported.exported_step(model, build_missing=True) is None
+    assert compiled_step.exported_step(model, build_missing=True) is None
 
 
 @pytest.mark.slow
@@ -289,7 +290,7 @@ def test_pull_builds_it_once_and_every_later_start_loads_it(tmp_path: Path, monk
     later = CliRunner().invoke(app, common)
     assert later.exit_code == 0, later.output
     assert "compiled step stored" in later.stderr and "exported step: the target's step runs" in later.stderr
-    monkeypatch.setattr(exported, "build", lambda *a: pytest.fail("built again"))
+    monkeypatch.setattr(compiled_step, "build", lambda *a: pytest.fail("built again"))
     again = CliRunner().invoke(app, [*common, "--compile", "on"])
     assert again.exit_code == 0 and "exported step: the target's step runs" in again.stderr
     assert later.stdout == again.stdout  # (eager may round a near-tie otherwise: rounding_cause says so)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from dflash_cli.engine.compiled import CACHE_ARGUMENT
+from dflash_cli.engine.compiled.jit import CACHE_ARGUMENT
 from dflash_cli.engine.target.hybrid import LinearStateRollback, RecordingLinearLayer, hybrid_cache, linear_cache_layers
 from helpers.tiny_models import build_tiny
 

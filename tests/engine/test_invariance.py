@@ -1,6 +1,6 @@
 """Batch invariance in bf16 on a CPU: a row's tokens do not depend on what its steps compute it with.
 
-With eager attention (the CPU plan's default) and one-row bf16 products run as two (engine.kernels), a row's
+With eager attention (the CPU plan's default) and one-row bf16 products run as two (engine.kernels.layers), a row's
 numbers are the same bits whatever its step holds: one token or a verify block of any size, alone or beside
 other rows of other lengths, its prompt prefilled whole, in chunks, or continued from a kept prefix. So greedy
 text equals the baseline's and the same request alone, and seeded sampling reproduces, in bf16 as in float32.
@@ -14,8 +14,9 @@ import functools
 import pytest
 import torch
 
-from dflash_cli.engine import SamplingParams, collect, cpu_kernels, generate
-from dflash_cli.engine.kernels import INVARIANT_EAGER, invariant_eager_attention, use_cpu_products
+from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine.kernels import native
+from dflash_cli.engine.kernels.layers import INVARIANT_EAGER, invariant_eager_attention, use_cpu_products
 from dflash_cli.engine.policy import FixedBlock
 from dflash_cli.engine.target import attention
 from helpers.drafters import random_drafter
@@ -131,7 +132,7 @@ def test_the_engines_eager_attention_runs_one_query_as_two(monkeypatch: pytest.M
 
     monkeypatch.setattr(family, "eager_attention_forward", spy)
     tokens = alone(target, None, PROMPTS[1], SamplingParams(max_new_tokens=6))
-    assert target.config._attn_implementation == INVARIANT_EAGER  # the engine switched it (engine.kernels)
+    assert target.config._attn_implementation == INVARIANT_EAGER  # the engine switched it (engine.kernels.layers)
     assert seen and 1 not in seen and seen.count(2) >= 5 * target.config.num_hidden_layers
     assert tokens == alone(target, drafter, PROMPTS[1], SamplingParams(max_new_tokens=6), 3)
 
@@ -163,13 +164,13 @@ def test_a_hybrids_prefill_in_chunks_carries_its_recurrent_states(monkeypatch: p
 
 @functools.cache
 def wide_heads_target(family: str, seed: int):
-    """`bf16_target` with heads 32 wide: the engine's eager attention runs dflash's fused kernel on it (engine.kernels)."""
+    """`bf16_target` with heads 32 wide: the engine's eager attention runs dflash's fused kernel on it (engine.kernels.layers)."""
     model = build_tiny(family, seed, head_dim=32).to(torch.bfloat16)
     model.set_attn_implementation("eager")
     return model
 
 
-fused_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="dflash's CPU kernels are not built here")
+fused_kernel = pytest.mark.skipif(not native.available(), reason="dflash's CPU kernels are not built here")
 
 
 @fused_kernel

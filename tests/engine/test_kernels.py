@@ -1,4 +1,4 @@
-"""engine/kernels.py: the few-row products of decoding on a CPU (float32: `W @ x.T` for 2-9 rows; bf16: dflash's
+"""engine/kernels/layers.py: the few-row products of decoding on a CPU (float32: `W @ x.T` for 2-9 rows; bf16: dflash's
 kernel, or MKL with one row as two)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine import cpu_kernels
-from dflash_cli.engine.kernels import SMALL_ROWS, SmallRowLinear, use_cpu_products
+from dflash_cli.engine.kernels import native
+from dflash_cli.engine.kernels.layers import SMALL_ROWS, SmallRowLinear, use_cpu_products
 from helpers.drafters import random_drafter
 from helpers.tiny_models import hf_greedy, sharp_tiny
 
@@ -70,10 +70,10 @@ def test_only_plain_float32_and_bf16_cpu_linears_switch() -> None:
 @pytest.fixture(params=["dflash", "mkl"])
 def bf16_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each kernel a bf16 product may run on: dflash's (where this machine has it) and MKL's."""
-    if request.param == "dflash" and not cpu_kernels.available():
-        pytest.skip(f"dflash's CPU kernels: {cpu_kernels.unavailable()}")
+    if request.param == "dflash" and not native.available():
+        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
     if request.param == "mkl":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+        monkeypatch.setattr(native, "available", lambda: False)
     return request.param
 
 
@@ -123,7 +123,7 @@ def test_a_switched_bf16_linear_carries_gradients(bf16_kernel: str) -> None:
 
 def test_bf16_rows_agree_whatever_the_row_count(bf16_kernel: str) -> None:
     """The rule the engine's batch invariance rests on, checked on this machine for each kernel: a bf16 row's output
-    is the same bits alone, in a block, or in a prefill-sized product (engine.kernels). MKL's one-row kernel
+    is the same bits alone, in a block, or in a prefill-sized product (engine.kernels.layers). MKL's one-row kernel
     rounds otherwise for some weight addresses: the weight sits at several offsets into a buffer."""
     for seed in (0, 1):
         torch.manual_seed(seed)

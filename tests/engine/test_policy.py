@@ -290,7 +290,7 @@ def test_costs_and_history_are_cached_per_key(block_costs_cache):
 
 def test_a_quantized_target_gets_its_own_step_costs() -> None:
     """int4 weights keep the target's config and activation dtype, but not its step costs."""
-    from dflash_cli.engine.quantized import quantize_target
+    from dflash_cli.engine.kernels.quantized import quantize_target
 
     target = AutoModelForCausalLM.from_config(
         Qwen3Config(

@@ -1,4 +1,4 @@
-"""engine/quantized.py: int4 / int8 weight-only linears on torch's packed CPU kernels."""
+"""engine/kernels/quantized.py: int4 / int8 weight-only linears on torch's packed CPU kernels."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import transformers
 from torch import nn
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine import quantized
-from dflash_cli.engine.quantized import (
+from dflash_cli.engine.kernels import quantized
+from dflash_cli.engine.kernels.quantized import (
     GROUP_SIZE,
     Int4Linear,
     Int8Linear,

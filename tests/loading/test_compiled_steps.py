@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cli.engine import packages
+from dflash_cli.engine.compiled import stored
 from dflash_cli.loading.compiled_steps import ENVIRONMENT
 from dflash_cli.loading.session import open_session
 from dflash_cli.setup.options import RunOptions
@@ -22,7 +22,7 @@ def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     monkeypatch.setenv(ENVIRONMENT, "1")
-    monkeypatch.setattr(packages, "packages_dir", lambda: packages.compile_cache_dir() / "exported")
+    monkeypatch.setattr(stored, "packages_dir", lambda: stored.compile_cache_dir() / "exported")
     return cache
 
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine.quantized import Int4Linear, Int8Linear, quantize_target
+from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, quantize_target
 from dflash_cli.loading import gguf as demo
 from dflash_cli.loading.models import load_models
 from dflash_cli.setup.planning import Plan

@@ -92,7 +92,7 @@ def test_nf4_on_cpu_through_bitsandbytes(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_cpu_weight_only_quant_loads_packed_linears_in_bf16(tiny_qwen3_dir: Path, quant: str) -> None:
-    from dflash_cli.engine.quantized import Int4Linear, Int8Linear
+    from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear
     from dflash_cli.setup.sizes import module_weight_bytes
 
     model = load_target(tiny_qwen3_dir, cpu_plan("bfloat16", quant))

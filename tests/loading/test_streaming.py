@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from dflash_cli.engine.quantized import Int4Linear, Int8Linear, quantize_target
+from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, quantize_target
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.checkpoint import read_checkpoint
 from dflash_cli.loading.models import load_target
@@ -160,7 +160,7 @@ torch.set_num_threads(1)
 from dflash_cli.loading.models import load_target
 from dflash_cli.setup.planning import Plan
 from dflash_cli.setup.sizes import module_weight_bytes
-from dflash_cli.engine.quantized import quantize_target
+from dflash_cli.engine.kernels.quantized import quantize_target
 from transformers import AutoModelForCausalLM
 
 def status(field):

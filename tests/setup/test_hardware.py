@@ -187,7 +187,7 @@ def test_forced_nf4_on_cpu_is_honoured_with_a_warning() -> None:
 
 
 def test_a_cpu_plan_runs_eager_attention_and_says_why() -> None:
-    """Eager attention on a CPU: a row's numbers then do not depend on the step's shape (engine.kernels); a recipe's
+    """Eager attention on a CPU: a row's numbers then do not depend on the step's shape (engine.kernels.layers); a recipe's
     override still wins, and GPUs keep the fused kernel."""
     plan = make_plan(CPU_64, get_recipe("demo"))
     assert plan.attn_implementation == "eager"

@@ -137,7 +137,7 @@ def test_prefill_activations_are_the_last_chunks_scores_or_its_mlp() -> None:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_the_estimates_prefill_chunks_are_the_engines(attn: str) -> None:
     """setup.sizes (torch-free) counts the chunks engine.target.attention prefills in: one rule, held equal here."""
-    from dflash_cli.engine.kernels import use_cpu_products
+    from dflash_cli.engine.kernels.layers import use_cpu_products
     from dflash_cli.engine.target.attention import AttentionState
     from helpers.tiny_models import build_tiny
 

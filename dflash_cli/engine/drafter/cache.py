@@ -9,7 +9,7 @@ one table per slot says which position each ring row holds (every sliding layer 
 the mask drops the rest. Buffers are zeros: attention multiplies masked rows by a zero weight, and a NaN left in
 memory there would survive the mask.
 
-Two ways to write it, one per forward kind (on a CPU the drafter's stored steps, engine.drafter.step, run both
+Two ways to write it, one per forward kind (on a CPU the drafter's stored steps, engine.drafter.compiled_step, run both
 with the same writes):
 - a forward over one sequence (`DraftCache.update`, the compiled draft step's path) writes its new context and
   block rows after `length` in slot 0; `length` then moves past the context only, so the block's rows are never
@@ -30,7 +30,7 @@ import torch
 from dflash_cli.engine.target.base import cache_zeros
 
 if TYPE_CHECKING:
-    from dflash_cli.engine.compiled import CompiledStep, Notify
+    from dflash_cli.engine.compiled.jit import CompiledStep, Notify
     from dflash_cli.engine.drafter.config import DrafterConfig
 
 
@@ -85,7 +85,7 @@ class DraftCache:
         )
         self.length = 0  # a single sequence's committed context (slot 0, `update`)
         self.device = device or torch.device("cpu")  # where the drafter runs (its buffers)
-        self.step: CompiledStep | None = None  # the compiled draft step (engine.compiled) of a single sequence
+        self.step: CompiledStep | None = None  # the compiled draft step (engine.compiled.jit) of a single sequence
         self.notify: Notify | None = None
 
     def make_room(self, capacity: int) -> None:

@@ -23,11 +23,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash_cli.engine.compiled import run_drafter
+from dflash_cli.engine.compiled.jit import run_drafter
 from dflash_cli.engine.drafter.cache import DraftCache, SlotsForward
+from dflash_cli.engine.drafter.compiled_step import loaded_draft_step, unload
 from dflash_cli.engine.drafter.config import DrafterConfig
 from dflash_cli.engine.drafter.layers import CandidateSelector, DraftLayer, rotation
-from dflash_cli.engine.drafter.step import loaded_draft_step, unload
 from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError
 
@@ -159,7 +159,7 @@ class DFlashDrafter(nn.Module):
         0 .. n-1). A one-slot cache holds a single sequence whose committed context ends where its new context
         starts (`cache.length`); with `cache.step` set (and no stored step) its calls after the first (which reads
         the whole prompt) run compiled. A cache of several slots drafts all its rows in one forward of the layers
-        (`SlotsForward`). On a CPU with the drafter's stored steps loaded (engine.drafter.step), either runs them.
+        (`SlotsForward`). On a CPU with the drafter's stored steps loaded (engine.drafter.compiled_step), either runs them.
         """
         if cache.slots == 1:
             (context,), (start,) = features, starts

@@ -9,10 +9,10 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.kernels import EAGER
+from dflash_cli.engine.kernels.layers import EAGER
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.base import compute_dtype
-from dflash_cli.engine.target.exported import loaded_step
+from dflash_cli.engine.target.compiled_step import loaded_step
 from dflash_cli.engine.target.hybrid import HybridState, linear_cache_layers
 
 _STATES: weakref.WeakKeyDictionary[PreTrainedModel, AttentionState] = weakref.WeakKeyDictionary()
@@ -49,7 +49,7 @@ def release_state(state: AttentionState) -> None:
 def rounding_cause(target: PreTrainedModel, compiled: bool = False) -> str | None:
     """Why a row's logits depend on how its step is shaped here (one token or a verify block, alone or beside other
     rows, its prompt whole or in chunks); None where they do not: bf16 compute on a CPU, eager attention (the engine
-    runs it as INVARIANT_EAGER there), attention layers only, no fused expert weights, eager steps (engine.kernels:
+    runs it as INVARIANT_EAGER there), attention layers only, no fused expert weights, eager steps (engine.kernels.layers:
     one-row bf16 products and one-query attention run as two; the int4/int8 kernels agree at every row count); or
     bf16 through the stored exported step (one graph for every step, whose kernels give a row the same bits)."""
     device = target.get_input_embeddings().weight.device

@@ -44,8 +44,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dflash_cli.engine.compiled import CACHE_ARGUMENT, CompiledStep, Notify, compiled_step, run_target
-from dflash_cli.engine.kernels import EAGER
+from dflash_cli.engine.compiled.jit import CACHE_ARGUMENT, CompiledStep, Notify, compiled_step, run_target
+from dflash_cli.engine.kernels.layers import EAGER
 from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
@@ -57,7 +57,7 @@ from dflash_cli.engine.target.base import (
     context_window,
     target_decoder_layers,
 )
-from dflash_cli.engine.target.exported import ExportedStep, loaded_step, unload
+from dflash_cli.engine.target.compiled_step import ExportedStep, loaded_step, unload
 
 # Positions a state reserves at least, so that consecutive requests (a growing chat) rarely reallocate. On CPU
 # the buffers are allocated but untouched pages cost no memory; the planner reserves an 8k-token KV cache too.
@@ -65,7 +65,7 @@ MIN_CAPACITY = 8192
 # A prefill runs in chunks of at most MAX_PREFILL_CHUNK queries (its products are then as fast per row as a whole
 # prompt's, and its MLP's activations bounded); eager attention holds a forward's scores [heads, queries, keys] in
 # float32 (a softmax and a bf16 copy beside: 12 bytes each) per layer, so with it a chunk keeps them near
-# PREFILL_SCORES_BYTES. Chunking changes no row's numbers (engine.kernels, eager attention). setup.sizes counts the
+# PREFILL_SCORES_BYTES. Chunking changes no row's numbers (engine.kernels.layers, eager attention). setup.sizes counts the
 # same rule (a test holds them equal).
 PREFILL_SCORES_BYTES = 256 * 2**20
 MAX_PREFILL_CHUNK = 512

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.kernels import EAGER
+from dflash_cli.engine.kernels.layers import EAGER
 from dflash_cli.errors import DflashError
 
 

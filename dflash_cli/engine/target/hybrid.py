@@ -51,7 +51,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from dflash_cli.engine.compiled import Notify
+from dflash_cli.engine.compiled.jit import Notify
 from dflash_cli.engine.target.attention import AttentionState
 
 RULE = "torch_chunk_gated_delta_rule"  # the module-level kernel transformers' Gated DeltaNet layers call

@@ -1,5 +1,5 @@
 """The target's forward for the standard decoder families (Llama, Mistral, Qwen2, Qwen3), over rows of an
-`AttentionState`'s K/V buffers, in the form `torch.export` takes: tensors in, tensors out. engine/target/exported.py
+`AttentionState`'s K/V buffers, in the form `torch.export` takes: tensors in, tensors out. engine/target/compiled_step.py
 exports and compiles it once (AOTInductor) so that a CPU step runs without the Python and dispatch cost of the
 eager forward: hundreds of small ops a step, half of a 2-core CPU's plain step for the demo target.
 
@@ -8,12 +8,12 @@ rotary function, in the order transformers' eager forward calls them, with three
 numbers as they are:
 
 - grouped-query attention folds the query heads of a KV head into the rows of one product (no repeated K/V), or
-  of one call of dflash's attention kernel (bf16 with `engine.cpu_kernels`); on the product, one query head per
-  KV head runs its rows twice, as `engine.kernels` runs a one-row bf16 product;
+  of one call of dflash's attention kernel (bf16 with `engine.kernels.native`); on the product, one query head per
+  KV head runs its rows twice, as `engine.kernels.layers` runs a one-row bf16 product;
 - each query's position comes in (`positions`, per row): the rotation, where its K/V is written, and which keys
   it sees follow from it, so rows of different lengths run together (a batch's verify step) and each row's
   numbers are those of the row alone;
-- where bf16 products run on MKL (`engine.kernels.Bf16Linear` without dflash's kernel), the block's last row runs
+- where bf16 products run on MKL (`engine.kernels.layers.Bf16Linear` without dflash's kernel), the block's last row runs
   twice, so that none has one row (MKL's one-row bf16 product rounds otherwise; in a traced graph the layer cannot
   branch on the row count).
 
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from dflash_cli.engine import cpu_kernels
-from dflash_cli.engine.kernels import family_function, one_row_runs_twice, plain_attention, use_cpu_products
+from dflash_cli.engine.kernels import native
+from dflash_cli.engine.kernels.layers import family_function, one_row_runs_twice, plain_attention, use_cpu_products
 from dflash_cli.engine.target.base import compute_dtype
 
 # Rope types whose frequencies change with the sequence length at run time (not a constant of the graph).
@@ -61,7 +61,7 @@ class StandardStep(nn.Module):
         why = unsupported(target)
         if why is not None:
             raise ValueError(f"no standard step for {type(target).__name__}: {why}")
-        use_cpu_products(target)  # the products the engine runs (engine.kernels), traced as they will run
+        use_cpu_products(target)  # the products the engine runs (engine.kernels.layers), traced as they will run
         self.target = target
         config = target.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -69,11 +69,11 @@ class StandardStep(nn.Module):
         self.fold = self.heads // self.kv_heads  # query heads per KV head
         self.copies = max(self.fold, 2)  # rows per KV head and query: a single row runs twice
         self.extra = int(one_row_runs_twice(target))  # rows the products add
-        # bf16 attention on dflash's kernel (engine.cpu_kernels) where the process has it: every row's queries over
+        # bf16 attention on dflash's kernel (engine.kernels.native) where the process has it: every row's queries over
         # its own keys in one call, at the points where the graph below rounds (its sums and exp are its own), without
         # copying the keys for a product
         self.fused_attention = (
-            cpu_kernels.available() and compute_dtype(target) == torch.bfloat16 and self.head_dim % 32 == 0
+            native.available() and compute_dtype(target) == torch.bfloat16 and self.head_dim % 32 == 0
         )
 
     def forward(

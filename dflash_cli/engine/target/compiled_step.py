@@ -1,4 +1,4 @@
-"""The target's step exported and compiled ahead of time (AOTInductor, engine.packages), stored in the dflash cache,
+"""The target's step exported and compiled ahead of time (AOTInductor, engine.compiled.stored), stored in the dflash cache,
 loaded in about a second at every later start.
 
 The standard families' step (engine/target/standard.py) is exported with the rows, the block's length, the rows'
@@ -6,7 +6,7 @@ length and the buffers' capacity symbolic: one package serves a row or a batch's
 chunk and context. Built by `dflash pull NAME --compile` or the first `--compile on` start (about 1.5 minutes for
 the demo target on 2 cores, with a progress line), then found by every later start, `--compile auto` included; one
 that no longer loads is built again by the next build request. Its products and attention (torch's and dflash's
-kernels, engine.cpu_kernels) read torch's thread count at run time (the decode and prompt counts differ); inductor's
+kernels, engine.kernels.native) read torch's thread count at run time (the decode and prompt counts differ); inductor's
 own small kernels run on one thread.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from dflash_cli.engine import packages
-from dflash_cli.engine.compiled import Notify
-from dflash_cli.engine.packages import Package
+from dflash_cli.engine.compiled import stored
+from dflash_cli.engine.compiled.jit import Notify
+from dflash_cli.engine.compiled.stored import Package
 from dflash_cli.engine.target import standard
 from dflash_cli.engine.target.base import compute_dtype
 from dflash_cli.engine.target.standard import StandardStep
@@ -57,9 +57,9 @@ class ExportedStep:
 
 
 def package_path(target: PreTrainedModel) -> Path:
-    """Where the target's package is, or goes (engine.packages.package_path)."""
+    """Where the target's package is, or goes (engine.compiled.stored.package_path)."""
     code = (standard, sys.modules[__name__])
-    return packages.package_path(target.config.model_type, StandardStep(target), target.config.to_dict(), code)
+    return stored.package_path(target.config.model_type, StandardStep(target), target.config.to_dict(), code)
 
 
 def _sample(step: StandardStep, dtype: torch.dtype) -> tuple[Any, ...]:
@@ -86,13 +86,13 @@ def build(target: PreTrainedModel, path: Path) -> None:
             sample[0][:1, :1], sample[1][:1, :1], sample[2][:4], [k[:1] for k in sample[3]], [v[:1] for v in sample[4]]
         )
 
-    packages.build(step, sample, (rows, rows, {0: Dim.DYNAMIC}, buffers, buffers), path, trial)
+    stored.build(step, sample, (rows, rows, {0: Dim.DYNAMIC}, buffers, buffers), path, trial)
 
 
 def load(target: PreTrainedModel, path: Path) -> ExportedStep:
     """The package at `path` bound to `target`'s tensors."""
     step = StandardStep(target)
-    return ExportedStep(packages.load(step, path), step)
+    return ExportedStep(stored.load(step, path), step)
 
 
 def exported_step(target: PreTrainedModel, *, build_missing: bool, notify: Notify | None = None) -> ExportedStep | None:
@@ -105,7 +105,7 @@ def exported_step(target: PreTrainedModel, *, build_missing: bool, notify: Notif
         return None
     message = "compiling the target's step once for this machine (1-3 minutes; stored in {})"
     path = package_path(target)
-    loaded = packages.stored_or_built(
+    loaded = stored.stored_or_built(
         path,
         lambda at: load(target, at),
         lambda at: build(target, at),

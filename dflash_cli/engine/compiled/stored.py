@@ -3,7 +3,7 @@ of code only, stored in the dflash cache, bound to a model's own tensors at load
 
 `torch.compile` on a CPU traces and lowers a model at every start (one to several minutes on 2 cores), so a CPU run
 could not have compiled steps by default. A step module here (the target's, engine/target/standard.py; the
-drafter's, engine/drafter/step.py) takes tensors in and gives tensors out, with its sizes symbolic (rows, block,
+drafter's, engine/drafter/compiled_step.py) takes tensors in and gives tensors out, with its sizes symbolic (rows, block,
 context, buffers), so one package serves every call. The package holds no weights: at load the module's own tensors
 are handed to it (`user_managed`), so the weights are held once and any checkpoint of the same shapes shares it.
 
@@ -36,9 +36,9 @@ import torch.utils._pytree as pytree
 import transformers
 from torch import nn
 
-from dflash_cli.engine import cpu_kernels, kernels, quantized
-from dflash_cli.engine.compiled import Notify, compile_cache_dir, use_compile_cache
-from dflash_cli.engine.quantized import GROUP_SIZE, Int4Linear
+from dflash_cli.engine.compiled.jit import Notify, compile_cache_dir, use_compile_cache
+from dflash_cli.engine.kernels import layers, native, quantized
+from dflash_cli.engine.kernels.quantized import GROUP_SIZE, Int4Linear
 
 T = TypeVar("T")
 # inductor's settings for a package: code only (the model's tensors are handed over at load); bf16 rounded where
@@ -80,15 +80,15 @@ def package_path(prefix: str, step: nn.Module, config: dict[str, Any], code: Ite
     (see the module docstring); `code`: the modules traced into it besides this one, the quantized layers and the
     CPU products. The build part (versions, CPU, code) says which packages this dflash could ever load again
     (`prune`); the model part, which model's."""
-    modules = (*code, sys.modules[__name__], quantized, kernels, cpu_kernels)
-    source = b"".join(Path(module.__file__).read_bytes() for module in modules) + cpu_kernels.SOURCE.read_bytes()
+    modules = (*code, sys.modules[__name__], quantized, layers, native)
+    source = b"".join(Path(module.__file__).read_bytes() for module in modules) + native.SOURCE.read_bytes()
     built = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu": [platform.machine(), cpu_kernels.cpu_flag_line()],
+        "cpu": [platform.machine(), native.cpu_flag_line()],
         "code": hashlib.sha256(source).hexdigest(),
     }
-    # engine.kernels' Linear subclasses (F.linear or dflash's op inside) hold a Linear's tensors: one kind
+    # engine.kernels.layers' Linear subclasses (F.linear or dflash's op inside) hold a Linear's tensors: one kind
     kinds = {
         name: "Linear" if isinstance(m, nn.Linear) else type(m).__name__
         for name, m in step.named_modules(remove_duplicate=False)
@@ -103,7 +103,7 @@ def package_path(prefix: str, step: nn.Module, config: dict[str, Any], code: Ite
     config = {key: value for key, value in config.items() if key != "_name_or_path"}  # any copy of the same shapes
     # whether its products and attention call dflash's kernels: a choice of this process (DFLASH_CPU_KERNELS=0, a
     # failed build), so packages of both kinds are one build's and `prune` keeps both
-    model = {"config": config, "tensors": tensors, "cpu_kernels": cpu_kernels.available()}
+    model = {"config": config, "tensors": tensors, "cpu_kernels": native.available()}
     return packages_dir() / f"{prefix}-{_digest(built, 8)}-{_digest(model, 16)}.pt2"
 
 

@@ -1,4 +1,4 @@
-// dflash's own CPU kernels for decoding in bf16 on AVX-512 BF16 CPUs (engine/cpu_kernels.py loads them):
+// dflash's own CPU kernels for decoding in bf16 on AVX-512 BF16 CPUs (engine/kernels/native.py loads them):
 // dflash::bf16_linear (a dense bf16 weight times rows) and dflash::attention (each row's block of queries over its
 // own K/V).
 //
@@ -10,7 +10,7 @@
 //
 // Every output is computed in one fixed order that depends on neither the row count, the row's place in a tile,
 // nor the thread count: a row's result is bit-equal whether it runs alone or inside a verify block, which is what
-// keeps bf16 speculative decoding lossless (engine/kernels.py says why batch invariance matters).
+// keeps bf16 speculative decoding lossless (engine/kernels/layers.py says why batch invariance matters).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -1,10 +1,10 @@
-"""dflash's own CPU kernels for bf16 decoding (`cpu_kernels.cpp`): `torch.ops.dflash.bf16_linear` (a dense bf16
+"""dflash's own CPU kernels for bf16 decoding (`native.cpp`): `torch.ops.dflash.bf16_linear` (a dense bf16
 weight times rows: a decode step's few or a prefill chunk's hundreds) and `torch.ops.dflash.attention` (each row's
 block of queries over its own K/V).
 
 Why our own: a decode step's time on a CPU is the time to read every weight once. MKL's bf16 product for one to a
 few rows reads the weights at about half the memory bandwidth, and rounds a row by the row count (one row differs
-from two: engine.kernels); a batched product over a K/V buffer first copies the keys transposed (two copies a
+from two: engine.kernels.layers); a batched product over a K/V buffer first copies the keys transposed (two copies a
 layer, a fifth of a demo step). These read each weight once per call for all its rows, read the keys in place,
 and compute every output in one order whatever the row count and threads, so a row's bits do not depend on the
 step it runs in (a plain step, a verify block, a batch, a prefill chunk): bf16 speculative decoding stays lossless
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE = Path(__file__).with_name("native.cpp")
 ENVIRONMENT = "DFLASH_CPU_KERNELS"  # "0": torch's kernels for every product and attention
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # what the kernels are compiled for
 _COMPILE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
@@ -133,7 +133,7 @@ def _compiler_identity() -> list[str | float | None]:
 
 def library_path() -> Path:
     """Where this machine's compiled kernels are, or go (keyed by their source, torch and the flags)."""
-    from dflash_cli.engine.compiled import compile_cache_dir
+    from dflash_cli.engine.compiled.jit import compile_cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_COMPILE_FLAGS).encode())
     return compile_cache_dir() / "kernels" / f"dflash_cpu_kernels-{key.hexdigest()[:16]}.so"

@@ -1,4 +1,4 @@
-"""The drafter's steps exported and compiled ahead of time (engine.packages), stored in the dflash cache beside
+"""The drafter's steps exported and compiled ahead of time (engine.compiled.stored), stored in the dflash cache beside
 the target's and loaded with it.
 
 An eager draft step runs a few hundred small ops in Python for a layer or two (the demo drafter's step of a 4-token
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dflash_cli.engine import packages
-from dflash_cli.engine.compiled import Notify
+from dflash_cli.engine.compiled import stored
+from dflash_cli.engine.compiled.jit import Notify
+from dflash_cli.engine.compiled.stored import Package
 from dflash_cli.engine.drafter import cache as cache_module
 from dflash_cli.engine.drafter import layers
 from dflash_cli.engine.drafter.cache import SlotsForward
 from dflash_cli.engine.drafter.layers import rotation
-from dflash_cli.engine.kernels import one_row_runs_twice, use_cpu_products
-from dflash_cli.engine.packages import Package
+from dflash_cli.engine.kernels.layers import one_row_runs_twice, use_cpu_products
 
 if TYPE_CHECKING:
     from dflash_cli.engine.drafter.cache import DraftCache
@@ -88,7 +88,7 @@ class _StepModule(nn.Module):
         self.drafter = drafter
         self.embedding = drafter.target.get_input_embeddings()
         self.register_buffer("inv_freq", drafter._inv_freq, persistent=False)
-        # bf16 products on MKL (no dflash kernels): a one-row product runs as two in eager (engine.kernels), so the
+        # bf16 products on MKL (no dflash kernels): a one-row product runs as two in eager (engine.kernels.layers), so the
         # context's last row runs twice here (a traced product cannot branch on the row count)
         self.extra = int(one_row_runs_twice(drafter))
 
@@ -302,10 +302,10 @@ def _steps(drafter: Drafter) -> dict[str, _StepModule]:
 
 
 def _package_path(kind: str, step: _StepModule) -> Path:
-    """Where the drafter's package of `kind` is, or goes (engine.packages.package_path)."""
+    """Where the drafter's package of `kind` is, or goes (engine.compiled.stored.package_path)."""
     drafter = step.drafter
     code = (sys.modules[__name__], layers, cache_module, sys.modules[type(drafter).__module__])
-    return packages.package_path(kind, step, drafter.config.to_dict(), code)
+    return stored.package_path(kind, step, drafter.config.to_dict(), code)
 
 
 def _sample_sizes(drafter: Drafter) -> tuple[int, int]:
@@ -345,7 +345,7 @@ def _build_one(step: DraftStep, path: Path) -> None:
         block = torch.tensor([[1, config.mask_token_id, config.mask_token_id]])
         package(sample[0][:, :1], block, torch.tensor([7]), torch.empty(11, dtype=torch.uint8), sample[4], sample[5])
 
-    packages.build(step, sample, shapes, path, trial)
+    stored.build(step, sample, shapes, path, trial)
 
 
 def _build_rows(step: RowsDraftStep, path: Path) -> None:
@@ -385,7 +385,7 @@ def _build_rows(step: RowsDraftStep, path: Path) -> None:
         one = SlotsForward(cache, [1], [9], [2], [1], 2, block.device)
         package(*_rows_inputs(one, features[:, :1], block[:1, :2], like))
 
-    packages.build(step, sample, shapes, path, trial)
+    stored.build(step, sample, shapes, path, trial)
 
 
 def build(kind: str, step: _StepModule, path: Path) -> None:
@@ -411,9 +411,9 @@ def exported_draft_step(
     for kind, step in _steps(drafter).items():
         path = _package_path(kind, step)
         what = "one sequence's" if kind == "drafter" else "rows'"
-        package = packages.stored_or_built(
+        package = stored.stored_or_built(
             path,
-            lambda at, step=step: packages.load(step, at),
+            lambda at, step=step: stored.load(step, at),
             lambda at, kind=kind, step=step: build(kind, step, at),
             build_missing=build_missing,
             notify=notify,

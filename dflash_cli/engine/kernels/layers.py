@@ -7,7 +7,7 @@ kernel that reads float32 weights far below the machine's bandwidth, while the s
 1.77 / 1.64 / 2.66x the weights' read time against 2.42 / 2.63 / 3.38x; benchmarks/results/history.md). One row is the
 same kernel either way (bit-identical), and from 10 rows on `F.linear`'s kernel is the faster (SMALL_ROWS).
 
-bf16 products run on dflash's own kernel (`engine.cpu_kernels`) where the process has it: it sums every output in
+bf16 products run on dflash's own kernel (`engine.kernels.native`) where the process has it: it sums every output in
 one order whatever the row count, and reads the weights about 2x faster than MKL at one to four rows (the demo's
 210 layer products at one row: 4.7 against 10.5 ms; docs/benchmarks.md). Without it, MKL: its one-row bf16
 product (a matrix-vector kernel) rounds differently from its product for 2 or more rows, so a bf16 product of one
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cli.engine import cpu_kernels
+from dflash_cli.engine.kernels import native
 
 SMALL_ROWS = 9  # up to this many rows, `W @ x.T`; from 10 rows on F.linear's kernel is the faster (measured)
 BF16_TILE = 32  # MKL's bf16 products of 2 to this many rows give a row the same bits (more: tiles of this many)
@@ -52,7 +52,7 @@ class SmallRowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        # A compiled CPU step packs the weights for inductor's own kernels (engine.compiled), which recognise the
+        # A compiled CPU step packs the weights for inductor's own kernels (engine.compiled.jit), which recognise the
         # product only as F.linear asks it. (Asked first: comparing a traced row count would guard the graph on it.)
         if torch.compiler.is_compiling() or not 1 < rows <= SMALL_ROWS:
             return F.linear(x, self.weight, self.bias)
@@ -185,7 +185,7 @@ def use_cpu_products(model: nn.Module) -> int:
         and all(_family_eager(m) is not None for m in model.modules() if type(m).__name__.endswith("Attention"))
     ):
         model.set_attn_implementation(INVARIANT_EAGER)
-        fused = cpu_kernels.available() and plain_attention(config) is None
+        fused = native.available() and plain_attention(config) is None
         for module in model.modules():  # (decided here, outside any traced graph, as Bf16Linear's kernel is)
             if type(module).__name__.endswith("Attention"):
                 module.dflash_attention = fused and getattr(module, "head_dim", 0) % 32 == 0
@@ -197,5 +197,5 @@ def use_cpu_products(model: nn.Module) -> int:
                 module.__class__ = product
                 switched += 1
         if type(module) is Bf16Linear:  # decided here, outside any traced graph (dynamo would trace the build)
-            module.dflash_kernel = cpu_kernels.available()
+            module.dflash_kernel = native.available()
     return switched

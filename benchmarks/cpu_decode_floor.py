@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
-    from dflash_cli.setup.threads import apply_threads
+    from dflash_cli.setup.thread_count import apply_threads
 
     threads = apply_threads(args.threads)
     load_before = os.getloadavg()

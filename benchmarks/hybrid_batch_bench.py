@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         rollback["s"], decode_s, tokens = 0.0, 0.0, 0
         t0 = time.perf_counter()
         while not batch.idle:
-            joining = bool(batch.waiting and None in batch.slots)
+            joining = batch.scheduler.joining
             s0 = time.perf_counter()
             for row, step in batch.step():
                 out[row.key] += step.token_ids

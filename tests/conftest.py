@@ -58,14 +58,14 @@ def quiet_measurements() -> Iterator[None]:
     small CI machine's cores busy with its own subprocesses); tests/engine/test_decode_threads.py measures under a
     real load."""
     from dflash_cli import cpu_load
-    from dflash_cli.engine import policy, threads
+    from dflash_cli.engine import decode_threads, policy
 
     def quiet(start: cpu_load.Snapshot) -> float:
         cpu_load.busy_since(start)  # (what it was given is read as a measurement would read it)
         return 0.0
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(threads, "busy_since", quiet)
+        patch.setattr(decode_threads, "busy_since", quiet)
         patch.setattr(policy, "busy_since", quiet)
         yield
 

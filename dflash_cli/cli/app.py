@@ -15,7 +15,7 @@ from dflash_cli import __version__
 from dflash_cli.cli import bench, chat, doctor, export, pull, recipes, run, serve, train
 from dflash_cli.cli.output import print_error
 from dflash_cli.errors import DflashError
-from dflash_cli.setup.threads import start_load_window
+from dflash_cli.setup.thread_count import start_load_window
 
 _shown_type = getattr(TyperOption, "display_type_rich", None)  # (typer 0.29's; older versions print no such type)
 

@@ -5,11 +5,11 @@ block in one target forward, and commits, per row, the longest prefix the target
 the target's own (`sampling.accepted_drafts`). With `drafter=None` the same loop runs with a block of 1: plain
 autoregressive decoding, so baseline and speculative numbers are like for like.
 
-`Batch` holds the rows: each row is a `Generation` (limits, stop conditions, text stream, stats, RNG, sampling
-params) in a slot of the `TargetState` (its K/V, length and captured features) and of the drafter's cache. Rows
-join (prefilled into a free slot, alone) and leave (a finished or cancelled row frees its slot at once) between
-steps: continuous batching. `generate` is that loop with one row. One host sync per step: every row's accepted
-count and target tokens, in one transfer.
+`Batch` runs the steps of its rows: each row (engine.row) is a `Generation` (limits, stop conditions, text stream,
+stats, RNG, sampling params) in a slot of the `TargetState` (its K/V, length and captured features) and of the
+drafter's cache; engine.scheduler decides which row decodes where. Rows join (prefilled into a free slot, alone)
+and leave (a finished or cancelled row frees its slot at once) between steps: continuous batching. `generate` is
+that loop with one row. One host sync per step: every row's accepted count and target tokens, in one transfer.
 
 The drafter runs once per step for all drafting rows (`propose` over one `DraftCache` with a slot per row: one
 forward over every row's new context rows and block); a batch of one row keeps a one-slot cache of its generation's
@@ -22,46 +22,26 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from dflash_cli.engine.compiled.jit import Notify, compiled_draft_step, compiling_seconds
-from dflash_cli.engine.drafter import DFlashDrafter, DraftCache
-from dflash_cli.engine.drafter.cache import ring_rows
+from dflash_cli.engine.compiled.jit import Notify, compiling_seconds
+from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.grammar import grammar_state
 from dflash_cli.engine.kernels.layers import use_cpu_products
 from dflash_cli.engine.policy import BlockPolicy, FixedBlock
-from dflash_cli.engine.prefix import Held, PrefixStore, Stored, choose_slot, common_prefix, to_host
-from dflash_cli.engine.row import Generation, GenerationResult, Step
+from dflash_cli.engine.prefix import PrefixStore
+from dflash_cli.engine.row import Generation, GenerationResult, Row, Step
 from dflash_cli.engine.sampling import SamplingParams, accepted_drafts, sample_tokens
+from dflash_cli.engine.scheduler import Scheduler
 from dflash_cli.engine.stats import PhaseClock
 from dflash_cli.engine.target import acquire_state, release_state
 from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.engine.target.base import batch_limit, context_window
 from dflash_cli.errors import DflashError
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence of a batch: its generation and where its decoding stands. `key` is the caller's handle."""
-
-    generation: Generation
-    key: Any = None
-    slot: int | None = None  # None: waiting to join
-    last: torch.Tensor | None = None  # [1] on device: the newest committed token, not yet in the target's state
-    # Context features the drafter has not read yet: the committed positions since its last draft (plain steps add
-    # theirs, copied out of the block buffer the next verify overwrites).
-    pending: list[torch.Tensor] = field(default_factory=list)
-    draft_cache: DraftCache | None = None
-    drafted: int = 0  # the drafter's cache holds the context of positions 0 .. drafted-1
-    ids: list[int] = field(default_factory=list)  # the token ids at the row's committed positions in the target
-    last_id: int = 0  # `last` on the host
-    decode_started: float = 0.0
 
 
 class Batch:
@@ -86,11 +66,9 @@ class Batch:
         decode_threads: int | None = None,
     ) -> None:
         self.target, self.drafter, self.tokenizer, self.notify = target, drafter, tokenizer, notify
-        # CPU threads: prompts at torch's count now, decode steps at `decode_threads` (engine.threads)
+        # CPU threads: prompts at torch's count now, decode steps at `decode_threads` (engine.decode_threads)
         self.prompt_threads = torch.get_num_threads()
         self.decode_threads = decode_threads or self.prompt_threads
-        self.prefix_cache = prefix_cache  # a joining row keeps what its slot holds of its prompt (engine.prefix)
-        self.prefix_store = prefix_store if prefix_cache else None  # prefixes beyond the slots, in host memory
         self.device = target.get_input_embeddings().weight.device
         self.vocab_size = target.config.get_text_config().vocab_size  # the logits' width (grammar bitmasks)
         for model in (target, drafter):  # the few-row products of decoding on a CPU (engine.kernels.layers)
@@ -110,22 +88,31 @@ class Batch:
             drafter.new_cache(block_size=self.block, slots=self.rows) if drafter is not None and self.rows > 1 else None
         )
         self.state: AttentionState | None = None  # taken when the first row joins
-        self.slots: list[Row | None] = [None] * self.rows
-        self.waiting: deque[Row] = deque()
+        self.scheduler = Scheduler(
+            self.rows,
+            drafter,
+            self.draft_slots,
+            self.block,
+            self.device,
+            compile=self.compile,
+            notify=notify,
+            prefix_cache=prefix_cache,
+            prefix_store=prefix_store,
+        )
         self.clock = PhaseClock(self.device)
 
     @property
     def active(self) -> list[Row]:
-        return [row for row in self.slots if row is not None]
+        return self.scheduler.active
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return self.scheduler.idle
 
     @property
     def room(self) -> int:
         """How many more rows can join now without waiting."""
-        return self.slots.count(None) - len(self.waiting)
+        return self.scheduler.room
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, key: Any = None) -> Row:
         """Queue a generation; it joins at the next step with a free slot. Raises DflashError for a generation that
@@ -142,16 +129,13 @@ class Batch:
             grammar=grammar_state(params, self.tokenizer, block_size=self.block, vocab_size=self.vocab_size),
         )
         row = Row(generation, key)
-        self.waiting.append(row)
+        self.scheduler.queue(row)
         return row
 
     def cancel(self, row: Row) -> None:
         """Drop `row`: a waiting one leaves the queue, a decoding one frees its slot now (what it committed stays
         there for a later request with the same prefix)."""
-        if row in self.waiting:
-            self.waiting.remove(row)
-        elif row.slot is not None and self.slots[row.slot] is row:
-            self._free(row, keep=True)
+        self.scheduler.cancel(row, self.state)
 
     def close(self) -> None:
         """Give the target state back (its buffers, and what its rows hold, stay for the next batch on this
@@ -159,39 +143,22 @@ class Batch:
         self.policy.finish()
         self._use_threads(self.prompt_threads)
         for row in self.active:  # between steps: each row's state is whole
-            self._free(row, keep=True)
+            self.scheduler.free(row, self.state, keep=True)
         if self.state is not None:
             release_state(self.state)
             self.state = None
-
-    def _free(self, row: Row, *, keep: bool) -> None:
-        """Free `row`'s slot; `keep`: what the row committed stays there for a later request (engine.prefix)."""
-        self.slots[row.slot] = None
-        if self.state is None:
-            return
-        if not keep or not row.ids:  # failed (maybe half-written), or failed before its prefill ended
-            self.state.forget(row.slot)
-            return
-        pending = None
-        if row.pending:  # (copied: the last verify's features live in a buffer the next verify overwrites)
-            pending = torch.cat(row.pending, dim=1) if len(row.pending) > 1 else row.pending[0].clone()
-        cache = row.draft_cache if row.draft_cache is not None else self.draft_slots
-        self.state.hold(row.slot, Held(row.ids, self.drafter, cache, row.drafted, pending))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Row, Step | BaseException]]:
         """One step: admit the waiting rows that have a free slot (each prefilled alone: its first token, delivered
         before anything else runs), or else one draft + verify for every decoding row. Returns each row's step (or
         the exception that failed it), in order; a row whose step has a finish_reason, or that failed, has left."""
-        prefilling = bool(self.waiting and None in self.slots)
+        prefilling = self.scheduler.joining
         self._use_threads(self.prompt_threads if prefilling else self.decode_threads)
         if prefilling:
             events: list[tuple[Row, Step | BaseException]] = []
-            while self.waiting and None in self.slots:
-                row = self.waiting.popleft()
-                row.slot = self.slots.index(None)  # for now: its prefill places it (`_place`)
-                self.slots[row.slot] = row
-                events += self._leave([row], self._prefill)
+            while self.scheduler.joining:
+                events += self._leave([self.scheduler.join()], self._prefill)
             return events
         return self._leave(self.active, self._decode) if self.active else []
 
@@ -206,9 +173,9 @@ class Batch:
             outcome = [error] * len(rows)
         for row, event in zip(rows, outcome):
             if isinstance(event, BaseException):  # its state may be half-written: nothing stays
-                self._free(row, keep=False)
+                self.scheduler.free(row, self.state, keep=False)
             elif event.finish_reason is not None:
-                self._free(row, keep=True)
+                self.scheduler.free(row, self.state, keep=True)
         return list(zip(rows, outcome))
 
     def _use_threads(self, count: int) -> None:
@@ -250,9 +217,8 @@ class Batch:
         prompt = torch.tensor([generation.prompt_ids], device=self.device)
         state = self._reserve(generation, prompt)
         started = time.perf_counter()
-        if self.prefix_cache:
-            self._place(row, state)
-        kept, unread = self._resume(row, state)
+        self.scheduler.place(row, state)
+        kept, unread = self.scheduler.resume(row, state)
         # Prefill: the prompt after the positions the slot kept; only the last position's logits are needed.
         logits = state.prefill(prompt[:, kept:], row.slot, kept)
         if generation.grammar is not None:
@@ -268,107 +234,6 @@ class Batch:
             row.pending = [prefilled] if unread is None else [unread, prefilled]
         row.decode_started = time.perf_counter()
         return [generation.commit([row.last_id], verified=False)]
-
-    def _place(self, row: Row, state: AttentionState) -> None:
-        """Move a joining row to the free slot with the longest common prefix with its prompt (engine.prefix); or,
-        when a stored prefix shares more, to an empty or the least recently used slot, the stored prefix copied
-        back into it (what that slot held goes to the store)."""
-        prompt = row.generation.prompt_ids
-        free = [slot for slot, taken in enumerate(self.slots) if taken is None or taken is row]
-        slot = choose_slot(free, state.held, prompt)
-        store = self.prefix_store if state.storable else None
-        if store is not None:
-            held = state.held[slot]
-            # (taken out of the store as it is found: the stash below, which makes room there, cannot evict it)
-            stored = store.take(prompt, self._fits, common_prefix(held.ids, prompt) if held is not None else 0)
-            if stored is not None:
-                slot = choose_slot(free, state.held, ())
-                self._stash(state, slot)
-                state.forget(slot)  # (a copy that fails half-way leaves nothing a later request would reuse)
-                try:
-                    self._restore(state, slot, stored, row.generation.end)
-                except BaseException:
-                    store.add(stored)  # still whole in host memory: it stays for a later request
-                    raise
-        self.slots[row.slot], self.slots[slot], row.slot = None, row, slot
-
-    def _fits(self, stored: Stored) -> bool:
-        """Whether a stored prefix's drafter context is this batch's drafter's, in a ring of this batch's size."""
-        if stored.held.drafter is not self.drafter:
-            return False
-        if stored.ring_positions is None or self.drafter is None:
-            return True
-        ring = (
-            self.draft_slots.ring
-            if self.draft_slots is not None
-            else ring_rows(self.drafter.config.sliding_window, self.block)
-        )
-        return stored.ring_positions.shape[0] == ring
-
-    def _stash(self, state: AttentionState, slot: int) -> None:
-        """Copy what `slot` holds into the prefix store (host memory) before a request overwrites it."""
-        held = state.held[slot]
-        if held is None or self.prefix_store is None or not state.storable:
-            return
-        keys, values = state.copy_out(slot, len(held.ids))
-        draft, ring = [], None
-        if held.draft_cache is not None and held.drafted > 0:
-            draft, ring = held.draft_cache.copy_out(0 if held.draft_cache.slots == 1 else slot, held.drafted)
-        pending = None if held.pending is None else to_host(held.pending)
-        kept = Held(held.ids, held.drafter, None, held.drafted, pending)
-        self.prefix_store.add(Stored(kept, keys, values, draft, ring))
-
-    def _restore(self, state: AttentionState, slot: int, stored: Stored, end: int) -> None:
-        """Copy a stored prefix back into `slot` (for a row that may reach position `end`): the slot then holds it."""
-        state.make_room(len(stored.held.ids), self.block)
-        state.copy_in(slot, stored.keys, stored.values)
-        held, cache = stored.held, self.draft_slots
-        if self.drafter is not None:
-            if cache is None:  # one row: a cache of its own
-                cache = self.drafter.new_cache(end + self.block, self.block)
-            if held.drafted > 0:
-                cache.copy_in(0 if cache.slots == 1 else slot, stored.draft, stored.ring_positions)
-        pending = None if held.pending is None else held.pending.to(self.device, non_blocking=True)
-        state.hold(slot, Held(held.ids, held.drafter, cache, held.drafted, pending))
-
-    def _resume(self, row: Row, state: AttentionState) -> tuple[int, torch.Tensor | None]:
-        """Where `row`'s prefill starts: the positions of its prompt its slot already holds (engine.prefix), short
-        of the last (whose logits give the first token), as far as the target state (`resumable`) and the drafter's
-        cache (`rewind`) can continue from. Sets up the row's drafter context: its cache rewound to the kept
-        positions it has read; returns their count and the kept features it has not read (None: none)."""
-        prompt, generation = row.generation.prompt_ids, row.generation
-        held = state.held[row.slot] if self.prefix_cache else None
-        cache, slot = self.draft_slots, row.slot
-        if self.draft_slots is not None:
-            self.draft_slots.make_room(generation.end + self.block)
-        elif self.drafter is not None:  # one row: its slot's own cache when it fits, else a new one
-            cache, slot = held.draft_cache if held is not None and held.drafter is self.drafter else None, 0
-            # (the block size shapes only a sliding layer's ring: a full-attention cache serves any block, so a new
-            # block size, chat's /set block_size, keeps the prefix)
-            if cache is None or cache.slots != 1 or (cache.ring is not None and cache.block_size != self.block):
-                cache = self.drafter.new_cache(generation.end + self.block, self.block)
-            cache.make_room(generation.end + self.block)
-            if self.compile:
-                cache.step, cache.notify = compiled_draft_step(self.device), self.notify
-            row.draft_cache = cache
-        matched = min(common_prefix(held.ids, prompt), len(prompt) - 1) if held is not None else 0
-        kept = matched
-        if self.drafter is not None and kept > 0:
-            read = min(kept, held.drafted)
-            if held.drafter is not self.drafter or held.draft_cache is not cache:
-                kept = 0  # the drafter has no context for these positions
-            elif (usable := cache.rewind(slot, read, len(prompt))) < read:  # a ring evicted rows the next block sees
-                kept = usable
-        kept = state.resumable(row.slot, kept)
-        unread = None
-        if self.drafter is not None:
-            row.drafted = cache.rewind(slot, min(kept, held.drafted) if kept > 0 else 0, len(prompt))
-            if kept > row.drafted:
-                unread = held.pending[:, : kept - row.drafted]  # (then row.drafted == held.drafted)
-        if held is not None and kept < len(held.ids):  # the prefill overwrites the rest: keep it in the store
-            self._stash(state, row.slot)
-        generation.stats.cached_tokens, generation.stats.unreused_tokens = kept, matched - kept
-        return kept, unread
 
     def _decode(self, rows: list[Row]) -> list[Step | BaseException]:
         state, drafter, clock = self.state, self.drafter, self.clock
@@ -510,7 +375,7 @@ def generate(
     `block_size` (default: the drafter's). `prefix_cache`: continue from what the target's state holds of the
     prompt (the last generation's prompt and output: a conversation's earlier turns), see engine.prefix;
     `prefix_store` keeps more prefixes than the state's slot, in host memory. `decode_threads`: the CPU thread
-    count of decode steps (engine.threads; prompts run at torch's count).
+    count of decode steps (engine.decode_threads; prompts run at torch's count).
     """
     batch = Batch(
         target,

@@ -137,7 +137,7 @@ def expected_tokens(acceptance: Sequence[float], size: int) -> float:
 
 
 def cost_cache_dir(what: str = "block-costs") -> Path:
-    """Where measured costs are kept: `what` names the measurement (engine.threads keeps its own)."""
+    """Where measured costs are kept: `what` names the measurement (engine.decode_threads keeps its own)."""
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("dflash")) / what

@@ -1,4 +1,5 @@
-"""One generation's own state, apart from the models: limits, stop conditions, text stream, stats and RNG.
+"""One generation's own state, apart from the models (`Generation`: limits, stop conditions, text stream, stats and RNG),
+and the row of a batch that decodes it (`Row`: its slot and where its decoding stands).
 
 Nothing here touches a model, so the loop keeps no per-generation state in locals or closures, and several
 generations can later step together (each with its own row of target state).
@@ -7,8 +8,8 @@ generations can later step together (each with its own row of target state).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,9 @@ from dflash_cli.engine.stats import GenerationStats
 from dflash_cli.engine.text import TextStream
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
+
+if TYPE_CHECKING:
+    from dflash_cli.engine.drafter import DraftCache
 
 
 @dataclass
@@ -136,3 +140,21 @@ class Generation:
             self.stats.block_sizes.append(block_size or self.block_size)
         self.finish_reason = finish
         return Step(ids, delta, len(ids) if verified else None, finish, self.stats)
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a batch: its generation and where its decoding stands. `key` is the caller's handle."""
+
+    generation: Generation
+    key: Any = None
+    slot: int | None = None  # None: waiting to join
+    last: torch.Tensor | None = None  # [1] on device: the newest committed token, not yet in the target's state
+    # Context features the drafter has not read yet: the committed positions since its last draft (plain steps add
+    # theirs, copied out of the block buffer the next verify overwrites).
+    pending: list[torch.Tensor] = field(default_factory=list)
+    draft_cache: DraftCache | None = None
+    drafted: int = 0  # the drafter's cache holds the context of positions 0 .. drafted-1
+    ids: list[int] = field(default_factory=list)  # the token ids at the row's committed positions in the target
+    last_id: int = 0  # `last` on the host
+    decode_started: float = 0.0

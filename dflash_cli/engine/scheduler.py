@@ -8,6 +8,7 @@ and runs the steps (draft, verify, accept).
 from __future__ import annotations
 
 from collections import deque
+
 import torch
 
 from dflash_cli.engine.compiled.jit import Notify, compiled_draft_step
@@ -56,6 +57,10 @@ class Scheduler:
     def room(self) -> int:
         """How many more rows can join now without waiting."""
         return self.slots.count(None) - len(self.waiting)
+
+    def queue(self, row: Row) -> None:
+        """`row` waits to join (in order)."""
+        self.waiting.append(row)
 
     @property
     def joining(self) -> bool:

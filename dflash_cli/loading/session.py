@@ -17,13 +17,13 @@ from typing import Any, Literal
 from rich.console import Console
 
 from dflash_cli.engine import Batch, PrefixStore, SamplingParams, Step, forget_prefixes, generate
+from dflash_cli.engine.decode_threads import DecodeThreads, decode_threads
 from dflash_cli.engine.drafter import compiled_step as draft_step
 from dflash_cli.engine.kernels import native
 from dflash_cli.engine.policy import BlockPolicy, adaptive_policy
 from dflash_cli.engine.target import compiled_step, standard
 from dflash_cli.engine.target.base import batch_limit
 from dflash_cli.engine.text import TextStream
-from dflash_cli.engine.threads import DecodeThreads, decode_threads
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading import compiled_steps
 from dflash_cli.loading.compiled_steps import load_exported_step
@@ -36,7 +36,7 @@ from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import Plan, PlanOverrides, block_size_note, make_plan
 from dflash_cli.setup.recipes import Recipe
-from dflash_cli.setup.threads import ThreadPlan, apply_threads
+from dflash_cli.setup.thread_count import ThreadPlan, apply_threads
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Session:
     console: Console | None = None  # where a progress line shows while a step compiles
     batching: bool = False  # the frontend decodes several requests at once (run, serve): the plan line says how many
     prefix_cache: bool = True  # a request continues from what a slot of the target state holds (engine.prefix)
-    decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.threads)
+    decode_threads: DecodeThreads | None = None  # CPU: the thread count decode steps run at (engine.decode_threads)
     # CPU: the drafter's stored steps (engine.drafter.compiled_step) for a drafter loaded later: "load" them, "build" them
     # first when missing (--compile on), or "off"
     draft_steps: Literal["off", "load", "build"] = "off"

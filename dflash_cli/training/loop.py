@@ -28,7 +28,7 @@ from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import PlanOverrides
-from dflash_cli.setup.threads import apply_threads
+from dflash_cli.setup.thread_count import apply_threads
 from dflash_cli.training.checkpoint import (
     load_checkpoint,
     recover_checkpoint,

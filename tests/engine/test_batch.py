@@ -237,7 +237,7 @@ def test_the_drafters_layers_run_once_per_step_for_all_rows() -> None:
         for i, prompt in enumerate(([1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11])):
             batch.add(prompt, SamplingParams(max_new_tokens=12 + 5 * i))
         while not batch.idle:
-            decoding = not (batch.waiting and None in batch.slots)
+            decoding = not batch.scheduler.joining
             events = batch.step()
             drafted = [event for _, event in events if decoding and event.stats.block_sizes[-1] > 1]
             drafting_steps += bool(drafted)

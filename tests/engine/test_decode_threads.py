@@ -1,4 +1,4 @@
-"""engine/threads.py: decode steps at the thread count measured fastest, prompts at the plan's."""
+"""engine/decode_threads.py: decode steps at the thread count measured fastest, prompts at the plan's."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 
 from dflash_cli import cpu_load
 from dflash_cli.engine import SamplingParams, collect, generate
+from dflash_cli.engine import decode_threads as threads_module
 from dflash_cli.engine import policy as policy_module
-from dflash_cli.engine import threads as threads_module
-from dflash_cli.engine.threads import MIN_GAIN, decode_threads
+from dflash_cli.engine.decode_threads import MIN_GAIN, decode_threads
 from helpers.drafters import random_drafter
 from helpers.tiny_models import sharp_tiny
 

@@ -22,7 +22,7 @@ def run_batch(target, drafter, requests: list[tuple[list[int], SamplingParams, i
                 i = pending.pop(0)
                 results[i] = [[], None, None]
                 batch.add(requests[i][0], requests[i][1], key=i)
-            decoding = len(batch.active) if not (batch.waiting and None in batch.slots) else 0
+            decoding = len(batch.active) if not batch.scheduler.joining else 0
             widest = max(widest, decoding)
             for row, event in batch.step():
                 assert not isinstance(event, BaseException), event

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dflash_cli.setup.threads import busy_elsewhere, plan_threads
+from dflash_cli.setup.thread_count import busy_elsewhere, plan_threads
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ class Quant(str, Enum):
     NONE = "none"  # the checkpoint as published
     NF4 = "nf4"  # bitsandbytes 4-bit NF4, quantized on load (fast kernels on CUDA only)
     FP8 = "fp8"  # the recipe's published FP8 checkpoint, loaded as stored
-    INT4 = "int4"  # weight-only 4-bit in groups of 32, quantized on load for torch's packed CPU kernels
+    INT4 = "int4"  # weight-only 4-bit in groups of 32, quantized on load for the CPU (engine.kernels.quantized)
     INT8 = "int8"  # weight-only 8-bit per output channel, likewise
 
     def __str__(self) -> str:

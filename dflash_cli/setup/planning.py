@@ -200,7 +200,7 @@ def _candidates(
 ) -> list[tuple[str, Quant]]:
     """(dtype, quant) pairs in order of preference: the published weights; the recipe's FP8 checkpoint on GPUs
     that run FP8 natively; NF4 (automatic on CUDA only, where bitsandbytes has fast kernels). On CPU the fallback
-    is bf16 (half of fp32), then on a CPU with bf16 instructions int8 and int4 weights (torch's packed kernels,
+    is bf16 (half of fp32), then on a CPU with bf16 instructions int8 and int4 weights (engine.kernels.quantized,
     which take bf16 activations) where the recipe lists their sizes; NF4 only when asked for."""
     preferred = default_dtype(kind, facts)[0]
     pairs = [(preferred, Quant.NONE)]
@@ -350,10 +350,10 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         quant_why += "".join(f", nor {weights} (~{gb(size or 0)})" for weights, size in larger[1:])
     detail = {
         "nf4": f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute",
-        "int4": "; weight-only 4-bit in groups of 32 (torch's packed CPU kernel), bf16 compute; the output head "
-        "int8 and the embedding bf16",
-        "int8": "; weight-only 8-bit per output channel (torch's packed CPU kernel), bf16 compute; the embedding "
-        "stays bf16",
+        "int4": "; weight-only 4-bit in groups of 32 (dflash's kernel, int8 activations, where the CPU has "
+        "AVX512-VNNI; else torch's packed CPU kernel), bf16 compute; the output head int8 and the embedding bf16",
+        "int8": "; weight-only 8-bit per output channel (dflash's kernel, int8 activations, where the CPU has "
+        "AVX512-VNNI; else torch's packed CPU kernel), bf16 compute; the embedding stays bf16",
         "fp8": f"; the published FP8 checkpoint {recipe.checkpoints['fp8'].id if 'fp8' in recipe.checkpoints else ''}",
     }.get(quant, "")
     if quant is Quant.NF4 and recipe.expert_bytes:

@@ -13,7 +13,7 @@ import transformers.integrations.sdpa_attention as sdpa_module
 from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
-import dflash_cli.engine.loop as loop_module
+import dflash_cli.engine.scheduler as scheduler_module
 import dflash_cli.engine.target.attention as target_module
 from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import jit
@@ -43,7 +43,7 @@ def traced_only(
     target_step = CompiledStep(run_target, "target step", "cpu", backend=counters[0], cuda_graphs=True)
     draft_step = CompiledStep(run_drafter, "draft step", "cpu", backend=counters[1])
     monkeypatch.setattr(target_module, "compiled_step", lambda device: target_step)
-    monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
+    monkeypatch.setattr(scheduler_module, "compiled_draft_step", lambda device: draft_step)
     return counters
 
 
@@ -55,7 +55,7 @@ def whole_buffer(monkeypatch: pytest.MonkeyPatch, fresh_dynamo) -> Iterator[list
     step = CompiledStep(run_target, "target step", "cpu", backend=backend, cuda_graphs=True, fixed_shapes=True)
     draft_step = CompiledStep(run_drafter, "draft step", "cpu", backend="eager")
     monkeypatch.setattr(target_module, "compiled_step", lambda device: step)
-    monkeypatch.setattr(loop_module, "compiled_draft_step", lambda device: draft_step)
+    monkeypatch.setattr(scheduler_module, "compiled_draft_step", lambda device: draft_step)
     # (dynamo's own patch: monkeypatch's undo deletes a setting from torch 2.13's config module, and later tests fail)
     with torch._dynamo.config.patch(recompile_limit=64):  # one graph per block size
         yield backend.graphs

@@ -1,4 +1,4 @@
-"""engine/kernels/quantized.py: int4 / int8 weight-only linears on torch's packed CPU kernels."""
+"""engine/kernels/quantized.py: int4 / int8 weight-only linears, on dflash's int8-activation kernels or torch's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import transformers
 from torch import nn
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine.kernels import quantized
+from dflash_cli.engine.kernels import native, quantized
 from dflash_cli.engine.kernels.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -29,16 +29,69 @@ def quantizable_tiny(seed: int, tied: bool = False) -> transformers.PreTrainedMo
     )
 
 
-def test_int4_groups_round_trip_exactly_and_the_kernel_multiplies_by_them() -> None:
+@pytest.fixture(params=["native", "torch"])
+def int4_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Int4Linear's two layouts: dflash's kernel (int8 activations), where this CPU runs it, and torch's."""
+    if request.param == "native" and not native.available():
+        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
+    if request.param == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    return request.param
+
+
+def int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What dflash's int4 kernel computes: the rows in bf16, quantized per group of 32 to int8 (d = max|x| / 127,
+    nearest even), times the dequantized weight, in float64 (the kernel adds in float32: a few ulps apart)."""
+    rows = x.to(torch.bfloat16).double().reshape(*x.shape[:-1], -1, GROUP_SIZE)
+    amax = rows.abs().amax(-1, keepdim=True).float()
+    # (127 / amax as one division: torch's scalar / tensor multiplies by a reciprocal, one rounding more, and
+    # rounds ties such as x = amax / 2 the other way)
+    scale = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(rows.float() * scale)
+    return ((codes.double() * (amax.double() / 127)).reshape(x.shape) @ weight.double().T).float()
+
+
+def test_int4_groups_round_trip_exactly_and_the_kernel_multiplies_by_them(int4_layout: str) -> None:
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (48, 128))
     scales = torch.rand(48, 128 // GROUP_SIZE) * 0.1 + 0.01
     mins = torch.randn(48, 128 // GROUP_SIZE) * 0.1
     layer = Int4Linear.from_groups(codes, scales, mins, torch.float32)
+    if int4_layout == "native":  # (float16 scales and mins, as Q4_1 stores them)
+        scales, mins = scales.half().float(), mins.half().float()
     expected = codes.float() * scales.repeat_interleave(GROUP_SIZE, 1) + mins.repeat_interleave(GROUP_SIZE, 1)
     torch.testing.assert_close(layer.dequantized(), expected, rtol=0, atol=1e-6)
     x = torch.randn(2, 3, 128)
-    torch.testing.assert_close(layer(x), x @ expected.T, rtol=1e-5, atol=1e-5)
+    if int4_layout == "native":  # one bf16 rounding of the result
+        torch.testing.assert_close(layer(x), int8_activation_product(x, expected), rtol=8e-3, atol=8e-3)
+        assert not torch.allclose(layer(x), x @ expected.T, rtol=1e-4, atol=1e-4)  # (it did quantize the rows)
+    else:
+        torch.testing.assert_close(layer(x), x @ expected.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer_type", [Int4Linear, Int8Linear])
+def test_the_int8_activation_kernels_give_a_row_the_same_bits_alone_in_a_block_and_on_any_threads(
+    layer_type: type,
+) -> None:
+    """Its rows are quantized and summed each on its own, in one order: a verify block's row is that row decoded
+    alone (what keeps speculative decoding lossless), with outputs not a multiple of 16 (the padded last block)."""
+    if not native.available():
+        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
+    torch.manual_seed(4)
+    outputs = 40 if layer_type is Int4Linear else 48  # (int8 keeps torch's layout where outputs would need padding)
+    layer = layer_type.from_weight(torch.randn(outputs, 192), torch.bfloat16)
+    assert layer.native
+    x = torch.randn(13, 192, dtype=torch.bfloat16)
+    block = layer(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(block, alone)
+    assert block.shape == (13, outputs)
+    torch.testing.assert_close(block.float(), int8_activation_product(x, layer.dequantized()), rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
@@ -47,14 +100,19 @@ def test_quantized_weights_stay_within_half_a_step_of_the_float_ones(kind: str) 
     linear = nn.Linear(128, 32, bias=True)
     layer = (Int4Linear if kind == "int4" else Int8Linear).quantize(linear, torch.float32)
     error = (layer.dequantized() - linear.weight).abs()
+    native_int4 = kind == "int4" and layer.native  # (float16 scales and mins: their rounding on top)
     if kind == "int4":
         groups = linear.weight.detach().reshape(32, -1, GROUP_SIZE)
         step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(GROUP_SIZE, 1)
     else:
         step = (linear.weight.detach().abs().amax(1, keepdim=True) / 127).expand(-1, 128)
-    assert (error <= step / 2 + 1e-6).all()
+    assert (error <= step / 2 + (2e-4 if native_int4 else 1e-6)).all()
     x = torch.randn(5, 128)
-    torch.testing.assert_close(layer(x), x @ layer.dequantized().T + linear.bias, rtol=1e-5, atol=1e-5)
+    if layer.native:  # dflash's kernels: the rows quantized to int8 too
+        expected = int8_activation_product(x, layer.dequantized()) + linear.bias
+        torch.testing.assert_close(layer(x), expected, rtol=8e-3, atol=8e-3)
+    else:
+        torch.testing.assert_close(layer(x), x @ layer.dequantized().T + linear.bias, rtol=1e-5, atol=1e-5)
     assert not torch.equal(layer.dequantized(), linear.weight)  # it did quantize
 
 

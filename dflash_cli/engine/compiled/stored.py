@@ -189,7 +189,7 @@ def load(step: nn.Module, path: Path) -> Package:
     # The only constants the package makes itself: the group size each int4 product takes as a tensor (inductor's
     # CPU lowering of _weight_int4pack_mm_for_cpu adds them, named constantN).
     made = [name for name in names if name not in tensors]
-    int4 = sum(isinstance(module, Int4Linear) for module in step.modules())
+    int4 = sum(isinstance(module, Int4Linear) and not module.native for module in step.modules())
     if len(made) != int4 or not all(name.startswith("constant") for name in made):
         raise RuntimeError(f"the package at {path} wants {len(made)} constants the model lacks ({int4} int4 layers)")
     constants = {name: tensors[name].detach() for name in names if name in tensors}

@@ -1,5 +1,6 @@
 // dflash's own CPU kernels for decoding in bf16 on AVX-512 BF16 CPUs (engine/kernels/native.py loads them):
-// dflash::bf16_linear (a dense bf16 weight times rows) and dflash::attention (each row's block of queries over its
+// dflash::bf16_linear (a dense bf16 weight times rows), dflash::int4_linear and int8_linear (4- and 8-bit weights
+// times rows quantized to int8) and dflash::attention (each row's block of queries over its
 // own K/V).
 //
 // A decode step multiplies one to a few dozen rows by every weight once, so its time is the weights' bytes over
@@ -184,6 +185,184 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
   return out;
 }
 
+// ---- int4_linear: out [M, N] = x [M, K] . dequant(w)^T, int4 weights and int8 activations, bf16 in and out ------
+// w = q * d + m per output and group of 32 inputs (GGUF's Q4_1: codes q in 0..15, a float16 scale d and min m). Each
+// row's activations are quantized per group to int8 (a = q_a * d_a, d_a = max|a| / 127, as llama.cpp's Q8_1), so a
+// group's product is d * d_a * (q . q_a) + m * d_a * sum(q_a), the integer dot product exact.
+// Layout (engine.kernels.quantized.Int4Linear): outputs in blocks of 16, one per vector lane, so no lane sums: per
+// block and group, four 64-byte vectors whose lane j holds output j's codes of inputs 4i..4i+3 (low nibbles) and
+// 16+4i..16+4i+3 (high nibbles) in vector i; VPDPBUSD multiplies them by the row's four activations of those inputs,
+// broadcast (64 products an instruction); scales and mins [blocks, groups, 16] float16. Per output the groups are
+// added in order: a row's result does not depend on the rows or threads beside it (bf16_linear's invariance), and
+// one weight load serves a tile of up to kInt4Tile rows.
+constexpr int kInt4Group = 32;
+constexpr int kInt4Tile = 4;
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the weights a group reads (memory is the bound)
+
+struct Int8Rows {  // the activations as int8, and per group their scale, sum of codes, and scale * sum
+  std::vector<int8_t> q;
+  std::vector<float> scale, scaled_sum;  // [M, groups]
+  std::vector<int32_t> sum;              // [M, groups]
+};
+
+Int8Rows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t groups = K / kInt4Group;
+  Int8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups),
+                std::vector<int32_t>(M * groups)};
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* a = x + r * K + g * kInt4Group;
+      const __m512 lo = load_bf16x16(a), hi = load_bf16x16(a + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // (nearest even)
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      int8_t* out = rows.q.data() + r * K + g * kInt4Group;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qhi));
+      const float d = amax / 127.0f;
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      rows.scale[r * groups + g] = d;
+      rows.sum[r * groups + g] = sum;
+      rows.scaled_sum[r * groups + g] = d * static_cast<float>(sum);
+    }
+  }
+  return rows;
+}
+
+void int4_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                const uint16_t* mins, int64_t block, uint16_t* out, int64_t N) {
+  const int64_t groups = K / kInt4Group;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const int lanes = static_cast<int>(std::min<int64_t>(16, N - block * 16));
+  const __mmask16 valid = static_cast<__mmask16>((1u << lanes) - 1);
+  for (int64_t r0 = 0; r0 < M; r0 += kInt4Tile) {
+    const int rows = static_cast<int>(std::min<int64_t>(kInt4Tile, M - r0));
+    __m512 acc[kInt4Tile], macc[kInt4Tile];
+    for (int t = 0; t < kInt4Tile; ++t) acc[t] = macc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* v = codes + (block * groups + g) * 256;
+      for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + 64 * i), _MM_HINT_T0);
+      __m512i w[8];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i packed = _mm512_loadu_si512(v + 64 * i);
+        w[i] = _mm512_and_si512(packed, low_nibbles);
+        w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (block * groups + g) * 16)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + (block * groups + g) * 16)));
+      for (int t = 0; t < rows; ++t) {
+        const int64_t r = r0 + t;
+        const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kInt4Group);
+        __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(q[0]));
+        __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(q[4]));
+        for (int i = 1; i < 4; ++i) {
+          low = _mm512_dpbusd_epi32(low, w[i], _mm512_set1_epi32(q[i]));
+          high = _mm512_dpbusd_epi32(high, w[4 + i], _mm512_set1_epi32(q[4 + i]));
+        }
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(low, high));
+        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a.scale[r * groups + g])), acc[t]);
+        macc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[r * groups + g]), macc[t]);
+      }
+    }
+    for (int t = 0; t < rows; ++t) {
+      const __m256i result = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(acc[t], macc[t])));
+      _mm256_mask_storeu_epi16(out + (r0 + t) * N + block * 16, valid, result);
+    }
+  }
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in,
+                       const at::Tensor& mins_in, int64_t N) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kInt4Group == 0,
+              "int4_linear: x must be [rows, in] bf16, in a multiple of 32");
+  const int64_t M = x_in.size(0), K = x_in.size(1), blocks = (N + 15) / 16, groups = K / kInt4Group;
+  TORCH_CHECK(codes_in.scalar_type() == at::kByte && codes_in.numel() == blocks * groups * 256,
+              "int4_linear: codes must be [out / 16, in / 32, 256] uint8");
+  for (const at::Tensor* t : {&scales_in, &mins_in})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == blocks * groups * 16,
+                "int4_linear: scales and mins must be [out / 16, in / 32, 16] float16");
+  const at::Tensor x = x_in.contiguous(), codes = codes_in.contiguous();
+  const at::Tensor scales = scales_in.contiguous(), mins = mins_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const Int8Rows rows = quantize_rows(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K);
+  const auto* c = codes.const_data_ptr<uint8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr());
+  const auto* m = reinterpret_cast<const uint16_t*>(mins.const_data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) int4_block(rows, M, K, c, s, m, block, o, N);
+  });
+  return out;
+}
+
+// ---- int8_linear: out [M, N] = x [M, K] . (w * scale)^T, int8 weights (one scale per output) and int8 rows -------
+// The rows quantized per group of 32 as int4_linear's. VPDPBUSD wants one unsigned operand: the weights are held
+// shifted by 128 (w + 128 in 1..255), and (w + 128) . q_a less 128 * sum(q_a) is the exact w . q_a. Layout
+// (Int8Linear): outputs in blocks of 16 lanes, per block and four inputs one 64-byte vector (lane j: output j's
+// shifted weights of those inputs); scales [blocks, 16] in the compute dtype. Groups added in order per output: rows
+// independent.
+void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool bf16_scales,
+                int64_t block, uint16_t* out, int64_t N) {
+  const int64_t groups = K / kInt4Group;
+  const int lanes = static_cast<int>(std::min<int64_t>(16, N - block * 16));
+  const __mmask16 valid = static_cast<__mmask16>((1u << lanes) - 1);
+  for (int64_t r0 = 0; r0 < M; r0 += kInt4Tile) {
+    const int rows = static_cast<int>(std::min<int64_t>(kInt4Tile, M - r0));
+    __m512 acc[kInt4Tile];
+    for (int t = 0; t < kInt4Tile; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* v = codes + (block * groups + g) * 512;
+      for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + 64 * i), _MM_HINT_T0);
+      __m512i w[8];
+      for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(v + 64 * i);
+      for (int t = 0; t < rows; ++t) {
+        const int64_t r = r0 + t;
+        const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kInt4Group);
+        __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(q[0]));
+        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(q[1]));
+        for (int i = 2; i < 8; i += 2) {
+          even = _mm512_dpbusd_epi32(even, w[i], _mm512_set1_epi32(q[i]));
+          odd = _mm512_dpbusd_epi32(odd, w[i + 1], _mm512_set1_epi32(q[i + 1]));
+        }
+        const __m512i shift = _mm512_set1_epi32(128 * a.sum[r * groups + g]);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(even, odd), shift));
+        acc[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.scale[r * groups + g]), acc[t]);
+      }
+    }
+    const __m512 scale = bf16_scales ? load_bf16x16(static_cast<const uint16_t*>(scales) + block * 16)
+                                     : _mm512_loadu_ps(static_cast<const float*>(scales) + block * 16);
+    for (int t = 0; t < rows; ++t) {
+      const __m256i result = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[t], scale)));
+      _mm256_mask_storeu_epi16(out + (r0 + t) * N + block * 16, valid, result);
+    }
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in, int64_t N) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kInt4Group == 0,
+              "int8_linear: x must be [rows, in] bf16, in a multiple of 32");
+  const int64_t M = x_in.size(0), K = x_in.size(1), blocks = (N + 15) / 16;
+  TORCH_CHECK(codes_in.scalar_type() == at::kByte && codes_in.numel() == blocks * K * 16,
+              "int8_linear: codes must be [out / 16, in / 4, 16, 4] uint8 (the weights + 128)");
+  TORCH_CHECK((scales_in.scalar_type() == at::kFloat || scales_in.scalar_type() == at::kBFloat16) &&
+                  scales_in.numel() == blocks * 16,
+              "int8_linear: scales must be [out / 16, 16] float32 or bf16");
+  const at::Tensor x = x_in.contiguous(), codes = codes_in.contiguous(), scales = scales_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const Int8Rows rows = quantize_rows(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K);
+  const auto* c = codes.const_data_ptr<uint8_t>();
+  const void* s = scales.const_data_ptr();
+  const bool bf16 = scales.scalar_type() == at::kBFloat16;
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) int8_block(rows, M, K, c, s, bf16, block, o, N);
+  });
+  return out;
+}
+
 // ---- attention of each row's block of queries over that row's K/V, bf16 ------------------------------------------
 // rows [R, kv heads, n, head dim]: in row b, query row i is the query at positions[b, i % q] (the query heads of a KV
 // head folded into rows, as engine.target.standard folds them); keys / values [R, kv heads, capacity, head dim].
@@ -298,10 +477,14 @@ at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at
 
 TORCH_LIBRARY(dflash, m) {
   m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor");
   m.def("attention(Tensor rows, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
   m.impl("attention", &attention);
 }

@@ -36,9 +36,16 @@ import torch
 
 SOURCE = Path(__file__).with_name("native.cpp")
 ENVIRONMENT = "DFLASH_CPU_KERNELS"  # "0": torch's kernels for every product and attention
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # what the kernels are compiled for
+CPU_FLAGS = (
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_vnni",
+    "f16c",
+)  # what the kernels are compiled for
 _COMPILE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
-                  "-mfma", "-fopenmp"]  # fmt: skip
+                  "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]  # fmt: skip
 
 
 def cpu_flag_line() -> str:
@@ -173,6 +180,18 @@ def _register_shapes() -> None:
     @torch.library.register_fake("dflash::bf16_linear")
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("dflash::int4_linear")
+    def _(
+        x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("dflash::int8_linear")
+    def _(
+        x: torch.Tensor, codes: torch.Tensor, sums: torch.Tensor, scales: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("dflash::attention")
     def _(

@@ -1,14 +1,14 @@
-"""4-bit and 8-bit weight-only linears for the CPU, on torch's own packed kernels.
+"""4-bit and 8-bit weight-only linears for the CPU.
 
 A decode step on a CPU reads every weight once per step, so its time is the weights' bytes over the memory
-bandwidth; 4-bit weights read a quarter of bf16's. torch ships the kernels llama.cpp-style weight-only layouts
-need: `_weight_int4pack_mm_for_cpu` (int4, asymmetric, one scale and zero per group of 32 inputs, weights packed
-once for the machine's SIMD width) and `_weight_int8pack_mm` (int8, one scale per output channel). Measured on
-the 2-core AVX512-BF16 VM against MKL's bf16 product (benchmarks/results/history.md): a 576x1536 product at one
-row 82 / 50 / 51 us (bf16 / int8 / int4), the 576x49152 lm_head 5.9 / 3.2 / 1.5 ms; both kernels cost time in proportion
-to the rows, so verify blocks of 8-16 rows are slower than bf16's. torchao's CPU layouts call the same two kernels;
-we use them directly rather than add the dependency. Both want bf16 activations: with float32 ones they run
-10-30x slower than the dense product, so a quantized target computes in bf16 (planning enforces it).
+bandwidth; 4-bit weights read a quarter of bf16's, if the kernel keeps up. int4 runs on dflash's own kernel where
+the process has it (engine.kernels.native's `int4_linear`: the rows quantized to int8 per group of 32, as
+llama.cpp's Q4_1 x Q8_1 product, and multiplied by VPDPBUSD, 16 outputs a vector; each row alone, so a verify
+block's row is that row decoded alone); elsewhere on torch's `_weight_int4pack_mm_for_cpu` (bf16 activations).
+Measured on the 2-core Intel AMX VM, one thread (history.md): a 576x1536 product at one row 16 against torch's 71
+us, 2.6-3.6x at 4-16 rows; the 49152x576 head 2.3x. int8 (the output head's format) runs on torch's
+`_weight_int8pack_mm` (one scale per output channel). Both torch kernels want bf16 activations (with float32 ones
+they run 10-30x slower than the dense product), so a quantized target computes in bf16 (planning enforces it).
 
 `Int4Linear.from_groups` takes the (codes, scale, min) of formats that store w = q * scale + min per group of 32,
 GGUF's Q4_1 among them, without a detour through float weights; `Int4Linear.quantize` makes those groups from a
@@ -31,22 +31,22 @@ QUANTIZE_SLICE_ELEMENTS = 2**18
 
 
 class Int4Linear(nn.Module):
-    """y = x @ dequant(W).T + b with W held as packed int4 codes and per-group (scale, zero) in the compute dtype."""
+    """y = x @ dequant(W).T + b with W held as int4 codes and per-group (scale, min): w = q * scale + min.
 
-    weight_buffers = ("packed", "scales_zeros")  # what its weight is held in (setup.sizes counts them)
+    Two layouts, chosen when the layer is made: where dflash's CPU kernels run (engine.kernels.native), theirs
+    (`int4_linear`: int8 activations, VPDPBUSD, outputs in blocks of 16 lanes; scales and mins in float16, as Q4_1
+    stores them; `native`); else torch's packed int4 kernel (bf16 activations; scales and zeros in the compute
+    dtype). Each layout's rounding is its own: a process runs one (the stored steps are keyed by it)."""
 
     def __init__(
-        self,
-        packed: torch.Tensor,
-        scales_zeros: torch.Tensor,
-        out_features: int,
-        in_features: int,
-        bias: torch.Tensor | None,
-    ) -> None:
+        self, buffers: dict[str, torch.Tensor], out_features: int, in_features: int, bias: torch.Tensor | None
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", scales_zeros)  # [in/GROUP_SIZE, out, 2]: w = (q - 8) * scale + zero
+        self.native = "codes" in buffers
+        self.weight_buffers = tuple(buffers)  # what its weight is held in (setup.sizes counts them)
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -59,12 +59,17 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None = None,
     ) -> Int4Linear:
         """From codes [out, in] in 0..15 and per-group scales and mins [out, in/GROUP_SIZE] (w = q * scale + min)."""
+        from dflash_cli.engine.kernels import native
+
         out_features, in_features = codes.shape
+        bias = None if bias is None else bias.to(dtype)
+        if native.available():
+            return cls(_native_layout(codes, scales, mins), out_features, in_features, bias)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)
         # The kernel's rule is w = (q - 8) * scale + zero, so zero = min + 8 * scale.
         zeros = mins.float() + 8 * scales.float()
         scales_zeros = torch.stack([scales.float(), zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
-        return cls(packed, scales_zeros, out_features, in_features, None if bias is None else bias.to(dtype))
+        return cls({"packed": packed, "scales_zeros": scales_zeros}, out_features, in_features, bias)
 
     @classmethod
     def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int4Linear:
@@ -91,30 +96,67 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_zeros)
+        if self.native:
+            out = torch.ops.dflash.int4_linear(
+                rows.to(torch.bfloat16), self.codes, self.scales, self.mins, self.out_features
+            ).to(x.dtype)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_zeros)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight [out, in] this layer multiplies by (for tests and loss reports)."""
+        if self.native:
+            lanes = self.codes.shape[0] * 16
+            low, high = (self.codes & 15), (self.codes >> 4)  # [blocks, groups, 4, 16 lanes, 4]
+            codes = torch.cat([low, high], dim=2).permute(0, 3, 1, 2, 4).reshape(lanes, self.in_features)
+            scales = self.scales.transpose(1, 2).reshape(lanes, -1).float().repeat_interleave(GROUP_SIZE, dim=1)
+            mins = self.mins.transpose(1, 2).reshape(lanes, -1).float().repeat_interleave(GROUP_SIZE, dim=1)
+            return (codes.float() * scales + mins)[: self.out_features]
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_zeros).T
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}"
+        kernel = "dflash's int8-activation kernel" if self.native else "torch's kernel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP_SIZE}, {kernel}"
+
+
+def _native_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """dflash's int4_linear layout (native.cpp): outputs in blocks of 16 (zero-padded), per block and group of 32
+    inputs four vectors of 16 lanes x 4 bytes, byte q of lane j in vector i holding output j's codes of inputs 4i+q
+    (low nibble) and 16+4i+q (high nibble); scales and mins [blocks, groups, 16] float16."""
+    out_features, in_features = codes.shape
+    groups, blocks = in_features // GROUP_SIZE, -(-out_features // 16)
+    padded = torch.zeros(blocks * 16, groups, GROUP_SIZE, dtype=torch.uint8)
+    padded[:out_features] = codes.reshape(out_features, groups, GROUP_SIZE).to(torch.uint8)
+    lanes = padded.reshape(blocks, 16, groups, GROUP_SIZE)
+    low, high = lanes[..., :16].reshape(blocks, 16, groups, 4, 4), lanes[..., 16:].reshape(blocks, 16, groups, 4, 4)
+    packed = (low | (high << 4)).permute(0, 2, 3, 1, 4).contiguous()
+
+    def by_lane(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(blocks * 16, groups, dtype=torch.float16)
+        out[:out_features] = values.to(torch.float16)
+        return out.reshape(blocks, 16, groups).transpose(1, 2).contiguous()
+
+    return {"codes": packed, "scales": by_lane(scales), "mins": by_lane(mins)}
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (W_int8 * scale).T + b, symmetric int8 with one scale per output channel."""
+    """y = x @ (W_int8 * scale).T + b, symmetric int8 with one scale per output channel. Two layouts, as
+    `Int4Linear`'s: dflash's `int8_linear` (int8 activations) where the process runs dflash's kernels, else torch's
+    `_weight_int8pack_mm` (bf16 activations). The scales are the compute dtype's either way."""
 
-    weight_buffers = ("weight_int8", "scales")
-
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, buffers: dict[str, torch.Tensor], out_features: int, in_features: int, bias: torch.Tensor | None
+    ):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight_int8", weight)
-        self.register_buffer("scales", scales)
+        self.out_features, self.in_features = out_features, in_features
+        self.native = "codes" in buffers
+        self.weight_buffers = tuple(buffers)  # what its weight is held in (setup.sizes counts them)
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -126,26 +168,56 @@ class Int8Linear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
         """Symmetric int8 per output channel of a float weight [out, in], a slice of rows at a time (a head is
         large, and each row's scale is its own)."""
+        from dflash_cli.engine.kernels import native
+
+        out_features, in_features = weight.shape
         codes = torch.empty(weight.shape, dtype=torch.int8)
-        scales = torch.empty(weight.shape[0], dtype=torch.float32)
+        scales = torch.empty(out_features, dtype=torch.float32)
         for rows in _row_slices(weight):
             part = weight[rows].float()
             scales[rows] = (part.abs().amax(dim=1) / 127).clamp(min=1e-12)
             codes[rows] = (part / scales[rows][:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return cls(codes, scales.to(dtype), None if bias is None else bias.to(dtype))
+        scales, bias = scales.to(dtype), None if bias is None else bias.to(dtype)
+        if native.available() and in_features % GROUP_SIZE == 0 and out_features % 16 == 0:  # (no padding to hold)
+            return cls(_native_int8_layout(codes, scales), out_features, in_features, bias)
+        return cls({"weight_int8": codes, "scales": scales}, out_features, in_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if self.native:
+            out = torch.ops.dflash.int8_linear(
+                rows.to(torch.bfloat16), self.codes, self.lane_scales, self.out_features
+            ).to(x.dtype)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
+        if self.native:  # codes [blocks, in / 4, 16 lanes, 4]
+            lanes = self.codes.shape[0] * 16
+            weight = self.codes.permute(0, 2, 1, 3).reshape(lanes, self.in_features).float() - 128
+            return (weight * self.lane_scales.reshape(lanes, 1))[: self.out_features]
         return self.weight_int8.float() * self.scales.float()[:, None]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+        kernel = "dflash's int8-activation kernel" if self.native else "torch's kernel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, {kernel}"
+
+
+def _native_int8_layout(codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """dflash's int8_linear layout (native.cpp): outputs in blocks of 16 (zero-padded), per block and four inputs a
+    vector of 16 lanes x 4 bytes, the weights + 128 as uint8; the scales per lane in their dtype (the compute
+    dtype's: float32 or bf16)."""
+    out_features, in_features = codes.shape
+    blocks = -(-out_features // 16)
+    padded = torch.zeros(blocks * 16, in_features, dtype=torch.int16)
+    padded[:out_features] = codes
+    lanes = (padded + 128).to(torch.uint8).reshape(blocks, 16, in_features // 4, 4)
+    lane_scales = torch.zeros(blocks * 16, dtype=scales.dtype if scales.dtype == torch.bfloat16 else torch.float32)
+    lane_scales[:out_features] = scales
+    return {"codes": lanes.permute(0, 2, 1, 3).contiguous(), "lane_scales": lane_scales.reshape(blocks, 16)}
 
 
 def _row_slices(weight: torch.Tensor) -> list[slice]:

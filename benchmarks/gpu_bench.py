@@ -37,7 +37,8 @@ from torch import nn
 
 from dflash_cli.engine import SamplingParams, Step, generate
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig
-from dflash_cli.engine.target.attention import MIN_CAPACITY, AttentionState, packed_sdpa_attention
+from dflash_cli.engine.target import attention as target_attention
+from dflash_cli.engine.target.attention import AttentionState, packed_sdpa_attention
 from dflash_cli.setup.sizes import module_weight_bytes, tensor_bytes
 
 PUBLISHED_TAU = 6.5  # z-lab's Qwen3-8B drafter on GSM8K (6.55); every configuration's taus include it
@@ -422,7 +423,7 @@ def measure_whole_buffer_attention(s: Settings, device: torch.device, dtype: tor
 
     shape = s.shape
     groups = shape.heads // shape.kv_heads
-    capacity = max(MIN_CAPACITY, s.context + shape.block_size)
+    capacity = max(target_attention.MIN_CAPACITY, s.context + shape.block_size)
     module = nn.Module()
     module.num_key_value_groups, module.is_causal = groups, True
     layers = [
@@ -1101,6 +1102,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " each size is one more graph to compile with --compile)",
     )
     parser.add_argument("--taus", type=taus, help=f"controlled acceptance lengths (must include {PUBLISHED})")
+    parser.add_argument(
+        "--capacity",
+        type=at_least(1),
+        help="the whole-buffer state's least capacity in positions (engine.target.attention.MIN_CAPACITY, 8192): "
+        "what a compiled step's attention costs over a buffer sized near the context",
+    )
     return parser.parse_args(argv)
 
 
@@ -1135,6 +1142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --taus must include {PUBLISHED} (the predictions and targets read it)", file=sys.stderr)
         return 2
     s = replace(s, **overrides)
+    if args.capacity:  # (read by AttentionState.reserve and the whole-buffer micro-benchmark)
+        target_attention.MIN_CAPACITY = args.capacity
     if args.reference_wheel:
         if not args.reference_wheel.is_file():
             print(f"error: no such wheel: {args.reference_wheel}", file=sys.stderr)

@@ -11,9 +11,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine.kernels import native
 from dflash_cli.engine.kernels.layers import SMALL_ROWS, SmallRowLinear, use_cpu_products
 from helpers.drafters import random_drafter
+from helpers.kernels import use_kernels
 from helpers.tiny_models import hf_greedy, sharp_tiny
 
 
@@ -70,10 +70,7 @@ def test_only_plain_float32_and_bf16_cpu_linears_switch() -> None:
 @pytest.fixture(params=["dflash", "mkl"])
 def bf16_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each kernel a bf16 product may run on: dflash's (where this machine has it) and MKL's."""
-    if request.param == "dflash" and not native.available():
-        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
-    if request.param == "mkl":
-        monkeypatch.setattr(native, "available", lambda: False)
+    use_kernels(request.param == "dflash", monkeypatch)
     return request.param
 
 

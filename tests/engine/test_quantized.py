@@ -8,7 +8,7 @@ import transformers
 from torch import nn
 
 from dflash_cli import speculative_generate
-from dflash_cli.engine.kernels import native, quantized
+from dflash_cli.engine.kernels import quantized
 from dflash_cli.engine.kernels.quantized import (
     GROUP_SIZE,
     Int4Linear,
@@ -19,6 +19,7 @@ from dflash_cli.engine.kernels.quantized import (
 )
 from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
 from helpers.drafters import FORMATS, random_drafter
+from helpers.kernels import use_kernels
 from helpers.tiny_models import hf_greedy, int4_packable_tiny
 
 
@@ -32,10 +33,7 @@ def quantizable_tiny(seed: int, tied: bool = False) -> transformers.PreTrainedMo
 @pytest.fixture(params=["native", "torch"])
 def int4_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Int4Linear's two layouts: dflash's kernel (int8 activations), where this CPU runs it, and torch's."""
-    if request.param == "native" and not native.available():
-        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
-    if request.param == "torch":
-        monkeypatch.setattr(native, "available", lambda: False)
+    use_kernels(request.param == "native", monkeypatch)
     return request.param
 
 
@@ -71,12 +69,11 @@ def test_int4_groups_round_trip_exactly_and_the_kernel_multiplies_by_them(int4_l
 
 @pytest.mark.parametrize("layer_type", [Int4Linear, Int8Linear])
 def test_the_int8_activation_kernels_give_a_row_the_same_bits_alone_in_a_block_and_on_any_threads(
-    layer_type: type,
+    layer_type: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its rows are quantized and summed each on its own, in one order: a verify block's row is that row decoded
     alone (what keeps speculative decoding lossless), with outputs not a multiple of 16 (the padded last block)."""
-    if not native.available():
-        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
+    use_kernels(True, monkeypatch)
     torch.manual_seed(4)
     outputs = 40 if layer_type is Int4Linear else 48  # (int8 keeps torch's layout where outputs would need padding)
     layer = layer_type.from_weight(torch.randn(outputs, 192), torch.bfloat16)

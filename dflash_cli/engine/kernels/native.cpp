@@ -194,9 +194,9 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
 // 16+4i..16+4i+3 (high nibbles) in vector i; VPDPBUSD multiplies them by the row's four activations of those inputs,
 // broadcast (64 products an instruction); scales and mins [blocks, groups, 16] float16. Per output the groups are
 // added in order: a row's result does not depend on the rows or threads beside it (bf16_linear's invariance), and
-// one weight load serves a tile of up to kInt4Tile rows.
-constexpr int kInt4Group = 32;
-constexpr int kInt4Tile = 4;
+// one weight load serves a tile of up to kRowTile rows.
+constexpr int kGroup = 32;  // inputs per activation (and Q4_1) scale group
+constexpr int kRowTile = 4;  // rows that share one load of a block's weights
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the weights a group reads (memory is the bound)
 
 struct Int8Rows {  // the activations as int8, and per group their scale, sum of codes, and scale * sum
@@ -206,18 +206,18 @@ struct Int8Rows {  // the activations as int8, and per group their scale, sum of
 };
 
 Int8Rows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
-  const int64_t groups = K / kInt4Group;
+  const int64_t groups = K / kGroup;
   Int8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups),
                 std::vector<int32_t>(M * groups)};
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      const uint16_t* a = x + r * K + g * kInt4Group;
+      const uint16_t* a = x + r * K + g * kGroup;
       const __m512 lo = load_bf16x16(a), hi = load_bf16x16(a + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // (nearest even)
       const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      int8_t* out = rows.q.data() + r * K + g * kInt4Group;
+      int8_t* out = rows.q.data() + r * K + g * kGroup;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qhi));
       const float d = amax / 127.0f;
@@ -232,14 +232,14 @@ Int8Rows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
 
 void int4_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
                 const uint16_t* mins, int64_t block, uint16_t* out, int64_t N) {
-  const int64_t groups = K / kInt4Group;
+  const int64_t groups = K / kGroup;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const int lanes = static_cast<int>(std::min<int64_t>(16, N - block * 16));
   const __mmask16 valid = static_cast<__mmask16>((1u << lanes) - 1);
-  for (int64_t r0 = 0; r0 < M; r0 += kInt4Tile) {
-    const int rows = static_cast<int>(std::min<int64_t>(kInt4Tile, M - r0));
-    __m512 acc[kInt4Tile], macc[kInt4Tile];
-    for (int t = 0; t < kInt4Tile; ++t) acc[t] = macc[t] = _mm512_setzero_ps();
+  for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+    __m512 acc[kRowTile], macc[kRowTile];
+    for (int t = 0; t < kRowTile; ++t) acc[t] = macc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* v = codes + (block * groups + g) * 256;
       for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + 64 * i), _MM_HINT_T0);
@@ -253,7 +253,7 @@ void int4_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, c
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + (block * groups + g) * 16)));
       for (int t = 0; t < rows; ++t) {
         const int64_t r = r0 + t;
-        const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kInt4Group);
+        const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kGroup);
         __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(q[0]));
         __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(q[4]));
         for (int i = 1; i < 4; ++i) {
@@ -274,9 +274,9 @@ void int4_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, c
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in,
                        const at::Tensor& mins_in, int64_t N) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kInt4Group == 0,
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kGroup == 0,
               "int4_linear: x must be [rows, in] bf16, in a multiple of 32");
-  const int64_t M = x_in.size(0), K = x_in.size(1), blocks = (N + 15) / 16, groups = K / kInt4Group;
+  const int64_t M = x_in.size(0), K = x_in.size(1), blocks = (N + 15) / 16, groups = K / kGroup;
   TORCH_CHECK(codes_in.scalar_type() == at::kByte && codes_in.numel() == blocks * groups * 256,
               "int4_linear: codes must be [out / 16, in / 32, 256] uint8");
   for (const at::Tensor* t : {&scales_in, &mins_in})
@@ -305,13 +305,13 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
 // independent.
 void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool bf16_scales,
                 int64_t block, uint16_t* out, int64_t N) {
-  const int64_t groups = K / kInt4Group;
+  const int64_t groups = K / kGroup;
   const int lanes = static_cast<int>(std::min<int64_t>(16, N - block * 16));
   const __mmask16 valid = static_cast<__mmask16>((1u << lanes) - 1);
-  for (int64_t r0 = 0; r0 < M; r0 += kInt4Tile) {
-    const int rows = static_cast<int>(std::min<int64_t>(kInt4Tile, M - r0));
-    __m512 acc[kInt4Tile];
-    for (int t = 0; t < kInt4Tile; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+    __m512 acc[kRowTile];
+    for (int t = 0; t < kRowTile; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* v = codes + (block * groups + g) * 512;
       for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + 64 * i), _MM_HINT_T0);
@@ -319,7 +319,7 @@ void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, c
       for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(v + 64 * i);
       for (int t = 0; t < rows; ++t) {
         const int64_t r = r0 + t;
-        const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kInt4Group);
+        const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kGroup);
         __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(q[0]));
         __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(q[1]));
         for (int i = 2; i < 8; i += 2) {
@@ -341,7 +341,7 @@ void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, c
 }
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in, int64_t N) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kInt4Group == 0,
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kGroup == 0,
               "int8_linear: x must be [rows, in] bf16, in a multiple of 32");
   const int64_t M = x_in.size(0), K = x_in.size(1), blocks = (N + 15) / 16;
   TORCH_CHECK(codes_in.scalar_type() == at::kByte && codes_in.numel() == blocks * K * 16,

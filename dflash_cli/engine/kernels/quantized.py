@@ -18,9 +18,13 @@ float weight by min-max (the same rule Q4_1 uses).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from typing import Self  # (3.11+: annotations only, so 3.10 imports this module)
 
 GROUP_SIZE = 32  # inputs per int4 scale/zero group (Q4_1's block)
 KINDS = ("int4", "int8")
@@ -30,13 +34,10 @@ _INNER_K_TILES = 2  # the CPU packing's tile parameter (any of 2, 4, 8 packs the
 QUANTIZE_SLICE_ELEMENTS = 2**18
 
 
-class Int4Linear(nn.Module):
-    """y = x @ dequant(W).T + b with W held as int4 codes and per-group (scale, min): w = q * scale + min.
-
-    Two layouts, chosen when the layer is made: where dflash's CPU kernels run (engine.kernels.native), theirs
-    (`int4_linear`: int8 activations, VPDPBUSD, outputs in blocks of 16 lanes; scales and mins in float16, as Q4_1
-    stores them; `native`); else torch's packed int4 kernel (bf16 activations; scales and zeros in the compute
-    dtype). Each layout's rounding is its own: a process runs one (the stored steps are keyed by it)."""
+class _WeightOnlyLinear(nn.Module):
+    """What the int4 and int8 layers share: the weight held in `buffers` (dflash's layout where they hold "codes",
+    `native`, else torch's), a float bias, and y = product(x rows) + b. Subclasses make the layouts and the
+    product."""
 
     def __init__(
         self, buffers: dict[str, torch.Tensor], out_features: int, in_features: int, bias: torch.Tensor | None
@@ -48,6 +49,35 @@ class Int4Linear(nn.Module):
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Self:
+        """`from_weight` of a float linear's weight and bias."""
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls.from_weight(linear.weight.detach(), dtype, bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Self:
+        raise NotImplementedError
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in] -> [n, out], without the bias."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(_WeightOnlyLinear):
+    """y = x @ dequant(W).T + b with W held as int4 codes and per-group (scale, min): w = q * scale + min.
+
+    Two layouts, chosen when the layer is made: where dflash's CPU kernels run (engine.kernels.native), theirs
+    (`int4_linear`: int8 activations, VPDPBUSD, outputs in blocks of 16 lanes; scales and mins in float16, as Q4_1
+    stores them; `native`); else torch's packed int4 kernel (bf16 activations; scales and zeros in the compute
+    dtype). Each layout's rounding is its own: a process runs one (the stored steps are keyed by it)."""
 
     @classmethod
     def from_groups(
@@ -72,12 +102,6 @@ class Int4Linear(nn.Module):
         return cls({"packed": packed, "scales_zeros": scales_zeros}, out_features, in_features, bias)
 
     @classmethod
-    def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int4Linear:
-        """`from_weight` of a float linear's weight and bias."""
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls.from_weight(linear.weight.detach(), dtype, bias)
-
-    @classmethod
     def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int4Linear:
         """Min-max int4 per group of GROUP_SIZE inputs of a float weight [out, in]: the group's min maps to 0 and
         its max to 15. Rows are quantized a slice at a time (each group is within a row, so the codes are those of
@@ -94,17 +118,12 @@ class Int4Linear(nn.Module):
             codes[rows] = quantized.reshape(-1, in_features)
         return cls.from_groups(codes, scales, low, dtype, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.native:
-            out = torch.ops.dflash.int4_linear(
+            return torch.ops.dflash.int4_linear(
                 rows.to(torch.bfloat16), self.codes, self.scales, self.mins, self.out_features
-            ).to(x.dtype)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_zeros)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            ).to(rows.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_zeros)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight [out, in] this layer multiplies by (for tests and loss reports)."""
@@ -143,26 +162,10 @@ def _native_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     return {"codes": packed, "scales": by_lane(scales), "mins": by_lane(mins)}
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_WeightOnlyLinear):
     """y = x @ (W_int8 * scale).T + b, symmetric int8 with one scale per output channel. Two layouts, as
     `Int4Linear`'s: dflash's `int8_linear` (int8 activations) where the process runs dflash's kernels, else torch's
     `_weight_int8pack_mm` (bf16 activations). The scales are the compute dtype's either way."""
-
-    def __init__(
-        self, buffers: dict[str, torch.Tensor], out_features: int, in_features: int, bias: torch.Tensor | None
-    ):
-        super().__init__()
-        self.out_features, self.in_features = out_features, in_features
-        self.native = "codes" in buffers
-        self.weight_buffers = tuple(buffers)  # what its weight is held in (setup.sizes counts them)
-        for name, tensor in buffers.items():
-            self.register_buffer(name, tensor)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @classmethod
-    def quantize(cls, linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls.from_weight(linear.weight.detach(), dtype, bias)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -182,17 +185,12 @@ class Int8Linear(nn.Module):
             return cls(_native_int8_layout(codes, scales), out_features, in_features, bias)
         return cls({"weight_int8": codes, "scales": scales}, out_features, in_features, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.native:
-            out = torch.ops.dflash.int8_linear(
+            return torch.ops.dflash.int8_linear(
                 rows.to(torch.bfloat16), self.codes, self.lane_scales, self.out_features
-            ).to(x.dtype)
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            ).to(rows.dtype)
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
 
     def dequantized(self) -> torch.Tensor:
         if self.native:  # codes [blocks, in / 4, 16 lanes, 4]

@@ -35,10 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import whole_buffer_attention
 from dflash_cli.engine import SamplingParams, Step, generate
 from dflash_cli.engine.drafter import DFlashDrafter, DraftCache, DrafterConfig
 from dflash_cli.engine.target import attention as target_attention
-from dflash_cli.engine.target.attention import AttentionState, packed_sdpa_attention
+from dflash_cli.engine.target.attention import AttentionState
 from dflash_cli.setup.sizes import module_weight_bytes, tensor_bytes
 
 PUBLISHED_TAU = 6.5  # z-lab's Qwen3-8B drafter on GSM8K (6.55); every configuration's taus include it
@@ -416,49 +417,24 @@ def measure_draft_step(drafter: DFlashDrafter, prompt: torch.Tensor, s: Settings
 
 def measure_whole_buffer_attention(s: Settings, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """One step's attention over a whole K/V buffer (the compiled CUDA step's layout: MIN_CAPACITY positions, the
-    context's visible), every layer with K/V of its own (one layer's alone would sit in the GPU's L2 cache):
-    transformers' SDPA path as dynamo traces it (K/V copied per query head, then SDPA) against PACKED_SDPA, by query
-    count. Device time per step (profiled kernels) on CUDA, wall time elsewhere."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
+    context's visible), every layer's own K/V: transformers' SDPA path as dynamo traces it against the engine's,
+    eager and compiled, by query count (benchmarks/whole_buffer_attention.py has more ways)."""
     shape = s.shape
-    groups = shape.heads // shape.kv_heads
-    capacity = max(target_attention.MIN_CAPACITY, s.context + shape.block_size)
-    module = nn.Module()
-    module.num_key_value_groups, module.is_causal = groups, True
-    layers = [
-        tuple(torch.randn(1, shape.kv_heads, capacity, shape.head_dim, device=device, dtype=dtype) for _ in "kv")
-        for _ in range(shape.layers)
-    ]
-    out: dict[str, Any] = {"capacity": capacity, "layers": shape.layers}
-    for q in (1, shape.block_size):
-        query = torch.randn(1, shape.heads, q, shape.head_dim, device=device, dtype=dtype)
-        positions = torch.arange(s.context, s.context + q, device=device)
-        mask = (torch.arange(capacity, device=device) <= positions[:, None])[None, None]
-
-        def repeated(query: torch.Tensor = query, mask: torch.Tensor = mask) -> torch.Tensor:
-            for key, value in layers:
-                k, v = repeat_kv(key, groups), repeat_kv(value, groups)
-                last = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask)
-            return last
-
-        def packed(query: torch.Tensor = query, mask: torch.Tensor = mask) -> torch.Tensor:
-            for key, value in layers:
-                last = packed_sdpa_attention(module, query, key, value, mask)[0]
-            return last
-
-        with torch.inference_mode():
-            torch.testing.assert_close(packed(), repeated().transpose(1, 2), rtol=2e-2, atol=2e-2)
-            times = {}
-            for name, fn in (("repeat_kv", repeated), ("packed", packed)):
-                for _ in range(s.warmup):
-                    fn()
-                per_step = kernel_ms_per_call(fn, device, s.reps)
-                times[f"{name}_ms_per_step"] = (
-                    per_step if per_step is not None else time_calls(fn, device, 0, s.reps)["median_ms"]
-                )
-        out[str(q)] = times
-    return out
+    return whole_buffer_attention.measure(
+        layers=shape.layers,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        context=s.context,
+        queries=(1, shape.block_size),
+        capacities=(max(target_attention.MIN_CAPACITY, s.context + shape.block_size),),
+        device=device,
+        dtype=dtype,
+        warmup=s.warmup,
+        reps=s.reps,
+        flex=False,
+        only=("packed", "engine", "engine_compiled"),
+    )
 
 
 # --- the decode loop, end to end ------------------------------------------------------------------------
@@ -1026,16 +1002,13 @@ def render_table(results: dict[str, Any]) -> str:
         f"copy bandwidth: {results['bandwidth']['gb_per_s']:.0f} GB/s (read + write)",
     ]
     attention = results.get("whole_buffer_attention") or {}
-    if "error" not in attention and attention:
-        lines.append(
-            f"attention over a whole buffer ({attention['capacity']} positions, {attention['layers']} layers), ms a "
-            "step, K/V repeated -> packed: "
-            + ", ".join(
-                f"{q} quer{'y' if q == '1' else 'ies'} {t['repeat_kv_ms_per_step']:.3g} -> {t['packed_ms_per_step']:.3g}"
-                for q, t in attention.items()
-                if isinstance(t, dict)
+    for capacity, by_query in attention.get("by_capacity", {}).items():
+        for q, ways in by_query.items():
+            lines.append(
+                f"attention over a whole buffer ({capacity} positions, {attention['layers']} layers), {q} quer"
+                f"{'y' if q == '1' else 'ies'}, ms a step: "
+                + ", ".join(f"{name} {t['ms_per_step']:.3g}" for name, t in ways.items() if "ms_per_step" in t)
             )
-        )
     for name, run in results["runs"].items():
         lines += render_run(name, run)
     if results.get("nf4_vs_dense"):

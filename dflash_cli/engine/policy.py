@@ -45,7 +45,7 @@ import torch
 from dflash_cli.cpu_load import busy_since, cpu_snapshot, fresh, measured_now
 from dflash_cli.engine.drafter.compiled_step import loaded_draft_step
 from dflash_cli.engine.kernels import native
-from dflash_cli.engine.target.base import PACKED_SDPA
+from dflash_cli.engine.target.base import WHOLE_BUFFER
 from dflash_cli.engine.target.compiled_step import loaded_step
 
 if TYPE_CHECKING:
@@ -346,9 +346,10 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "target_config": fingerprint(target.config.to_json_string(use_diff=False)),
         "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
         "weights": sorted({kind for m in target.modules() if (kind := _weight_kind(m)) is not None}),
-        # (packed SDPA is SDPA: a whole-buffer state switches to it after the first request's costs were keyed)
+        # (whole-buffer attention is SDPA's: a whole-buffer state switches to it after the first request's costs
+        # were keyed)
         "attention": "sdpa"
-        if target.config._attn_implementation == PACKED_SDPA
+        if target.config._attn_implementation == WHOLE_BUFFER
         else target.config._attn_implementation,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,

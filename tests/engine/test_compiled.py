@@ -19,7 +19,14 @@ from dflash_cli.engine import SamplingParams, collect, generate
 from dflash_cli.engine.compiled import jit
 from dflash_cli.engine.compiled.jit import CompiledStep, run_drafter, run_target
 from dflash_cli.engine.policy import target_key
-from dflash_cli.engine.target.attention import PACKED_SDPA, packed_sdpa_attention
+from dflash_cli.engine.target.attention import (
+    KEY_PIECES,
+    MIN_CAPACITY,
+    SPLIT_QUERIES,
+    WHOLE_BUFFER,
+    AttentionState,
+    whole_buffer_attention,
+)
 from helpers.drafters import OracleDrafter, random_drafter
 from helpers.golden import GOLDEN_SETS, check_golden_sets
 from helpers.tiny_models import build_tiny, hf_greedy, sharp_tiny
@@ -167,7 +174,7 @@ def test_whole_buffer_steps_reproduce_the_golden_sets(whole_buffer: list[torch.f
 def test_whole_buffer_attention_reads_each_kv_head_once(
     whole_buffer: list[torch.fx.GraphModule], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Over the whole buffer an SDPA target with grouped query heads runs PACKED_SDPA: no K/V copy per query head
+    """Over the whole buffer an SDPA target with grouped query heads runs WHOLE_BUFFER: no K/V copy per query head
     (transformers' repeat_kv, which its SDPA path takes under dynamo when a mask is given) in a step's graph, and
     the eager decoding's tokens, plain and drafted (blocks of 1 to 4 tokens)."""
     repeats = []
@@ -177,7 +184,7 @@ def test_whole_buffer_attention_reads_each_kv_head_once(
     prompt, params = [5, 17, 3, 42, 9, 11], SamplingParams(max_new_tokens=24)
     eager = collect(generate(target, None, prompt, params))
     assert collect(generate(target, None, prompt, params, compile=True)).token_ids == eager.token_ids
-    assert target.config._attn_implementation == PACKED_SDPA and whole_buffer
+    assert target.config._attn_implementation == WHOLE_BUFFER and whole_buffer
     oracle = OracleDrafter(target, prompt + eager.token_ids, block_size=4, correct=[0, 3, 1, 2])
     drafted = collect(generate(target, oracle, prompt, params, compile=True))
     assert drafted.token_ids == eager.token_ids and set(drafted.acceptance_lengths) == {1, 2, 3, 4}
@@ -185,29 +192,43 @@ def test_whole_buffer_attention_reads_each_kv_head_once(
     # Kept for a later state that reads no whole buffer (the same attention; a switch back would make the compiled
     # state's graphs fail their guards on its next step), and the step costs' key says SDPA either way.
     assert collect(generate(target, None, prompt, params)).token_ids == eager.token_ids
-    assert target.config._attn_implementation == PACKED_SDPA and target_key(target, True)["attention"] == "sdpa"
+    assert target.config._attn_implementation == WHOLE_BUFFER and target_key(target, True)["attention"] == "sdpa"
 
 
-@pytest.mark.parametrize("queries", [1, 5])
+@pytest.mark.parametrize("queries", [1, 5, SPLIT_QUERIES + 1])
+@pytest.mark.parametrize("keys", [3 * KEY_PIECES, 3 * KEY_PIECES + 1])
 @pytest.mark.parametrize("additive", [False, True])
-def test_packed_sdpa_is_sdpa(queries: int, additive: bool) -> None:
-    """PACKED_SDPA's attention equals transformers' SDPA attention (which copies K/V per query head under a mask)
-    in float32: two rows, each under its own mask (boolean, or additive as eager masks are) that hides different
-    keys from each query. Softcapping, which transformers' SDPA refuses, is refused alike."""
-    torch.manual_seed(queries)
+def test_whole_buffer_attention_is_sdpa(queries: int, keys: int, additive: bool) -> None:
+    """WHOLE_BUFFER's attention equals transformers' SDPA attention (which copies K/V per query head under a mask)
+    in float32, keys in pieces (a step's short query under a boolean mask, keys a multiple of KEY_PIECES) or not:
+    two rows, each under its own mask (boolean, or additive as eager masks are) that hides different keys from
+    each query, whole pieces of keys included. Softcapping, which transformers' SDPA refuses, is refused alike."""
+    torch.manual_seed(queries + keys)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
-    query, key, value = torch.randn(2, 8, queries, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
-    mask = torch.rand(2, 1, queries, 40) < 0.6
+    query, key, value = torch.randn(2, 8, queries, 16), torch.randn(2, 2, keys, 16), torch.randn(2, 2, keys, 16)
+    mask = torch.rand(2, 1, queries, keys) < 0.6
+    mask[..., KEY_PIECES : 2 * KEY_PIECES] = False  # a piece no query sees
     mask[..., 0] = True
     if additive:
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-    ours, _ = packed_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    ours, _ = whole_buffer_attention(module, query, key, value, mask, scaling=0.25)
     theirs, _ = sdpa_module.sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
     assert ours.shape == theirs.shape == (2, queries, 8, 16)
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="softcap"):
-        packed_sdpa_attention(module, query, key, value, mask, scaling=0.25, softcap=30.0)
+        whole_buffer_attention(module, query, key, value, mask, scaling=0.25, softcap=30.0)
+
+
+def test_whole_buffer_capacity_splits_into_pieces() -> None:
+    """A whole-buffer state's capacity is a multiple of KEY_PIECES, as reserved and as grown (a step's attention
+    then cuts its keys in pieces)."""
+    target = sharp_tiny("qwen3", seed=3)
+    state = AttentionState(target)
+    state.full_view = True
+    state.capacity = 0
+    state.make_room(MIN_CAPACITY + 3, 4)
+    assert state.capacity % KEY_PIECES == 0 and state.capacity >= MIN_CAPACITY + 7
 
 
 @pytest.mark.slow

@@ -10,10 +10,11 @@ whose layers are attention layers (Llama, Qwen3 and their kin), gpt-fast style:
   not the whole buffer. `full_view=True` hands attention the whole buffer instead, with an explicit causal mask
   hiding what lies beyond the block (transformers drops its own mask for a one-token query, which would then
   attend every slot of the buffer): fixed shapes, for CUDA graphs.
-  Over the whole buffer a target's SDPA attention runs as PACKED_SDPA: transformers' SDPA copies each K/V head
-  once per query head of its group whenever a mask is given and dynamo traces it, which over a whole buffer is most
-  of a compiled step's attention traffic (K/V of every layer at the buffer's length, written and read 4x over at
-  Qwen3-8B's 32/8 heads); packed, each K/V head is read once (`packed_sdpa_attention`).
+  Over the whole buffer a target's SDPA attention runs as WHOLE_BUFFER (`whole_buffer_attention`): transformers'
+  SDPA copies each K/V head once per query head of its group whenever a mask is given and dynamo traces it (K/V of
+  every layer at the buffer's length, written and read 4x over at Qwen3-8B's 32/8 heads), and SDPA's kernel for a
+  step's short query walks all the buffer's keys on a few of the GPU's processors; there each K/V head is read
+  once, its keys in pieces side by side.
 - The hidden states the drafter reads are written into a preallocated buffer by forward hooks that are
   installed once per state (not per step) and act only during this state's own forwards. Inside a compiled step
   they are outputs of the graph instead, copied into the buffer after it.
@@ -49,8 +50,8 @@ from dflash_cli.engine.kernels.layers import EAGER
 from dflash_cli.engine.prefix import to_host
 from dflash_cli.engine.target.base import (
     LINEAR,
-    PACKED_SDPA,
     SDPA_IMPLEMENTATIONS,
+    WHOLE_BUFFER,
     TargetState,
     cache_zeros,
     compute_dtype,
@@ -62,6 +63,11 @@ from dflash_cli.engine.target.compiled_step import ExportedStep, loaded_step, un
 # Positions a state reserves at least, so that consecutive requests (a growing chat) rarely reallocate. On CPU
 # the buffers are allocated but untouched pages cost no memory; the planner reserves an 8k-token KV cache too.
 MIN_CAPACITY = 8192
+# Whole-buffer attention (full_view) of a query of at most SPLIT_QUERIES tokens cuts the keys in KEY_PIECES pieces
+# (`_split_attention`): with Qwen3-8B's 8 K/V heads, 128 pieces side by side for an H100/H200's 132 processors. A
+# whole-buffer state's capacity is a multiple of KEY_PIECES.
+SPLIT_QUERIES = 64
+KEY_PIECES = 16
 # A prefill runs in chunks of at most MAX_PREFILL_CHUNK queries (its products are then as fast per row as a whole
 # prompt's, and its MLP's activations bounded); eager attention holds a forward's scores [heads, queries, keys] in
 # float32 (a softmax and a bf16 copy beside: 12 bytes each) per layer, so with it a chunk keeps them near
@@ -72,7 +78,7 @@ MAX_PREFILL_CHUNK = 512
 MIN_PREFILL_CHUNK = 16
 
 
-def packed_sdpa_attention(
+def whole_buffer_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -82,10 +88,10 @@ def packed_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except where it would copy K/V per query head (a mask shared by the heads,
-    grouped query heads): there the g query heads of each K/V head become g x q query rows of one head, each row
-    under its query's mask row, so every K/V head is read once, in place. Each query row's scores, softmax and sum
-    are the ones it had: the same attention (transformers packs this way itself for an eager one-token query)."""
+    """transformers' SDPA attention over a whole K/V buffer (full_view), without its copy of K/V per query head:
+    the g query heads of each K/V head become g x q query rows of one head, each row under its query's mask row, so
+    every K/V head is read once, in place (transformers packs this way itself for an eager one-token query).
+    A short query (a step's, at most SPLIT_QUERIES) runs `_split_attention`; a prefill's runs SDPA."""
     groups = getattr(module, "num_key_value_groups", 1)
     # transformers' own path where it differs (softcapping, which it refuses; sinks; position bias) or copies nothing
     special = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias"))
@@ -99,16 +105,43 @@ def packed_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    batch, heads, q, _ = query.shape
-    packed = query.reshape(batch, heads // groups, groups * q, query.shape[-1])
-    out = F.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask.repeat(1, 1, groups, 1), dropout_p=dropout, scale=scaling
-    )
+    batch, heads, q, head_dim = query.shape
+    packed = query.reshape(batch, heads // groups, groups * q, head_dim)
+    mask = attention_mask.repeat(1, 1, groups, 1)
+    if q <= SPLIT_QUERIES and attention_mask.dtype == torch.bool and key.shape[2] % KEY_PIECES == 0 and not dropout:
+        out = _split_attention(packed, key, value, mask, head_dim**-0.5 if scaling is None else scaling)
+    else:
+        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(batch, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
-AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+def _split_attention(
+    rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of few query rows [n, kv heads, r, d] over many keys, as flash-decoding computes it: the keys cut
+    in KEY_PIECES pieces, each piece's scores, softmax and weighted sum apart, then combined by the pieces' maxima.
+    SDPA's kernel for a short query runs one block per K/V head, each walking every key; the pieces spread the
+    keys over the GPU's processors (compiled, at Qwen3-8B's shape over 8,192 positions on an H200: 0.67 against
+    6.3 ms a step; benchmarks/whole_buffer_attention.py). Scores are rounded to the dtype, the softmax is float32
+    and its weights are rounded to the dtype for the sum, as transformers' eager attention rounds them."""
+    n, kv_heads, count, head_dim = rows.shape
+    piece = key.shape[2] // KEY_PIECES
+    keys = key.reshape(n, kv_heads, KEY_PIECES, piece, head_dim)
+    values = value.reshape(n, kv_heads, KEY_PIECES, piece, head_dim)
+    visible = visible.reshape(n, 1, count, KEY_PIECES, piece).transpose(2, 3)  # [n, 1, pieces, r, piece]
+    scores = torch.matmul(rows[:, :, None], keys.transpose(-1, -2)).float() * scale  # [n, kv, pieces, r, piece]
+    # A piece with no visible key: its finite floor gives it the share exp(floor - best) = 0 below, not a NaN.
+    scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
+    best = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - best)
+    parts = torch.matmul(weights.to(value.dtype), values).float()  # [n, kv, pieces, r, d]
+    share = torch.exp(best - best.amax(2, keepdim=True))
+    out = (parts * share).sum(2) / (weights.sum(-1, keepdim=True) * share).sum(2)
+    return out.to(value.dtype)
+
+
+AttentionInterface.register(WHOLE_BUFFER, whole_buffer_attention)
+AttentionMaskInterface.register(WHOLE_BUFFER, sdpa_mask)
 
 
 class _KVLayer(CacheLayerMixin):
@@ -250,6 +283,8 @@ class AttentionState(TargetState):
                 self.capacity = max(needed, floor)
             else:  # rows x capacity is real memory: what the rows need, grown when a longer row joins
                 self.capacity = needed
+            if full_view:
+                self.capacity = -(-self.capacity // KEY_PIECES) * KEY_PIECES
             self.rows = rows
             self.lengths, self.held = [0] * rows, [None] * rows
             self.full_view = full_view
@@ -260,7 +295,7 @@ class AttentionState(TargetState):
         if full_view and self.target.config._attn_implementation == "sdpa":  # (the module docstring)
             # Kept when a later state does not read whole buffers: the same attention, and a switch back and forth
             # would make this state's graphs fail their guards (and trace, and record again) on its next step.
-            self.target.set_attn_implementation(PACKED_SDPA)
+            self.target.set_attn_implementation(WHOLE_BUFFER)
         if feature_layers and feature_layers != self.feature_layers:  # a drafter reading other layers
             self.close()
             self._hooks = [
@@ -285,6 +320,8 @@ class AttentionState(TargetState):
         needed = positions + block_size
         if needed <= self.capacity:
             return
+        if self.full_view:
+            needed = -(-needed // KEY_PIECES) * KEY_PIECES
         for buffers in (self._keys, self._values):
             for index, old in enumerate(buffers):
                 if old is not None:

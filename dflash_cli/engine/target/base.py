@@ -152,10 +152,10 @@ def batch_limit(target: PreTrainedModel) -> str | None:
     return None
 
 
-# transformers' SDPA attention with the query heads of a group packed onto their K/V head: the attention
-# implementation a whole-buffer state gives an SDPA target (attention.packed_sdpa_attention).
-PACKED_SDPA = "packed_sdpa"  # (no "flash" in it: transformers reads any such name as flash attention)
-SDPA_IMPLEMENTATIONS = ("sdpa", PACKED_SDPA)  # the same attention: SDPA's boolean masks, several rows at once
+# The attention implementation a whole-buffer state gives an SDPA target (attention.whole_buffer_attention): SDPA's
+# attention, each K/V head read once and a step's keys in pieces.
+WHOLE_BUFFER = "whole_buffer"  # (no "flash" in it: transformers reads any such name as flash attention)
+SDPA_IMPLEMENTATIONS = ("sdpa", WHOLE_BUFFER)  # the same attention: SDPA's boolean masks, several rows at once
 MASK_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 # Linear-attention layers (hybrid targets: engine/hybrid.py keeps their state per row) take no attention mask from
 # a batched verify: a row's block is its real tokens then, at most, padding after them, which only the rows' kept

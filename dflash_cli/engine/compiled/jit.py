@@ -111,6 +111,9 @@ CPU_INDUCTOR_OPTIONS = {
 }
 
 
+RECOMPILE_LIMIT = 64  # graphs of one compiled step function a process may make (see CompiledStep)
+
+
 class CompiledStep:
     """A step function (`run_target` or `run_drafter`) compiled for one device type, shared by every state.
 
@@ -132,6 +135,11 @@ class CompiledStep:
         fixed_shapes: bool | None = None,
     ) -> None:
         use_compile_cache()
+        # Dynamo keeps one graph per guard set of a function: for the target's step, one per block size (fixed
+        # shapes) and drafter or none (features captured or not), per target loaded. Its default limit, 8, is
+        # passed by a server's adaptive block sizes (1 to 16, drafted and plain), and past it the step would run
+        # eagerly for the rest of the process.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.fixed_shapes = device_type == "cuda" and cuda_graphs if fixed_shapes is None else fixed_shapes
         options: dict[str, Any] = {"fullgraph": True, "backend": backend, "dynamic": not self.fixed_shapes}
         if self.fixed_shapes and device_type == "cuda" and backend == "inductor":

@@ -3,6 +3,7 @@ one build runs at a time, the next start loads them, and a failed build is said 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +44,15 @@ def test_the_first_start_builds_in_the_background_and_the_next_one_loads(
     assert not first.exported and "building them in the background" in first.build_note  # (it did not wait)
     again = open_session(options, build_later=True)
     assert "still building" in again.build_note  # one build at a time
+    # The builder at the lowest priority, its session's scheduling group too where Linux groups processes by
+    # session (autogroups): there a nice value alone ranks it only within its own group, which then took half the
+    # CPU from the decoding session (1 tok/s against 50).
+    (lock,) = (user_cache / "dflash" / "compile" / "background").glob("*.lock")
+    builder = int(lock.read_text())
+    assert os.getpriority(os.PRIO_PROCESS, builder) == 19
+    group = Path(f"/proc/{builder}/autogroup")
+    if group.exists():
+        assert group.read_text().split()[-1] == "19"
     wait_for_the_build(user_cache)
     later = open_session(options, build_later=True)
     assert later.exported and later.build_note is None

@@ -202,3 +202,20 @@ def test_whole_buffer_attention_ways_agree(tmp_path: Path) -> None:
             if name == "matmul_f32_scores" and "error" in way:
                 continue
             assert way["ms_per_step"] > 0 and way["max_error"] < 1e-4, (name, way)
+
+
+@pytest.mark.slow
+def test_gpu_4bit_measures_each_kernel(tmp_path: Path) -> None:
+    """benchmarks/gpu_4bit.py --smoke: bf16, bitsandbytes' NF4 and torch's int4 kernel each time one layer at 1, 8
+    and 16 rows on the CPU, the 4-bit outputs near bf16's (random weights: about 10% relative error)."""
+    from benchmarks import gpu_4bit
+
+    out = tmp_path / "4bit.json"
+    assert gpu_4bit.main(["--smoke", "--output", str(out)]) == 0
+    kernels = json.loads(out.read_text())["kernels"]
+    assert list(kernels) == ["bf16", "nf4", "int4_tinygemm"]
+    for name, result in kernels.items():
+        assert "error" not in result, result
+        for rows in ("1", "8", "16"):
+            assert result[rows]["ms_per_layer"] > 0
+            assert result[rows]["relative_error"] < (1e-6 if name == "bf16" else 0.2), (name, result[rows])

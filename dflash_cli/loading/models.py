@@ -208,6 +208,10 @@ def load_target(
 
         with _loading_display(console, f"quantizing {name} to {plan.quant}"):
             quantize_target(model, plan.quant, plan.torch_dtype)
+    if plan.quant.cpu_kernels:
+        from dflash_cli.engine.kernels.quantized import share_inputs
+
+        share_inputs(model)
     note = kernel_note(model, plan.device)
     if note and console is not None:
         console.print(f"[dim]{note}[/dim]")
@@ -404,11 +408,13 @@ def load_models(
 
 def load_gguf_target(gguf: Path, config_dir: Path, plan: Plan, console: Console | None = None) -> PreTrainedModel:
     """The target read from a Q4_0/Q4_1 GGUF straight into the int4 layers of `plan`; eval mode, grads off."""
+    from dflash_cli.engine.kernels.quantized import share_inputs
     from dflash_cli.loading.gguf import load_int4_target
 
     size = gguf.stat().st_size
     with _loading_display(console, f"loading {gguf.name} ({format_bytes(size)}, int4 weights) on {plan.device}"):
         model = load_int4_target(gguf, config_dir, plan.torch_dtype)
+        share_inputs(model)
     attention, _ = attention_implementation(model.config, plan.attn_implementation)
     if attention is not None:  # the plan's attention, as `load_target` loads with it (eager on a CPU)
         model.set_attn_implementation(attention)

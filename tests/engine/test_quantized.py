@@ -13,9 +13,12 @@ from dflash_cli.engine.kernels.quantized import (
     GROUP_SIZE,
     Int4Linear,
     Int8Linear,
+    Projection,
+    SharedInput,
     quantizable,
     quantize_linears,
     quantize_target,
+    share_inputs,
 )
 from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
 from helpers.drafters import FORMATS, random_drafter
@@ -189,3 +192,58 @@ def test_int4_of_a_dequantized_q4_1_gguf_tensor_is_that_q4_1_tensor() -> None:
         linear.weight.copy_(dequantized)
     assert not torch.equal(dequantized, torch.from_numpy(weight))  # Q4_1 did round
     torch.testing.assert_close(Int4Linear.quantize(linear, torch.float32).dequantized(), dequantized, rtol=0, atol=2e-7)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_projections_of_one_input_as_one_product_give_the_same_bits(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """share_inputs: each layer's q, k, v and gate, up as one product of dflash's kernels, one call each instead of
+    five: the logits of a prompt's forward and of one-token steps are the separate products' bit for bit (bf16, as
+    the planner runs them), and the greedy continuation with a drafter is the target's own."""
+    use_kernels(True, monkeypatch)
+    target = quantizable_tiny(5).to(torch.bfloat16)
+    quantize_linears(target, kind, torch.bfloat16)  # (every linear, so the MLP's are of one kind)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    with torch.no_grad():
+        before = target(prompt).logits
+        calls = []
+        op = torch.ops.dflash.int4_linear if kind == "int4" else torch.ops.dflash.int8_linear
+        counted = lambda *args: calls.append(1) or op(*args)  # noqa: E731
+        layers = len(target.model.layers)
+        assert share_inputs(target) == 2 * layers
+        assert all(
+            isinstance(getattr(layer.self_attn, name), Projection) for layer in target.model.layers for name in "qkv"
+            for name in (f"{name}_proj",)
+        )  # fmt: skip
+        monkeypatch.setattr(torch.ops.dflash, "int4_linear" if kind == "int4" else "int8_linear", counted)
+        after = target(prompt).logits
+        assert len(calls) == 4 * layers + 1  # qkv, o, gate+up, down; the head
+    assert torch.equal(before, after)
+    monkeypatch.undo()
+    use_kernels(True, monkeypatch)
+    assert speculative_generate(target, random_drafter(target, seed=1, num_layers=1, block_size=4,
+                                                       dtype=torch.bfloat16), [3, 14, 15], 16).token_ids == hf_greedy(
+        target, [3, 14, 15], 16
+    )  # fmt: skip
+
+
+def test_a_shared_input_computes_again_for_another_input() -> None:
+    """A projection called with another tensor, or twice with the same one, gets that input's product: the shared
+    product is reused only by the other projections of the input it was made for."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, n, bias=False) for n in (32, 16)]
+    fused = SharedInput(_ConcatenatedLinear(layers), [32, 16])
+    first, second = Projection(fused, 0, 64, 32), Projection(fused, 1, 64, 16)
+    x, y = torch.randn(2, 64), torch.randn(2, 64)
+    assert torch.equal(first(x), layers[0](x)) and torch.equal(first(y), layers[0](y))
+    assert torch.equal(second(x), layers[1](x)) and torch.equal(second(x), layers[1](x))
+    assert fused._input is x and torch.equal(first(x), layers[0](x))
+    assert fused._input is None  # (every part taken: nothing held)
+
+
+class _ConcatenatedLinear(nn.Module):
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([layer(x) for layer in self.layers], dim=-1)

@@ -92,12 +92,16 @@ def test_nf4_on_cpu_through_bitsandbytes(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_cpu_weight_only_quant_loads_packed_linears_in_bf16(tiny_qwen3_dir: Path, quant: str) -> None:
-    from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear
+    from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, Projection
     from dflash_cli.setup.sizes import module_weight_bytes
 
     model = load_target(tiny_qwen3_dir, cpu_plan("bfloat16", quant))
     kind = Int4Linear if quant == "int4" else Int8Linear
-    assert sum(isinstance(m, kind) for m in model.modules()) == 2 * 7 + (quant == "int8")  # each projection
+    projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
+    assert len(projections) == 2 * 7  # each projection quantized, alone or as part of its input's shared product
+    assert all(
+        isinstance(m, kind) or isinstance(m, Projection) and isinstance(m.shared.product, kind) for m in projections
+    )
     assert isinstance(model.get_output_embeddings(), Int8Linear)  # and the head, in 8 bits
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16
     reference = load_target(tiny_qwen3_dir, cpu_plan("bfloat16"))

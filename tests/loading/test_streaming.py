@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, quantize_target
+from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, quantize_target, share_inputs
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.checkpoint import read_checkpoint
 from dflash_cli.loading.models import load_target
@@ -57,11 +57,13 @@ def streamed(model_dir: Path, quant: str) -> transformers.PreTrainedModel:
 
 
 def todays(model_dir: Path, quant: str) -> transformers.PreTrainedModel:
-    """What an int4 / int8 plan loaded before: the whole model in bf16, then quantized."""
+    """What an int4 / int8 plan loaded before: the whole model in bf16, then quantized (and each input's projections
+    shared, as every int4 / int8 load does)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16, attn_implementation="eager"
     )
     quantize_target(model, quant, torch.bfloat16)
+    share_inputs(model)
     return model.eval()
 
 

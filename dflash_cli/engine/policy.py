@@ -61,7 +61,7 @@ PROBE_SHARE = 0.005  # probes may cost about this share of the plain steps' time
 LOAD_RATE = 0.1  # how fast the online load factor follows measured steps
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every size; the first warms up and is dropped
 CALIBRATION_CONTEXT = 2  # new context rows per timed draft step (about what a step brings)
-COSTS_SCHEMA = "dflash-block-costs/1"
+COSTS_SCHEMA = "dflash-block-costs/2"  # 2: shared-input products, whole-buffer attention in pieces
 
 
 class BlockPolicy(Protocol):

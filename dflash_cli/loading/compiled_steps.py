@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,17 +133,21 @@ def _running(lock: Path) -> bool:
     return not command.exists() or __name__.encode() in command.read_bytes()
 
 
-def _lowest_priority() -> None:
-    """The builder's priority (run in it before it starts): the session decoding now comes first. Where Linux
-    groups processes by session for scheduling (autogroups), a nice value ranks a process only within its own
-    group, and the builder's new session is a group of its own that would get half the CPU beside the decoding
-    session (whose threads then wait on each other at every product: 1 tok/s instead of 50 measured): the group's
-    nice value is set too."""
-    os.nice(19)
-    try:
-        Path("/proc/self/autogroup").write_text("19")
-    except OSError:  # no autogroups (other kernels, other systems): the process's nice value is the priority
-        pass
+def _lowest_priority(pid: int) -> None:
+    """The builder's scheduling group's priority (its nice value is set as it starts): the session decoding now
+    comes first. Where Linux groups processes by session for scheduling (autogroups), a nice value ranks a process
+    only within its own group, and the builder's new session is a group of its own that would get half the CPU
+    beside the decoding session (whose threads then wait on each other at every product: 1 tok/s instead of 50
+    measured), so the group's nice value is set too. Linux refuses such writes 100 ms apart (EAGAIN): tried again."""
+    group = Path(f"/proc/{pid}/autogroup")
+    for _ in range(5):
+        try:
+            group.write_text("19")
+            return
+        except BlockingIOError:
+            time.sleep(0.1)
+        except OSError:  # no autogroups (other kernels, other systems): the process's nice value is the priority
+            return
 
 
 def build_in_background(ref: dict[str, str | None]) -> str:
@@ -170,9 +175,10 @@ def build_in_background(ref: dict[str, str | None]) -> str:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # not ended by the terminal's Ctrl-C, nor by this process's exit
-            preexec_fn=_lowest_priority,
+            preexec_fn=lambda: os.nice(19),  # the lowest priority: the session decoding now comes first
             env={**os.environ, ENVIRONMENT: "0"},
         )
+    _lowest_priority(child.pid)
     lock.write_text(str(child.pid))
     return (
         "compiled steps: building them in the background (once, at the lowest priority, 1-3 minutes); the next start "

@@ -218,4 +218,5 @@ def test_gpu_4bit_measures_each_kernel(tmp_path: Path) -> None:
         assert "error" not in result, result
         for rows in ("1", "8", "16"):
             assert result[rows]["ms_per_layer"] > 0
-            assert result[rows]["relative_error"] < (1e-6 if name == "bf16" else 0.2), (name, result[rows])
+            if name != "bf16":  # (bf16 is the reference)
+                assert 0 < result[rows]["relative_error"] < 0.2, (name, result[rows])

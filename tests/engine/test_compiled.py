@@ -218,11 +218,13 @@ def test_whole_buffer_attention_reads_each_kv_head_once(
 @pytest.mark.parametrize("queries", [1, 5, SPLIT_QUERIES + 1])
 @pytest.mark.parametrize("keys", [3 * KEY_PIECES, 3 * KEY_PIECES + 1])
 @pytest.mark.parametrize("additive", [False, True])
-def test_whole_buffer_attention_is_sdpa(queries: int, keys: int, additive: bool) -> None:
+@pytest.mark.parametrize("compiled", [False, True])
+def test_whole_buffer_attention_is_sdpa(queries: int, keys: int, additive: bool, compiled: bool, fresh_dynamo) -> None:
     """WHOLE_BUFFER's attention equals transformers' SDPA attention (which copies K/V per query head under a mask)
-    in float32, keys in pieces (a step's short query under a boolean mask, keys a multiple of KEY_PIECES) or not:
-    two rows, each under its own mask (boolean, or additive as eager masks are) that hides different keys from
-    each query, whole pieces of keys included. Softcapping, which transformers' SDPA refuses, is refused alike."""
+    in float32: eager (SDPA, packed) and traced as a compiled step traces it (keys in pieces, for a short query
+    under a boolean mask over a multiple of KEY_PIECES keys); two rows, each under its own mask (boolean, or
+    additive as eager masks are) that hides different keys from each query, a whole piece of keys included.
+    Softcapping, which transformers' SDPA refuses, is refused alike."""
     torch.manual_seed(queries + keys)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
@@ -232,7 +234,10 @@ def test_whole_buffer_attention_is_sdpa(queries: int, keys: int, additive: bool)
     mask[..., 0] = True
     if additive:
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-    ours, _ = whole_buffer_attention(module, query, key, value, mask, scaling=0.25)
+    attention = (
+        torch.compile(whole_buffer_attention, backend="eager", fullgraph=True) if compiled else whole_buffer_attention
+    )
+    ours, _ = attention(module, query, key, value, mask, scaling=0.25)
     theirs, _ = sdpa_module.sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
     assert ours.shape == theirs.shape == (2, queries, 8, 16)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -240,15 +245,37 @@ def test_whole_buffer_attention_is_sdpa(queries: int, keys: int, additive: bool)
         whole_buffer_attention(module, query, key, value, mask, scaling=0.25, softcap=30.0)
 
 
-def test_whole_buffer_capacity_splits_into_pieces() -> None:
-    """A whole-buffer state's capacity is a multiple of KEY_PIECES, as reserved and as grown (a step's attention
-    then cuts its keys in pieces)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_keys_in_pieces_stay_finite_and_close_in_half_precision(dtype: torch.dtype, fresh_dynamo) -> None:
+    """Large values over pieces of many keys, most pieces unseen (a short context in a long buffer): each piece's sum
+    is normalized before it is rounded, so float16 does not overflow (inf * 0 was a NaN), and the result is SDPA's
+    to the dtype's rounding."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    capacity = 16 * 512
+    query, key = torch.randn(1, 8, 2, 64, dtype=dtype), torch.randn(1, 2, capacity, 64, dtype=dtype)
+    value = (200 + torch.randn(1, 2, capacity, 64)).to(dtype)
+    mask = torch.zeros(1, 1, 2, capacity, dtype=torch.bool)
+    mask[..., :700] = True  # one whole piece, part of the next, fourteen unseen
+    attention = torch.compile(whole_buffer_attention, backend="eager", fullgraph=True)
+    ours, _ = attention(module, query, key, value, mask)
+    theirs, _ = sdpa_module.sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours.float(), theirs, rtol=2e-2, atol=0.5)
+
+
+def test_whole_buffer_capacity_splits_into_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-buffer state's capacity is a multiple of KEY_PIECES, as reserved and as grown (a compiled step's
+    attention then cuts its keys in pieces)."""
+    step = CompiledStep(run_target, "target step", "cpu", backend="eager", cuda_graphs=True, fixed_shapes=True)
+    monkeypatch.setattr(target_module, "compiled_step", lambda device: step)
     target = sharp_tiny("qwen3", seed=3)
     state = AttentionState(target)
-    state.full_view = True
-    state.capacity = 0
-    state.make_room(MIN_CAPACITY + 3, 4)
-    assert state.capacity % KEY_PIECES == 0 and state.capacity >= MIN_CAPACITY + 7
+    state.reserve(MIN_CAPACITY + 3, 4, (), compile=True)
+    assert state.full_view and state.capacity % KEY_PIECES == 0 and state.capacity >= MIN_CAPACITY + 7
+    state.make_room(state.capacity + 5, 4)
+    assert state.capacity % KEY_PIECES == 0
 
 
 @pytest.mark.slow

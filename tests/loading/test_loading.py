@@ -92,6 +92,7 @@ def test_nf4_on_cpu_through_bitsandbytes(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_cpu_weight_only_quant_loads_packed_linears_in_bf16(tiny_qwen3_dir: Path, quant: str) -> None:
+    from dflash_cli.engine.kernels import native
     from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, Projection
     from dflash_cli.setup.sizes import module_weight_bytes
 
@@ -102,6 +103,8 @@ def test_cpu_weight_only_quant_loads_packed_linears_in_bf16(tiny_qwen3_dir: Path
     assert all(
         isinstance(m, kind) or isinstance(m, Projection) and isinstance(m.shared.product, kind) for m in projections
     )
+    if native.available():  # dflash's kernels: each layer's q, k, v and gate, up share their input's product
+        assert sum(isinstance(m, Projection) for m in projections) == 2 * 5
     assert isinstance(model.get_output_embeddings(), Int8Linear)  # and the head, in 8 bits
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16
     reference = load_target(tiny_qwen3_dir, cpu_plan("bfloat16"))

@@ -139,7 +139,8 @@ class CompiledStep:
         # shapes) and drafter or none (features captured or not), per target loaded. Its default limit, 8, is
         # passed by a server's adaptive block sizes (1 to 16, drafted and plain), and past it the step would run
         # eagerly for the rest of the process.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # (<2.7)
+        setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
         self.fixed_shapes = device_type == "cuda" and cuda_graphs if fixed_shapes is None else fixed_shapes
         options: dict[str, Any] = {"fullgraph": True, "backend": backend, "dynamic": not self.fixed_shapes}
         if self.fixed_shapes and device_type == "cuda" and backend == "inductor":

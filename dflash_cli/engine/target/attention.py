@@ -91,7 +91,8 @@ def whole_buffer_attention(
     """transformers' SDPA attention over a whole K/V buffer (full_view), without its copy of K/V per query head:
     the g query heads of each K/V head become g x q query rows of one head, each row under its query's mask row, so
     every K/V head is read once, in place (transformers packs this way itself for an eager one-token query).
-    A short query (a step's, at most SPLIT_QUERIES) runs `_split_attention`; a prefill's runs SDPA."""
+    A compiled step's short query (at most SPLIT_QUERIES) runs `_split_attention`; eager forwards and prefills run
+    SDPA (eager, the pieces' float32 scores would be materialized whole: a GPU's memory plan counts SDPA's)."""
     groups = getattr(module, "num_key_value_groups", 1)
     # transformers' own path where it differs (softcapping, which it refuses; sinks; position bias) or copies nothing
     special = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias"))
@@ -108,7 +109,8 @@ def whole_buffer_attention(
     batch, heads, q, head_dim = query.shape
     packed = query.reshape(batch, heads // groups, groups * q, head_dim)
     mask = attention_mask.repeat(1, 1, groups, 1)
-    if q <= SPLIT_QUERIES and attention_mask.dtype == torch.bool and key.shape[2] % KEY_PIECES == 0 and not dropout:
+    split = q <= SPLIT_QUERIES and torch.compiler.is_compiling() and attention_mask.dtype == torch.bool
+    if split and key.shape[2] % KEY_PIECES == 0 and not dropout:
         out = _split_attention(packed, key, value, mask, head_dim**-0.5 if scaling is None else scaling)
     else:
         out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
@@ -127,16 +129,20 @@ def _split_attention(
     n, kv_heads, count, head_dim = rows.shape
     piece = key.shape[2] // KEY_PIECES
     keys = key.reshape(n, kv_heads, KEY_PIECES, piece, head_dim)
-    values = value.reshape(n, kv_heads, KEY_PIECES, piece, head_dim)
+    values = value.reshape(n, kv_heads, KEY_PIECES, piece, value.shape[-1])
     visible = visible.reshape(n, 1, count, KEY_PIECES, piece).transpose(2, 3)  # [n, 1, pieces, r, piece]
     scores = torch.matmul(rows[:, :, None], keys.transpose(-1, -2)).float() * scale  # [n, kv, pieces, r, piece]
-    # A piece with no visible key: its finite floor gives it the share exp(floor - best) = 0 below, not a NaN.
+    # A piece no query row sees: a finite floor for its maximum (no NaN from -inf - -inf), weights 0, and the share
+    # exp(floor - best) = 0 below.
     scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
     best = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - best)
-    parts = torch.matmul(weights.to(value.dtype), values).float()  # [n, kv, pieces, r, d]
-    share = torch.exp(best - best.amax(2, keepdim=True))
-    out = (parts * share).sum(2) / (weights.sum(-1, keepdim=True) * share).sum(2)
+    weights = torch.exp(scores - best).masked_fill(~visible, 0.0)
+    sums = weights.sum(-1, keepdim=True)
+    # Each piece's weights normalized before they are rounded to the dtype, so its sum is a mean of values (no
+    # float16 overflow over a piece's many keys); the pieces are then combined by their shares of the total.
+    parts = torch.matmul((weights / sums.clamp(min=1e-30)).to(value.dtype), values).float()  # [n, kv, pieces, r, d]
+    share = torch.exp(best - best.amax(2, keepdim=True)) * sums
+    out = (parts * share).sum(2) / share.sum(2)
     return out.to(value.dtype)
 
 

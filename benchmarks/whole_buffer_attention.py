@@ -10,7 +10,8 @@ every layer's own K/V (one layer's alone would sit in L2), for 1 and `block_size
   then (each K/V head's query heads as rows of one SDPA call);
 - `packed_filled`: packed over the filled positions only (what attention over the filled length, or capacity
   buckets, would cost with that kernel);
-- `engine`, `engine_compiled`: the engine's now (engine.target.attention.whole_buffer_attention: `split`'s way);
+- `engine`, `engine_compiled`: the engine's now (engine.target.attention.whole_buffer_attention): eager it is
+  `packed`, compiled `split`'s way;
 - `matmul`: the same attention as two batched products and a float32 softmax between them (scores rounded to the
   dtype, as transformers' eager attention does); `matmul_f32_scores`: the scores kept in float32 (`bmm`'s
   out_dtype, CUDA only);

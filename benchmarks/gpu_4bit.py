@@ -129,17 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         layer, device, warmup, reps = SMOKE_LAYER, torch.device("cpu"), 1, 3
     else:
         layer, device, warmup, reps = QWEN3_8B_LAYER, torch.device("cuda"), 5, 30
+    from benchmarks.whole_buffer_attention import report
+
     result = measure(layer, (1, 8, 16), device, torch.bfloat16, warmup, reps)
-    result["environment"] = {"torch": torch.__version__, "device": str(device)}
-    if device.type == "cuda":
-        result["environment"]["gpu"] = torch.cuda.get_device_name(device)
     result["seconds"] = time.monotonic() - started
-    text = json.dumps(result, indent=1)
-    if args.output:
-        with open(args.output, "w") as file:
-            file.write(text + "\n")
-    print(text)
-    return 0
+    return report(result, device, args.output)
 
 
 if __name__ == "__main__":

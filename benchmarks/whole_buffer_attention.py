@@ -257,12 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         **shape, device=device, dtype=dtype, warmup=warmup, reps=reps, time_budget_s=args.time_budget,
         flex=not args.no_flex,
     )  # fmt: skip
-    result["environment"] = {"torch": torch.__version__, "device": str(device), "dtype": str(dtype)}
+    return report(result, device, args.output, dtype=str(dtype))
+
+
+def report(result: dict[str, Any], device: torch.device, output: str | None, **environment: str) -> int:
+    """Print `result` as JSON with the environment it ran in (and write it to `output`); the exit status."""
+    result["environment"] = {"torch": torch.__version__, "device": str(device), **environment}
     if device.type == "cuda":
         result["environment"]["gpu"] = torch.cuda.get_device_name(device)
     text = json.dumps(result, indent=1)
-    if args.output:
-        with open(args.output, "w") as file:
+    if output:
+        with open(output, "w") as file:
             file.write(text + "\n")
     print(text)
     return 0

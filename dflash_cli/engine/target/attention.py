@@ -146,6 +146,11 @@ def _split_attention(
     return out.to(value.dtype)
 
 
+def _in_pieces(positions: int) -> int:
+    """A whole-buffer capacity of at least `positions`: a multiple of KEY_PIECES, so a step's keys cut evenly."""
+    return -(-positions // KEY_PIECES) * KEY_PIECES
+
+
 AttentionInterface.register(WHOLE_BUFFER, whole_buffer_attention)
 AttentionMaskInterface.register(WHOLE_BUFFER, sdpa_mask)
 
@@ -290,7 +295,7 @@ class AttentionState(TargetState):
             else:  # rows x capacity is real memory: what the rows need, grown when a longer row joins
                 self.capacity = needed
             if full_view:
-                self.capacity = -(-self.capacity // KEY_PIECES) * KEY_PIECES
+                self.capacity = _in_pieces(self.capacity)
             self.rows = rows
             self.lengths, self.held = [0] * rows, [None] * rows
             self.full_view = full_view
@@ -327,7 +332,7 @@ class AttentionState(TargetState):
         if needed <= self.capacity:
             return
         if self.full_view:
-            needed = -(-needed // KEY_PIECES) * KEY_PIECES
+            needed = _in_pieces(needed)
         for buffers in (self._keys, self._values):
             for index, old in enumerate(buffers):
                 if old is not None:

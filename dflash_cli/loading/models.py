@@ -435,6 +435,10 @@ def _with_tokenizer_and_drafter(
     # A target without vocabulary files still decodes token ids (`dflash bench --prompts` with prompt_ids, the
     # conformance pair); what needs text asks Session.require_tokenizer, which says what is missing.
     tokenizer = load_tokenizer(target_dir, recipe) if has_vocabulary(target_dir) else None
+    if target.device.type == "cpu":  # (before a stored step binds its tensors' addresses)
+        from dflash_cli.engine.kernels.memory import in_huge_pages
+
+        in_huge_pages(target)
     drafter = None
     if drafter_dir is not None:
         with _loading_display(console, f"loading drafter {recipe.drafter.id}"):

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import functools
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -158,6 +155,7 @@ def _place(model: Any, name: str, value: torch.Tensor, kind: str, dtype: torch.d
     layer in the linear's place (the output head int8, whatever `kind`)."""
     from torch import nn
 
+    from dflash_cli.engine.kernels.memory import give_back_freed_memory
     from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear, quantizable
 
     module_name, _, attribute = name.rpartition(".")
@@ -174,25 +172,8 @@ def _place(model: Any, name: str, value: torch.Tensor, kind: str, dtype: torch.d
         bias = module.bias  # read already, or still on the meta device: then its tensor comes next
         model.set_submodule(module_name, layer.from_weight(value, dtype, bias))
         del value
-        _return_freed_memory()
+        give_back_freed_memory()
     elif attribute in module._buffers:
         module._buffers[attribute] = value
     else:
         setattr(module, attribute, nn.Parameter(value, requires_grad=False))
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, where the C library is glibc (None elsewhere: macOS, musl)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)
-
-
-def _return_freed_memory() -> None:
-    """Give the pages of the freed temporaries (a bf16 weight, its int4 codes) back to the system. glibc keeps
-    freed blocks in its heap, and the quantized buffers allocated between them keep the heap from shrinking: the
-    process would hold 5-60% more than its weights, more or less from one run to the next."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

@@ -17,12 +17,13 @@ float weight by min-max (the same rule Q4_1 uses).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from dflash_cli.engine.kernels.memory import give_back_freed_memory
 
 if TYPE_CHECKING:
     from typing import Self  # (3.11+: annotations only, so 3.10 imports this module)
@@ -290,18 +291,9 @@ def share_inputs(model: nn.Module) -> int:
             for index, (name, layer) in enumerate(zip(names, layers)):
                 setattr(parent, name, Projection(group, index, layer.in_features, layer.out_features))
             del layers, product, group
-            _give_back_freed_memory()  # (the parts' memory, before the next group's copy: the load's peak stays)
+            give_back_freed_memory()  # (the parts' memory, before the next group's copy: the load's peak stays)
             shared += 1
     return shared
-
-
-def _give_back_freed_memory() -> None:
-    """Return the C heap's freed pages to the system (glibc's malloc_trim): the parts a concatenation freed are
-    small allocations the heap keeps, so without it each group's copy would add to the process's size."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        pass
 
 
 def _row_slices(weight: torch.Tensor) -> list[slice]:

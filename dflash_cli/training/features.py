@@ -9,15 +9,21 @@ again for nothing. An index beside the file gives each sequence's first row and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from rich.progress import Progress
+
+try:
+    import fcntl
+except ImportError:  # (Windows)
+    fcntl = None
 
 from dflash_cli.engine.target.base import capture_target_features
 from dflash_cli.training.distill import Sample
@@ -31,21 +37,31 @@ class FeatureStore:
     def __init__(self, directory: Path, layer_ids: Sequence[int], width: int) -> None:
         name = "features-L" + "-".join(str(i) for i in layer_ids)
         self.data, self.index_path = directory / f"{name}.bin", directory / f"{name}.json"
+        self.lock_path = directory / f"{name}.lock"
         self.layer_ids, self.width = list(layer_ids), width
+        self._read()
+
+    def _read(self) -> None:
         self.index: dict[str, list[int]] = json.loads(self.index_path.read_text()) if self.index_path.is_file() else {}
-        rows = self.data.stat().st_size // (2 * width) if self.data.is_file() else 0
-        # Rows past the index (a run stopped between writing rows and the index) are written over.
         self.rows = max((first + count for first, count in self.index.values()), default=0)
-        if rows > self.rows:
-            with self.data.open("r+b") as file:
-                file.truncate(self.rows * 2 * width)
 
     def missing(self, samples: Sequence[Sample]) -> list[Sample]:
         return [s for s in samples if s.key not in self.index]
 
     def add(self, target: Any, samples: Sequence[Sample], progress: Progress) -> None:
         """Compute and store the features of the samples the store lacks (a batch at a time, so a stopped run keeps
-        what it wrote)."""
+        what it wrote). One writer at a time: runs that share a store (several drafters trained side by side from
+        one run's answers) would append their rows among each other's, each indexing its own as if alone; a later
+        writer reads what the earlier one stored and computes only the rest."""
+        with _locked(self.lock_path):
+            self._read()
+            # Rows past the index (a writer stopped between its rows and the index) are written over.
+            if self.data.is_file() and self.data.stat().st_size > self.rows * 2 * self.width:
+                with self.data.open("r+b") as file:
+                    file.truncate(self.rows * 2 * self.width)
+            self._append(target, samples, progress)
+
+    def _append(self, target: Any, samples: Sequence[Sample], progress: Progress) -> None:
         todo = sorted({s.key: s for s in self.missing(samples)}.values(), key=lambda s: len(s.ids))
         if not todo:
             return
@@ -88,3 +104,13 @@ class FeatureStore:
         staging = self.index_path.with_suffix(".json.tmp")
         staging.write_text(json.dumps(self.index))
         os.replace(staging, self.index_path)  # the rows first, then the index that points at them
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created) for the block, across processes (flock; nothing where there is none)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # (released when the file closes)
+        yield

@@ -297,3 +297,39 @@ def test_attention_bench_alternates_the_attentions_and_compares_the_texts(
     out = capsys.readouterr().out
     assert "default (invariant) median 100.0 tok/s, sdpa median 100.0 tok/s: 1.00x" in out
     assert out.rstrip().endswith("the same text with both: NO")
+
+
+def test_objective_tau_scores_a_trained_drafter_above_an_untrained_one(
+    tiny_qwen3_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The training objective's tau of drafters over a run's stored answers and features: a drafter trained on them
+    scores above a fresh one of its shape (the features it reads are the samples' own), and a run without its
+    layers' features is refused."""
+    from benchmarks import objective_tau
+    from dflash_cli.commands.train import train
+    from dflash_cli.training.options import TrainOptions
+    from helpers.drafters import save_random_drafter
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about item {i}."}) + "\n" for i in range(12)))
+    run = tmp_path / "run"
+    options = TrainOptions(
+        target=str(tiny_qwen3_dir), prompts=str(prompts), output=str(run), block_size=4, feature_layers=2,
+        steps=60, batch_size=4, lr=3e-3, warmup_steps=2, anchors_per_sequence=4, max_new_tokens=16,
+        eval_prompts=0, checkpoint_every=100,
+    )  # fmt: skip
+    train(options)
+    trained = run / "drafter"
+    from dflash_cli.loading.models import load_drafter
+    from dflash_cli.training.loop import open_target
+
+    target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
+    layers = load_drafter(str(trained), target).config.target_layer_ids
+    fresh = save_random_drafter(tmp_path / "fresh", target, block_size=4, layer_ids=layers, seed=3)
+    argv = [str(run), str(trained), str(fresh), "--target", str(tiny_qwen3_dir), "--batches", "4"]
+    assert objective_tau.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["samples"] for row in rows] == [12, 12]
+    assert rows[0]["tau"] > rows[1]["tau"] >= 1.0
+    other = save_random_drafter(tmp_path / "other", target, block_size=4, layer_ids=[0], seed=3)
+    assert objective_tau.main([str(run), str(other), "--target", str(tiny_qwen3_dir)]) == 2

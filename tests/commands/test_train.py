@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 from io import StringIO
 from pathlib import Path
 
@@ -169,6 +170,43 @@ def test_distill_answers_through_the_engine_and_caches_answers_and_features(
         assert sample.features.shape == (len(sample.ids) - 1, 2 * target.config.hidden_size)
         torch.testing.assert_close(sample.features.float(), full[0, :-1], rtol=2e-2, atol=2e-2)
         assert torch.equal(same.features, sample.features)
+
+
+def test_runs_sharing_a_feature_store_each_read_their_own_samples_features(
+    tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """Two runs that share one store (drafters trained side by side from one run's answers, as on a lent GPU) and
+    opened it before either wrote: each adds its samples, and every sample reads its own features (the second
+    writer read the first's index; before, it indexed its rows from row 0 and overwrote the first's index). Side by
+    side in threads too: one writer at a time."""
+    target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
+    width = 2 * target.config.hidden_size
+    rng = random.Random(5)
+    samples = [
+        Sample(f"k{i}", [rng.randrange(3, 200) for _ in range(rng.randrange(3, 9))],
+               [rng.randrange(3, 200) for _ in range(rng.randrange(2, 12))])
+        for i in range(12)
+    ]  # fmt: skip
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    first, second = FeatureStore(tmp_path / "a", [0, 1], width), FeatureStore(tmp_path / "a", [0, 1], width)
+    with Progress(disable=True) as progress:
+        first.add(target, samples[0::2], progress)
+        second.add(target, samples[1::3], progress)  # (two of them the first's: stored already)
+        threads = [FeatureStore(tmp_path / "b", [0, 1], width) for _ in range(2)]
+        workers = [threading.Thread(target=s.add, args=(target, samples, progress)) for s in threads]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    for directory, wanted in (("a", samples[0::2] + samples[1::3]), ("b", samples)):
+        store = FeatureStore(tmp_path / directory, [0, 1], width)
+        assert not store.missing(wanted)
+        assert store.rows == sum(len(s.ids) - 1 for s in {s.key: s for s in wanted}.values())  # each stored once
+        copies = [Sample(s.key, s.prompt_ids, s.response_ids) for s in wanted]
+        store.attach(copies)
+        for sample in copies:
+            _, full = capture_target_features(target, torch.tensor([sample.ids]), [0, 1])
+            torch.testing.assert_close(sample.features.float(), full[0, :-1], rtol=2e-2, atol=2e-2)
 
 
 def test_distill_answers_under_the_requests_constraints(tiny_qwen3_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,80 @@
+"""The training objective's tau of drafters on a run's stored answers and target features, on this machine.
+
+`dflash train` reports tau over random anchors of its own batches, with the features it computed. This computes the
+same figure (training.objective.dflash_loss: uniform anchors, the engine's acceptance rule) for any drafters over the
+same samples and the features a run stored here, so a drafter trained elsewhere (a lent GPU) can be checked against
+the numbers it trained to: the fifth GPU session's 2-layer drafter reported 2.64 there and gives 1.43 on this CPU's
+features, where the CPU-trained drafter gives 1.84 (benchmarks/results/history.md). Decoding is slower than this
+and counts steps, not anchors: `dflash bench --drafter DIR` gives the tau a user sees.
+
+    python -m benchmarks.objective_tau RUN_DIR DRAFTER [DRAFTER ...] [--target demo] [--batches 12] [--block-size 8]
+
+RUN_DIR is a `dflash train --output` directory whose `distill/` holds answers and the drafters' feature layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.objective_tau", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="a `dflash train --output` directory")
+    parser.add_argument("drafters", type=Path, nargs="+")
+    parser.add_argument("--target", default="demo")
+    parser.add_argument("--batches", type=int, default=12, help="batches of 8 samples, the same for every drafter")
+    parser.add_argument("--anchors", type=int, default=16)
+    parser.add_argument("--block-size", type=int, help="default: each drafter's")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from dflash_cli.loading.models import load_drafter
+    from dflash_cli.training.data import make_batch
+    from dflash_cli.training.distill import ANSWERS_FILE, Sample
+    from dflash_cli.training.features import FeatureStore
+    from dflash_cli.training.loop import open_target, serving_dtype, stored_features
+    from dflash_cli.training.objective import dflash_loss
+    from dflash_cli.training.options import TrainOptions
+
+    distill = args.run / "distill"
+    records = [json.loads(line) for line in (distill / ANSWERS_FILE).read_text().splitlines()]
+    target, _ = open_target(args.target, "cpu", str(serving_dtype("cpu")).removeprefix("torch."))
+    rows = []
+    for path in args.drafters:
+        drafter = load_drafter(str(path), target).float().eval()
+        width = len(drafter.config.target_layer_ids) * target.config.hidden_size
+        store = FeatureStore(distill, drafter.config.target_layer_ids, width)
+        samples = [
+            Sample(r["key"], r["prompt_ids"], r["response_ids"])
+            for r in records
+            if r["key"] in store.index and len(r["response_ids"]) >= 2
+        ]
+        samples = list({s.key: s for s in samples}.values())
+        if not samples:
+            print(f"{path}: no stored features of its layers in {distill}", file=sys.stderr)
+            return 2
+        store.attach(samples)
+        pick = random.Random(args.seed)
+        chosen = [pick.sample(samples, min(8, len(samples))) for _ in range(args.batches)]
+        block = args.block_size or drafter.block_size
+        gamma = TrainOptions(target="", prompts="", output="", block_size=block).loss_gamma
+        taus = []
+        for index, batch_samples in enumerate(chosen):
+            batch = make_batch(batch_samples, args.anchors, block, drafter.mask_token_id, 0, random.Random(index))
+            features = stored_features(batch_samples, batch.input_ids.shape[1], torch.device("cpu"))
+            with torch.no_grad():
+                taus.append(dflash_loss(drafter, features, batch, gamma)[1]["tau"])
+        rows.append({"drafter": str(path), "samples": len(samples), "tau": sum(taus) / len(taus)})
+        print(f"{path}: objective tau {rows[-1]['tau']:.3f} ({args.batches} batches of {len(samples)} samples)")
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(str(path), target).float().eval()
         width = len(drafter.config.target_layer_ids) * target.config.hidden_size
         store = FeatureStore(distill, drafter.config.target_layer_ids, width)
-        samples = [
-            Sample(r["key"], r["prompt_ids"], r["response_ids"])
-            for r in records
-            if r["key"] in store.index and len(r["response_ids"]) >= 2
-        ]
-        samples = list({s.key: s for s in samples}.values())
+        by_key: dict[str, Sample] = {}
+        for record in records:  # (a prompt may have answers by several producers: the one its features are of)
+            sample = Sample(record["key"], record["prompt_ids"], record["response_ids"])
+            if sample.key not in by_key and len(sample.response_ids) >= 2 and not store.missing([sample]):
+                by_key[sample.key] = sample
+        samples = list(by_key.values())
         if not samples:
             print(f"{path}: no stored features of its layers in {distill}", file=sys.stderr)
             return 2

@@ -8,6 +8,7 @@ and the planned memory fits what the device has free. Weights load only from saf
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -438,7 +439,10 @@ def _with_tokenizer_and_drafter(
     if target.device.type == "cpu":  # (before a stored step binds its tensors' addresses)
         from dflash_cli.engine.kernels.memory import in_huge_pages
 
-        in_huge_pages(target)
+        try:
+            in_huge_pages(target)
+        except (RuntimeError, OSError) as error:  # only a speed-up: the model as loaded runs the same
+            warnings.warn(f"the target's weights stay in 4 KB pages ({error})", stacklevel=2)
     drafter = None
     if drafter_dir is not None:
         with _loading_display(console, f"loading drafter {recipe.drafter.id}"):

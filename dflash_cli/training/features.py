@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,16 @@ class FeatureStore:
         self.rows = max((first + count for first, count in self.index.values()), default=0)
 
     def missing(self, samples: Sequence[Sample]) -> list[Sample]:
-        return [s for s in samples if s.key not in self.index]
+        """The samples without stored features (or with features of another answer to their prompt: its length)."""
+        return [s for s in samples if self.index.get(s.key, (0, -1))[1] != len(s.ids) - 1]
 
     def add(self, target: Any, samples: Sequence[Sample], progress: Progress) -> None:
         """Compute and store the features of the samples the store lacks (a batch at a time, so a stopped run keeps
         what it wrote). One writer at a time: runs that share a store (several drafters trained side by side from
         one run's answers) would append their rows among each other's, each indexing its own as if alone; a later
         writer reads what the earlier one stored and computes only the rest."""
+        if not self.missing(samples):  # (a complete store may be read-only, or shared)
+            return
         with _locked(self.lock_path):
             self._read()
             # Rows past the index (a writer stopped between its rows and the index) are written over.
@@ -111,6 +115,9 @@ def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on `path` (created) for the block, across processes (flock; nothing where there is none)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
-        if fcntl is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # (released when the file closes)
+        try:
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_EX)  # (released when the file closes)
+        except OSError as error:  # (a file system without locks: NFS mounted nolock)
+            warnings.warn(f"{path}: not locked ({error}); only one run may write this store", stacklevel=3)
         yield

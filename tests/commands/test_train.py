@@ -192,16 +192,21 @@ def test_runs_sharing_a_feature_store_each_read_their_own_samples_features(
     with Progress(disable=True) as progress:
         first.add(target, samples[0::2], progress)
         second.add(target, samples[1::3], progress)  # (two of them the first's: stored already)
+        with first.data.open("ab") as stopped:  # a writer stopped between its rows and its index
+            stopped.write(b"\x7f" * 6 * width)
+        extra = Sample("extra", [5, 6, 7], [8, 9, 10, 11])
+        FeatureStore(tmp_path / "a", [0, 1], width).add(target, [extra], progress)  # writes over them
         threads = [FeatureStore(tmp_path / "b", [0, 1], width) for _ in range(2)]
         workers = [threading.Thread(target=s.add, args=(target, samples, progress)) for s in threads]
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
-    for directory, wanted in (("a", samples[0::2] + samples[1::3]), ("b", samples)):
+    for directory, wanted in (("a", samples[0::2] + samples[1::3] + [extra]), ("b", samples)):
         store = FeatureStore(tmp_path / directory, [0, 1], width)
         assert not store.missing(wanted)
         assert store.rows == sum(len(s.ids) - 1 for s in {s.key: s for s in wanted}.values())  # each stored once
+        assert store.data.stat().st_size == store.rows * 2 * width
         copies = [Sample(s.key, s.prompt_ids, s.response_ids) for s in wanted]
         store.attach(copies)
         for sample in copies:

@@ -65,19 +65,24 @@ def test_moved_tensors_share_one_region_in_huge_pages_and_the_model_decodes_the_
     if kind == "float32":  # tied: the head's weight is the embedding's, one tensor
         assert model.lm_head.weight is model.model.embed_tokens.weight
     entry = vma_of(tensors[0].data_ptr())
-    assert re.search(r"^THPeligible:\s+1", entry, re.M), entry  # the region asked for 2 MB pages
+    assert re.search(r"^VmFlags:.* hg\b", entry, re.M), entry  # the region asked for 2 MB pages (MADV_HUGEPAGE)
     assert greedy(model) == before
 
 
 @needs_huge_pages
-def test_views_of_one_storage_stay_views_of_one_storage_and_a_larger_storage_stays() -> None:
+def test_views_of_one_storage_stay_views_of_one_storage_and_a_larger_storage_stays(tmp_path: Path) -> None:
     module = torch.nn.Module()
     whole = torch.arange(64, dtype=torch.float32)
     module.register_buffer("first", whole[:32])
     module.register_buffer("second", whole[32:])
     mapped = torch.arange(1000, dtype=torch.float32)
-    module.register_buffer("part", mapped[:10])  # its storage holds 990 more: a file mapped whole stays mapped
+    module.register_buffer("part", mapped[:10])  # its storage holds 990 more than the model's tensors
+    (tmp_path / "weights.bin").write_bytes(torch.arange(256, dtype=torch.float32).numpy().tobytes())
+    module.register_buffer("read_in_place", torch.from_file(str(tmp_path / "weights.bin"), size=256))
+    file_backed = module.read_in_place.data_ptr()  # (as safetensors' weights are: mapped from the file)
     in_huge_pages(module)
+    assert module.read_in_place.data_ptr() == file_backed
+    assert torch.equal(module.read_in_place, torch.arange(256, dtype=torch.float32))
     assert module.first.untyped_storage().data_ptr() == module.second.untyped_storage().data_ptr()
     assert module.first.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
     module.first[0] = -1.0  # still one storage: a write through one view is seen through the storage

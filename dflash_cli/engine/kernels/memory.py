@@ -61,29 +61,33 @@ def in_huge_pages(model: nn.Module) -> int:
     """Move `model`'s CPU parameters and buffers into one region that asks for 2 MB pages; return the bytes moved.
 
     Each storage is copied whole and every tensor on it is set to the copy at its own offset, so tensors stay the
-    same objects (ties, modules holding them, views of one storage keep pointing at each other). Storages that
-    hold more than the model's tensors on them (a file mapped whole) stay where they are. Call it before anything
-    binds the tensors' addresses (a stored compiled step)."""
+    same objects (ties, modules holding them, views of one storage keep pointing at each other). What stays where
+    it is: storages mapped from a file (safetensors' weights, read in place: a copy would hold them twice, and
+    lose the page cache other processes share) and storages that hold more than the model's tensors on them. Call
+    it before anything binds the tensors' addresses (a stored compiled step)."""
     if huge_pages_unavailable() is not None:
         return 0
     import torch
 
-    storages: dict[int, list[torch.Tensor]] = {}
+    mapped = _file_mappings()
+    storages: dict[tuple[int, int], list[torch.Tensor]] = {}
     for tensor in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
         if tensor.device.type == "cpu" and tensor.numel() > 0:
-            storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+            storage = tensor.untyped_storage()
+            storages.setdefault((storage.data_ptr(), storage.nbytes()), []).append(tensor)
     moving = [
         tensors
-        for tensors in storages.values()
-        if sum(t.numel() * t.element_size() for t in tensors) >= tensors[0].untyped_storage().nbytes()
+        for (address, nbytes), tensors in storages.items()
+        if sum(t.numel() * t.element_size() for t in tensors) >= nbytes
+        and not any(start <= address < end for start, end in mapped)
     ]
-    sizes = [_aligned(tensors[0].untyped_storage().nbytes(), 64) for tensors in moving]
     if not moving:
         return 0
+    sizes = [_aligned(tensors[0].untyped_storage().nbytes(), 64) for tensors in moving]
     length = _aligned(sum(sizes), HUGE_PAGE)  # whole 2 MB pages, from a 2 MB boundary
     region = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)
     start = _aligned(region.data_ptr(), HUGE_PAGE) - region.data_ptr()
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     if libc.madvise(ctypes.c_void_p(region.data_ptr() + start), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
         return 0  # (a kernel without it: nothing moved, nothing lost)
     storage, offset, since_trim = region.untyped_storage(), start, 0
@@ -101,6 +105,17 @@ def in_huge_pages(model: nn.Module) -> int:
                 since_trim = 0
     give_back_freed_memory()
     return sum(sizes)
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges this process maps from files (Linux's /proc/self/maps: a path after the inode)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/") and fields[4] != "0":
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
 
 
 def _aligned(value: int, alignment: int) -> int:

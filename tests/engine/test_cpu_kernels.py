@@ -180,3 +180,25 @@ def test_a_build_deletes_the_libraries_of_earlier_sources(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     built, name = done.stdout.split()
     assert built == "True" and sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [name]
+
+
+# rows: past and short of whole 16-lane chunks, the demo's vocabulary; ties, NaNs, infinities and signed zeros
+@pytest.mark.parametrize("width", [1, 15, 16, 33, 49152])
+def test_argmax_is_torchs_on_the_widened_logits(width: int) -> None:
+    """Greedy's token (engine.sampling.greedy_tokens on bf16 CPU logits): the index torch.argmax gives over the same
+    values in float32, the first of equal maxima, the first NaN where there is one."""
+    from dflash_cli.engine.sampling import greedy_tokens
+
+    torch.manual_seed(width)
+    logits = (torch.randn(7, width) * 4).to(torch.bfloat16)
+    logits[1] = logits[1, 0]  # every value tied: index 0
+    logits[2, width // 2 :] = logits[2].max() + 1  # a tie of the maximum from the middle on: its first index
+    logits[3] = float("-inf")
+    logits[4, width - 1] = float("nan")
+    if width > 1:
+        logits[5, 0], logits[5, 1:] = -0.0, 0.0  # -0 equals +0: index 0
+        logits[4, width // 3] = float("nan")  # two NaNs: the first
+        logits[6, -1] = float("inf")
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(torch.ops.dflash.argmax(logits), expected)
+    assert torch.equal(greedy_tokens(logits.view(7, 1, width)), expected[:, None])  # any leading shape

@@ -1,6 +1,6 @@
 """dflash's own CPU kernels for bf16 decoding (`native.cpp`): `torch.ops.dflash.bf16_linear` (a dense bf16
-weight times rows: a decode step's few or a prefill chunk's hundreds) and `torch.ops.dflash.attention` (each row's
-block of queries over its own K/V).
+weight times rows: a decode step's few or a prefill chunk's hundreds), `int4_linear` and `int8_linear`,
+`torch.ops.dflash.attention` (each row's block of queries over its own K/V) and `argmax` (greedy's token).
 
 Why our own: a decode step's time on a CPU is the time to read every weight once. MKL's bf16 product for one to a
 few rows reads the weights at about half the memory bandwidth, and rounds a row by the row count (one row differs
@@ -192,6 +192,10 @@ def _register_shapes() -> None:
         x: torch.Tensor, codes: torch.Tensor, sums: torch.Tensor, scales: torch.Tensor, out_features: int
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("dflash::argmax")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], dtype=torch.long)
 
     @torch.library.register_fake("dflash::attention")
     def _(

@@ -7,7 +7,7 @@ model is, since each tensor is its own allocation. `in_huge_pages` moves a loade
 that asks for 2 MB pages.
 Measured on the 2-core Intel AMX VM: the demo target's 120 int4 products of a step 2.59 against 2.88 ms (2 threads)
 and 4.18 against 4.86 (1 thread); its plain int4 decoding 1.03-1.09x, alternating processes (benchmarks/results/
-history.md, runs H-K).
+history.md, runs H-N).
 """
 
 from __future__ import annotations

@@ -110,8 +110,9 @@ def int4_gguf_problem(gguf: Path) -> str | None:
 def load_int4_target(gguf: Path, config_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
     """The causal LM of `gguf` (a file `int4_gguf_problem` passes; its config in `config_dir`) with its Q4_0/Q4_1
     linears as `Int4Linear`s of the stored groups, computing in `dtype`. Built with empty weights, so no float copy
-    of a linear is ever made. Embeddings, norms and biases are dequantized to `dtype`; the head is int8, quantized
-    from its float32 values, as `engine.kernels.quantized.quantize_target` makes it."""
+    of a linear is ever made. Embeddings, norms and biases are dequantized to `dtype`; the head is int8: a Q8_0 head
+    (or tied embedding) with its groups as stored, another quantized per channel from its float32 values, as
+    `engine.kernels.quantized.quantize_target` makes it."""
     import numpy as np
     import torch
     from accelerate import init_empty_weights
@@ -172,20 +173,24 @@ def load_int4_target(gguf: Path, config_dir: Path, dtype: torch.dtype) -> PreTra
             if bias is not None:
                 layer.bias = nn.Parameter(bias)
         model.set_submodule(name, layer)
-    embedding = None
+    embedding, embedding_name = None, ""
     for name, parameter in list(model.named_parameters()):
         if head_name is not None and name.startswith(f"{head_name}."):
             continue
         values = float32(name)
         if parameter is model.get_input_embeddings().weight:
-            embedding = values
+            embedding, embedding_name = values, name
         module, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(module), attribute, nn.Parameter(values.to(dtype), requires_grad=False))
     if head is not None:
         tied = gguf_name(f"{head_name}.weight") not in tensors  # llama.cpp writes no output matrix for a tied head
-        weight = embedding if tied else float32(f"{head_name}.weight")
+        found, blocks = raw(embedding_name if tied else f"{head_name}.weight")
         bias = float32(f"{head_name}.bias") if head.bias is not None else None
-        model.set_output_embeddings(Int8Linear.from_weight(weight, dtype, bias))
+        if found.kind == "Q8_0":  # its groups as stored (requantized per channel, the demo's greedy answers looped)
+            model.set_output_embeddings(Int8Linear.from_groups(*_q8_groups(found, blocks), dtype, bias))
+        else:
+            weight = embedding if tied else float32(f"{head_name}.weight")
+            model.set_output_embeddings(Int8Linear.from_weight(weight, dtype, bias))
     return model
 
 
@@ -246,6 +251,19 @@ def _q4_groups(found: _Tensor, blocks: Any) -> tuple[torch.Tensor, torch.Tensor,
     packed = torch.from_numpy(blocks[..., -16:].copy())
     codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(out_features, in_features)
     return codes, scales, mins
+
+
+def _q8_groups(found: _Tensor, blocks: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in] in -127..127, scales [out, in/32]) of a Q8_0 tensor: w = q * scale; a block is an fp16
+    scale and 32 int8 codes."""
+    import numpy as np
+    import torch
+
+    out_features, in_features = found.shape
+    blocks = np.array(blocks).reshape(out_features, in_features // 32, 34)
+    scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(out_features, in_features)
+    return codes, scales
 
 
 def _unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dflash_cli.engine.kernels.quantized import (
 )
 from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
 from helpers.drafters import FORMATS, random_drafter
-from helpers.kernels import use_kernels
+from helpers.kernels import int8_activation_product, use_kernels
 from helpers.tiny_models import hf_greedy, int4_packable_tiny
 
 
@@ -38,18 +38,6 @@ def int4_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """Int4Linear's two layouts: dflash's kernel (int8 activations), where this CPU runs it, and torch's."""
     use_kernels(request.param == "native", monkeypatch)
     return request.param
-
-
-def int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What dflash's int4 kernel computes: the rows in bf16, quantized per group of 32 to int8 (d = max|x| / 127,
-    nearest even), times the dequantized weight, in float64 (the kernel adds in float32: a few ulps apart)."""
-    rows = x.to(torch.bfloat16).double().reshape(*x.shape[:-1], -1, GROUP_SIZE)
-    amax = rows.abs().amax(-1, keepdim=True).float()
-    # (127 / amax as one division: torch's scalar / tensor multiplies by a reciprocal, one rounding more, and
-    # rounds ties such as x = amax / 2 the other way)
-    scale = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    codes = torch.round(rows.float() * scale)
-    return ((codes.double() * (amax.double() / 127)).reshape(x.shape) @ weight.double().T).float()
 
 
 def test_int4_groups_round_trip_exactly_and_the_kernel_multiplies_by_them(int4_layout: str) -> None:

@@ -4,8 +4,10 @@ they need AVX512-BF16 and AVX512-VNNI) or torch's, for the layers a test then ma
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dflash_cli.engine.kernels import native
+from dflash_cli.engine.kernels.quantized import GROUP_SIZE
 
 
 def use_kernels(ours: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -13,3 +15,15 @@ def use_kernels(ours: bool, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
     if not ours:
         monkeypatch.setattr(native, "available", lambda: False)
+
+
+def int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What dflash's int4 kernel computes: the rows in bf16, quantized per group of 32 to int8 (d = max|x| / 127,
+    nearest even), times the dequantized weight, in float64 (the kernel adds in float32: a few ulps apart)."""
+    rows = x.to(torch.bfloat16).double().reshape(*x.shape[:-1], -1, GROUP_SIZE)
+    amax = rows.abs().amax(-1, keepdim=True).float()
+    # (127 / amax as one division: torch's scalar / tensor multiplies by a reciprocal, one rounding more, and
+    # rounds ties such as x = amax / 2 the other way)
+    scale = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(rows.float() * scale)
+    return ((codes.double() * (amax.double() / 127)).reshape(x.shape) @ weight.double().T).float()

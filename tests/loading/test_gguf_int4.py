@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -20,6 +21,7 @@ from dflash_cli.loading.models import load_models
 from dflash_cli.setup.planning import Plan
 from dflash_cli.setup.recipes import ModelRef, Recipe
 from helpers.drafters import random_drafter
+from helpers.kernels import int8_activation_product, use_kernels
 from helpers.tiny_models import int4_packable_tiny
 
 gguf = pytest.importorskip("gguf")
@@ -46,8 +48,9 @@ def tiny_llama(seed: int, tied: bool) -> transformers.PreTrainedModel:
     )
 
 
-def write_gguf(model: transformers.PreTrainedModel, path: Path, kind: str = "Q4_1") -> Path:
-    """`model` as llama.cpp's converter writes it: linears in `kind`, the rest float32."""
+def write_gguf(model: transformers.PreTrainedModel, path: Path, kind: str = "Q4_1", head: str = "F32") -> Path:
+    """`model` as llama.cpp's converter writes it: linears in `kind`, the embedding and head in `head` (F32 or
+    Q8_0, as the demo's), the rest float32."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(config.max_position_embeddings)
@@ -76,7 +79,12 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path, kind: str = "Q4_
         if name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's permutation for its rotary layout
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
-        if module.startswith("model.layers.") and values.ndim == 2:
+        if head != "F32" and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            head_quant = gguf.GGMLQuantizationType[head]
+            writer.add_tensor(
+                f"{names.get_name(module)}.{suffix}", gguf.quants.quantize(values, head_quant), raw_dtype=head_quant
+            )
+        elif module.startswith("model.layers.") and values.ndim == 2:
             writer.add_tensor(
                 f"{names.get_name(module)}.{suffix}", gguf.quants.quantize(values, quant), raw_dtype=quant
             )
@@ -271,3 +279,28 @@ def test_another_architecture_or_an_unreadable_file_is_not_read_directly(tmp_pat
     assert "qwen2 model" in demo.int4_gguf_problem(tmp_path / "qwen.gguf")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(12))
     assert "cannot read broken.gguf" in demo.int4_gguf_problem(tmp_path / "broken.gguf")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_q8_0_head_keeps_its_groups_as_stored(tmp_path: Path, tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's head is its Q8_0 embedding: read with a scale per group of 32 as stored, where a requantization
+    per channel added its own error (the demo's greedy answers looped on everyday prompts). Elsewhere (torch's
+    kernels) it is quantized per channel from those weights."""
+    use_kernels(True, monkeypatch)
+    gguf_file = write_gguf(tiny_llama(seed=4, tied=tied), tmp_path / "tiny.gguf", head="Q8_0")
+    demo.convert_gguf(gguf_file, tmp_path / "converted", REPO_ID)
+    direct = demo.load_int4_target(gguf_file, tmp_path / "converted", torch.bfloat16).eval()
+    head = direct.get_output_embeddings()
+    assert isinstance(head, Int8Linear) and head.native and head.lane_scales.dim() == 3
+    _, tensors = demo._tensor_table(gguf_file)
+    stored = tensors["token_embd.weight" if tied else "output.weight"]
+    raw = np.memmap(gguf_file, dtype=np.uint8, mode="r")[stored.offset : stored.offset + stored.nbytes]
+    weights = torch.from_numpy(gguf.quants.dequantize(raw.reshape(stored.shape[0], -1), gguf.GGMLQuantizationType.Q8_0))
+    assert torch.equal(head.dequantized(), weights.reshape(stored.shape))
+    hidden = torch.randn(3, direct.config.hidden_size, dtype=torch.bfloat16)
+    torch.testing.assert_close(head(hidden).float(), int8_activation_product(hidden, weights), rtol=8e-3, atol=8e-3)
+    assert torch.equal(head(hidden), torch.cat([head(row[None]) for row in hidden]))  # each row on its own
+    use_kernels(False, monkeypatch)
+    per_channel = demo.load_int4_target(gguf_file, tmp_path / "converted", torch.bfloat16).get_output_embeddings()
+    assert not per_channel.native  # torch's layout: quantized per channel from the same weights
+    torch.testing.assert_close(per_channel.dequantized(), weights.reshape(stored.shape), rtol=0, atol=0.02)

@@ -301,10 +301,11 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
 // The rows quantized per group of 32 as int4_linear's. VPDPBUSD wants one unsigned operand: the weights are held
 // shifted by 128 (w + 128 in 1..255), and (w + 128) . q_a less 128 * sum(q_a) is the exact w . q_a. Layout
 // (Int8Linear): outputs in blocks of 16 lanes, per block and four inputs one 64-byte vector (lane j: output j's
-// shifted weights of those inputs); scales [blocks, 16] in the compute dtype. Groups added in order per output: rows
-// independent.
+// shifted weights of those inputs); scales [blocks, 16] in the compute dtype, or, as GGUF's Q8_0 stores them, one
+// float16 scale per output and group of 32 inputs [blocks, groups, 16] (each group's dot product scaled by it
+// before the sum). Groups added in order per output: rows independent.
 void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool bf16_scales,
-                int64_t block, uint16_t* out, int64_t N) {
+                const uint16_t* group_scales, int64_t block, uint16_t* out, int64_t N) {
   const int64_t groups = K / kGroup;
   const int lanes = static_cast<int>(std::min<int64_t>(16, N - block * 16));
   const __mmask16 valid = static_cast<__mmask16>((1u << lanes) - 1);
@@ -328,11 +329,17 @@ void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, c
         }
         const __m512i shift = _mm512_set1_epi32(128 * a.sum[r * groups + g]);
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(even, odd), shift));
-        acc[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.scale[r * groups + g]), acc[t]);
+        __m512 scale = _mm512_set1_ps(a.scale[r * groups + g]);
+        if (group_scales != nullptr)  // (GGUF's Q8_0: a weight scale per output and group, float16)
+          scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(group_scales + (block * groups + g) * 16))),
+                                scale);
+        acc[t] = _mm512_fmadd_ps(dot, scale, acc[t]);
       }
     }
-    const __m512 scale = bf16_scales ? load_bf16x16(static_cast<const uint16_t*>(scales) + block * 16)
-                                     : _mm512_loadu_ps(static_cast<const float*>(scales) + block * 16);
+    const __m512 scale = group_scales != nullptr ? _mm512_set1_ps(1.0f)
+                         : bf16_scales ? load_bf16x16(static_cast<const uint16_t*>(scales) + block * 16)
+                                       : _mm512_loadu_ps(static_cast<const float*>(scales) + block * 16);
     for (int t = 0; t < rows; ++t) {
       const __m256i result = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[t], scale)));
       _mm256_mask_storeu_epi16(out + (r0 + t) * N + block * 16, valid, result);
@@ -346,9 +353,11 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
   const int64_t M = x_in.size(0), K = x_in.size(1), blocks = (N + 15) / 16;
   TORCH_CHECK(codes_in.scalar_type() == at::kByte && codes_in.numel() == blocks * K * 16,
               "int8_linear: codes must be [out / 16, in / 4, 16, 4] uint8 (the weights + 128)");
-  TORCH_CHECK((scales_in.scalar_type() == at::kFloat || scales_in.scalar_type() == at::kBFloat16) &&
-                  scales_in.numel() == blocks * 16,
-              "int8_linear: scales must be [out / 16, 16] float32 or bf16");
+  const bool grouped = scales_in.dim() == 3;
+  TORCH_CHECK(grouped ? scales_in.scalar_type() == at::kHalf && scales_in.numel() == blocks * (K / kGroup) * 16
+                      : (scales_in.scalar_type() == at::kFloat || scales_in.scalar_type() == at::kBFloat16) &&
+                            scales_in.numel() == blocks * 16,
+              "int8_linear: scales must be [out / 16, 16] float32 or bf16, or [out / 16, in / 32, 16] float16");
   const at::Tensor x = x_in.contiguous(), codes = codes_in.contiguous(), scales = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -356,9 +365,10 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
   const auto* c = codes.const_data_ptr<uint8_t>();
   const void* s = scales.const_data_ptr();
   const bool bf16 = scales.scalar_type() == at::kBFloat16;
+  const auto* g = grouped ? static_cast<const uint16_t*>(s) : nullptr;
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) int8_block(rows, M, K, c, s, bf16, block, o, N);
+    for (int64_t block = begin; block < end; ++block) int8_block(rows, M, K, c, s, bf16, g, block, o, N);
   });
   return out;
 }

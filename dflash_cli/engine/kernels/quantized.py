@@ -173,9 +173,10 @@ def _native_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 
 
 class Int8Linear(_WeightOnlyLinear):
-    """y = x @ (W_int8 * scale).T + b, symmetric int8 with one scale per output channel. Two layouts, as
-    `Int4Linear`'s: dflash's `int8_linear` (int8 activations) where the process runs dflash's kernels, else torch's
-    `_weight_int8pack_mm` (bf16 activations). The scales are the compute dtype's either way."""
+    """y = x @ (W_int8 * scale).T + b, symmetric int8 with one scale per output channel, or per output and group of
+    32 inputs as a GGUF's Q8_0 stores them (`from_groups`, dflash's kernel only). Two layouts, as `Int4Linear`'s:
+    dflash's `int8_linear` (int8 activations) where the process runs dflash's kernels, else torch's
+    `_weight_int8pack_mm` (bf16 activations). Per-channel scales are the compute dtype's either way."""
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -195,6 +196,26 @@ class Int8Linear(_WeightOnlyLinear):
             return cls(_native_int8_layout(codes, scales), out_features, in_features, bias)
         return cls({"weight_int8": codes, "scales": scales}, out_features, in_features, bias)
 
+    @classmethod
+    def from_groups(
+        cls, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
+        """From codes [out, in] in -127..127 and a scale per output and group of GROUP_SIZE inputs [out, in /
+        GROUP_SIZE] (w = q * scale: GGUF's Q8_0), kept as they are where dflash's kernel runs (its scales float16,
+        as Q8_0 stores them); elsewhere the weight they hold, quantized per channel (`from_weight`)."""
+        from dflash_cli.engine.kernels import native
+
+        out_features, in_features = codes.shape
+        if not (native.available() and in_features % GROUP_SIZE == 0):
+            weight = codes.float().view(out_features, -1, GROUP_SIZE) * scales.float()[..., None]
+            return cls.from_weight(weight.view(out_features, in_features), dtype, bias)
+        layout = _native_int8_layout(codes, torch.ones(out_features))
+        blocks = layout["codes"].shape[0]
+        lanes = torch.zeros(blocks * 16, in_features // GROUP_SIZE, dtype=torch.float16)  # (padded lanes: 0)
+        lanes[:out_features] = scales
+        layout["lane_scales"] = lanes.view(blocks, 16, -1).transpose(1, 2).contiguous()  # [blocks, groups, 16]
+        return cls(layout, out_features, in_features, None if bias is None else bias.to(dtype))
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.native:
             return torch.ops.dflash.int8_linear(
@@ -206,12 +227,16 @@ class Int8Linear(_WeightOnlyLinear):
         if self.native:  # codes [blocks, in / 4, 16 lanes, 4]
             lanes = self.codes.shape[0] * 16
             weight = self.codes.permute(0, 2, 1, 3).reshape(lanes, self.in_features).float() - 128
+            if self.lane_scales.dim() == 3:  # a scale per group: [blocks, groups, 16]
+                scales = self.lane_scales.float().transpose(1, 2).reshape(lanes, -1, 1)
+                return (weight.view(lanes, -1, GROUP_SIZE) * scales).view(lanes, -1)[: self.out_features]
             return (weight * self.lane_scales.reshape(lanes, 1))[: self.out_features]
         return self.weight_int8.float() * self.scales.float()[:, None]
 
     def extra_repr(self) -> str:
         kernel = "dflash's int8-activation kernel" if self.native else "torch's kernel"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, {kernel}"
+        scales = "per group of 32" if self.native and self.lane_scales.dim() == 3 else "per channel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {scales}, {kernel}"
 
 
 def _native_int8_layout(codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:

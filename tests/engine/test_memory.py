@@ -13,15 +13,11 @@ from dflash_cli import speculative_generate
 from dflash_cli.engine.kernels import memory
 from dflash_cli.engine.kernels.memory import huge_pages_unavailable, in_huge_pages
 from dflash_cli.engine.kernels.quantized import quantize_target, share_inputs
-from helpers.tiny_models import int4_packable_tiny
+from helpers.tiny_models import quantizable_tiny
 
 needs_huge_pages = pytest.mark.skipif(
     huge_pages_unavailable() is not None, reason=f"this machine: {huge_pages_unavailable()}"
 )
-
-
-def tiny(seed: int, *, tied: bool) -> transformers.PreTrainedModel:
-    return int4_packable_tiny("qwen3", seed, tied=tied, vocab_size=128, bos_token_id=None, eos_token_id=None)
 
 
 def tensors_of(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -45,7 +41,7 @@ def vma_of(address: int) -> str:
 @needs_huge_pages
 @pytest.mark.parametrize("kind", ["float32", "int4"])
 def test_moved_tensors_share_one_region_in_huge_pages_and_the_model_decodes_the_same(kind: str) -> None:
-    model = tiny(3, tied=True)
+    model = quantizable_tiny(3, tied=True)
     if kind == "int4":
         quantize_target(model, "int4", torch.bfloat16)
         share_inputs(model)
@@ -92,7 +88,7 @@ def test_views_of_one_storage_stay_views_of_one_storage_and_a_larger_storage_sta
 
 def test_switched_off_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(memory.ENVIRONMENT, "0")
-    model = tiny(4, tied=False)
+    model = quantizable_tiny(4)
     addresses = [t.data_ptr() for t in tensors_of(model)]
     assert huge_pages_unavailable() == f"{memory.ENVIRONMENT}=0"
     assert in_huge_pages(model) == 0

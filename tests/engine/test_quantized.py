@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 from dflash_cli import speculative_generate
@@ -23,14 +22,7 @@ from dflash_cli.engine.kernels.quantized import (
 from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
 from helpers.drafters import FORMATS, random_drafter
 from helpers.kernels import int8_activation_product, use_kernels
-from helpers.tiny_models import hf_greedy, int4_packable_tiny
-
-
-def quantizable_tiny(seed: int, tied: bool = False) -> transformers.PreTrainedModel:
-    """A float32 Qwen3 the int4 packing takes whole (helpers.tiny_models.int4_packable_tiny), 128 tokens."""
-    return int4_packable_tiny(
-        "qwen3", seed, tied=tied, vocab_size=128, bos_token_id=None, eos_token_id=None, pad_token_id=0
-    )
+from helpers.tiny_models import hf_greedy, quantizable_tiny
 
 
 @pytest.fixture(params=["native", "torch"])

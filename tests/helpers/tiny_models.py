@@ -402,3 +402,10 @@ def make_tiny_mxfp4_gpt_oss(model_dir: str | os.PathLike, seed: int = 0) -> tupl
     }
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir, model
+
+
+def quantizable_tiny(seed: int, tied: bool = False) -> Any:
+    """A float32 Qwen3 the int4 packing takes whole (int4_packable_tiny), 128 tokens."""
+    return int4_packable_tiny(
+        "qwen3", seed, tied=tied, vocab_size=128, bos_token_id=None, eos_token_id=None, pad_token_id=0
+    )

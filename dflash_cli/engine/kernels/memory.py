@@ -76,15 +76,14 @@ def in_huge_pages(model: nn.Module) -> int:
             storage = tensor.untyped_storage()
             storages.setdefault((storage.data_ptr(), storage.nbytes()), []).append(tensor)
     moving = [
-        tensors
+        (nbytes, tensors)
         for (address, nbytes), tensors in storages.items()
         if sum(t.numel() * t.element_size() for t in tensors) >= nbytes
         and not any(start <= address < end for start, end in mapped)
     ]
     if not moving:
         return 0
-    sizes = [_aligned(tensors[0].untyped_storage().nbytes(), 64) for tensors in moving]
-    length = _aligned(sum(sizes), HUGE_PAGE)  # whole 2 MB pages, from a 2 MB boundary
+    length = _aligned(sum(_aligned(nbytes, 64) for nbytes, _ in moving), HUGE_PAGE)  # whole 2 MB pages
     region = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)
     start = _aligned(region.data_ptr(), HUGE_PAGE) - region.data_ptr()
     libc = ctypes.CDLL(None)
@@ -92,19 +91,20 @@ def in_huge_pages(model: nn.Module) -> int:
         return 0  # (a kernel without it: nothing moved, nothing lost)
     storage, offset, since_trim = region.untyped_storage(), start, 0
     with torch.no_grad():
-        for tensors, size in zip(moving, sizes):
+        for nbytes, tensors in moving:
             original = tensors[0].untyped_storage()
-            region[offset : offset + original.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(original))
+            region[offset : offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(original))
             for tensor in tensors:
                 item = tensor.element_size()
                 tensor.set_(storage, offset // item + tensor.storage_offset(), tensor.shape, tensor.stride())
             del original
+            size = _aligned(nbytes, 64)
             offset, since_trim = offset + size, since_trim + size
             if since_trim >= _TRIM_EVERY:
                 give_back_freed_memory()
                 since_trim = 0
     give_back_freed_memory()
-    return sum(sizes)
+    return offset - start
 
 
 def _file_mappings() -> list[tuple[int, int]]:

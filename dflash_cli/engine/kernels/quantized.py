@@ -209,11 +209,7 @@ class Int8Linear(_WeightOnlyLinear):
         if not (native.available() and in_features % GROUP_SIZE == 0):
             weight = codes.float().view(out_features, -1, GROUP_SIZE) * scales.float()[..., None]
             return cls.from_weight(weight.view(out_features, in_features), dtype, bias)
-        layout = _native_int8_layout(codes, torch.ones(out_features))
-        blocks = layout["codes"].shape[0]
-        lanes = torch.zeros(blocks * 16, in_features // GROUP_SIZE, dtype=torch.float16)  # (padded lanes: 0)
-        lanes[:out_features] = scales
-        layout["lane_scales"] = lanes.view(blocks, 16, -1).transpose(1, 2).contiguous()  # [blocks, groups, 16]
+        layout = _native_int8_layout(codes, scales.to(torch.float16))
         return cls(layout, out_features, in_features, None if bias is None else bias.to(dtype))
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -241,16 +237,23 @@ class Int8Linear(_WeightOnlyLinear):
 
 def _native_int8_layout(codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
     """dflash's int8_linear layout (native.cpp): outputs in blocks of 16 (zero-padded), per block and four inputs a
-    vector of 16 lanes x 4 bytes, the weights + 128 as uint8; the scales per lane in their dtype (the compute
-    dtype's: float32 or bf16)."""
+    vector of 16 lanes x 4 bytes, the weights + 128 as uint8; the scales per lane: one per output [out] in the
+    compute dtype's (float32 or bf16) as [blocks, 16], or one per output and group [out, groups] in float16 (Q8_0's)
+    as [blocks, groups, 16]."""
     out_features, in_features = codes.shape
     blocks = -(-out_features // 16)
     padded = torch.zeros(blocks * 16, in_features, dtype=torch.int16)
     padded[:out_features] = codes
     lanes = (padded + 128).to(torch.uint8).reshape(blocks, 16, in_features // 4, 4)
-    lane_scales = torch.zeros(blocks * 16, dtype=scales.dtype if scales.dtype == torch.bfloat16 else torch.float32)
+    grouped = scales.dim() == 2
+    dtype = torch.float16 if grouped else scales.dtype if scales.dtype == torch.bfloat16 else torch.float32
+    lane_scales = torch.zeros(blocks * 16, *scales.shape[1:], dtype=dtype)  # (padded lanes: 0)
     lane_scales[:out_features] = scales
-    return {"codes": lanes.permute(0, 2, 1, 3).contiguous(), "lane_scales": lane_scales.reshape(blocks, 16)}
+    lane_scales = lane_scales.reshape(blocks, 16, *scales.shape[1:])
+    return {
+        "codes": lanes.permute(0, 2, 1, 3).contiguous(),
+        "lane_scales": lane_scales.transpose(1, 2).contiguous() if grouped else lane_scales,
+    }
 
 
 # Sibling projections of one input in transformers' decoder layers: attention's query, key and value; the MLP's

@@ -50,6 +50,14 @@ def train(
             help="Tokens per draft block. 8 suits CPUs and small targets (verify cost grows with B); 16 suits GPUs.",
         ),
     ] = 8,
+    draft_vocab: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Tokens the drafter may propose: the most frequent in the answers (0: the target's whole vocabulary). "
+            "Its loss runs over them alone, about 3x faster a step on the demo at 8192; answers rarely use the rest.",
+        ),
+    ] = 32768,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 2000,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
     lr: Annotated[float, typer.Option(min=0.0, help="Peak learning rate (linear warmup, cosine decay).")] = 6e-4,
@@ -155,6 +163,7 @@ def train(
         layers=layers,
         feature_layers=feature_layers,
         block_size=block_size,
+        draft_vocab=draft_vocab,
         steps=steps,
         batch_size=batch_size,
         lr=lr,

@@ -7,15 +7,19 @@ quantized targets. The command is built as an argv list and shell-quoted once, s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine
 from dflash_cli.setup.recipes import PACKAGE_PREFIX, ModelRef, Recipe
+
+if TYPE_CHECKING:
+    from dflash_cli.engine.drafter.config import DrafterConfig
 
 # Weights take at most 1/1.3 of the GPUs' memory: the rest holds the KV cache, activations and CUDA graphs
 # (vLLM claims 90% of each GPU by default and sizes its KV cache from what the weights leave).
@@ -85,15 +89,15 @@ def _location(ref: ModelRef) -> str:
     return str(ref.path) if ref.path is not None else ref.id
 
 
-def _cached_drafter_block_size(drafter: ModelRef) -> int | None:
-    """The drafter config's block size, when its config.json is local or already in the Hugging Face cache (a
-    broken one is an error: the server would refuse it)."""
+def _cached_drafter_config(drafter: ModelRef) -> DrafterConfig | None:
+    """The drafter's config, when its config.json is local or already in the Hugging Face cache (a broken one is an
+    error: the server would refuse it)."""
     config = drafter.local_file("config.json")
     if config is None:
         return None
     from dflash_cli.loading.checkpoint import read_drafter_config
 
-    return read_drafter_config(config.parent).block_size
+    return read_drafter_config(config.parent)
 
 
 def _plan_export(
@@ -105,7 +109,17 @@ def _plan_export(
             fix="pass --drafter REPO_OR_PATH with --target",
         )
     notes: list[str] = []
-    block_size = recipe.block_size or _cached_drafter_block_size(recipe.drafter)
+    config = None
+    # (with the recipe's block size, the config is only read for the draft vocabulary's note)
+    with contextlib.suppress(DflashError) if recipe.block_size else contextlib.nullcontext():
+        config = _cached_drafter_config(recipe.drafter)
+    block_size = recipe.block_size or (config.block_size if config else None)
+    if config is not None and config.draft_vocab_size is not None:
+        notes.append(
+            f"dflash lets this drafter propose only the {config.draft_vocab_size} tokens it was trained on "
+            "(draft_vocab.json); this engine reads the same weights and proposes from the whole vocabulary: the "
+            "output is the same, its acceptance may be lower"
+        )
     if block_size is None:
         block_size = FALLBACK_BLOCK_SIZE
         why = (

@@ -219,6 +219,35 @@ def read_drafter_config(directory: Path) -> DrafterConfig:
     return DrafterConfig.from_dict(raw, source=str(path))
 
 
+def read_draft_vocabulary(directory: Path, config: DrafterConfig) -> torch.Tensor:
+    """The drafter's draft vocabulary (dflash_config.draft_vocab_size): its DRAFT_VOCAB_FILE, checked to list that
+    many target ids, ascending and distinct (positions are looked up in it)."""
+    import torch
+
+    from dflash_cli.engine.drafter.model import DRAFT_VOCAB_FILE
+
+    path, size, limit = directory / DRAFT_VOCAB_FILE, config.draft_vocab_size, config.vocab_size
+    try:
+        ids = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DflashError(
+            f"drafter {directory} sets dflash_config.draft_vocab_size but has no {DRAFT_VOCAB_FILE}",
+            fix="download the drafter again (`dflash pull`), or copy the whole directory `dflash train` wrote",
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise DflashError(
+            f"{path} is not valid JSON ({exc})", fix="download the drafter again (`dflash pull`)"
+        ) from None
+    whole = isinstance(ids, list) and len(ids) == size and all(type(i) is int for i in ids)
+    if not whole or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= limit:
+        raise DflashError(
+            f"{path} must list {size} distinct target token ids below {limit}, ascending "
+            "(dflash_config.draft_vocab_size)",
+            fix="use the drafter directory `dflash train` wrote, unedited",
+        )
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def read_drafter_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file

@@ -46,6 +46,7 @@ ALLOW_PATTERNS = [
     "*.safetensors",
     "*.safetensors.index.json",
     "config.json",
+    "draft_vocab.json",  # a drafter's draft vocabulary (dflash_config.draft_vocab_size)
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",

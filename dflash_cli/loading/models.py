@@ -22,6 +22,7 @@ from dflash_cli.loading.checkpoint import (
     Checkpoint,
     corrupt_file_error,
     read_checkpoint,
+    read_draft_vocabulary,
     read_drafter_config,
     read_drafter_weights,
 )
@@ -351,6 +352,8 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     device = target.get_input_embeddings().weight.device
     dtype = compute_dtype(target)
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if config.draft_vocab_size is not None:
+        drafter.draft_vocab = read_draft_vocabulary(directory, config)
     drafter.to(device=device, dtype=dtype)
     drafter.bind(target)
     return drafter.eval()

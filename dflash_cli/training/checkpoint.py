@@ -119,6 +119,15 @@ def recover_checkpoint(directory: Path) -> None:
         shutil.rmtree(previous)
 
 
+def saved_vocabulary(directory: Path) -> torch.Tensor | None:
+    """The draft vocabulary of the checkpoint's drafter (None: it proposes from the whole vocabulary)."""
+    from dflash_cli.loading.checkpoint import read_draft_vocabulary, read_drafter_config
+
+    drafter = directory / DRAFTER_DIR
+    config = read_drafter_config(drafter)
+    return None if config.draft_vocab_size is None else read_draft_vocabulary(drafter, config)
+
+
 def load_checkpoint(
     directory: Path, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer
 ) -> tuple[int, list[dict[str, float]], float | None]:

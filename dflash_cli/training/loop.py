@@ -34,11 +34,18 @@ from dflash_cli.training.checkpoint import (
     recover_checkpoint,
     resumed_with_changes,
     save_checkpoint,
+    saved_vocabulary,
 )
 from dflash_cli.training.data import batches, make_batch
 from dflash_cli.training.distill import Sample, distill, encode, follow_ups
 from dflash_cli.training.features import FeatureStore
-from dflash_cli.training.objective import decay_progress, dflash_loss, fitted_horizon, learning_rate
+from dflash_cli.training.objective import (
+    decay_progress,
+    dflash_loss,
+    draft_vocabulary,
+    fitted_horizon,
+    learning_rate,
+)
 from dflash_cli.training.options import CHECKPOINT_DIR, DISTILL_DIR, DRAFTER_DIR, TrainOptions, TrainResult
 from dflash_cli.training.prompts import split_prompts
 
@@ -52,7 +59,11 @@ COLUMNS = (
 )
 
 
-def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlashDrafter:
+def new_drafter(
+    target: Any, options: TrainOptions, mask_token_id: int, vocab: torch.Tensor | None = None
+) -> DFlashDrafter:
+    """A drafter shaped by `options` for the target, its layers initialised at random; `vocab`: the target ids it
+    may propose (objective.draft_vocabulary), None for all of them."""
     tcfg = target.config.get_text_config()
     config = DrafterConfig.for_target(
         tcfg,
@@ -61,6 +72,7 @@ def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlas
         mask_token_id=mask_token_id,
         feature_layers=options.feature_layers,
         vocab_size=target.get_input_embeddings().num_embeddings,
+        draft_vocab_size=None if vocab is None else len(vocab),
         rms_norm_eps=tcfg.rms_norm_eps,
         rope_theta=float(
             (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))
@@ -71,6 +83,8 @@ def new_drafter(target: Any, options: TrainOptions, mask_token_id: int) -> DFlas
     for module in drafter.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
+    if vocab is not None:
+        drafter.draft_vocab.copy_(vocab)
     drafter.bind(target)
     return drafter
 
@@ -209,7 +223,13 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         # two runs side by side trained 7-9x slower with two threads each than with one;
         # benchmarks/results/history.md).
         progress.console.print(f"[dim]Threads: {apply_threads(options.threads).reason}[/dim]")
-        drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id))
+        # A resumed run keeps its checkpoint's vocabulary (its answers may have grown since).
+        vocab = (
+            saved_vocabulary(checkpoint)
+            if options.resume
+            else draft_vocabulary((s.response_ids for s in samples), options.draft_vocab)
+        )
+        drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id), vocab)
         drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
         store = FeatureStore(output / DISTILL_DIR, drafter.config.target_layer_ids, drafter.fc.in_features)
         store.add(target, samples, progress)

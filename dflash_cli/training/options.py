@@ -20,6 +20,7 @@ class TrainOptions:
     layers: int = 1
     feature_layers: int = 5
     block_size: int = 8
+    draft_vocab: int = 32768  # tokens the drafter may propose (objective.draft_vocabulary; 0: the whole vocabulary)
     steps: int = 2000
     batch_size: int = 8
     lr: float = 6e-4

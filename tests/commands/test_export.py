@@ -21,6 +21,7 @@ from dflash_cli.engine.drafter import DrafterConfig
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.recipes import ModelRef, adhoc_recipe, get_recipe
+from helpers.golden import FIXTURES
 from helpers.tiny_models import make_hf_cache
 
 ONE_H100 = ServingHardware(gpu_count=1, gpu_memory=85_000_000_000)
@@ -205,3 +206,17 @@ def test_export_cli_accepts_llama_cpp_spellings() -> None:
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["command"][0] == "llama-server"
     assert CliRunner().invoke(app, ["export", "ollama", "qwen3-4b"]).exit_code == 2
+
+
+def test_a_drafter_with_a_draft_vocabulary_says_other_engines_propose_from_all(tmp_path: Path) -> None:
+    config = dataclasses.replace(
+        DrafterConfig.from_dict(json.loads((FIXTURES / "qwen3-tiny" / "drafter" / "config.json").read_text())),
+        draft_vocab_size=100,
+    )
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(config.to_dict()))
+    for recipe in (adhoc_recipe("Qwen/Qwen3-8B", str(drafter)), get_recipe("demo")):
+        notes = " ".join(vllm_command(recipe, ONE_H100).notes + llama_cpp_command(recipe, ONE_H100).notes)
+        said = "only the 100 tokens it was trained on" in notes
+        assert said == (recipe.drafter.path == drafter), notes

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
 from dflash_cli.commands.train import interrupted_training_state, train
+from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.engine.target.base import capture_target_features
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import load_drafter
@@ -34,7 +35,14 @@ from dflash_cli.training.data import block_attention_mask, make_batch
 from dflash_cli.training.distill import ANSWERS_FILE, FOLLOW_UPS, Sample, distill
 from dflash_cli.training.features import FeatureStore
 from dflash_cli.training.loop import new_drafter, open_target
-from dflash_cli.training.objective import decay_progress, dflash_loss, fitted_horizon, learning_rate
+from dflash_cli.training.objective import (
+    decay_progress,
+    dflash_loss,
+    draft_vocabulary,
+    fitted_horizon,
+    learning_rate,
+    vocabulary_positions,
+)
 from dflash_cli.training.options import TrainOptions
 from dflash_cli.training.prompts import load_prompts, split_prompts
 
@@ -272,6 +280,51 @@ def test_loss_goes_down(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path)
     assert 1.0 <= stats["tau"] <= opts.block_size
 
 
+def test_the_draft_vocabulary_is_the_answers_most_frequent_tokens() -> None:
+    answers = [[7, 3, 3, 9], [3, 9, 5], [12, 7, 9]]  # 3 and 9 three times, 7 twice, 5 and 12 once
+    assert draft_vocabulary(answers, 3).tolist() == [3, 7, 9]
+    assert draft_vocabulary(answers, 4).tolist() == [3, 5, 7, 9]  # a tie goes to the lower id
+    assert draft_vocabulary(answers, 100).tolist() == [3, 5, 7, 9, 12]  # no more than the answers hold
+    assert draft_vocabulary(answers, 0) is None  # the whole vocabulary
+    labels = torch.tensor([[3, 12, -100, 9, 0, 13]])
+    assert vocabulary_positions(labels, torch.tensor([3, 7, 9, 12])).tolist() == [[0, 3, -100, 2, -100, -100]]
+
+
+def test_the_loss_over_a_draft_vocabulary_is_what_decoding_proposes(tiny_qwen3_dir: Path, prompt_file: Path) -> None:
+    opts = options(tiny_qwen3_dir, prompt_file, Path("unused"), block_size=6)
+    target, _ = open_target(opts.target, "cpu", "float32")
+    samples = [Sample("a", [1, 2, 3], [7, 8, 9, 40, 8, 9, 7, 33, 9, 7]), Sample("b", [4, 5], [11, 12, 13, 14, 60])]
+    whole = new_drafter(target, opts, mask_token_id=5)
+    batch = make_batch(samples, 4, opts.block_size, whole.mask_token_id, 0, random.Random(0))
+    _, features = capture_target_features(target, batch.input_ids, whole.config.target_layer_ids)
+    vocab_size = target.get_input_embeddings().num_embeddings
+
+    def limited(vocab: torch.Tensor):
+        drafter = new_drafter(target, opts, 5, vocab)
+        drafter.load_state_dict(whole.state_dict())
+        return drafter
+
+    with torch.no_grad():
+        loss, stats = dflash_loss(whole, features, batch, opts.loss_gamma)
+        every = dflash_loss(limited(torch.arange(vocab_size)), features, batch, opts.loss_gamma)
+        assert every[0] == pytest.approx(float(loss), rel=1e-6) and every[1] == pytest.approx(stats, rel=1e-6)
+        # A vocabulary holding some labels and nothing else: acceptance as decoding gets it, from the masked
+        # logits' proposal (labels outside the vocabulary are never proposed, so they end a block).
+        vocab = torch.tensor([7, 8, 9, 11, 12, 13])
+        drafter = limited(vocab)
+        _, partial = dflash_loss(drafter, features, batch, opts.loss_gamma)
+        context = drafter.fuse_context(features)
+        blocks = drafter.embed(batch.block_ids)
+        hidden = drafter(
+            torch.cat([context, blocks], 1), blocks.shape[1], batch.position_ids, attention_mask=batch.attention_mask
+        )
+        b, n = batch.labels.shape[:2]
+        proposed = drafter.logits(hidden.view(b, n, opts.block_size, -1)[:, :, 1:]).argmax(-1)
+        assert torch.isin(proposed, vocab).all()
+        used = batch.labels[:, :, 0] != -100
+        assert partial["tau"] == pytest.approx(float((accepted_drafts(proposed, batch.labels)[used] + 1.0).mean()))
+
+
 def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = train(options(tiny_qwen3_dir, prompt_file, out, steps=3))
@@ -281,14 +334,19 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
     drafter = load_drafter(out / "drafter", target)
     assert drafter.block_size == 4 and json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
+    answers = [json.loads(line)["response_ids"] for line in (out / "distill" / ANSWERS_FILE).open()]
+    answered = sorted({token for answer in answers for token in answer})
+    assert drafter.draft_vocab.tolist() == answered  # (the default's 32,768 is more than these answers hold)
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 3
 
     with pytest.raises(DflashError, match="--resume"):
         train(options(tiny_qwen3_dir, prompt_file, out, steps=5))
     saved = load_drafter(out / "checkpoint" / "drafter", target).state_dict()
-    resumed = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True))
+    # (resumed with another --draft-vocab: the checkpoint's vocabulary stands)
+    resumed = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True, draft_vocab=3))
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 5
+    assert load_drafter(out / "checkpoint" / "drafter", target).draft_vocab.tolist() == answered
     assert resumed.steps == 5
     changed = load_drafter(out / "checkpoint" / "drafter", target).state_dict()
     assert any(not torch.equal(saved[k], changed[k]) for k in saved)  # two more steps ran from the saved state

@@ -5,6 +5,7 @@ candidate selector, and the errors for what is not supported."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_cli import load_drafter, speculative_generate
-from dflash_cli.engine.drafter import DFlash2Drafter, DFlashDrafter, DrafterConfig
+from dflash_cli.engine.drafter import DFlash2Drafter, DFlashDrafter, DrafterConfig, make_drafter
 from dflash_cli.engine.drafter.cache import window_mask as _window_mask
 from dflash_cli.engine.drafter.layers import GroupedDynamicConv
 from dflash_cli.errors import DflashError
@@ -502,3 +503,84 @@ def test_dflash2_needs_a_selector_covering_the_targets_vocabulary():
     config.vocab_size = 64
     with pytest.raises(DflashError, match="selector"):
         DFlash2Drafter(config, target)
+
+
+# --- a draft vocabulary (dflash_config.draft_vocab_size, `draft_vocab` in the weights) ---------------------------
+
+
+def _with_vocabulary(drafter: DFlashDrafter, vocab: torch.Tensor, target) -> DFlashDrafter:
+    config = dataclasses.replace(drafter.config, draft_vocab_size=len(vocab))
+    limited = make_drafter(config, target)
+    limited.load_state_dict(drafter.state_dict())
+    limited.draft_vocab.copy_(vocab)
+    return limited.eval()
+
+
+@pytest.mark.parametrize("fmt", ["classic", "dflash2"])
+def test_a_draft_vocabulary_bounds_the_proposals_and_the_output_stays_the_targets(fmt, tmp_path):
+    from safetensors.torch import load_file
+
+    target = _tiny_target()
+    vocab = torch.tensor([i for i in range(96) if i % 3 != 1])  # two thirds of the target's ids
+    drafter = _with_vocabulary(random_drafter(target, block_size=6, fmt=fmt), vocab, target)
+    drafter.save_pretrained(tmp_path / "d")
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert saved["dflash_config"]["draft_vocab_size"] == len(vocab)
+    # Beside the weights, which stay the published format (what other engines and converters read).
+    assert json.loads((tmp_path / "d" / "draft_vocab.json").read_text()) == vocab.tolist()
+    assert set(load_file(str(tmp_path / "d" / "model.safetensors"))) == set(
+        random_drafter(target, fmt=fmt).state_dict()
+    )
+    loaded = load_drafter(tmp_path / "d", target)
+    assert loaded.config.draft_vocab_size == len(vocab) and loaded.draft_vocab.dtype == torch.long
+    assert torch.equal(loaded.draft_vocab, vocab)
+
+    torch.manual_seed(1)
+    features, block = torch.randn(1, 10, loaded.fc.in_features), torch.tensor([[4] + [95] * 5])
+    hidden = loaded.draft_hidden([features], block, [10], loaded.new_cache())
+    with torch.no_grad():
+        logits = loaded.logits(hidden)
+        outside = torch.ones(96, dtype=torch.bool).index_fill_(0, vocab, False)
+        assert torch.isneginf(logits[..., outside]).all() and torch.isfinite(logits[..., vocab]).all()
+        # What training's loss reads: the same logits, of the vocabulary's ids alone.
+        torch.testing.assert_close(loaded.vocab_logits(hidden), logits[..., vocab])
+    proposal = loaded.propose([features], block, [10], loaded.new_cache())[0]
+    assert torch.isin(proposal, vocab).all()
+
+    prompt = [3, 14, 15, 92, 65]
+    baseline = speculative_generate(target, None, prompt, 32).token_ids
+    result = speculative_generate(target, loaded, prompt, 32)
+    assert result.token_ids == baseline
+
+
+@pytest.mark.parametrize(
+    "vocab",
+    [
+        [5, 3, 9],  # not ascending
+        [3, 3, 9],  # repeated
+        [3, 9, 96],  # past the vocabulary
+        [-1, 3, 9],  # not a token
+        [3, 9],  # fewer than the config says
+        [3.0, 9.0, 11.0],  # not ids
+        {"ids": [3, 9, 11]},
+        None,  # no file
+    ],
+)
+def test_a_draft_vocabulary_that_is_not_ascending_target_ids_is_refused(vocab, tmp_path):
+    target = _tiny_target()
+    _with_vocabulary(random_drafter(target), torch.tensor([3, 9, 11]), target).save_pretrained(tmp_path)
+    if vocab is None:
+        (tmp_path / "draft_vocab.json").unlink()
+    else:
+        (tmp_path / "draft_vocab.json").write_text(json.dumps(vocab))
+    with pytest.raises(DflashError, match="draft_vocab"):
+        load_drafter(tmp_path, target)
+
+
+@pytest.mark.parametrize("size", [0, 97, "8k", True])
+def test_a_draft_vocabulary_size_outside_the_vocabulary_names_the_field(size):
+    raw = _raw("qwen3-tiny")
+    raw.setdefault("dflash_config", {})["draft_vocab_size"] = size
+    raw["vocab_size"] = 96
+    with pytest.raises(DflashError, match=r"dflash_config\.draft_vocab_size"):
+        DrafterConfig.from_dict(raw)

@@ -92,6 +92,9 @@ class DrafterConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # Our extension (dflash_config.draft_vocab_size): the drafter proposes only these many target tokens, listed in
+    # its weights as `draft_vocab`; its loss is trained over them alone (training/objective.py). None: all of them.
+    draft_vocab_size: int | None = None
     nested: bool = False  # block_size lives in dflash_config (the 2026 schema) rather than at the top level
     extra: dict[str, Any] = field(default_factory=dict)
     dflash_extra: dict[str, Any] = field(default_factory=dict)
@@ -256,10 +259,21 @@ class DrafterConfig:
                     where("selector_top_k"), f"at most vocab_size {raw['vocab_size']}, got {dflash2['selector_top_k']}"
                 )
 
+        draft_vocab_size = dflash_field(raw, "draft_vocab_size")
+        if draft_vocab_size is not None and (
+            not isinstance(draft_vocab_size, int)
+            or isinstance(draft_vocab_size, bool)
+            or not 1 <= draft_vocab_size <= raw["vocab_size"]
+        ):
+            raise fail(
+                where("draft_vocab_size"),
+                f"an integer from 1 to vocab_size {raw['vocab_size']}, got {draft_vocab_size!r}",
+            )
+
         rope = dict(hf.rope_parameters or {})
         rope_theta = float(rope.pop("rope_theta", 1e6))
         rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
-        consumed = set(DFLASH_FIELDS) | (set(DFLASH2_FIELDS) if dflash2 else set())
+        consumed = set(DFLASH_FIELDS) | {"draft_vocab_size"} | (set(DFLASH2_FIELDS) if dflash2 else set())
         known = (
             {f.name for f in fields(cls)}
             | consumed
@@ -290,6 +304,7 @@ class DrafterConfig:
             output_multiplier=number("output_multiplier", 1.0),
             final_logit_softcapping=number("final_logit_softcapping", None),
             architecture=architecture,
+            draft_vocab_size=draft_vocab_size,
             nested="block_size" in dflash,
             extra={k: v for k, v in raw.items() if k not in known},
             dflash_extra={k: v for k, v in dflash.items() if k not in consumed},
@@ -312,6 +327,8 @@ class DrafterConfig:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.draft_vocab_size is not None:
+            dflash["draft_vocab_size"] = self.draft_vocab_size
         if self.is_dflash2:
             dflash.update({name: getattr(self, name) for name in DFLASH2_FIELDS})
         rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}

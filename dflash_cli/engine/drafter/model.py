@@ -31,6 +31,8 @@ from dflash_cli.engine.drafter.layers import CandidateSelector, DraftLayer, rota
 from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # a drafter's draft vocabulary: a JSON list of target ids, ascending
+
 
 class DFlashDrafter(nn.Module):
     """Drafter bound to a target: uses the target's input embeddings and lm_head (not saved with it)."""
@@ -42,6 +44,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.draft_vocab_size is not None:
+            # The target ids it may propose, ascending: saved beside the weights (DRAFT_VOCAB_FILE), not among them,
+            # so that the safetensors stay the published format that vLLM, SGLang and llama.cpp's converter read.
+            vocab = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+            self.register_buffer("draft_vocab", vocab, persistent=False)
         with torch.device("cpu"):
             rope = Qwen3RotaryEmbedding(config.rope_config())
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
@@ -77,13 +84,31 @@ class DFlashDrafter(nn.Module):
         return embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's whole vocabulary; -inf outside a draft vocabulary, so no proposal leaves it."""
         head = self.target.get_output_embeddings()
         # As rows of a 2-D matrix: a 3-D slice such as hidden[:, 1:] keeps its parent's batch stride, and
         # CPU linear sends such inputs down a batched-matmul path about 10x slower than one GEMM.
         # In the target's activation dtype (its embedding's): a quantized head holds no float weight to ask.
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
-        logits = head(rows)
-        logits = logits.view(*hidden.shape[:-1], logits.shape[-1])
+        logits = self._scaled(head(rows)).view(*hidden.shape[:-1], -1)
+        if self.config.draft_vocab_size is None:
+            return logits
+        outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        return logits.masked_fill(outside.index_fill_(0, self.draft_vocab, False), float("-inf"))
+
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary alone [..., draft_vocab_size] (all of the target's without one): what
+        training's loss reads, where the products over the whole vocabulary were most of a step. Needs the head's
+        float weight (training's target is unquantized)."""
+        if self.config.draft_vocab_size is None:
+            return self.logits(hidden)
+        head = self.target.get_output_embeddings()
+        weight = head.weight.index_select(0, self.draft_vocab)
+        bias = None if getattr(head, "bias", None) is None else head.bias.index_select(0, self.draft_vocab)
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+        return self._scaled(F.linear(rows, weight, bias)).view(*hidden.shape[:-1], -1)
+
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -262,6 +287,8 @@ class DFlashDrafter(nn.Module):
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        if self.config.draft_vocab_size is not None:
+            (directory / DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab.tolist()) + "\n")
 
 
 class DFlash2Drafter(DFlashDrafter):

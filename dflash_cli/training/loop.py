@@ -411,6 +411,18 @@ def stored_features(batch: Sequence[Sample], width: int, device: torch.device) -
     return stored.to(device).float()
 
 
+def serving_copy(drafter: DFlashDrafter, target: Any) -> DFlashDrafter:
+    """The drafter as it is shipped and served: its weights rounded to bf16, then in the target's activation dtype,
+    bound to the target, with its draft vocabulary (not among its weights)."""
+    copy = DFlashDrafter(drafter.config)
+    copy.load_state_dict(drafter.state_dict())
+    if drafter.config.draft_vocab_size is not None:
+        copy.draft_vocab.copy_(drafter.draft_vocab)
+    copy.to(drafter.fc.weight.device, torch.bfloat16).to(target.get_input_embeddings().weight.dtype).eval()
+    copy.bind(target)
+    return copy
+
+
 def evaluate_tau(
     target: Any,
     drafter: DFlashDrafter,
@@ -423,11 +435,7 @@ def evaluate_tau(
     measured on a copy of the drafter in the serving dtype (the target's), as the shipped checkpoint is."""
     from dflash_cli.engine import speculative_generate
 
-    copy = DFlashDrafter(drafter.config)
-    copy.load_state_dict(drafter.state_dict())
-    # Rounded to bf16 first, as the shipped checkpoint is.
-    copy.to(drafter.fc.weight.device, torch.bfloat16).to(target.get_input_embeddings().weight.dtype).eval()
-    copy.bind(target)
+    copy = serving_copy(drafter, target)
     lengths: list[int] = []
     task = progress.add_task("tau on held-out prompts", total=len(prompts), info="")
     for ids in prompts:

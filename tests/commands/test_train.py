@@ -325,6 +325,17 @@ def test_the_loss_over_a_draft_vocabulary_is_what_decoding_proposes(tiny_qwen3_d
         assert partial["tau"] == pytest.approx(float((accepted_drafts(proposed, batch.labels)[used] + 1.0).mean()))
 
 
+def test_held_out_tau_drafts_with_the_drafters_vocabulary(tiny_qwen3_dir: Path, prompt_file: Path) -> None:
+    opts = options(tiny_qwen3_dir, prompt_file, Path("unused"))
+    target, _ = open_target(opts.target, "cpu", "float32")
+    drafter = new_drafter(target, opts, 5, torch.tensor([7, 8, 9, 11, 12, 13, 40]))
+    served = training.serving_copy(drafter, target)
+    assert torch.equal(served.draft_vocab, drafter.draft_vocab)
+    hidden = torch.randn(2, 3, target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(served.logits(hidden), drafter.to(torch.bfloat16).float().logits(hidden))
+
+
 def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = train(options(tiny_qwen3_dir, prompt_file, out, steps=3))

@@ -85,8 +85,8 @@ train)
         python3 -m benchmarks.demo_prompts /tmp/dflash-prompts --everyday 30000 >/dev/null
         head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
     fi
-    common=(--target demo --feature-layers 5 --block-size 8 --max-tokens 128 --device "$device" --dtype bfloat16
-        --json)
+    common=(--target demo --feature-layers 5 --block-size 8 --draft-vocab 8192 --max-tokens 128 --device "$device"
+        --dtype bfloat16 --json)
     left() { local n=$((CALL_SECONDS - ($(date +%s) - started) - ${1:-0})); echo $((n > 1 ? n : 1)); }
     # 1. The answers: the CPU's, adopted as this machine's (the same target and weights, the GGUF's; greedy answers
     # differ between numerics only at near-ties, and the CPU's are the ones the demo's users get), then more for

@@ -54,8 +54,9 @@ def train(
         int,
         typer.Option(
             min=0,
-            help="Tokens the drafter may propose: the most frequent in the answers (0: the target's whole vocabulary). "
-            "Its loss runs over them alone, about 3x faster a step on the demo at 8192; answers rarely use the rest.",
+            help="Tokens the drafter may propose: the most frequent in the prompts and answers, at most as many as they "
+            "hold (0: the target's whole vocabulary). Its loss runs over them alone: 3x faster a step on the demo at "
+            "8192. A resumed run keeps its checkpoint's.",
         ),
     ] = 32768,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 2000,

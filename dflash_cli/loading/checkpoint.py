@@ -17,6 +17,7 @@ from dflash_cli.loading.hub import (
     check_model_dir,
     safetensors_files,
 )
+from dflash_cli.protocol.drafters import DRAFT_VOCAB_FILE
 from dflash_cli.setup.choices import Quant
 from dflash_cli.setup.sizes import (
     BYTES_PER_ELEMENT,
@@ -224,8 +225,6 @@ def read_draft_vocabulary(directory: Path, config: DrafterConfig) -> torch.Tenso
     many target ids, ascending and distinct (positions are looked up in it)."""
     import torch
 
-    from dflash_cli.engine.drafter.model import DRAFT_VOCAB_FILE
-
     path, size, limit = directory / DRAFT_VOCAB_FILE, config.draft_vocab_size, config.vocab_size
     try:
         ids = json.loads(path.read_text())
@@ -234,10 +233,8 @@ def read_draft_vocabulary(directory: Path, config: DrafterConfig) -> torch.Tenso
             f"drafter {directory} sets dflash_config.draft_vocab_size but has no {DRAFT_VOCAB_FILE}",
             fix="download the drafter again (`dflash pull`), or copy the whole directory `dflash train` wrote",
         ) from None
-    except json.JSONDecodeError as exc:
-        raise DflashError(
-            f"{path} is not valid JSON ({exc})", fix="download the drafter again (`dflash pull`)"
-        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DflashError(f"cannot read {path} ({exc})", fix="download the drafter again (`dflash pull`)") from None
     whole = isinstance(ids, list) and len(ids) == size and all(type(i) is int for i in ids)
     if not whole or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] >= limit:
         raise DflashError(

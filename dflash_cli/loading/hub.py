@@ -38,6 +38,7 @@ from rich.table import Table
 from tqdm.std import tqdm
 
 from dflash_cli.errors import DflashError
+from dflash_cli.protocol.drafters import DRAFT_VOCAB_FILE
 
 if TYPE_CHECKING:
     from dflash_cli.setup.recipes import ModelRef
@@ -46,7 +47,7 @@ ALLOW_PATTERNS = [
     "*.safetensors",
     "*.safetensors.index.json",
     "config.json",
-    "draft_vocab.json",  # a drafter's draft vocabulary (dflash_config.draft_vocab_size)
+    DRAFT_VOCAB_FILE,
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -253,13 +254,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def missing_model_files(model_dir: Path) -> list[str]:
-    """Files a loadable model directory lacks: config.json, safetensors weights, or shards its index lists."""
+    """Files a loadable model directory lacks: config.json, safetensors weights, shards its index lists, or the
+    draft vocabulary its config names (a snapshot cached by a dflash that did not fetch it)."""
     missing = [] if (model_dir / "config.json").is_file() else ["config.json"]
+    if not missing and not (model_dir / DRAFT_VOCAB_FILE).is_file() and _names_draft_vocabulary(model_dir):
+        missing.append(DRAFT_VOCAB_FILE)
     weights = safetensors_files(model_dir)
     if not weights:
         missing.append("*.safetensors")
     missing += [w.name for w in weights if not w.is_file()]
     return missing
+
+
+def _names_draft_vocabulary(model_dir: Path) -> bool:
+    try:
+        config = jsonlib.loads((model_dir / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False  # (loading says what is wrong with it)
+    nested = config.get("dflash_config") if isinstance(config, dict) else None
+    return isinstance(nested, dict) and nested.get("draft_vocab_size") is not None
 
 
 def check_model_dir(model_dir: Path, *, what: str = "model", ref: str | None = None) -> None:

@@ -353,7 +353,7 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     dtype = compute_dtype(target)
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.draft_vocab_size is not None:
-        drafter.draft_vocab = read_draft_vocabulary(directory, config)
+        drafter.use_vocabulary(read_draft_vocabulary(directory, config))
     drafter.to(device=device, dtype=dtype)
     drafter.bind(target)
     return drafter.eval()

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# Our extension: the tokens a drafter may propose, a JSON list of target ids, ascending, beside its weights (its
+# config's dflash_config.draft_vocab_size says how many; the safetensors stay the published format).
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 DEFAULT_BLOCK_SIZE = 16  # the reference's default when neither dflash_config nor the top level sets it
 # DFlash fields the reference looks up in dflash_config first, then at the top level.
 DFLASH_FIELDS = (

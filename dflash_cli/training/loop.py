@@ -23,7 +23,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, make_drafter
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.options import RunOptions
@@ -84,7 +84,7 @@ def new_drafter(
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
     if vocab is not None:
-        drafter.draft_vocab.copy_(vocab)
+        drafter.use_vocabulary(vocab)
     drafter.bind(target)
     return drafter
 
@@ -166,6 +166,11 @@ def _check_resume(options: TrainOptions, output: Path, console: Console) -> None
         changed = resumed_with_changes(saved.get("options", {}), options)
         if changed:
             console.print(f"[yellow]note:[/] resuming with other settings than the checkpoint's: {changed}")
+        if saved.get("options", {}).get("draft_vocab", 0) != options.draft_vocab:
+            console.print(
+                f"[yellow]note:[/] --draft-vocab {options.draft_vocab} is not applied: a resumed run keeps its "
+                "checkpoint's vocabulary"
+            )
 
 
 def write_answers(
@@ -227,7 +232,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         vocab = (
             saved_vocabulary(checkpoint)
             if options.resume
-            else draft_vocabulary((s.response_ids for s in samples), options.draft_vocab)
+            else draft_vocabulary((s.ids for s in samples), options.draft_vocab)
         )
         drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id), vocab)
         drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
@@ -414,10 +419,10 @@ def stored_features(batch: Sequence[Sample], width: int, device: torch.device) -
 def serving_copy(drafter: DFlashDrafter, target: Any) -> DFlashDrafter:
     """The drafter as it is shipped and served: its weights rounded to bf16, then in the target's activation dtype,
     bound to the target, with its draft vocabulary (not among its weights)."""
-    copy = DFlashDrafter(drafter.config)
+    copy = make_drafter(drafter.config)
     copy.load_state_dict(drafter.state_dict())
     if drafter.config.draft_vocab_size is not None:
-        copy.draft_vocab.copy_(drafter.draft_vocab)
+        copy.use_vocabulary(drafter.draft_vocab)
     copy.to(drafter.fc.weight.device, torch.bfloat16).to(target.get_input_embeddings().weight.dtype).eval()
     copy.bind(target)
     return copy

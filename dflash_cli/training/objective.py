@@ -71,14 +71,14 @@ def vocabulary_positions(labels: torch.Tensor, vocab: torch.Tensor) -> torch.Ten
     return torch.where((labels >= 0) & (vocab[at] == labels), at, -100)
 
 
-def draft_vocabulary(answers: Iterable[Sequence[int]], size: int) -> torch.Tensor | None:
-    """The `size` tokens most frequent in the answers (ties: the lower id), ascending; None for `size` 0 (the
-    whole vocabulary). A token no answer holds is never learned, so a vocabulary of the seen tokens loses nothing
-    the drafter could propose; the rarest of them rarely matter either (the demo's 12,964 answers: 14,216 distinct
-    tokens, the 8,192 most frequent 99.1% of all)."""
+def draft_vocabulary(sequences: Iterable[Sequence[int]], size: int) -> torch.Tensor | None:
+    """The `size` tokens most frequent in the training sequences (prompts and answers: an answer copies names from
+    its prompt; ties: the lower id), ascending, at most as many as they hold; None for `size` 0 (the whole
+    vocabulary). The rarest rarely matter: the demo's 12,964 answers hold 14,216 distinct tokens, and the 8,192 most
+    frequent are 99.1% of their 1.29M."""
     if size == 0:
         return None
-    counts = Counter(token for answer in answers for token in answer)
+    counts = Counter(token for sequence in sequences for token in sequence)
     kept = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]
     return torch.tensor(sorted(token for token, _ in kept), dtype=torch.long)
 

@@ -345,17 +345,19 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
     drafter = load_drafter(out / "drafter", target)
     assert drafter.block_size == 4 and json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
-    answers = [json.loads(line)["response_ids"] for line in (out / "distill" / ANSWERS_FILE).open()]
-    answered = sorted({token for answer in answers for token in answer})
-    assert drafter.draft_vocab.tolist() == answered  # (the default's 32,768 is more than these answers hold)
+    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).open()]
+    answered = sorted({token for r in records for token in r["prompt_ids"] + r["response_ids"]})
+    assert drafter.draft_vocab.tolist() == answered  # (the default's 32,768 is more than these prompts hold)
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 3
 
     with pytest.raises(DflashError, match="--resume"):
         train(options(tiny_qwen3_dir, prompt_file, out, steps=5))
     saved = load_drafter(out / "checkpoint" / "drafter", target).state_dict()
-    # (resumed with another --draft-vocab: the checkpoint's vocabulary stands)
-    resumed = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True, draft_vocab=3))
+    # (resumed with another --draft-vocab: the checkpoint's vocabulary stands, and a note says so)
+    said = StringIO()
+    resumed = train(options(tiny_qwen3_dir, prompt_file, out, steps=5, resume=True, draft_vocab=3), Console(file=said))
+    assert "--draft-vocab 3 is not applied" in " ".join(said.getvalue().split())
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 5
     assert load_drafter(out / "checkpoint" / "drafter", target).draft_vocab.tolist() == answered
     assert resumed.steps == 5

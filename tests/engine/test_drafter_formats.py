@@ -505,14 +505,14 @@ def test_dflash2_needs_a_selector_covering_the_targets_vocabulary():
         DFlash2Drafter(config, target)
 
 
-# --- a draft vocabulary (dflash_config.draft_vocab_size, `draft_vocab` in the weights) ---------------------------
+# --- a draft vocabulary (dflash_config.draft_vocab_size, draft_vocab.json beside the weights) -------------------
 
 
 def _with_vocabulary(drafter: DFlashDrafter, vocab: torch.Tensor, target) -> DFlashDrafter:
     config = dataclasses.replace(drafter.config, draft_vocab_size=len(vocab))
     limited = make_drafter(config, target)
     limited.load_state_dict(drafter.state_dict())
-    limited.draft_vocab.copy_(vocab)
+    limited.use_vocabulary(vocab)
     return limited.eval()
 
 
@@ -564,6 +564,8 @@ def test_a_draft_vocabulary_bounds_the_proposals_and_the_output_stays_the_target
         [3.0, 9.0, 11.0],  # not ids
         {"ids": [3, 9, 11]},
         None,  # no file
+        "a directory",
+        b"\xff\xfe[3, 9, 11]",  # not UTF-8
     ],
 )
 def test_a_draft_vocabulary_that_is_not_ascending_target_ids_is_refused(vocab, tmp_path):
@@ -571,6 +573,11 @@ def test_a_draft_vocabulary_that_is_not_ascending_target_ids_is_refused(vocab, t
     _with_vocabulary(random_drafter(target), torch.tensor([3, 9, 11]), target).save_pretrained(tmp_path)
     if vocab is None:
         (tmp_path / "draft_vocab.json").unlink()
+    elif vocab == "a directory":
+        (tmp_path / "draft_vocab.json").unlink()
+        (tmp_path / "draft_vocab.json").mkdir()
+    elif isinstance(vocab, bytes):
+        (tmp_path / "draft_vocab.json").write_bytes(vocab)
     else:
         (tmp_path / "draft_vocab.json").write_text(json.dumps(vocab))
     with pytest.raises(DflashError, match="draft_vocab"):
@@ -584,3 +591,27 @@ def test_a_draft_vocabulary_size_outside_the_vocabulary_names_the_field(size):
     raw["vocab_size"] = 96
     with pytest.raises(DflashError, match=r"dflash_config\.draft_vocab_size"):
         DrafterConfig.from_dict(raw)
+
+
+def test_a_top_level_draft_vocab_size_is_another_formats_and_is_kept_as_is(tmp_path):
+    # EAGLE-3 / speculators configs carry a top-level draft_vocab_size (often the whole vocabulary) and no list.
+    raw = _raw("qwen3-tiny")
+    raw["draft_vocab_size"] = raw["vocab_size"]
+    config = DrafterConfig.from_dict(raw)
+    assert config.draft_vocab_size is None and config.extra["draft_vocab_size"] == raw["vocab_size"]
+    assert config.to_dict()["draft_vocab_size"] == raw["vocab_size"]
+    assert "draft_vocab_size" not in config.to_dict()["dflash_config"]
+    target = _tiny_target()
+    random_drafter(target).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "draft_vocab_size": 96}))
+    assert load_drafter(tmp_path, target).config.draft_vocab_size is None
+
+
+def test_a_draft_vocabulary_past_the_targets_head_is_refused_when_bound():
+    target = _tiny_target()  # its head scores 96 tokens
+    config = dataclasses.replace(random_drafter(target).config, vocab_size=200, draft_vocab_size=2)
+    drafter = make_drafter(config)
+    drafter.use_vocabulary(torch.tensor([3, 150]))
+    with pytest.raises(DflashError, match="lm_head scores 96"):
+        drafter.bind(target)

@@ -343,3 +343,21 @@ def test_hub_error_mapping(hf_home: Path) -> None:
     assert "HTTP 503" in server.message and "(revision v1)" in server.message and "kept" in server.fix
     full = hub.hub_error(OSError(28, "No space left on device"), "org/x", "main")
     assert "disk filled up" in full.message
+
+
+def test_a_drafters_vocabulary_is_fetched_even_into_a_snapshot_cached_without_it(
+    fake_hub, hf_home: Path, tmp_path: Path
+) -> None:
+    drafter = tmp_path / "drafter"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "qwen3-tiny" / "drafter", drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    config.setdefault("dflash_config", {})["draft_vocab_size"] = 3
+    (drafter / "config.json").write_text(json.dumps(config))
+    older = tmp_path / "older"  # what a dflash that did not know the file cached
+    shutil.copytree(drafter, older)
+    (drafter / "draft_vocab.json").write_text("[3, 9, 11]")
+    make_hf_cache(hf_home, "org/drafter", older, sha=SHA)
+    assert hub.missing_model_files(hub._cached_snapshot("org/drafter", "main")) == ["draft_vocab.json"]
+    fake_hub.add_repo("org/drafter", drafter, sha=SHA)
+    path = resolve_model_dir("org/drafter", progress=False)
+    assert json.loads((path / "draft_vocab.json").read_text()) == [3, 9, 11]

@@ -92,8 +92,9 @@ class DrafterConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
-    # Our extension (dflash_config.draft_vocab_size): the drafter proposes only these many target tokens, listed in
-    # its weights as `draft_vocab`; its loss is trained over them alone (training/objective.py). None: all of them.
+    # Our extension (dflash_config.draft_vocab_size, read there only: EAGLE-3 configs have a top-level key of that
+    # name): the drafter proposes only these many target tokens, listed beside its weights (protocol.drafters.DRAFT_VOCAB_FILE);
+    # its loss is trained over them alone (training/objective.py). None: all of them.
     draft_vocab_size: int | None = None
     nested: bool = False  # block_size lives in dflash_config (the 2026 schema) rather than at the top level
     extra: dict[str, Any] = field(default_factory=dict)
@@ -259,7 +260,7 @@ class DrafterConfig:
                     where("selector_top_k"), f"at most vocab_size {raw['vocab_size']}, got {dflash2['selector_top_k']}"
                 )
 
-        draft_vocab_size = dflash_field(raw, "draft_vocab_size")
+        draft_vocab_size = dflash.get("draft_vocab_size")
         if draft_vocab_size is not None and (
             not isinstance(draft_vocab_size, int)
             or isinstance(draft_vocab_size, bool)
@@ -273,9 +274,9 @@ class DrafterConfig:
         rope = dict(hf.rope_parameters or {})
         rope_theta = float(rope.pop("rope_theta", 1e6))
         rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
-        consumed = set(DFLASH_FIELDS) | {"draft_vocab_size"} | (set(DFLASH2_FIELDS) if dflash2 else set())
+        consumed = set(DFLASH_FIELDS) | (set(DFLASH2_FIELDS) if dflash2 else set())
         known = (
-            {f.name for f in fields(cls)}
+            ({f.name for f in fields(cls)} - {"draft_vocab_size"})  # (read in dflash_config only)
             | consumed
             | {"dflash_config", "rope_parameters", "architectures", "use_sliding_window", "is_causal"}
         )
@@ -307,7 +308,7 @@ class DrafterConfig:
             draft_vocab_size=draft_vocab_size,
             nested="block_size" in dflash,
             extra={k: v for k, v in raw.items() if k not in known},
-            dflash_extra={k: v for k, v in dflash.items() if k not in consumed},
+            dflash_extra={k: v for k, v in dflash.items() if k not in consumed | {"draft_vocab_size"}},
             **dflash2,
         )
 

@@ -30,8 +30,7 @@ from dflash_cli.engine.drafter.config import DrafterConfig
 from dflash_cli.engine.drafter.layers import CandidateSelector, DraftLayer, rotation
 from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError
-
-DRAFT_VOCAB_FILE = "draft_vocab.json"  # a drafter's draft vocabulary: a JSON list of target ids, ascending
+from dflash_cli.protocol.drafters import DRAFT_VOCAB_FILE
 
 
 class DFlashDrafter(nn.Module):
@@ -69,7 +68,24 @@ class DFlashDrafter(nn.Module):
 
     def bind(self, target: PreTrainedModel) -> None:
         check_compatible(self.config, target)
+        if self.config.draft_vocab_size is not None and self.draft_vocab.device.type != "meta":
+            scored = getattr(target.get_output_embeddings(), "out_features", self.config.vocab_size)
+            if int(self.draft_vocab.max()) >= scored:
+                raise DflashError(
+                    f"the drafter's draft vocabulary reaches token {int(self.draft_vocab.max())}, but the target's "
+                    f"lm_head scores {scored} tokens",
+                    fix="pair the drafter with the target it was trained for",
+                )
         self._target = (target,)
+
+    def use_vocabulary(self, vocab: torch.Tensor) -> None:
+        """Set the draft vocabulary (ascending target ids, config.draft_vocab_size of them): it is not among the
+        weights that load_state_dict reads."""
+        if tuple(vocab.shape) != (self.config.draft_vocab_size,):
+            raise ValueError(
+                f"a draft vocabulary of {self.config.draft_vocab_size} ids, got shape {tuple(vocab.shape)}"
+            )
+        self.draft_vocab = vocab.to(self.fc.weight.device, torch.long)
 
     @property
     def target(self) -> PreTrainedModel:

@@ -227,3 +227,49 @@ class _ConcatenatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([layer(x) for layer in self.layers], dim=-1)
+
+
+@pytest.mark.parametrize("scales", ["per group (Q8_0)", "per channel"])
+def test_an_int8_layers_rows_give_exactly_its_outputs_for_them(int4_layout: str, scales: str) -> None:
+    """Int8Linear.rows: a drafter's draft vocabulary takes its rows of an int8 head (bias included), in either layout,
+    including the padded last block of 16."""
+    torch.manual_seed(6)
+    if scales == "per channel":
+        layer = Int8Linear.from_weight(torch.randn(80, 64), torch.float32, bias=torch.randn(80))
+    else:
+        codes, group_scales = torch.randint(-127, 128, (80, 64)), torch.rand(80, 64 // GROUP_SIZE) * 0.02
+        layer = Int8Linear.from_groups(codes, group_scales, torch.float32, bias=torch.randn(80))
+    index = torch.tensor([0, 3, 17, 18, 40, 63, 79])
+    rows = layer.rows(index)
+    assert rows.native == layer.native and rows.out_features == len(index)
+    x = torch.randn(5, 64)
+    assert torch.equal(rows(x), layer(x)[:, index])
+    torch.testing.assert_close(rows.dequantized(), layer.dequantized()[index], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_draft_vocabulary_over_a_quantized_head_proposes_what_its_masked_head_would(kind: str) -> None:
+    """The drafter takes its vocabulary's rows of an int8 head (the demo's): the logits are the whole head's, masked
+    outside the vocabulary, and the output stays the target's."""
+    import dataclasses
+
+    from dflash_cli.engine.drafter import make_drafter
+
+    target = quantizable_tiny(3)
+    quantize_target(target, kind, torch.float32)
+    head = target.get_output_embeddings()
+    assert isinstance(head, Int8Linear)
+    plain = random_drafter(target, seed=1, num_layers=1, block_size=4)
+    vocab = torch.arange(0, 128, 3)
+    drafter = make_drafter(dataclasses.replace(plain.config, draft_vocab_size=len(vocab)), target)
+    drafter.load_state_dict(plain.state_dict())
+    drafter.use_vocabulary(vocab)
+    hidden = torch.randn(2, 3, target.config.hidden_size)
+    with torch.no_grad():
+        whole = plain.logits(hidden)
+        masked = torch.full_like(whole, float("-inf"))
+        masked[..., vocab] = whole[..., vocab]
+        assert torch.equal(drafter.logits(hidden), masked)
+    assert isinstance(drafter._head_rows(head, hidden.device), Int8Linear)  # (its rows alone, not the masked head)
+    prompt = [3, 14, 15, 92, 65]
+    assert speculative_generate(target, drafter, prompt, 24).token_ids == hf_greedy(target, prompt, 24)

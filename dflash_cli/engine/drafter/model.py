@@ -11,6 +11,7 @@ instead samples its drafts and accepts against their distribution; both are loss
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from dflash_cli.engine.drafter.cache import DraftCache, SlotsForward
 from dflash_cli.engine.drafter.compiled_step import loaded_draft_step, unload
 from dflash_cli.engine.drafter.config import DrafterConfig
 from dflash_cli.engine.drafter.layers import CandidateSelector, DraftLayer, rotation
+from dflash_cli.engine.kernels.quantized import Int8Linear
 from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.drafters import DRAFT_VOCAB_FILE
@@ -55,6 +57,8 @@ class DFlashDrafter(nn.Module):
         self._rope_scale = rope.attention_scaling
         # A tuple keeps the target's modules out of this module's parameters and state dict.
         self._target: tuple[PreTrainedModel, ...] = ()
+        # The target head's rows of the draft vocabulary, taken once per head: (head, device, their product).
+        self._vocab_head: tuple[nn.Module, torch.device, Any] | None = None
         if target is not None:
             self.bind(target)
 
@@ -86,6 +90,7 @@ class DFlashDrafter(nn.Module):
                 f"a draft vocabulary of {self.config.draft_vocab_size} ids, got shape {tuple(vocab.shape)}"
             )
         self.draft_vocab = vocab.to(self.fc.weight.device, torch.long)
+        self._vocab_head = None
 
     @property
     def target(self) -> PreTrainedModel:
@@ -106,11 +111,34 @@ class DFlashDrafter(nn.Module):
         # CPU linear sends such inputs down a batched-matmul path about 10x slower than one GEMM.
         # In the target's activation dtype (its embedding's): a quantized head holds no float weight to ask.
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
-        logits = self._scaled(head(rows)).view(*hidden.shape[:-1], -1)
         if self.config.draft_vocab_size is None:
-            return logits
-        outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        return logits.masked_fill(outside.index_fill_(0, self.draft_vocab, False), float("-inf"))
+            return self._scaled(head(rows)).view(*hidden.shape[:-1], -1)
+        vocab_head = self._head_rows(head, rows.device)
+        if vocab_head is None:  # a head whose rows are not taken apart here: the whole product, masked
+            logits = self._scaled(head(rows))
+            outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            return logits.masked_fill(outside.index_fill_(0, self.draft_vocab, False), float("-inf")).view(
+                *hidden.shape[:-1], -1
+            )
+        # Only the vocabulary's rows (the demo's head for 7 drafted rows: 0.37 against 1.43 ms on 2 cores).
+        part = self._scaled(vocab_head(rows))
+        logits = part.new_full((rows.shape[0], head.out_features), float("-inf"))
+        return logits.index_copy_(1, self.draft_vocab, part).view(*hidden.shape[:-1], -1)
+
+    def _head_rows(self, head: nn.Module, device: torch.device) -> Any:
+        """The product of the head's draft-vocabulary rows (a dense or int8 head), made once per head and device;
+        None for other heads (4-bit on a GPU)."""
+        if self._vocab_head is not None and self._vocab_head[:2] == (head, device):
+            return self._vocab_head[2]
+        product = None
+        if isinstance(head, nn.Linear):
+            weight = head.weight.detach().index_select(0, self.draft_vocab)
+            bias = None if head.bias is None else head.bias.detach().index_select(0, self.draft_vocab)
+            product = functools.partial(F.linear, weight=weight, bias=bias)
+        elif isinstance(head, Int8Linear):
+            product = head.rows(self.draft_vocab.to(next(head.buffers()).device))
+        self._vocab_head = (head, device, product)
+        return product
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary alone [..., draft_vocab_size] (all of the target's without one): what

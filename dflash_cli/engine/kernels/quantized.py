@@ -219,6 +219,20 @@ class Int8Linear(_WeightOnlyLinear):
             ).to(rows.dtype)
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
 
+    def rows(self, index: torch.Tensor) -> Int8Linear:
+        """A layer of the outputs `index` alone, their codes and scales as held (each output is its own dot
+        product in either kernel, so it gives exactly what this layer gives for them)."""
+        if not self.native:
+            layout = {"weight_int8": self.weight_int8[index], "scales": self.scales[index]}
+        else:  # codes [blocks, in / 4, 16 lanes, 4] of the weights + 128; scales [blocks, (groups,) 16]
+            lanes = self.codes.shape[0] * 16
+            codes = self.codes.permute(0, 2, 1, 3).reshape(lanes, self.in_features).to(torch.int16) - 128
+            grouped = self.lane_scales.dim() == 3
+            scales = self.lane_scales.transpose(1, 2) if grouped else self.lane_scales
+            layout = _native_int8_layout(codes[index].to(torch.int8), scales.reshape(lanes, -1).squeeze(1)[index])
+        bias = None if self.bias is None else self.bias.detach()[index]
+        return Int8Linear(layout, len(index), self.in_features, bias)
+
     def dequantized(self) -> torch.Tensor:
         if self.native:  # codes [blocks, in / 4, 16 lanes, 4]
             lanes = self.codes.shape[0] * 16

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_cli.training.data import make_batch
     from dflash_cli.training.distill import ANSWERS_FILE, Sample
     from dflash_cli.training.features import FeatureStore
+    from dflash_cli.training.held_out import decoded_tau
     from dflash_cli.training.loop import open_target, serving_dtype, stored_features
     from dflash_cli.training.objective import dflash_loss
     from dflash_cli.training.options import TrainOptions
@@ -70,8 +71,17 @@ def main(argv: list[str] | None = None) -> int:
             features = stored_features(batch_samples, batch.input_ids.shape[1], torch.device("cpu"))
             with torch.no_grad():
                 taus.append(dflash_loss(drafter, features, batch, gamma)[1]["tau"])
-        rows.append({"drafter": str(path), "samples": len(samples), "tau": sum(taus) / len(taus)})
-        print(f"{path}: objective tau {rows[-1]['tau']:.3f} ({args.batches} batches of {len(samples)} samples)")
+        # What greedy decoding gets on the same answers (training.held_out): the mean over anchors weighs every
+        # anchor alike, decoding steps over easy stretches (a looping answer) in few steps; 2026-11-28 a drafter
+        # at objective 2.28 walked 1.76 on 64 training answers and decoded 1.41 held out.
+        walked = decoded_tau(
+            drafter, sorted({s.key: s for batch in chosen for s in batch}.values(), key=lambda s: s.key)
+        )
+        rows.append({"drafter": str(path), "samples": len(samples), "tau": sum(taus) / len(taus), "walked_tau": walked})
+        print(
+            f"{path}: objective tau {rows[-1]['tau']:.3f}, walked as decoding steps {walked:.3f} ({args.batches} "
+            f"batches of {len(samples)} samples)"
+        )
     print(json.dumps(rows))
     return 0
 

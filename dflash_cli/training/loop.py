@@ -1,6 +1,6 @@
 """A training run from start to end: the answers (distill), the features (features), then steps of the DFlash
-objective with checkpoints, and held-out tau measured with the real decode loop every --eval-every steps and at the
-end; everything lands in `<output>/metrics.json`."""
+objective with checkpoints, and held-out tau (the held-out prompts' answers walked as decoding walks them: held_out)
+every --eval-every steps and at the end; everything lands in `<output>/metrics.json`."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ from dflash_cli.training.checkpoint import (
     saved_vocabulary,
 )
 from dflash_cli.training.data import batches, make_batch
-from dflash_cli.training.distill import Sample, distill, encode, follow_ups
+from dflash_cli.training.distill import Sample, distill, follow_ups
 from dflash_cli.training.features import FeatureStore
+from dflash_cli.training.held_out import decoded_tau
 from dflash_cli.training.objective import (
     decay_progress,
     dflash_loss,
@@ -175,9 +176,9 @@ def _check_resume(options: TrainOptions, output: Path, console: Console) -> None
 
 def write_answers(
     options: TrainOptions, requests: list[Any], held_out: list[Any], progress: Progress, console: Console
-) -> tuple[list[Sample], list[list[int]], list[int]]:
-    """The target's answers through the engine users get (its plan for --device/--dtype): the training samples,
-    the held-out prompts' ids, and the stop ids."""
+) -> tuple[list[Sample], list[Sample]]:
+    """The target's answers through the engine users get (its plan for --device/--dtype): the training samples
+    and the held-out ones (never trained on: held-out tau walks them)."""
     from dflash_cli.loading.session import open_session
 
     run = RunOptions(
@@ -193,11 +194,10 @@ def write_answers(
     if options.follow_ups:
         turns = follow_ups(requests, samples, session.tokenizer, options.follow_ups)
         samples += distill(session, run, turns, directory, progress, "follow-up turns")
-    eval_ids = [ids for _, ids, _ in encode(session, run, held_out)]
-    stop_ids = list(session.stop_token_ids)
+    held = distill(session, run, held_out, directory, progress, "held-out answers") if held_out else []
     del session  # (before the training target loads: a large target is not held twice)
     gc.collect()
-    return samples, eval_ids, stop_ids
+    return samples, held
 
 
 def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
@@ -215,8 +215,9 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     _check_resume(options, output, console)
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     with Progress(*COLUMNS, console=console) as progress:
-        samples, eval_ids, stop_ids = write_answers(options, requests, held_out, progress, console)
+        samples, held = write_answers(options, requests, held_out, progress, console)
         samples = [s for s in samples if len(s.response_ids) >= 2]
+        held = [s for s in held if len(s.response_ids) >= 2]
         if not samples:
             raise DflashError(
                 "the target produced no usable responses (all shorter than 2 tokens)",
@@ -237,9 +238,9 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id), vocab)
         drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
         store = FeatureStore(output / DISTILL_DIR, drafter.config.target_layer_ids, drafter.fc.in_features)
-        store.add(target, samples, progress)
-        store.attach(samples)
-        keep_features_on(drafter.fc.weight.device, samples)
+        store.add(target, samples + held, progress)
+        store.attach(samples + held)
+        keep_features_on(drafter.fc.weight.device, samples + held)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, betas=(0.9, 0.95))
         step, history, decayed = 0, [], None
         if options.resume:
@@ -247,9 +248,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             progress.console.print(f"Resuming from step {step} ({checkpoint})")
 
         def held_out_tau() -> float | None:
-            if not eval_ids:
-                return None
-            return evaluate_tau(target, drafter, eval_ids, options.max_new_tokens, stop_ids, progress)
+            return decoded_tau(serving_copy(drafter, target), held) if held else None
 
         started = time.perf_counter()
         stats, steps_done = _train_loop(
@@ -277,7 +276,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         stats.get("loss", float("nan")),
         stats.get("tau", 1.0),
         eval_tau,
-        len(eval_ids),
+        len(held),
         history,
     )
     (output / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
@@ -426,26 +425,3 @@ def serving_copy(drafter: DFlashDrafter, target: Any) -> DFlashDrafter:
     copy.to(drafter.fc.weight.device, torch.bfloat16).to(target.get_input_embeddings().weight.dtype).eval()
     copy.bind(target)
     return copy
-
-
-def evaluate_tau(
-    target: Any,
-    drafter: DFlashDrafter,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    stop_ids: Sequence[int],
-    progress: Progress,
-) -> float:
-    """Mean acceptance length over held-out prompts with the real decode loop (greedy, the drafter's block size),
-    measured on a copy of the drafter in the serving dtype (the target's), as the shipped checkpoint is."""
-    from dflash_cli.engine import speculative_generate
-
-    copy = serving_copy(drafter, target)
-    lengths: list[int] = []
-    task = progress.add_task("tau on held-out prompts", total=len(prompts), info="")
-    for ids in prompts:
-        result = speculative_generate(target, copy, list(ids), max_new_tokens, stop_token_ids=stop_ids)
-        lengths += result.acceptance_lengths
-        progress.advance(task)
-    progress.remove_task(task)
-    return sum(lengths) / max(1, len(lengths))

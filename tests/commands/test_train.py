@@ -336,6 +336,46 @@ def test_held_out_tau_drafts_with_the_drafters_vocabulary(tiny_qwen3_dir: Path, 
         torch.testing.assert_close(served.logits(hidden), drafter.to(torch.bfloat16).float().logits(hidden))
 
 
+@pytest.mark.parametrize("max_new_tokens", [48, 13])
+def test_held_out_tau_walks_the_answer_as_greedy_decoding_steps_through_it(max_new_tokens: int) -> None:
+    """held_out.step_lengths: every position of a stored answer drafted at once, then walked, gives the decode loop's
+    acceptance lengths step for step (the trained conformance drafter, float32, its golden prompts), up to the last
+    block before --max-tokens, which the decode loop drafts shorter (13: those steps may differ); drafters whose
+    blocks would mix in one forward are refused."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_cli import speculative_generate
+    from dflash_cli.training.held_out import decoded_tau, step_lengths
+    from helpers.golden import FIXTURES
+
+    golden = json.loads((FIXTURES / "qwen3-tiny" / "golden.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(FIXTURES / "qwen3-tiny" / "target", dtype=torch.float32).eval()
+    drafter = load_drafter(FIXTURES / "qwen3-tiny" / "drafter", target)
+    samples, decoded = [], []
+    for case in golden["cases"]:
+        result = speculative_generate(target, drafter, case["prompt_ids"], max_new_tokens)
+        sample = Sample("k", case["prompt_ids"], result.token_ids)
+        _, features = capture_target_features(target, torch.tensor([sample.ids]), drafter.config.target_layer_ids)
+        sample.features = features[0, : len(sample.ids) - 1]
+        walked, steps, at = step_lengths(drafter, sample), [], 0
+        for length in result.acceptance_lengths:  # (the steps whose block fits before --max-tokens)
+            if at + drafter.block_size > len(result.token_ids) - 1:
+                break
+            steps.append(length)
+            at += length
+        assert walked[: len(steps)] == steps and sum(walked) == sum(result.acceptance_lengths)
+        if max_new_tokens == 48:
+            assert walked == result.acceptance_lengths
+        samples.append(sample)
+        decoded += result.acceptance_lengths
+    assert max(decoded) > 2  # (drafters that accept: the walk is not all ones)
+    if max_new_tokens == 48:
+        assert decoded_tau(drafter, samples) == pytest.approx(sum(decoded) / len(decoded))
+    for other in ("qwen3-tiny-swa", "qwen3-tiny-dflash2"):
+        with pytest.raises(ValueError, match="whole block"):
+            step_lengths(load_drafter(FIXTURES / other / "drafter", target), samples[0])
+
+
 def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = train(options(tiny_qwen3_dir, prompt_file, out, steps=3))
@@ -345,7 +385,7 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
     drafter = load_drafter(out / "drafter", target)
     assert drafter.block_size == 4 and json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
-    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).open()]
+    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).open()][:-2]  # (the held-out two last)
     answered = sorted({token for r in records for token in r["prompt_ids"] + r["response_ids"]})
     assert drafter.draft_vocab.tolist() == answered  # (the default's 32,768 is more than these prompts hold)
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
@@ -471,11 +511,14 @@ def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt
     out = tmp_path / "run"
     train(options(tiny_qwen3_dir, prompt_file, out, steps=2, follow_ups=2, eval_prompts=2))
     records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).read_text().splitlines()]
-    first = len(PROMPTS) - 2  # (two held out)
-    assert len(records) == 3 * first and len({r["key"] for r in records}) == 3 * first
+    first = len(PROMPTS) - 2  # (two held out: answered last, for held-out tau, with no follow-ups)
+    assert len(records) == 3 * first + 2 and len({r["key"] for r in records}) == 3 * first + 2
     _, tokenizer = open_target(str(tiny_qwen3_dir), "cpu", "float32")
+    assert sorted(p for r in records[-2:] for p in PROMPTS[:2] if p in tokenizer.decode(r["prompt_ids"])) == sorted(
+        PROMPTS[:2]
+    )
     answered = {tuple(r["prompt_ids"]): r["response_ids"] for r in records[:first]}
-    follow = records[first:]
+    follow = records[first:-2]
     for record in follow:  # the first turn and the target's answer to it, then one of the questions
         prompt = next(p for p in answered if tuple(record["prompt_ids"][: len(p)]) == p)
         text = tokenizer.decode(record["prompt_ids"][len(prompt) :])

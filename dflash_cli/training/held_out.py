@@ -1,0 +1,63 @@
+"""Held-out tau without decoding: the acceptance greedy decoding gets on answers whose features are stored.
+
+Greedy decoding with a drafter commits the target's own greedy answer, and its draft block at a position sees
+exactly what training shows a block anchored there: the target's features before it and the anchor's token. So
+drafting every position of a stored answer at once (one forward, as a training batch drafts its anchors) and
+walking it as the decode loop does (from the first answer token, on by each step's accepted drafts plus one)
+gives decoding's acceptance lengths without the target's forwards: a second where decoding 16 held-out prompts
+took minutes on a CPU. Measured on the demo (16 held-out prompts, 128 tokens): 1.421 and 1.593 for two drafters,
+where `dflash bench` decoded 1.406 and 1.59-1.63 (benchmarks/results/history.md).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from dflash_cli.engine.drafter import DFlashDrafter
+from dflash_cli.engine.sampling import accepted_drafts
+from dflash_cli.training.data import make_batch
+from dflash_cli.training.distill import Sample
+
+
+def step_lengths(drafter: DFlashDrafter, sample: Sample) -> list[int]:
+    """The tokens each decode step commits on the sample's answer (its stored features attached): the answer's
+    first token comes from the prefill; then every step commits its accepted drafts and one token of the target's,
+    the last step no more than the answer has left. (Within a block of --max-tokens the decode loop drafts shorter
+    blocks, whose proposals may differ: there the walk estimates.) For the drafters `dflash train` makes: blocks
+    side by side in one forward stay apart only where every layer sees its whole block and context (no sliding or
+    causal layers, no DFlash2 convolutions over block positions)."""
+    config = drafter.config
+    if config.is_dflash2 or any(
+        config.layer_is_causal(i) or config.layer_window(i) for i in range(config.num_hidden_layers)
+    ):
+        raise ValueError("held-out tau walks drafters whose layers all see their whole block (`dflash train`'s)")
+    anchors = len(sample.response_ids) - 1
+    if anchors < 1:
+        return []
+    B, device = drafter.block_size, drafter.fc.weight.device
+    batch = make_batch([sample], anchors, B, drafter.mask_token_id, 0, random.Random(0)).to(device)
+    features = torch.nn.functional.pad(sample.features, (0, 0, 0, 1))[None].to(device, drafter.fc.weight.dtype)
+    with torch.no_grad():
+        context, blocks = drafter.fuse_context(features), drafter.embed(batch.block_ids)
+        hidden = drafter(
+            torch.cat([context, blocks.to(context.dtype)], dim=1),
+            blocks.shape[1],
+            batch.position_ids,
+            attention_mask=batch.attention_mask,
+        )
+        drafts = drafter.select(hidden.view(anchors, B, -1)[:, 1:], batch.block_ids.view(anchors, B)[:, 0])
+    accepted = (accepted_drafts(drafts[None], batch.labels)[0] + 1).tolist()
+    lengths, at = [], 0
+    while at < anchors:
+        lengths.append(min(accepted[at], anchors - at))
+        at += accepted[at]
+    return lengths
+
+
+def decoded_tau(drafter: DFlashDrafter, samples: Sequence[Sample]) -> float:
+    """Mean acceptance length over every decode step of the samples' answers (as the decode loop's steps pool)."""
+    lengths = [length for sample in samples for length in step_lengths(drafter, sample)]
+    return sum(lengths) / max(1, len(lengths))

@@ -88,6 +88,8 @@ train)
     common=(--target demo --feature-layers 5 --block-size 8 --draft-vocab 8192 --max-tokens 128 --device "$device"
         --dtype bfloat16 --json)
     left() { local n=$((CALL_SECONDS - ($(date +%s) - started) - ${1:-0})); echo $((n > 1 ? n : 1)); }
+    # Held-out prompts, answered once by the answers run below (the training runs side by side find them cached)
+    eval=(--eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts 32)
     # 1. The answers: the CPU's, adopted as this machine's (the same target and weights, the GGUF's; greedy answers
     # differ between numerics only at near-ties, and the CPU's are the ones the demo's users get), then more for
     # DISTILL_SECONDS, kept as each finishes (a one-step run whose distillation the drafters below share).
@@ -114,7 +116,7 @@ PY
     budget=$(($(left $((RESERVE + MIN_TRAIN))) < DISTILL_SECONDS ? $(left $((RESERVE + MIN_TRAIN))) : DISTILL_SECONDS))
     status=0
     timeout "$budget" python3 -m dflash_cli train "${common[@]}" --prompts /tmp/dflash-prompts/train.jsonl \
-        --output "$RUNS/answers" --layers 1 --steps 1 --eval-prompts 0 --distill-batch-size "$DISTILL_BATCH" \
+        --output "$RUNS/answers" --layers 1 --steps 1 "${eval[@]}" --distill-batch-size "$DISTILL_BATCH" \
         >"$OUT/answers.json" 2>"$OUT/answers.log" || status=$?
     [ "$status" = 0 ] || [ "$status" = 124 ] || { tail -n 20 "$OUT/answers.log"; echo "distillation failed ($status)"; }
     python3 -m benchmarks.answered_prompts /tmp/dflash-prompts/train.jsonl "$answers" 128 \
@@ -125,7 +127,8 @@ PY
     # GPU), trained for the time the call has left less RESERVE (loading, saving).
     minutes=$(python3 -c "print(max(0.5, $(left "$RESERVE") / 60))")
     echo "training for $minutes minutes: layers $LAYERS"
-    eval=(--eval-prompts 0)  # (held-out tau: on the CPU that serves the demo; on the H200 16 prompts took 70 s)
+    # (held-out tau walks the held-out answers, a second an evaluation: training.held_out)
+    eval+=(--eval-every 500)
     # One share of the host's cores each: oversubscribed, torch's thread pools spin against each other (here, on 2
     # cores, two runs trained 7-9x slower with two threads each than with one).
     runs=$(wc -w <<<"$LAYERS")

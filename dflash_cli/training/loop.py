@@ -190,11 +190,12 @@ def write_answers(
     )  # greedy: SamplingParams' default temperature
     session = open_session(run, console, batching=True)
     directory = Path(options.output) / DISTILL_DIR
+    # The held-out answers first: a few, and a run cut short while distilling (a device call's budget) has them.
+    held = distill(session, run, held_out, directory, progress, "held-out answers") if held_out else []
     samples = distill(session, run, requests, directory, progress)
     if options.follow_ups:
         turns = follow_ups(requests, samples, session.tokenizer, options.follow_ups)
         samples += distill(session, run, turns, directory, progress, "follow-up turns")
-    held = distill(session, run, held_out, directory, progress, "held-out answers") if held_out else []
     del session  # (before the training target loads: a large target is not held twice)
     gc.collect()
     return samples, held

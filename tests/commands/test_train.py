@@ -385,7 +385,7 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
     drafter = load_drafter(out / "drafter", target)
     assert drafter.block_size == 4 and json.loads((out / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
-    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).open()][:-2]  # (the held-out two last)
+    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).open()][2:]  # (the held-out two first)
     answered = sorted({token for r in records for token in r["prompt_ids"] + r["response_ids"]})
     assert drafter.draft_vocab.tolist() == answered  # (the default's 32,768 is more than these prompts hold)
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
@@ -511,14 +511,13 @@ def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt
     out = tmp_path / "run"
     train(options(tiny_qwen3_dir, prompt_file, out, steps=2, follow_ups=2, eval_prompts=2))
     records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).read_text().splitlines()]
-    first = len(PROMPTS) - 2  # (two held out: answered last, for held-out tau, with no follow-ups)
+    first = len(PROMPTS) - 2  # (two held out: answered first, for held-out tau, with no follow-ups)
     assert len(records) == 3 * first + 2 and len({r["key"] for r in records}) == 3 * first + 2
     _, tokenizer = open_target(str(tiny_qwen3_dir), "cpu", "float32")
-    assert sorted(p for r in records[-2:] for p in PROMPTS[:2] if p in tokenizer.decode(r["prompt_ids"])) == sorted(
-        PROMPTS[:2]
-    )
+    held, records = records[:2], records[2:]
+    assert sorted(p for r in held for p in PROMPTS[:2] if p in tokenizer.decode(r["prompt_ids"])) == sorted(PROMPTS[:2])
     answered = {tuple(r["prompt_ids"]): r["response_ids"] for r in records[:first]}
-    follow = records[first:-2]
+    follow = records[first:]
     for record in follow:  # the first turn and the target's answer to it, then one of the questions
         prompt = next(p for p in answered if tuple(record["prompt_ids"][: len(p)]) == p)
         text = tokenizer.decode(record["prompt_ids"][len(prompt) :])

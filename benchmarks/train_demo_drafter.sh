@@ -25,6 +25,7 @@ PROMPTS=${PROMPTS:-13635}
 STEPS=${STEPS:-100000}
 MINUTES=${MINUTES:-}  # stop after this long, the learning rate decayed by then (--train-minutes); empty: --steps
 EVAL_EVERY=${EVAL_EVERY:-2000}
+FOLLOW_UPS=${FOLLOW_UPS:-0}  # follow-up turns per prompt (--follow-ups); the gz holds 7,404 of the first ones
 ANSWERED_ONLY=${ANSWERED_ONLY:-1}
 DEVICE=${DEVICE:-cpu}
 mkdir -p "$OUT/distill"
@@ -56,7 +57,8 @@ nice -n 19 python -m dflash_cli train --target demo --prompts "$prompts" \
     --eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts 16 --eval-every "$EVAL_EVERY" \
     --output "$OUT" --layers 1 --feature-layers 5 --block-size 8 --draft-vocab 8192 \
     --steps "$STEPS" ${MINUTES:+--train-minutes "$MINUTES"} --batch-size 8 --anchors 16 --lr 2e-3 --max-tokens 128 \
-    --checkpoint-every 200 --threads 1 --distill-batch-size 4 --device "$DEVICE" "${resume[@]}" \
+    --checkpoint-every 200 --threads 1 --distill-batch-size 4 --follow-ups "$FOLLOW_UPS" --device "$DEVICE" \
+    "${resume[@]}" \
     >>"$OUT/train.log" 2>&1
 
 # 4. Ship it (by hand, after comparing held-out tau with the shipped drafter's in metrics.json):

@@ -93,8 +93,8 @@ class DrafterConfig:
     selector_rank: int | None = None
     selector_top_k: int | None = None
     # Our extension (dflash_config.draft_vocab_size, read there only: EAGLE-3 configs have a top-level key of that
-    # name): the drafter proposes only these many target tokens, listed beside its weights (protocol.drafters.DRAFT_VOCAB_FILE);
-    # its loss is trained over them alone (training/objective.py). None: all of them.
+    # name): the drafter proposes only these many target tokens, listed beside its weights
+    # (protocol.drafters.DRAFT_VOCAB_FILE); its loss is trained over them alone (training/objective.py). None: all.
     draft_vocab_size: int | None = None
     nested: bool = False  # block_size lives in dflash_config (the 2026 schema) rather than at the top level
     extra: dict[str, Any] = field(default_factory=dict)

@@ -544,6 +544,7 @@ def test_a_draft_vocabulary_bounds_the_proposals_and_the_output_stays_the_target
         assert torch.isneginf(logits[..., outside]).all() and torch.isfinite(logits[..., vocab]).all()
         # What training's loss reads: the same logits, of the vocabulary's ids alone.
         torch.testing.assert_close(loaded.vocab_logits(hidden), logits[..., vocab])
+        assert loaded.logits(hidden[:, :0]).shape == (1, 0, 96)  # (a block of one drafts no slot)
     proposal = loaded.propose([features], block, [10], loaded.new_cache())[0]
     assert torch.isin(proposal, vocab).all()
 

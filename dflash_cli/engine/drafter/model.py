@@ -112,17 +112,17 @@ class DFlashDrafter(nn.Module):
         # In the target's activation dtype (its embedding's): a quantized head holds no float weight to ask.
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
         if self.config.draft_vocab_size is None:
-            return self._scaled(head(rows)).view(*hidden.shape[:-1], -1)
+            logits = self._scaled(head(rows))
+            return logits.view(*hidden.shape[:-1], logits.shape[-1])  # (no -1: a block of one drafts 0 slots)
         if self._head_rows(head, rows.device) is None:  # a head whose rows are not taken apart: all of it, masked
             logits = self._scaled(head(rows))
             outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            return logits.masked_fill(outside.index_fill_(0, self.draft_vocab, False), float("-inf")).view(
-                *hidden.shape[:-1], -1
-            )
+            logits = logits.masked_fill(outside.index_fill_(0, self.draft_vocab, False), float("-inf"))
+            return logits.view(*hidden.shape[:-1], logits.shape[-1])
         # Only the vocabulary's rows (the demo's head for 7 drafted rows: 0.37 against 1.43 ms on 2 cores).
         part = self.vocab_logits(rows)
         logits = part.new_full((rows.shape[0], head.out_features), float("-inf"))
-        return logits.index_copy_(1, self.draft_vocab, part).view(*hidden.shape[:-1], -1)
+        return logits.index_copy_(1, self.draft_vocab, part).view(*hidden.shape[:-1], head.out_features)
 
     def _head_rows(self, head: nn.Module, device: torch.device) -> Any:
         """The product of the head's draft-vocabulary rows (a dense or int8 head), made once per head and device (a
@@ -149,7 +149,7 @@ class DFlashDrafter(nn.Module):
         product = self._head_rows(self.target.get_output_embeddings(), rows.device)
         if product is None:
             return self.logits(hidden).index_select(-1, self.draft_vocab)
-        return self._scaled(product(rows)).view(*hidden.shape[:-1], -1)
+        return self._scaled(product(rows)).view(*hidden.shape[:-1], len(self.draft_vocab))
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         if self.config.output_multiplier != 1.0:

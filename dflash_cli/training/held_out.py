@@ -20,6 +20,7 @@ from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.engine.sampling import accepted_drafts
 from dflash_cli.training.data import make_batch
 from dflash_cli.training.distill import Sample
+from dflash_cli.training.objective import drafted_hidden
 
 
 def step_lengths(drafter: DFlashDrafter, sample: Sample) -> list[int]:
@@ -41,14 +42,8 @@ def step_lengths(drafter: DFlashDrafter, sample: Sample) -> list[int]:
     batch = make_batch([sample], anchors, B, drafter.mask_token_id, 0, random.Random(0)).to(device)
     features = torch.nn.functional.pad(sample.features, (0, 0, 0, 1))[None].to(device, drafter.fc.weight.dtype)
     with torch.no_grad():
-        context, blocks = drafter.fuse_context(features), drafter.embed(batch.block_ids)
-        hidden = drafter(
-            torch.cat([context, blocks.to(context.dtype)], dim=1),
-            blocks.shape[1],
-            batch.position_ids,
-            attention_mask=batch.attention_mask,
-        )
-        drafts = drafter.select(hidden.view(anchors, B, -1)[:, 1:], batch.block_ids.view(anchors, B)[:, 0])
+        hidden = drafted_hidden(drafter, features, batch)[0]
+        drafts = drafter.select(hidden, batch.block_ids.view(anchors, B)[:, 0])
     accepted = (accepted_drafts(drafts[None], batch.labels)[0] + 1).tolist()
     lengths, at = [], 0
     while at < anchors:

@@ -25,11 +25,8 @@ if TYPE_CHECKING:
     from dflash_cli.training.data import TrainingBatch
 
 
-def dflash_loss(
-    drafter: DFlashDrafter, features: torch.Tensor, batch: TrainingBatch, gamma: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted block cross-entropy, plus the accuracy and acceptance length the drafts would get."""
-    B = drafter.block_size
+def drafted_hidden(drafter: DFlashDrafter, features: torch.Tensor, batch: TrainingBatch) -> torch.Tensor:
+    """One drafter forward over a batch's blocks: the hidden states of their drafted slots [b, n, B-1, H]."""
     b, n = batch.labels.shape[:2]
     context, blocks = drafter.fuse_context(features), drafter.embed(batch.block_ids)
     hidden = drafter(
@@ -38,7 +35,16 @@ def dflash_loss(
         batch.position_ids,
         attention_mask=batch.attention_mask,
     )
-    hidden = hidden.view(b, n, B, -1)[:, :, 1:]
+    return hidden.view(b, n, drafter.block_size, -1)[:, :, 1:]
+
+
+def dflash_loss(
+    drafter: DFlashDrafter, features: torch.Tensor, batch: TrainingBatch, gamma: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted block cross-entropy, plus the accuracy and acceptance length the drafts would get."""
+    B = drafter.block_size
+    b, n = batch.labels.shape[:2]
+    hidden = drafted_hidden(drafter, features, batch)
     # Over the draft vocabulary when the drafter has one (its labels outside it are ignored: never proposed).
     logits = drafter.vocab_logits(hidden).float()
     vocab = drafter.draft_vocab if drafter.config.draft_vocab_size is not None else None

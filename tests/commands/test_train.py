@@ -39,6 +39,7 @@ from dflash_cli.training.objective import (
     decay_progress,
     dflash_loss,
     draft_vocabulary,
+    drafted_hidden,
     fitted_horizon,
     learning_rate,
     vocabulary_positions,
@@ -313,13 +314,7 @@ def test_the_loss_over_a_draft_vocabulary_is_what_decoding_proposes(tiny_qwen3_d
         vocab = torch.tensor([7, 8, 9, 11, 12, 13])
         drafter = limited(vocab)
         _, partial = dflash_loss(drafter, features, batch, opts.loss_gamma)
-        context = drafter.fuse_context(features)
-        blocks = drafter.embed(batch.block_ids)
-        hidden = drafter(
-            torch.cat([context, blocks], 1), blocks.shape[1], batch.position_ids, attention_mask=batch.attention_mask
-        )
-        b, n = batch.labels.shape[:2]
-        proposed = drafter.logits(hidden.view(b, n, opts.block_size, -1)[:, :, 1:]).argmax(-1)
+        proposed = drafter.logits(drafted_hidden(drafter, features, batch)).argmax(-1)
         assert torch.isin(proposed, vocab).all()
         used = batch.labels[:, :, 0] != -100
         assert partial["tau"] == pytest.approx(float((accepted_drafts(proposed, batch.labels)[used] + 1.0).mean()))

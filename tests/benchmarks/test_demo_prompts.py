@@ -63,3 +63,21 @@ def test_everyday_requests_come_after_the_shipped_ones_in_every_kind(tmp_path: P
     assert 100 < tools < 400 and 150 < schemas < 500 and 300 < systems < 700, (tools, schemas, systems)
     requests = load_prompts(tmp_path / "demo_prompts_train.jsonl")
     assert sum(r.tools is not None for r in requests) == tools
+
+
+def test_prose_requests_come_last_and_repeat_nothing(tmp_path: Path) -> None:
+    """--prose N adds N open-ended prose requests after the everyday ones: none already in the file, held out or a
+    bench prompt; no tools or response formats; a system prompt now and then."""
+    demo_prompts.write_prompt_files(tmp_path / "before", everyday=3000)
+    demo_prompts.write_prompt_files(tmp_path / "after", everyday=3000, prose=4000)
+    before = (tmp_path / "before" / "demo_prompts_train.jsonl").read_text().splitlines()
+    lines = (tmp_path / "after" / "demo_prompts_train.jsonl").read_text().splitlines()
+    assert lines[: len(before)] == before and len(lines) == len(before) + 4000
+    every = texts(tmp_path / "after" / "demo_prompts_train.jsonl")
+    held_out = texts(ASSETS / "demo_prompts_eval.jsonl")
+    bench = [p for f in sorted((ASSETS / "bench_prompts").glob("*.jsonl")) for p in texts(f)]
+    assert len(set(every)) == len(every) and not set(every) & (set(held_out) | set(bench))
+    added = [json.loads(line) for line in lines[len(before) :]]
+    assert not any("tools" in line or "response_format" in line for line in added)
+    assert 700 < sum(len(line.get("messages", ())) > 1 for line in added) < 1300
+    assert len(load_prompts(tmp_path / "after" / "demo_prompts_train.jsonl")) == len(lines)

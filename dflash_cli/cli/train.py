@@ -84,8 +84,9 @@ def train(
         int,
         typer.Option(
             min=0,
-            help="Also measure held-out tau every N steps (a curve in metrics.json's history, with the CPU seconds so "
-            "far); 0: at the end only.",
+            help="Also measure held-out tau every N steps, beside the same on a few training answers (a curve in "
+            "metrics.json's history, with the CPU seconds so far; held-out far below the training figure: train on "
+            "prompts more like the held-out ones); 0: at the end only.",
         ),
     ] = 0,
     eval_file: Annotated[

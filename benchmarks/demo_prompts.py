@@ -598,14 +598,19 @@ def everyday_requests(count: int, seed: int, taken: set[str]) -> list[dict]:
         for pool in pools:
             if pool and len(lines) < count:
                 prompt, extra = pool.pop()
-                turns = [{"role": "user", "content": prompt}]
-                if rng.random() < 0.25:
-                    turns.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-                if len(turns) > 1 or "tools" in extra:  # (tools come with a conversation)
-                    lines.append({"messages": turns, **extra})
-                else:
-                    lines.append({"prompt": prompt, **extra})
+                lines.append(request_line(prompt, extra, rng))
     return lines
+
+
+def request_line(prompt: str, extra: dict, rng: random.Random) -> dict:
+    """A request line: a `prompt`, or `messages` with a system prompt a quarter of the time (drawn from `rng`) or
+    where the request has tools (they come with a conversation); `extra` (tools, response_format) added."""
+    turns = [{"role": "user", "content": prompt}]
+    if rng.random() < 0.25:
+        turns.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    if len(turns) > 1 or "tools" in extra:
+        return {"messages": turns, **extra}
+    return {"prompt": prompt, **extra}
 
 
 # The fourth batch (issue 46): open-ended prose on many more subjects. The drafter learned the template-made kinds
@@ -650,78 +655,75 @@ PROSE_SUBJECTS = [
     "open source software", "cloud computing", "cybersecurity", "web browsers", "search engines", "apps",
     "video calls", "3D printing", "virtual reality", "self-driving cars", "drones", "smart homes", "GPS",
 ]  # fmt: skip
-PROSE_TEMPLATES = [
-    "What is {s}?",
-    "Explain {s} in simple terms.",
-    "Tell me about {s}.",
-    "Describe {s} in one paragraph.",
-    "Why is {s} important?",
-    "Explain {s} to a ten-year-old.",
-    "What should a beginner know about {s}?",
-    "Give me three interesting facts about {s}.",
-    "What are the pros and cons of {s}?",
-    "Write a short paragraph about {s}.",
-    "How does {s} work?",
+WORKINGS = [  # the subjects "How does ... work?" asks about: things with a mechanism
+    "the brain", "memory", "the lungs", "eyesight", "hearing", "lasers", "radio waves", "microwaves", "x-rays",
+    "nuclear power", "hydropower", "geothermal energy", "the telephone", "the light bulb", "the radio", "television",
+    "banks", "taxes", "inflation", "interest rates", "credit cards", "insurance", "elections", "voting", "the post",
+    "public transport", "web browsers", "search engines", "cloud computing", "GPS", "drones", "3D printing",
+    "virtual reality", "self-driving cars", "smart homes", "video calls", "telescopes", "compost", "pollination",
+    "migration", "hibernation", "tides", "eclipses", "rust", "fire", "friction", "magnets", "the sun",
+]  # fmt: skip
+NEW_PROSE_TEMPLATES = [  # (with SUBJECT_TEMPLATES and MORE_SUBJECT_TEMPLATES, on PROSE_SUBJECTS)
     "Give me an overview of {s}.",
     "Explain the basics of {s}.",
     "I'm curious about {s}. What should I know?",
     "Can you explain {s} briefly?",
-    "What are the benefits of {s}?",
     "What are some common myths about {s}?",
     "Write a paragraph for a school report on {s}.",
     "How has {s} changed over time?",
     "What would the world be like without {s}?",
     "Write a short speech about {s}.",
     "Write the opening of a blog post about {s}.",
-    "What do people often get wrong about {s}?",
     "Summarize what you know about {s} in three sentences.",
-    "Write a short poem about {s}.",
     "Write a short story that involves {s}.",
     "What questions do kids often ask about {s}? Answer two of them.",
     "Compare {s} with something from everyday life.",
 ]
-ADVICE = [
-    "What should I pack for {t}?",
-    "Can you help me plan {t}?",
-    "Give me some tips for {t}.",
+NEW_ADVICE_TEMPLATES = [  # (with ACTIVITY_TEMPLATES and MORE_ACTIVITY_TEMPLATES, on EVERYDAY_ACTIVITIES)
     "What should I keep in mind when {a}?",
     "I'm nervous about {a}. Any advice?",
     "How do I get started with {a}?",
-    "Make a simple plan for {a}.",
 ]
+TRIP_TEMPLATES = ["Help me get ready for {t}.", "Can you help me plan {t}?", "Give me some tips for {t}."]
 TRIPS = [
-    "a beach holiday", "a camping trip", "a business trip", "a city break",
-    "a long flight", "a road trip", "a school trip", "a picnic", "a hiking day", "a ski trip",
-    "a visit to my grandparents", "a music festival", "a day at the zoo", "a winter vacation",
+    "a beach holiday", "a camping trip", "a business trip", "a city break", "a long flight", "a road trip",
+    "a school trip", "a picnic", "a ski trip", "a visit to my grandparents", "a music festival", "a day at the zoo",
+    "a winter vacation",
 ]  # fmt: skip
 EVERYDAY_ACTIVITIES = [
     "learning to swim", "starting a new job", "moving to a new city", "cooking for friends", "buying a used car",
     "adopting a cat", "starting a vegetable garden", "training for a 5k run", "writing a novel", "learning to draw",
     "making a budget", "paying off debt", "asking for a raise", "going back to school", "learning to drive",
-    "speaking in public", "planning a wedding", "hosting a dinner party", "teaching a child to read",
-    "keeping a journal", "waking up early", "eating healthier", "cutting down on sugar", "taking a gap year",
-    "studying abroad", "learning to code", "building a website", "starting a podcast", "selling old things online",
-    "decluttering my home", "painting a room", "caring for an elderly parent",
+    "planning a wedding", "hosting a dinner party", "teaching a child to read", "keeping a journal",
+    "waking up early", "eating healthier", "cutting down on sugar", "taking a gap year", "studying abroad",
+    "building a website", "starting a podcast", "selling old things online", "decluttering my home",
+    "painting a room", "caring for an elderly parent",
 ]  # fmt: skip
+SINGULAR_IN_S = {"glass", "success", "stress", "happiness", "loneliness", "the United Nations", "GPS", "tennis"}
+PLURAL_NOT_IN_S = {"bacteria", "samurai"}
+
+
+def agreeing(template: str, subject: str) -> str:
+    """`template` filled with `subject`, its verb agreeing in number ("What are fossils?", "How does GPS work?")."""
+    if (subject.endswith("s") and subject not in SINGULAR_IN_S) or subject in PLURAL_NOT_IN_S:
+        for singular, plural in (("is {s}", "are {s}"), ("does {s}", "do {s}"), ("has {s}", "have {s}")):
+            template = template.replace(singular, plural)
+    return template.format(s=subject)
 
 
 def prose_requests(count: int, seed: int, taken: set[str]) -> list[dict]:
-    """Up to `count` distinct open-ended prose requests (PROSE_TEMPLATES on PROSE_SUBJECTS, and everyday advice),
-    none in `taken`; a system prompt now and then, as everyday_requests."""
+    """Up to `count` distinct open-ended prose requests (the subject templates on PROSE_SUBJECTS, "How does ...
+    work?" on WORKINGS, advice on everyday activities and trips), none in `taken`, lines as everyday_requests'."""
     rng = random.Random(seed)
-    pool = [t.format(s=s) for t in PROSE_TEMPLATES for s in PROSE_SUBJECTS]
-    pool += [t.format(t=trip) for t in ADVICE if "{t}" in t for trip in TRIPS]
-    pool += [t.format(a=a) for t in ADVICE if "{a}" in t for a in EVERYDAY_ACTIVITIES + ACTIVITIES]
+    about = SUBJECT_TEMPLATES + MORE_SUBJECT_TEMPLATES + NEW_PROSE_TEMPLATES
+    pool = [agreeing(t, s) for t in about for s in PROSE_SUBJECTS]
+    pool += [agreeing("How does {s} work?", s) for s in WORKINGS]
+    pool += [t.format(a=a) for t in ACTIVITY_TEMPLATES + MORE_ACTIVITY_TEMPLATES for a in EVERYDAY_ACTIVITIES]
+    pool += [t.format(a=a) for t in NEW_ADVICE_TEMPLATES for a in ACTIVITIES + EVERYDAY_ACTIVITIES]
+    pool += [t.format(t=trip) for t in TRIP_TEMPLATES for trip in TRIPS]
     pool = sorted({" ".join(text.split()) for text in pool} - taken)
     rng.shuffle(pool)
-    lines: list[dict] = []
-    for prompt in pool[:count]:
-        if rng.random() < 0.25:
-            system = {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}
-            lines.append({"messages": [system, {"role": "user", "content": prompt}]})
-        else:
-            lines.append({"prompt": prompt})
-    return lines
+    return [request_line(prompt, {}, rng) for prompt in pool[:count]]
 
 
 def write_prompt_files(out_dir: Path, held_out: int = 64, everyday: int = 0, prose: int = 0) -> None:

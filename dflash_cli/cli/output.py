@@ -115,6 +115,8 @@ def show_summary(summary: Summary) -> None:
 
 def show_trained(result: TrainResult, next_steps: dict[str, str]) -> None:
     tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
+    if result.seen_tau is not None:
+        tau += f" (on training answers {result.seen_tau:.2f})"
     console.print(
         f"[green]Drafter saved[/] in {escape(result.output)}: {result.steps} steps in {result.train_seconds:.0f}s, "
         f"loss {result.final_loss:.3f}, tau on {result.eval_prompts} held-out prompts {tau}"

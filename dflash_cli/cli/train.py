@@ -84,7 +84,7 @@ def train(
         int,
         typer.Option(
             min=0,
-            help="Also measure held-out tau every N steps, beside the same on a few training answers (a curve in "
+            help="Also measure held-out tau every N steps, beside the same on as many training answers (a curve in "
             "metrics.json's history, with the CPU seconds so far; held-out far below the training figure: train on "
             "prompts more like the held-out ones); 0: at the end only.",
         ),

@@ -47,7 +47,14 @@ from dflash_cli.training.objective import (
     fitted_horizon,
     learning_rate,
 )
-from dflash_cli.training.options import CHECKPOINT_DIR, DISTILL_DIR, DRAFTER_DIR, TrainOptions, TrainResult
+from dflash_cli.training.options import (
+    CHECKPOINT_DIR,
+    DISTILL_DIR,
+    DRAFTER_DIR,
+    WALKED_FILE,
+    TrainOptions,
+    TrainResult,
+)
 from dflash_cli.training.prompts import split_prompts
 
 COLUMNS = (
@@ -248,18 +255,15 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             step, history, decayed = load_checkpoint(checkpoint, drafter, optimizer)
             progress.console.print(f"Resuming from step {step} ({checkpoint})")
 
-        # The same walk over a fixed handful of training answers: a held-out tau far below it says the held-out
-        # answers are of another kind than most training ones, or were learned by heart; prompts like the held-out
-        # ones help, more steps less. 2026-11-28: the demo's stage B walked 2.20 on 64 of its training answers and
+        # The same walk over as many training answers: a held-out tau far below it says the held-out prompts ask
+        # for another kind of text than most training ones, or the answers were learned by heart; prompts like the
+        # held-out ones help, more steps less. 2026-11-28: the demo's stage B walked 2.20 on 64 training answers and
         # 1.53 on 40 held-out ones, 2.23 on unseen prompts of its generator, 1.58 on its own training explanations.
-        seen = random.Random(options.seed).sample(samples, min(len(samples), max(len(held), 16)))
-
-        def held_out_tau() -> float | None:
-            return decoded_tau(serving_copy(drafter, target), held) if held else None
+        seen = walked_training_answers(output / WALKED_FILE, samples, max(len(held), 16)) if held else []
 
         def walked_taus() -> dict[str, float]:
             copy = serving_copy(drafter, target)
-            return {"eval_tau": decoded_tau(copy, held), "train_tau": decoded_tau(copy, seen)} if held else {}
+            return {"eval_tau": decoded_tau(copy, held), "seen_tau": decoded_tau(copy, seen)} if held else {}
 
         started = time.perf_counter()
         stats, steps_done = _train_loop(
@@ -279,16 +283,17 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         final = output / DRAFTER_DIR
         drafter.to(torch.bfloat16).save_pretrained(final)  # shipped in bf16, like the published drafters
         drafter.to(torch.float32)
-        eval_tau = held_out_tau()
+        walked = walked_taus()
     result = TrainResult(
         str(final),
         steps_done,
         train_seconds,
         stats.get("loss", float("nan")),
         stats.get("tau", 1.0),
-        eval_tau,
+        walked.get("eval_tau"),
         len(held),
         history,
+        walked.get("seen_tau"),
     )
     (output / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return result
@@ -309,7 +314,7 @@ def _train_loop(
     """Train from the step `resumed` names (with the decay progress saved there, if any) to options.steps, or until
     options.train_minutes have passed (a checkpoint is saved where it stops); returns the running figures and the
     step reached. Every --eval-every steps the history row also holds the CPU seconds so far and the walked tau held
-    out and on some training answers (`walked_taus`)."""
+    out and on as many training answers (`walked_taus`: eval_tau, seen_tau)."""
     step, start_progress = resumed
     started, first_step = time.perf_counter(), step
     cpu_before = history[-1].get("cpu_s", 0.0) if history else 0.0
@@ -395,17 +400,30 @@ def _train_loop(
         raise
     if not running and history:  # resumed at its last step (to save and measure): the checkpoint's figures stand
         running = {
-            key: value for key, value in history[-1].items() if key not in ("step", "eval_tau", "train_tau", "cpu_s")
+            key: value for key, value in history[-1].items() if key not in ("step", "eval_tau", "seen_tau", "cpu_s")
         }
     return running, step
+
+
+def walked_training_answers(path: Path, samples: list[Sample], count: int) -> list[Sample]:
+    """The training answers walked beside the held-out ones: drawn once per run and their keys kept in `path`, so a
+    resumed run whose answers have grown walks the same ones (those still among them)."""
+    by_key = {sample.key: sample for sample in samples}
+    if path.is_file():
+        kept = [by_key[key] for key in json.loads(path.read_text()) if key in by_key]
+        if kept:
+            return kept
+    chosen = random.Random(0).sample(samples, min(len(samples), count))
+    path.write_text(json.dumps([sample.key for sample in chosen]) + "\n")
+    return chosen
 
 
 def checkpoint_line(step: int, steps: int, row: dict[str, float]) -> str:
     """One log line at a checkpoint: where the run is and how it learns (held-out tau when measured there)."""
     figures = [f"{key} {row[key]:.3f}" for key in ("loss", "acc", "tau") if key in row]
     if row.get("eval_tau") is not None:
-        trained = f" (train {row['train_tau']:.3f})" if row.get("train_tau") is not None else ""
-        figures.append(f"held-out tau {row['eval_tau']:.3f}{trained}")
+        seen = f" (training answers {row['seen_tau']:.3f})" if row.get("seen_tau") is not None else ""
+        figures.append(f"held-out tau {row['eval_tau']:.3f}{seen}")
     if "step_s" in row:
         figures.append(f"{row['step_s']:.2f} s a step")
     return f"step {step}/{steps}: " + ", ".join(figures)

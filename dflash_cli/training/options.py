@@ -8,6 +8,7 @@ from typing import Any
 # Layout of --output: drafter/ (the result, z-lab format), checkpoint/ (drafter/ + optimizer state), distill/ (the
 # target's answers and its features), metrics.json.
 DRAFTER_DIR, CHECKPOINT_DIR, DISTILL_DIR = "drafter", "checkpoint", "distill"
+WALKED_FILE = "walked_answers.json"  # the keys of the training answers walked beside the held-out ones
 
 
 @dataclass
@@ -63,6 +64,7 @@ class TrainResult:
     eval_tau: float | None
     eval_prompts: int
     history: list[dict[str, float]] = field(default_factory=list)
+    seen_tau: float | None = None  # the same walk on as many training answers
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -66,8 +66,9 @@ def test_everyday_requests_come_after_the_shipped_ones_in_every_kind(tmp_path: P
 
 
 def test_prose_requests_come_last_and_repeat_nothing(tmp_path: Path) -> None:
-    """--prose N adds N open-ended prose requests after the everyday ones: none already in the file, held out or a
-    bench prompt; no tools or response formats; a system prompt now and then."""
+    """--prose N adds up to N open-ended prose requests after the everyday ones (N here, the pool being larger): none
+    already in the file, held out or a bench prompt; no tools or response formats; a system prompt now and then;
+    verbs agreeing with their subjects."""
     demo_prompts.write_prompt_files(tmp_path / "before", everyday=3000)
     demo_prompts.write_prompt_files(tmp_path / "after", everyday=3000, prose=4000)
     before = (tmp_path / "before" / "demo_prompts_train.jsonl").read_text().splitlines()
@@ -81,3 +82,9 @@ def test_prose_requests_come_last_and_repeat_nothing(tmp_path: Path) -> None:
     assert not any("tools" in line or "response_format" in line for line in added)
     assert 700 < sum(len(line.get("messages", ())) > 1 for line in added) < 1300
     assert len(load_prompts(tmp_path / "after" / "demo_prompts_train.jsonl")) == len(lines)
+    agreeing = demo_prompts.agreeing
+    assert agreeing("What is {s}?", "fossils") == "What are fossils?" and agreeing(
+        "Why is {s} important?", "stress"
+    ) == ("Why is stress important?")
+    assert agreeing("How does {s} work?", "GPS") == "How does GPS work?"
+    assert agreeing("How has {s} changed over time?", "bacteria") == "How have bacteria changed over time?"

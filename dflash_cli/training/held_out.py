@@ -5,8 +5,10 @@ exactly what training shows a block anchored there: the target's features before
 drafting every position of a stored answer at once (one forward, as a training batch drafts its anchors) and
 walking it as the decode loop does (from the first answer token, on by each step's accepted drafts plus one)
 gives decoding's acceptance lengths without the target's forwards: a second where decoding 16 held-out prompts
-took minutes on a CPU. Measured on the demo (16 held-out prompts, 128 tokens): 1.421 and 1.593 for two drafters,
-where `dflash bench` decoded 1.406 and 1.59-1.63 (benchmarks/results/history.md).
+took minutes on a CPU. Step for step on the conformance drafter (float32); on the demo's int4 target, decoding
+parts from the walk at some steps of about half the answers (the same answers): 1.593 walked against 1.589 decoded
+for the shipped drafter, 1.596 against 1.533-1.561 for stage B's (benchmarks/results/history.md; the cause is not
+the int4 features nor bf16 drafting). A curve to compare runs by; a candidate to ship is checked by decoding.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ walking it as the decode loop does (from the first answer token, on by each step
 gives decoding's acceptance lengths without the target's forwards: a second where decoding 16 held-out prompts
 took minutes on a CPU. Step for step on the conformance drafter (float32); on the demo's int4 target, decoding
 parts from the walk at some steps of about half the answers (the same answers): 1.593 walked against 1.589 decoded
-for the shipped drafter, 1.596 against 1.533-1.561 for stage B's (benchmarks/results/history.md; the cause is not
-the int4 features nor bf16 drafting). A curve to compare runs by; a candidate to ship is checked by decoding.
+for the shipped drafter, 1.596 against 1.533-1.561 for stage B's: the served int8 head and int4 features (2-7% from
+the stored bf16 ones) tip near-ties (benchmarks/results/history.md). A curve to compare runs by; a candidate to
+ship is checked by decoding.
 """
 
 from __future__ import annotations

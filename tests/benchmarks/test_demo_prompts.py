@@ -83,8 +83,7 @@ def test_prose_requests_come_last_and_repeat_nothing(tmp_path: Path) -> None:
     assert 700 < sum(len(line.get("messages", ())) > 1 for line in added) < 1300
     assert len(load_prompts(tmp_path / "after" / "demo_prompts_train.jsonl")) == len(lines)
     agreeing = demo_prompts.agreeing
-    assert agreeing("What is {s}?", "fossils") == "What are fossils?" and agreeing(
-        "Why is {s} important?", "stress"
-    ) == ("Why is stress important?")
+    assert agreeing("What is {s}?", "fossils") == "What are fossils?"
+    assert agreeing("Why is {s} important?", "stress") == "Why is stress important?"
     assert agreeing("How does {s} work?", "GPS") == "How does GPS work?"
     assert agreeing("How has {s} changed over time?", "bacteria") == "How have bacteria changed over time?"

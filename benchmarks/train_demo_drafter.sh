@@ -28,7 +28,7 @@ PROMPTS=${PROMPTS:-21635}
 STEPS=${STEPS:-100000}
 MINUTES=${MINUTES:-}  # stop after this long, the learning rate decayed by then (--train-minutes); empty: --steps
 EVAL_EVERY=${EVAL_EVERY:-2000}
-FOLLOW_UPS=${FOLLOW_UPS:-0}  # follow-up turns per prompt (--follow-ups); the gz holds 7,404 of the first ones
+FOLLOW_UPS=${FOLLOW_UPS:-0}  # follow-up turns per prompt (--follow-ups); the gz holds 8,641 of the first ones
 ANSWERED_ONLY=${ANSWERED_ONLY:-1}
 DEVICE=${DEVICE:-cpu}
 mkdir -p "$OUT/distill"

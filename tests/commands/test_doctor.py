@@ -95,8 +95,11 @@ def test_real_checks_on_this_machine_are_sane(hf_home: Path, fake_hub) -> None:
         "dflash command",
     }
     assert set(checks) == expected
-    for name in ("python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate", "hf cache"):
+    for name in ("python", "torch", "driver", "gpu", "bitsandbytes", "transformers", "accelerate"):
         assert checks[name].status == "pass", checks[name]
+    # The cache's check weighs this machine's free disk against the largest recipe it can run (a full disk warns:
+    # the rule itself is tested with given sizes below), so here it passes or warns with its fix, never fails.
+    assert checks["hf cache"].status == "pass" or "HF_HOME" in (checks["hf cache"].fix or ""), checks["hf cache"]
     assert checks["hf token"].status == "warn" and "llama3.1-8b" in checks["hf token"].detail  # hf_home has no token
     assert str(hf_home / "hub") in checks["hf cache"].detail
     assert exit_code(list(checks.values())) == 0

@@ -308,7 +308,7 @@ def break_grammar(row, batch) -> None:
     from helpers.tiny_models import tiny_tokenizer
 
     info = xgrammar.TokenizerInfo.from_huggingface(tiny_tokenizer(), vocab_size=batch.vocab_size)
-    compiled = xgrammar.GrammarCompiler(info).compile_json_schema('{"$ref": "#"}')
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema('{"anyOf": [{"$ref": "#"}]}')
     row.generation.grammar = GrammarState(compiled, block_size=batch.block, vocab_size=batch.vocab_size)
 
 

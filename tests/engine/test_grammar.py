@@ -172,7 +172,7 @@ def test_a_grammar_that_allows_no_first_token_is_refused_by_its_field() -> None:
     """Compiled past the schema checks (protocol.schemas refuses this one first), a grammar under which no token
     may come first is refused when it is compiled, at admission: a row under it would commit a token it rejects
     ("the grammar rejected committed token 0")."""
-    empty = Grammar("json_schema", '{"$ref": "#"}', field="body.response_format.json_schema.schema")
+    empty = Grammar("json_schema", '{"anyOf": [{"$ref": "#"}]}', field="body.response_format.json_schema.schema")
     with pytest.raises(RequestError, match="no token may start its output") as caught:
         compile_grammar(empty, tokenizer(), target().config.vocab_size)
     assert caught.value.param == "body.response_format.json_schema.schema"

@@ -207,6 +207,7 @@ def test_max_tokens_is_checked_against_the_context_left_after_the_prompt() -> No
 def test_a_schema_admits_a_finite_value_unless_every_way_recurses() -> None:
     cyclic = [
         {"$ref": "#"},
+        {"anyOf": [{"$ref": "#"}]},
         {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
         {"properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # (an object, as the grammar reads it)
         {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},

@@ -96,13 +96,17 @@ class FeatureStore:
                 start = end
 
     def attach(self, samples: Sequence[Sample]) -> None:
-        """Point each sample's `features` at its rows of the file (memory-mapped, copy-on-write: never written)."""
+        """Point each sample's `features` at its rows of the file (memory-mapped read-only: never written)."""
         if not self.rows:
             return
-        mapped = np.memmap(self.data, dtype=np.int16, mode="c", shape=(self.rows, self.width))
-        for sample in samples:
-            first, count = self.index[sample.key]
-            sample.features = torch.from_numpy(mapped[first : first + count]).view(torch.bfloat16)
+        # Read-only, not copy-on-write: Linux refuses a private writable mapping larger than its memory (a 27 GB
+        # store on a 24 GB machine), a shared read-only one it pages in and out at will.
+        mapped = np.memmap(self.data, dtype=np.int16, mode="r", shape=(self.rows, self.width))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for sample in samples:
+                first, count = self.index[sample.key]
+                sample.features = torch.from_numpy(mapped[first : first + count]).view(torch.bfloat16)
 
     def _save_index(self) -> None:
         staging = self.index_path.with_suffix(".json.tmp")

@@ -22,7 +22,10 @@ The loop asks once per step and reports once per step, after its one host sync:
   maximises expected tokens / cost(B). When that is 1 (drafting does not pay), plain steps run, and each banks
   PROBE_SHARE of its time; a probe (the best drafting size) runs once the bank covers the probe's expected loss
   (its cost minus the plain time of the tokens it is expected to commit), and its measured loss is paid from
-  the bank: probing costs about PROBE_SHARE of plain decoding, whatever the drafter does.
+  the bank: probing costs about PROBE_SHARE of plain decoding, whatever the drafter does. The bank belongs to the
+  model pair, not the generation: a probe's measured loss includes reading the context of the plain steps
+  before it (the prompt's too), often several times its expected loss, and a bank per generation would pay one
+  such probe in every short answer (about 2% of the demo's 128-token answers on a CPU).
 
 A policy instance belongs to one generation (or one batch of rows stepping together: `observe` pools the rows'
 acceptance); the costs and the drafter's history are shared, per (target, drafter), across generations.
@@ -147,7 +150,8 @@ class StepCosts:
     """Seconds of draft and verify per block size for one (target, drafter) here, and the drafter's history.
 
     `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / calibrated over
-    recent steps. `successes[j]`, `failures[j]`: the drafter's pooled outcomes at draft position j+1.
+    recent steps; `banked`: the probes' allowance (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled
+    outcomes at draft position j+1.
     """
 
     def __init__(self, key: dict[str, Any], sizes: Sequence[int]) -> None:
@@ -156,6 +160,7 @@ class StepCosts:
         self.draft_s: dict[int, float] = {}
         self.verify_s: dict[int, float] = {}
         self.load = 1.0
+        self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost (this process)
         self.measured_at: str | None = None  # when the costs were calibrated
         self.others_busy: float | None = None  # cores other processes kept busy meanwhile (over QUIET_CORES: not kept)
         self.successes = [0.0] * (max(self.sizes) - 1)
@@ -396,7 +401,6 @@ class AdaptiveBlock:
         positions = self.max_size - 1
         self.successes = [0.0] * positions  # this generation's, forgotten at FORGET per step
         self.failures = [0.0] * positions
-        self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost
         self.probing = False  # the size last chosen is a probe (drafting did not pay)
         self.plain_run = 0  # plain steps since the drafter last ran (its context waits for it)
 
@@ -429,14 +433,14 @@ class AdaptiveBlock:
         probe = max(drafting, key=drafting.__getitem__)
         # The probe's expected loss against plain steps: its cost minus the plain time its tokens would take.
         loss = cost[probe] - expected_tokens(acceptance, probe) * cost[1]
-        self.probing = self.banked >= loss
+        self.probing = self.costs.banked >= loss
         return probe if self.probing else 1
 
     def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
         rows = [accepted] if isinstance(accepted, int) else list(accepted)
         if size == 1:
             self.plain_run += 1
-            self.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
+            self.costs.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
             self.costs.observe_time(1, draft_s + verify_s, len(rows))
             return
         if self.plain_run == 0:  # the first draft after plain steps also reads their context: not a typical step
@@ -444,9 +448,9 @@ class AdaptiveBlock:
         self.plain_run = 0
         if self.probing:  # what it really lost against plain steps for the same tokens
             tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
-            self.banked -= draft_s + verify_s - tokens * self.costs.cost(1, len(rows))
+            self.costs.banked -= draft_s + verify_s - tokens * self.costs.cost(1, len(rows))
         else:
-            self.banked = 0.0
+            self.costs.banked = 0.0
         for j in range(self.max_size - 1):
             self.successes[j] *= FORGET
             self.failures[j] *= FORGET

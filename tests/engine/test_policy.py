@@ -243,6 +243,30 @@ def test_probes_are_bounded_and_find_a_drafter_that_improves():
     assert policy.choose(8) == 8
 
 
+def test_probes_stay_bounded_over_many_short_generations():
+    """Every answer a fresh policy over the pair's costs (this CPU's demo: a block of 2 costs 1.62 plain steps, a
+    quarter of first drafts stand), and a probe also reads the context of the plain steps before it, its prompt's
+    30 rows included, a tenth of a plain step a row: probes still cost about PROBE_SHARE of plain decoding in all.
+    (With the allowance kept per answer, each 128-token answer paid one probe after about 75 plain steps, and
+    with it 10 plain steps of context: 8% of plain decoding.)"""
+    costs = _costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32)
+    spent = plain = 0.0
+    probes = 0
+    for _ in range(200):
+        policy, unread = AdaptiveBlock(costs), 30
+        for _ in range(128):
+            size = policy.choose(8)
+            draft = costs.draft_s[size] + (0.1 * unread if size > 1 else 0.0)
+            unread = 0 if size > 1 else unread + 1
+            accepted = int(size > 1 and probes % 4 == 0)
+            probes += size > 1
+            spent += draft + costs.verify_s[size]
+            plain += costs.cost(1) * (1 + accepted)  # the plain steps its tokens would have taken
+            policy.observe(size, accepted, draft, costs.verify_s[size])
+    assert probes >= 3  # it keeps looking
+    assert spent / plain - 1 <= policy_module.PROBE_SHARE * 1.25
+
+
 def test_probes_happen_while_plain(monkeypatch):
     costs = _costs({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9}, draft=0.4)
     policy = AdaptiveBlock(costs)

@@ -460,9 +460,13 @@ class AttentionState(TargetState):
             self.exported = None
             warnings.warn(f"the exported target step failed ({error}); running it eagerly", stacklevel=2)
             return self._forward(token_ids, rows, prefill)
-        if self._capturing:
-            for slot, layer in enumerate(self.feature_layers):
-                self._record(slot, outputs[layer])
+        if self._capturing:  # the feature layers side by side, as `_record` writes them one by one (one call here)
+            q, at = outputs[0].shape[-2], self._feature_at
+            torch.cat(
+                [outputs[layer] for layer in self.feature_layers],
+                dim=-1,
+                out=self._features[self._feature_rows, at : at + q],
+            )
         logits = self.target.get_output_embeddings()(hidden[:, -1:] if prefill else hidden)
         return logits if several else logits[0]
 

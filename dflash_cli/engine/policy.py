@@ -22,13 +22,15 @@ The loop asks once per step and reports once per step, after its one host sync:
   maximises expected tokens / cost(B). When that is 1 (drafting does not pay), plain steps run, and each banks
   PROBE_SHARE of its time; a probe (the best drafting size) runs once the bank covers the probe's expected loss
   (its cost minus the plain time of the tokens it is expected to commit), and its measured loss is paid from
-  the bank: probing costs about PROBE_SHARE of plain decoding, whatever the drafter does. The bank belongs to the
-  model pair, not the generation: a probe's measured loss includes reading the context of the plain steps
-  before it (the prompt's too), often several times its expected loss, and a bank per generation would pay one
-  such probe in every short answer (about 2% of the demo's 128-token answers on a CPU).
+  the bank: probing costs about PROBE_SHARE of plain decoding, whatever the drafter does. A probe also reads the
+  context of the plain steps before it (the prompt's too): what probes cost beyond their calibrated steps is
+  learned (`probe_extra_s`) and counted in the expected loss, and the bank is kept with the costs, not per
+  generation (a bank per generation paid one such probe in every short answer: about 2% of the demo's 128-token
+  answers on a CPU). A probe that costs far more than expected leaves a debt of at most one expected loss.
 
 A policy instance belongs to one generation (or one batch of rows stepping together: `observe` pools the rows'
-acceptance); the costs and the drafter's history are shared, per (target, drafter), across generations.
+acceptance); the costs, the drafter's history and the probes' bank are shared, per (target, drafter, sizes,
+compile mode), across generations. Policies sharing them step on one thread (the engine's worker).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ DEFAULT_ACCEPTANCE = 0.6  # a position's prior mean before the drafter has any h
 FORGET = 0.95  # per observed step: this generation's counts reach back about 20 steps
 HISTORY_FORGET = 0.999  # the drafter's pooled history: about 1000 steps
 PROBE_SHARE = 0.005  # probes may cost about this share of the plain steps' time (about 100 steps apart here)
+PROBE_EXTRA_RATE = 0.3  # how fast the learned extra cost of a probe follows measured probes
 LOAD_RATE = 0.1  # how fast the online load factor follows measured steps
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every size; the first warms up and is dropped
 CALIBRATION_CONTEXT = 2  # new context rows per timed draft step (about what a step brings)
@@ -150,8 +153,8 @@ class StepCosts:
     """Seconds of draft and verify per block size for one (target, drafter) here, and the drafter's history.
 
     `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / calibrated over
-    recent steps; `banked`: the probes' allowance (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled
-    outcomes at draft position j+1.
+    recent steps; `banked`, `probe_extra_s`: the probes' allowance and extra cost (AdaptiveBlock). `successes[j]`,
+    `failures[j]`: the drafter's pooled outcomes at draft position j+1.
     """
 
     def __init__(self, key: dict[str, Any], sizes: Sequence[int]) -> None:
@@ -161,6 +164,7 @@ class StepCosts:
         self.verify_s: dict[int, float] = {}
         self.load = 1.0
         self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost (this process)
+        self.probe_extra_s = 0.0  # what a probe costs beyond its calibrated step (the context it reads), learned
         self.measured_at: str | None = None  # when the costs were calibrated
         self.others_busy: float | None = None  # cores other processes kept busy meanwhile (over QUIET_CORES: not kept)
         self.successes = [0.0] * (max(self.sizes) - 1)
@@ -402,6 +406,7 @@ class AdaptiveBlock:
         self.successes = [0.0] * positions  # this generation's, forgotten at FORGET per step
         self.failures = [0.0] * positions
         self.probing = False  # the size last chosen is a probe (drafting did not pay)
+        self.probe_loss = 0.0  # its expected loss
         self.plain_run = 0  # plain steps since the drafter last ran (its context waits for it)
 
     def acceptance(self) -> list[float]:
@@ -431,13 +436,16 @@ class AdaptiveBlock:
         if not drafting:
             return 1
         probe = max(drafting, key=drafting.__getitem__)
-        # The probe's expected loss against plain steps: its cost minus the plain time its tokens would take.
-        loss = cost[probe] - expected_tokens(acceptance, probe) * cost[1]
-        self.probing = self.costs.banked >= loss
+        # The probe's expected loss against plain steps: its cost and the context it reads, less the plain time its
+        # tokens would take.
+        loss = cost[probe] + self.costs.probe_extra_s - expected_tokens(acceptance, probe) * cost[1]
+        self.probing, self.probe_loss = self.costs.banked >= loss, loss
         return probe if self.probing else 1
 
     def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
         rows = [accepted] if isinstance(accepted, int) else list(accepted)
+        if size == 1 and not self.costs.calibrated:  # (it never drafts: nothing to time or bank)
+            return
         if size == 1:
             self.plain_run += 1
             self.costs.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
@@ -446,9 +454,16 @@ class AdaptiveBlock:
         if self.plain_run == 0:  # the first draft after plain steps also reads their context: not a typical step
             self.costs.observe_time(size, draft_s + verify_s, len(rows))
         self.plain_run = 0
-        if self.probing:  # what it really lost against plain steps for the same tokens
+        if (
+            self.probing
+        ):  # what it really lost against plain steps for the same tokens, and what it cost beyond its step
             tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
-            self.costs.banked -= draft_s + verify_s - tokens * self.costs.cost(1, len(rows))
+            step = self.costs.cost(size, len(rows))
+            # (one probe over a far longer context than usual moves the estimate at most twice as far as a usual one)
+            extra = min(max(0.0, draft_s + verify_s - step), 2 * (self.costs.probe_extra_s + step))
+            self.costs.probe_extra_s += PROBE_EXTRA_RATE * (extra - self.costs.probe_extra_s)
+            lost = draft_s + verify_s - tokens * self.costs.cost(1, len(rows))
+            self.costs.banked = max(self.costs.banked - lost, -self.probe_loss)
         else:
             self.costs.banked = 0.0
         for j in range(self.max_size - 1):

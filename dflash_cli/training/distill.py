@@ -46,7 +46,7 @@ class Sample:
     key: str
     prompt_ids: list[int]
     response_ids: list[int]
-    features: Any = None  # torch.Tensor [len(ids) - 1, n*H] bf16
+    features: Any = None  # torch.Tensor [len(ids) - 1, n*H] bf16, a read-only mapping: clone it to change it
 
     @property
     def ids(self) -> list[int]:

@@ -267,6 +267,39 @@ def test_probes_stay_bounded_over_many_short_generations():
     assert spent / plain - 1 <= policy_module.PROBE_SHARE * 1.25
 
 
+def test_a_probe_over_a_far_longer_context_does_not_stop_the_probing():
+    """One probe that reads 4,000 rows of context (400 plain steps' time) leaves a debt of at most one expected
+    loss and moves the learned extra cost at most twice as far as a usual probe: the probes come when they would
+    have without it (a debt of 400 steps' time stopped them for 80,000 steps)."""
+
+    def schedule(outlier: bool) -> list[int]:
+        costs = _costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32)
+        probes: list[int] = []
+        for answer in range(100):
+            policy, unread = AdaptiveBlock(costs), 30
+            for step in range(128):
+                size = policy.choose(8)
+                draft = costs.draft_s[size] + (0.1 * unread if size > 1 else 0.0)
+                if size > 1 and outlier and len(probes) == 4:
+                    draft += 400.0
+                unread = 0 if size > 1 else unread + 1
+                if size > 1:
+                    probes.append(answer * 128 + step)
+                policy.observe(size, 0, draft, costs.verify_s[size])
+        return probes
+
+    usual = schedule(outlier=False)
+    assert len(usual) >= 8 and schedule(outlier=True) == usual
+
+
+def test_an_adaptive_policy_that_never_drafts_needs_no_costs():
+    costs = StepCosts({"test": "block 1"}, sizes_up_to(1))
+    policy = AdaptiveBlock(costs)
+    assert policy.choose(1) == 1
+    policy.observe(1, 0, 0.0, 0.01)  # (no calibrated cost to bank against: nothing to do)
+    assert costs.banked == 0.0
+
+
 def test_probes_happen_while_plain(monkeypatch):
     costs = _costs({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9}, draft=0.4)
     policy = AdaptiveBlock(costs)

@@ -461,12 +461,11 @@ class AttentionState(TargetState):
             warnings.warn(f"the exported target step failed ({error}); running it eagerly", stacklevel=2)
             return self._forward(token_ids, rows, prefill)
         if self._capturing:  # the feature layers side by side, as `_record` writes them one by one (one call here)
-            q, at = outputs[0].shape[-2], self._feature_at
-            torch.cat(
-                [outputs[layer] for layer in self.feature_layers],
-                dim=-1,
-                out=self._features[self._feature_rows, at : at + q],
-            )
+            chosen = [outputs[layer] for layer in self.feature_layers]
+            into = self._features[self._feature_rows, self._feature_at : self._feature_at + q]
+            # (cat would resize a view of the wrong shape and write past it, where copy_ raises)
+            assert into.shape == (*chosen[0].shape[:-1], sum(h.shape[-1] for h in chosen)), "feature rows"
+            torch.cat(chosen, dim=-1, out=into)
         logits = self.target.get_output_embeddings()(hidden[:, -1:] if prefill else hidden)
         return logits if several else logits[0]
 

@@ -454,9 +454,7 @@ class AdaptiveBlock:
         if self.plain_run == 0:  # the first draft after plain steps also reads their context: not a typical step
             self.costs.observe_time(size, draft_s + verify_s, len(rows))
         self.plain_run = 0
-        if (
-            self.probing
-        ):  # what it really lost against plain steps for the same tokens, and what it cost beyond its step
+        if self.probing:  # what it really lost against plain steps for its tokens, and what it cost beyond its step
             tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
             step = self.costs.cost(size, len(rows))
             # (one probe over a far longer context than usual moves the estimate at most twice as far as a usual one)

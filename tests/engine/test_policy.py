@@ -243,27 +243,37 @@ def test_probes_are_bounded_and_find_a_drafter_that_improves():
     assert policy.choose(8) == 8
 
 
-def test_probes_stay_bounded_over_many_short_generations():
-    """Every answer a fresh policy over the pair's costs (this CPU's demo: a block of 2 costs 1.62 plain steps, a
-    quarter of first drafts stand), and a probe also reads the context of the plain steps before it, its prompt's
-    30 rows included, a tenth of a plain step a row: probes still cost about PROBE_SHARE of plain decoding in all.
-    (With the allowance kept per answer, each 128-token answer paid one probe after about 75 plain steps, and
-    with it 10 plain steps of context: 8% of plain decoding.)"""
-    costs = _costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32)
+def _answers(costs: StepCosts, count: int, accepted_every: int = 0, outlier_probe: int = -1):
+    """`count` answers of 128 steps, each a fresh policy over `costs`, where a probe also reads the context of the
+    plain steps before it, its prompt's 30 rows included, a tenth of a plain step a row (`outlier_probe`: that probe
+    reads 4,000 rows more); every `accepted_every`-th probe's first draft stands. Returns the steps the probes ran
+    at, the seconds spent and the seconds plain steps would have taken for the same tokens."""
+    probes: list[int] = []
     spent = plain = 0.0
-    probes = 0
-    for _ in range(200):
+    for answer in range(count):
         policy, unread = AdaptiveBlock(costs), 30
-        for _ in range(128):
+        for step in range(128):
             size = policy.choose(8)
             draft = costs.draft_s[size] + (0.1 * unread if size > 1 else 0.0)
+            if size > 1 and len(probes) == outlier_probe:
+                draft += 400.0
             unread = 0 if size > 1 else unread + 1
-            accepted = int(size > 1 and probes % 4 == 0)
-            probes += size > 1
+            accepted = int(size > 1 and accepted_every > 0 and len(probes) % accepted_every == 0)
+            if size > 1:
+                probes.append(answer * 128 + step)
             spent += draft + costs.verify_s[size]
             plain += costs.cost(1) * (1 + accepted)  # the plain steps its tokens would have taken
             policy.observe(size, accepted, draft, costs.verify_s[size])
-    assert probes >= 3  # it keeps looking
+    return probes, spent, plain
+
+
+def test_probes_stay_bounded_over_many_short_generations():
+    """Every answer a fresh policy over the pair's costs (this CPU's demo: a block of 2 costs 1.62 plain steps, a
+    quarter of first drafts stand), and a probe also reads the context of the plain steps before it: probes still
+    cost about PROBE_SHARE of plain decoding in all. (With the allowance kept per answer, each 128-token answer paid
+    one probe after about 75 plain steps, and with it 10 plain steps of context: 8% of plain decoding.)"""
+    probes, spent, plain = _answers(_costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32), 200, accepted_every=4)
+    assert len(probes) >= 3  # it keeps looking
     assert spent / plain - 1 <= policy_module.PROBE_SHARE * 1.25
 
 
@@ -271,25 +281,9 @@ def test_a_probe_over_a_far_longer_context_does_not_stop_the_probing():
     """One probe that reads 4,000 rows of context (400 plain steps' time) leaves a debt of at most one expected
     loss and moves the learned extra cost at most twice as far as a usual probe: the probes come when they would
     have without it (a debt of 400 steps' time stopped them for 80,000 steps)."""
-
-    def schedule(outlier: bool) -> list[int]:
-        costs = _costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32)
-        probes: list[int] = []
-        for answer in range(100):
-            policy, unread = AdaptiveBlock(costs), 30
-            for step in range(128):
-                size = policy.choose(8)
-                draft = costs.draft_s[size] + (0.1 * unread if size > 1 else 0.0)
-                if size > 1 and outlier and len(probes) == 4:
-                    draft += 400.0
-                unread = 0 if size > 1 else unread + 1
-                if size > 1:
-                    probes.append(answer * 128 + step)
-                policy.observe(size, 0, draft, costs.verify_s[size])
-        return probes
-
-    usual = schedule(outlier=False)
-    assert len(usual) >= 8 and schedule(outlier=True) == usual
+    usual, _, _ = _answers(_costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32), 100)
+    with_outlier, _, _ = _answers(_costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32), 100, outlier_probe=4)
+    assert len(usual) >= 8 and with_outlier == usual
 
 
 def test_an_adaptive_policy_that_never_drafts_needs_no_costs():

@@ -132,6 +132,18 @@ def train(
             "--resume", help="Continue the checkpoint in --output (from the learning rate it stopped at, never higher)."
         ),
     ] = False,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            "--init-from",
+            metavar="DRAFTER",
+            show_default=False,
+            help="Start from this drafter's weights instead of random ones: a recipe's name for its drafter (`demo`), "
+            "a drafter directory (an earlier run's DIR/drafter) or a repo id. Its shape (layers, target layers, MASK "
+            "token) is kept, so --layers and --feature-layers do not apply; --block-size and --draft-vocab do. Train "
+            "a published drafter further on your own prompts, or carry a run on where its checkpoint is gone.",
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(callback=check_device, help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[
         str | None,
@@ -179,6 +191,7 @@ def train(
         eval_prompts_file=eval_file,
         checkpoint_every=checkpoint_every,
         resume=resume,
+        init_from=init_from,
         device=device,
         dtype=dtype,
         threads=threads,

@@ -9,6 +9,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, make_drafter
+from dflash_cli.engine.drafter import DFlashDrafter, make_drafter
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
+from dflash_cli.setup.choices import Quant
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import PlanOverrides
 from dflash_cli.setup.thread_count import apply_threads
@@ -38,7 +40,15 @@ from dflash_cli.training.checkpoint import (
 )
 from dflash_cli.training.data import batches, make_batch
 from dflash_cli.training.distill import Sample, distill, follow_ups
-from dflash_cli.training.features import FeatureStore
+from dflash_cli.training.drafters import (
+    describe_shape,
+    feature_layer_ids,
+    init_drafter_dir,
+    new_drafter,
+    pick_mask_token,
+    started_drafter,
+)
+from dflash_cli.training.features import FeatureStore, ForwardFeatures, ServedFeatures
 from dflash_cli.training.held_out import decoded_tau
 from dflash_cli.training.objective import (
     decay_progress,
@@ -65,58 +75,6 @@ COLUMNS = (
     TimeElapsedColumn(),
     TimeRemainingColumn(),
 )
-
-
-def new_drafter(
-    target: Any, options: TrainOptions, mask_token_id: int, vocab: torch.Tensor | None = None
-) -> DFlashDrafter:
-    """A drafter shaped by `options` for the target, its layers initialised at random; `vocab`: the target ids it
-    may propose (objective.draft_vocabulary), None for all of them."""
-    tcfg = target.config.get_text_config()
-    config = DrafterConfig.for_target(
-        tcfg,
-        layers=options.layers,
-        block_size=options.block_size,
-        mask_token_id=mask_token_id,
-        feature_layers=options.feature_layers,
-        vocab_size=target.get_input_embeddings().num_embeddings,
-        draft_vocab_size=None if vocab is None else len(vocab),
-        rms_norm_eps=tcfg.rms_norm_eps,
-        rope_theta=float(
-            (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))
-        ),
-    )
-    torch.manual_seed(options.seed)
-    drafter = DFlashDrafter(config)
-    for module in drafter.modules():
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.normal_(module.weight, std=0.02)
-    if vocab is not None:
-        drafter.use_vocabulary(vocab)
-    drafter.bind(target)
-    return drafter
-
-
-def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
-    """A token the drafter uses as MASK: the tokenizer's own, else the least chat-like special token.
-
-    Vocabularies without a MASK token still carry pretraining-only special tokens that never occur in
-    chat; the drafter learns what the id means from its position in the block, so any such id works.
-    """
-    if requested is not None:
-        return requested
-    if tokenizer.mask_token_id is not None:
-        return tokenizer.mask_token_id
-    in_use = {tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    special = [i for i in tokenizer.all_special_ids if i not in in_use]
-    added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in in_use)
-    spare = (added or special)[-1:]  # the last added special token: the most specialised one
-    if not spare:
-        raise DflashError(
-            "the tokenizer has no spare special token to use as MASK",
-            fix="pass --mask-token-id ID (a token that never appears in chat)",
-        )
-    return spare[0]
 
 
 def open_target(ref: str, device: str, dtype: str, console: Console | None = None) -> tuple[Any, Any]:
@@ -148,9 +106,10 @@ def serving_dtype(device: str) -> torch.dtype:
     return getattr(torch, default_dtype(kind, detect_machine())[0])
 
 
-def _check_resume(options: TrainOptions, output: Path, console: Console) -> None:
+def _check_resume(options: TrainOptions, output: Path, console: Console) -> TrainOptions:
     """Refuse a resume with nothing to resume or nothing left to do, and a new run over a checkpoint; note the
-    learning flags a resume changes."""
+    learning flags a resume changes. The options the run goes on with: a resumed run keeps its first run's
+    --init-from (the drafter's shape came from there, not from the flags)."""
     checkpoint = output / CHECKPOINT_DIR
     resumable = (checkpoint / "trainer_state.json").exists()
     if resumable and not options.resume:
@@ -179,13 +138,21 @@ def _check_resume(options: TrainOptions, output: Path, console: Console) -> None
                 f"[yellow]note:[/] --draft-vocab {options.draft_vocab} is not applied: a resumed run keeps its "
                 "checkpoint's vocabulary"
             )
+        started_from = saved.get("options", {}).get("init_from")
+        if options.init_from and options.init_from != started_from:
+            console.print(
+                f"[yellow]note:[/] --init-from {options.init_from} is not applied: a resumed run continues its "
+                "checkpoint's weights"
+            )
+        return replace(options, init_from=started_from)
+    return options
 
 
 def write_answers(
     options: TrainOptions, requests: list[Any], held_out: list[Any], progress: Progress, console: Console
-) -> tuple[list[Sample], list[Sample]]:
-    """The target's answers through the engine users get (its plan for --device/--dtype): the training samples
-    and the held-out ones (never trained on: held-out tau walks them)."""
+) -> tuple[list[Sample], list[Sample], Any]:
+    """The target's answers through the engine users get (its plan for --device/--dtype): the training samples,
+    the held-out ones (never trained on: held-out tau walks them), and that engine's session."""
     from dflash_cli.loading.session import open_session
 
     run = RunOptions(
@@ -203,9 +170,29 @@ def write_answers(
     if options.follow_ups:
         turns = follow_ups(requests, samples, session.tokenizer, options.follow_ups)
         samples += distill(session, run, turns, directory, progress, "follow-up turns")
-    del session  # (before the training target loads: a large target is not held twice)
-    gc.collect()
-    return samples, held
+    return samples, held, session
+
+
+def served_features(
+    session: Any, options: TrainOptions, checkpoint: Path, samples: list[Sample], progress: Progress
+) -> FeatureStore | None:
+    """Where the target is served quantized on a CPU (its training copy holds the weights dequantized), the
+    samples' features from the served engine's prefill into a store named for its weights; None elsewhere (the
+    training target computes them: it is what is served)."""
+    plan = session.plan
+    if torch.device(plan.device).type != "cpu" or plan.quant is Quant.NONE:
+        return None
+    config = session.target.config.get_text_config()
+    layer_ids = feature_layer_ids(options, checkpoint, config)
+    store = FeatureStore(
+        Path(options.output) / DISTILL_DIR, layer_ids, len(layer_ids) * config.hidden_size, plan.quant.value
+    )
+    source = ServedFeatures(session.target, layer_ids)
+    try:
+        store.add(source, samples, progress)
+    finally:
+        source.close()
+    return store
 
 
 def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
@@ -220,10 +207,10 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     checkpoint = output / CHECKPOINT_DIR
     recover_checkpoint(checkpoint)
     requests, held_out = split_prompts(options.prompts, options.eval_prompts_file, options.eval_prompts)
-    _check_resume(options, output, console)
+    options = _check_resume(options, output, console)
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     with Progress(*COLUMNS, console=console) as progress:
-        samples, held = write_answers(options, requests, held_out, progress, console)
+        samples, held, session = write_answers(options, requests, held_out, progress, console)
         samples = [s for s in samples if len(s.response_ids) >= 2]
         held = [s for s in held if len(s.response_ids) >= 2]
         if not samples:
@@ -231,6 +218,9 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
                 "the target produced no usable responses (all shorter than 2 tokens)",
                 fix="check the prompts and --max-tokens",
             )
+        store = served_features(session, options, checkpoint, samples + held, progress)
+        del session  # (before the training target loads: a large target is not held twice)
+        gc.collect()
         dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
         target, tokenizer = open_target(options.target, options.device, dtype, console)
         # No more threads than free cores: oversubscribed, torch's thread pools spin against each other (on 2 cores,
@@ -243,10 +233,19 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             if options.resume
             else draft_vocabulary((s.ids for s in samples), options.draft_vocab)
         )
-        drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id), vocab)
+        if options.resume and options.init_from:  # shaped as its checkpoint (load_checkpoint then loads it)
+            drafter = started_drafter(target, checkpoint / DRAFTER_DIR, options, vocab)
+        elif options.init_from:
+            start = init_drafter_dir(options.init_from)
+            drafter = started_drafter(target, start, options, vocab)
+            progress.console.print(f"Starting from the drafter in {start} ({describe_shape(drafter.config)})")
+        else:
+            drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id), vocab)
         drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)
-        store = FeatureStore(output / DISTILL_DIR, drafter.config.target_layer_ids, drafter.fc.in_features)
-        store.add(target, samples + held, progress)
+        if store is None:
+            store = FeatureStore(output / DISTILL_DIR, drafter.config.target_layer_ids, drafter.fc.in_features)
+            store.add(ForwardFeatures(target, store.layer_ids), samples + held, progress)
+        assert store.layer_ids == drafter.config.target_layer_ids, (store.layer_ids, drafter.config.target_layer_ids)
         store.attach(samples + held)
         keep_features_on(drafter.fc.weight.device, samples + held)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=options.lr, weight_decay=0.0, betas=(0.9, 0.95))

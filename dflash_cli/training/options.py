@@ -39,6 +39,7 @@ class TrainOptions:
     eval_prompts_file: str | None = None
     checkpoint_every: int = 200
     resume: bool = False
+    init_from: str | None = None  # a new run starts from this drafter's weights and shape (a recipe, dir or repo id)
     mask_token_id: int | None = None
     seed: int = 0
     device: str = "cpu"

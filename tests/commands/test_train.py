@@ -17,6 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 from rich.progress import Progress
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
@@ -34,8 +35,9 @@ from dflash_cli.training import checkpoint as checkpoints
 from dflash_cli.training import loop as training
 from dflash_cli.training.data import block_attention_mask, make_batch
 from dflash_cli.training.distill import ANSWERS_FILE, FOLLOW_UPS, Sample, distill
-from dflash_cli.training.features import FeatureStore
-from dflash_cli.training.loop import new_drafter, open_target
+from dflash_cli.training.drafters import new_drafter, started_drafter
+from dflash_cli.training.features import FeatureStore, ForwardFeatures, ServedFeatures
+from dflash_cli.training.loop import open_target
 from dflash_cli.training.objective import (
     decay_progress,
     dflash_loss,
@@ -170,7 +172,7 @@ def test_distill_answers_through_the_engine_and_caches_answers_and_features(
         assert len((tmp_path / ANSWERS_FILE).read_text().splitlines()) == 6
 
         store = FeatureStore(tmp_path, [0, 1], 2 * target.config.hidden_size)
-        store.add(target, first, progress)
+        store.add(ForwardFeatures(target, [0, 1]), first, progress)
         store.attach(first)
         reopened = FeatureStore(tmp_path, [0, 1], 2 * target.config.hidden_size)
         assert not reopened.missing(again)  # a later run reads them
@@ -200,14 +202,20 @@ def test_runs_sharing_a_feature_store_each_read_their_own_samples_features(
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     first, second = FeatureStore(tmp_path / "a", [0, 1], width), FeatureStore(tmp_path / "a", [0, 1], width)
     with Progress(disable=True) as progress:
-        first.add(target, samples[0::2], progress)
-        second.add(target, samples[1::3], progress)  # (two of them the first's: stored already)
+        first.add(ForwardFeatures(target, [0, 1]), samples[0::2], progress)
+        second.add(
+            ForwardFeatures(target, [0, 1]), samples[1::3], progress
+        )  # (two of them the first's: stored already)
         with first.data.open("ab") as stopped:  # a writer stopped between its rows and its index
             stopped.write(b"\x7f" * 6 * width)
         extra = Sample("extra", [5, 6, 7], [8, 9, 10, 11])
-        FeatureStore(tmp_path / "a", [0, 1], width).add(target, [extra], progress)  # writes over them
+        FeatureStore(tmp_path / "a", [0, 1], width).add(
+            ForwardFeatures(target, [0, 1]), [extra], progress
+        )  # writes over them
         threads = [FeatureStore(tmp_path / "b", [0, 1], width) for _ in range(2)]
-        workers = [threading.Thread(target=s.add, args=(target, samples, progress)) for s in threads]
+        workers = [
+            threading.Thread(target=s.add, args=(ForwardFeatures(target, [0, 1]), samples, progress)) for s in threads
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -446,6 +454,63 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
         train(options(tiny_qwen3_dir, prompt_file, out, steps=10, block_size=6, resume=True))
 
 
+def test_a_run_can_start_from_another_drafters_weights(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    train(options(tiny_qwen3_dir, prompt_file, first, steps=3, feature_layers=3, mask_token_id=7))
+    trained = load_file(str(first / "drafter" / "model.safetensors"))
+    target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
+
+    # Its weights exactly, its shape and MASK token (the run's --layers/--feature-layers do not apply), the run's
+    # block size and draft vocabulary (neither is among the weights).
+    later = options(tiny_qwen3_dir, prompt_file, tmp_path / "later", layers=2, feature_layers=1, block_size=6)
+    vocab = torch.tensor([3, 5, 7, 9, 11])
+    started = started_drafter(target, first / "drafter", later, vocab)
+    assert {k: v.float() for k, v in trained.items()}.keys() == started.state_dict().keys()
+    assert all(torch.equal(trained[k].float(), v) for k, v in started.state_dict().items())
+    saved = json.loads((first / "drafter" / "config.json").read_text())
+    assert (
+        started.config.num_hidden_layers == 1
+        and started.config.target_layer_ids == saved["dflash_config"]["target_layer_ids"]
+    )
+    assert started.mask_token_id == 7 and started.block_size == 6 and started.draft_vocab.tolist() == vocab.tolist()
+
+    # A whole run started from it: its first steps move those weights (a fresh drafter would start elsewhere).
+    said = StringIO()
+    result = train(
+        options(tiny_qwen3_dir, prompt_file, tmp_path / "later", steps=1, init_from=str(first / "drafter")),
+        Console(file=said, width=400),
+    )
+    assert f"Starting from the drafter in {first / 'drafter'} (1 layer" in said.getvalue()
+    after = load_file(str(Path(result.output) / "model.safetensors"))
+    assert after.keys() == trained.keys()
+    moved = max((after[k].float() - trained[k].float()).abs().max().item() for k in trained)
+    assert 0 < moved < 0.05  # one small step away from the drafter it started from
+    said = StringIO()
+    resumed = options(tiny_qwen3_dir, prompt_file, tmp_path / "later", steps=2, resume=True, init_from="x")
+    train(resumed, Console(file=said, width=400))
+    assert "--init-from x is not applied" in said.getvalue()
+    # Resumed again without the flag: still shaped as the drafter it started from, not as the flags say.
+    again = train(options(tiny_qwen3_dir, prompt_file, tmp_path / "later", steps=3, resume=True))
+    assert (
+        again.steps == 3
+        and json.loads((tmp_path / "later" / "drafter" / "config.json").read_text())["dflash_config"]
+        == saved["dflash_config"]
+    )
+
+    # A drafter made for another target, or whose weights its config does not describe: refused, saying which.
+    other = tmp_path / "other"
+    shutil.copytree(first / "drafter", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_target_layers": 99}))
+    with pytest.raises(DflashError, match="a drafter for another target .num_target_layers 99"):
+        started_drafter(target, other, later)
+    (other / "config.json").write_text(
+        json.dumps({**config, "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})
+    )
+    with pytest.raises(DflashError, match="its weights do not match its config.json .missing .'layers.1"):
+        started_drafter(target, other, later)
+
+
 def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
     tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -680,8 +745,29 @@ def test_a_target_served_quantized_trains_unquantized(
     )
     target, _ = open_target("tiny-int4", "cpu", "bfloat16")
     assert not [m for m in target.modules() if hasattr(m, "weight_buffers")]  # (engine.kernels.quantized's layers)
-    result = train(options(tiny_qwen3_dir, prompt_file, tmp_path / "run", target="tiny-int4", steps=2, eval_prompts=0))
+    out = tmp_path / "run"
+    result = train(options(tiny_qwen3_dir, prompt_file, out, target="tiny-int4", steps=2, eval_prompts=0))
     assert result.steps == 2 and math.isfinite(result.final_loss)
+
+    # Its features are the served engine's (int4 kernels), the rows the drafter reads when it drafts, not the
+    # dequantized training copy's: stored apart, under the served weights' name.
+    layer_ids = json.loads((out / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    width = len(layer_ids) * target.config.hidden_size
+    assert [p.name for p in (out / "distill").glob("features-*.bin")] == [
+        "features-L" + "-".join(map(str, layer_ids)) + "-int4.bin"
+    ]
+    records = [json.loads(line) for line in (out / "distill" / ANSWERS_FILE).open()]
+    stored = [Sample(r["key"], r["prompt_ids"], r["response_ids"]) for r in records if len(r["response_ids"]) >= 2]
+    FeatureStore(out / "distill", layer_ids, width, "int4").attach(stored)
+    served = open_session(RunOptions(recipe_name="tiny-int4", no_spec=True))
+    source = ServedFeatures(served.target, layer_ids)
+    try:
+        for sample, rows in zip(stored, source.rows([s.ids for s in stored]), strict=True):
+            assert torch.equal(sample.features, rows.to(torch.bfloat16))
+    finally:
+        source.close()
+    forward = ForwardFeatures(target, layer_ids).rows([s.ids for s in stored])
+    assert any(not torch.equal(s.features, rows.to(torch.bfloat16)) for s, rows in zip(stored, forward))
 
 
 def test_prompts_are_rendered_as_the_recipe_serves_them(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:

@@ -1,0 +1,152 @@
+"""The drafter a training run trains: a new one shaped by the run's flags, or one started from another drafter's
+weights (--init-from), and the target layers it reads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash_cli.errors import DflashError
+from dflash_cli.training.options import DRAFTER_DIR, TrainOptions
+
+
+def new_drafter(
+    target: Any, options: TrainOptions, mask_token_id: int, vocab: torch.Tensor | None = None
+) -> DFlashDrafter:
+    """A drafter shaped by `options` for the target, its layers initialised at random; `vocab`: the target ids it
+    may propose (objective.draft_vocabulary), None for all of them."""
+    tcfg = target.config.get_text_config()
+    config = DrafterConfig.for_target(
+        tcfg,
+        layers=options.layers,
+        block_size=options.block_size,
+        mask_token_id=mask_token_id,
+        feature_layers=options.feature_layers,
+        vocab_size=target.get_input_embeddings().num_embeddings,
+        draft_vocab_size=None if vocab is None else len(vocab),
+        rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=float(
+            (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", getattr(tcfg, "rope_theta", 1e6))
+        ),
+    )
+    torch.manual_seed(options.seed)
+    drafter = DFlashDrafter(config)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    if vocab is not None:
+        drafter.use_vocabulary(vocab)
+    drafter.bind(target)
+    return drafter
+
+
+def started_drafter(
+    target: Any, directory: Path, options: TrainOptions, vocab: torch.Tensor | None = None
+) -> DFlashDrafter:
+    """A new run's drafter started from the weights of the drafter in `directory` (--init-from): its layers, the
+    target layers it reads and its MASK token, with the run's block size and draft vocabulary (neither is among the
+    weights). It must have been made for this target's shape."""
+    from dflash_cli.loading.checkpoint import read_drafter_config, read_drafter_weights
+
+    config = read_drafter_config(directory)
+    if config.is_dflash2:
+        raise DflashError(
+            f"--init-from {directory}: a DFlash2 drafter; dflash trains classic DFlash drafters only",
+            fix="start from a classic DFlash drafter, or drop --init-from to train one from scratch",
+        )
+    tcfg = target.config.get_text_config()
+    theirs = {
+        "hidden_size": tcfg.hidden_size,
+        "num_target_layers": tcfg.num_hidden_layers,
+        "vocab_size": target.get_input_embeddings().num_embeddings,
+    }
+    clash = [
+        f"{name} {getattr(config, name)} (the target's {value})"
+        for name, value in theirs.items()
+        if getattr(config, name) != value
+    ]
+    if clash:
+        raise DflashError(
+            f"--init-from {directory}: a drafter for another target ({', '.join(clash)})",
+            fix="start from a drafter made for this target (its recipe's, or one `dflash train` wrote), or drop "
+            "--init-from",
+        )
+    config = replace(config, block_size=options.block_size, draft_vocab_size=None if vocab is None else len(vocab))
+    drafter = DFlashDrafter(config)
+    weights = read_drafter_weights(directory)
+    mine = set(drafter.state_dict())
+    if mine != set(weights):
+        missing, unexpected = sorted(mine - set(weights)), sorted(set(weights) - mine)
+        raise DflashError(
+            f"--init-from {directory}: its weights do not match its config.json (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})",
+            fix="point at a whole drafter directory (config.json and safetensors of one checkpoint)",
+        )
+    drafter.load_state_dict({name: value.float() for name, value in weights.items()})
+    if vocab is not None:
+        drafter.use_vocabulary(vocab)
+    drafter.bind(target)
+    return drafter
+
+
+def init_drafter_dir(ref: str) -> Path:
+    """Where --init-from's drafter is: a recipe's drafter by the recipe's name or alias (`--init-from demo`), else a
+    drafter directory or Hugging Face repo id."""
+    from dflash_cli.loading.hub import resolve_model_dir
+    from dflash_cli.loading.models import resolve_ref
+    from dflash_cli.setup.recipes import recipe_for_target
+
+    known = recipe_for_target(ref)
+    if known is not None and ref.strip().lower() in (known.name, *known.aliases):
+        if known.drafter is None:
+            raise DflashError(
+                f"--init-from {ref}: the recipe has no drafter", fix="name a drafter directory or repo id"
+            )
+        return resolve_ref(known.drafter, "drafter")
+    return resolve_model_dir(ref, what="drafter")
+
+
+def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
+    """A token the drafter uses as MASK: the tokenizer's own, else the least chat-like special token.
+
+    Vocabularies without a MASK token still carry pretraining-only special tokens that never occur in
+    chat; the drafter learns what the id means from its position in the block, so any such id works.
+    """
+    if requested is not None:
+        return requested
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    in_use = {tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    special = [i for i in tokenizer.all_special_ids if i not in in_use]
+    added = sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in in_use)
+    spare = (added or special)[-1:]  # the last added special token: the most specialised one
+    if not spare:
+        raise DflashError(
+            "the tokenizer has no spare special token to use as MASK",
+            fix="pass --mask-token-id ID (a token that never appears in chat)",
+        )
+    return spare[0]
+
+
+def feature_layer_ids(options: TrainOptions, checkpoint: Path, target_config: Any) -> list[int]:
+    """The target layers the run's drafter reads: those of the drafter it started from (--init-from), else
+    --feature-layers of them evenly spaced (as new_drafter shapes it)."""
+    from dflash_cli.loading.checkpoint import read_drafter_config
+
+    if options.init_from:
+        started = checkpoint / DRAFTER_DIR if options.resume else init_drafter_dir(options.init_from)
+        return read_drafter_config(started).target_layer_ids
+    count = target_config.num_hidden_layers
+    return default_target_layer_ids(count, min(options.feature_layers, count))
+
+
+def describe_shape(config: DrafterConfig) -> str:
+    """A drafter's shape as the run's flags would set it."""
+    return (
+        f"{config.num_hidden_layers} layer{'s' if config.num_hidden_layers != 1 else ''}, target layers "
+        f"{config.target_layer_ids}, MASK token {config.mask_token_id}"
+    )

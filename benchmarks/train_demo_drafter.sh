@@ -10,6 +10,10 @@
 # so a new machine skips them (about 95 answers a minute on one quiet core, batches of 16); a run trains on the
 # prompts already answered (ANSWERED_ONLY=1, the default: prose lines the gz lacks wait) or answers the rest first
 # (ANSWERED_ONLY=0). An OUTPUT_DIR keeps the prompts-all.jsonl it was first given (delete it to take a longer set).
+# The features come from the served engine's prefill (int4 kernels), computed once into OUTPUT_DIR/distill (about
+# 1,200 positions a second on 2 cores: the 17,260 first-turn answers, 2.55M positions, in about 35 minutes). INIT
+# names a drafter the run starts from (--init-from: `demo` for the shipped one, or an earlier run's
+# OUTPUT_DIR/drafter, which a new machine lacks unless it was shipped); LR is the peak learning rate.
 # Every EVAL_EVERY steps metrics.json's history gets a row (step, CPU seconds, loss, held-out tau and the same on
 # as many training answers), a checkpoint every 200 steps. The drafter
 # proposes from the 8,192 tokens most frequent in the answers (--draft-vocab: a step 3x cheaper, and it learns no
@@ -31,6 +35,8 @@ EVAL_EVERY=${EVAL_EVERY:-2000}
 FOLLOW_UPS=${FOLLOW_UPS:-0}  # follow-up turns per prompt (--follow-ups); the gz holds 8,641 of the first ones
 ANSWERED_ONLY=${ANSWERED_ONLY:-1}
 DEVICE=${DEVICE:-cpu}
+INIT=${INIT:-}
+LR=${LR:-2e-3}
 mkdir -p "$OUT/distill"
 
 # 1. The prompt set (deterministic; licence-clean: our templates + Python's own reference text).
@@ -59,9 +65,9 @@ resume=()
 nice -n 19 python -m dflash_cli train --target demo --prompts "$prompts" \
     --eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts 16 --eval-every "$EVAL_EVERY" \
     --output "$OUT" --layers 1 --feature-layers 5 --block-size 8 --draft-vocab 8192 \
-    --steps "$STEPS" ${MINUTES:+--train-minutes "$MINUTES"} --batch-size 8 --anchors 16 --lr 2e-3 --max-tokens 128 \
+    --steps "$STEPS" ${MINUTES:+--train-minutes "$MINUTES"} --batch-size 8 --anchors 16 --lr "$LR" --max-tokens 128 \
     --checkpoint-every 200 --threads 1 --distill-batch-size 4 --follow-ups "$FOLLOW_UPS" --device "$DEVICE" \
-    "${resume[@]}" \
+    ${INIT:+--init-from "$INIT"} "${resume[@]}" \
     >>"$OUT/train.log" 2>&1
 
 # 4. Ship it (by hand, after comparing held-out tau with the shipped drafter's in metrics.json):

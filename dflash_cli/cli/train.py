@@ -138,10 +138,11 @@ def train(
             "--init-from",
             metavar="DRAFTER",
             show_default=False,
-            help="Start from this drafter's weights instead of random ones: a recipe's name for its drafter (`demo`), "
-            "a drafter directory (an earlier run's DIR/drafter) or a repo id. Its shape (layers, target layers, MASK "
-            "token) is kept, so --layers and --feature-layers do not apply; --block-size and --draft-vocab do. Train "
-            "a published drafter further on your own prompts, or carry a run on where its checkpoint is gone.",
+            help="Start a new run from this drafter's weights instead of random ones: a recipe's name for its drafter "
+            "(`demo`), a drafter directory (an earlier run's DIR/drafter) or a repo id. Its shape (layers, target "
+            "layers, MASK token) is kept, so --layers and --feature-layers do not apply; --block-size and "
+            "--draft-vocab do. --resume goes on from the checkpoint, however it started. Train a published drafter "
+            "further on your own prompts, or carry a run on where its checkpoint is gone.",
         ),
     ] = None,
     device: Annotated[str, typer.Option(callback=check_device, help="cpu, cuda or cuda:N.")] = "cpu",

@@ -44,13 +44,10 @@ def new_drafter(
     return drafter
 
 
-def started_drafter(
-    target: Any, directory: Path, options: TrainOptions, vocab: torch.Tensor | None = None
-) -> DFlashDrafter:
-    """A new run's drafter started from the weights of the drafter in `directory` (--init-from): its layers, the
-    target layers it reads and its MASK token, with the run's block size and draft vocabulary (neither is among the
-    weights). It must have been made for this target's shape."""
-    from dflash_cli.loading.checkpoint import read_drafter_config, read_drafter_weights
+def starting_config(directory: Path, target: Any) -> DrafterConfig:
+    """The config of the drafter in `directory` that a run starts from (--init-from), checked to fit the target:
+    a classic DFlash drafter made for its hidden size, layer count and vocabulary."""
+    from dflash_cli.loading.checkpoint import read_drafter_config
 
     config = read_drafter_config(directory)
     if config.is_dflash2:
@@ -75,6 +72,18 @@ def started_drafter(
             fix="start from a drafter made for this target (its recipe's, or one `dflash train` wrote), or drop "
             "--init-from",
         )
+    return config
+
+
+def started_drafter(
+    target: Any, directory: Path, options: TrainOptions, vocab: torch.Tensor | None = None
+) -> DFlashDrafter:
+    """A drafter started from the weights of the drafter in `directory` (--init-from, or the checkpoint of a run
+    that started so): its layers, the target layers it reads and its MASK token, with the run's block size and
+    draft vocabulary (neither is among the weights)."""
+    from dflash_cli.loading.checkpoint import read_drafter_weights
+
+    config = starting_config(directory, target)
     config = replace(config, block_size=options.block_size, draft_vocab_size=None if vocab is None else len(vocab))
     drafter = DFlashDrafter(config)
     weights = read_drafter_weights(directory)
@@ -132,16 +141,21 @@ def pick_mask_token(tokenizer: Any, requested: int | None) -> int:
     return spare[0]
 
 
-def feature_layer_ids(options: TrainOptions, checkpoint: Path, target_config: Any) -> list[int]:
-    """The target layers the run's drafter reads: those of the drafter it started from (--init-from), else
-    --feature-layers of them evenly spaced (as new_drafter shapes it)."""
+def feature_layer_ids(options: TrainOptions, checkpoint: Path, start: Path | None, target_config: Any) -> list[int]:
+    """The target layers the run's drafter reads: its checkpoint's when resumed, those of the drafter it starts from
+    (`start`, --init-from's), else --feature-layers of them evenly spaced (as new_drafter shapes it)."""
     from dflash_cli.loading.checkpoint import read_drafter_config
 
-    if options.init_from:
-        started = checkpoint / DRAFTER_DIR if options.resume else init_drafter_dir(options.init_from)
-        return read_drafter_config(started).target_layer_ids
-    count = target_config.num_hidden_layers
-    return default_target_layer_ids(count, min(options.feature_layers, count))
+    if options.resume:
+        return read_drafter_config(checkpoint / DRAFTER_DIR).target_layer_ids
+    if start is not None:
+        return read_drafter_config(start).target_layer_ids
+    return flag_layer_ids(options, target_config.num_hidden_layers)
+
+
+def flag_layer_ids(options: TrainOptions, target_layers: int) -> list[int]:
+    """The target layers --feature-layers names: that many of the target's, evenly spaced."""
+    return default_target_layer_ids(target_layers, min(options.feature_layers, target_layers))
 
 
 def describe_shape(config: DrafterConfig) -> str:

@@ -9,7 +9,7 @@ again for nothing. An index beside the file gives each sequence's first row and 
 Where the target is served quantized on a CPU (the demo's int4), the training copy holds its weights dequantized,
 whose bf16 products differ from the served int4/int8 kernels' by about 0.7% of a feature's norm: the features then
 come from the engine's own prefill (`ServedFeatures`, in a store named for those numerics), the rows the drafter
-is given when it drafts, and 2.9x faster there than the bf16 forward (2 cores without AMX).
+is given of a prompt when it drafts, and 2.9x faster there than the bf16 forward (2 cores without AMX).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class ForwardFeatures:
 
 class ServedFeatures:
     """The engine's prefill of each sequence, as dflash serves the target (its plan's weights, kernels and stored
-    steps): what the drafter reads of a prompt when it drafts. Close it to release the target's state."""
+    steps): the features the drafter reads of a prompt when it drafts. Close it to release the target's state."""
 
     batch_tokens = 0  # one sequence a forward: a prefill runs one row
 

@@ -7,9 +7,10 @@ walking it as the decode loop does (from the first answer token, on by each step
 gives decoding's acceptance lengths without the target's forwards: a second where decoding 16 held-out prompts
 took minutes on a CPU. Step for step on the conformance drafter (float32); on the demo's int4 target, decoding
 parts from the walk at some steps of about half the answers (the same answers): 1.593 walked against 1.589 decoded
-for the shipped drafter, 1.596 against 1.533-1.561 for stage B's: the served int8 head and int4 features (2-7% from
-the stored bf16 ones) tip near-ties (benchmarks/results/history.md). A curve to compare runs by; a candidate to
-ship is checked by decoding.
+for the shipped drafter, 1.596 against 1.533-1.561 for stage B's, walked on features of the bf16 forward: the served
+int8 head and int4 features tip near-ties (benchmarks/results/history.md). Runs since walk the served prefill's
+features (training.features.ServedFeatures); decoding's later features come from verify blocks, which the int4/int8
+kernels compute alike at any row count. A curve to compare runs by; a candidate to ship is checked by decoding.
 """
 
 from __future__ import annotations

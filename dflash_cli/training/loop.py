@@ -26,6 +26,7 @@ from rich.progress import (
 
 from dflash_cli.engine.drafter import DFlashDrafter, make_drafter
 from dflash_cli.errors import DflashError
+from dflash_cli.loading.checkpoint import read_drafter_config
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup.choices import Quant
 from dflash_cli.setup.options import RunOptions
@@ -43,10 +44,12 @@ from dflash_cli.training.distill import Sample, distill, follow_ups
 from dflash_cli.training.drafters import (
     describe_shape,
     feature_layer_ids,
+    flag_layer_ids,
     init_drafter_dir,
     new_drafter,
     pick_mask_token,
     started_drafter,
+    starting_config,
 )
 from dflash_cli.training.features import FeatureStore, ForwardFeatures, ServedFeatures
 from dflash_cli.training.held_out import decoded_tau
@@ -144,15 +147,22 @@ def _check_resume(options: TrainOptions, output: Path, console: Console) -> Trai
                 f"[yellow]note:[/] --init-from {options.init_from} is not applied: a resumed run continues its "
                 "checkpoint's weights"
             )
+        if not started_from:  # (refused before the features of other layers are computed)
+            kept = read_drafter_config(checkpoint / DRAFTER_DIR)
+            named = flag_layer_ids(options, kept.num_target_layers)
+            if named != kept.target_layer_ids:
+                raise DflashError(
+                    f"the checkpoint in {checkpoint} reads target layers {kept.target_layer_ids}; --feature-layers "
+                    f"{options.feature_layers} names {named}",
+                    fix="resume with the original run's --feature-layers (see its trainer_state.json), or choose "
+                    "another --output",
+                )
         return replace(options, init_from=started_from)
     return options
 
 
-def write_answers(
-    options: TrainOptions, requests: list[Any], held_out: list[Any], progress: Progress, console: Console
-) -> tuple[list[Sample], list[Sample], Any]:
-    """The target's answers through the engine users get (its plan for --device/--dtype): the training samples,
-    the held-out ones (never trained on: held-out tau walks them), and that engine's session."""
+def answering_session(options: TrainOptions, console: Console) -> tuple[Any, RunOptions]:
+    """The engine users get (its plan for --device/--dtype), as it answers the prompts: greedy, no drafter."""
     from dflash_cli.loading.session import open_session
 
     run = RunOptions(
@@ -162,7 +172,14 @@ def write_answers(
         overrides=PlanOverrides(device=options.device, dtype=options.dtype, batch_size=options.distill_batch_size),
         threads=options.threads,
     )  # greedy: SamplingParams' default temperature
-    session = open_session(run, console, batching=True)
+    return open_session(run, console, batching=True), run
+
+
+def write_answers(
+    session: Any, run: RunOptions, options: TrainOptions, requests: list[Any], held_out: list[Any], progress: Progress
+) -> tuple[list[Sample], list[Sample]]:
+    """The target's answers through the session's engine: the training samples and the held-out ones (never
+    trained on: held-out tau walks them)."""
     directory = Path(options.output) / DISTILL_DIR
     # The held-out answers first: a few, and a run cut short while distilling (a device call's budget) has them.
     held = distill(session, run, held_out, directory, progress, "held-out answers") if held_out else []
@@ -170,20 +187,20 @@ def write_answers(
     if options.follow_ups:
         turns = follow_ups(requests, samples, session.tokenizer, options.follow_ups)
         samples += distill(session, run, turns, directory, progress, "follow-up turns")
-    return samples, held, session
+    return samples, held
 
 
 def served_features(
-    session: Any, options: TrainOptions, checkpoint: Path, samples: list[Sample], progress: Progress
+    session: Any, options: TrainOptions, checkpoint: Path, start: Path | None, samples: list[Sample], progress: Progress
 ) -> FeatureStore | None:
-    """Where the target is served quantized on a CPU (its training copy holds the weights dequantized), the
-    samples' features from the served engine's prefill into a store named for its weights; None elsewhere (the
-    training target computes them: it is what is served)."""
+    """Where the target is served with the CPU's int4/int8 kernels (its training copy holds the weights
+    dequantized), the samples' features from the served engine's prefill into a store named for its weights; None
+    elsewhere (the training target computes them: it is what is served). `start`: the drafter a new run starts from."""
     plan = session.plan
-    if torch.device(plan.device).type != "cpu" or plan.quant is Quant.NONE:
+    if torch.device(plan.device).type != "cpu" or plan.quant not in (Quant.INT4, Quant.INT8):
         return None
     config = session.target.config.get_text_config()
-    layer_ids = feature_layer_ids(options, checkpoint, config)
+    layer_ids = feature_layer_ids(options, checkpoint, start, config)
     store = FeatureStore(
         Path(options.output) / DISTILL_DIR, layer_ids, len(layer_ids) * config.hidden_size, plan.quant.value
     )
@@ -210,7 +227,12 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     options = _check_resume(options, output, console)
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     with Progress(*COLUMNS, console=console) as progress:
-        samples, held, session = write_answers(options, requests, held_out, progress, console)
+        session, run = answering_session(options, console)
+        start = None
+        if options.init_from and not options.resume:  # refused now, before the answers and features are made
+            start = init_drafter_dir(options.init_from)
+            starting_config(start, session.target)
+        samples, held = write_answers(session, run, options, requests, held_out, progress)
         samples = [s for s in samples if len(s.response_ids) >= 2]
         held = [s for s in held if len(s.response_ids) >= 2]
         if not samples:
@@ -218,7 +240,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
                 "the target produced no usable responses (all shorter than 2 tokens)",
                 fix="check the prompts and --max-tokens",
             )
-        store = served_features(session, options, checkpoint, samples + held, progress)
+        store = served_features(session, options, checkpoint, start, samples + held, progress)
         del session  # (before the training target loads: a large target is not held twice)
         gc.collect()
         dtype = options.dtype or str(serving_dtype(options.device)).removeprefix("torch.")
@@ -235,8 +257,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         )
         if options.resume and options.init_from:  # shaped as its checkpoint (load_checkpoint then loads it)
             drafter = started_drafter(target, checkpoint / DRAFTER_DIR, options, vocab)
-        elif options.init_from:
-            start = init_drafter_dir(options.init_from)
+        elif start is not None:
             drafter = started_drafter(target, start, options, vocab)
             progress.console.print(f"Starting from the drafter in {start} ({describe_shape(drafter.config)})")
         else:

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import threading
+from dataclasses import replace
 from io import StringIO
 from pathlib import Path
 
@@ -452,6 +453,10 @@ def test_train_saves_a_loadable_drafter_and_resumes(tiny_qwen3_dir: Path, prompt
     assert "other settings" not in said.getvalue()
     with pytest.raises(DflashError, match="other settings"):
         train(options(tiny_qwen3_dir, prompt_file, out, steps=10, block_size=6, resume=True))
+    # Other target layers: refused before their features are computed.
+    with pytest.raises(DflashError, match=r"reads target layers \[.*\]; --feature-layers 1 names"):
+        train(options(tiny_qwen3_dir, prompt_file, out, steps=10, feature_layers=1, resume=True))
+    assert len(list((out / "distill").glob("features-*.bin"))) == 1
 
 
 def test_a_run_can_start_from_another_drafters_weights(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
@@ -496,6 +501,15 @@ def test_a_run_can_start_from_another_drafters_weights(tiny_qwen3_dir: Path, pro
         and json.loads((tmp_path / "later" / "drafter" / "config.json").read_text())["dflash_config"]
         == saved["dflash_config"]
     )
+
+    # A drafter made for another target: refused before the target answers anything (a long distillation).
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(first / "drafter", elsewhere)
+    config = json.loads((elsewhere / "config.json").read_text())
+    (elsewhere / "config.json").write_text(json.dumps({**config, "hidden_size": 8}))
+    with pytest.raises(DflashError, match="a drafter for another target .hidden_size 8"):
+        train(options(tiny_qwen3_dir, prompt_file, tmp_path / "refused", init_from=str(elsewhere)))
+    assert not (tmp_path / "refused" / "distill" / ANSWERS_FILE).exists()
 
     # A drafter made for another target, or whose weights its config does not describe: refused, saying which.
     other = tmp_path / "other"
@@ -746,7 +760,9 @@ def test_a_target_served_quantized_trains_unquantized(
     target, _ = open_target("tiny-int4", "cpu", "bfloat16")
     assert not [m for m in target.modules() if hasattr(m, "weight_buffers")]  # (engine.kernels.quantized's layers)
     out = tmp_path / "run"
-    result = train(options(tiny_qwen3_dir, prompt_file, out, target="tiny-int4", steps=2, eval_prompts=0))
+    result = train(
+        options(tiny_qwen3_dir, prompt_file, out, target="tiny-int4", steps=2, eval_prompts=0, feature_layers=1)
+    )
     assert result.steps == 2 and math.isfinite(result.final_loss)
 
     # Its features are the served engine's (int4 kernels), the rows the drafter reads when it drafts, not the
@@ -768,6 +784,17 @@ def test_a_target_served_quantized_trains_unquantized(
         source.close()
     forward = ForwardFeatures(target, layer_ids).rows([s.ids for s in stored])
     assert any(not torch.equal(s.features, rows.to(torch.bfloat16)) for s, rows in zip(stored, forward))
+
+    # A run started from that drafter (its one target layer, where the flags name two) stores the features of
+    # its layer, and so does its resume without the flag.
+    later = tmp_path / "later"
+    started = options(tiny_qwen3_dir, prompt_file, later, target="tiny-int4", steps=1, eval_prompts=0)
+    train(replace(started, init_from=str(out / "drafter")))
+    train(replace(started, steps=2, resume=True))
+    assert layer_ids == [1] and started.feature_layers == 2
+    assert [p.name for p in (later / "distill").glob("features-*.bin")] == [
+        "features-L" + "-".join(map(str, layer_ids)) + "-int4.bin"
+    ]
 
 
 def test_prompts_are_rendered_as_the_recipe_serves_them(tiny_recipe: str, prompt_file: Path, tmp_path: Path) -> None:

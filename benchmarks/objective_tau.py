@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchors", type=int, default=16)
     parser.add_argument("--block-size", type=int, help="default: each drafter's")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--features",
+        choices=["int4", "int8", "forward"],
+        help="the stored features to read: the served engine's prefill (int4/int8: what `dflash train` stores for a "
+        "target served with the CPU's kernels) or the training target's forward (older runs); default: the first "
+        "the run holds, in that order",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -50,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.drafters:
         drafter = load_drafter(str(path), target).float().eval()
         width = len(drafter.config.target_layer_ids) * target.config.hidden_size
-        store = FeatureStore(distill, drafter.config.target_layer_ids, width)
+        kinds = [args.features] if args.features else ["int4", "int8", "forward"]
+        stores = [
+            FeatureStore(distill, drafter.config.target_layer_ids, width, k.replace("forward", "")) for k in kinds
+        ]
+        store = next((s for s in stores if s.rows), stores[0])
         by_key: dict[str, Sample] = {}
         for record in records:  # (a prompt may have answers by several producers: the one its features are of)
             sample = Sample(record["key"], record["prompt_ids"], record["response_ids"])

@@ -7,9 +7,10 @@ outgrow host memory, and a later run (another drafter shape reading the same lay
 again for nothing. An index beside the file gives each sequence's first row and row count.
 
 Where the target is served quantized on a CPU (the demo's int4), the training copy holds its weights dequantized,
-whose bf16 products differ from the served int4/int8 kernels' by about 0.7% of a feature's norm: the features then
-come from the engine's own prefill (`ServedFeatures`, in a store named for those numerics), the rows the drafter
-is given of a prompt when it drafts, and 2.9x faster there than the bf16 forward (2 cores without AMX).
+whose bf16 products differ from the served int4/int8 kernels' by 2.8% a row on average: the features then come
+from the engine's own prefill (`ServedFeatures`, in a store named for those numerics), which gave a traced decode's
+features bit for bit (benchmarks/results/history.md), and 2.9x faster there than the bf16 forward (2 cores without
+AMX).
 """
 
 from __future__ import annotations

@@ -132,6 +132,17 @@ def train(
             "--resume", help="Continue the checkpoint in --output (from the learning rate it stopped at, never higher)."
         ),
     ] = False,
+    mask_token_id: Annotated[
+        int | None,
+        typer.Option(
+            "--mask-token-id",
+            min=0,
+            metavar="ID",
+            show_default=False,
+            help="The token the drafter reads as MASK (a token that never appears in chat; default: the tokenizer's "
+            "mask token, else its last spare special token).",
+        ),
+    ] = None,
     init_from: Annotated[
         str | None,
         typer.Option(
@@ -193,6 +204,7 @@ def train(
         checkpoint_every=checkpoint_every,
         resume=resume,
         init_from=init_from,
+        mask_token_id=mask_token_id,
         device=device,
         dtype=dtype,
         threads=threads,

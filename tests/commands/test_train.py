@@ -713,10 +713,13 @@ def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path:
         "2",
         "--threads",
         "1",
+        "--mask-token-id",
+        "7",
         "--json",
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+    assert json.loads((out / "drafter" / "config.json").read_text())["dflash_config"]["mask_token_id"] == 7
     data = json.loads(result.stdout)
     assert data["steps"] == 3 and data["eval_prompts"] == 2
     assert "Threads: 1 thread: --threads" in result.stderr  # (the plan's line, as chat and run print it)

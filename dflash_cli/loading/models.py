@@ -38,9 +38,10 @@ from dflash_cli.setup.sizes import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from dflash_cli.engine.drafter import DFlashDrafter
+    from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig
     from dflash_cli.setup.planning import Plan
     from dflash_cli.setup.recipes import ModelRef, Recipe
 
@@ -334,21 +335,9 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
 
     directory = resolve_model_dir(str(path_or_repo_id), revision=revision, what="drafter")
     config = read_drafter_config(directory)
-    state = read_drafter_weights(directory)
-    for name in ("predecessor_codebook", "successor_codebook"):  # also accept an nn.Embedding-style save
-        key = f"candidate_selector.{name}"
-        if key + ".weight" in state and key not in state:
-            state[key] = state.pop(key + ".weight")
+    state = drafter_weights(directory, config)
     with torch.device("meta"):
         drafter = make_drafter(config)
-    expected = set(drafter.state_dict())
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
-        raise DflashError(
-            f"drafter weights in {directory} do not match its config: "
-            f"missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}",
-            fix="check that config.json and the safetensors come from the same checkpoint",
-        )
     device = target.get_input_embeddings().weight.device
     dtype = compute_dtype(target)
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
@@ -357,6 +346,29 @@ def load_drafter(path_or_repo_id: str | Path, target: PreTrainedModel, *, revisi
     drafter.to(device=device, dtype=dtype)
     drafter.bind(target)
     return drafter.eval()
+
+
+def drafter_weights(directory: Path, config: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The weights of the drafter in `directory`, checked to be exactly those its `config` describes."""
+    import torch
+
+    from dflash_cli.engine.drafter import make_drafter
+
+    state = read_drafter_weights(directory)
+    for name in ("predecessor_codebook", "successor_codebook"):  # also accept an nn.Embedding-style save
+        key = f"candidate_selector.{name}"
+        if key + ".weight" in state and key not in state:
+            state[key] = state.pop(key + ".weight")
+    with torch.device("meta"):
+        expected = set(make_drafter(config).state_dict())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise DflashError(
+            f"drafter weights in {directory} do not match its config: "
+            f"missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}",
+            fix="check that config.json and the safetensors come from the same checkpoint",
+        )
+    return state
 
 
 def resolve_ref(ref: ModelRef, what: str, console: Console | None = None) -> Path:

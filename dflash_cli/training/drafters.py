@@ -25,7 +25,7 @@ def new_drafter(
         layers=options.layers,
         block_size=options.block_size,
         mask_token_id=mask_token_id,
-        feature_layers=options.feature_layers,
+        target_layer_ids=flag_layer_ids(options, tcfg.num_hidden_layers),
         vocab_size=target.get_input_embeddings().num_embeddings,
         draft_vocab_size=None if vocab is None else len(vocab),
         rms_norm_eps=tcfg.rms_norm_eps,
@@ -81,20 +81,12 @@ def started_drafter(
     """A drafter started from the weights of the drafter in `directory` (--init-from, or the checkpoint of a run
     that started so): its layers, the target layers it reads and its MASK token, with the run's block size and
     draft vocabulary (neither is among the weights)."""
-    from dflash_cli.loading.checkpoint import read_drafter_weights
+    from dflash_cli.loading.models import drafter_weights
 
     config = starting_config(directory, target)
     config = replace(config, block_size=options.block_size, draft_vocab_size=None if vocab is None else len(vocab))
+    weights = drafter_weights(directory, config)
     drafter = DFlashDrafter(config)
-    weights = read_drafter_weights(directory)
-    mine = set(drafter.state_dict())
-    if mine != set(weights):
-        missing, unexpected = sorted(mine - set(weights)), sorted(set(weights) - mine)
-        raise DflashError(
-            f"--init-from {directory}: its weights do not match its config.json (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})",
-            fix="point at a whole drafter directory (config.json and safetensors of one checkpoint)",
-        )
     drafter.load_state_dict({name: value.float() for name, value in weights.items()})
     if vocab is not None:
         drafter.use_vocabulary(vocab)

@@ -37,9 +37,14 @@ def train(
         ),
     ],
     layers: Annotated[
-        int,
-        typer.Option(min=1, help="Drafter decoder layers (published drafters use 5; 1-2 is enough for small targets)."),
-    ] = 1,
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Drafter decoder layers (default: 1; published drafters use 5, 1-2 is enough for small targets). "
+            "With --init-from, more than its drafter has grows it: new layers on top that start by changing nothing.",
+        ),
+    ] = None,
     feature_layers: Annotated[
         int, typer.Option(min=1, help="Target layers whose hidden states the drafter reads (evenly spaced).")
     ] = 5,
@@ -65,6 +70,17 @@ def train(
     anchors: Annotated[
         int, typer.Option(min=1, help="Draft blocks per sequence per step (random anchors in the response).")
     ] = 16,
+    loss_gamma: Annotated[
+        float | None,
+        typer.Option(
+            "--loss-gamma",
+            min=0.1,
+            show_default=False,
+            help="How fast the loss weight of a block's positions decays: exp(-(k-1)/GAMMA) for the k-th drafted token "
+            "(default: the published 4 for --block-size 8, 7 for 16, else half the block). Smaller puts the weight on "
+            "the first drafts, which a drafter accepting under 2 tokens a step mostly is.",
+        ),
+    ] = None,
     max_new_tokens: Annotated[
         int,
         typer.Option(
@@ -151,8 +167,8 @@ def train(
             show_default=False,
             help="Start a new run from this drafter's weights instead of random ones: a recipe's name for its drafter "
             "(`demo`), a drafter directory (an earlier run's DIR/drafter) or a repo id. Its shape (layers, target "
-            "layers, MASK token) is kept, so --layers and --feature-layers do not apply; --block-size and "
-            "--draft-vocab do. --resume goes on from the checkpoint, however it started. Train a published drafter "
+            "layers, MASK token) is kept, so --feature-layers does not apply; --layers may add layers on top; "
+            "--block-size and --draft-vocab apply. --resume goes on from the checkpoint, however it started. Train a published drafter "
             "further on your own prompts, or carry a run on where its checkpoint is gone.",
         ),
     ] = None,
@@ -194,6 +210,7 @@ def train(
         batch_size=batch_size,
         lr=lr,
         anchors_per_sequence=anchors,
+        gamma=loss_gamma,
         max_new_tokens=max_new_tokens,
         distill_batch_size=distill_batch_size,
         follow_ups=follow_ups,

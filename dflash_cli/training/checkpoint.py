@@ -70,6 +70,7 @@ LEARNING_FLAGS = {
     "batch_size": "--batch-size",
     "lr": "--lr",
     "anchors_per_sequence": "--anchors",
+    "gamma": "--loss-gamma",
 }
 
 

@@ -22,7 +22,7 @@ def new_drafter(
     tcfg = target.config.get_text_config()
     config = DrafterConfig.for_target(
         tcfg,
-        layers=options.layers,
+        layers=options.layers or 1,
         block_size=options.block_size,
         mask_token_id=mask_token_id,
         target_layer_ids=flag_layer_ids(options, tcfg.num_hidden_layers),
@@ -44,9 +44,10 @@ def new_drafter(
     return drafter
 
 
-def starting_config(directory: Path, target: Any) -> DrafterConfig:
+def starting_config(directory: Path, target: Any, layers: int | None = None) -> DrafterConfig:
     """The config of the drafter in `directory` that a run starts from (--init-from), checked to fit the target:
-    a classic DFlash drafter made for its hidden size, layer count and vocabulary."""
+    a classic DFlash drafter made for its hidden size, layer count and vocabulary, with no more layers than
+    `layers` (--layers; None: any)."""
     from dflash_cli.loading.checkpoint import read_drafter_config
 
     config = read_drafter_config(directory)
@@ -72,6 +73,13 @@ def starting_config(directory: Path, target: Any) -> DrafterConfig:
             fix="start from a drafter made for this target (its recipe's, or one `dflash train` wrote), or drop "
             "--init-from",
         )
+    if layers is not None and layers < config.num_hidden_layers:
+        raise DflashError(
+            f"--layers {layers}: the drafter in {directory} has {config.num_hidden_layers} layers, and a run keeps "
+            "the layers it starts from",
+            fix=f"drop --layers (or pass {config.num_hidden_layers} or more: more grows it), or drop --init-from to "
+            "train a new drafter",
+        )
     return config
 
 
@@ -80,14 +88,32 @@ def started_drafter(
 ) -> DFlashDrafter:
     """A drafter started from the weights of the drafter in `directory` (--init-from, or the checkpoint of a run
     that started so): its layers, the target layers it reads and its MASK token, with the run's block size and
-    draft vocabulary (neither is among the weights)."""
+    draft vocabulary (neither is among the weights). --layers above its own grows it: new layers on top whose
+    output projections start at zero, so the grown drafter drafts exactly as the one it starts from and the run
+    trains the added depth from there (not from a random drafter's tau of about 1)."""
     from dflash_cli.loading.models import drafter_weights
 
-    config = starting_config(directory, target)
+    config = starting_config(directory, target, options.layers)
     config = replace(config, block_size=options.block_size, draft_vocab_size=None if vocab is None else len(vocab))
     weights = drafter_weights(directory, config)
+    kept, layers = config.num_hidden_layers, options.layers or config.num_hidden_layers
+    config = replace(
+        config, num_hidden_layers=layers, layer_types=[*config.layer_types, *["full_attention"] * (layers - kept)]
+    )
+    torch.manual_seed(options.seed)
     drafter = DFlashDrafter(config)
-    drafter.load_state_dict({name: value.float() for name, value in weights.items()})
+    for layer in drafter.layers[kept:]:
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.normal_(module.weight, std=0.02)
+        for output in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            for tensor in (output.weight, output.bias):
+                if tensor is not None:
+                    torch.nn.init.zeros_(tensor)
+    missing, unexpected = drafter.load_state_dict(
+        {name: value.float() for name, value in weights.items()}, strict=False
+    )
+    assert not unexpected and all(int(name.split(".")[1]) >= kept for name in missing), (missing, unexpected)
     if vocab is not None:
         drafter.use_vocabulary(vocab)
     drafter.bind(target)

@@ -157,7 +157,14 @@ def _check_resume(options: TrainOptions, output: Path, console: Console) -> Trai
                     fix="resume with the original run's --feature-layers (see its trainer_state.json), or choose "
                     "another --output",
                 )
-        return replace(options, init_from=started_from)
+        # The drafter's depth is its checkpoint's (a grown one's included); naming another would not load.
+        depth = read_drafter_config(checkpoint / DRAFTER_DIR).num_hidden_layers
+        if options.layers not in (None, depth):
+            raise DflashError(
+                f"--layers {options.layers}: the checkpoint in {checkpoint} has a drafter of {depth} layers",
+                fix=f"drop --layers (a resumed run keeps its checkpoint's {depth}), or choose another --output",
+            )
+        return replace(options, init_from=started_from, layers=depth)
     return options
 
 
@@ -231,7 +238,7 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         start = None
         if options.init_from and not options.resume:  # refused now, before the answers and features are made
             start = init_drafter_dir(options.init_from)
-            starting_config(start, session.target)
+            starting_config(start, session.target, options.layers)
         samples, held = write_answers(session, run, options, requests, held_out, progress)
         samples = [s for s in samples if len(s.response_ids) >= 2]
         held = [s for s in held if len(s.response_ids) >= 2]
@@ -259,7 +266,9 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             drafter = started_drafter(target, checkpoint / DRAFTER_DIR, options, vocab)
         elif start is not None:
             drafter = started_drafter(target, start, options, vocab)
-            progress.console.print(f"Starting from the drafter in {start} ({describe_shape(drafter.config)})")
+            added = drafter.config.num_hidden_layers - read_drafter_config(start).num_hidden_layers
+            grown = f"; {added} layer{'s' if added != 1 else ''} added on top" if added else ""
+            progress.console.print(f"Starting from the drafter in {start} ({describe_shape(drafter.config)}{grown})")
         else:
             drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id), vocab)
         drafter.to(target.get_input_embeddings().weight.device)  # (trains where the target's features are)

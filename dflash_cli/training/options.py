@@ -18,7 +18,7 @@ class TrainOptions:
     target: str
     prompts: str
     output: str
-    layers: int = 1
+    layers: int | None = None  # drafter layers (None: 1 for a new drafter, --init-from's own for a started one)
     feature_layers: int = 5
     block_size: int = 8
     draft_vocab: int = 32768  # tokens the drafter may propose (objective.draft_vocabulary; 0: the whole vocabulary)

@@ -305,6 +305,27 @@ def test_loss_goes_down(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path)
     assert 1.0 <= stats["tau"] <= opts.block_size
 
 
+def test_loss_gamma_weights_each_drafted_position(tiny_qwen3_dir: Path, prompt_file: Path) -> None:
+    opts = options(tiny_qwen3_dir, prompt_file, Path("unused"))
+    target, _ = open_target(opts.target, "cpu", "float32")
+    drafter = new_drafter(target, opts, mask_token_id=5)
+    samples = [Sample("a", [1, 2, 3], [7, 8, 9, 40, 8, 9, 7, 33, 9, 7]), Sample("b", [4, 5], [11, 12, 13, 14, 60])]
+    batch = make_batch(samples, 4, opts.block_size, drafter.mask_token_id, 0, random.Random(0))
+    _, features = capture_target_features(target, batch.input_ids, drafter.config.target_layer_ids)
+    with torch.no_grad():
+        logits = drafter.logits(drafted_hidden(drafter, features, batch))
+        ce = torch.nn.functional.cross_entropy(
+            logits.flatten(0, -2), batch.labels.flatten().clamp_min(0), reduction="none"
+        ).view(batch.labels.shape)
+        counted = batch.labels != -100
+        for gamma in (0.5, 4.0):
+            weights = torch.exp(-torch.arange(opts.block_size - 1) / gamma) * counted
+            loss, _ = dflash_loss(drafter, features, batch, gamma)
+            assert float(loss) == pytest.approx(float((ce * weights).sum() / weights.sum()), rel=1e-5)
+    assert options(tiny_qwen3_dir, prompt_file, Path("unused"), block_size=8).loss_gamma == 4.0  # the published one
+    assert options(tiny_qwen3_dir, prompt_file, Path("unused"), gamma=1.5).loss_gamma == 1.5
+
+
 def test_the_draft_vocabulary_is_the_answers_most_frequent_tokens() -> None:
     answers = [[7, 3, 3, 9], [3, 9, 5], [12, 7, 9]]  # 3 and 9 three times, 7 twice, 5 and 12 once
     assert draft_vocabulary(answers, 3).tolist() == [3, 7, 9]
@@ -465,9 +486,9 @@ def test_a_run_can_start_from_another_drafters_weights(tiny_qwen3_dir: Path, pro
     trained = load_file(str(first / "drafter" / "model.safetensors"))
     target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
 
-    # Its weights exactly, its shape and MASK token (the run's --layers/--feature-layers do not apply), the run's
-    # block size and draft vocabulary (neither is among the weights).
-    later = options(tiny_qwen3_dir, prompt_file, tmp_path / "later", layers=2, feature_layers=1, block_size=6)
+    # Its weights exactly, its shape and MASK token (the run's --feature-layers does not apply), the run's block
+    # size and draft vocabulary (neither is among the weights).
+    later = options(tiny_qwen3_dir, prompt_file, tmp_path / "later", feature_layers=1, block_size=6)
     vocab = torch.tensor([3, 5, 7, 9, 11])
     started = started_drafter(target, first / "drafter", later, vocab)
     assert {k: v.float() for k, v in trained.items()}.keys() == started.state_dict().keys()
@@ -523,6 +544,51 @@ def test_a_run_can_start_from_another_drafters_weights(tiny_qwen3_dir: Path, pro
     )
     with pytest.raises(DflashError, match="drafter weights in .* do not match its config: missing .'layers.1"):
         started_drafter(target, other, later)
+
+
+def test_more_layers_grow_the_drafter_a_run_starts_from(
+    tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    first = tmp_path / "first"
+    train(options(tiny_qwen3_dir, prompt_file, first, steps=3))
+    target, _ = open_target(str(tiny_qwen3_dir), "cpu", "float32")
+    one = started_drafter(target, first / "drafter", options(tiny_qwen3_dir, prompt_file, tmp_path / "x"))
+    three = started_drafter(target, first / "drafter", options(tiny_qwen3_dir, prompt_file, tmp_path / "x", layers=3))
+
+    # Its own layers exactly, two new ones on top that start by changing nothing: it drafts exactly as before.
+    assert one.config.num_hidden_layers == 1 and three.config.num_hidden_layers == 3
+    assert three.config.layer_types == ["full_attention"] * 3
+    assert all(torch.equal(value, three.state_dict()[name]) for name, value in one.state_dict().items())
+    assert three.layers[1].self_attn.q_proj.weight.abs().sum() > 0  # (the rest of a new layer is not zero)
+    torch.manual_seed(1)
+    features = torch.randn(2, 5, one.fc.in_features)
+    blocks = one.embed(torch.randint(0, 50, (2, one.block_size)))
+    positions = torch.arange(5 + one.block_size).expand(2, -1)
+    with torch.no_grad():
+        drafted = [d(torch.cat([d.fuse_context(features), blocks], 1), one.block_size, positions) for d in (one, three)]
+    assert torch.equal(drafted[0], drafted[1])
+
+    # A whole run grows it, and resumes with its grown depth (naming another is refused before any work).
+    said = StringIO()
+    grown = options(
+        tiny_qwen3_dir, prompt_file, tmp_path / "grown", steps=2, layers=3, init_from=str(first / "drafter")
+    )
+    train(grown, Console(file=said, width=400))
+    assert "(3 layers, target layers" in said.getvalue() and "2 layers added on top" in said.getvalue()
+    again = train(options(tiny_qwen3_dir, prompt_file, tmp_path / "grown", steps=3, resume=True))
+    config = json.loads((tmp_path / "grown" / "drafter" / "config.json").read_text())
+    assert again.steps == 3 and config["num_hidden_layers"] == 3
+    with pytest.raises(DflashError, match="--layers 2: the checkpoint in .* has a drafter of 3 layers"):
+        train(options(tiny_qwen3_dir, prompt_file, tmp_path / "grown", steps=4, layers=2, resume=True))
+
+    # Fewer layers than the drafter it starts from: refused before the target answers anything.
+    with pytest.raises(DflashError, match="--layers 2: the drafter in .* has 3 layers"):
+        train(
+            options(
+                tiny_qwen3_dir, prompt_file, tmp_path / "y", layers=2, init_from=str(tmp_path / "grown" / "drafter")
+            )
+        )
+    assert not (tmp_path / "y" / "distill" / ANSWERS_FILE).exists()
 
 
 def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
@@ -715,11 +781,14 @@ def test_cli_train_end_to_end(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path:
         "1",
         "--mask-token-id",
         "7",
+        "--loss-gamma",
+        "1.5",
         "--json",
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert json.loads((out / "drafter" / "config.json").read_text())["dflash_config"]["mask_token_id"] == 7
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["options"]["gamma"] == 1.5
     data = json.loads(result.stdout)
     assert data["steps"] == 3 and data["eval_prompts"] == 2
     assert "Threads: 1 thread: --threads" in result.stderr  # (the plan's line, as chat and run print it)

@@ -78,7 +78,7 @@ def train(
             show_default=False,
             help="How fast the loss weight of a block's positions decays: exp(-(k-1)/GAMMA) for the k-th drafted token "
             "(default: the published 4 for --block-size 8, 7 for 16, else half the block). Smaller puts the weight on "
-            "the first drafts, which a drafter accepting under 2 tokens a step mostly is.",
+            "the first drafts: the ones that count while a drafter accepts under 2 tokens a step.",
         ),
     ] = None,
     max_new_tokens: Annotated[

@@ -41,8 +41,9 @@ def train(
         typer.Option(
             min=1,
             show_default=False,
-            help="Drafter decoder layers (default: 1; published drafters use 5, 1-2 is enough for small targets). "
-            "With --init-from, more than its drafter has grows it: new layers on top that start by changing nothing.",
+            help="Drafter decoder layers (published drafters use 5, 1-2 is enough for small targets; default: 1, "
+            "--init-from's drafter's own, a resumed run's checkpoint's). With --init-from, more than its drafter has "
+            "grows it (new layers on top that start by changing nothing); fewer is refused.",
         ),
     ] = None,
     feature_layers: Annotated[

@@ -14,7 +14,7 @@ import torch
 from dflash_cli.engine.drafter import DFlashDrafter
 from dflash_cli.errors import DflashError
 from dflash_cli.training.distill import ANSWERS_FILE
-from dflash_cli.training.options import CHECKPOINT_DIR, DISTILL_DIR, DRAFTER_DIR, TrainOptions
+from dflash_cli.training.options import CHECKPOINT_DIR, DISTILL_DIR, DRAFTER_DIR, TrainOptions, published_gamma
 
 
 def save_checkpoint(
@@ -76,16 +76,22 @@ LEARNING_FLAGS = {
 
 def resumed_with_changes(saved: dict[str, Any], options: TrainOptions) -> str:
     """The flags of what a run learns from (LEARNING_FLAGS) that a resumed run changed from its checkpoint's, as
-    "--flag old -> new"; empty when none did. Paths compare resolved (p.jsonl is ./p.jsonl)."""
+    "--flag old -> new"; empty when none did. Paths compare resolved (p.jsonl is ./p.jsonl), the loss's gamma as the
+    loss uses it (no --loss-gamma: the published one for the block size)."""
     now = asdict(options)
+
+    def used(run: dict[str, Any], key: str) -> Any:
+        if key == "gamma" and run[key] is None:
+            return published_gamma(run.get("block_size", options.block_size))
+        return run[key]
 
     def same(key: str) -> bool:
         if key == "prompts":
             return Path(saved[key]).resolve() == Path(now[key]).resolve()
-        return saved[key] == now[key]
+        return used(saved, key) == used(now, key)
 
     return ", ".join(
-        f"{flag} {saved[key]!r} -> {now[key]!r}"
+        f"{flag} {used(saved, key)!r} -> {used(now, key)!r}"
         for key, flag in LEARNING_FLAGS.items()
         if key in saved and not same(key)
     )

@@ -22,7 +22,7 @@ def new_drafter(
     tcfg = target.config.get_text_config()
     config = DrafterConfig.for_target(
         tcfg,
-        layers=options.layers or 1,
+        layers=options.layers if options.layers is not None else 1,
         block_size=options.block_size,
         mask_token_id=mask_token_id,
         target_layer_ids=flag_layer_ids(options, tcfg.num_hidden_layers),
@@ -35,9 +35,7 @@ def new_drafter(
     )
     torch.manual_seed(options.seed)
     drafter = DFlashDrafter(config)
-    for module in drafter.modules():
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.normal_(module.weight, std=0.02)
+    randomize_linears(drafter)
     if vocab is not None:
         drafter.use_vocabulary(vocab)
     drafter.bind(target)
@@ -75,8 +73,8 @@ def starting_config(directory: Path, target: Any, layers: int | None = None) -> 
         )
     if layers is not None and layers < config.num_hidden_layers:
         raise DflashError(
-            f"--layers {layers}: the drafter in {directory} has {config.num_hidden_layers} layers, and a run keeps "
-            "the layers it starts from",
+            f"--layers {layers}: the drafter in {directory} has {plural(config.num_hidden_layers, 'layer')}, and a "
+            "run keeps the layers it starts from",
             fix=f"drop --layers (or pass {config.num_hidden_layers} or more: more grows it), or drop --init-from to "
             "train a new drafter",
         )
@@ -96,28 +94,39 @@ def started_drafter(
     config = starting_config(directory, target, options.layers)
     config = replace(config, block_size=options.block_size, draft_vocab_size=None if vocab is None else len(vocab))
     weights = drafter_weights(directory, config)
-    kept, layers = config.num_hidden_layers, options.layers or config.num_hidden_layers
+    kept = config.num_hidden_layers
+    layers = options.layers if options.layers is not None else kept
+    # (the top layer's kind: a drafter of sliding layers keeps a bounded cache)
     config = replace(
-        config, num_hidden_layers=layers, layer_types=[*config.layer_types, *["full_attention"] * (layers - kept)]
+        config, num_hidden_layers=layers, layer_types=[*config.layer_types, *config.layer_types[-1:] * (layers - kept)]
     )
-    torch.manual_seed(options.seed)
     drafter = DFlashDrafter(config)
-    for layer in drafter.layers[kept:]:
-        for module in layer.modules():
-            if isinstance(module, torch.nn.Linear):
-                torch.nn.init.normal_(module.weight, std=0.02)
-        for output in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            for tensor in (output.weight, output.bias):
-                if tensor is not None:
-                    torch.nn.init.zeros_(tensor)
+    if layers > kept:
+        torch.manual_seed(options.seed)
+        for layer in drafter.layers[kept:]:
+            randomize_linears(layer)
+            for output in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                for tensor in (output.weight, output.bias):
+                    if tensor is not None:
+                        torch.nn.init.zeros_(tensor)
+    added = {
+        name for name in drafter.state_dict() if name.startswith(tuple(f"layers.{i}." for i in range(kept, layers)))
+    }
     missing, unexpected = drafter.load_state_dict(
         {name: value.float() for name, value in weights.items()}, strict=False
     )
-    assert not unexpected and all(int(name.split(".")[1]) >= kept for name in missing), (missing, unexpected)
+    assert not unexpected and set(missing) == added, (missing, unexpected)
     if vocab is not None:
         drafter.use_vocabulary(vocab)
     drafter.bind(target)
     return drafter
+
+
+def randomize_linears(module: torch.nn.Module) -> None:
+    """A new drafter's (or a new layer's) linear weights: normal, std 0.02."""
+    for linear in module.modules():
+        if isinstance(linear, torch.nn.Linear):
+            torch.nn.init.normal_(linear.weight, std=0.02)
 
 
 def init_drafter_dir(ref: str) -> Path:
@@ -176,9 +185,13 @@ def flag_layer_ids(options: TrainOptions, target_layers: int) -> list[int]:
     return default_target_layer_ids(target_layers, min(options.feature_layers, target_layers))
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' if count != 1 else ''}"
+
+
 def describe_shape(config: DrafterConfig) -> str:
     """A drafter's shape as the run's flags would set it."""
     return (
-        f"{config.num_hidden_layers} layer{'s' if config.num_hidden_layers != 1 else ''}, target layers "
+        f"{plural(config.num_hidden_layers, 'layer')}, target layers "
         f"{config.target_layer_ids}, MASK token {config.mask_token_id}"
     )

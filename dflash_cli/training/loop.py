@@ -48,6 +48,7 @@ from dflash_cli.training.drafters import (
     init_drafter_dir,
     new_drafter,
     pick_mask_token,
+    plural,
     started_drafter,
     starting_config,
 )
@@ -112,7 +113,7 @@ def serving_dtype(device: str) -> torch.dtype:
 def _check_resume(options: TrainOptions, output: Path, console: Console) -> TrainOptions:
     """Refuse a resume with nothing to resume or nothing left to do, and a new run over a checkpoint; note the
     learning flags a resume changes. The options the run goes on with: a resumed run keeps its first run's
-    --init-from (the drafter's shape came from there, not from the flags)."""
+    --init-from (the drafter's shape came from there, not from the flags) and its checkpoint's depth."""
     checkpoint = output / CHECKPOINT_DIR
     resumable = (checkpoint / "trainer_state.json").exists()
     if resumable and not options.resume:
@@ -147,8 +148,8 @@ def _check_resume(options: TrainOptions, output: Path, console: Console) -> Trai
                 f"[yellow]note:[/] --init-from {options.init_from} is not applied: a resumed run continues its "
                 "checkpoint's weights"
             )
+        kept = read_drafter_config(checkpoint / DRAFTER_DIR)
         if not started_from:  # (refused before the features of other layers are computed)
-            kept = read_drafter_config(checkpoint / DRAFTER_DIR)
             named = flag_layer_ids(options, kept.num_target_layers)
             if named != kept.target_layer_ids:
                 raise DflashError(
@@ -158,10 +159,10 @@ def _check_resume(options: TrainOptions, output: Path, console: Console) -> Trai
                     "another --output",
                 )
         # The drafter's depth is its checkpoint's (a grown one's included); naming another would not load.
-        depth = read_drafter_config(checkpoint / DRAFTER_DIR).num_hidden_layers
+        depth = kept.num_hidden_layers
         if options.layers not in (None, depth):
             raise DflashError(
-                f"--layers {options.layers}: the checkpoint in {checkpoint} has a drafter of {depth} layers",
+                f"--layers {options.layers}: the checkpoint in {checkpoint} has a drafter of {plural(depth, 'layer')}",
                 fix=f"drop --layers (a resumed run keeps its checkpoint's {depth}), or choose another --output",
             )
         return replace(options, init_from=started_from, layers=depth)
@@ -235,10 +236,10 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     with Progress(*COLUMNS, console=console) as progress:
         session, run = answering_session(options, console)
-        start = None
+        start, start_depth = None, 0
         if options.init_from and not options.resume:  # refused now, before the answers and features are made
             start = init_drafter_dir(options.init_from)
-            starting_config(start, session.target, options.layers)
+            start_depth = starting_config(start, session.target, options.layers).num_hidden_layers
         samples, held = write_answers(session, run, options, requests, held_out, progress)
         samples = [s for s in samples if len(s.response_ids) >= 2]
         held = [s for s in held if len(s.response_ids) >= 2]
@@ -266,8 +267,8 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
             drafter = started_drafter(target, checkpoint / DRAFTER_DIR, options, vocab)
         elif start is not None:
             drafter = started_drafter(target, start, options, vocab)
-            added = drafter.config.num_hidden_layers - read_drafter_config(start).num_hidden_layers
-            grown = f"; {added} layer{'s' if added != 1 else ''} added on top" if added else ""
+            added = drafter.config.num_hidden_layers - start_depth
+            grown = f"; {plural(added, 'layer')} added on top" if added else ""
             progress.console.print(f"Starting from the drafter in {start} ({describe_shape(drafter.config)}{grown})")
         else:
             drafter = new_drafter(target, options, pick_mask_token(tokenizer, options.mask_token_id), vocab)

@@ -51,8 +51,12 @@ class TrainOptions:
 
     @property
     def loss_gamma(self) -> float:
-        """The published schedule: gamma about 7 for B=16, 4 for B=8, i.e. roughly B/2."""
-        return self.gamma if self.gamma is not None else {16: 7.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
+        return self.gamma if self.gamma is not None else published_gamma(self.block_size)
+
+
+def published_gamma(block_size: int) -> float:
+    """The published schedule: gamma about 7 for B=16, 4 for B=8, i.e. roughly B/2."""
+    return {16: 7.0, 8: 4.0}.get(block_size, block_size / 2)
 
 
 @dataclass

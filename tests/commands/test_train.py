@@ -10,7 +10,7 @@ import re
 import shutil
 import signal
 import threading
-from dataclasses import replace
+from dataclasses import asdict, replace
 from io import StringIO
 from pathlib import Path
 
@@ -567,6 +567,26 @@ def test_more_layers_grow_the_drafter_a_run_starts_from(
     with torch.no_grad():
         drafted = [d(torch.cat([d.fuse_context(features), blocks], 1), one.block_size, positions) for d in (one, three)]
     assert torch.equal(drafted[0], drafted[1])
+    # ... and as decoding drafts, over its context cache, step after step.
+    block = torch.full((1, one.block_size), one.mask_token_id)
+    block[0, 0] = 3
+    caches = [d.new_cache(32) for d in (one, three)]
+    for start, context in ((0, features[:1]), (5, features[1:, :2])):
+        with torch.no_grad():
+            proposed = [d.propose([context], block, [start], cache) for d, cache in zip((one, three), caches)]
+        assert torch.equal(proposed[0], proposed[1])
+    # As many layers as it has: itself.
+    same = started_drafter(target, first / "drafter", options(tiny_qwen3_dir, prompt_file, tmp_path / "x", layers=1))
+    assert same.state_dict().keys() == one.state_dict().keys()
+    # A drafter whose layers slide grows by sliding layers (its cache stays bounded).
+    sliding = tmp_path / "sliding"
+    shutil.copytree(first / "drafter", sliding)
+    config = json.loads((sliding / "config.json").read_text())
+    (sliding / "config.json").write_text(
+        json.dumps({**config, "layer_types": ["sliding_attention"], "sliding_window": 4, "use_sliding_window": True})
+    )
+    grown_sliding = started_drafter(target, sliding, options(tiny_qwen3_dir, prompt_file, tmp_path / "x", layers=2))
+    assert grown_sliding.config.layer_types == ["sliding_attention"] * 2
 
     # A whole run grows it, and resumes with its grown depth (naming another is refused before any work).
     said = StringIO()
@@ -575,11 +595,15 @@ def test_more_layers_grow_the_drafter_a_run_starts_from(
     )
     train(grown, Console(file=said, width=400))
     assert "(3 layers, target layers" in said.getvalue() and "2 layers added on top" in said.getvalue()
+    trained = load_file(str(tmp_path / "grown" / "drafter" / "model.safetensors"))
+    assert trained["layers.2.self_attn.o_proj.weight"].abs().sum() > 0  # the added depth trains
     again = train(options(tiny_qwen3_dir, prompt_file, tmp_path / "grown", steps=3, resume=True))
     config = json.loads((tmp_path / "grown" / "drafter" / "config.json").read_text())
     assert again.steps == 3 and config["num_hidden_layers"] == 3
     with pytest.raises(DflashError, match="--layers 2: the checkpoint in .* has a drafter of 3 layers"):
         train(options(tiny_qwen3_dir, prompt_file, tmp_path / "grown", steps=4, layers=2, resume=True))
+    state = json.loads((tmp_path / "grown" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 3
 
     # Fewer layers than the drafter it starts from: refused before the target answers anything.
     with pytest.raises(DflashError, match="--layers 2: the drafter in .* has 3 layers"):
@@ -589,6 +613,25 @@ def test_more_layers_grow_the_drafter_a_run_starts_from(
             )
         )
     assert not (tmp_path / "y" / "distill" / ANSWERS_FILE).exists()
+
+
+def test_a_resumed_run_keeps_its_checkpoints_depth(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    train(options(tiny_qwen3_dir, prompt_file, tmp_path, steps=2, layers=2))
+    again = train(options(tiny_qwen3_dir, prompt_file, tmp_path, steps=3, resume=True))  # no --layers: its 2
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert again.steps == 3 and config["num_hidden_layers"] == 2
+    with pytest.raises(DflashError, match="--layers 1: the checkpoint in .* has a drafter of 2 layers"):
+        train(options(tiny_qwen3_dir, prompt_file, tmp_path, steps=4, layers=1, resume=True))
+
+
+def test_a_resume_notes_the_loss_gamma_the_loss_uses() -> None:
+    run = TrainOptions(target="t", prompts="p.jsonl", output="o", block_size=8, gamma=1.5)
+    saved = asdict(run)
+    assert checkpoints.resumed_with_changes(saved, run) == ""
+    assert checkpoints.resumed_with_changes(saved, replace(run, gamma=None)) == "--loss-gamma 1.5 -> 4.0"
+    assert (
+        checkpoints.resumed_with_changes({**saved, "gamma": None}, replace(run, gamma=4.0)) == ""
+    )  # the published one
 
 
 def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(

@@ -28,6 +28,8 @@ RECEIVED=${RECEIVED:-/tmp/dflash-stage}
 OUT=${OUT:-/tmp/gpu-train-demo}
 RUNS=${RUNS:-/tmp/dflash-train}
 LAYERS=${LAYERS:-1 2}  # drafter depths trained side by side; here, the CPU measures which one ships
+INIT=${INIT:-}  # a drafter they start from (--init-from: `demo`, the shipped one; a depth above its own grows it)
+LR=${LR:-2e-3}  # the peak learning rate (from INIT: lower, e.g. 1e-3, or its first steps lose ground)
 PROMPTS_USED=${PROMPTS_USED:-21635}  # the whole set, prose included (benchmarks/train_demo_drafter.sh's)
 DISTILL_SECONDS=${DISTILL_SECONDS:-120}  # answering more of them on the device, loading included
 STEPS=${STEPS:-40000}  # an upper bound: the time left bounds the training, and its learning rate's decay
@@ -146,8 +148,8 @@ PY
         fi
         timeout "$(left)" python3 -m dflash_cli train "${common[@]}" \
             --prompts /tmp/dflash-prompts/answered.jsonl --output "$run" --layers "$depth" "${eval[@]}" \
-            --steps "$STEPS" --train-minutes "$minutes" --batch-size "$BATCH" --anchors 16 --lr 2e-3 \
-            --checkpoint-every "$CHECKPOINT_EVERY" "${resume[@]}" >"$OUT/train-layers-$depth.json" \
+            --steps "$STEPS" --train-minutes "$minutes" --batch-size "$BATCH" --anchors 16 --lr "$LR" \
+            --checkpoint-every "$CHECKPOINT_EVERY" ${INIT:+--init-from "$INIT"} "${resume[@]}" >"$OUT/train-layers-$depth.json" \
             2>"$OUT/train-layers-$depth.log" &
         pids+=($!)
     done

@@ -13,7 +13,8 @@
 # The features come from the served engine's prefill (int4 kernels), computed once into OUTPUT_DIR/distill (about
 # 1,200 positions a second on 2 cores: the 17,260 first-turn answers, 2.55M positions, in about 35 minutes). INIT
 # names a drafter the run starts from (--init-from: `demo` for the shipped one, or an earlier run's
-# OUTPUT_DIR/drafter, which a new machine lacks unless it was shipped); LR is the peak learning rate.
+# OUTPUT_DIR/drafter, which a new machine lacks unless it was shipped), LAYERS its depth (default: 1, or INIT's own;
+# above INIT's, the drafter grows: new layers on top that start by changing nothing); LR is the peak learning rate.
 # Every EVAL_EVERY steps metrics.json's history gets a row (step, CPU seconds, loss, held-out tau and the same on
 # as many training answers), a checkpoint every 200 steps. The drafter
 # proposes from the 8,192 tokens most frequent in the answers (--draft-vocab: a step 3x cheaper, and it learns no
@@ -36,6 +37,7 @@ FOLLOW_UPS=${FOLLOW_UPS:-0}  # follow-up turns per prompt (--follow-ups); the gz
 ANSWERED_ONLY=${ANSWERED_ONLY:-1}
 DEVICE=${DEVICE:-cpu}
 INIT=${INIT:-}
+LAYERS=${LAYERS:-}
 LR=${LR:-2e-3}
 mkdir -p "$OUT/distill"
 
@@ -64,7 +66,7 @@ resume=()
 [ -f "$OUT/checkpoint/trainer_state.json" ] && resume=(--resume)
 nice -n 19 python -m dflash_cli train --target demo --prompts "$prompts" \
     --eval-file dflash_cli/assets/demo_prompts_eval.jsonl --eval-prompts 16 --eval-every "$EVAL_EVERY" \
-    --output "$OUT" --layers 1 --feature-layers 5 --block-size 8 --draft-vocab 8192 \
+    --output "$OUT" ${LAYERS:+--layers "$LAYERS"} --feature-layers 5 --block-size 8 --draft-vocab 8192 \
     --steps "$STEPS" ${MINUTES:+--train-minutes "$MINUTES"} --batch-size 8 --anchors 16 --lr "$LR" --max-tokens 128 \
     --checkpoint-every 200 --threads 1 --distill-batch-size 4 --follow-ups "$FOLLOW_UPS" --device "$DEVICE" \
     ${INIT:+--init-from "$INIT"} "${resume[@]}" \

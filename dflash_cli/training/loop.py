@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -357,7 +358,7 @@ def _train_loop(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     task = progress.add_task("training", total=options.steps, completed=step, info="")
     running: dict[str, float] = {}
-    fast_bf16 = serving_dtype(options.device) == torch.bfloat16
+    precision = StepPrecision(torch.device(options.device), serving_dtype(options.device) == torch.bfloat16)
     order = batches(samples, options.batch_size, rng)
     saved_at, updating = step, False
     device = drafter.fc.weight.device
@@ -383,10 +384,9 @@ def _train_loop(
                 horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, options, decay_progress(step, start, start_progress, horizon))
-            # bf16 autocast where bf16 is native: the lm_head over the whole vocabulary dominates a step, and bf16
-            # matmuls run 2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX; master weights and the loss stay fp32.
-            # A CPU without them emulates bf16 (15x slower than fp32 for this step on a 2-core EPYC): no autocast.
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast_bf16):
+            bf16 = precision.next()
+            computing = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -394,6 +394,9 @@ def _train_loop(
             updating = True
             optimizer.step()
             step, updating = step + 1, False
+            chosen_now = precision.timed(bf16, time.perf_counter() - computing)
+            if chosen_now is not None:
+                progress.console.print(f"[dim]{chosen_now}[/dim]")
             # Where a slow run's time goes: seconds a step, making its batch (the host alone), and its features on the
             # device (stored ones copied; a copy also waits for the device's queue).
             stats |= {"step_s": time.perf_counter() - began, "batch_s": made - began, "features_s": fed - made}
@@ -433,6 +436,43 @@ def _train_loop(
             key: value for key, value in history[-1].items() if key not in ("step", "eval_tau", "seen_tau", "cpu_s")
         }
     return running, step
+
+
+PRECISION_TRIAL_STEPS = 3  # steps timed in each precision (alternating) where a CPU could train in either
+
+
+class StepPrecision:
+    """Whether a training step runs its products in bf16 (autocast; master weights and the loss stay fp32) or in
+    float32. bf16 on a GPU; float32 on a CPU that emulates bf16 (15x slower for this step on a 2-core EPYC without
+    AVX512-BF16); on a CPU with bf16 instructions, by measurement: the first steps alternate and the faster stays.
+    AMX multiplies bf16 several times faster than fp32, AVX512-BF16 alone need not: a demo step took 0.85 s in bf16
+    autocast against 0.65 in fp32 on one core of a Xeon without AMX (benchmarks/results/history.md)."""
+
+    def __init__(self, device: torch.device, bf16_native: bool) -> None:
+        self.bf16 = bf16_native
+        measure = bf16_native and device.type == "cpu"
+        self.trial: dict[bool, list[float]] | None = {True: [], False: []} if measure else None
+
+    def next(self) -> bool:
+        """The next step's precision (True: bf16 autocast)."""
+        if self.trial is None:
+            return self.bf16
+        return len(self.trial[True]) <= len(self.trial[False])
+
+    def timed(self, bf16: bool, seconds: float) -> str | None:
+        """A step's seconds in its precision; once both are measured, the choice (said once), else None."""
+        if self.trial is None:
+            return None
+        self.trial[bf16].append(seconds)
+        if min(len(times) for times in self.trial.values()) < PRECISION_TRIAL_STEPS:
+            return None
+        bf16_s, fp32_s = (statistics.median(self.trial[kind]) for kind in (True, False))
+        self.bf16, self.trial = bf16_s < fp32_s, None
+        kept, other = ("bf16 autocast", "float32") if self.bf16 else ("float32", "bf16 autocast")
+        return (
+            f"Step precision: {kept}, {min(bf16_s, fp32_s):.2f} s a step against {max(bf16_s, fp32_s):.2f} in "
+            f"{other} (measured over the first {2 * PRECISION_TRIAL_STEPS} steps)"
+        )
 
 
 def walked_training_answers(path: Path, samples: list[Sample], count: int) -> list[Sample]:

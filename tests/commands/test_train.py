@@ -624,6 +624,37 @@ def test_a_resumed_run_keeps_its_checkpoints_depth(tiny_qwen3_dir: Path, prompt_
         train(options(tiny_qwen3_dir, prompt_file, tmp_path, steps=4, layers=1, resume=True))
 
 
+def test_a_cpu_with_bf16_instructions_trains_in_the_precision_it_measures_faster() -> None:
+    cpu = training.StepPrecision(torch.device("cpu"), bf16_native=True)
+    tried = []
+    for bf16_s, fp32_s in ((1.9, 0.5), (1.0, 0.6), (1.1, 0.4)):  # (the first bf16 step warms up)
+        for seconds in (bf16_s, fp32_s):
+            tried.append(cpu.next())
+            said = cpu.timed(tried[-1], seconds)
+    assert tried == [True, False] * 3  # alternating, then the faster stays
+    assert (
+        said == "Step precision: float32, 0.50 s a step against 1.10 in bf16 autocast (measured over the first 6 steps)"
+    )
+    assert cpu.next() is False and cpu.timed(False, 9.0) is None  # decided once
+    faster_bf16 = training.StepPrecision(torch.device("cpu"), bf16_native=True)
+    for seconds in (0.3, 0.5) * 3:
+        faster_bf16.timed(faster_bf16.next(), seconds)
+    assert faster_bf16.next() is True
+    # A GPU trains in bf16 and a CPU that emulates it in float32, without measuring.
+    for device, native, expected in (("cuda", True, True), ("cpu", False, False)):
+        other = training.StepPrecision(torch.device(device), bf16_native=native)
+        assert other.next() is expected and other.timed(expected, 1.0) is None and other.next() is expected
+
+
+def test_a_run_says_the_step_precision_it_measured(
+    tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(training, "serving_dtype", lambda device: torch.bfloat16)  # as on a CPU with AVX512-BF16
+    said = StringIO()
+    train(options(tiny_qwen3_dir, prompt_file, tmp_path, steps=7, dtype="float32"), Console(file=said, width=400))
+    assert re.search(r"Step precision: (float32|bf16 autocast), [\d.]+ s a step against [\d.]+ in", said.getvalue())
+
+
 def test_a_resume_notes_the_loss_gamma_the_loss_uses() -> None:
     run = TrainOptions(target="t", prompts="p.jsonl", output="o", block_size=8, gamma=1.5)
     saved = asdict(run)

@@ -169,8 +169,8 @@ def train(
             help="Start a new run from this drafter's weights instead of random ones: a recipe's name for its drafter "
             "(`demo`), a drafter directory (an earlier run's DIR/drafter) or a repo id. Its shape (layers, target "
             "layers, MASK token) is kept, so --feature-layers does not apply; --layers may add layers on top; "
-            "--block-size and --draft-vocab apply. --resume goes on from the checkpoint, however it started. Train a published drafter "
-            "further on your own prompts, or carry a run on where its checkpoint is gone.",
+            "--block-size and --draft-vocab apply. --resume goes on from the checkpoint, however it started. Train "
+            "a published drafter further on your own prompts, or carry a run on where its checkpoint is gone.",
         ),
     ] = None,
     device: Annotated[str, typer.Option(callback=check_device, help="cpu, cuda or cuda:N.")] = "cpu",

@@ -551,6 +551,16 @@ def test_a_draft_vocabulary_bounds_the_proposals_and_the_output_stays_the_target
         assert loaded.logits(hidden[:, :0]).shape == (1, 0, 96)  # (a block of one drafts no slot)
     proposal = loaded.propose([features], block, [10], loaded.new_cache())[0]
     assert torch.isin(proposal, vocab).all()
+    # Over a dense bf16 head (a float32 training step over a bf16 target): its rows in the hidden states' dtype.
+    bf16_head = _tiny_target()
+    bf16_head.get_output_embeddings().bfloat16()
+    on_bf16 = load_drafter(tmp_path / "d", bf16_head)
+    rows = bf16_head.get_output_embeddings().weight.detach()[vocab]
+    with torch.no_grad():
+        wide = on_bf16.vocab_logits(hidden.float())
+        assert wide.dtype == torch.float32
+        torch.testing.assert_close(wide, hidden.float() @ rows.float().T)
+        assert on_bf16.vocab_logits(hidden.bfloat16()).dtype == torch.bfloat16
 
     prompt = [3, 14, 15, 92, 65]
     baseline = speculative_generate(target, None, prompt, 32).token_ids

@@ -57,8 +57,8 @@ class DFlashDrafter(nn.Module):
         self._rope_scale = rope.attention_scaling
         # A tuple keeps the target's modules out of this module's parameters and state dict.
         self._target: tuple[PreTrainedModel, ...] = ()
-        # The target head's rows of the draft vocabulary, taken once per head: (head, device, their product).
-        self._vocab_head: tuple[nn.Module, torch.device, Any] | None = None
+        # The target head's rows of the draft vocabulary, taken once per head: (head, device, dtype, their product).
+        self._vocab_head: tuple[nn.Module, torch.device, torch.dtype, Any] | None = None
         if target is not None:
             self.bind(target)
 
@@ -114,7 +114,7 @@ class DFlashDrafter(nn.Module):
         if self.config.draft_vocab_size is None:
             logits = self._scaled(head(rows))
             return logits.view(*hidden.shape[:-1], logits.shape[-1])  # (no -1: a block of one drafts 0 slots)
-        if self._head_rows(head, rows.device) is None:  # a head whose rows are not taken apart: all of it, masked
+        if self._head_rows(head, rows.device, rows.dtype) is None:  # a head whose rows are not taken apart: masked
             logits = self._scaled(head(rows))
             outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
             logits = logits.masked_fill(outside.index_fill_(0, self.draft_vocab, False), float("-inf"))
@@ -124,20 +124,20 @@ class DFlashDrafter(nn.Module):
         logits = part.new_full((rows.shape[0], head.out_features), float("-inf"))
         return logits.index_copy_(1, self.draft_vocab, part).view(*hidden.shape[:-1], head.out_features)
 
-    def _head_rows(self, head: nn.Module, device: torch.device) -> Any:
-        """The product of the head's draft-vocabulary rows (a dense or int8 head), made once per head and device (a
-        frozen head's: gradients reach the hidden states through it, never the head); None for other heads (4-bit
-        on a GPU)."""
-        if self._vocab_head is not None and self._vocab_head[:2] == (head, device):
-            return self._vocab_head[2]
+    def _head_rows(self, head: nn.Module, device: torch.device, dtype: torch.dtype) -> Any:
+        """The product of the head's draft-vocabulary rows (a dense or int8 head), made once per head, device and
+        dtype (a dense head's rows in `dtype`; a frozen head's: gradients reach the hidden states through it, never
+        the head); None for other heads (4-bit on a GPU)."""
+        if self._vocab_head is not None and self._vocab_head[:3] == (head, device, dtype):
+            return self._vocab_head[3]
         product = None
         if isinstance(head, nn.Linear):
-            weight = head.weight.detach().index_select(0, self.draft_vocab)
+            weight = head.weight.detach().index_select(0, self.draft_vocab).to(dtype)
             bias = None if head.bias is None else head.bias.detach().index_select(0, self.draft_vocab)
             product = functools.partial(F.linear, weight=weight, bias=bias)
         elif isinstance(head, Int8Linear):
             product = head.rows(self.draft_vocab.to(next(head.buffers()).device))
-        self._vocab_head = (head, device, product)
+        self._vocab_head = (head, device, dtype, product)
         return product
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,8 +145,13 @@ class DFlashDrafter(nn.Module):
         training's loss reads (the products over the whole vocabulary were most of a step) and drafting scores."""
         if self.config.draft_vocab_size is None:
             return self.logits(hidden)
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
-        product = self._head_rows(self.target.get_output_embeddings(), rows.device)
+        head = self.target.get_output_embeddings()
+        # A dense head's rows in the hidden states' dtype: float32 where a training step runs in it (in bf16 they
+        # took a fifth of such a step on a CPU without AMX); a quantized head reads the target's activation dtype.
+        dense = isinstance(head, nn.Linear) and hidden.dtype.is_floating_point
+        dtype = hidden.dtype if dense else self.target.get_input_embeddings().weight.dtype
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+        product = self._head_rows(head, rows.device, rows.dtype)
         if product is None:
             return self.logits(hidden).index_select(-1, self.draft_vocab)
         return self._scaled(product(rows)).view(*hidden.shape[:-1], len(self.draft_vocab))

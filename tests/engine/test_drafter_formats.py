@@ -561,6 +561,9 @@ def test_a_draft_vocabulary_bounds_the_proposals_and_the_output_stays_the_target
         assert wide.dtype == torch.float32
         torch.testing.assert_close(wide, hidden.float() @ rows.float().T)
         assert on_bf16.vocab_logits(hidden.bfloat16()).dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # (a bf16 step's float32 norm output: the bf16 rows)
+            assert on_bf16.vocab_logits(hidden.float()).dtype == torch.bfloat16
+        assert on_bf16._vocab_head[2] == torch.bfloat16
 
     prompt = [3, 14, 15, 92, 65]
     baseline = speculative_generate(target, None, prompt, 32).token_ids

@@ -270,6 +270,7 @@ def test_a_draft_vocabulary_over_a_quantized_head_proposes_what_its_masked_head_
         masked = torch.full_like(whole, float("-inf"))
         masked[..., vocab] = whole[..., vocab]
         assert torch.equal(drafter.logits(hidden), masked)
-    assert isinstance(drafter._head_rows(head, hidden.device, hidden.dtype), Int8Linear)  # (its rows alone, not the masked head)
+    # (its rows alone, not the masked head)
+    assert isinstance(drafter._head_rows(head, hidden.device, hidden.dtype), Int8Linear)
     prompt = [3, 14, 15, 92, 65]
     assert speculative_generate(target, drafter, prompt, 24).token_ids == hf_greedy(target, prompt, 24)

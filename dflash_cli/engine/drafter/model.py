@@ -146,10 +146,13 @@ class DFlashDrafter(nn.Module):
         if self.config.draft_vocab_size is None:
             return self.logits(hidden)
         head = self.target.get_output_embeddings()
-        # A dense head's rows in the hidden states' dtype: float32 where a training step runs in it (in bf16 they
-        # took a fifth of such a step on a CPU without AMX); a quantized head reads the target's activation dtype.
-        dense = isinstance(head, nn.Linear) and hidden.dtype.is_floating_point
-        dtype = hidden.dtype if dense else self.target.get_input_embeddings().weight.dtype
+        # A dense head's rows in the dtype the product runs in: float32 where a training step runs in it (in bf16
+        # they took a fifth of such a step on a CPU without AMX), autocast's under autocast; a quantized head reads
+        # the target's activation dtype.
+        dtype = self.target.get_input_embeddings().weight.dtype
+        if isinstance(head, nn.Linear):
+            kind = hidden.device.type
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
         rows = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
         product = self._head_rows(head, rows.device, rows.dtype)
         if product is None:

@@ -348,7 +348,7 @@ def _train_loop(
     out and on as many training answers (`walked_taus`: eval_tau, seen_tau)."""
     step, start_progress = resumed
     started, first_step = time.perf_counter(), step
-    cpu_before = history[-1].get("cpu_s", 0.0) if history else 0.0
+    cpu_before = next((row["cpu_s"] for row in reversed(history) if "cpu_s" in row), 0.0)
     cpu_started = time.process_time()
     deadline = None if options.train_minutes is None else started + 60 * options.train_minutes
     horizon, start = options.steps, max(step, options.warmup_steps)
@@ -427,8 +427,8 @@ def _train_loop(
         # optimizer (if it came mid-update, the checkpoint before stands). The CLI then says how to --resume.
         if step > saved_at and not updating:
             recover_checkpoint(checkpoint)  # (if it came mid-save)
-            if not history or history[-1]["step"] != step:
-                history.append({"step": step, **running})
+            if not history or history[-1]["step"] != step:  # (with its CPU seconds: a resume counts on from them)
+                history.append({"step": step, **running, "cpu_s": cpu_before + time.process_time() - cpu_started})
             save()
         raise
     if not running and history:  # resumed at its last step (to save and measure): the checkpoint's figures stand

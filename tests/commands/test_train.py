@@ -686,6 +686,9 @@ def test_ctrl_c_keeps_the_steps_since_the_last_checkpoint(
     assert "a checkpoint at step 4" in interrupted_training_state(out)
     monkeypatch.setattr(training, "make_batch", make)
     assert train(options(tiny_qwen3_dir, prompt_file, out, steps=6, checkpoint_every=3, resume=True)).steps == 6
+    # The CPU seconds count on across the stop (the curve's x axis): the row the stop added carries them.
+    rows = json.loads((out / "checkpoint" / "trainer_state.json").read_text())["history"]
+    assert rows[-1]["step"] == 6 and rows[-1]["cpu_s"] >= state["history"][-1]["cpu_s"] > 0
 
     # Ctrl-C in the middle of a save (removing the checkpoint it replaced): the interrupt's own save still works.
     remove, cut = checkpoints.shutil.rmtree, []

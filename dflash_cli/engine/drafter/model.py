@@ -133,7 +133,7 @@ class DFlashDrafter(nn.Module):
         product = None
         if isinstance(head, nn.Linear):
             weight = head.weight.detach().index_select(0, self.draft_vocab).to(dtype)
-            bias = None if head.bias is None else head.bias.detach().index_select(0, self.draft_vocab)
+            bias = None if head.bias is None else head.bias.detach().index_select(0, self.draft_vocab).to(dtype)
             product = functools.partial(F.linear, weight=weight, bias=bias)
         elif isinstance(head, Int8Linear):
             product = head.rows(self.draft_vocab.to(next(head.buffers()).device))

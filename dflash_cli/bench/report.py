@@ -12,18 +12,16 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from dflash_cli.errors import DflashError
-
-if TYPE_CHECKING:
-    pass
 from dflash_cli.bench.measure import BASELINE, CUDA_MEMORY, Mode, PromptRuns, histogram
+from dflash_cli.errors import DflashError
+from dflash_cli.wording import plural
 
 SCHEMA = "dflash-bench/1"
 # The default run is sized to finish in about a minute, like llama-bench's default (one 128-token generation
@@ -345,9 +343,9 @@ def render_table(report: BenchReport) -> Table:
     settings = report.settings
     recipe, plan = report.metadata["recipe"]["name"], report.metadata["plan"]
     table = Table(
-        title=f"dflash bench · {recipe} · {plan['device']} {plan['dtype']} · {settings['prompt_count']} "
-        f"prompt{'s' if settings['prompt_count'] != 1 else ''} × {settings['repeat']} "
-        f"round{'s' if settings['repeat'] != 1 else ''} · max {settings['max_new_tokens']} tokens · "
+        title=f"dflash bench · {recipe} · {plan['device']} {plan['dtype']} · "
+        f"{plural(settings['prompt_count'], 'prompt')} × {plural(settings['repeat'], 'round')} · "
+        f"max {settings['max_new_tokens']} tokens · "
         f"temperature {settings['temperature']:g}",
         title_justify="left",
         caption="decode tok/s: mean ± std over rounds · speedup: baseline time per output token / DFlash's · "

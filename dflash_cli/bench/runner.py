@@ -59,6 +59,7 @@ from dflash_cli.bench.report import (
     require_matplotlib,
     summarize,
 )
+from dflash_cli.wording import plural
 
 
 def parse_block_sizes(text: str | None) -> tuple[int, ...]:
@@ -220,9 +221,9 @@ def describe_run(
 ) -> str:
     """What the timed part will do and about how long it takes, from the warm-up's pace; with `full_prompts`,
     what --full would cost here."""
-    count = f"{prompts} prompt{'s' if prompts != 1 else ''}"
-    tokens = f"{max_tokens} token{'s' if max_tokens != 1 else ''}"
-    rounds = f"{repeat} round{'s' if repeat != 1 else ''}"
+    count = plural(prompts, "prompt")
+    tokens = plural(max_tokens, "token")
+    rounds = plural(repeat, "round")
     shorter = f" ({asked_tokens} would not fit a minute here)" if max_tokens < asked_tokens else ""
     seconds = prompts * repeat * sum(pace.seconds(max_tokens) for pace in paces)
     measured = ", ".join(f"{mode.label} {pace.tokens_per_s:.1f} tok/s" for mode, pace in zip(modes, paces))

@@ -31,6 +31,7 @@ from dflash_cli.setup.planning import make_plan, native_formats
 from dflash_cli.setup.recipes import Recipe, load_registry
 from dflash_cli.setup.sizes import recipe_stored_bytes
 from dflash_cli.setup.speed import expected_speed
+from dflash_cli.wording import plural
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
 OUR_DISTRIBUTION = "dflash-cli"  # ours is the `dflash` command this distribution installs, whatever its entry point
@@ -504,7 +505,7 @@ def check_measurements(kept: list[dict[str, Any]]) -> Check:
         when = entry["measured_at"] or "a busy moment, not kept"
         state = "stands" if entry["stands"] else "measured again at the next start"
         busy = f", others kept {entry['others_busy']:.2f} cores busy" if entry["others_busy"] is not None else ""
-        threads = f"{entry['threads']} thread{'s' if entry['threads'] != 1 else ''}"
+        threads = plural(entry["threads"], "thread")
         lines.append(f"{entry['what']} of {entry['target']} ({threads}): {when}{busy}; {state}")
     return Check("measurements", "pass", "\n".join(lines))
 

@@ -24,6 +24,7 @@ from dflash_cli.cpu_load import QUIET_CORES, busy_since, cpu_snapshot, fresh, me
 from dflash_cli.engine import policy
 from dflash_cli.engine.loop import collect, generate
 from dflash_cli.protocol.params import SamplingParams
+from dflash_cli.wording import plural
 
 SCHEMA = "dflash-decode-threads/2"  # (2: measured_at and others_busy; a /1 file may hold a busy moment)
 MIN_GAIN = 1.03  # the plan's count decodes only if this much faster than one thread
@@ -42,7 +43,7 @@ class DecodeThreads:
     others_busy: float = 0.0  # cores other processes kept busy while it was measured
 
     def reason(self) -> str:
-        measured = ", ".join(f"{n} thread{'s' if n != 1 else ''} {1 / s:.1f} tok/s" for n, s in self.seconds.items())
+        measured = ", ".join(f"{plural(n, 'thread')} {1 / s:.1f} tok/s" for n, s in self.seconds.items())
         if self.others_busy > QUIET_CORES:
             return (
                 f"decoding with the plan's {self.threads} threads: measured now while other processes kept "

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from dflash_cli.cpu_load import busy_since, cpu_snapshot
+from dflash_cli.wording import plural
 
 SAMPLE_SECONDS = 0.2  # long enough to see a busy process, short next to loading a model
 
@@ -23,11 +24,7 @@ class ThreadPlan:
     reason: str
 
     def label(self) -> str:
-        return _threads(self.threads)
-
-
-def _threads(n: int) -> str:
-    return f"{n} thread{'s' if n != 1 else ''}"
+        return plural(self.threads, "thread")
 
 
 def cpu_count() -> int:
@@ -64,7 +61,7 @@ def plan_threads(requested: int | None, *, cores: int, current: int, others_busy
     """How many threads to decode with. `current` is torch's count now (its default, or OMP_NUM_THREADS): a
     count the user already lowered is kept; a core counts as free when others leave three quarters of it."""
     if requested is not None:
-        return ThreadPlan(requested, f"{_threads(requested)}: --threads")
+        return ThreadPlan(requested, f"{plural(requested, 'thread')}: --threads")
     free = max(0.0, cores - others_busy)
     threads = max(1, min(current, math.floor(free + 0.25)))
     why = f"{free:.1f} of {cores} cores free (other processes keep {others_busy:.1f} busy)"
@@ -72,7 +69,7 @@ def plan_threads(requested: int | None, *, cores: int, current: int, others_busy
         why += f"; more threads than free cores stall on each other at every op, so {threads} instead of {current}"
     elif current < cores and threads == current:
         why += f"; torch was set to {current} (OMP_NUM_THREADS or torch.set_num_threads)"
-    return ThreadPlan(threads, f"{_threads(threads)}: {why}; --threads N overrides")
+    return ThreadPlan(threads, f"{plural(threads, 'thread')}: {why}; --threads N overrides")
 
 
 def apply_threads(requested: int | None) -> ThreadPlan:

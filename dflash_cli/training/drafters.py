@@ -12,6 +12,7 @@ import torch
 from dflash_cli.engine.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash_cli.errors import DflashError
 from dflash_cli.training.options import DRAFTER_DIR, TrainOptions
+from dflash_cli.wording import plural
 
 
 def new_drafter(
@@ -183,10 +184,6 @@ def feature_layer_ids(options: TrainOptions, checkpoint: Path, start: Path | Non
 def flag_layer_ids(options: TrainOptions, target_layers: int) -> list[int]:
     """The target layers --feature-layers names: that many of the target's, evenly spaced."""
     return default_target_layer_ids(target_layers, min(options.feature_layers, target_layers))
-
-
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'s' if count != 1 else ''}"
 
 
 def describe_shape(config: DrafterConfig) -> str:

@@ -49,7 +49,6 @@ from dflash_cli.training.drafters import (
     init_drafter_dir,
     new_drafter,
     pick_mask_token,
-    plural,
     started_drafter,
     starting_config,
 )
@@ -71,6 +70,7 @@ from dflash_cli.training.options import (
     TrainResult,
 )
 from dflash_cli.training.prompts import split_prompts
+from dflash_cli.wording import plural
 
 COLUMNS = (
     TextColumn("{task.description}"),

@@ -8,6 +8,7 @@ from pathlib import Path
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.request_files import read_prompt_file
 from dflash_cli.protocol.requests import Request
+from dflash_cli.wording import plural
 
 
 def load_prompts(path: str | Path) -> list[Request]:
@@ -46,7 +47,7 @@ def split_prompts(
     if not eval_prompts:
         return requests, []
     if len(requests) <= eval_prompts:
-        count = f"{len(requests)} prompt{'s' if len(requests) != 1 else ''}"
+        count = plural(len(requests), "prompt")
         raise DflashError(
             f"{prompts} has {count}; the first {eval_prompts} are held out to measure tau, which leaves none to train on",
             fix="pass more prompts, --eval-prompts 0, or held-out prompts with --eval-file FILE",

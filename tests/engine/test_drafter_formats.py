@@ -18,6 +18,7 @@ from dflash_cli import load_drafter, speculative_generate
 from dflash_cli.engine.drafter import DFlash2Drafter, DFlashDrafter, DrafterConfig, make_drafter
 from dflash_cli.engine.drafter.cache import window_mask as _window_mask
 from dflash_cli.engine.drafter.layers import GroupedDynamicConv
+from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.drafters import DEFAULT_BLOCK_SIZE
 from helpers.drafters import random_drafter
@@ -551,6 +552,10 @@ def test_a_draft_vocabulary_bounds_the_proposals_and_the_output_stays_the_target
         assert loaded.logits(hidden[:, :0]).shape == (1, 0, 96)  # (a block of one drafts no slot)
     proposal = loaded.propose([features], block, [10], loaded.new_cache())[0]
     assert torch.isin(proposal, vocab).all()
+    # A classic drafter proposes from the vocabulary's logits alone: what the masked whole-vocabulary logits give,
+    # ties included (all logits 0: the first id of the vocabulary either way), and no slot for a block of one.
+    for rows in (hidden, torch.zeros_like(hidden), hidden[:, :0]) if not loaded.config.is_dflash2 else ():
+        assert torch.equal(loaded.select(rows, block[:, 0]), greedy_tokens(loaded.logits(rows)))
     # Over a dense bf16 head (a float32 training step over a bf16 target): its rows in the hidden states' dtype.
     bf16_head = _tiny_target()
     bf16_head.get_output_embeddings().bfloat16()

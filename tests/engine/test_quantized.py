@@ -19,6 +19,7 @@ from dflash_cli.engine.kernels.quantized import (
     quantize_target,
     share_inputs,
 )
+from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.setup.sizes import module_weight_bytes, step_bytes
 from helpers.drafters import FORMATS, random_drafter
 from helpers.kernels import int8_activation_product, use_kernels
@@ -270,6 +271,7 @@ def test_a_draft_vocabulary_over_a_quantized_head_proposes_what_its_masked_head_
         masked = torch.full_like(whole, float("-inf"))
         masked[..., vocab] = whole[..., vocab]
         assert torch.equal(drafter.logits(hidden), masked)
+        assert torch.equal(drafter.select(hidden, hidden[:, 0, 0].long()), greedy_tokens(masked))
     # (its rows alone, not the masked head)
     assert isinstance(drafter._head_rows(head, hidden.device, hidden.dtype), Int8Linear)
     prompt = [3, 14, 15, 92, 65]

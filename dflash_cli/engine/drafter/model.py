@@ -326,7 +326,12 @@ class DFlashDrafter(nn.Module):
 
     def select(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states of block slots 1..q-1 [n, q-1, H] and each block's first token [n] -> the proposal [n, q-1]."""
-        return greedy_tokens(self.logits(hidden))
+        if self.config.draft_vocab_size is None:
+            return greedy_tokens(self.logits(hidden))
+        # The argmax of the vocabulary's own logits, as target ids: the proposal `logits` would give (its ids ascend,
+        # so the first of equal maxima is the same token) without a vocabulary-wide row to fill, copy into and scan.
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
+        return self.draft_vocab[greedy_tokens(self.vocab_logits(rows))].view(hidden.shape[:-1])
 
     def save_pretrained(self, directory: str | Path) -> None:
         from safetensors.torch import save_file

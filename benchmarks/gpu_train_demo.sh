@@ -85,7 +85,10 @@ train)
     fi
     if [ ! -f /tmp/dflash-prompts/train.jsonl ]; then
         python3 -m benchmarks.demo_prompts /tmp/dflash-prompts --everyday 30000 --prose 8000 >/dev/null
-        head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl >/tmp/dflash-prompts/train.jsonl
+        # (the target's own user turns last: their answers are in the gz too)
+        { head -n "$PROMPTS_USED" /tmp/dflash-prompts/demo_prompts_train.jsonl && cat benchmarks/data/magpie-prompts.jsonl; } \
+            >/tmp/dflash-prompts/train.jsonl.part
+        mv /tmp/dflash-prompts/train.jsonl.part /tmp/dflash-prompts/train.jsonl
     fi
     common=(--target demo --feature-layers 5 --block-size 8 --draft-vocab 8192 --max-tokens 128 --device "$device"
         --dtype bfloat16 --json)

@@ -5,7 +5,9 @@
 # Data: the first PROMPTS lines (default: all 21,635) of the demo prompt set with everyday requests (lists, how-tos,
 # stories, letters, code, math, JSON, tool calls) and open-ended prose on 262 more subjects (`python -m
 # benchmarks.demo_prompts --everyday 30000 --prose 8000`: the first 13,635 lines are the set without prose),
-# answered by the engine we serve (int4 from the GGUF, compiled steps, batching, greedy).
+# answered by the engine we serve (int4 from the GGUF, compiled steps, batching, greedy); then the user turns the
+# target wrote itself (benchmarks/data/magpie-prompts.jsonl, `python -m benchmarks.magpie_prompts`), prompts of
+# no template of ours.
 # The answers distilled so far are kept in benchmarks/data/demo-answers.jsonl.gz and seed the run's answer cache,
 # so a new machine skips them (about 95 answers a minute on one quiet core, batches of 16); a run trains on the
 # prompts already answered (ANSWERED_ONLY=1, the default: prose lines the gz lacks wait) or answers the rest first
@@ -44,7 +46,10 @@ mkdir -p "$OUT/distill"
 # 1. The prompt set (deterministic; licence-clean: our templates + Python's own reference text).
 if [ ! -f "$OUT/prompts-all.jsonl" ]; then
     python -m benchmarks.demo_prompts "$OUT/set" --everyday 30000 --prose 8000 >/dev/null
-    head -n "$PROMPTS" "$OUT/set/demo_prompts_train.jsonl" >"$OUT/prompts-all.jsonl"
+    # (whole or not at all: a later run keeps the file it finds)
+    { head -n "$PROMPTS" "$OUT/set/demo_prompts_train.jsonl" && cat benchmarks/data/magpie-prompts.jsonl; } \
+        >"$OUT/prompts-all.jsonl.part"
+    mv "$OUT/prompts-all.jsonl.part" "$OUT/prompts-all.jsonl"
 fi
 
 # 2. The answers distilled before, kept where the run's cache is new (`dflash train` reads only those its

@@ -88,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from dflash_cli.loading.session import open_session
     from dflash_cli.protocol.params import SamplingParams
-    from dflash_cli.setup.options import RunOptions
-    from dflash_cli.setup.planning import PlanOverrides
     from dflash_cli.training.distill import distill
+    from dflash_cli.training.loop import answering_session
+    from dflash_cli.training.options import TrainOptions
     from dflash_cli.training.prompts import load_prompts
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -103,15 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         kept_turn(line, seen)
     seed = int(seeds.read_text()) if seeds.exists() else 0
     console = Console(stderr=True)
-    # The session `dflash train` answers with (training.loop.answering_session): its answers are the ones it reads.
-    run = RunOptions(
-        target=args.target,
-        sampling=SamplingParams(max_new_tokens=128),
-        no_spec=True,
-        overrides=PlanOverrides(batch_size=16),
-        threads=args.threads,
+    # The session `dflash train` answers with: its answers are the ones it reads.
+    options = TrainOptions(
+        target=args.target, prompts=str(path), output=str(args.out), distill_batch_size=16, threads=args.threads
     )
-    session = open_session(run, console, batching=True)
+    session, run = answering_session(options, console)
 
     def answer(requests: list) -> None:
         with Progress(console=console, transient=True) as progress:

@@ -50,7 +50,7 @@ import torch
 from dflash_cli.cpu_load import busy_since, cpu_snapshot, fresh, measured_now
 from dflash_cli.engine.drafter.compiled_step import loaded_draft_step
 from dflash_cli.engine.kernels import native
-from dflash_cli.engine.target.base import WHOLE_BUFFER
+from dflash_cli.engine.target.base import WHOLE_BUFFER, compute_dtype
 from dflash_cli.engine.target.compiled_step import loaded_step
 
 if TYPE_CHECKING:
@@ -353,7 +353,7 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "device": f"{device.type}: {where}",
         "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
         "target_config": fingerprint(target.config.to_json_string(use_diff=False)),
-        "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
+        "dtype": str(compute_dtype(target)).removeprefix("torch."),
         "weights": sorted({kind for m in target.modules() if (kind := _weight_kind(m)) is not None}),
         # (whole-buffer attention is SDPA's: a whole-buffer state switches to it after the first request's costs
         # were keyed)

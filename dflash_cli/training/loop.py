@@ -26,6 +26,7 @@ from rich.progress import (
 )
 
 from dflash_cli.engine.drafter import DFlashDrafter, make_drafter
+from dflash_cli.engine.target.base import compute_dtype
 from dflash_cli.errors import DflashError
 from dflash_cli.loading.checkpoint import read_drafter_config
 from dflash_cli.protocol.params import SamplingParams
@@ -527,6 +528,6 @@ def serving_copy(drafter: DFlashDrafter, target: Any) -> DFlashDrafter:
     copy.load_state_dict(drafter.state_dict())
     if drafter.config.draft_vocab_size is not None:
         copy.use_vocabulary(drafter.draft_vocab)
-    copy.to(drafter.fc.weight.device, torch.bfloat16).to(target.get_input_embeddings().weight.dtype).eval()
+    copy.to(drafter.fc.weight.device, torch.bfloat16).to(compute_dtype(target)).eval()
     copy.bind(target)
     return copy

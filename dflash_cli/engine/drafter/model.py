@@ -31,6 +31,7 @@ from dflash_cli.engine.drafter.config import DrafterConfig
 from dflash_cli.engine.drafter.layers import CandidateSelector, DraftLayer, rotation
 from dflash_cli.engine.kernels.quantized import Int8Linear
 from dflash_cli.engine.sampling import greedy_tokens
+from dflash_cli.engine.target.base import compute_dtype
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.drafters import DRAFT_VOCAB_FILE
 
@@ -109,8 +110,8 @@ class DFlashDrafter(nn.Module):
         head = self.target.get_output_embeddings()
         # As rows of a 2-D matrix: a 3-D slice such as hidden[:, 1:] keeps its parent's batch stride, and
         # CPU linear sends such inputs down a batched-matmul path about 10x slower than one GEMM.
-        # In the target's activation dtype (its embedding's): a quantized head holds no float weight to ask.
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
+        # In the target's activation dtype: a quantized head holds no float weight to ask.
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(compute_dtype(self.target))
         if self.config.draft_vocab_size is None:
             logits = self._scaled(head(rows))
             return logits.view(*hidden.shape[:-1], logits.shape[-1])  # (no -1: a block of one drafts 0 slots)
@@ -149,7 +150,7 @@ class DFlashDrafter(nn.Module):
         # A dense head's rows in the dtype the product runs in: float32 where a training step runs in it (in bf16
         # they took a fifth of such a step on a CPU without AMX), autocast's under autocast; a quantized head reads
         # the target's activation dtype.
-        dtype = self.target.get_input_embeddings().weight.dtype
+        dtype = compute_dtype(self.target)
         if isinstance(head, nn.Linear):
             kind = hidden.device.type
             dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
@@ -330,8 +331,9 @@ class DFlashDrafter(nn.Module):
             return greedy_tokens(self.logits(hidden))
         # The argmax of the vocabulary's own logits, as target ids: the proposal `logits` would give (its ids ascend,
         # so the first of equal maxima is the same token) without a vocabulary-wide row to fill, copy into and scan.
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.target.get_input_embeddings().weight.dtype)
-        return self.draft_vocab[greedy_tokens(self.vocab_logits(rows))].view(hidden.shape[:-1])
+        # (in the target's dtype, as `logits` scores: a dense head's rows would follow the drafter's)
+        scores = self.vocab_logits(hidden.to(compute_dtype(self.target)))
+        return self.draft_vocab[greedy_tokens(scores)].view(hidden.shape[:-1])
 
     def save_pretrained(self, directory: str | Path) -> None:
         from safetensors.torch import save_file

@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.replies import Ending, Part, Prompt
-from dflash_cli.protocol.requests import Request, read_translated, show
+from dflash_cli.protocol.requests import OMITTED, Request, read_translated, show
 from dflash_cli.protocol.tools import ToolCall
 
 MESSAGES_URL, COUNT_TOKENS_URL = "/v1/messages", "/v1/messages/count_tokens"
@@ -34,7 +34,6 @@ FIELD_NAMES = (
     (r"^response_format\.json_schema\.schema", "output_config.format.schema"),
     (r"^response_format", "output_config.format"),
 )
-OMITTED = "[{} omitted: this model reads text only]"  # an image or document a tool returned, in its place
 # Claude Code's first system block (2.1.36+): `x-anthropic-billing-header: cc_version=...; cch=<nonce>;`, a nonce new
 # each request at the very start of the prompt, where it would defeat prefix reuse; it says nothing to the model
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -161,6 +160,7 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError('messages must be a non-empty list of {"role", "content"} objects', param="messages")
+    last_user = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1)
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -177,7 +177,11 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             out.append({"role": "system", "content": _text_of(message["content"], f"{where}.content")})
             continue
         blocks = _blocks(message.get("content"), f"{where}.content")
-        for turn in _user_turns(blocks, where) if role == "user" else [_assistant_turn(blocks, where, names, len(out))]:
+        if role == "user":
+            turns = _user_turns(blocks, where, last=i == last_user)
+        else:
+            turns = [_assistant_turn(blocks, where, names, len(out))]
+        for turn in turns:
             names.append((rf"^messages\[{len(out)}\]", where))
             out.append(turn)
     if not any(message["role"] in ("user", "tool") for message in out):
@@ -191,8 +195,10 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
     return out, names
 
 
-def _user_turns(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-    """A user message's blocks: text as a user turn, each tool_result as a tool turn, in their order."""
+def _user_turns(blocks: list[dict[str, Any]], where: str, *, last: bool) -> list[dict[str, Any]]:
+    """A user message's blocks: text as a user turn, each tool_result as a tool turn, in their order. An image or
+    document is refused in the `last` user message (the one the reply answers) and left out, with a line saying
+    so, in earlier ones: agents resend the whole conversation, and a 400 there would end the session."""
     turns: list[dict[str, Any]] = []
     texts: list[str] = []
     for j, block in enumerate(blocks):
@@ -206,6 +212,8 @@ def _user_turns(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]
             turns.append(_tool_result(block, at))
         elif kind in ("tool_use", "thinking", "redacted_thinking"):
             raise RequestError(f"{at}: {kind} blocks belong in assistant turns", param=at)
+        elif _is_media(block) and not last:
+            texts.append(OMITTED.format(kind))
         else:
             raise _refused(kind, at, "text and tool_result are, in a user turn")
     if texts or not turns:

@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.replies import Ending, Part, Prompt
-from dflash_cli.protocol.requests import Request, read_translated, show
+from dflash_cli.protocol.requests import OMITTED, Request, read_translated, show
 
 RESPONSES_URL = "/v1/responses"
 
@@ -95,8 +95,10 @@ def read_responses_request(body: Any) -> ResponsesRequest:
     return ResponsesRequest(request, echo, fills_window=body.get("max_output_tokens") is None)
 
 
-def _text(value: Any, name: str) -> str:
-    """Content: a string, or a list of text parts (input_text, output_text); images, files and audio are refused."""
+def _text(value: Any, name: str, *, media: bool = False) -> str:
+    """Content: a string, or a list of text parts (input_text, output_text). Images, files and audio are refused,
+    or with `media` left out with a line saying so (an earlier turn's or a tool's, which a client resends every
+    turn: a 400 would end the session)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -106,6 +108,9 @@ def _text(value: Any, name: str) -> str:
         at = f"{name}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_image", "input_file", "input_audio"):
+            if media:
+                texts.append(OMITTED.format(kind.removeprefix("input_")))
+                continue
             raise RequestError(f"{at}: {kind} is not supported: the served model reads text only", param=at)
         if kind not in ("input_text", "output_text", "text", "refusal"):
             raise RequestError(f"{at} must be an input_text or output_text part, got {show(part)}", param=at)
@@ -144,6 +149,9 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             param="input",
         )
     reasoning: list[str] = []  # a reasoning item's text, for the assistant turn that follows it
+    last_user = max(
+        (i for i, item in enumerate(items) if isinstance(item, dict) and item.get("role") == "user"), default=-1
+    )
     for i, item in enumerate(items):
         where = "input" if isinstance(body["input"], str) else f"input[{i}]"
         if not isinstance(item, dict):
@@ -157,7 +165,7 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
                     f"{where}.role must be user, assistant, system or developer, got {show(role)}",
                     param=f"{where}.role",
                 )
-            content = _text(item.get("content"), f"{where}.content")
+            content = _text(item.get("content"), f"{where}.content", media=i != last_user)
             if role in ("system", "developer") and all(m["role"] == "system" for m in out):
                 if out:
                     out[0]["content"] += "\n\n" + content
@@ -183,7 +191,7 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             if reasoning:
                 turn["reasoning_content"], reasoning = "\n".join(reasoning), []
         elif kind == "function_call_output":
-            output = _text(item.get("output"), f"{where}.output")
+            output = _text(item.get("output"), f"{where}.output", media=True)
             turn = {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []

@@ -30,6 +30,9 @@ from dflash_cli.protocol.tools import Tools, read_tools
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+# An image, file or audio of an earlier turn or a tool's output, in its place (the agents' APIs: a client resends
+# them every turn, and refusing them there would end the session)
+OMITTED = "[{} omitted: this model reads text only]"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # apply_chat_template's own arguments: a request's chat_template_kwargs must not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -144,7 +147,9 @@ def check_context(request: Request, prompt_tokens: int, window: int | None) -> N
         return
     if prompt_tokens >= window:
         raise RequestError(
-            f"the prompt is {prompt_tokens} tokens, but the model's context window is {window}",
+            # (Anthropic's wording first: Claude Code reads "prompt is too long" as the cue to compact)
+            f"prompt is too long: {prompt_tokens} tokens > {window - 1} maximum (the model's context window is "
+            f"{window} tokens, and the reply needs one)",
             param=request.prompt_key,
             code="context_length_exceeded",
             fix="shorten the prompt",

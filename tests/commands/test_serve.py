@@ -857,7 +857,7 @@ def test_1000_malformed_requests_per_route_get_4xx_json_errors(
     reply = client.chat.completions.create(model=server.target, messages=user("Hello again"))
     assert reply.choices[0].message.content == expected_chat(session, models, user("Hello again")).text
     assert server.get("/health")[1]["status"] == "ok"
-    status, _, raw = raw_request(server.port, "POST", route, b" " * (9 * 2**20), JSON_HEADERS)
+    status, _, raw = raw_request(server.port, "POST", route, b" " * (33 * 2**20), JSON_HEADERS)
     assert status == 413 and json.loads(raw)["error"]["code"] == "request_too_large"
 
 

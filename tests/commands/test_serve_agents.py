@@ -351,7 +351,7 @@ def test_count_tokens_counts_a_prompt_longer_than_the_window(
     length = len(session.encode_chat(messages, NO_THINKING))
     assert length > WINDOW
     assert claude.messages.count_tokens(model=server.target, messages=messages).input_tokens == length
-    with pytest.raises(anthropic.BadRequestError, match=f"the prompt is {length} tokens"):
+    with pytest.raises(anthropic.BadRequestError, match=f"prompt is too long: {length} tokens > {WINDOW - 1} maximum"):
         claude.messages.create(model=server.target, messages=messages, max_tokens=4)
 
 
@@ -392,7 +392,7 @@ def test_bad_messages_get_anthropics_errors(server: RunningServer, claude: anthr
         server.port, "POST", "/v1/messages", json.dumps({"messages": user("Hi")}).encode(), headers
     )
     assert status == 400 and json.loads(raw)["error"]["message"].startswith("max_tokens is required")
-    status, _, raw = raw_request(server.port, "POST", "/v1/messages", b" " * (9 * 2**20), headers)
+    status, _, raw = raw_request(server.port, "POST", "/v1/messages", b" " * (33 * 2**20), headers)
     assert status == 413 and json.loads(raw)["error"]["type"] == "request_too_large"
     status, _, raw = raw_request(server.port, "GET", "/v1/messages", None, headers)
     assert status == 405 and json.loads(raw)["type"] == "error"

@@ -168,6 +168,32 @@ def test_an_image_a_tool_returned_is_left_out_by_name_and_one_the_user_sent_is_r
     assert error.param == "messages[0].content[0]" and "image blocks are not supported" in error.message
 
 
+def test_an_image_of_an_earlier_turn_is_left_out_and_one_in_the_turn_answered_is_refused() -> None:
+    """A pasted screenshot is refused in the turn the reply answers (the model would not see it) and, resent with
+    every later turn (Claude Code and Codex resend the conversation), left out with a line that says so."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    asked = {"role": "user", "content": [{"type": "text", "text": "What is wrong here?"}, image]}
+    error = error_of(read_messages_request, {"max_tokens": 8, "messages": [asked]})
+    assert error.param == "messages[0].content[1]" and "image blocks are not supported" in error.message
+    later = [asked, {"role": "assistant", "content": "I cannot see images."}, {"role": "user", "content": "OK: a 404."}]
+    turns = read_messages_request({"max_tokens": 8, "messages": later}).request.messages
+    assert turns[0] == {"role": "user", "content": "What is wrong here?\n[image omitted: this model reads text only]"}
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}
+    refused = [{"role": "user", "content": [document]}, *later[1:2], {"role": "user", "content": [image]}]
+    assert error_of(read_messages_request, {"max_tokens": 8, "messages": refused}).param == "messages[2].content[0]"
+
+    picture = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    question = {"role": "user", "content": [{"type": "input_text", "text": "What is wrong here?"}, picture]}
+    error = error_of(read_responses_request, {"input": [question]})
+    assert error.param == "input[0].content[1]" and "input_image is not supported" in error.message
+    output = {"type": "function_call_output", "call_id": "c1", "output": [picture]}
+    call = {"type": "function_call", "call_id": "c1", "name": "view", "arguments": "{}"}
+    items = [question, call, output, {"role": "user", "content": "OK: a 404."}]
+    chat = read_responses_request({"input": items}).request.messages
+    assert chat[0]["content"] == "What is wrong here?\n[image omitted: this model reads text only]"
+    assert chat[2] == {"role": "tool", "tool_call_id": "c1", "content": "[image omitted: this model reads text only]"}
+
+
 def test_claude_codes_billing_header_is_left_out_of_the_system_prompt() -> None:
     header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.36.e1f; cch=93b1a;"}
     body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}

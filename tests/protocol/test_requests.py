@@ -195,7 +195,7 @@ def test_max_tokens_is_checked_against_the_context_left_after_the_prompt() -> No
         "1949: ask for at most 99"
     )
     check_context(read_body({"messages": USER}, CHAT_URL), 2047, 2048)  # the default is cut at the window
-    with pytest.raises(RequestError, match="the prompt is 2048 tokens") as full:
+    with pytest.raises(RequestError, match="prompt is too long: 2048 tokens > 2047 maximum") as full:
         check_context(read_body({"messages": USER}, CHAT_URL), 2048, 2048)
     assert full.value.param == "messages"
     line = read_line({"custom_id": "a", "url": CHAT_URL, "body": {"messages": USER, "max_tokens": 10}})

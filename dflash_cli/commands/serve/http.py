@@ -42,7 +42,7 @@ from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
 
 DONE = "data: [DONE]\n\n"  # the last event of an OpenAI stream
-MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any context window's worth of text
+MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's limit: agents resend every image a tool read (left out here)
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
 MODEL_URL = "/v1/models/{model:path}"  # one model's card (the openai client's models.retrieve)
 ROUTES = (

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -40,6 +41,11 @@ class APIError(Exception):
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A comment line (every SSE reader skips it) after this many seconds without an event: a reply can be silent for
+# minutes (a long queue or prompt, a tool call held back until it closes), and clients drop a stream that sends
+# nothing for a while (Claude Code after 180 s, proxies sooner).
+KEEPALIVE_S = 15.0
+KEEPALIVE = ": keepalive\n\n"
 
 
 def sse(data: Any, event: str | None = None) -> str:
@@ -66,15 +72,29 @@ class EventStream(StreamingResponse):
 def event_stream(
     events: AsyncIterator[str], failed: Callable[[APIError], Iterable[str]], on_close: Callable[[], None]
 ) -> EventStream:
-    """A reply streamed: `events`, and where its generation fails after the status was sent, `failed`'s events
-    for the error (in the stream, as vLLM's); `on_close` (which cancels the job) once the response ends."""
+    """A reply streamed: `events`, a keepalive comment whenever none came for KEEPALIVE_S, and where its
+    generation fails after the status was sent, `failed`'s events for the error (in the stream, as vLLM's);
+    `on_close` (which cancels the job) once the response ends."""
 
     async def guarded() -> AsyncIterator[str]:
+        # The next event is awaited in a task of its own, so that a keepalive leaves it waiting: cancelling the
+        # wait (asyncio.wait_for) would end `events` mid-reply.
+        waiting: asyncio.Future[str] | None = None
         try:
-            async for event in events:
+            while True:
+                waiting = asyncio.ensure_future(anext(events))
+                while not (await asyncio.wait({waiting}, timeout=KEEPALIVE_S))[0]:
+                    yield KEEPALIVE
+                try:
+                    event = waiting.result()
+                except StopAsyncIteration:
+                    return
                 yield event
         except APIError as error:
             for event in failed(error):
                 yield event
+        finally:
+            if waiting is not None:
+                waiting.cancel()  # (the client left while it waited)
 
     return EventStream(guarded(), on_close)

@@ -398,6 +398,15 @@ def test_bad_messages_get_anthropics_errors(server: RunningServer, claude: anthr
     assert status == 405 and json.loads(raw)["type"] == "error"
 
 
+def test_the_anthropic_client_lists_the_served_model(server: RunningServer, claude: anthropic.Anthropic) -> None:
+    """GET /v1/models answers both clients: Anthropic's page and card fields beside OpenAI's."""
+    page = claude.models.list()
+    (card,) = page.data
+    assert (card.id, card.type, card.display_name) == (server.target, "model", server.target)
+    assert card.created_at.tzinfo is not None and not page.has_more and page.first_id == page.last_id == card.id
+    assert claude.models.retrieve(server.target) == card
+
+
 def test_langchain_chat_anthropic(server: RunningServer, client: openai.OpenAI) -> None:
     from langchain_anthropic import ChatAnthropic
 

@@ -14,6 +14,7 @@ socket, loads the model and runs this app until Ctrl-C.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -200,6 +201,7 @@ class Server:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     def _card(self) -> dict[str, Any]:
+        """The served model as OpenAI's clients read it, and Anthropic's (type, display_name, created_at)."""
         return {
             "id": self.model,
             "object": "model",
@@ -207,10 +209,15 @@ class Server:
             "owned_by": "dflash",
             "root": self.session.recipe.target.id,
             "max_model_len": self.context_window,
+            "type": "model",
+            "display_name": self.model,
+            "created_at": datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat(),
         }
 
     async def models(self, request: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        # (Anthropic's page fields beside OpenAI's list: one model, one page)
+        page = {"has_more": False, "first_id": self.model, "last_id": self.model}
+        return JSONResponse({"object": "list", "data": [self._card()], **page})
 
     async def model_card(self, request: HTTPRequest) -> Response:
         self.check_model(request.path_params["model"])

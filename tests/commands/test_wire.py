@@ -91,3 +91,39 @@ def test_a_failure_after_a_keepalive_is_the_streams_error_event(served: tuple[Te
     with pytest.raises(anthropic.APIStatusError, match="out of memory"):
         list(stream)
     assert wire.KEEPALIVE in http.post("/v1/messages", json={"metadata": 1}).text
+
+
+def test_a_client_gone_during_a_silence_ends_the_reply_and_its_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves while a reply is silent (keepalives only): the event being awaited is cancelled there and
+    then (its generator's cleanup runs), and the job is cancelled (`on_close`)."""
+    monkeypatch.setattr(wire, "KEEPALIVE_S", 0.01)
+    closed: list[str] = []
+    ended: list[str] = []
+
+    async def silent() -> AsyncIterator[str]:
+        try:
+            yield sse({"type": "ping"}, "ping")
+            await asyncio.sleep(60)  # (a long prefill)
+            yield sse({"type": "never"}, "never")
+        finally:
+            ended.append("events")
+
+    async def scenario() -> None:
+        kept_alive = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            if wire.KEEPALIVE.encode() in message.get("body", b""):
+                kept_alive.set()
+
+        async def receive() -> dict:
+            await kept_alive.wait()
+            return {"type": "http.disconnect"}
+
+        stream = event_stream(silent(), lambda error: [], lambda: closed.append("job"))
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/v1/messages"}
+        await asyncio.wait_for(stream(scope, receive, send), 5)
+        await asyncio.sleep(0.05)
+        assert ended == ["events"]  # (not left sleeping until the loop's shutdown cancels it)
+
+    asyncio.run(scenario())
+    assert closed == ["job"]

@@ -94,7 +94,9 @@ def event_stream(
             for event in failed(error):
                 yield event
         finally:
-            if waiting is not None:
-                waiting.cancel()  # (the client left while it waited)
+            if waiting is not None and not waiting.done():  # the client left while it waited
+                waiting.cancel()
+                # (what the cancelled reply raises on its way out, its job's end, is no one's to report)
+                waiting.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     return EventStream(guarded(), on_close)

@@ -18,6 +18,7 @@ from dflash_cli.engine.stats import GenerationStats
 from dflash_cli.engine.text import TextStream
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
+from dflash_cli.protocol.requests import prompt_too_long
 
 if TYPE_CHECKING:
     from dflash_cli.engine.drafter import DraftCache
@@ -77,7 +78,7 @@ class Generation:
         if context_window is not None:
             if len(self.prompt_ids) >= context_window:
                 raise DflashError(
-                    f"the prompt is {len(self.prompt_ids)} tokens, but the model's context window is {context_window}",
+                    prompt_too_long(len(self.prompt_ids), context_window),
                     fix="shorten the prompt (or the conversation: /clear in chat)",
                 )
             self.max_new = min(self.max_new, context_window - len(self.prompt_ids))

@@ -138,6 +138,15 @@ class Request:
         return "messages" if self.is_chat else "prompt_ids" if self.prompt_ids is not None else "prompt"
 
 
+def prompt_too_long(prompt_tokens: int, window: int) -> str:
+    """What every route and the engine say of a prompt that leaves no room for a reply, in Anthropic's wording
+    first (as its API says it), then why."""
+    return (
+        f"prompt is too long: {prompt_tokens} tokens > {window - 1} maximum (the model's context window is "
+        f"{window} tokens, and the reply needs one)"
+    )
+
+
 def check_context(request: Request, prompt_tokens: int, window: int | None) -> None:
     """A prompt of `prompt_tokens` tokens and the max_tokens the request asks for (when it does: the default is cut
     at the window, and with `cut_at_window` so is any) against the model's context window; RequestError
@@ -147,9 +156,7 @@ def check_context(request: Request, prompt_tokens: int, window: int | None) -> N
         return
     if prompt_tokens >= window:
         raise RequestError(
-            # (Anthropic's wording first: Claude Code reads "prompt is too long" as the cue to compact)
-            f"prompt is too long: {prompt_tokens} tokens > {window - 1} maximum (the model's context window is "
-            f"{window} tokens, and the reply needs one)",
+            prompt_too_long(prompt_tokens, window),
             param=request.prompt_key,
             code="context_length_exceeded",
             fix="shorten the prompt",

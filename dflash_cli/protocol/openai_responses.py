@@ -149,9 +149,14 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             param="input",
         )
     reasoning: list[str] = []  # a reasoning item's text, for the assistant turn that follows it
+    # The user turn the reply answers: the last one, unless a tool's output comes right before it (Codex's
+    # view_image attached its picture as a user message after the call's output; refusing it ends the session)
     last_user = max(
         (i for i, item in enumerate(items) if isinstance(item, dict) and item.get("role") == "user"), default=-1
     )
+    before = items[last_user - 1] if last_user > 0 else None
+    if isinstance(before, dict) and before.get("type") == "function_call_output":
+        last_user = -1
     for i, item in enumerate(items):
         where = "input" if isinstance(body["input"], str) else f"input[{i}]"
         if not isinstance(item, dict):

@@ -192,6 +192,9 @@ def test_an_image_of_an_earlier_turn_is_left_out_and_one_in_the_turn_answered_is
     chat = read_responses_request({"input": items}).request.messages
     assert chat[0]["content"] == "What is wrong here?\n[image omitted: this model reads text only]"
     assert chat[2] == {"role": "tool", "tool_call_id": "c1", "content": "[image omitted: this model reads text only]"}
+    attached = {"type": "function_call_output", "call_id": "c1", "output": "attached local image path"}
+    viewed = read_responses_request({"input": [call, attached, {"role": "user", "content": [picture]}]})
+    assert viewed.request.messages[-1] == {"role": "user", "content": "[image omitted: this model reads text only]"}
 
 
 def test_claude_codes_billing_header_is_left_out_of_the_system_prompt() -> None:

@@ -9,11 +9,14 @@ The loop asks once per step and reports once per step, after its one host sync:
 
 - Cost: seconds of draft + verify per block size of a small fixed set (1, 2, 4, 8, 16 up to the drafter's
   block), measured once per machine, model pair, dtype, threads and compile mode by running the real steps
-  (`StepCosts.calibrate`, interleaved rounds, medians) and cached as JSON in the dflash cache directory. Online,
-  every step's measured time over its calibrated cost feeds one load factor that scales them all (a busy
-  machine slows every size alike; the calibrated shape stays). A step of several rows costs what one row's step
-  of as many tokens costs (`StepCosts.cost`): its products run every row of every block, so on a CPU 4 rows'
-  blocks of 2 cost about one row's block of 8, not one row's block of 2.
+  (`StepCosts.calibrate`: interleaved rounds of a few steps of one size in a row, as the loop runs them, medians)
+  and cached as JSON in the dflash cache directory. Online, every step's measured time over its predicted cost
+  feeds a factor: one row's plain steps the load, which scales every size alike (a busy machine slows them
+  alike), and every other size (and number of rows) a factor of its own: what the loop's steps of that size
+  cost beside the calibrated ones (the loop also samples, accepts and commits; on the demo's CPU its block-2
+  steps cost 1.8 plain steps where the calibration said 1.4, and the policy drafted at a loss). A step of several rows costs what one row's step of as many
+  tokens costs (`StepCosts.cost`): its products run every row of every block, so on a CPU 4 rows' blocks of 2
+  cost about one row's block of 8, not one row's block of 2.
 - Acceptance: the chance a_j that draft j stands given drafts 1..j-1 stood, per position, as a Beta posterior:
   a prior of strength PRIOR_WEIGHT whose mean is the drafter's pooled history (this process and earlier ones,
   kept in the same file; a position it has not seen accepts like the one before), updated by this
@@ -36,6 +39,7 @@ compile mode), across generations. Policies sharing them step on one thread (the
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -64,10 +68,11 @@ FORGET = 0.95  # per observed step: this generation's counts reach back about 20
 HISTORY_FORGET = 0.999  # the drafter's pooled history: about 1000 steps
 PROBE_SHARE = 0.005  # probes may cost about this share of the plain steps' time (about 100 steps apart here)
 PROBE_EXTRA_RATE = 0.3  # how fast the learned extra cost of a probe follows measured probes
-LOAD_RATE = 0.1  # how fast the online load factor follows measured steps
+LOAD_RATE = 0.1  # how fast the online load, and each shape's factor, follow measured steps
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every size; the first warms up and is dropped
+CALIBRATION_RUN = 3  # steps of one size in a row per round; the first, after another size, is not kept
 CALIBRATION_CONTEXT = 2  # new context rows per timed draft step (about what a step brings)
-COSTS_SCHEMA = "dflash-block-costs/2"  # 2: shared-input products, whole-buffer attention in pieces
+COSTS_SCHEMA = "dflash-block-costs/3"  # 3: runs of one size, factors per size (2: whole-buffer attention)
 
 
 class BlockPolicy(Protocol):
@@ -152,9 +157,10 @@ def cost_cache_dir(what: str = "block-costs") -> Path:
 class StepCosts:
     """Seconds of draft and verify per block size for one (target, drafter) here, and the drafter's history.
 
-    `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / calibrated over
-    recent steps; `banked`, `probe_extra_s`: the probes' allowance and extra cost (AdaptiveBlock). `successes[j]`,
-    `failures[j]`: the drafter's pooled outcomes at draft position j+1.
+    `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / predicted over recent
+    steps; `factors[(size, rows)]`: what the loop's steps of that shape cost beside the calibration (1 for one
+    row's plain step, the load's reference); `banked`, `probe_extra_s`: the probes' allowance and extra cost
+    (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled outcomes at draft position j+1.
     """
 
     def __init__(self, key: dict[str, Any], sizes: Sequence[int]) -> None:
@@ -163,6 +169,7 @@ class StepCosts:
         self.draft_s: dict[int, float] = {}
         self.verify_s: dict[int, float] = {}
         self.load = 1.0
+        self.factors: dict[tuple[int, int], float] = {}
         self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost (this process)
         self.probe_extra_s = 0.0  # what a probe costs beyond its calibrated step (the context it reads), learned
         self.measured_at: str | None = None  # when the costs were calibrated
@@ -181,15 +188,27 @@ class StepCosts:
     def cost(self, size: int, rows: int = 1) -> float:
         """Seconds of a step of `rows` rows drafting and verifying blocks of `size`: one row's calibrated step of
         size x rows tokens (interpolated between the calibrated sizes, extrapolated past the largest), a plain step
-        drafting nothing; times the load."""
+        drafting nothing; times its shape's factor and the load."""
+        return self._calibrated(size, rows) * self.factors.get((size, rows), 1.0) * self.load
+
+    def _calibrated(self, size: int, rows: int) -> float:
         draft = 0.0 if size == 1 else _tokens_cost(self.draft_s, size * rows)
-        return (draft + _tokens_cost(self.verify_s, size * rows)) * self.load
+        return draft + _tokens_cost(self.verify_s, size * rows)
 
     def observe_time(self, size: int, seconds: float, rows: int = 1) -> None:
-        if size in self.verify_s and seconds > 0:
-            ratio = seconds / ((self.cost(size, rows) / self.load) or seconds)
-            ratio = min(max(ratio, self.load / 4), self.load * 4)  # one stalled step moves it little
+        """A step the loop ran in a run of steps (not the first drafting step after plain ones): one row's plain
+        step moves the load, any other shape its own factor, by its time over the prediction. (Where no plain
+        step runs, a GPU drafting throughout, the factors follow the load in its place.)"""
+        if size not in self.verify_s or seconds <= 0:
+            return
+        calibrated = self._calibrated(size, rows) or seconds
+        if (size, rows) == (1, 1):
+            ratio = min(max(seconds / calibrated, self.load / 4), self.load * 4)  # one stalled step moves it little
             self.load += LOAD_RATE * (ratio - self.load)
+            return
+        factor = self.factors.get((size, rows), 1.0)
+        ratio = min(max(seconds / (calibrated * self.load), factor / 4), factor * 4)
+        self.factors[(size, rows)] = factor + LOAD_RATE * (ratio - factor)
 
     def observe_acceptance(self, size: int, accepted: int) -> None:
         for j in range(len(self.successes)):
@@ -212,7 +231,8 @@ class StepCosts:
         state.prefill(prompt)
         length = state.lengths[0]
         features = state.features(length)
-        cache = drafter.new_cache(length + top + CALIBRATION_ROUNDS * len(self.sizes) * CALIBRATION_CONTEXT, top)
+        steps = CALIBRATION_ROUNDS * len(self.sizes) * CALIBRATION_RUN
+        cache = drafter.new_cache(length + top + steps * CALIBRATION_CONTEXT, top)
         if self.key.get("compile"):
             from dflash_cli.engine.compiled.jit import compiled_draft_step
 
@@ -227,7 +247,8 @@ class StepCosts:
         verifies: dict[int, list[float]] = {size: [] for size in self.sizes}
         for round_ in range(CALIBRATION_ROUNDS):
             order = self.sizes if round_ % 2 == 0 else self.sizes[::-1]
-            for size in order:
+            # (a step right after another size's costs more: the loop runs steps of one size in a row)
+            for size, run in itertools.product(order, range(CALIBRATION_RUN)):
                 start = cache.length + CALIBRATION_CONTEXT
                 t0 = clock.mark()
                 if size > 1:
@@ -238,12 +259,12 @@ class StepCosts:
                 # verify + the step's host sync; nothing is committed (the loop's prefill starts the state over)
                 torch.argmax(state.verify(own_block(block, size)), dim=-1).tolist()
                 t2 = clock.mark()
-                if round_ > 0:
+                if round_ > 0 and run > 0:
                     drafts[size].append(clock.seconds(t0, t1))
                     verifies[size].append(clock.seconds(t1, t2))
         self.draft_s = {size: statistics.median(drafts[size]) if size > 1 else 0.0 for size in self.sizes}
         self.verify_s = {size: statistics.median(verifies[size]) for size in self.sizes}
-        self.load = 1.0
+        self.load, self.factors = 1.0, {}
         self.measured_at, self.others_busy = measured_now(), busy_since(before)
 
     def _read(self) -> None:
@@ -256,13 +277,17 @@ class StepCosts:
         try:
             draft = {int(k): float(v) for k, v in data["draft_s"].items()}
             verify = {int(k): float(v) for k, v in data["verify_s"].items()}
+            factors = {}
+            for shape, value in data.get("factors", {}).items():
+                size, rows = shape.split("x")
+                factors[int(size), int(rows)] = float(value)
             successes = [float(v) for v in data["successes"]]
             failures = [float(v) for v in data["failures"]]
         except (KeyError, TypeError, ValueError, AttributeError):
             return
         measured_at, others_busy = data.get("measured_at"), data.get("others_busy")
         if all(size in verify for size in self.sizes) and fresh(measured_at, others_busy):
-            self.draft_s, self.verify_s = draft, verify
+            self.draft_s, self.verify_s, self.factors = draft, verify, factors
             self.measured_at, self.others_busy = measured_at, others_busy
         n = min(len(successes), len(failures), len(self.successes))
         self.successes[:n], self.failures[:n] = successes[:n], failures[:n]
@@ -279,6 +304,7 @@ class StepCosts:
             "others_busy": self.others_busy if quiet else None,
             "draft_s": self.draft_s if quiet else {},
             "verify_s": self.verify_s if quiet else {},
+            "factors": {f"{size}x{rows}": round(v, 4) for (size, rows), v in self.factors.items()} if quiet else {},
             "successes": [round(v, 3) for v in self.successes],
             "failures": [round(v, 3) for v in self.failures],
         }

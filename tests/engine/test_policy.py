@@ -243,6 +243,31 @@ def test_probes_are_bounded_and_find_a_drafter_that_improves():
     assert policy.choose(8) == 8
 
 
+def test_the_policy_learns_what_the_loops_steps_cost_and_stops_drafting_at_a_loss():
+    """The calibration says a block of 2 costs 1.3 plain steps and 45% of first drafts stand (1.45 tokens: it
+    pays), but the loop's steps of 2 cost 1.8 and of 4 cost 2.3 (the demo on this CPU): the policy learns their
+    own factors and decodes about as fast as plain steps (with one load factor for every size it took 1.28 plain
+    steps' time a token)."""
+    import random
+
+    costs = _costs({1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4}, draft=0.25)
+    costs.successes, costs.failures = [45.0] * 7, [55.0] * 7
+    real = {1: 1.0, 2: 1.8, 4: 2.3, 8: 3.3}
+    draws, spent, tokens, policy = random.Random(46), 0.0, 0, AdaptiveBlock(costs)
+    for step in range(3000):
+        if step % 128 == 0:  # answers of 128 steps, a policy each
+            policy = AdaptiveBlock(costs)
+        size = policy.choose(8)
+        accepted = 0
+        while accepted < size - 1 and draws.random() < 0.45:
+            accepted += 1
+        policy.observe(size, accepted, 0.25 if size > 1 else 0.0, real[size] - (0.25 if size > 1 else 0.0))
+        if step >= 1500:
+            spent, tokens = spent + real[size], tokens + 1 + accepted
+    assert costs.cost(2) > 1.45 * costs.cost(1)  # learned far enough: drafting 2 no longer pays
+    assert spent / tokens <= real[1] * 1.02  # about plain's time per token (probes and a few bets)
+
+
 def _answers(costs: StepCosts, count: int, accepted_every: int = 0, outlier_probe: int = -1):
     """`count` answers of 128 steps, each a fresh policy over `costs`, where a probe also reads the context of the
     plain steps before it, its prompt's 30 rows included, a tenth of a plain step a row (`outlier_probe`: that probe
@@ -328,9 +353,10 @@ def test_costs_and_history_are_cached_per_key(block_costs_cache):
     assert not StepCosts(key, (1, 2, 4)).calibrated  # not kept
     costs.others_busy = 0.1
     costs.observe_acceptance(4, 1)
+    costs.factors = {(4, 1): 1.5, (2, 3): 0.9}  # (what the loop's steps cost beside the calibration)
     costs.save()
     again = StepCosts(key, (1, 2, 4))
-    assert again.calibrated and again.cost(4) == pytest.approx(0.036)
+    assert again.calibrated and again.cost(4) == pytest.approx(0.036 * 1.5) and again.factors == costs.factors
     assert again.successes[0] == pytest.approx(1) and again.failures[1] == pytest.approx(1)
     assert not StepCosts({**key, "threads": 2}, (1, 2, 4)).calibrated  # another key: measured anew
     again.path.write_text("{not json")

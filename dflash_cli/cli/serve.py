@@ -44,11 +44,11 @@ def serve(
     no_prefix_cache: NoPrefixCache = False,
     cache_ram: CacheRam = None,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API, for Open WebUI, editors, agents and the `openai` client.
+    """Serve a model over OpenAI- and Anthropic-compatible HTTP APIs, for Open WebUI, editors, agents (Claude Code, Codex CLI) and the `openai` and `anthropic` clients.
 
-    POST /v1/chat/completions and /v1/completions (streaming with "stream": true), GET /v1/models, /health, /metrics (Prometheus). The model loads once and one engine thread decodes the queued requests, up to --batch-size at once (continuous batching); a client that disconnects stops its generation. Request fields override the sampling flags, which are the defaults (greedy unless --temperature); replies carry usage plus a "dflash" object (tau, acceptance histogram, decode tok/s).
+    POST /v1/chat/completions, /v1/completions and /v1/responses (OpenAI; streaming with "stream": true), /v1/messages and /v1/messages/count_tokens (Anthropic), GET /v1/models, /health, /metrics (Prometheus). The model loads once and one engine thread decodes the queued requests, up to --batch-size at once (continuous batching); a client that disconnects stops its generation. Request fields override the sampling flags, which are the defaults (greedy unless --temperature); replies carry usage plus a "dflash" object (tau, acceptance histogram, decode tok/s).
 
-    Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'`
+    Example: `dflash serve demo`, then `curl http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" -d '{"messages": [{"role": "user", "content": "Hi"}]}'`. Claude Code: `ANTHROPIC_BASE_URL=http://127.0.0.1:8000 ANTHROPIC_MODEL=demo claude`; Codex CLI: a model provider with base_url http://127.0.0.1:8000/v1 and wire_api "responses" (docs/serve.md)
     """
     options = dataclasses.replace(
         options.overriding(batch_size=batch_size, cache_ram_mib=cache_ram), prefix_cache=not no_prefix_cache

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import random
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -889,6 +890,14 @@ def test_a_body_not_sent_as_json_is_415(server: RunningServer) -> None:
     for media in ("application/json", "Application/JSON; charset=UTF-8", 'application/json; charset="utf-8"'):
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": media}
         assert raw_request(server.port, "POST", CHAT_URL, body, headers)[0] == 200, media
+    # `dflash serve --help`'s example request, as printed, answers 200 (without the header it was a 415)
+    printed = " ".join(CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).stdout.split())
+    curl = shlex.split(re.search(r"`(curl [^`]+)`", printed)[1])
+    headers = dict(curl[i + 1].split(": ", 1) for i, arg in enumerate(curl) if arg == "-H")
+    path = curl[1].removeprefix("http://127.0.0.1:8000")
+    example = curl[curl.index("-d") + 1].encode()
+    status, _, raw = raw_request(server.port, "POST", path, example, {"Authorization": f"Bearer {KEY}", **headers})
+    assert status == 200, raw
 
 
 def test_a_taken_port_fails_before_the_model_loads(tmp_path: Path) -> None:

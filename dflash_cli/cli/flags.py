@@ -285,7 +285,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
             help="Compile the decode steps. auto: CUDA graphs on a GPU; on a CPU, the target's and the drafter's "
             "steps compiled ahead of time where they are stored for this machine and model (Llama, Mistral, Qwen2, "
             "Qwen3 targets; every drafter format). on: on a CPU, build those stored steps first if missing (1-3 "
-            "minutes once; every later start loads them in a second and decodes about 2.5x faster: the demo on 2 "
+            "minutes once; every later start loads them in a second and decodes about 2.2x faster: the demo on 2 "
             "cores); what has none compiles at every start (minutes). off: eager.",
             rich_help_panel=PLANNING,
         ),

@@ -36,7 +36,7 @@ def pull(
         typer.Option(
             "--compile/--no-compile",
             help="Also build this machine's compiled target and draft steps (a CPU plan; Llama, Mistral, Qwen2 "
-            "and Qwen3 targets): 1-3 minutes once, then every start loads them in a second and decodes about 2.5x "
+            "and Qwen3 targets): 1-3 minutes once, then every start loads them in a second and decodes about 2.2x "
             "faster (the demo on 2 cores). Without pull, the first chat, run or serve builds them in the background.",
         ),
     ] = True,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -23,6 +24,7 @@ from dflash_cli.engine.compiled import stored
 from dflash_cli.engine.kernels import native
 from dflash_cli.engine.policy import kept_measurements
 from dflash_cli.errors import DflashError
+from dflash_cli.loading.compiled_steps import background_builds
 from dflash_cli.loading.hub import hub_reachable
 from dflash_cli.loading.models import quiet_bitsandbytes_import
 from dflash_cli.setup.choices import gb
@@ -471,12 +473,17 @@ def cpp_compiler() -> str | None:
     return shutil.which(compiler) or (compiler if Path(compiler).is_file() else None)
 
 
-def check_compiled_steps(facts: MachineFacts, compiler: str | None, stored: list[Path]) -> Check:
-    """Whether compiled CPU steps can be built here (a C++ compiler), and which are stored."""
+def check_compiled_steps(
+    facts: MachineFacts, compiler: str | None, stored: list[Path], building: Sequence[tuple[Path, float]] = ()
+) -> Check:
+    """Whether compiled CPU steps can be built here (a C++ compiler), which are stored, and which build in the
+    background now (`building`: each one's log and start time)."""
     if facts.gpu_name is not None:
         return Check("compiled steps", "pass", "GPU: CUDA graphs are captured at each start (no stored CPU step)")
     families = Counter(path.stem.split("-")[0] for path in stored)
     kept = f"; stored: {', '.join(f'{family} x{n}' for family, n in sorted(families.items()))}" if stored else ""
+    for log, started in building:
+        kept += f"; building in the background since {time.strftime('%H:%M', time.localtime(started))} (log {log})"
     if compiler is None:
         return Check(
             "compiled steps",
@@ -507,6 +514,9 @@ def check_measurements(kept: list[dict[str, Any]]) -> Check:
         busy = f", others kept {entry['others_busy']:.2f} cores busy" if entry["others_busy"] is not None else ""
         threads = plural(entry["threads"], "thread")
         lines.append(f"{entry['what']} of {entry['target']} ({threads}): {when}{busy}; {state}")
+    # (files for other drafters, block sizes or compile modes read alike here: once, counted)
+    alike = Counter(lines)
+    lines = [line if n == 1 else f"{line} ({n} files: other drafters or step modes)" for line, n in alike.items()]
     return Check("measurements", "pass", "\n".join(lines))
 
 
@@ -578,7 +588,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
         check_hub(offline, constants.ENDPOINT, None if offline else hub_reachable(constants.ENDPOINT)),
         recipe_check,
         *(Check("user recipe", "fail", error.message, error.fix) for error in unreadable.values()),
-        check_compiled_steps(facts, cpp_compiler(), stored.stored_packages()),
+        check_compiled_steps(facts, cpp_compiler(), stored.stored_packages(), background_builds()),
         check_measurements(kept_measurements()),
         check_cpu_kernels(
             facts,

@@ -379,6 +379,10 @@ def test_compiled_steps_check_says_what_a_cpu_can_build(tmp_path: Path) -> None:
     assert "stored: llama x2, qwen3 x1" in missing.detail
     found = doctor.check_compiled_steps(cpu, "/usr/bin/g++", [])
     assert found.status == "pass" and "/usr/bin/g++" in found.detail and "stored" not in found.detail
+    started = time.time()
+    building = doctor.check_compiled_steps(cpu, "/usr/bin/g++", [], [(tmp_path / "k.log", started)])
+    since = time.strftime("%H:%M", time.localtime(started))
+    assert f"building in the background since {since} (log {tmp_path / 'k.log'})" in building.detail
     gpu = doctor.check_compiled_steps(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, [])
     assert gpu.status == "pass" and "CUDA graphs" in gpu.detail
 
@@ -423,9 +427,10 @@ def test_doctor_shows_what_was_measured_when_and_whether_it_stands(block_costs_c
     quiet = StepCosts(key, (1, 2))
     quiet.verify_s, quiet.draft_s, quiet.measured_at, quiet.others_busy = {1: 0.01, 2: 0.02}, {}, measured_now(), 0.1
     quiet.save()
-    busy = StepCosts({**key, "threads": 1}, (1, 2))
-    busy.verify_s, busy.measured_at, busy.others_busy = {1: 0.01, 2: 0.02}, measured_now(), 1.0
-    busy.save()
+    for drafter in ("a", "b"):  # (two drafters' costs measured while busy: one line, counted)
+        busy = StepCosts({**key, "threads": 1, "drafter": drafter}, (1, 2))
+        busy.verify_s, busy.measured_at, busy.others_busy = {1: 0.01, 2: 0.02}, measured_now(), 1.0
+        busy.save()
     threads = block_costs_cache / "decode-threads" / "x.json"
     old = {"key": key, "seconds": {"1": 0.01}, "measured_at": "2020-01-01T00:00:00Z", "others_busy": 0.0}
     save_measurement(threads, old)
@@ -433,5 +438,5 @@ def test_doctor_shows_what_was_measured_when_and_whether_it_stands(block_costs_c
     ours = [line for line in detail.splitlines() if "org/doctor-tiny" in line]
     assert len(ours) == 3, detail
     assert any("step costs of org/doctor-tiny (2 threads): 20" in line and "stands" in line for line in ours)
-    assert any("(1 thread): a busy moment, not kept" in line for line in ours)
+    assert any("(1 thread): a busy moment, not kept" in line and "(2 files: " in line for line in ours)
     assert any("decode threads" in line and "2020-01-01" in line and "measured again" in line for line in ours)

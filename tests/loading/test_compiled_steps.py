@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_cli.engine.compiled import stored
-from dflash_cli.loading.compiled_steps import ENVIRONMENT
+from dflash_cli.loading.compiled_steps import ENVIRONMENT, background_builds
 from dflash_cli.loading.session import open_session
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import PlanOverrides
@@ -53,7 +53,14 @@ def test_the_first_start_builds_in_the_background_and_the_next_one_loads(
     group = Path(f"/proc/{builder}/autogroup")
     if group.exists():
         assert group.read_text().split()[-1] == "19"
+    log = lock.with_suffix(".log")
+    assert f"since {time.strftime('%H:%M', time.localtime(lock.stat().st_mtime))}" in again.build_note
+    assert str(log) in again.build_note
+    assert background_builds() == [(log, lock.stat().st_mtime)]  # (`dflash doctor` lists it)
     wait_for_the_build(user_cache)
+    assert background_builds() == []
+    said = log.read_text()  # what it built, and in how long
+    assert "compiled step: exported step" in said and said.rstrip().splitlines()[-1].startswith("done in ")
     later = open_session(options, build_later=True)
     assert later.exported and later.build_note is None
     overridden = open_session(

@@ -31,6 +31,10 @@ from dflash_cli.protocol.params import Grammar, SamplingParams
 # on newlines inside an object until max_tokens.
 JSON_LAYOUT = dict(any_whitespace=False)
 JSON_WHITESPACE = 1  # the same bound inside tool-call arguments (the format's own structure sets the rest)
+# An integer without bounds may take digits until max_tokens (the demo wrote "age": 1000000000... and no closing
+# brace): bounded to JSON's interoperable integers (RFC 8259, 6), as llama.cpp bounds them to 16 digits
+SAFE_INTEGER = 2**53 - 1
+SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # keys whose values are data, not schemas
 
 
 @functools.cache
@@ -51,7 +55,8 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
         if grammar.kind == "json":
             compiled = compiler.compile_json_schema('{"type": "object"}', **JSON_LAYOUT)
         elif grammar.kind == "json_schema":
-            compiled = compiler.compile_json_schema(grammar.source, **JSON_LAYOUT)
+            schema = json.dumps(bounded_integers(json.loads(grammar.source)))
+            compiled = compiler.compile_json_schema(schema, **JSON_LAYOUT)
         elif grammar.kind == "tool_calls":
             compiled = compiler.compile_structural_tag(_tool_call_tag(grammar.source))
         else:
@@ -68,6 +73,22 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
             param=grammar.field,
         )
     return compiled
+
+
+def bounded_integers(schema: Any) -> Any:
+    """`schema` with every integer's open ends bounded at +-SAFE_INTEGER (bounds it sets stay)."""
+    if isinstance(schema, list):
+        return [bounded_integers(part) for part in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in SCHEMA_DATA else bounded_integers(value) for key, value in schema.items()}
+    kind = out.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
 
 
 def _can_start(compiled: Any, vocab_size: int) -> bool:
@@ -92,7 +113,7 @@ def _tool_call_tag(source: str) -> str:
         choice = {"type": "function", "function": {"name": choice}}
     tag = xgrammar.get_model_structural_tag(
         spec["format"],
-        tools=spec["tools"],
+        tools=bounded_integers(spec["tools"]),
         tool_choice=choice,
         reasoning="disabled",
         max_whitespace_cnt=JSON_WHITESPACE,

@@ -19,7 +19,7 @@ import xgrammar
 from scipy.stats import chisquare
 
 from dflash_cli.engine import Batch, SamplingParams, collect, generate
-from dflash_cli.engine.grammar import compile_grammar
+from dflash_cli.engine.grammar import bounded_integers, compile_grammar
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.params import Grammar
 from helpers.drafters import FORMATS, OracleDrafter, random_drafter
@@ -166,6 +166,32 @@ def test_a_schema_the_grammar_library_rejects_names_the_field() -> None:
     with pytest.raises(RequestError) as caught:
         compile_grammar(bad, tokenizer(), target().config.vocab_size)
     assert caught.value.param == "response_format"
+
+
+def test_integers_without_bounds_end_within_jsons_safe_range() -> None:
+    """An integer a schema leaves unbounded takes at most JSON's safe range (the demo wrote "age": 1000000000...
+    until max_tokens, and no closing brace), in a response_format and in a forced call's arguments; bounds a
+    schema sets stay, and data under const, enum or default is not read as a schema."""
+    vocab = target().config.vocab_size
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}, "n": {"type": ["integer", "null"]}}}
+    compiled = compile_grammar(Grammar("json_schema", json.dumps(schema)), tokenizer(), vocab)
+    assert xgrammar.GrammarMatcher(compiled).accept_string('{"age": -9007199254740991, "n": 9007199254740991}')
+    assert not xgrammar.GrammarMatcher(compiled).accept_string('{"age": 90071992547409910')
+    assert not xgrammar.GrammarMatcher(compiled).accept_string('{"age": 1, "n": 9007199254740992')
+    wide = {"type": "integer", "minimum": 0, "maximum": 10**17}
+    compiled = compile_grammar(Grammar("json_schema", json.dumps(wide)), tokenizer(), vocab)
+    assert xgrammar.GrammarMatcher(compiled).accept_string("99999999999999999")
+    data = {"const": {"type": "integer"}, "default": [{"type": "integer"}]}
+    assert bounded_integers(data) == data
+    from dflash_cli.protocol.tools import FORMATS
+
+    count = {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}
+    tool = {"type": "function", "function": {"name": "repeat", "parameters": count}}
+    spec = {"format": FORMATS["hermes"].grammar, "tools": [tool], "choice": "required", "parallel": False}
+    compiled = compile_grammar(Grammar("tool_calls", json.dumps(spec), "tool_choice"), tokenizer(), vocab)
+    call = '<tool_call>\n{"name": "repeat", "arguments": {"count": 12345678901234567'
+    assert xgrammar.GrammarMatcher(compiled).accept_string(call[:-1])
+    assert not xgrammar.GrammarMatcher(compiled).accept_string(call)
 
 
 def test_a_grammar_that_allows_no_first_token_is_refused_by_its_field() -> None:

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"setup"},
     {"engine"},
     {"protocol"},
-    {"errors", "cpu_load", "wording"},
+    {"errors", "cpu_load", "wording", "progress"},
 ]
 RANK = {package: len(LAYERS) - i for i, layer in enumerate(LAYERS) for package in layer}
 

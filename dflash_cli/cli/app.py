@@ -29,9 +29,25 @@ if _shown_type is not None:
     TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 
+# Commands of other tools (ollama, llama.cpp, vLLM) a user may type here, and what does that in dflash
+HABITS = {
+    "list": "`dflash recipes list` lists the models it runs; `dflash doctor` says which fit this machine",
+    "ls": "`dflash recipes list` lists the models it runs; `dflash doctor` says which fit this machine",
+    "show": "`dflash recipes show NAME` shows a recipe",
+    "ps": "dflash runs models in-process (no daemon holds them): `dflash serve NAME` keeps one loaded",
+    "generate": "`dflash chat NAME --prompt TEXT` answers one prompt; `dflash run NAME prompts.jsonl` many",
+    "stop": "dflash runs models in-process (no daemon holds them): Ctrl-C stops `dflash serve`",
+}
+
+
 class DflashGroup(TyperGroup):
     """Every DflashError raised below becomes `error:` / `fix:` lines and its exit code, never a traceback.
-    (Ctrl-C already exits with 130 in typer.)"""
+    (Ctrl-C already exits with 130 in typer.) Another tool's command gets a pointer to dflash's (HABITS)."""
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        if args and args[0] in HABITS and self.get_command(ctx, args[0]) is None:
+            ctx.fail(f"No such command '{args[0]}': {HABITS[args[0]]}.")  # (typer's click or click: its own error)
+        return super().resolve_command(ctx, args)
 
     def invoke(self, ctx: Any) -> Any:
         try:

@@ -12,7 +12,7 @@ from dflash_cli.setup.recipes import load_registry, resolve_recipe
 def recipes_list(json_output: JsonFlag = False) -> None:
     """List the built-in and user recipes.
 
-    block: the most tokens a step verifies: the recipe's, else what its drafter's config.json sets (read where it is local or in the Hugging Face cache, never downloaded); `drafter's` where that config is not downloaded yet (`dflash pull NAME` fetches it). --json adds it as `drafter_block_size` (null: unknown)."""
+    status: in-process (dflash runs it; `dflash doctor` says whether it fits this machine) or export only (`dflash export` gives the vLLM / SGLang command). block: the most tokens a step verifies: the recipe's, else what its drafter's config.json sets (read where it is local or in the Hugging Face cache, never downloaded); `drafter's` where that config is not downloaded yet (`dflash pull NAME` fetches it). --json adds it as `drafter_block_size` (null: unknown)."""
     from dflash_cli.commands.recipes import COLUMNS, recipe_listing, recipe_rows
 
     recipes, unreadable = load_registry()

@@ -40,7 +40,7 @@ def recipe_rows(listings: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                 drafter["id"] if drafter else "-",
                 str(block),
                 sizes,
-                "runs" if listing["runnable"] else "export only",
+                "in-process" if listing["runnable"] else "export only",  # (whether it fits here: dflash doctor)
                 ", ".join(note for note, on in flags if on),
             )
         )

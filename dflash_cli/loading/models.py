@@ -32,6 +32,7 @@ from dflash_cli.loading.hub import (
     resolve_model_dir,
 )
 from dflash_cli.loading.streaming import cannot_stream, load_quantized_target
+from dflash_cli.progress import working
 from dflash_cli.setup.choices import PREQUANTIZED_FORMATS, Quant
 from dflash_cli.setup.sizes import (
     RUNTIME_OVERHEAD,
@@ -125,13 +126,9 @@ def _check_architecture(checkpoint: Checkpoint) -> Any:
 
 @contextlib.contextmanager
 def _loading_display(console: Console | None, message: str) -> Iterator[None]:
-    """A rich spinner while a model loads (with a console), and never transformers' tqdm bars."""
-    with quiet_transformers_progress():
-        if console is None:
-            yield
-            return
-        with console.status(message):
-            yield
+    """A rich spinner while a model loads (on a terminal), and never transformers' tqdm bars."""
+    with quiet_transformers_progress(), working(console, message, piped=False):
+        yield
 
 
 def load_target(

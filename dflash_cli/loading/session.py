@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,7 @@ from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.loading import compiled_steps
 from dflash_cli.loading.compiled_steps import load_exported_step
 from dflash_cli.loading.models import LoadedModels, load_models
+from dflash_cli.progress import working
 from dflash_cli.protocol.params import Grammar
 from dflash_cli.protocol.replies import THINK_CLOSE, THINK_OPEN
 from dflash_cli.protocol.requests import Request, check_context
@@ -399,7 +399,7 @@ class Session:
 
     def _compile_status(self, message: str) -> AbstractContextManager[Any]:
         """A progress line while a step compiles (nothing to show without a console)."""
-        return self.console.status(message) if self.console is not None else contextlib.nullcontext()
+        return working(self.console, message)
 
 
 def apply_chat_template(
@@ -459,7 +459,7 @@ def cpu_kernels_reason(console: Console | None) -> str:
     run on."""
     building = native.pending_build()
     message = "Compiling dflash's CPU kernels (once on this machine, about 10 s)..."
-    with console.status(message) if console is not None and building else contextlib.nullcontext():
+    with working(console if building else None, message):
         why = native.unavailable()
     if why is None:
         return "kernels: bf16 products on dflash's CPU kernels, its attention too in the stored step (engine.kernels.native)"
@@ -505,7 +505,7 @@ def open_session(
             session.build_note = compiled_steps.build_in_background(ref)
     if threads is not None and options.threads is None and threads.threads > 1 and not compile:
         message = "Measuring how many threads decode fastest (once on this machine)..."
-        with console.status(message) if console is not None else contextlib.nullcontext():
+        with working(console, message):
             session.decode_threads = decode_threads(models.target, threads.threads)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
         console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)

@@ -52,6 +52,21 @@ def test_help_lists_every_command() -> None:
         assert f" {command} " in result.stdout
 
 
+@pytest.mark.parametrize("habit", ["list", "ls", "ps", "show"])
+def test_another_tools_command_points_to_dflashs(habit: str) -> None:
+    """ollama's list, ps, show: a usage error (exit 2) that names what does it here, not a bare 'No such command'."""
+    result = runner.invoke(app, [habit])
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and f"No such command '{habit}': " in message and "dflash " in message, message
+    assert "no such command 'lst'." in " ".join(runner.invoke(app, ["lst"]).stderr.split()).lower()
+
+
+def test_run_without_a_prompts_file_points_to_chat() -> None:
+    result = runner.invoke(app, ["run", "demo"])  # (ollama's habit: `run MODEL` talks to it)
+    message = " ".join(result.stderr.split())
+    assert result.exit_code == 1 and "no prompts file given" in message and "`dflash chat demo`" in message, message
+
+
 @pytest.mark.parametrize("command", [*COMMANDS, "serve"])
 def test_help_shows_no_type_beside_a_flag(command: str) -> None:
     """A flag takes no value: --help shows none beside it (typer 0.29 printed `<bool>`), while options show theirs
@@ -430,7 +445,7 @@ def test_recipes_list_piped_prints_whole_values_on_plain_rows() -> None:
         "meta-llama/Llama-3.1-8B-Instruct",
         "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
     ]
-    assert "runs" in llama.split() and "bf16 16.1 GB, nf4 5.7 GB" in llama
+    assert "in-process" in llama.split() and "bf16 16.1 GB, nf4 5.7 GB" in llama
     assert "export only" in next(line for line in lines if line.startswith("kimi-k2.5 "))
     assert not any(char in result.stdout for char in "┃│━")
 

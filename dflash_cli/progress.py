@@ -1,0 +1,21 @@
+"""What long work says while it runs: a spinner on a terminal, one plain line elsewhere (logs, pipes, CI), where
+a spinner draws nothing and a first start would sit silent for half a minute."""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
+from rich.console import Console
+
+
+def working(console: Console | None, message: str, *, piped: bool = True) -> AbstractContextManager[Any]:
+    """A context for the work `message` names: a spinner on a terminal, else the message printed once (unless not
+    `piped`: work every start does, whose plan line says it next)."""
+    if console is None or not (piped or console.is_terminal):
+        return contextlib.nullcontext()
+    if console.is_terminal:
+        return console.status(message)
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
+    return contextlib.nullcontext()

@@ -11,7 +11,7 @@ from dflash_cli.errors import DflashError
 from dflash_cli.loading.models import resolve_ref
 
 if TYPE_CHECKING:
-    from dflash_cli.setup.recipes import Recipe
+    from dflash_cli.setup.recipes import ModelRef, Recipe
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,19 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
 
     refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
     remote = [(what, ref) for what, ref in refs if not ref.gguf_fallback and ref.path is None]
-    plans = pull([ref for _, ref in remote], console, dry_run=dry_run, json=json, print_json=False)
-    # The Hub's download plans (shown by `pull` as it fetched), then the parts that need no download.
-    parts = [
-        PulledPart({"what": what, "source": "hub", **plan.to_dict()}, None) for (what, _), plan in zip(remote, plans)
-    ]
+    try:
+        plans = pull([ref for _, ref in remote], console, dry_run=dry_run, json=json, print_json=False)
+    except DflashError:
+        unreachable = _hub_unreachable() if dry_run else None
+        if unreachable is None:
+            raise
+        parts = [_recipe_size(recipe, what, ref, unreachable) for what, ref in remote]
+    else:  # the Hub's download plans (shown by `pull` as it fetched)
+        parts = [
+            PulledPart({"what": what, "source": "hub", **plan.to_dict()}, None)
+            for (what, _), plan in zip(remote, plans)
+        ]
+    # then the parts that need no download
     for what, ref in refs:
         if ref.path is not None:
             package = ref.id.startswith("package:")
@@ -67,6 +75,33 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
             continue
         parts.append(PulledPart(part, line))
     return parts
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be asked for file sizes now (offline mode, or no answer), else None."""
+    from huggingface_hub import constants
+
+    from dflash_cli.loading.hub import hub_reachable
+
+    if constants.HF_HUB_OFFLINE:
+        return "downloads are off (HF_HUB_OFFLINE)"
+    why = hub_reachable(constants.ENDPOINT)
+    return None if why is None else f"the Hub cannot be reached ({why})"
+
+
+def _recipe_size(recipe: Recipe, what: str, ref: ModelRef, why: str) -> PulledPart:
+    """A dry run's part where the Hub cannot list a model's files: the size the recipe records for its weights as
+    published (the target's bf16 or FP8 checkpoint, the drafter's bf16)."""
+    from dflash_cli.setup.choices import gb
+
+    if what == "target":
+        precision = "fp8" if ref == recipe.checkpoints.get("fp8") else "bf16"
+        size = recipe.weight_bytes.get(precision)
+    else:
+        precision, size = "bf16", recipe.drafter_bytes
+    data = {"what": what, "id": ref.id, "source": "recipe", "download_bytes": size, "hub": why}
+    said = f"about {gb(size)} of {precision} weights" if size else "no size recorded"
+    return PulledPart(data, f"{what} {ref.id}: {said}, by the recipe ({why})")
 
 
 def compile_recipe(recipe: Recipe, console: Console, *, json: bool = False) -> list[PulledPart]:

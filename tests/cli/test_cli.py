@@ -234,11 +234,28 @@ def test_pull_fp8_fetches_the_recipes_fp8_checkpoint(
     assert refused.exit_code == 1 and "no published FP8 checkpoint" in refused.output
 
 
-def test_pull_offline_and_uncached_is_one_clear_error(offline: Path) -> None:
+def test_pull_offline_and_uncached_is_one_clear_error(offline: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["pull", "--target", "org/missing"])
     assert result.exit_code == 1
     assert "org/missing" in result.output and "HF_HUB_OFFLINE" in result.output
     assert "Traceback" not in result.output
+    # a dry run says what it would fetch from the recipe's own figures instead (the Hub cannot list the files)
+    planned = runner.invoke(app, ["pull", "qwen3-8b", "--dry-run", "--json"])
+    assert planned.exit_code == 0, planned.output
+    recipe = recipes.load_registry()[0]["qwen3-8b"]
+    assert [(p["what"], p["source"], p["download_bytes"]) for p in json.loads(planned.stdout)] == [
+        ("target", "recipe", recipe.weight_bytes["bf16"]),
+        ("drafter", "recipe", recipe.drafter_bytes),
+    ]
+    said = " ".join(runner.invoke(app, ["pull", "qwen3-8b", "--dry-run"]).stdout.split())
+    assert "target Qwen/Qwen3-8B: about 16.4 GB of bf16 weights, by the recipe (downloads are off" in said
+    fp8 = tmp_path / "r.toml"
+    fp8.write_text(
+        'name = "tiny-moe"\ndescription = "d"\ndrafter = "org/tiny-dflash"\n[target]\nid = "org/tiny"\n'
+        '[checkpoints]\nfp8 = "org/tiny-FP8"\n[weight_bytes]\nbf16 = 1000\nfp8 = 500\n'
+    )
+    planned = json.loads(runner.invoke(app, ["pull", str(fp8), "--fp8", "--dry-run", "--json"]).stdout)
+    assert [(p["id"], p["download_bytes"]) for p in planned] == [("org/tiny-FP8", 500), ("org/tiny-dflash", None)]
 
 
 def test_recipes_list_and_show_json() -> None:

@@ -44,7 +44,6 @@ from dflash_cli.setup.options import RunOptions
 
 DONE = "data: [DONE]\n\n"  # the last event of an OpenAI stream
 MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's limit: agents resend every image a tool read (left out here)
-PARSE_IN_THREAD_BYTES = 2**20
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
 MODEL_URL = "/v1/models/{model:path}"  # one model's card (the openai client's models.retrieve)
 ROUTES = (
@@ -254,9 +253,8 @@ class Server:
             raise too_big
         if not body.strip():
             raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
-        parse = partial(json.loads, body, parse_constant=_no_constants)
-        try:  # (a large body parses off the event loop: a quarter second is every stream's pause)
-            return parse() if received < PARSE_IN_THREAD_BYTES else await asyncio.to_thread(parse)
+        try:
+            return json.loads(body, parse_constant=_no_constants)
         except UnicodeDecodeError as error:
             raise APIError(400, f"the request body is not UTF-8: {error.reason}", code="invalid_json") from None
         except ValueError as error:

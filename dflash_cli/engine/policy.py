@@ -10,13 +10,14 @@ The loop asks once per step and reports once per step, after its one host sync:
 - Cost: seconds of draft + verify per block size of a small fixed set (1, 2, 4, 8, 16 up to the drafter's
   block), measured once per machine, model pair, dtype, threads and compile mode by running the real steps
   (`StepCosts.calibrate`: interleaved rounds of a few steps of one size in a row, as the loop runs them, medians)
-  and cached as JSON in the dflash cache directory. Online, every step's measured time over its predicted cost
-  feeds a factor: one row's plain steps the load, which scales every size alike (a busy machine slows them
-  alike), and every other size (and number of rows) a factor of its own: what the loop's steps of that size
-  cost beside the calibrated ones (the loop also samples, accepts and commits; on the demo's CPU its block-2
-  steps cost 1.8 plain steps where the calibration said 1.4, and the policy drafted at a loss). A step of several rows costs what one row's step of as many
-  tokens costs (`StepCosts.cost`): its products run every row of every block, so on a CPU 4 rows' blocks of 2
-  cost about one row's block of 8, not one row's block of 2.
+  and cached as JSON in the dflash cache directory. Online, the time of every step run in a run of its shape
+  over its predicted cost moves one load factor that scales every size alike (a busy machine slows them alike),
+  and a shape's steps soon after one row's plain steps teach it a factor of its own against them: what the
+  loop's steps of that size (and rows) cost beside the calibrated ones (the loop also samples, accepts and
+  commits; on the demo's CPU, under load, its block-2 steps cost 1.8 plain steps where the calibration said 1.4,
+  and the policy drafted at a loss). A step of several rows costs what one row's step of as many tokens costs
+  (`StepCosts.cost`): its products run every row of every block, so on a CPU 4 rows' blocks of 2 cost about one
+  row's block of 8, not one row's block of 2.
 - Acceptance: the chance a_j that draft j stands given drafts 1..j-1 stood, per position, as a Beta posterior:
   a prior of strength PRIOR_WEIGHT whose mean is the drafter's pooled history (this process and earlier ones,
   kept in the same file; a position it has not seen accepts like the one before), updated by this
@@ -69,6 +70,7 @@ HISTORY_FORGET = 0.999  # the drafter's pooled history: about 1000 steps
 PROBE_SHARE = 0.005  # probes may cost about this share of the plain steps' time (about 100 steps apart here)
 PROBE_EXTRA_RATE = 0.3  # how fast the learned extra cost of a probe follows measured probes
 LOAD_RATE = 0.1  # how fast the online load, and each shape's factor, follow measured steps
+FACTOR_WINDOW = 16  # a shape's factor learns from its steps this close after one row's plain step
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every size; the first warms up and is dropped
 CALIBRATION_RUN = 3  # steps of one size in a row per round; the first, after another size, is not kept
 CALIBRATION_CONTEXT = 2  # new context rows per timed draft step (about what a step brings)
@@ -158,9 +160,9 @@ class StepCosts:
     """Seconds of draft and verify per block size for one (target, drafter) here, and the drafter's history.
 
     `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / predicted over recent
-    steps; `factors[(size, rows)]`: what the loop's steps of that shape cost beside the calibration (1 for one
-    row's plain step, the load's reference); `banked`, `probe_extra_s`: the probes' allowance and extra cost
-    (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled outcomes at draft position j+1.
+    steps, `plain_load` over one row's plain steps; `factors[(size, rows)]`: what the loop's steps of that shape
+    cost beside the calibration (1 for one row's plain step, the reference); `banked`, `probe_extra_s`: the
+    probes' allowance and extra cost (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled outcomes at draft position j+1.
     """
 
     def __init__(self, key: dict[str, Any], sizes: Sequence[int]) -> None:
@@ -169,6 +171,8 @@ class StepCosts:
         self.draft_s: dict[int, float] = {}
         self.verify_s: dict[int, float] = {}
         self.load = 1.0
+        self.plain_load = 1.0  # the load one row's plain steps alone measure: what the factors are learned against
+        self.since_plain = FACTOR_WINDOW + 1  # steps observed since one row's plain step
         self.factors: dict[tuple[int, int], float] = {}
         self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost (this process)
         self.probe_extra_s = 0.0  # what a probe costs beyond its calibrated step (the context it reads), learned
@@ -196,19 +200,23 @@ class StepCosts:
         return draft + _tokens_cost(self.verify_s, size * rows)
 
     def observe_time(self, size: int, seconds: float, rows: int = 1) -> None:
-        """A step the loop ran in a run of steps (not the first drafting step after plain ones): one row's plain
-        step moves the load, any other shape its own factor, by its time over the prediction. (Where no plain
-        step runs, a GPU drafting throughout, the factors follow the load in its place.)"""
+        """A step the loop ran in a run of steps of its shape (a step after another shape costs more): the load
+        follows its time over the prediction; one row's plain step also measures the plain load, against which a
+        shape run soon after (FACTOR_WINDOW steps) teaches its own factor. Without plain steps (a GPU drafting
+        throughout) the factors stand and the load alone follows the machine."""
         if size not in self.verify_s or seconds <= 0:
             return
-        calibrated = self._calibrated(size, rows) or seconds
+        calibrated, factor = self._calibrated(size, rows) or seconds, self.factors.get((size, rows), 1.0)
+        ratio = min(max(seconds / (calibrated * factor), self.load / 4), self.load * 4)  # a stall moves it little
+        self.load += LOAD_RATE * (ratio - self.load)
         if (size, rows) == (1, 1):
-            ratio = min(max(seconds / calibrated, self.load / 4), self.load * 4)  # one stalled step moves it little
-            self.load += LOAD_RATE * (ratio - self.load)
+            self.plain_load += LOAD_RATE * (min(max(ratio, self.plain_load / 4), self.plain_load * 4) - self.plain_load)
+            self.since_plain = 0
             return
-        factor = self.factors.get((size, rows), 1.0)
-        ratio = min(max(seconds / (calibrated * self.load), factor / 4), factor * 4)
-        self.factors[(size, rows)] = factor + LOAD_RATE * (ratio - factor)
+        self.since_plain += 1
+        if self.since_plain <= FACTOR_WINDOW:
+            own = min(max(seconds / (calibrated * self.plain_load), factor / 4), factor * 4)
+            self.factors[(size, rows)] = factor + LOAD_RATE * (own - factor)
 
     def observe_acceptance(self, size: int, accepted: int) -> None:
         for j in range(len(self.successes)):
@@ -264,7 +272,7 @@ class StepCosts:
                     verifies[size].append(clock.seconds(t1, t2))
         self.draft_s = {size: statistics.median(drafts[size]) if size > 1 else 0.0 for size in self.sizes}
         self.verify_s = {size: statistics.median(verifies[size]) for size in self.sizes}
-        self.load, self.factors = 1.0, {}
+        self.load, self.plain_load, self.factors = 1.0, 1.0, {}
         self.measured_at, self.others_busy = measured_now(), busy_since(before)
 
     def _read(self) -> None:
@@ -433,7 +441,7 @@ class AdaptiveBlock:
         self.failures = [0.0] * positions
         self.probing = False  # the size last chosen is a probe (drafting did not pay)
         self.probe_loss = 0.0  # its expected loss
-        self.plain_run = 0  # plain steps since the drafter last ran (its context waits for it)
+        self.last_shape: tuple[int, int] | None = None  # the last step's (size, rows): a step of another costs more
 
     def acceptance(self) -> list[float]:
         """The posterior mean acceptance a_j of each draft position: this generation's counts over a prior from
@@ -472,14 +480,14 @@ class AdaptiveBlock:
         rows = [accepted] if isinstance(accepted, int) else list(accepted)
         if size == 1 and not self.costs.calibrated:  # (it never drafts: nothing to time or bank)
             return
-        if size == 1:
-            self.plain_run += 1
-            self.costs.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
-            self.costs.observe_time(1, draft_s + verify_s, len(rows))
-            return
-        if self.plain_run == 0:  # the first draft after plain steps also reads their context: not a typical step
+        # Only a step in a run of its shape is timed: one after another shape costs more (and the first draft after
+        # plain steps also reads their context), which a probe's extra cost counts instead.
+        in_run, self.last_shape = self.last_shape == (size, len(rows)), (size, len(rows))
+        if in_run:
             self.costs.observe_time(size, draft_s + verify_s, len(rows))
-        self.plain_run = 0
+        if size == 1:
+            self.costs.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
+            return
         if self.probing:  # what it really lost against plain steps for its tokens, and what it cost beyond its step
             tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
             step = self.costs.cost(size, len(rows))

@@ -268,6 +268,34 @@ def test_the_policy_learns_what_the_loops_steps_cost_and_stops_drafting_at_a_los
     assert spent / tokens <= real[1] * 1.02  # about plain's time per token (probes and a few bets)
 
 
+def test_a_busy_spell_while_drafting_does_not_keep_the_policy_drafting() -> None:
+    """Drafting throughout while the machine is 3x slower for a while, then the drafts stop standing: the load
+    follows the machine on drafting steps too, so the policy decodes afterwards as it does without the spell
+    (with the load moved by plain steps alone, plain steps stayed priced at 3x: it drafted blocks of 8 on at 2.4
+    plain steps' time a token, against 1.08)."""
+    import random
+
+    def time_per_token(busy: float) -> float:
+        costs = _costs({1: 1.0, 2: 1.1, 4: 1.5, 8: 2.4}, draft=0.4)
+        real = {size: costs.cost(size) for size in costs.sizes}
+        draws, policy, spent, tokens = random.Random(45), AdaptiveBlock(costs), 0.0, 0
+        for step in range(2400):
+            if step % 128 == 0:
+                policy = AdaptiveBlock(costs)
+            slower, stands = (busy if 200 <= step < 500 else 1.0), (0.9 if step < 600 else 0.15)
+            size = policy.choose(8)
+            accepted = 0
+            while accepted < size - 1 and draws.random() < stands:
+                accepted += 1
+            draft = costs.draft_s.get(size, 0.0) * slower
+            policy.observe(size, accepted, draft, real[size] * slower - draft)
+            if step >= 1400:
+                spent, tokens = spent + real[size], tokens + 1 + accepted
+        return spent / tokens
+
+    assert time_per_token(3.0) <= time_per_token(1.0) * 1.02
+
+
 def _answers(costs: StepCosts, count: int, accepted_every: int = 0, outlier_probe: int = -1):
     """`count` answers of 128 steps, each a fresh policy over `costs`, where a probe also reads the context of the
     plain steps before it, its prompt's 30 rows included, a tenth of a plain step a row (`outlier_probe`: that probe
@@ -330,6 +358,19 @@ def test_probes_happen_while_plain(monkeypatch):
     probes = [i for i, size in enumerate(sizes) if size > 1]
     assert sizes.count(1) > 1450 and len(probes) >= 3  # mostly plain, yet it keeps looking
     assert all(b - a >= 5 for a, b in zip(probes, probes[1:]))
+
+
+def test_only_steps_in_a_run_of_their_shape_are_timed():
+    """A step right after another size's costs more (demo, this CPU: a plain step 6.5-6.9 ms after a drafting step,
+    5.45 in a run); it would price the sizes the policy switches between too dearly: such steps are not timed."""
+    costs = _costs({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9}, draft=0.4)
+    policy = AdaptiveBlock(costs)
+    for size in [1, 2] * 20:  # every step a switch, each 30% dearer than in a run
+        policy.observe(size, 0, costs.draft_s[size], costs.verify_s[size] * 1.3)
+    assert costs.load == 1.0 and costs.factors == {}
+    for _ in range(3):
+        policy.observe(1, 0, 0.0, 1.3)
+    assert costs.load > 1.0  # (the second and third plain steps in a row are timed)
 
 
 def test_load_scales_every_size_alike():

@@ -15,6 +15,7 @@ rollback; llguidance's first mask on a tokenizer took ~2 s. It is also what vLLM
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -26,6 +27,7 @@ import torch
 from dflash_cli.engine.sampling import greedy_tokens
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol.params import Grammar, SamplingParams
+from dflash_cli.protocol.schemas import subschemas
 
 # JSON is constrained to one layout, `{"a": 1, "b": [2, 3]}` (OpenAI's own): free whitespace lets small models loop
 # on newlines inside an object until max_tokens.
@@ -34,7 +36,6 @@ JSON_WHITESPACE = 1  # the same bound inside tool-call arguments (the format's o
 # An integer without bounds may take digits until max_tokens (the demo wrote "age": 1000000000... and no closing
 # brace): bounded to JSON's interoperable integers (RFC 8259, 6), as llama.cpp bounds them to 16 digits
 SAFE_INTEGER = 2**53 - 1
-SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # keys whose values are data, not schemas
 
 
 @functools.cache
@@ -76,19 +77,38 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
 
 
 def bounded_integers(schema: Any) -> Any:
-    """`schema` with every integer's open ends bounded at +-SAFE_INTEGER (bounds it sets stay)."""
-    if isinstance(schema, list):
-        return [bounded_integers(part) for part in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in SCHEMA_DATA else bounded_integers(value) for key, value in schema.items()}
-    kind = out.get("type")
-    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -SAFE_INTEGER
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = SAFE_INTEGER
-    return out
+    """A copy of `schema` with every integer's open ends bounded at +-SAFE_INTEGER: bounds it sets stay, and an
+    end whose bound would cross the other end's (a minimum of 10^17) stays open."""
+    bounded = copy.deepcopy(schema)
+
+    def bound(node: Any) -> None:
+        if isinstance(node, list):
+            for part in node:
+                bound(part)
+            return
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+            low, high = _number(node, "minimum", "exclusiveMinimum"), _number(node, "maximum", "exclusiveMaximum")
+            if not {"minimum", "exclusiveMinimum"} & node.keys() and (high is None or high >= -SAFE_INTEGER):
+                node["minimum"] = -SAFE_INTEGER
+            if not {"maximum", "exclusiveMaximum"} & node.keys() and (low is None or low <= SAFE_INTEGER):
+                node["maximum"] = SAFE_INTEGER
+        for _, part in subschemas(node):
+            bound(part)
+
+    bound(bounded)
+    return bounded
+
+
+def _number(node: dict[str, Any], *keys: str) -> float | None:
+    """The first of `keys` in `node` that holds a number (draft 4's exclusiveMinimum is a flag beside minimum)."""
+    for key in keys:
+        value = node.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _can_start(compiled: Any, vocab_size: int) -> bool:

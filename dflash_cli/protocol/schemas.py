@@ -9,7 +9,7 @@ parameters that are not an object schema.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dflash_cli.errors import RequestError
@@ -20,6 +20,9 @@ from dflash_cli.protocol.params import show
 IGNORED_SCHEMA_KEYWORDS = frozenset(
     {"not", "if", "then", "else", "dependentSchemas", "dependentRequired", "unevaluatedProperties", "unevaluatedItems"}
 )
+SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
+# keywords whose value maps names to schemas (a property may be called "if" or "default")
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 OBJECT_KEYWORDS = ("properties", "required", "additionalProperties")
 ARRAY_KEYWORDS = ("items", "prefixItems", "minItems")
 SCHEMA_STEPS = 10_000  # schema nodes `admits_finite_value` visits before it leaves the question to the compiler
@@ -27,6 +30,20 @@ SCHEMA_STEPS = 10_000  # schema nodes `admits_finite_value` visits before it lea
 # schema is two in: its `properties` and itself; OpenAI allows 10 levels of properties): the checks here and the
 # compiler recurse through them (a chain of 20,000 references crashed xgrammar's compiler)
 SCHEMA_DEPTH = 128
+
+
+def subschemas(node: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """What may hold schemas inside the schema object `node`, each with its path from it (`anyOf`,
+    `properties.city`): a keyword's value (a schema, or a list such as anyOf's), and each schema of a map of
+    names (properties, $defs: its names are not keywords); data (const, enum, default, examples) is left out."""
+    for key, value in node.items():
+        if key in SCHEMA_DATA:
+            continue
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
+            for name, schema in value.items():
+                yield f"{key}.{name}", schema
+        else:
+            yield key, value
 
 
 def check_schema(schema: Any, name: str) -> None:
@@ -41,8 +58,8 @@ def check_schema(schema: Any, name: str) -> None:
                 raise RequestError(f"{where}: the JSON schema keyword {key!r} is not supported", param=where)
             if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
                 raise RequestError(f"{where}: only references inside the schema (#/...) are supported", param=where)
-            if key not in ("enum", "const", "default", "examples"):  # (values, not schemas)
-                check_schema(value, where)
+        for path, value in subschemas(schema):
+            check_schema(value, f"{name}.{path}")
 
 
 class TooDeep(Exception):

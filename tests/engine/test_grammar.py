@@ -19,7 +19,7 @@ import xgrammar
 from scipy.stats import chisquare
 
 from dflash_cli.engine import Batch, SamplingParams, collect, generate
-from dflash_cli.engine.grammar import bounded_integers, compile_grammar
+from dflash_cli.engine.grammar import SAFE_INTEGER, bounded_integers, compile_grammar
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.params import Grammar
 from helpers.drafters import FORMATS, OracleDrafter, random_drafter
@@ -181,8 +181,14 @@ def test_integers_without_bounds_end_within_jsons_safe_range() -> None:
     wide = {"type": "integer", "minimum": 0, "maximum": 10**17}
     compiled = compile_grammar(Grammar("json_schema", json.dumps(wide)), tokenizer(), vocab)
     assert xgrammar.GrammarMatcher(compiled).accept_string("99999999999999999")
+    huge = {"type": "integer", "minimum": 10**17}  # (a maximum of 2^53-1 would cross it: that end stays open)
+    assert bounded_integers(huge) == huge
+    compile_grammar(Grammar("json_schema", json.dumps(huge)), tokenizer(), vocab)
     data = {"const": {"type": "integer"}, "default": [{"type": "integer"}]}
     assert bounded_integers(data) == data
+    named = {"type": "object", "properties": {"default": {"type": "integer"}}, "$defs": {"enum": {"type": "integer"}}}
+    assert bounded_integers(named)["properties"]["default"]["maximum"] == SAFE_INTEGER  # a name, not a keyword
+    assert bounded_integers(named)["$defs"]["enum"]["minimum"] == -SAFE_INTEGER
     from dflash_cli.protocol.tools import FORMATS
 
     count = {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.requests import CHAT_URL, check_context, read_body, read_line, read_messages
-from dflash_cli.protocol.schemas import admits_finite_value
+from dflash_cli.protocol.schemas import admits_finite_value, check_schema
 
 
 def test_a_bad_role_lists_every_role_accepted() -> None:
@@ -202,6 +202,18 @@ def test_max_tokens_is_checked_against_the_context_left_after_the_prompt() -> No
     with pytest.raises(RequestError) as in_batch:
         check_context(line, 2040, 2048)
     assert in_batch.value.param == "body.max_tokens"
+
+
+def test_property_names_are_names_not_keywords() -> None:
+    """A property (or $defs entry) called "if" or "not" is a name, not a keyword the grammar would ignore; one
+    called "default" or "enum" holds a schema, checked like any other (both were read as keywords)."""
+    check_schema({"type": "object", "properties": {"if": {"type": "string"}, "not": {"type": "integer"}}}, "p")
+    check_schema({"$defs": {"then": {"type": "string"}}, "$ref": "#/$defs/then"}, "p")
+    for name in ("default", "enum"):
+        with pytest.raises(RequestError) as caught:
+            check_schema({"type": "object", "properties": {name: {"not": {}}}}, "p")
+        assert caught.value.param == f"p.properties.{name}.not"
+    check_schema({"default": {"not": {}}, "enum": [{"if": 1}]}, "p")  # (data there, not schemas)
 
 
 def test_a_schema_admits_a_finite_value_unless_every_way_recurses() -> None:

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 
 def working(console: Console | None, message: str, *, piped: bool = True) -> AbstractContextManager[Any]:
@@ -16,6 +17,6 @@ def working(console: Console | None, message: str, *, piped: bool = True) -> Abs
     if console is None or not (piped or console.is_terminal):
         return contextlib.nullcontext()
     if console.is_terminal:
-        return console.status(message)
+        return console.status(Text(message))  # (a path's brackets are not markup)
     console.print(message, markup=False, highlight=False, soft_wrap=True)
     return contextlib.nullcontext()

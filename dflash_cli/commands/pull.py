@@ -38,7 +38,7 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
         unreachable = _hub_unreachable() if dry_run else None
         if unreachable is None:
             raise
-        parts = [_recipe_size(recipe, what, ref, unreachable) for what, ref in remote]
+        parts = [_cached_or_recipe_size(recipe, what, ref, unreachable) for what, ref in remote]
     else:  # the Hub's download plans (shown by `pull` as it fetched)
         parts = [
             PulledPart({"what": what, "source": "hub", **plan.to_dict()}, None)
@@ -89,11 +89,20 @@ def _hub_unreachable() -> str | None:
     return None if why is None else f"the Hub cannot be reached ({why})"
 
 
-def _recipe_size(recipe: Recipe, what: str, ref: ModelRef, why: str) -> PulledPart:
-    """A dry run's part where the Hub cannot list a model's files: the size the recipe records for its weights as
-    published (the target's bf16 or FP8 checkpoint, the drafter's bf16)."""
+def _cached_or_recipe_size(recipe: Recipe, what: str, ref: ModelRef, why: str) -> PulledPart:
+    """A dry run's part where the Hub cannot list a model's files: its cached snapshot's plan where there is one,
+    else the size the recipe records for its weights as published (the target's bf16 or FP8 checkpoint, the
+    drafter's bf16)."""
+    from dflash_cli.loading.hub import plan_download
     from dflash_cli.setup.choices import gb
 
+    try:
+        plan = plan_download(ref.id, ref.revision, what=what)
+    except DflashError:
+        pass
+    else:
+        line = f"{what} {ref.id}: cached ({gb(plan.total_bytes)}), {gb(plan.download_bytes)} to fetch"
+        return PulledPart({"what": what, "source": "hub", **plan.to_dict()}, line)
     if what == "target":
         precision = "fp8" if ref == recipe.checkpoints.get("fp8") else "bf16"
         size = recipe.weight_bytes.get(precision)

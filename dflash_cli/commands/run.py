@@ -425,7 +425,7 @@ def split_positionals(options: RunOptions, prompts: str | None) -> tuple[RunOpti
                 )
             return dataclasses.replace(options, recipe_name=None), name
     if prompts is None:
-        model = name or "demo"
+        model = name or (f"--target {options.target}" if options.target else "demo")
         raise DflashError(
             "no prompts file given: `dflash run` answers a file of prompts",
             fix=f"dflash run {model} prompts.jsonl (one JSON request a line; `dflash run --help`), or `dflash chat "

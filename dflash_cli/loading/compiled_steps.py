@@ -164,8 +164,9 @@ def build_in_background(ref: dict[str, str | None]) -> str:
             "shows why)"
         )
     off = f"--compile off or {ENVIRONMENT}=0 skips it"
-    if lock.is_file() and _running(lock):
-        since = time.strftime("%H:%M", time.localtime(lock.stat().st_mtime))
+    started = _started(lock)
+    if started is not None and _running(lock):
+        since = time.strftime("%H:%M", time.localtime(started))
         return (
             f"compiled steps: still building in the background since {since} (at the lowest priority: longer while "
             f"other work runs; log {log}); the next start after it decodes faster ({off})"
@@ -195,7 +196,15 @@ def build_in_background(ref: dict[str, str | None]) -> str:
 def background_builds() -> list[tuple[Path, float]]:
     """The background builds running now: each one's log and when it started (`dflash doctor`)."""
     locks = sorted(_folder().glob("*.lock")) if _folder().is_dir() else []
-    return [(lock.with_suffix(".log"), lock.stat().st_mtime) for lock in locks if _running(lock)]
+    return [(lock.with_suffix(".log"), started) for lock in locks if (started := _started(lock)) and _running(lock)]
+
+
+def _started(lock: Path) -> float | None:
+    """When the build whose lock this is started; None once it is gone (a build may end at any moment)."""
+    try:
+        return lock.stat().st_mtime
+    except OSError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

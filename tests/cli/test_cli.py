@@ -215,6 +215,10 @@ def test_pull_downloads_target_and_drafter_then_works_offline(
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     again = runner.invoke(app, [*args, "--dry-run", "--json"])
     assert again.exit_code == 0 and all(p["download_bytes"] == 0 for p in json.loads(again.stdout))
+    # offline, one part cached and one not: the cached one from its snapshot, the other by the recipe (no size here)
+    mixed = runner.invoke(app, [*args[:3], "--drafter", "org/never-pulled", "--no-compile", "--dry-run", "--json"])
+    assert mixed.exit_code == 0, mixed.output
+    assert [(p["source"], p["download_bytes"]) for p in json.loads(mixed.stdout)] == [("hub", 0), ("recipe", None)]
 
 
 def test_pull_fp8_fetches_the_recipes_fp8_checkpoint(

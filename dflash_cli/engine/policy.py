@@ -162,7 +162,8 @@ class StepCosts:
     `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / predicted over recent
     steps, `plain_load` over one row's plain steps; `factors[(size, rows)]`: what the loop's steps of that shape
     cost beside the calibration (1 for one row's plain step, the reference); `banked`, `probe_extra_s`: the
-    probes' allowance and extra cost (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled outcomes at draft position j+1.
+    probes' allowance and extra cost (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled outcomes
+    at draft position j+1.
     """
 
     def __init__(self, key: dict[str, Any], sizes: Sequence[int]) -> None:

@@ -136,6 +136,11 @@ def _tokens_cost(seconds: dict[int, float], tokens: int) -> float:
     return seconds[low] + (tokens - low) * (seconds[high] - seconds[low]) / (high - low)
 
 
+def _near(measured: float, estimate: float) -> float:
+    """`measured` kept within 4x of `estimate` either way: what one step may pull an estimate toward."""
+    return min(max(measured, estimate / 4), estimate * 4)
+
+
 def expected_tokens(acceptance: Sequence[float], size: int) -> float:
     """Tokens a step of `size` commits on average: 1 + sum_{k<size} prod_{j<=k} a_j (bonus token included)."""
     total, run = 1.0, 1.0
@@ -208,15 +213,15 @@ class StepCosts:
         if size not in self.verify_s or seconds <= 0:
             return
         calibrated, factor = self._calibrated(size, rows) or seconds, self.factors.get((size, rows), 1.0)
-        ratio = min(max(seconds / (calibrated * factor), self.load / 4), self.load * 4)  # a stall moves it little
+        ratio = _near(seconds / (calibrated * factor), self.load)  # (one stalled step moves it little)
         self.load += LOAD_RATE * (ratio - self.load)
         if (size, rows) == (1, 1):
-            self.plain_load += LOAD_RATE * (min(max(ratio, self.plain_load / 4), self.plain_load * 4) - self.plain_load)
+            self.plain_load += LOAD_RATE * (_near(ratio, self.plain_load) - self.plain_load)
             self.since_plain = 0
             return
         self.since_plain += 1
         if self.since_plain <= FACTOR_WINDOW:
-            own = min(max(seconds / (calibrated * self.plain_load), factor / 4), factor * 4)
+            own = _near(seconds / (calibrated * self.plain_load), factor)
             self.factors[(size, rows)] = factor + LOAD_RATE * (own - factor)
 
     def observe_acceptance(self, size: int, accepted: int) -> None:

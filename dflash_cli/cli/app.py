@@ -30,13 +30,15 @@ if _shown_type is not None:
 
 
 # Commands of other tools (ollama, llama.cpp, vLLM) a user may type here, and what does that in dflash
+_LISTING = "`dflash recipes list` lists the models it runs; `dflash doctor` says which fit this machine"
+_IN_PROCESS = "dflash runs models in-process (no daemon holds them): "
 HABITS = {
-    "list": "`dflash recipes list` lists the models it runs; `dflash doctor` says which fit this machine",
-    "ls": "`dflash recipes list` lists the models it runs; `dflash doctor` says which fit this machine",
+    "list": _LISTING,
+    "ls": _LISTING,
     "show": "`dflash recipes show NAME` shows a recipe",
-    "ps": "dflash runs models in-process (no daemon holds them): `dflash serve NAME` keeps one loaded",
+    "ps": _IN_PROCESS + "`dflash serve NAME` keeps one loaded",
     "generate": "`dflash chat NAME --prompt TEXT` answers one prompt; `dflash run NAME prompts.jsonl` many",
-    "stop": "dflash runs models in-process (no daemon holds them): Ctrl-C stops `dflash serve`",
+    "stop": _IN_PROCESS + "Ctrl-C stops `dflash serve`",
 }
 
 

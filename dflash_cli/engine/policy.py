@@ -184,6 +184,7 @@ class StepCosts:
         self.probe_extra_s = 0.0  # what a probe costs beyond its calibrated step (the context it reads), learned
         self.measured_at: str | None = None  # when the costs were calibrated
         self.others_busy: float | None = None  # cores other processes kept busy meanwhile (over QUIET_CORES: not kept)
+        self.stale: str | None = None  # why costs saved here before do not stand (measured busy, or long ago)
         self.successes = [0.0] * (max(self.sizes) - 1)
         self.failures = [0.0] * (max(self.sizes) - 1)
         self.path = (
@@ -303,6 +304,10 @@ class StepCosts:
         if all(size in verify for size in self.sizes) and fresh(measured_at, others_busy):
             self.draft_s, self.verify_s, self.factors = draft, verify, factors
             self.measured_at, self.others_busy = measured_at, others_busy
+        elif measured_at is None:  # (`save` keeps no costs measured while the CPU was busy)
+            self.stale = "other processes kept the CPU busy when they were last measured"
+        elif not fresh(measured_at, others_busy):
+            self.stale = f"the last ones are from {measured_at[:10]}"
         n = min(len(successes), len(failures), len(self.successes))
         self.successes[:n], self.failures[:n] = successes[:n], failures[:n]
 
@@ -523,7 +528,12 @@ class AdaptiveBlock:
             return
         import contextlib
 
-        message = f"measuring step costs for block sizes {', '.join(map(str, self.sizes))} (once; cached in {self.costs.path.parent})"
+        sizes = ", ".join(map(str, self.sizes))
+        if self.costs.stale:  # (a busy CPU: each start measures again until one finds it quiet)
+            why = f"again: {self.costs.stale}"
+        else:
+            why = f"once; kept in {self.costs.path.parent}"
+        message = f"measuring step costs for block sizes {sizes} ({why})"
         # (compiling, the steps show their own progress lines: one live line at a time)
         compiling = bool(self.costs.key.get("compile"))
         with self.notify(message) if self.notify is not None and not compiling else contextlib.nullcontext():

@@ -392,6 +392,8 @@ def test_costs_and_history_are_cached_per_key(block_costs_cache):
     costs.measured_at, costs.others_busy = measured_now(), 1.2  # calibrated while another process kept a core busy
     costs.save()
     assert not StepCosts(key, (1, 2, 4)).calibrated  # not kept
+    assert "busy" in StepCosts(key, (1, 2, 4)).stale  # (the start says why it measures again)
+    assert StepCosts({**key, "threads": 3}, (1, 2, 4)).stale is None  # never measured: the first time
     costs.others_busy = 0.1
     costs.observe_acceptance(4, 1)
     costs.factors = {(4, 1): 1.5, (2, 3): 0.9}  # (what the loop's steps cost beside the calibration)
@@ -400,6 +402,10 @@ def test_costs_and_history_are_cached_per_key(block_costs_cache):
     assert again.calibrated and again.cost(4) == pytest.approx(0.036 * 1.5) and again.factors == costs.factors
     assert again.successes[0] == pytest.approx(1) and again.failures[1] == pytest.approx(1)
     assert not StepCosts({**key, "threads": 2}, (1, 2, 4)).calibrated  # another key: measured anew
+    kept = json.loads(again.path.read_text())
+    again.path.write_text(json.dumps({**kept, "measured_at": "2020-01-01T00:00:00Z"}))  # kept, then aged
+    aged = StepCosts(key, (1, 2, 4))
+    assert not aged.calibrated and aged.stale == "the last ones are from 2020-01-01"
     again.path.write_text("{not json")
     assert not StepCosts(key, (1, 2, 4)).calibrated  # a broken file is ignored (and rewritten later)
     again.path.write_text(json.dumps({"schema": policy_module.COSTS_SCHEMA, "key": key, "draft_s": 3}))

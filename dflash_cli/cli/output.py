@@ -108,9 +108,9 @@ def summary_table(summary: Summary, width: int | None = None) -> Table:
     return table
 
 
-def show_summary(summary: Summary) -> None:
+def show_summary(summary: Summary, to: Console = console) -> None:
     if summary.total:  # an empty prompts file: nothing ran, nothing to tabulate
-        console.print(summary_table(summary, console.width))
+        to.print(summary_table(summary, to.width))
 
 
 def show_trained(result: TrainResult, next_steps: dict[str, str]) -> None:

@@ -6,7 +6,8 @@ from typing import Annotated
 import typer
 
 from dflash_cli.cli.flags import BatchSize, CacheRam, NoPrefixCache, with_run_flags
-from dflash_cli.cli.output import emit, err_console, show_summary
+from dflash_cli.cli.output import console, emit, err_console, show_summary
+from dflash_cli.errors import DflashError
 from dflash_cli.setup.options import RunOptions
 
 
@@ -15,11 +16,21 @@ def run(
     options: RunOptions,
     prompts: Annotated[
         str | None,
-        typer.Argument(metavar="PROMPTS.jsonl", show_default=False, help="One request a line (see above)."),
+        typer.Argument(
+            metavar="PROMPTS.jsonl",
+            show_default=False,
+            help="One request a line (see above); - reads them from standard input.",
+        ),
     ] = None,
     output: Annotated[
         str | None,
-        typer.Option("--output", "-o", metavar="FILE", help="Results JSONL (default: PROMPTS.out.jsonl)."),
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FILE",
+            help="Results JSONL (default: PROMPTS.out.jsonl); - prints them on standard output (the default for "
+            "requests piped in), failures on the terminal.",
+        ),
     ] = None,
     errors: Annotated[
         str | None,
@@ -40,7 +51,7 @@ def run(
 
     Up to --batch-size requests decode together (continuous batching: a finished one makes room for the next at once); each gives exactly the tokens it gives alone. Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the requests in flight; if a line or the command changed since (its prompt, sampling or model), the run refuses rather than keep the old result. Lines that cannot run (bad JSON, bad fields, an id already used by an earlier line, a prompt too long) go to the errors file and the rest runs; the exit code is 1 when any request failed.
 
-    Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`
+    Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`; in a pipeline, `cat prompts.jsonl | dflash run demo - > results.jsonl`
     """
     from dflash_cli.commands import run as jobs
 
@@ -49,6 +60,12 @@ def run(
     )
     options, prompts = jobs.split_positionals(options, prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
+    printed = output == "-" or (output is None and prompts == "-")  # the results take standard output
+    if printed and json_output:
+        raise DflashError(
+            "--json prints the summary on standard output, where the results go here",
+            fix="write the results to a file with -o results.jsonl",
+        )
     summary = jobs.run_file(options, prompts, output, errors, err_console)
-    emit(summary.to_dict(), json_output, lambda: show_summary(summary))
+    emit(summary.to_dict(), json_output, lambda: show_summary(summary, err_console if printed else console))
     raise typer.Exit(summary.exit_code)

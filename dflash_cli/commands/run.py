@@ -40,14 +40,18 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dflash_cli.commands.run_output import (
+    STDERR,
+    STDOUT,
     ErrorsFile,
+    PrintedErrors,
+    PrintedResults,
     ResultsFile,
     default_errors_path,
     default_output_path,
 )
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.protocol import responses
-from dflash_cli.protocol.request_files import LineError, RequestFile, read_jsonl
+from dflash_cli.protocol.request_files import STDIN, LineError, RequestFile, read_jsonl
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import ToolCall
 from dflash_cli.setup.options import RunOptions
@@ -318,22 +322,25 @@ def run_file(
     `load` opens the session (default: session.open_session); it is called only when there is work to do."""
     started = time.perf_counter()
     parsed = read_requests(Path(prompts).expanduser())
-    output_path = Path(output).expanduser() if output else default_output_path(parsed.path)
-    errors_path = Path(errors).expanduser() if errors else default_errors_path(output_path)
-    if output_path.resolve() in (parsed.path.resolve(), errors_path.resolve()):
+    # `-o -`, or requests from standard input without -o: results to standard output, failures to the console
+    piped = output == "-" or (output is None and parsed.path == STDIN)
+    output_path = STDOUT if piped else Path(output).expanduser() if output else default_output_path(parsed.path)
+    errors_path = Path(errors).expanduser() if errors else None if piped else default_errors_path(output_path)
+    if not piped and output_path.resolve() in (parsed.path.resolve(), errors_path and errors_path.resolve()):
         raise DflashError(f"the output file {output_path} is also the input or errors file", fix="pass another -o")
-    if errors_path.resolve() == parsed.path.resolve():  # the errors file is rewritten each run
+    if errors_path is not None and errors_path.resolve() == parsed.path.resolve():  # rewritten each run
         raise DflashError(f"the errors file {errors_path} is also the input file", fix="pass another --errors")
     say = console.print if console is not None else (lambda *args: None)
     if parsed.total == 0:
-        say(f"{escape(str(parsed.path))} has no requests: nothing to do")
+        source = "standard input" if parsed.path == STDIN else escape(str(parsed.path))
+        say(f"{source} has no requests: nothing to do")
         return Summary(str(output_path), 0)
     recipe = _recipe(options)
     target = recipe.target.id if recipe is not None else None
     made_from = {request.id: request_hash(request, options, target) for request in parsed.requests}
-    with ResultsFile(output_path) as results:
+    with PrintedResults() if piped else ResultsFile(output_path) as results:
         _refuse_stale_results(results, made_from)
-        with ErrorsFile(errors_path) as error_log:
+        with ErrorsFile(errors_path) if errors_path else PrintedErrors(console) as error_log:
             # (the mode this run decodes in, true even when it has nothing left to decode)
             speculative = not options.no_spec and recipe is not None and recipe.drafter is not None
             summary, skipped = _resume_and_run(
@@ -342,7 +349,7 @@ def run_file(
         resume = results.resume
     summary.total, summary.skipped, summary.repaired_bytes = parsed.total, skipped, resume.repaired_bytes
     summary.failed += len(parsed.errors)
-    summary.errors = str(errors_path) if summary.failed else None
+    summary.errors = str(errors_path or STDERR) if summary.failed else None
     summary.wall_s = time.perf_counter() - started
     return summary
 
@@ -417,7 +424,7 @@ def split_positionals(options: RunOptions, prompts: str | None) -> tuple[RunOpti
     """`dflash run prompts.jsonl --target X`: the one positional lands in NAME (the recipe); move it over."""
     name = options.recipe_name
     if prompts is None and name is not None and not name.endswith(".toml"):
-        if name.endswith((".jsonl", ".json")) or Path(name).expanduser().is_file():
+        if name == "-" or name.endswith((".jsonl", ".json")) or Path(name).expanduser().is_file():
             if options.target is None and options.recipe_file is None:
                 raise DflashError(
                     "no model given: the recipe comes before the prompts file",
@@ -428,7 +435,7 @@ def split_positionals(options: RunOptions, prompts: str | None) -> tuple[RunOpti
         model = name or (f"--target {options.target}" if options.target else "demo")
         raise DflashError(
             "no prompts file given: `dflash run` answers a file of prompts",
-            fix=f"dflash run {model} prompts.jsonl (one JSON request a line; `dflash run --help`), or `dflash chat "
-            f"{model}` to talk to it (as `ollama run` does)",
+            fix=f"dflash run {model} prompts.jsonl (one JSON request a line; `dflash run --help`; - reads them from "
+            f"a pipe), or `dflash chat {model}` to talk to it (as `ollama run` does)",
         )
     return options, prompts

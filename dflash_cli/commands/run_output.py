@@ -1,14 +1,19 @@
 """`dflash run`'s output and errors files: results appended one complete, fsync'd line at a time under a lock (one
 run per output), read back to resume (`completed_ids`: what is done, the torn last line a killed run left cut
-away), and the errors file each run rewrites with the lines still missing."""
+away), and the errors file each run rewrites with the lines still missing; or, with `-o -`, results printed on
+standard output and failures on the console."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from rich.console import Console
+from rich.markup import escape
 
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.request_files import LineError
@@ -19,6 +24,9 @@ except ImportError:  # Windows: no advisory locks; two runs on one output are th
     fcntl = None  # type: ignore[assignment]
 
 
+STDOUT, STDERR = Path("<stdout>"), Path("<stderr>")  # where `dflash run ... -o -` writes results and failures
+
+
 def default_output_path(prompts: Path) -> Path:
     return prompts.with_name(prompts.stem + ".out.jsonl")
 
@@ -27,10 +35,14 @@ def default_errors_path(output: Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl").removesuffix(".out") + ".errors.jsonl")
 
 
+def record_line(record: dict[str, Any]) -> bytes:
+    # backslashreplace: a lone surrogate (only an input's JSON escape can make one) goes back out as that escape
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+
+
 def append_record(file: IO[bytes], record: dict[str, Any]) -> None:
     """One complete line in one write, on disk before returning: a kill can only ever tear the last line."""
-    # backslashreplace: a lone surrogate (only an input's JSON escape can make one) goes back out as that escape
-    file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace"))
+    file.write(record_line(record))
     file.flush()
     os.fsync(file.fileno())
 
@@ -197,3 +209,54 @@ class ErrorsFile:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class PrintedResults:
+    """Results on standard output (`-o -`, or requests piped in): a line each, flushed as it completes; nothing to
+    resume from."""
+
+    path = STDOUT
+    resume = Resume({}, 0)
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def append(self, record: dict[str, Any]) -> None:
+        try:
+            sys.stdout.buffer.write(record_line(record))
+            sys.stdout.buffer.flush()
+        except BrokenPipeError:  # the reader stopped (`| head`): the rest has nowhere to go
+            raise DflashError(
+                f"standard output was closed after {self.written} result(s)",
+                fix="write the results to a file with -o to keep them all (a re-run then resumes)",
+            ) from None
+        self.written += 1
+
+    def __enter__(self) -> PrintedResults:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+class PrintedErrors:
+    """Failed lines said on the console (or as JSON lines on standard error without one), when results go to
+    standard output and no --errors file was given."""
+
+    def __init__(self, console: Console | None) -> None:
+        self.console = console
+        self.count = 0
+
+    def append(self, error: LineError) -> None:
+        if self.console is None:
+            sys.stderr.write(json.dumps(error.to_dict(), ensure_ascii=False) + "\n")
+        else:
+            named = f" ({error.id})" if error.id else ""
+            self.console.print(f"[red]line {error.line}[/]{escape(named)}: {escape(error.message)}")
+        self.count += 1
+
+    def __enter__(self) -> PrintedErrors:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass

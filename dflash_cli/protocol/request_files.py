@@ -6,7 +6,8 @@ bad line cannot stop the rest) and the prompt sets of `dflash bench --prompts` a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -61,31 +62,44 @@ def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str])
     return replace(request, line=number, id=request.id if request.id is not None else default_id(number, raw))
 
 
+STDIN = Path("-")  # the name that reads the requests from standard input
+
+
 def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
-    """Every line of `path`, read as bytes so one bad line cannot stop the rest. `default_id(number, raw)` names
-    a line without an id. Every line that repeats an earlier line's id is an error (`duplicate_id`)."""
+    """Every line of `path` (`STDIN`: standard input, to its end), read as bytes so one bad line cannot stop the
+    rest. `default_id(number, raw)` names a line without an id. Every line that repeats an earlier line's id is an
+    error (`duplicate_id`)."""
+    if path == STDIN:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise DflashError(
+                "the requests come from standard input (-), but it is a terminal, not a file or a pipe",
+                fix="pipe them in (cat prompts.jsonl | dflash run demo -), or pass the file's path",
+            )
+        return _read_lines(sys.stdin.buffer, path, default_id)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "not found"
         raise DflashError(f"{path} {what}", fix="pass a JSONL file of prompts, one request per line")
+    try:
+        with path.open("rb") as lines:
+            return _read_lines(lines, path, default_id)
+    except OSError as error:
+        raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
+
+
+def _read_lines(lines: Iterable[bytes], path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
     requests: list[Request] = []
     errors: list[LineError] = []
     first_line: dict[str, int] = {}
-    try:
-        with path.open("rb") as lines:
-            for number, raw in enumerate(lines, start=1):
-                parsed = parse_line(raw, number, default_id)
-                if isinstance(parsed, LineError):
-                    errors.append(parsed)
-                elif parsed is not None and parsed.id in first_line:
-                    message = (
-                        f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
-                    )
-                    errors.append(LineError(number, "duplicate_id", message, parsed.id))
-                elif parsed is not None:
-                    first_line[parsed.id] = number  # type: ignore[index]
-                    requests.append(parsed)
-    except OSError as error:
-        raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
+    for number, raw in enumerate(lines, start=1):
+        parsed = parse_line(raw, number, default_id)
+        if isinstance(parsed, LineError):
+            errors.append(parsed)
+        elif parsed is not None and parsed.id in first_line:
+            message = f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
+            errors.append(LineError(number, "duplicate_id", message, parsed.id))
+        elif parsed is not None:
+            first_line[parsed.id] = number  # type: ignore[index]
+            requests.append(parsed)
     return RequestFile(path, requests, errors)
 
 

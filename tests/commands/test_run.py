@@ -6,6 +6,7 @@ once per module; the CLI and kill tests run `python -m dflash_cli run` in subpro
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -879,3 +880,42 @@ def test_tool_lines_give_tool_calls_in_both_shapes(tmp_path: Path, models: tuple
     assert json.loads(plain["tool_calls"][0]["function"]["arguments"])["key"] in ("a", "b")
     cut = records["cut"]  # "length", not "tool_calls": the client must learn that a call may have been cut off
     assert cut["completion_tokens"] == 100 and cut["tool_calls"] and cut["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_requests_piped_in_give_results_on_standard_output(
+    tmp_path: Path, models: tuple[Path, Path], session: Any, options: RunOptions
+) -> None:
+    good = [{"id": "a", "prompt": "Tell me about a"}, {"id": "b", "prompt": "Tell me about b"}]
+    piped = f"{json.dumps(good[0])}\nnot json\n{json.dumps(good[1])}\n".encode()
+    flags = ("--target", str(models[0]), "--drafter", str(models[1]), "--max-tokens", "6")
+    command, kwargs = dflash_run("-", *flags, cwd=tmp_path)
+    result = subprocess.run(command, input=piped, capture_output=True, **kwargs)
+    assert result.returncode == 1, result.stderr.decode()  # a line failed
+    records = [json.loads(line) for line in result.stdout.splitlines()]  # nothing but results on standard output
+    assert {r["id"]: r["text"] for r in records} == {
+        p: collect_text(session, options, f"Tell me about {p}") for p in "ab"
+    }
+    assert "line 2" in result.stderr.decode() and "not valid JSON" in result.stderr.decode()
+    assert list(tmp_path.glob("*.jsonl")) == []  # no files written beside anything
+
+    refused = subprocess.run([*command, "--json"], input=piped, capture_output=True, **kwargs)
+    assert refused.returncode != 0 and refused.stdout == b""
+    assert b"-o results.jsonl" in refused.stderr
+
+    write_lines(tmp_path / "p.jsonl", [good[0]])  # -o - prints a file's results the same way
+    command, kwargs = dflash_run("p.jsonl", "-o", "-", *flags, cwd=tmp_path)
+    printed = subprocess.run(command, capture_output=True, **kwargs)
+    assert printed.returncode == 0 and [json.loads(line)["id"] for line in printed.stdout.splitlines()] == ["a"]
+    assert not (tmp_path / "p.out.jsonl").exists()
+
+
+def test_reading_requests_from_a_terminal_says_to_pipe_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.BytesIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    with pytest.raises(DflashError) as raised:
+        read_requests(Path("-"))
+    assert "terminal" in raised.value.message and "| dflash run demo -" in raised.value.fix

@@ -122,6 +122,9 @@ def _can_start(compiled: Any, vocab_size: int) -> bool:
     return matcher.is_terminated() or bool(bitmask.any())
 
 
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _tool_call_tag(source: str) -> str:
     """xgrammar's structural tag for a forced tool call in the model's format (`source`: the format's xgrammar name,
     the tools, the choice: "required" or a function's name, and whether calls may be parallel)."""
@@ -131,9 +134,13 @@ def _tool_call_tag(source: str) -> str:
     choice = spec["choice"]
     if choice != "required":
         choice = {"type": "function", "function": {"name": choice}}
+    tools = [  # a function without parameters (or `{}`) takes none, as OpenAI reads it: its arguments are {}
+        {**tool, "function": {**tool["function"], "parameters": tool["function"].get("parameters") or NO_ARGUMENTS}}
+        for tool in spec["tools"]
+    ]
     tag = xgrammar.get_model_structural_tag(
         spec["format"],
-        tools=bounded_integers(spec["tools"]),
+        tools=bounded_integers(tools),
         tool_choice=choice,
         reasoning="disabled",
         max_whitespace_cnt=JSON_WHITESPACE,

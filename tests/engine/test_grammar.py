@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -277,6 +278,29 @@ def test_a_forced_call_is_what_the_format_parses(fmt: str) -> None:
         assert not xgrammar.GrammarMatcher(compiled).accept_string("Sure! " + FORCED_REPLIES[fmt])
     content, (call,) = parse_reply(FORCED_REPLIES[fmt], Tools((tool,)), fmt)
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and not content
+
+
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_a_forced_call_of_a_function_without_parameters_takes_no_arguments(parameters: Any) -> None:
+    """OpenAI reads a function without `parameters` (or with `{}`) as taking none: its forced call's arguments are
+    `{}`, not any JSON (an array, or made-up keys)."""
+    from dflash_cli.protocol.tools import FORMATS
+
+    function = {"name": "ping"} if parameters is None else {"name": "ping", "parameters": parameters}
+    spec = {
+        "format": FORMATS["hermes"].grammar,
+        "tools": [{"type": "function", "function": function}],
+        "choice": "required",
+    }
+    compiled = compile_grammar(
+        Grammar("tool_calls", json.dumps({**spec, "parallel": False}), "tool_choice"),
+        tokenizer(),
+        target().config.vocab_size,
+    )
+    call = '<tool_call>\n{"name": "ping", "arguments": %s}\n</tool_call>'
+    assert xgrammar.GrammarMatcher(compiled).accept_string(call % "{}")
+    for arguments in ('[1, "world"]', '{"name": "ping"}', '"x"'):
+        assert not xgrammar.GrammarMatcher(compiled).accept_string(call % arguments), arguments
 
 
 def _schemas():

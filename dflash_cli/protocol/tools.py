@@ -162,6 +162,14 @@ class ToolFormat:
         """The reply's content (calls taken out) and its calls; no calls: the text as it is."""
         raise NotImplementedError
 
+    def before_cut_call(self, text: str) -> str:
+        """`text` less a call it opens and never closes (cut by max_tokens or a stop; a format whose calls close):
+        such markup is no call, and no client shows it as content."""
+        if self.whole or not self.close:
+            return text
+        at = max((text.rfind(marker) for marker in self.markers), default=-1)
+        return text[:at].rstrip() if at >= 0 and self.close not in text[at:] else text
+
 
 class Hermes(ToolFormat):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call (Qwen3's template)."""
@@ -341,7 +349,7 @@ def template_format(template: str) -> str | None:
 def parse_reply(text: str, tools: Tools, format: str) -> tuple[str | None, list[ToolCall]]:
     """A whole reply as (content, tool_calls): content None when the reply is only calls (OpenAI's shape)."""
     content, calls = FORMATS[format].parse(text, tools)
-    return (content or None) if calls else content, calls
+    return (content or None) if calls else FORMATS[format].before_cut_call(content), calls
 
 
 class ToolStream:
@@ -396,8 +404,8 @@ class ToolStream:
         content, calls = self.format.parse(self.text, self.tools)
         if len(calls) < len(self.given):  # what came after the calls given out does not parse: it is content
             return self.text[self.closed :].strip(), []
-        if not calls:  # the held text was no call after all: all of it is content
-            return self._release(len(self.text)), []
+        if not calls:  # the held text was no call after all: it is content (less a call cut off at its end)
+            return self._release(len(self.format.before_cut_call(self.text))), []
         sent = self.text[: self.sent]
         return (content[len(sent) :] if content.startswith(sent) else ""), calls[len(self.given) :]
 

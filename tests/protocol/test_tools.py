@@ -127,7 +127,7 @@ def test_harmony_keeps_the_final_channel_and_drops_the_analysis() -> None:
         ("llama3_json", "The answer is 4."),
         ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>'),
         ("harmony", "<|channel|>commentary to=functions.get_time<|message|>{oops<|call|>"),
-        ("qwen3_coder", "<tool_call>\n<function=get_weather>\n"),
+        ("qwen3_coder", "<tool_call>\n<function=get_weather>\n</tool_call>"),
     ],
 )
 def test_a_reply_that_does_not_parse_is_content(fmt: str, text: str) -> None:
@@ -262,3 +262,20 @@ def test_a_stream_whose_later_call_breaks_keeps_the_calls_given_and_returns_the_
     stream.feed("\n<tool_call>\n{broken}\n</tool_call>")
     assert stream.ready() == []
     assert stream.finish() == ("<tool_call>\n{broken}\n</tool_call>", [])
+
+
+@pytest.mark.parametrize("fmt", sorted(fmt for fmt in FORMATS if FORMATS[fmt].close and not FORMATS[fmt].whole))
+def test_a_call_cut_off_before_it_closes_is_neither_a_call_nor_content(fmt: str) -> None:
+    """max_tokens (or a stop) inside a reply's only call: no call, and its markup is not sent as the reply's text
+    (whole or streamed); the text before it stays. A call that closes but does not parse stays content."""
+    prefix = "Checking the weather."
+    text = render(fmt, CALLS[:1], prefix + " ")
+    at, marker = min((text.find(m), m) for m in FORMATS[fmt].markers if m in text)
+    for cut in range(at + len(marker), len(text) - len(FORMATS[fmt].close), 7):
+        assert parse_reply(text[:cut], TOOLS, fmt) == (prefix, []), text[:cut]
+        stream = ToolStream(TOOLS, fmt)
+        sent = "".join(stream.feed(ch) for ch in text[:cut])
+        rest, calls = stream.finish()
+        assert ((sent + rest).strip(), calls) == (prefix, [])
+    broken = f"{prefix} {FORMATS[fmt].markers[0]}\n{{broken}}\n{FORMATS[fmt].close}"
+    assert parse_reply(broken, TOOLS, fmt) == (broken, [])

@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.replies import Ending, Part, Prompt
-from dflash_cli.protocol.requests import OMITTED, Request, read_translated, show
+from dflash_cli.protocol.requests import CHAT_URL, OMITTED, Request, read_translated, refuse_misspelt, show
 from dflash_cli.protocol.tools import ToolCall
 
 MESSAGES_URL, COUNT_TOKENS_URL = "/v1/messages", "/v1/messages/count_tokens"
@@ -34,6 +34,23 @@ FIELD_NAMES = (
     (r"^response_format\.json_schema\.schema", "output_config.format.schema"),
     (r"^response_format", "output_config.format"),
 )
+# The Messages API's request fields (read, refused by name or ignored: a client may send any of them), and
+# chat_template_kwargs (dflash's, as the chat route takes it)
+FIELDS = frozenset({
+    "model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream", "temperature", "top_p",
+    "top_k", "tools", "tool_choice", "thinking", "service_tier", "container", "mcp_servers", "context_management",
+    "output_config", "output_format", "inference_geo", "chat_template_kwargs",
+})  # fmt: skip
+# Other APIs' names for its fields, and Chat Completions fields it lacks: refused, naming what is meant
+RENAMED = {
+    "max_completion_tokens": "max_tokens",
+    "max_output_tokens": "max_tokens",
+    "max_new_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+    "instructions": "system",
+}
+CHAT_ONLY = {key: f"{CHAT_URL} (Chat Completions)" for key in ("seed", "min_p")}
 # Claude Code's first system block (2.1.36+): `x-anthropic-billing-header: cc_version=...; cch=<nonce>;`, a nonce new
 # each request at the very start of the prompt, where it would defeat prefix reuse; it says nothing to the model
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -62,6 +79,7 @@ def read_messages_request(body: Any, *, count_only: bool = False) -> MessagesReq
     """A /v1/messages body (`count_only`: a /v1/messages/count_tokens body, which sets no sampling)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {show(body)}")
+    refuse_misspelt(body, FIELDS, RENAMED, CHAT_ONLY)
     if body.get("max_tokens") is None and not count_only:
         raise RequestError("max_tokens is required: the most tokens to generate", param="max_tokens")
     if body.get("mcp_servers"):
@@ -184,14 +202,16 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
         for turn in turns:
             names.append((rf"^messages\[{len(out)}\]", where))
             out.append(turn)
-    if not any(message["role"] in ("user", "tool") for message in out):
-        raise RequestError("messages has no user turn: system text alone goes in `system`", param="messages")
     if out[-1]["role"] == "assistant":
         where = f"messages[{len(messages) - 1}]"
         raise RequestError(
             f"{where}: a last assistant turn (a prefill to continue) is not supported: end with a user turn",
             param=where,
         )
+    if not any(message["role"] in ("user", "tool") for message in out):
+        system = any(isinstance(m, dict) and m.get("role") == "system" for m in messages)
+        why = ": system text alone goes in `system`" if system else ""
+        raise RequestError(f"messages has no user turn{why}", param="messages")
     return out, names
 
 

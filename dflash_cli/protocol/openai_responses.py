@@ -13,12 +13,12 @@ from __future__ import annotations
 import copy
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.replies import Ending, Part, Prompt
-from dflash_cli.protocol.requests import OMITTED, Request, read_translated, show
+from dflash_cli.protocol.requests import CHAT_URL, OMITTED, Request, read_translated, refuse_misspelt, show
 
 RESPONSES_URL = "/v1/responses"
 
@@ -38,6 +38,23 @@ REFUSED = {
     "prompt": "stored prompt templates are not supported: send instructions and input",
     "background": "background responses are not supported: this server answers while the request waits",
 }
+# The Responses API's request fields (read, echoed, refused above or ignored: a client may send any of them)
+FIELDS = frozenset({
+    "background", "context_management", "conversation", "include", "input", "instructions", "max_output_tokens",
+    "max_tool_calls", "metadata", "model", "parallel_tool_calls", "previous_response_id", "prompt",
+    "prompt_cache_key", "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store",
+    "stream", "stream_options", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation",
+    "user",
+})  # fmt: skip
+# Other APIs' names for its fields, and Chat Completions fields it lacks: refused, naming what is meant
+RENAMED = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "system": "instructions",
+    "response_format": "text.format",
+}
+CHAT_ONLY = {key: f"{CHAT_URL} (Chat Completions)" for key in ("seed", "stop", "top_k", "min_p")}
 ITEMS = "message, function_call, function_call_output and reasoning items are"
 # Tools OpenAI's servers run, or whose calls are not function calls: not offered to the model here (Codex sends
 # web_search with every request), so a request that brings them is served with its function tools.
@@ -67,6 +84,7 @@ def read_responses_request(body: Any) -> ResponsesRequest:
             raise RequestError(f"{key}: {why}", param=key)
     if body.get("top_logprobs"):
         raise RequestError("top_logprobs are not supported", param="top_logprobs")
+    refuse_misspelt(body, FIELDS, RENAMED, CHAT_ONLY)
     messages, names = _conversation(body)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     chat.update({key: body[key] for key in ("temperature", "top_p", "stream", "parallel_tool_calls") if key in body})
@@ -78,6 +96,8 @@ def read_responses_request(body: Any) -> ResponsesRequest:
     if text_format is not None:
         chat["response_format"] = text_format
     request = read_translated(chat, [*names, *tool_names, *FIELD_NAMES])
+    keys = {**request.sampling_keys, **({"max_new_tokens": "max_output_tokens"} if "max_output_tokens" in body else {})}
+    request = replace(request, prompt_field="input", sampling_keys=keys)  # (for the errors of a later check)
     echo = {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -196,8 +216,13 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             if reasoning:
                 turn["reasoning_content"], reasoning = "\n".join(reasoning), []
         elif kind == "function_call_output":
-            output = _text(item.get("output"), f"{where}.output", media=True)
-            turn = {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
+            output, called = _text(item.get("output"), f"{where}.output", media=True), _string(item, "call_id", where)
+            if not any(call["id"] == called for message in out for call in message.get("tool_calls", ())):
+                raise RequestError(
+                    f"{where}.call_id: no function_call item before it has call_id {show(called)}",
+                    param=f"{where}.call_id",
+                )
+            turn = {"role": "tool", "tool_call_id": called, "content": output}
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):
@@ -413,7 +438,8 @@ class ResponseEvents:
             return [*events, self._event("response.output_text.delta", **ids, delta=part.text, logprobs=[])]
         return [*events, self._event("response.reasoning_text.delta", **ids, delta=part.text)]
 
-    def _close(self) -> list[Event]:
+    def _close(self, status: str = "completed") -> list[Event]:
+        """The open item's closing events; a message cut by max_output_tokens is "incomplete", as OpenAI marks it."""
         item, self.open = self.open, None
         if item is None:
             return []
@@ -421,7 +447,7 @@ class ResponseEvents:
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
         text = item["content"][0]
         if item["type"] == "message":
-            item["status"] = "completed"
+            item["status"] = status
             events = [
                 self._event("response.output_text.done", **ids, text=text["text"], logprobs=[]),
                 self._event("response.content_part.done", **ids, part=text),
@@ -431,7 +457,7 @@ class ResponseEvents:
         return [*events, self._event("response.output_item.done", output_index=index, item=item)]
 
     def end(self, ending: Ending) -> list[Event]:
-        events = self._close()
+        events = self._close("incomplete" if ending.finish_reason == "length" else "completed")
         if ending.finish_reason == "length":
             self.response.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
         else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -363,11 +363,29 @@ def check_supported(body: Mapping[str, Any], prefix: str = "") -> None:
         value = body.get(key)
         if value is not None and not (isinstance(value, kind) and (kind is not dict or _strings(value))):
             raise RequestError(f"{prefix}{key} must be {what}, got {show(value)}", param=prefix + key)
-    for key in sorted(body.keys() - READ_KEYS - UNSUPPORTED.keys()):
-        meant = FOREIGN_NAMES.get(key) or next(iter(difflib.get_close_matches(key, READ_KEYS, n=1, cutoff=0.85)), None)
+    refuse_misspelt(body, READ_KEYS | UNSUPPORTED.keys(), FOREIGN_NAMES, prefix=prefix)
+
+
+def refuse_misspelt(
+    body: Mapping[str, Any],
+    fields: Collection[str],
+    renamed: Mapping[str, str],
+    elsewhere: Mapping[str, str] | None = None,
+    prefix: str = "",
+) -> None:
+    """A key that is not one of an API's `fields` but another API's name for one (`renamed`: that name -> this
+    API's), a near miss of one, or a field this API lacks that another route takes (`elsewhere`: name -> the
+    route) is refused, naming what was meant: left alone it would change nothing (a max_tokens ignored runs to the
+    window). Any other unknown key is ignored, as clients add fields of their own."""
+    for key in sorted(body.keys() - set(fields)):
+        meant = renamed.get(key) or next(iter(difflib.get_close_matches(key, fields, n=1, cutoff=0.85)), None)
         if meant is not None:
             raise RequestError(
                 f"{prefix}{key} is not a request field: did you mean {prefix}{meant}?", param=prefix + key
+            )
+        if elsewhere and key in elsewhere:
+            raise RequestError(
+                f"{prefix}{key} is not a field of this API: {elsewhere[key]} takes it", param=prefix + key
             )
 
 

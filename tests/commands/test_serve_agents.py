@@ -510,6 +510,8 @@ def test_a_response_whole_and_streamed_is_the_chat_completion_of_its_input(
     ]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reply.output_text
     assert events[-1].response.output_text == reply.output_text
+    item = "incomplete" if cut else "completed"  # (a message cut by max_output_tokens is marked so, as OpenAI does)
+    assert reply.output[-1].status == events[-2].item.status == events[-1].response.output[-1].status == item
 
 
 def test_a_response_without_max_output_tokens_may_fill_the_context_window(

@@ -245,7 +245,12 @@ def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
             "image blocks are not supported",
         ),
         ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role", "user, assistant or system"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages", "no user turn"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages", "no user turn: system text alone goes in"),
+        (  # two assistant turns: the last one is what to fix
+            {"messages": [{"role": "assistant", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+            "messages[1]",
+            "a last assistant turn (a prefill to continue) is not supported",
+        ),
         (
             {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]},
             "messages[1]",
@@ -294,6 +299,10 @@ def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
             )
             for given in ({"input": '{"city": "Paris"}'}, {"input": None}, {})  # (a string is not the object)
         ],
+        ({"max_token": 5}, "max_token", "did you mean max_tokens?"),
+        ({"stop": ["x"]}, "stop", "did you mean stop_sequences?"),
+        ({"max_completion_tokens": 5}, "max_completion_tokens", "did you mean max_tokens?"),
+        ({"seed": 7}, "seed", "/v1/chat/completions (Chat Completions) takes it"),
     ],
 )
 def test_a_bad_messages_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:
@@ -413,7 +422,9 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
         },
         "/v1/chat/completions",
     )
-    assert read.request == chat
+    # the same request, its errors naming the Responses fields (a later check's: the window's)
+    names = {"prompt_field": "input", "sampling_keys": {**chat.sampling_keys, "max_new_tokens": "max_output_tokens"}}
+    assert read.request == dataclasses.replace(chat, **names)
     schema = read_responses_request(
         {
             "input": "Hi",
@@ -483,6 +494,22 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
             "input[2].arguments",
             "not valid JSON",
         ),
+        (  # an output answering no call (OpenAI: "No tool call found for function call output")
+            {
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "d", "output": "x"},
+                ]
+            },
+            "input[2].call_id",
+            'no function_call item before it has call_id "d"',
+        ),
+        # another API's name for a field, a near miss, a Chat Completions field: ignored, they would change nothing
+        ({"max_tokens": 5}, "max_tokens", "did you mean max_output_tokens?"),
+        ({"messages": [{"role": "user", "content": "Hi"}]}, "messages", "did you mean input?"),
+        ({"max_output_token": 5}, "max_output_token", "did you mean max_output_tokens?"),
+        ({"seed": 7}, "seed", "/v1/chat/completions (Chat Completions) takes it"),
     ],
 )
 def test_a_bad_responses_body_is_refused_naming_its_field(change: dict, param: str, words: str) -> None:
@@ -542,3 +569,17 @@ def test_response_events_add_up_to_the_whole_response() -> None:
         check_response_event(data)
     for whole in (events, cut, failed):
         check_response(whole.response)
+
+
+def test_the_window_check_names_the_responses_fields() -> None:
+    """The context window is checked after the body became a chat request: its errors still name `input` and
+    `max_output_tokens`, as the client wrote them."""
+    from dflash_cli.protocol.requests import check_context
+
+    request = read_responses_request({"input": "Hi", "max_output_tokens": 100}).request
+    with pytest.raises(RequestError) as asked:
+        check_context(request, 10, 50)
+    assert asked.value.param == "max_output_tokens" and asked.value.message.startswith("max_output_tokens is 100")
+    with pytest.raises(RequestError) as long:
+        check_context(request, 60, 50)
+    assert long.value.param == "input"

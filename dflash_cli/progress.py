@@ -20,3 +20,11 @@ def working(console: Console | None, message: str, *, piped: bool = True) -> Abs
         return console.status(Text(message))  # (a path's brackets are not markup)
     console.print(message, markup=False, highlight=False, soft_wrap=True)
     return contextlib.nullcontext()
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as a person reads it in a progress line: 45 s, 12 min, 2 h 05 min."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"

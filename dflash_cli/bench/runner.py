@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from dflash_cli.errors import DflashError
+from dflash_cli.progress import format_duration
 from dflash_cli.protocol.params import sampling_settings
 from dflash_cli.protocol.requests import Request
 
@@ -200,13 +201,6 @@ def size_quick_run(
         if fitting:
             return fitting[-1], tokens
     return 1, lengths[-1]
-
-
-def format_duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{max(seconds, 1):.0f} s"
-    minutes = round(seconds / 60)
-    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def describe_run(

@@ -50,6 +50,7 @@ from dflash_cli.commands.run_output import (
     default_output_path,
 )
 from dflash_cli.errors import DflashError, RequestError
+from dflash_cli.progress import format_duration
 from dflash_cli.protocol import responses
 from dflash_cli.protocol.request_files import STDIN, LineError, RequestFile, read_jsonl
 from dflash_cli.protocol.requests import Request
@@ -57,6 +58,7 @@ from dflash_cli.protocol.tools import ToolCall
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.recipes import Recipe
 
+LOG_EVERY_S = 10.0  # a progress line this often where the console is not a terminal (a log, CI, nohup)
 Reply = tuple[str | None, list[ToolCall]]  # a reply's content and tool calls
 
 
@@ -236,16 +238,32 @@ def run_jobs(
             errors.append(LineError(request.line, code, error.message, request.id))
             summary.failed += 1
     work = deque(sorted(work, key=lambda item: (len(item[1]), item[0].line)))
+    failed_before = summary.failed  # (refused before any work: not progress)
     model = session.served_name  # as `dflash serve` names it: the recipe, or an ad-hoc target's id
     retry: list[tuple[Request, list[int]]] = []  # rows of a failed batched step: run again alone
     with _progress(console) as progress:
         task = progress.add_task("generating", total=len(work), rate="", tau="")
         in_flight: dict[Any, tuple[Request, list[int], list[int], list[str]]] = {}  # row -> request, prompt, ids, text
 
+        logged = time.perf_counter()  # (a console that is not a terminal gets a line every LOG_EVERY_S instead)
+
         def show_rate() -> None:
+            nonlocal logged
             tokens = summary.completion_tokens + sum(len(ids) for _, _, ids, _ in in_flight.values())
             tau = f"tau {summary.tau:.2f}" if summary.tau is not None else ""
-            progress.update(task, rate=f"{tokens / (time.perf_counter() - started):.1f} tok/s", tau=tau)
+            elapsed = time.perf_counter() - started
+            progress.update(task, rate=f"{tokens / elapsed:.1f} tok/s", tau=tau)
+            finished = summary.done + summary.failed - failed_before
+            if console is None or console.is_terminal or not finished or time.perf_counter() - logged < LOG_EVERY_S:
+                return
+            logged = time.perf_counter()
+            left = elapsed / finished * (len(work) + len(in_flight) + len(retry))
+            console.print(
+                f"generating: {finished}/{len(requests) - failed_before} done, {tokens / elapsed:.1f} tok/s"
+                f"{', ' + tau if tau else ''}, {format_duration(elapsed)} elapsed, about {format_duration(left)} left",
+                markup=False,
+                highlight=False,
+            )
 
         def failed(request: Request, error: BaseException) -> None:
             if not isinstance(error, Exception):  # (Ctrl-C: the run stops, resumable)
@@ -330,6 +348,14 @@ def run_file(
         raise DflashError(f"the output file {output_path} is also the input or errors file", fix="pass another -o")
     if errors_path is not None and errors_path.resolve() == parsed.path.resolve():  # rewritten each run
         raise DflashError(f"the errors file {errors_path} is also the input file", fix="pass another --errors")
+    if not parsed.requests and parsed.errors and all(error.code == "invalid_json" for error in parsed.errors):
+        source = "standard input" if parsed.path == STDIN else str(parsed.path)
+        raise DflashError(  # (a text file of prompts, most likely: refused before a model loads or a file is made)
+            f"no line of {source} is JSON (line {parsed.errors[0].line}: {parsed.errors[0].message}): `dflash run` "
+            "reads one JSON request a line",
+            fix='write each prompt as {"messages": [{"role": "user", "content": "..."}]} (a chat turn) or '
+            '{"prompt": "..."} (plain completion); `dflash chat NAME --prompt "..."` answers one',
+        )
     say = console.print if console is not None else (lambda *args: None)
     if parsed.total == 0:
         source = "standard input" if parsed.path == STDIN else escape(str(parsed.path))

@@ -919,3 +919,29 @@ def test_reading_requests_from_a_terminal_says_to_pipe_them(monkeypatch: pytest.
     with pytest.raises(DflashError) as raised:
         read_requests(Path("-"))
     assert "terminal" in raised.value.message and "| dflash run demo -" in raised.value.fix
+
+
+def test_a_log_gets_progress_lines_as_the_run_goes(
+    tmp_path: Path, session: Any, options: RunOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the console is not a terminal (nohup, CI, a log file) the live bar draws nothing until the end: a line
+    every LOG_EVERY_S says how far the run is."""
+    monkeypatch.setattr(jobs, "LOG_EVERY_S", 0.0)
+    prompts = write_lines(tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"Tell me about {i}"} for i in range(3)])
+    log = io.StringIO()
+    run_with(session, options, prompts, console=Console(file=log, width=200))
+    lines = [line for line in log.getvalue().splitlines() if line.startswith("generating: ")]
+    assert lines and lines[-1].startswith("generating: 3/3 done, ") and "tok/s" in lines[-1], log.getvalue()
+    assert "elapsed, about" in lines[0]
+
+
+def test_a_text_file_of_prompts_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2+2?\nName a color.\n")
+    with pytest.raises(DflashError) as raised:
+        run_file(RunOptions(), prompts, load=no_load)
+    assert "no line of" in raised.value.message and '{"messages": [{"role": "user"' in raised.value.fix
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]  # no output or errors file
+    mixed = write_lines(tmp_path / "p.jsonl", ["not json", {"prompt": "hi"}])
+    with pytest.raises(AssertionError, match="the model must not load"):  # one good line: the run goes on
+        run_file(RunOptions(), mixed, load=no_load)

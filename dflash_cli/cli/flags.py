@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from dflash_cli.errors import DflashError
-from dflash_cli.protocol.params import FIELDS, SamplingParams, read_sampling
+from dflash_cli.protocol.params import BY_KEY, FIELDS, SamplingParams, read_sampling
 from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, QUANTS, Quant, normalize_device, normalize_dtype
 from dflash_cli.setup.options import COMPILE_SETTINGS, RunOptions
 from dflash_cli.setup.planning import PlanOverrides
@@ -48,6 +48,20 @@ def check_device(value: str | None) -> str | None:
         return normalize_device(value) if value is not None else None
     except DflashError as error:
         raise typer.BadParameter(f"{error.message}: {error.fix}") from None
+
+
+def sampling_rule(key: str) -> Callable[[Any], Any]:
+    """A flag's check by its request field's rule (params.FIELDS: the same one requests, lines and /set obey),
+    before any model loads."""
+    field = BY_KEY[key]
+
+    def check(value: Any) -> Any:
+        problem = None if value is None else field.problem(value)
+        if problem is not None:
+            raise typer.BadParameter(f"{value:g} {problem}")
+        return value
+
+    return check
 
 
 def existing_file(value: str | None) -> str | None:
@@ -180,9 +194,8 @@ RUN_FLAG_TYPES: dict[str, Any] = {
     "temperature": Annotated[
         float,
         typer.Option(
-            min=0.0,
-            max=2.0,
-            help="0 = greedy. Output follows the target's distribution at any temperature "
+            callback=sampling_rule("temperature"),
+            help="In [0, 2]; 0 = greedy. Output follows the target's distribution at any temperature "
             "(speculative decoding is lossless).",
             rich_help_panel=SAMPLING,
         ),
@@ -190,21 +203,24 @@ RUN_FLAG_TYPES: dict[str, Any] = {
     "top_p": Annotated[
         float,
         typer.Option(
-            min=0.0,
-            max=1.0,
-            help="Nucleus sampling: keep tokens up to this total probability (1 = off).",
+            callback=sampling_rule("top_p"),
+            help="Nucleus sampling: keep tokens up to this total probability, in (0, 1] (1 = off).",
             rich_help_panel=SAMPLING,
         ),
     ],
     "top_k": Annotated[
-        int, typer.Option(min=0, help="Keep only the K most likely tokens (0 = off).", rich_help_panel=SAMPLING)
+        int,
+        typer.Option(
+            callback=sampling_rule("top_k"),
+            help="Keep only the K most likely tokens (0 = off).",
+            rich_help_panel=SAMPLING,
+        ),
     ],
     "min_p": Annotated[
         float,
         typer.Option(
-            min=0.0,
-            max=1.0,
-            help="Drop tokens below this fraction of the top token's probability (0 = off).",
+            callback=sampling_rule("min_p"),
+            help="Drop tokens below this fraction of the top token's probability, in [0, 1) (0 = off).",
             rich_help_panel=SAMPLING,
         ),
     ],

@@ -167,10 +167,11 @@ def test_run_flag_defaults_are_the_sampling_defaults() -> None:
     assert f"[default: {SamplingParams().max_new_tokens}]" in result.stdout
 
 
-def test_a_sampling_flag_outside_its_range_is_an_error_before_loading(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["chat", str(tmp_path / "no-model"), "--top-p", "0", "--prompt", "hi"])
-    assert result.exit_code == 1
-    assert "top_p must be in (0, 1], got 0.0" in result.output
+def test_a_sampling_flag_outside_its_range_is_an_error_before_loading() -> None:
+    """A usage error by the request field's own rule (params.FIELDS), as the flags are parsed: no model loads."""
+    for flag, value, rule in (("--top-p", "0", "(0, 1]"), ("--min-p", "1", "[0, 1)"), ("--temperature", "3", "[0, 2]")):
+        result = runner.invoke(app, ["chat", "demo", flag, value, "--prompt", "hi"], env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and f"{value} must be in {rule}" in result.output, result.output
 
 
 def test_run_options_feed_the_planner_and_the_sampler() -> None:
@@ -403,6 +404,8 @@ TORCH_PROBE = (
         (["chat", "demo", "--dtype", "banana", "--prompt", "hi"], "unknown dtype"),
         (["chat", "demo", "--quant", "q8_0", "--prompt", "hi"], "none, nf4"),
         (["chat", "demo"], "nothing to answer"),  # stdin is /dev/null: not a terminal, and empty
+        (["chat", "demo", "--top-p", "0", "--prompt", "hi"], "0 must be in (0, 1]"),  # (the requests' own rule)
+        (["bench", "demo", "--min-p", "1"], "1 must be in [0, 1)"),
         (["bench", "demo", "--set", "poetry"], "unknown prompt set 'poetry'"),
         (["bench", "demo", "--prompts", "missing.jsonl"], "missing.jsonl does not exist"),
         (["bench", "demo", "--device", "tpu"], "unknown device"),

@@ -10,6 +10,7 @@ templates are fetched: pickle weights (`.bin`, `.pt`, `.pth`) can run code when 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json as jsonlib
 import os
 import shutil
@@ -435,33 +436,43 @@ def _require_safetensors(names: Iterable[str], repo: str, what: str) -> None:
     )
 
 
-def pull_command(repo_id: str, revision: str | None = None) -> str:
-    """The `dflash pull` command line that fetches `repo_id`: the recipe's name when a recipe uses it as its
-    target or drafter (`dflash pull qwen3-8b` fetches both), else the repo alone."""
+def _recipes() -> list[Any]:
+    from dflash_cli.setup.recipes import load_recipes
+
+    try:
+        return list(load_recipes().values())
+    except DflashError:  # a broken user recipe must not hide the error being reported
+        return []
+
+
+def pull_command(repo_id: str, revision: str | None = None, what: str = "target") -> str:
+    """The command line that fetches `repo_id`: `dflash pull` with the recipe's name when a recipe uses it as its
+    target or drafter (`dflash pull qwen3-8b` fetches both), else with the target alone; a drafter of no recipe
+    with the Hub's own `hf download`."""
     pinned = revision and revision != DEFAULT_REVISION
     if not pinned:
-        from dflash_cli.setup.recipes import load_recipes
-
-        try:
-            recipes = load_recipes().values()
-        except DflashError:  # a broken user recipe must not hide the error being reported
-            recipes = []
         wanted = repo_id.lower()
-        for recipe in recipes:
+        for recipe in _recipes():
             if any(ref is not None and ref.id.lower() == wanted for ref in (recipe.target, recipe.drafter)):
                 return f"dflash pull {recipe.name}"
+    if what == "drafter":
+        return f"hf download {repo_id}" + (f" --revision {revision}" if pinned else "")
     return f"dflash pull --target {repo_id}" + (f" --revision {revision}" if pinned else "")
 
 
 def _not_cached_error(repo_id: str, revision: str, what: str, *, reason: str) -> DflashError:
     elsewhere = (
-        f"or run `{pull_command(repo_id, revision)}` on a machine with network and copy its Hugging Face cache "
-        f"directory to {constants.HF_HUB_CACHE}, or pass a local model directory instead"
+        f"or run `{pull_command(repo_id, revision, what)}` on a machine with network and copy its Hugging Face "
+        f"cache directory to {constants.HF_HUB_CACHE}, or pass a local model directory instead"
     )
     if reason == "offline":
         why, fix = "downloads are off (HF_HUB_OFFLINE=1)", "unset HF_HUB_OFFLINE to download it, " + elsewhere
     else:
         why, fix = "huggingface.co cannot be reached", "check the network (or HTTPS_PROXY) and retry, " + elsewhere
+    if "/" not in repo_id:  # no ORG/NAME and no directory here: a recipe's name given as a model, or a typo
+        meant = difflib.get_close_matches(repo_id, [recipe.name for recipe in _recipes()], n=1, cutoff=0.6)
+        recipe = f"did you mean the recipe {meant[0]}? " if meant else ""
+        fix = f"{recipe}a recipe's name goes without --target (`dflash recipes list`), a Hub model is ORG/NAME; {fix}"
     return DflashError(
         f"{what} {repo_id} (revision {revision}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}",
         fix=fix,

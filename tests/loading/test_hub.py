@@ -114,6 +114,18 @@ def test_the_pull_command_names_the_recipe_that_uses_a_repo() -> None:
     assert hub.pull_command("z-lab/Qwen3-8B-DFlash-b16") == "dflash pull qwen3-8b"  # as a drafter
     assert hub.pull_command("someone/model") == "dflash pull --target someone/model"
     assert hub.pull_command("Qwen/Qwen3-8B", "abc") == "dflash pull --target Qwen/Qwen3-8B --revision abc"
+    assert hub.pull_command("someone/drafter", what="drafter") == "hf download someone/drafter"  # (no recipe's)
+
+
+def test_a_recipe_name_given_as_a_model_is_pointed_at_the_recipe(offline: Path) -> None:
+    """`--target demoo` (a typo of a recipe's name, which goes without --target) is no ORG/NAME repo id: the fix
+    names the recipe."""
+    with pytest.raises(DflashError) as info:
+        resolve_model_dir("demoo", what="target")
+    assert info.value.fix.startswith("did you mean the recipe demo? a recipe's name goes without --target")
+    with pytest.raises(DflashError) as info:
+        resolve_model_dir("someone/model", what="target")
+    assert "did you mean" not in info.value.fix and "without --target" not in info.value.fix
 
 
 @pytest.mark.slow

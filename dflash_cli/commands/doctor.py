@@ -504,8 +504,15 @@ def check_measurements(kept: list[dict[str, Any]]) -> Check:
     quiet and recent; otherwise the next start measures again)."""
     if not kept:
         return Check("measurements", "pass", "none kept yet: the first chat, run or serve measures what it needs")
-    lines = []
+
+    def gone(entry: dict[str, Any]) -> bool:  # (a local model since deleted: a test's, a moved checkout's)
+        target = str(entry.get("target", ""))
+        return not entry.get("unreadable") and Path(target).is_absolute() and not Path(target).exists()
+
+    lines, stale = [], [entry for entry in kept if gone(entry)]
     for entry in kept:
+        if gone(entry):
+            continue
         if entry.get("unreadable"):
             lines.append(f"{entry['what']}: {entry['path']} unreadable (measured again when needed)")
             continue
@@ -517,6 +524,12 @@ def check_measurements(kept: list[dict[str, Any]]) -> Check:
     # (files for other drafters, block sizes or compile modes read alike here: once, counted)
     alike = Counter(lines)
     lines = [line if n == 1 else f"{line} ({n} files: other drafters or step modes)" for line, n in alike.items()]
+    if stale:
+        folders = sorted({str(Path(entry["path"]).parent) for entry in stale})
+        lines.append(
+            f"{plural(len(stale), 'file')} for models no longer on disk (such as {stale[0]['target']}): never read "
+            f"again, safe to delete in {' and '.join(folders)}"
+        )
     return Check("measurements", "pass", "\n".join(lines))
 
 

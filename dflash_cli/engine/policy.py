@@ -346,6 +346,7 @@ def kept_measurements() -> list[dict[str, Any]]:
             kept.append(
                 {
                     "what": what,
+                    "path": str(path),
                     "target": key.get("target", "?"),
                     "threads": key.get("threads"),
                     "measured_at": data.get("measured_at"),

@@ -440,3 +440,14 @@ def test_doctor_shows_what_was_measured_when_and_whether_it_stands(block_costs_c
     assert any("step costs of org/doctor-tiny (2 threads): 20" in line and "stands" in line for line in ours)
     assert any("(1 thread): a busy moment, not kept" in line and "(2 files: " in line for line in ours)
     assert any("decode threads" in line and "2020-01-01" in line and "measured again" in line for line in ours)
+    for name in ("gone-a", "gone-b"):  # measured for local models since deleted (a test's): one line, counted
+        gone = StepCosts({**key, "target": str(block_costs_cache / name)}, (1, 2))
+        gone.verify_s, gone.measured_at, gone.others_busy = {1: 0.01, 2: 0.02}, measured_now(), 0.1
+        gone.save()
+    (block_costs_cache / "gone-a").mkdir()  # (this one is back: listed as any other)
+    lines = doctor.check_measurements(kept_measurements()).detail.splitlines()
+    assert [line for line in lines if "gone-b" in line] == [
+        f"1 file for models no longer on disk (such as {block_costs_cache / 'gone-b'}): never read again, safe to "
+        f"delete in {block_costs_cache / 'block-costs'}"
+    ]
+    assert any(line.startswith(f"step costs of {block_costs_cache / 'gone-a'}") for line in lines)

@@ -94,7 +94,9 @@ def train(
     eval_prompts: Annotated[
         int,
         typer.Option(
-            min=0, help="Prompts held out to measure tau at the end: the first N of --eval-file, else of --prompts."
+            min=0,
+            help="Prompts held out to measure tau at the end: the first N of --eval-file, else of --prompts (a "
+            "quarter of them where N would leave none to train on).",
         ),
     ] = 32,
     eval_every: Annotated[

@@ -235,13 +235,13 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
     recover_checkpoint(checkpoint)
     requests, held_out = split_prompts(options.prompts, options.eval_prompts_file, options.eval_prompts)
     options = _check_resume(options, output, console)
-    output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves no empty folder behind
     with Progress(*COLUMNS, console=console) as progress:
         session, run = answering_session(options, console)
         start, start_depth = None, 0
         if options.init_from and not options.resume:  # refused now, before the answers and features are made
             start = init_drafter_dir(options.init_from)
             start_depth = starting_config(start, session.target, options.layers).num_hidden_layers
+        output.mkdir(parents=True, exist_ok=True)  # only now: a run refused above (its models too) leaves no folder
         samples, held = write_answers(session, run, options, requests, held_out, progress)
         samples = [s for s in samples if len(s.response_ids) >= 2]
         held = [s for s in held if len(s.response_ids) >= 2]

@@ -40,16 +40,17 @@ def split_prompts(
     prompts: str | Path, eval_file: str | Path | None, eval_prompts: int
 ) -> tuple[list[Request], list[Request]]:
     """(training, held-out) requests: the first `eval_prompts` of `eval_file`, else of `prompts` (then left out of
-    training)."""
+    training; a quarter of them where `eval_prompts` would leave none, as with a first try's few prompts)."""
     requests = load_prompts(prompts)
     if eval_file:
         return requests, load_prompts(eval_file)[:eval_prompts]
     if not eval_prompts:
         return requests, []
-    if len(requests) <= eval_prompts:
-        count = plural(len(requests), "prompt")
+    if len(requests) < 2:
         raise DflashError(
-            f"{prompts} has {count}; the first {eval_prompts} are held out to measure tau, which leaves none to train on",
+            f"{prompts} has {plural(len(requests), 'prompt')}: one is held out to measure tau, which leaves none to "
+            "train on",
             fix="pass more prompts, --eval-prompts 0, or held-out prompts with --eval-file FILE",
         )
-    return requests[eval_prompts:], requests[:eval_prompts]
+    held = eval_prompts if len(requests) > eval_prompts else max(1, len(requests) // 4)
+    return requests[held:], requests[:held]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -1000,8 +1001,14 @@ def test_split_prompts_holds_out_the_first_n(tmp_path: Path) -> None:
     path.write_text("a\nb\nc\n")
     train_part, held_out = split_prompts(path, None, 1)
     assert [r.messages[0]["content"] for r in held_out] == ["a"] and len(train_part) == 2
-    with pytest.raises(DflashError, match="has 3 prompts; the first 3 are held out"):
+    few, one = split_prompts(path, None, 32)  # (the default's 32 would leave none: a quarter, at least one)
+    assert [r.messages[0]["content"] for r in one] == ["a"] and len(few) == 2
+    path.write_text("".join(f"p{i}\n" for i in range(9)))
+    assert [len(part) for part in split_prompts(path, None, 9)] == [7, 2]
+    path.write_text("a\n")
+    with pytest.raises(DflashError, match="has 1 prompt: one is held out"):
         split_prompts(path, None, 3)
+    path.write_text("a\nb\nc\n")
     everything, none = split_prompts(path, None, 0)
     assert len(everything) == 3 and none == []
     assert split_prompts(path, path, 2) == (everything, everything[:2])  # --eval-file: all of --prompts train
@@ -1049,3 +1056,12 @@ def test_train_reads_prompt_files_like_run_and_bench(tmp_path: Path) -> None:
             load_prompts(good)
         assert message in raised.value.message
         assert "prompt_ids" not in raised.value.fix  # never suggests the token ids that train refuses
+
+
+def test_a_run_refused_for_its_models_leaves_no_output_folder(
+    tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "runs" / "x"
+    with pytest.raises(DflashError, match="nope"):  # (offline: not a directory, not cached)
+        train(options(tiny_qwen3_dir, prompt_file, out, init_from=str(tmp_path / "nope")), Console(file=io.StringIO()))
+    assert not out.exists()

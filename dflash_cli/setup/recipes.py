@@ -465,6 +465,11 @@ def get_recipe(name: str) -> Recipe:
     by_key = {key: recipe for recipe in recipes.values() for key in (*recipe.aliases, recipe.name)}
     if wanted in by_key:
         return by_key[wanted]
+    if Path(name).expanduser().is_file() and Path(name).suffix.lower() in (".jsonl", ".json", ".txt"):
+        raise DflashError(  # (chat's NAME given the prompts `run` answers)
+            f"unknown recipe '{name}': it is a file of prompts, and a recipe goes here",
+            fix=f"`dflash run demo {name}` answers every line of a JSONL file (any recipe of `dflash recipes list`)",
+        )
     if "/" in wanted:  # a repo id where a recipe name goes
         uses = next((r.name for r in recipes.values() if r.target.id.lower() == wanted), None)
         hint = f"the recipe {uses} runs it with its drafter: `dflash chat {uses}`; or " if uses else ""

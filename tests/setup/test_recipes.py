@@ -397,6 +397,14 @@ def test_a_recipe_name_with_another_drafter(tmp_path: Path) -> None:
     assert from_file.name == "my-model" and from_file.drafter == ModelRef("/d")
 
 
+def test_a_prompts_file_where_the_recipe_goes_points_to_run(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(DflashError) as info:
+        get_recipe(str(prompts))
+    assert "a file of prompts" in info.value.message and info.value.fix.startswith(f"`dflash run demo {prompts}`")
+
+
 def test_a_missing_toml_is_a_missing_file_not_an_unknown_recipe() -> None:
     with pytest.raises(DflashError, match="recipe file missing.toml does not exist"):
         resolve_recipe("missing.toml", None, None, None)

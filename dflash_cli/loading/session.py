@@ -275,12 +275,15 @@ class Session:
             skip |= special - {i for i, token in added.items() if token.content in (THINK_OPEN, THINK_CLOSE)}
         return TextStream(tokenizer, stop_strings, special=True, skip_ids=sorted(skip))
 
-    def parse_reply(self, request: Request, token_ids: Sequence[int], text: str) -> tuple[str | None, list[ToolCall]]:
-        """The reply's content and tool calls: (text, []) for a request without tools."""
+    def parse_reply(
+        self, request: Request, token_ids: Sequence[int], text: str, finish_reason: str | None = None
+    ) -> tuple[str | None, list[ToolCall]]:
+        """The reply's content and tool calls: (text, []) for a request without tools. A reply max_tokens cut
+        (`finish_reason` "length") drops a call it left open."""
         if request.tools is None or self.tool_format is None:
             return text, []
         raw = self.reply_text(token_ids, request.sampling.get("stop_strings") or ())
-        return parse_reply(raw, request.tools, self.tool_format)
+        return parse_reply(raw, request.tools, self.tool_format, cut=finish_reason == "length")
 
     def encode_prompt(self, text: str) -> list[int]:
         """Plain completion: the text as is (with BOS where the tokenizer adds one)."""

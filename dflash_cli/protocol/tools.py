@@ -163,8 +163,9 @@ class ToolFormat:
         raise NotImplementedError
 
     def before_cut_call(self, text: str) -> str:
-        """`text` less a call it opens and never closes (cut by max_tokens or a stop; a format whose calls close):
-        such markup is no call, and no client shows it as content."""
+        """`text` of a reply max_tokens cut, less a call it opened and never closed (a format whose calls close):
+        such markup is no call, and no client shows it as content. (A reply that ended by itself keeps its text:
+        it may mention a tag.)"""
         if self.whole or not self.close:
             return text
         at = max((text.rfind(marker) for marker in self.markers), default=-1)
@@ -346,10 +347,13 @@ def template_format(template: str) -> str | None:
     return next((name for sign, name in TEMPLATE_SIGNS if sign in template), None)
 
 
-def parse_reply(text: str, tools: Tools, format: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply as (content, tool_calls): content None when the reply is only calls (OpenAI's shape)."""
+def parse_reply(text: str, tools: Tools, format: str, *, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply as (content, tool_calls): content None when the reply is only calls (OpenAI's shape). `cut`:
+    max_tokens ended it (a call it left open is dropped)."""
     content, calls = FORMATS[format].parse(text, tools)
-    return (content or None) if calls else FORMATS[format].before_cut_call(content), calls
+    if cut:
+        content = FORMATS[format].before_cut_call(content)
+    return (content or None) if calls else content, calls
 
 
 class ToolStream:
@@ -397,17 +401,19 @@ class ToolStream:
         self.given += new
         return new
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content not sent yet, and the calls not given out by `ready`."""
+    def finish(self, *, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The content not sent yet, and the calls not given out by `ready`. `cut`: max_tokens ended the reply (a
+        call it left open is dropped, as `parse_reply` drops it)."""
         if not self.holding:
             return self._release(len(self.text)), []
+        trim = self.format.before_cut_call if cut else (lambda text: text)
         content, calls = self.format.parse(self.text, self.tools)
         if len(calls) < len(self.given):  # what came after the calls given out does not parse: it is content
-            return self.text[self.closed :].strip(), []
-        if not calls:  # the held text was no call after all: it is content (less a call cut off at its end)
-            return self._release(len(self.format.before_cut_call(self.text))), []
+            return trim(self.text[self.closed :].strip()), []
+        if not calls:  # the held text was no call after all: it is content
+            return self._release(len(trim(self.text))), []
         sent = self.text[: self.sent]
-        return (content[len(sent) :] if content.startswith(sent) else ""), calls[len(self.given) :]
+        return (trim(content)[len(sent) :] if content.startswith(sent) else ""), calls[len(self.given) :]
 
 
 class _PlainText(ToolFormat):

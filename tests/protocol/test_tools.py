@@ -265,17 +265,28 @@ def test_a_stream_whose_later_call_breaks_keeps_the_calls_given_and_returns_the_
 
 
 @pytest.mark.parametrize("fmt", sorted(fmt for fmt in FORMATS if FORMATS[fmt].close and not FORMATS[fmt].whole))
-def test_a_call_cut_off_before_it_closes_is_neither_a_call_nor_content(fmt: str) -> None:
-    """max_tokens (or a stop) inside a reply's only call: no call, and its markup is not sent as the reply's text
-    (whole or streamed); the text before it stays. A call that closes but does not parse stays content."""
+def test_a_call_max_tokens_cut_off_is_neither_a_call_nor_content(fmt: str) -> None:
+    """max_tokens inside a reply's call, the first or one after a whole call: the cut call is no call, and its
+    markup is not sent as the reply's text (whole or streamed); the text and whole calls before it stay. A reply
+    that ended by itself keeps text that mentions a tag; a call that closes but does not parse stays content."""
     prefix = "Checking the weather."
-    text = render(fmt, CALLS[:1], prefix + " ")
-    at, marker = min((text.find(m), m) for m in FORMATS[fmt].markers if m in text)
-    for cut in range(at + len(marker), len(text) - len(FORMATS[fmt].close), 7):
-        assert parse_reply(text[:cut], TOOLS, fmt) == (prefix, []), text[:cut]
-        stream = ToolStream(TOOLS, fmt)
-        sent = "".join(stream.feed(ch) for ch in text[:cut])
-        rest, calls = stream.finish()
-        assert ((sent + rest).strip(), calls) == (prefix, [])
+    for whole in ([], CALLS[1:]):
+        text = render(fmt, whole + CALLS[:1], prefix + " ")
+        start = len(render(fmt, whole, prefix + " ")) if whole else 0  # (where the cut call begins)
+        at, marker = min((text.find(m, start), m) for m in FORMATS[fmt].markers if m in text[start:])
+        for end in range(at + len(marker), len(text) - len(FORMATS[fmt].close), 7):
+            content, calls = parse_reply(text[:end], TOOLS, fmt, cut=True)
+            assert ((content or "").strip(), [c.name for c in calls]) == (prefix, ["get_time"] * len(whole)), text[:end]
+            stream = ToolStream(TOOLS, fmt)
+            sent, given = "", []
+            for ch in text[:end]:
+                sent += stream.feed(ch)
+                given += stream.ready()
+            rest, calls = stream.finish(cut=True)
+            assert ((sent + rest).strip(), [c.name for c in given + calls]) == (prefix, ["get_time"] * len(whole))
+    mention = f"Qwen3 wraps each call in a {FORMATS[fmt].markers[0]} tag and a JSON object; that is all."
+    assert parse_reply(mention, TOOLS, fmt) == (mention, [])
+    stream = ToolStream(TOOLS, fmt)
+    assert "".join(stream.feed(ch) for ch in mention) + stream.finish()[0] == mention
     broken = f"{prefix} {FORMATS[fmt].markers[0]}\n{{broken}}\n{FORMATS[fmt].close}"
-    assert parse_reply(broken, TOOLS, fmt) == (broken, [])
+    assert parse_reply(broken, TOOLS, fmt, cut=True) == (broken, [])

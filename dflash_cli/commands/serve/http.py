@@ -385,7 +385,7 @@ class Server:
             calls: list[Any] = []
             if request.tools is not None:
                 async with self.encode_lock:
-                    content, calls = self.session.parse_reply(request, token_ids, content)
+                    content, calls = self.session.parse_reply(request, token_ids, content, update.finish_reason)
             bodies.append(
                 responses.completion(
                     request.endpoint or CHAT_URL,
@@ -480,7 +480,7 @@ class Server:
             self._check_finished(update)
             finish_reason = update.finish_reason
             if tools is not None:
-                rest, calls = tools.finish()
+                rest, calls = tools.finish(cut=finish_reason == "length")
                 if rest:
                     yield Part("text", rest)
                 for call in calls:

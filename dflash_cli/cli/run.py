@@ -37,7 +37,7 @@ def run(
         typer.Option(
             metavar="FILE",
             help="Failed lines, with line number and reason (default: PROMPTS.errors.jsonl; with -o NAME.jsonl, "
-            "NAME.errors.jsonl beside it).",
+            "NAME.errors.jsonl beside it); - says them on the terminal.",
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
@@ -51,7 +51,9 @@ def run(
 
     Up to --batch-size requests decode together (continuous batching: a finished one makes room for the next at once); each gives exactly the tokens it gives alone. Each result is on disk the moment it completes. Re-running the same command skips the ids already in the output, so an interrupted or killed run loses at most the requests in flight; if a line or the command changed since (its prompt, sampling or model), the run refuses rather than keep the old result. Lines that cannot run (bad JSON, bad fields, an id already used by an earlier line, a prompt too long) go to the errors file and the rest runs; the exit code is 1 when any request failed.
 
-    Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`; in a pipeline, `cat prompts.jsonl | dflash run demo - > results.jsonl`
+    In a pipeline, `-` reads the requests from standard input (to its end, before the first starts) and prints each result on standard output as it finishes, in that order too; nothing is kept to resume from unless -o FILE is given.
+
+    Example: `dflash run qwen3-8b prompts.jsonl -o results.jsonl --max-tokens 256`; `cat prompts.jsonl | dflash run demo - > results.jsonl`
     """
     from dflash_cli.commands import run as jobs
 
@@ -60,7 +62,7 @@ def run(
     )
     options, prompts = jobs.split_positionals(options, prompts)
     options.resolve_recipe()  # a missing or unknown model fails before any file is touched
-    printed = output == "-" or (output is None and prompts == "-")  # the results take standard output
+    printed = jobs.prints_results(prompts, output)  # the results take standard output
     if printed and json_output:
         raise DflashError(
             "--json prints the summary on standard output, where the results go here",

@@ -42,9 +42,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_cli.commands.run_output import (
     STDERR,
     STDOUT,
+    Errors,
     ErrorsFile,
     PrintedErrors,
     PrintedResults,
+    Results,
     ResultsFile,
     default_errors_path,
     default_output_path,
@@ -209,8 +211,8 @@ def _progress(console: Console | None) -> Progress:
 def run_jobs(
     session: Any,
     requests: list[Request],
-    results: ResultsFile,
-    errors: ErrorsFile,
+    results: Results,
+    errors: Errors,
     options: RunOptions,
     made_from: dict[str, str],
     console: Console | None = None,
@@ -279,7 +281,7 @@ def run_jobs(
             progress.update(task, advance=1)
 
         def done(request: Request, result: Any) -> None:
-            reply = session.parse_reply(request, result.token_ids, result.text)
+            reply = session.parse_reply(request, result.token_ids, result.text, result.finish_reason)
             results.append(result_record(request, result, model, made_from[request.id], reply))
             summary.add(result)
             progress.update(task, advance=1)
@@ -339,27 +341,27 @@ def run_file(
 
     `load` opens the session (default: session.open_session); it is called only when there is work to do."""
     started = time.perf_counter()
-    parsed = read_requests(Path(prompts).expanduser())
-    # `-o -`, or requests from standard input without -o: results to standard output, failures to the console
-    piped = output == "-" or (output is None and parsed.path == STDIN)
+    parsed = read_requests(STDIN if str(prompts) == "-" else Path(prompts).expanduser())
+    piped = prints_results(str(prompts), None if output is None else str(output))
     output_path = STDOUT if piped else Path(output).expanduser() if output else default_output_path(parsed.path)
-    errors_path = Path(errors).expanduser() if errors else None if piped else default_errors_path(output_path)
+    if errors == "-" or (errors is None and piped):  # failures on the console
+        errors_path = None
+    else:
+        errors_path = Path(errors).expanduser() if errors else default_errors_path(output_path)
     if not piped and output_path.resolve() in (parsed.path.resolve(), errors_path and errors_path.resolve()):
         raise DflashError(f"the output file {output_path} is also the input or errors file", fix="pass another -o")
     if errors_path is not None and errors_path.resolve() == parsed.path.resolve():  # rewritten each run
         raise DflashError(f"the errors file {errors_path} is also the input file", fix="pass another --errors")
     if not parsed.requests and parsed.errors and all(error.code == "invalid_json" for error in parsed.errors):
-        source = "standard input" if parsed.path == STDIN else str(parsed.path)
         raise DflashError(  # (a text file of prompts, most likely: refused before a model loads or a file is made)
-            f"no line of {source} is JSON (line {parsed.errors[0].line}: {parsed.errors[0].message}): `dflash run` "
+            f"no line of {parsed.name} is JSON (line {parsed.errors[0].line}: {parsed.errors[0].message}): `dflash run` "
             "reads one JSON request a line",
             fix='write each prompt as {"messages": [{"role": "user", "content": "..."}]} (a chat turn) or '
             '{"prompt": "..."} (plain completion); `dflash chat NAME --prompt "..."` answers one',
         )
     say = console.print if console is not None else (lambda *args: None)
     if parsed.total == 0:
-        source = "standard input" if parsed.path == STDIN else escape(str(parsed.path))
-        say(f"{source} has no requests: nothing to do")
+        say(f"{escape(parsed.name)} has no requests: nothing to do")
         return Summary(str(output_path), 0)
     recipe = _recipe(options)
     target = recipe.target.id if recipe is not None else None
@@ -380,7 +382,12 @@ def run_file(
     return summary
 
 
-def _refuse_stale_results(results: ResultsFile, made_from: dict[str, str]) -> None:
+def prints_results(prompts: str, output: str | None) -> bool:
+    """Whether the results go to standard output: `-o -`, or requests read from standard input (`-`) without -o."""
+    return output == "-" or (output is None and prompts == "-")
+
+
+def _refuse_stale_results(results: Results, made_from: dict[str, str]) -> None:
     """A result the output holds for a request that has changed since (its line, or the command's target or
     sampling flags; `made_from`: each request's request_hash) would be skipped as done: refuse, before anything
     is written."""
@@ -396,8 +403,8 @@ def _refuse_stale_results(results: ResultsFile, made_from: dict[str, str]) -> No
 
 
 def _resume_and_run(
-    results: ResultsFile,
-    error_log: ErrorsFile,
+    results: Results,
+    error_log: Errors,
     parsed: RequestFile,
     options: RunOptions,
     made_from: dict[str, str],
@@ -431,7 +438,10 @@ def _resume_and_run(
         try:
             summary = run_jobs(session, pending, results, error_log, options, made_from, console)
         except KeyboardInterrupt:
-            say(f"interrupted: the results so far are in {escape(str(output_path))}; re-run to finish")
+            if output_path == STDOUT:
+                say("interrupted: the results so far were printed; -o FILE keeps them, so that a re-run resumes")
+            else:
+                say(f"interrupted: the results so far are in {escape(str(output_path))}; re-run to finish")
             raise
         summary.load_s = load_s
     elif not parsed.errors:

@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -128,6 +128,21 @@ def _open_for_writing(path: Path, mode: str, what: str, flag: str) -> IO[bytes]:
             f"cannot write the {what} file {path}: {error.strerror}",
             fix=f"choose a writable path with {flag}, or fix the file's permissions",
         ) from None
+
+
+class Results(Protocol):
+    """Where results go: the output file (ResultsFile) or standard output (PrintedResults)."""
+
+    path: Path
+    resume: Resume
+
+    def append(self, record: dict[str, Any]) -> None: ...
+
+
+class Errors(Protocol):
+    """Where failed lines go: the errors file (ErrorsFile) or the console (PrintedErrors)."""
+
+    def append(self, error: LineError) -> None: ...
 
 
 class ResultsFile:

@@ -38,6 +38,11 @@ class RequestFile:
     def total(self) -> int:
         return len(self.requests) + len(self.errors)
 
+    @property
+    def name(self) -> str:
+        """Where the requests came from, as a message names it."""
+        return "standard input" if self.path == STDIN else str(self.path)
+
 
 def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str]) -> Request | LineError | None:
     """One line as read (bytes) -> a Request with its id, a LineError saying why not, or None for a blank line."""
@@ -62,17 +67,18 @@ def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str])
     return replace(request, line=number, id=request.id if request.id is not None else default_id(number, raw))
 
 
-STDIN = Path("-")  # the name that reads the requests from standard input
+STDIN = Path("<stdin>")  # read_jsonl's path for standard input (the command line's `-`; ./- names a file)
 
 
 def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
-    """Every line of `path` (`STDIN`: standard input, to its end), read as bytes so one bad line cannot stop the
-    rest. `default_id(number, raw)` names a line without an id. Every line that repeats an earlier line's id is an
-    error (`duplicate_id`)."""
+    """Every line of `path` (`STDIN`: standard input, read to its end first), read as bytes so one bad line cannot
+    stop the rest. `default_id(number, raw)` names a line without an id. Every line that repeats an earlier line's
+    id is an error (`duplicate_id`)."""
     if path == STDIN:
         if sys.stdin is None or sys.stdin.isatty():
+            what = "closed" if sys.stdin is None else "a terminal, not a file or a pipe"
             raise DflashError(
-                "the requests come from standard input (-), but it is a terminal, not a file or a pipe",
+                f"the requests come from standard input (-), but it is {what}",
                 fix="pipe them in (cat prompts.jsonl | dflash run demo -), or pass the file's path",
             )
         return _read_lines(sys.stdin.buffer, path, default_id)

@@ -28,7 +28,7 @@ from dflash_cli.commands.run import read_requests, run_file
 from dflash_cli.commands.run_output import ErrorsFile, ResultsFile, Resume, completed_ids
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
-from dflash_cli.protocol.request_files import LineError, parse_line
+from dflash_cli.protocol.request_files import STDIN, LineError, parse_line
 from dflash_cli.protocol.requests import Request
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import PlanOverrides
@@ -897,7 +897,7 @@ def test_requests_piped_in_give_results_on_standard_output(
         p: collect_text(session, options, f"Tell me about {p}") for p in "ab"
     }
     assert "line 2" in result.stderr.decode() and "not valid JSON" in result.stderr.decode()
-    assert list(tmp_path.glob("*.jsonl")) == []  # no files written beside anything
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cache"]  # (the process's cache home) no file made
 
     refused = subprocess.run([*command, "--json"], input=piped, capture_output=True, **kwargs)
     assert refused.returncode != 0 and refused.stdout == b""
@@ -910,6 +910,29 @@ def test_requests_piped_in_give_results_on_standard_output(
     assert not (tmp_path / "p.out.jsonl").exists()
 
 
+def test_a_file_named_dash_is_dot_slash_dash_and_errors_dash_go_to_the_console(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    write_lines(tmp_path / "-", ["not json", {"id": "a", "prompt": "x"}])
+    log = io.StringIO()
+    summary = run_with(session, options, tmp_path / "-", errors="-", console=Console(file=log, width=200))
+    assert (summary.done, summary.failed) == (1, 1) and (tmp_path / "-.out.jsonl").is_file()
+    assert "line 1: not valid JSON" in log.getvalue() and not list(tmp_path.glob("*errors*"))
+
+
+def test_results_printed_to_a_closed_pipe_stop_the_run_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_cli.commands.run_output import PrintedResults
+
+    class Closed(io.BytesIO):
+        def write(self, data: bytes) -> int:
+            raise BrokenPipeError
+
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(Closed()))
+    with pytest.raises(DflashError) as raised:
+        PrintedResults().append({"id": "a", "text": "x"})
+    assert "standard output was closed after 0 result(s)" in raised.value.message and "-o" in raised.value.fix
+
+
 def test_reading_requests_from_a_terminal_says_to_pipe_them(monkeypatch: pytest.MonkeyPatch) -> None:
     class Terminal(io.BytesIO):
         def isatty(self) -> bool:
@@ -917,8 +940,11 @@ def test_reading_requests_from_a_terminal_says_to_pipe_them(monkeypatch: pytest.
 
     monkeypatch.setattr(sys, "stdin", Terminal())
     with pytest.raises(DflashError) as raised:
-        read_requests(Path("-"))
+        read_requests(STDIN)
     assert "terminal" in raised.value.message and "| dflash run demo -" in raised.value.fix
+    monkeypatch.setattr(sys, "stdin", None)  # (a daemon's, closed)
+    with pytest.raises(DflashError, match="it is closed"):
+        read_requests(STDIN)
 
 
 def test_a_log_gets_progress_lines_as_the_run_goes(

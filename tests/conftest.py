@@ -7,6 +7,7 @@ Model builders live in helpers/tiny_models.py (`from helpers.tiny_models import 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,26 +38,24 @@ def block_costs_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     directory = tmp_path_factory.mktemp("block-costs")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(policy, "cost_cache_dir", lambda what="block-costs": directory / what)
-        patch.setenv("XDG_CACHE_HOME", str(_cache_without_measurements(tmp_path_factory.mktemp("xdg-cache"))))
+        if sys.platform.startswith("linux"):  # (where platformdirs reads XDG_CACHE_HOME)
+            patch.setenv("HF_HOME", constants.HF_HOME)  # (else derived from XDG_CACHE_HOME)
+            home = _cache_without_measurements(tmp_path_factory.mktemp("xdg-cache"), set(policy.MEASUREMENTS.values()))
+            patch.setenv("XDG_CACHE_HOME", str(home))
         yield directory
 
 
-def _cache_without_measurements(home: Path) -> Path:
-    """A cache home for the processes tests start (a server, a chat): the user's cache entries linked in (built
-    kernels and steps, converted models: shared, as a user's runs share them), but dflash's measurements in it
-    left out, so those processes write theirs here, not among the user's."""
+def _cache_without_measurements(home: Path, measurements: set[str]) -> Path:
+    """A cache home for the processes tests start (a server, a chat): the user's dflash cache entries linked in
+    (built kernels and steps, converted models: shared, as a user's runs share them; written through the links
+    too), its `measurements` folders left out, so those processes keep theirs here, not among the user's."""
     from platformdirs import user_cache_dir
 
-    real = Path(user_cache_dir("dflash")).parent
-    if real.is_dir():
-        for entry in real.iterdir():
-            if entry.name != "dflash":
-                (home / entry.name).symlink_to(entry)
+    real = Path(user_cache_dir("dflash"))
     (home / "dflash").mkdir()
-    if (real / "dflash").is_dir():
-        for entry in (real / "dflash").iterdir():
-            if entry.name not in ("block-costs", "decode-threads"):
-                (home / "dflash" / entry.name).symlink_to(entry)
+    for entry in real.iterdir() if real.is_dir() else ():
+        if entry.name not in measurements:
+            (home / "dflash" / entry.name).symlink_to(entry)
     return home
 
 

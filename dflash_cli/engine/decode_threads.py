@@ -60,7 +60,7 @@ class DecodeThreads:
 def decode_threads(target: Any, offered: int) -> DecodeThreads:
     """The thread count decode steps run at, for a CPU target with `offered` threads (torch's count now)."""
     key = {**policy.target_key(target, compile=False), "schema": SCHEMA}
-    path = policy.cost_cache_dir("decode-threads") / f"{policy.fingerprint(key)}.json"
+    path = policy.cost_cache_dir(policy.MEASUREMENTS["decode threads"]) / f"{policy.fingerprint(key)}.json"
     try:
         data = json.loads(path.read_text())
         if data.get("key") == key and fresh(data.get("measured_at"), data.get("others_busy")):

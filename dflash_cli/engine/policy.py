@@ -154,6 +154,9 @@ def expected_tokens(acceptance: Sequence[float], size: int) -> float:
 # Costs
 
 
+MEASUREMENTS = {"decode threads": "decode-threads", "step costs": "block-costs"}  # what is kept -> its folder
+
+
 def cost_cache_dir(what: str = "block-costs") -> Path:
     """Where measured costs are kept: `what` names the measurement (engine.decode_threads keeps its own)."""
     from platformdirs import user_cache_dir
@@ -334,7 +337,7 @@ def kept_measurements() -> list[dict[str, Any]]:
     """What this machine keeps measured, for `dflash doctor`: per file what (decode threads, step costs), of which
     target, when, under how much load, and the figures; one entry per unreadable file too."""
     kept = []
-    for what, folder in (("decode threads", cost_cache_dir("decode-threads")), ("step costs", cost_cache_dir())):
+    for what, folder in ((what, cost_cache_dir(name)) for what, name in MEASUREMENTS.items()):
         for path in sorted(folder.glob("*.json")):
             try:
                 data = json.loads(path.read_text())

@@ -58,7 +58,7 @@ def sampling_rule(key: str) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
         problem = None if value is None else field.problem(value)
         if problem is not None:
-            raise typer.BadParameter(f"{value:g} {problem}")
+            raise typer.BadParameter(f"{value:.12g} {problem}")  # (1.0000001 stays itself, 0.0 is 0)
         return value
 
     return check
@@ -195,7 +195,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         float,
         typer.Option(
             callback=sampling_rule("temperature"),
-            help="In [0, 2]; 0 = greedy. Output follows the target's distribution at any temperature "
+            help=f"{BY_KEY['temperature'].rule.capitalize()}; 0 = greedy. Output follows the target's distribution at any temperature "
             "(speculative decoding is lossless).",
             rich_help_panel=SAMPLING,
         ),
@@ -204,7 +204,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         float,
         typer.Option(
             callback=sampling_rule("top_p"),
-            help="Nucleus sampling: keep tokens up to this total probability, in (0, 1] (1 = off).",
+            help=f"Nucleus sampling: keep tokens up to this total probability, {BY_KEY['top_p'].rule} (1 = off).",
             rich_help_panel=SAMPLING,
         ),
     ],
@@ -220,7 +220,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         float,
         typer.Option(
             callback=sampling_rule("min_p"),
-            help="Drop tokens below this fraction of the top token's probability, in [0, 1) (0 = off).",
+            help=f"Drop tokens below this fraction of the top token's probability, {BY_KEY['min_p'].rule} (0 = off).",
             rich_help_panel=SAMPLING,
         ),
     ],

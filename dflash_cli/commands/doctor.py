@@ -510,9 +510,7 @@ def check_measurements(kept: list[dict[str, Any]]) -> Check:
         return not entry.get("unreadable") and Path(target).is_absolute() and not Path(target).exists()
 
     lines, stale = [], [entry for entry in kept if gone(entry)]
-    for entry in kept:
-        if gone(entry):
-            continue
+    for entry in (entry for entry in kept if entry not in stale):
         if entry.get("unreadable"):
             lines.append(f"{entry['what']}: {entry['path']} unreadable (measured again when needed)")
             continue

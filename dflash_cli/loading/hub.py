@@ -472,7 +472,11 @@ def _not_cached_error(repo_id: str, revision: str, what: str, *, reason: str) ->
     if "/" not in repo_id:  # no ORG/NAME and no directory here: a recipe's name given as a model, or a typo
         meant = difflib.get_close_matches(repo_id, [recipe.name for recipe in _recipes()], n=1, cutoff=0.6)
         recipe = f"did you mean the recipe {meant[0]}? " if meant else ""
-        fix = f"{recipe}a recipe's name goes without --target (`dflash recipes list`), a Hub model is ORG/NAME; {fix}"
+        fix = (
+            f"{recipe}a recipe's name goes without --{'drafter' if what == 'drafter' else 'target'} "
+            "(`dflash recipes list`), a Hub model is usually "
+            f"ORG/NAME; {fix}"
+        )
     return DflashError(
         f"{what} {repo_id} (revision {revision}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}",
         fix=fix,

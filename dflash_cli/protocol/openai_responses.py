@@ -11,6 +11,7 @@ the conversation each turn (Codex does), and the prefix reuse of the slots makes
 from __future__ import annotations
 
 import copy
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from typing import Any
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import CHAT_URL, OMITTED, Request, read_translated, refuse_misspelt, show
+from dflash_cli.protocol.tools import ToolCall
 
 RESPONSES_URL = "/v1/responses"
 
@@ -55,12 +57,14 @@ RENAMED = {
     "response_format": "text.format",
 }
 CHAT_ONLY = {key: f"{CHAT_URL} (Chat Completions)" for key in ("seed", "stop", "top_k", "min_p")}
-ITEMS = "message, function_call, function_call_output and reasoning items are"
+ITEMS = (
+    "message, function_call, function_call_output, custom_tool_call, custom_tool_call_output and reasoning items are"
+)
 # Tools OpenAI's servers run, or whose calls are not function calls: not offered to the model here (Codex sends
 # web_search with every request), so a request that brings them is served with its function tools.
 NOT_OFFERED = {
     "web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation", "mcp", "tool_search",
-    "computer", "computer_use_preview", "local_shell", "shell", "apply_patch", "custom", "programmatic_tool_calling",
+    "computer", "computer_use_preview", "local_shell", "shell", "apply_patch", "programmatic_tool_calling",
 }  # fmt: skip
 
 
@@ -215,11 +219,24 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             turn = {"role": "assistant", "content": "", "tool_calls": [call]}
             if reasoning:
                 turn["reasoning_content"], reasoning = "\n".join(reasoning), []
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":  # a freeform tool's call: its function's, with the input as the argument
+            text = _string(item, "input", where)
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": json.dumps({FREEFORM_INPUT: text})},
+            }
+            if last is not None and last["role"] == "assistant":  # (the calls of one turn join its text)
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+            if reasoning:
+                turn["reasoning_content"], reasoning = "\n".join(reasoning), []
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output, called = _text(item.get("output"), f"{where}.output", media=True), _string(item, "call_id", where)
             if not any(call["id"] == called for message in out for call in message.get("tool_calls", ())):
                 raise RequestError(
-                    f"{where}.call_id: no function_call item before it has call_id {show(called)}",
+                    f"{where}.call_id: no function_call or custom_tool_call item before it has call_id {show(called)}",
                     param=f"{where}.call_id",
                 )
             turn = {"role": "tool", "tool_call_id": called, "content": output}
@@ -261,6 +278,9 @@ def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
                         chat["tools"].append(_function(function))
             elif kind == "function":
                 chat["tools"].append(_function(tool))
+            elif kind == "custom":  # a freeform tool (Codex's apply_patch): offered as a function of its input text
+                _string(tool, "name", f"tools[{i}]")
+                chat["tools"].append(_freeform(tool))
             elif kind not in NOT_OFFERED:
                 raise RequestError(
                     f"tools[{i}].type: {show(kind)} tools are not supported (function tools, which the client runs, "
@@ -269,7 +289,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
                 )
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
             raise RequestError(
                 f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got '
                 f"{show(choice)}",
@@ -286,6 +306,43 @@ def _function(tool: Mapping[str, Any]) -> dict[str, Any]:
         "type": "function",
         "function": {key: tool[key] for key in ("name", "description", "parameters") if key in tool},
     }
+
+
+FREEFORM_INPUT = "input"  # the one argument a freeform tool's function takes: its raw input text
+
+
+def _freeform(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A custom (freeform) tool as the function the model calls: one string argument, its raw input. A regex
+    format is the string's pattern (a forced call is held to it); a Lark grammar (Codex's apply_patch) is said in
+    the description. Its calls go back as custom_tool_call items (`freeform_names`)."""
+    description = tool.get("description") if isinstance(tool.get("description"), str) else ""
+    text: dict[str, Any] = {"type": "string", "description": "the tool's whole input, as raw text"}
+    form = tool.get("format")
+    if isinstance(form, dict) and form.get("type") == "grammar" and isinstance(form.get("definition"), str):
+        if form.get("syntax") == "regex":
+            text["pattern"] = form["definition"]
+        else:
+            description += f"\n\nThe input follows this {form.get('syntax', 'lark')} grammar:\n{form['definition']}"
+    parameters = {"type": "object", "properties": {FREEFORM_INPUT: text}, "required": [FREEFORM_INPUT]}
+    return {
+        "type": "function",
+        "function": {"name": tool["name"], "description": description, "parameters": parameters},
+    }
+
+
+def freeform_names(tools: Any) -> set[str]:
+    """The custom (freeform) tools among `tools` (as the body has them): their calls are custom_tool_call items."""
+    listed = tools if isinstance(tools, list) else []
+    return {t["name"] for t in listed if isinstance(t, dict) and t.get("type") == "custom" and "name" in t}
+
+
+def freeform_input(arguments: str) -> str:
+    """A freeform call's raw input, from the arguments its function was called with."""
+    try:
+        value = json.loads(arguments).get(FREEFORM_INPUT, "")
+    except (ValueError, AttributeError):
+        return arguments
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def namespaces(tools: Any) -> dict[str, str]:
@@ -364,6 +421,7 @@ class ResponseEvents:
         self.sequence = 0
         self.open: dict[str, Any] | None = None  # the message or reasoning item being streamed
         self.namespaces = namespaces(echo.get("tools"))
+        self.freeform = freeform_names(echo.get("tools"))
 
     def _event(self, kind: str, **fields: Any) -> Event:
         data = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
@@ -387,6 +445,8 @@ class ResponseEvents:
         return self._event("response.output_item.added", output_index=len(self.response["output"]) - 1, item=item)
 
     def part(self, part: Part) -> list[Event]:
+        if part.kind == "call" and part.call is not None and part.call.name in self.freeform:
+            return self._custom_call(part.call)
         if part.kind == "call":
             assert part.call is not None
             events = self._close()
@@ -437,6 +497,22 @@ class ResponseEvents:
         if kind == "message":
             return [*events, self._event("response.output_text.delta", **ids, delta=part.text, logprobs=[])]
         return [*events, self._event("response.reasoning_text.delta", **ids, delta=part.text)]
+
+    def _custom_call(self, call: ToolCall) -> list[Event]:
+        """A freeform tool's call: a custom_tool_call item holding its raw input (OpenAI's events for one)."""
+        events = self._close()
+        index = len(self.response["output"])
+        item = {"id": "ctc_" + uuid.uuid4().hex, "type": "custom_tool_call", "status": "in_progress"}
+        item.update(call_id=call.id, name=call.name, input="")
+        events.append(self._add(item))
+        ids = {"item_id": item["id"], "output_index": index}
+        item.update(input=freeform_input(call.arguments), status="completed")
+        return [
+            *events,
+            self._event("response.custom_tool_call_input.delta", **ids, delta=item["input"]),
+            self._event("response.custom_tool_call_input.done", **ids, input=item["input"]),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _close(self, status: str = "completed") -> list[Event]:
         """The open item's closing events; a message cut by max_output_tokens is "incomplete", as OpenAI marks it."""

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import random
+import re
 import shutil
 import socket
 import threading
@@ -543,6 +544,33 @@ def test_a_forced_function_call_and_its_output_turn(server: RunningServer, clien
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 24C"},
     ]
     answer = client.responses.create(model=server.target, input=turn, tools=[FUNCTION], max_output_tokens=6)
+    assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_codexs_freeform_apply_patch_is_called_and_its_output_read(
+    server: RunningServer, client: openai.OpenAI
+) -> None:
+    """Codex 0.131+ sends apply_patch only as a custom (freeform) tool, which was left out (no tool to edit files
+    with): it is offered, a forced call of it comes back as a custom_tool_call with its raw input, whole and
+    streamed, and that call and its custom_tool_call_output are read on the next turn. (A regex format holds the
+    random model's input to a short one: a Lark grammar is only described.)"""
+    form = {"type": "grammar", "syntax": "regex", "definition": "(add|remove) [a-z]{1,8}\\.txt"}
+    patch_tool = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.", "format": form}
+    fields = {"model": server.target, "tools": [patch_tool], "tool_choice": "required", "parallel_tool_calls": False,
+              "max_output_tokens": 200}  # fmt: skip
+    reply = client.responses.create(input="Add a file a.txt", **fields)
+    (call,) = reply.output
+    assert call.type == "custom_tool_call" and call.name == "apply_patch"
+    assert re.fullmatch(form["definition"], call.input), call.input
+    events = list(client.responses.create(input="Add a file a.txt", stream=True, **fields))
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done.input == call.input
+    turn = [
+        {"role": "user", "content": "Add a file a.txt"},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": call.name, "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"},
+    ]
+    answer = client.responses.create(model=server.target, input=turn, tools=[patch_tool], max_output_tokens=6)
     assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens_details.cached_tokens > 0
 
 

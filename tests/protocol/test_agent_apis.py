@@ -503,7 +503,7 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
                 ]
             },
             "input[2].call_id",
-            'no function_call item before it has call_id "d"',
+            'no function_call or custom_tool_call item before it has call_id "d"',
         ),
         # another API's name for a field, a near miss, a Chat Completions field: ignored, they would change nothing
         ({"max_tokens": 5}, "max_tokens", "did you mean max_output_tokens?"),
@@ -583,3 +583,53 @@ def test_the_window_check_names_the_responses_fields() -> None:
     with pytest.raises(RequestError) as long:
         check_context(request, 60, 50)
     assert long.value.param == "input"
+
+
+APPLY_PATCH = {  # Codex's freeform apply_patch tool (a custom tool with a Lark grammar), as it sends it
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Use the `apply_patch` tool to edit files. This is a FREEFORM tool, so do not wrap the patch in JSON.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF'},
+}  # fmt: skip
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n"
+
+
+def test_a_freeform_tool_is_offered_as_a_function_of_its_input_and_its_calls_come_back_as_custom_tool_calls() -> None:
+    """Codex (0.131+) sends apply_patch only as a custom tool: offered to the model as a function whose one string
+    argument is the raw input (its grammar in the description), its call goes back as a custom_tool_call item with
+    that input, and custom_tool_call / custom_tool_call_output items of earlier turns are read as the call and its
+    output."""
+    body = {
+        "input": [
+            {"role": "user", "content": "Add a.txt"},
+            {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": PATCH},
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"},
+        ],
+        "tools": [APPLY_PATCH],
+        "tool_choice": {"type": "custom", "name": "apply_patch"},
+    }
+    read = read_responses_request(body)
+    (function,) = read.request.tools.functions
+    assert function["function"]["name"] == "apply_patch" and "lark grammar" in function["function"]["description"]
+    assert function["function"]["parameters"]["required"] == ["input"] and read.request.tools.choice == "apply_patch"
+    user, called, output = read.request.messages
+    (call,) = called["tool_calls"]
+    arguments = call["function"]["arguments"]  # (read as chat reads them: the object)
+    assert (json.loads(arguments) if isinstance(arguments, str) else arguments) == {"input": PATCH}
+    assert call["id"] == "c1"
+    assert output == {"role": "tool", "tool_call_id": "c1", "content": "Done!"}
+    events = ResponseEvents(id="resp_1", model="demo", created=1, echo=read.echo)
+    stream = events.start() + events.part(
+        Part("call", call=ToolCall("apply_patch", json.dumps({"input": PATCH}), "c2"))
+    )
+    stream += events.end(Ending("tool_calls", None, prompt_tokens=10, cached_tokens=0, output_tokens=30))
+    assert [name for name, _ in stream][2:-1] == [
+        "response.output_item.added",
+        "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+    ]
+    for _, data in stream:  # as the openai SDK's types have them, strictly
+        check_response_event(data)
+    (item,) = check_response(events.response).output
+    assert (item.type, item.call_id, item.name, item.input) == ("custom_tool_call", "c2", "apply_patch", PATCH)

@@ -23,7 +23,9 @@ The loop asks once per step and reports once per step, after its one host sync:
   kept in the same file; a position it has not seen accepts like the one before), updated by this
   generation's steps with exponential forgetting (code and prose accept differently, within one answer too).
 - Rule: expected tokens of a step of B = 1 + sum_{k<B} prod_{j<=k} a_j; pick the B of the set (<= limit) that
-  maximises expected tokens / cost(B). When that is 1 (drafting does not pay), plain steps run, and each banks
+  maximises expected tokens / cost(B). Drafting that pays by less than CHECK_MARGIN takes CHECK_RUN plain steps
+  every CHECK_EVERY steps, which keep the factors' reference measured (a factor learned too low once drafted on
+  at a loss, unchecked). When B is 1 (drafting does not pay), plain steps run, and each banks
   PROBE_SHARE of its time; a probe (the best drafting size) runs once the bank covers the probe's expected loss
   (its cost minus the plain time of the tokens it is expected to commit), and its measured loss is paid from
   the bank: probing costs about PROBE_SHARE of plain decoding, whatever the drafter does. A probe also reads the
@@ -71,6 +73,9 @@ PROBE_SHARE = 0.005  # probes may cost about this share of the plain steps' time
 PROBE_EXTRA_RATE = 0.3  # how fast the learned extra cost of a probe follows measured probes
 LOAD_RATE = 0.1  # how fast the online load, and each shape's factor, follow measured steps
 FACTOR_WINDOW = 16  # a shape's factor learns from its steps this close after one row's plain step
+CHECK_EVERY = 64  # drafting steps near break-even (CHECK_MARGIN) before a short run of plain ones (CHECK_RUN)
+CHECK_MARGIN = 1.5  # drafting expected to pay by less than this: a factor learned wrong could turn the decision
+CHECK_RUN = 3  # plain steps in a check: the first, after drafting, is not timed
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every size; the first warms up and is dropped
 CALIBRATION_RUN = 3  # steps of one size in a row per round; the first, after another size, is not kept
 CALIBRATION_CONTEXT = 2  # new context rows per timed draft step (about what a step brings)
@@ -455,6 +460,7 @@ class AdaptiveBlock:
         self.successes = [0.0] * positions  # this generation's, forgotten at FORGET per step
         self.failures = [0.0] * positions
         self.probing = False  # the size last chosen is a probe (drafting did not pay)
+        self.checking = 0  # plain steps left in a check (drafting pays by little: is it so?)
         self.probe_loss = 0.0  # its expected loss
         self.last_shape: tuple[int, int] | None = None  # the last step's (size, rows): a step of another costs more
 
@@ -480,6 +486,14 @@ class AdaptiveBlock:
         best = max(rates, key=rates.__getitem__)
         self.probing = False
         if best > 1:
+            # Drafting by a small margin for long: a few plain steps measure the plain load the factors are learned
+            # against (a factor learned too low, in a busy spell, drafted on at a loss, never checked).
+            near = rows == 1 and rates[best] < CHECK_MARGIN * rates.get(1, 0.0)
+            if near and self.costs.since_plain >= CHECK_EVERY and not self.checking:
+                self.checking = CHECK_RUN
+            if self.checking:
+                self.checking -= 1
+                return 1
             return best
         drafting = {size: rate for size, rate in rates.items() if size > 1}
         if not drafting:

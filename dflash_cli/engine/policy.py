@@ -32,7 +32,10 @@ The loop asks once per step and reports once per step, after its one host sync:
   context of the plain steps before it (the prompt's too): what probes cost beyond their calibrated steps is
   learned (`probe_extra_s`) and counted in the expected loss, and the bank is kept with the costs, not per
   generation (a bank per generation paid one such probe in every short answer: about 2% of the demo's 128-token
-  answers on a CPU). A probe that costs far more than expected leaves a debt of at most one expected loss.
+  answers on a CPU). A probe that costs far more than expected leaves a debt of at most one expected loss. A
+  shape's first step in a process also loads its code (the demo: about 130 ms, a quarter of a 128-token answer):
+  that is learned too (`cold_s`, kept with the costs) and counted in a first probe's loss, so a short-lived
+  process whose drafter does not pay does not probe.
 
 A policy instance belongs to one generation (or one batch of rows stepping together: `observe` pools the rows'
 acceptance); the costs, the drafter's history and the probes' bank are shared, per (target, drafter, sizes,
@@ -71,6 +74,7 @@ FORGET = 0.95  # per observed step: this generation's counts reach back about 20
 HISTORY_FORGET = 0.999  # the drafter's pooled history: about 1000 steps
 PROBE_SHARE = 0.005  # probes may cost about this share of the plain steps' time (about 100 steps apart here)
 PROBE_EXTRA_RATE = 0.3  # how fast the learned extra cost of a probe follows measured probes
+COLD_RATE = 0.5  # how fast the learned cost of a shape's first step in a process follows measured ones
 LOAD_RATE = 0.1  # how fast the online load, and each shape's factor, follow measured steps
 FACTOR_WINDOW = 16  # a shape's factor learns from its steps this close after one row's plain step
 CHECK_EVERY = 64  # drafting steps near break-even (CHECK_MARGIN) before a short run of plain ones (CHECK_RUN)
@@ -190,6 +194,8 @@ class StepCosts:
         self.factors: dict[tuple[int, int], float] = {}
         self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost (this process)
         self.probe_extra_s = 0.0  # what a probe costs beyond its calibrated step (the context it reads), learned
+        self.cold_s = 0.0  # what a drafting shape's first step in a process costs beyond a warm one, learned; kept
+        self.warm: set[tuple[int, int]] = set()  # the drafting shapes (size, rows) stepped in this process
         self.measured_at: str | None = None  # when the costs were calibrated
         self.others_busy: float | None = None  # cores other processes kept busy meanwhile (over QUIET_CORES: not kept)
         self.stale: str | None = None  # why costs saved here before do not stand (measured busy, or long ago)
@@ -289,6 +295,7 @@ class StepCosts:
         self.verify_s = {size: statistics.median(verifies[size]) for size in self.sizes}
         self.load, self.plain_load, self.factors = 1.0, 1.0, {}
         self.measured_at, self.others_busy = measured_now(), busy_since(before)
+        self.warm |= {(size, 1) for size in self.sizes if size > 1}
 
     def _read(self) -> None:
         try:
@@ -306,8 +313,10 @@ class StepCosts:
                 factors[int(size), int(rows)] = float(value)
             successes = [float(v) for v in data["successes"]]
             failures = [float(v) for v in data["failures"]]
+            cold = max(0.0, float(data.get("cold_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return
+        self.cold_s = cold
         measured_at, others_busy = data.get("measured_at"), data.get("others_busy")
         if all(size in verify for size in self.sizes) and fresh(measured_at, others_busy):
             self.draft_s, self.verify_s, self.factors = draft, verify, factors
@@ -334,6 +343,7 @@ class StepCosts:
             "factors": {f"{size}x{rows}": round(v, 4) for (size, rows), v in self.factors.items()} if quiet else {},
             "successes": [round(v, 3) for v in self.successes],
             "failures": [round(v, 3) for v in self.failures],
+            "cold_s": round(self.cold_s, 5),
         }
         save_measurement(self.path, data)
 
@@ -501,7 +511,8 @@ class AdaptiveBlock:
         probe = max(drafting, key=drafting.__getitem__)
         # The probe's expected loss against plain steps: its cost and the context it reads, less the plain time its
         # tokens would take.
-        loss = cost[probe] + self.costs.probe_extra_s - expected_tokens(acceptance, probe) * cost[1]
+        cold = 0.0 if (probe, rows) in self.costs.warm else self.costs.cold_s  # (a fresh process's first probe)
+        loss = cost[probe] + self.costs.probe_extra_s + cold - expected_tokens(acceptance, probe) * cost[1]
         self.probing, self.probe_loss = self.costs.banked >= loss, loss
         return probe if self.probing else 1
 
@@ -517,12 +528,18 @@ class AdaptiveBlock:
         if size == 1:
             self.costs.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
             return
+        cold, step = (size, len(rows)) not in self.costs.warm, self.costs.cost(size, len(rows))
+        if cold:  # a shape's first step in this process also loads its code (the demo: about 40 plain steps)
+            self.costs.warm.add((size, len(rows)))
+            context = self.costs.probe_extra_s if self.probing else 0.0
+            seen = max(0.0, draft_s + verify_s - step - context)
+            self.costs.cold_s += COLD_RATE * (seen - self.costs.cold_s)
         if self.probing:  # what it really lost against plain steps for its tokens, and what it cost beyond its step
             tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
-            step = self.costs.cost(size, len(rows))
             # (one probe over a far longer context than usual moves the estimate at most twice as far as a usual one)
             extra = min(max(0.0, draft_s + verify_s - step), 2 * (self.costs.probe_extra_s + step))
-            self.costs.probe_extra_s += PROBE_EXTRA_RATE * (extra - self.costs.probe_extra_s)
+            if not cold:
+                self.costs.probe_extra_s += PROBE_EXTRA_RATE * (extra - self.costs.probe_extra_s)
             lost = draft_s + verify_s - tokens * self.costs.cost(1, len(rows))
             self.costs.banked = max(self.costs.banked - lost, -self.probe_loss)
         else:

@@ -336,6 +336,27 @@ def test_drafting_that_clearly_pays_takes_no_plain_steps() -> None:
     assert 1 not in sizes
 
 
+def test_a_fresh_process_does_not_probe_a_drafter_that_does_not_pay_when_a_first_step_is_dear() -> None:
+    """A shape's first step in a process also loads its code (the demo: about 130 ms, 40 plain steps: a quarter of
+    a one-shot 128-token answer, which probed once and decoded at 0.8x plain): learned from that step and kept,
+    it is counted in a first probe's loss, so a short-lived process does not probe; once warm, probes go on."""
+    costs = _costs({1: 1.0, 2: 1.3, 4: 1.7, 8: 2.6}, draft=0.32)
+    costs.successes, costs.failures = [25.0] * 7, [75.0] * 7
+    policy = AdaptiveBlock(costs)
+    policy.probing, policy.last_shape = True, (1, 1)
+    policy.observe(2, 0, costs.draft_s[2] + 40.0, costs.verify_s[2])  # a probe's first step, 40 plain steps dear
+    assert costs.cold_s == pytest.approx(40.0 * policy_module.COLD_RATE) and costs.probe_extra_s == 0.0
+    assert costs.warm == {(2, 1)}
+    costs.cold_s, costs.banked = 40.0, 0.0
+    costs.save()
+    again = StepCosts(costs.key, costs.sizes)  # (the next process: kept, and nothing warm)
+    assert again.cold_s == 40.0 and not again.warm
+    costs.warm.clear()
+    assert _answers(costs, 3)[0] == []  # three one-shot answers' worth of plain steps: no probe
+    costs.warm |= {(2, 1), (4, 1), (8, 1)}
+    assert _answers(costs, 3)[0]  # warm: probing goes on
+
+
 def _answers(costs: StepCosts, count: int, accepted_every: int = 0, outlier_probe: int = -1):
     """`count` answers of 128 steps, each a fresh policy over `costs`, where a probe also reads the context of the
     plain steps before it, its prompt's 30 rows included, a tenth of a plain step a row (`outlier_probe`: that probe

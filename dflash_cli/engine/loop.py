@@ -315,7 +315,7 @@ class Batch:
         offsets = list(itertools.accumulate((size + 1 for size in sizes[:-1]), initial=0))  # (O(rows), not rows^2)
         full = [host[at] for i, (at, size) in enumerate(zip(offsets, sizes)) if size == chosen and i not in failed]
         if full:
-            self.policy.observe(chosen, full[0] if len(full) == 1 else full, draft_s, verify_s)
+            self.policy.observe(chosen, full[0] if len(full) == 1 else full, draft_s, verify_s, rows=len(sizes))
         steps: list[Step | BaseException] = []
         for i, (row, size, posterior, at) in enumerate(zip(rows, sizes, posteriors, offsets)):
             if i in failed:

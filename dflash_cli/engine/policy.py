@@ -23,9 +23,9 @@ The loop asks once per step and reports once per step, after its one host sync:
   kept in the same file; a position it has not seen accepts like the one before), updated by this
   generation's steps with exponential forgetting (code and prose accept differently, within one answer too).
 - Rule: expected tokens of a step of B = 1 + sum_{k<B} prod_{j<=k} a_j; pick the B of the set (<= limit) that
-  maximises expected tokens / cost(B). Drafting that pays by less than CHECK_MARGIN takes CHECK_RUN plain steps
-  every CHECK_EVERY steps, which keep the factors' reference measured (a factor learned too low once drafted on
-  at a loss, unchecked). When B is 1 (drafting does not pay), plain steps run, and each banks
+  maximises expected tokens / cost(B). One row drafting that pays by less than CHECK_MARGIN, or only thanks to its
+  shape's factor, takes CHECK_RUN plain steps every CHECK_EVERY timed steps, which keep the factors' reference
+  measured (a factor learned too low once drafted on at a loss, unchecked). When B is 1 (drafting does not pay), plain steps run, and each banks
   PROBE_SHARE of its time; a probe (the best drafting size) runs once the bank covers the probe's expected loss
   (its cost minus the plain time of the tokens it is expected to commit), and its measured loss is paid from
   the bank: probing costs about PROBE_SHARE of plain decoding, whatever the drafter does. A probe also reads the
@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -75,6 +76,7 @@ HISTORY_FORGET = 0.999  # the drafter's pooled history: about 1000 steps
 PROBE_SHARE = 0.005  # probes may cost about this share of the plain steps' time (about 100 steps apart here)
 PROBE_EXTRA_RATE = 0.3  # how fast the learned extra cost of a probe follows measured probes
 COLD_RATE = 0.5  # how fast the learned cost of a shape's first step in a process follows measured ones
+COLD_BOUND = 4.0  # one first step moves that cost at most to this many times the estimate (or the step's cost)
 LOAD_RATE = 0.1  # how fast the online load, and each shape's factor, follow measured steps
 FACTOR_WINDOW = 16  # a shape's factor learns from its steps this close after one row's plain step
 CHECK_EVERY = 64  # drafting steps near break-even (CHECK_MARGIN) before a short run of plain ones (CHECK_RUN)
@@ -94,8 +96,11 @@ class BlockPolicy(Protocol):
     def choose(self, limit: int, rows: int = 1) -> int:
         """The block for the next step of `rows` rows: 1 .. limit tokens (1: a plain step)."""
 
-    def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
-        """What a step of `size` did: drafts accepted (per row in a batch) and its phase times."""
+    def observe(
+        self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float, rows: int | None = None
+    ) -> None:
+        """What a step of `size` did: drafts accepted (per row in a batch that drafted `size`), its phase times, and
+        the rows it ran (default: one per count)."""
 
     def padded(self, size: int) -> int:
         """The width a compiled step runs for a block of `size` tokens: one of the few shapes it has graphs for."""
@@ -116,7 +121,9 @@ class FixedBlock:
     def choose(self, limit: int, rows: int = 1) -> int:
         return min(self.max_size, limit)
 
-    def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
+    def observe(
+        self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float, rows: int | None = None
+    ) -> None:
         pass
 
     def padded(self, size: int) -> int:
@@ -179,8 +186,9 @@ class StepCosts:
     `draft_s[size]`, `verify_s[size]`: calibrated (None until measured); `load`: measured / predicted over recent
     steps, `plain_load` over one row's plain steps; `factors[(size, rows)]`: what the loop's steps of that shape
     cost beside the calibration (1 for one row's plain step, the reference); `banked`, `probe_extra_s`: the
-    probes' allowance and extra cost (AdaptiveBlock). `successes[j]`, `failures[j]`: the drafter's pooled outcomes
-    at draft position j+1.
+    probes' allowance and extra cost (AdaptiveBlock); `cold_s`: what a drafting shape's first step in a process
+    costs more (loading its code: calibrated, then learned from first probes, kept), `warm`: the shapes stepped in
+    this process. `successes[j]`, `failures[j]`: the drafter's pooled outcomes at draft position j+1.
     """
 
     def __init__(self, key: dict[str, Any], sizes: Sequence[int]) -> None:
@@ -190,7 +198,7 @@ class StepCosts:
         self.verify_s: dict[int, float] = {}
         self.load = 1.0
         self.plain_load = 1.0  # the load one row's plain steps alone measure: what the factors are learned against
-        self.since_plain = FACTOR_WINDOW + 1  # steps observed since one row's plain step
+        self.since_plain = FACTOR_WINDOW + 1  # timed steps of other shapes since one row's plain step (any generation)
         self.factors: dict[tuple[int, int], float] = {}
         self.banked = 0.0  # seconds of plain steps' time set aside for probes, less what probes lost (this process)
         self.probe_extra_s = 0.0  # what a probe costs beyond its calibrated step (the context it reads), learned
@@ -274,6 +282,7 @@ class StepCosts:
         context = features[:, -CALIBRATION_CONTEXT:].clone()
         drafts: dict[int, list[float]] = {size: [] for size in self.sizes}
         verifies: dict[int, list[float]] = {size: [] for size in self.sizes}
+        first: dict[int, float] = {}  # each size's first step in this process (loading its code)
         for round_ in range(CALIBRATION_ROUNDS):
             order = self.sizes if round_ % 2 == 0 else self.sizes[::-1]
             # (a step right after another size's costs more: the loop runs steps of one size in a row)
@@ -291,8 +300,12 @@ class StepCosts:
                 if round_ > 0 and run > 0:
                     drafts[size].append(clock.seconds(t0, t1))
                     verifies[size].append(clock.seconds(t1, t2))
+                elif round_ == 0 and run == 0:
+                    first[size] = clock.seconds(t0, t2)
         self.draft_s = {size: statistics.median(drafts[size]) if size > 1 else 0.0 for size in self.sizes}
         self.verify_s = {size: statistics.median(verifies[size]) for size in self.sizes}
+        colds = [first[size] - self.draft_s[size] - self.verify_s[size] for size in self.sizes if size > 1]
+        self.cold_s = max(0.0, statistics.median(colds)) if colds else 0.0
         self.load, self.plain_load, self.factors = 1.0, 1.0, {}
         self.measured_at, self.others_busy = measured_now(), busy_since(before)
         self.warm |= {(size, 1) for size in self.sizes if size > 1}
@@ -313,10 +326,10 @@ class StepCosts:
                 factors[int(size), int(rows)] = float(value)
             successes = [float(v) for v in data["successes"]]
             failures = [float(v) for v in data["failures"]]
-            cold = max(0.0, float(data.get("cold_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return
-        self.cold_s = cold
+        cold = data.get("cold_s")  # (a file saved before it was kept has none)
+        self.cold_s = max(0.0, float(cold)) if isinstance(cold, (int, float)) and math.isfinite(cold) else 0.0
         measured_at, others_busy = data.get("measured_at"), data.get("others_busy")
         if all(size in verify for size in self.sizes) and fresh(measured_at, others_busy):
             self.draft_s, self.verify_s, self.factors = draft, verify, factors
@@ -496,15 +509,18 @@ class AdaptiveBlock:
         best = max(rates, key=rates.__getitem__)
         self.probing = False
         if best > 1:
-            # Drafting by a small margin for long: a few plain steps measure the plain load the factors are learned
-            # against (a factor learned too low, in a busy spell, drafted on at a loss, never checked).
-            near = rows == 1 and rates[best] < CHECK_MARGIN * rates.get(1, 0.0)
-            if near and self.costs.since_plain >= CHECK_EVERY and not self.checking:
+            # Drafting by a small margin, or only by its shape's factor, for long: a few plain steps measure the
+            # plain load the factors are learned against (a factor learned too low in a busy spell drafted on at a
+            # loss, never checked).
+            factored = expected_tokens(acceptance, best) / (cost[best] / self.costs.factors.get((best, rows), 1.0))
+            doubtful = rates[best] < CHECK_MARGIN * rates[1] or factored < rates[1]
+            if rows == 1 and doubtful and self.costs.since_plain >= CHECK_EVERY and not self.checking:
                 self.checking = CHECK_RUN
             if self.checking:
                 self.checking -= 1
                 return 1
             return best
+        self.checking = 0
         drafting = {size: rate for size, rate in rates.items() if size > 1}
         if not drafting:
             return 1
@@ -516,42 +532,44 @@ class AdaptiveBlock:
         self.probing, self.probe_loss = self.costs.banked >= loss, loss
         return probe if self.probing else 1
 
-    def observe(self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float) -> None:
-        rows = [accepted] if isinstance(accepted, int) else list(accepted)
+    def observe(
+        self, size: int, accepted: int | Sequence[int], draft_s: float, verify_s: float, rows: int | None = None
+    ) -> None:
+        counts = [accepted] if isinstance(accepted, int) else list(accepted)
+        shape = (size, rows or len(counts))
         if size == 1 and not self.costs.calibrated:  # (it never drafts: nothing to time or bank)
             return
         # Only a step in a run of its shape is timed: one after another shape costs more (and the first draft after
         # plain steps also reads their context), which a probe's extra cost counts instead.
-        in_run, self.last_shape = self.last_shape == (size, len(rows)), (size, len(rows))
+        in_run, self.last_shape = self.last_shape == shape, shape
         if in_run:
-            self.costs.observe_time(size, draft_s + verify_s, len(rows))
+            self.costs.observe_time(size, draft_s + verify_s, shape[1])
         if size == 1:
-            self.costs.banked += PROBE_SHARE * self.costs.cost(1, len(rows))
+            self.costs.banked += PROBE_SHARE * self.costs.cost(1, shape[1])
             return
-        cold, step = (size, len(rows)) not in self.costs.warm, self.costs.cost(size, len(rows))
-        if cold:  # a shape's first step in this process also loads its code (the demo: about 40 plain steps)
-            self.costs.warm.add((size, len(rows)))
-            context = self.costs.probe_extra_s if self.probing else 0.0
-            seen = max(0.0, draft_s + verify_s - step - context)
-            self.costs.cold_s += COLD_RATE * (seen - self.costs.cold_s)
+        cold, step = shape not in self.costs.warm, self.costs.cost(*shape)
+        self.costs.warm.add(shape)
         if self.probing:  # what it really lost against plain steps for its tokens, and what it cost beyond its step
-            tokens = 1 + sum(min(row, size - 1) for row in rows) / len(rows)
-            # (one probe over a far longer context than usual moves the estimate at most twice as far as a usual one)
-            extra = min(max(0.0, draft_s + verify_s - step), 2 * (self.costs.probe_extra_s + step))
-            if not cold:
+            tokens = 1 + sum(min(row, size - 1) for row in counts) / len(counts)
+            extra = max(0.0, draft_s + verify_s - step)
+            if cold:  # its first step here also loaded its code: what that costs beyond the context it read
+                seen = min(max(0.0, extra - self.costs.probe_extra_s), COLD_BOUND * max(self.costs.cold_s, step))
+                self.costs.cold_s += COLD_RATE * (seen - self.costs.cold_s)
+            else:  # (one probe over a far longer context than usual moves it at most twice as far as a usual one)
+                extra = min(extra, 2 * (self.costs.probe_extra_s + step))
                 self.costs.probe_extra_s += PROBE_EXTRA_RATE * (extra - self.costs.probe_extra_s)
-            lost = draft_s + verify_s - tokens * self.costs.cost(1, len(rows))
+            lost = draft_s + verify_s - tokens * self.costs.cost(1, shape[1])
             self.costs.banked = max(self.costs.banked - lost, -self.probe_loss)
         else:
             self.costs.banked = 0.0
         for j in range(self.max_size - 1):
             self.successes[j] *= FORGET
             self.failures[j] *= FORGET
-        for row in rows:
+        for row in counts:
             for j in range(min(row, size - 1)):
-                self.successes[j] += 1 / len(rows)
+                self.successes[j] += 1 / len(counts)
             if row < size - 1:
-                self.failures[row] += 1 / len(rows)
+                self.failures[row] += 1 / len(counts)
             self.costs.observe_acceptance(size, row)
 
     def padded(self, size: int) -> int:

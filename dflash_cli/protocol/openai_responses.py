@@ -2,8 +2,8 @@
 format, and a reply rendered as a Response object and its stream events.
 
 A Responses body becomes a chat completion body (instructions and input items as chat messages, function_call and
-function_call_output items as tool_calls and tool turns, reasoning items as reasoning passed back, `text.format`
-as response_format) and is read by `requests.read_translated`, so it takes the same checks as
+custom_tool_call items and their outputs as tool_calls and tool turns, custom (freeform) tools as functions of one
+string, reasoning items as reasoning passed back, `text.format` as response_format) and is read by `requests.read_translated`, so it takes the same checks as
 /v1/chat/completions; an error names the field as the Responses body has it. Nothing is stored: a client resends
 the conversation each turn (Codex does), and the prefix reuse of the slots makes that cheap.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -169,7 +170,7 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
         items = [{"role": "user", "content": items}]
     elif not isinstance(items, list) or not items:
         raise RequestError(
-            "input must be a string or a non-empty list of items (messages, function_call, function_call_output)",
+            f"input must be a string or a non-empty list of items ({ITEMS.removesuffix(' are')})",
             param="input",
         )
     reasoning: list[str] = []  # a reasoning item's text, for the assistant turn that follows it
@@ -179,7 +180,7 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
         (i for i, item in enumerate(items) if isinstance(item, dict) and item.get("role") == "user"), default=-1
     )
     before = items[last_user - 1] if last_user > 0 else None
-    if isinstance(before, dict) and before.get("type") == "function_call_output":
+    if isinstance(before, dict) and before.get("type") in ("function_call_output", "custom_tool_call_output"):
         last_user = -1
     for i, item in enumerate(items):
         where = "input" if isinstance(body["input"], str) else f"input[{i}]"
@@ -203,11 +204,18 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
             turn: dict[str, Any] = {"role": role, "content": content}
             if role == "assistant" and reasoning:
                 turn["reasoning_content"], reasoning = "\n".join(reasoning), []
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "function_call":
+                arguments = item.get("arguments", "{}")
+            else:  # a freeform tool's call: its function's, with the input as the one argument
+                text = item.get("input")
+                if not isinstance(text, str):
+                    raise RequestError(f"{where}.input must be a string, got {show(text)}", param=f"{where}.input")
+                arguments = json.dumps({FREEFORM_INPUT: text}, ensure_ascii=False)
             call = {
                 "id": _string(item, "call_id", where),
                 "type": "function",
-                "function": {"name": _string(item, "name", where), "arguments": item.get("arguments", "{}")},
+                "function": {"name": _string(item, "name", where), "arguments": arguments},
             }
             if last is not None and last["role"] == "assistant":  # (the calls of one turn join its text)
                 calls = len(last.get("tool_calls", []))
@@ -216,19 +224,6 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
                 last.setdefault("tool_calls", []).append(call)
                 continue
             names.append((rf"^messages\[{len(out)}\]\.tool_calls\[0\]\.function", where))
-            turn = {"role": "assistant", "content": "", "tool_calls": [call]}
-            if reasoning:
-                turn["reasoning_content"], reasoning = "\n".join(reasoning), []
-        elif kind == "custom_tool_call":  # a freeform tool's call: its function's, with the input as the argument
-            text = _string(item, "input", where)
-            call = {
-                "id": _string(item, "call_id", where),
-                "type": "function",
-                "function": {"name": _string(item, "name", where), "arguments": json.dumps({FREEFORM_INPUT: text})},
-            }
-            if last is not None and last["role"] == "assistant":  # (the calls of one turn join its text)
-                last.setdefault("tool_calls", []).append(call)
-                continue
             turn = {"role": "assistant", "content": "", "tool_calls": [call]}
             if reasoning:
                 turn["reasoning_content"], reasoning = "\n".join(reasoning), []
@@ -256,46 +251,61 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[t
 
 
 def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """`tools` and `tool_choice` as a chat body has them, and the names of the functions' fields in a namespace."""
+    """`tools` and `tool_choice` as a chat body has them, and the names their fields have in the Responses body (a
+    tool's place there differs where a namespace holds it, or a tool before it is left out)."""
     chat: dict[str, Any] = {}
     names: list[tuple[str, str]] = []
+    kinds: dict[str, str] = {}  # each offered tool's kind (function or custom), by name
     tools = body.get("tools")
+
+    def offer(tool: Mapping[str, Any], where: str) -> None:
+        at = rf"^tools\[{len(chat['tools'])}\]\.function"
+        if tool["type"] == "custom":  # a freeform tool (Codex's apply_patch): a function of its input text
+            _string(tool, "name", where)
+            names.extend([(at + r"\.parameters", f"{where}.format"), (at + r"\.", f"{where}."), (at, where)])
+            chat["tools"].append(_freeform(tool))
+        else:
+            names.extend([(at + r"\.", f"{where}."), (at, where)])
+            chat["tools"].append(_function(tool))
+        if isinstance(tool.get("name"), str):
+            kinds[tool["name"]] = tool["type"]
+
     if tools is not None:
         if not isinstance(tools, list):
             raise RequestError(f"tools must be a list of function tools, got {show(tools)}", param="tools")
         chat["tools"] = []
         for i, tool in enumerate(tools):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            inner = tool.get("tools") if kind == "namespace" and isinstance(tool, dict) else None
-            if kind == "namespace":  # its functions, called by their names (namespaces() names their calls')
+            if kind == "namespace":  # its tools, called by their names (namespaces() names their calls')
                 _string(tool, "name", f"tools[{i}]")
+                inner = tool.get("tools")
                 if not isinstance(inner, list):
                     raise RequestError(f"tools[{i}].tools must be a list of tools", param=f"tools[{i}].tools")
-                for k, function in enumerate(inner):
-                    if isinstance(function, dict) and function.get("type") == "function":
-                        at = rf"^tools\[{len(chat['tools'])}\]\.function"
-                        names += [(at + r"\.", f"tools[{i}].tools[{k}]."), (at, f"tools[{i}].tools[{k}]")]
-                        chat["tools"].append(_function(function))
-            elif kind == "function":
-                chat["tools"].append(_function(tool))
-            elif kind == "custom":  # a freeform tool (Codex's apply_patch): offered as a function of its input text
-                _string(tool, "name", f"tools[{i}]")
-                chat["tools"].append(_freeform(tool))
+                for k, member in enumerate(inner):
+                    if isinstance(member, dict) and member.get("type") in ("function", "custom"):
+                        offer(member, f"tools[{i}].tools[{k}]")
+            elif kind in ("function", "custom"):
+                offer(tool, f"tools[{i}]")
             elif kind not in NOT_OFFERED:
                 raise RequestError(
-                    f"tools[{i}].type: {show(kind)} tools are not supported (function tools, which the client runs, "
-                    "are, also in a namespace; tools OpenAI's servers run are not offered to the model)",
+                    f"tools[{i}].type: {show(kind)} tools are not supported (function and custom tools, which the "
+                    "client runs, are, also in a namespace; tools OpenAI's servers run are not offered to the model)",
                     param=f"tools[{i}].type",
                 )
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
-        if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
+        kind, name = choice.get("type"), choice.get("name")
+        if kind not in ("function", "custom") or not isinstance(name, str):
             raise RequestError(
-                f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got '
-                f"{show(choice)}",
+                f'tool_choice must be "none", "auto", "required", {{"type": "function", "name": ...}} or '
+                f'{{"type": "custom", "name": ...}}, got {show(choice)}',
                 param="tool_choice",
             )
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+        if name in kinds and kinds[name] != kind:
+            raise RequestError(
+                f"tool_choice names the {kinds[name]} tool {show(name)} as a {kind} one", param="tool_choice"
+            )
+        choice = {"type": "function", "function": {"name": name}}
     if choice is not None:
         chat["tool_choice"] = choice
     return chat, names
@@ -319,9 +329,9 @@ def _freeform(tool: Mapping[str, Any]) -> dict[str, Any]:
     text: dict[str, Any] = {"type": "string", "description": "the tool's whole input, as raw text"}
     form = tool.get("format")
     if isinstance(form, dict) and form.get("type") == "grammar" and isinstance(form.get("definition"), str):
-        if form.get("syntax") == "regex":
+        if form.get("syntax") == "regex" and _plain_regex(form["definition"]):
             text["pattern"] = form["definition"]
-        else:
+        else:  # (a regex of the constructs the grammar library lacks, \p{L} or (?s), is only described too)
             description += f"\n\nThe input follows this {form.get('syntax', 'lark')} grammar:\n{form['definition']}"
     parameters = {"type": "object", "properties": {FREEFORM_INPUT: text}, "required": [FREEFORM_INPUT]}
     return {
@@ -330,19 +340,32 @@ def _freeform(tool: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _plain_regex(pattern: str) -> bool:
+    """Whether a custom tool's regex keeps to what every regex dialect and the grammar library read alike (no
+    groups with flags or lookaround, no Unicode classes or backreferences)."""
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return re.search(r"\(\?|\\[pPkKbBAzZ1-9]", pattern) is None
+
+
 def freeform_names(tools: Any) -> set[str]:
-    """The custom (freeform) tools among `tools` (as the body has them): their calls are custom_tool_call items."""
-    listed = tools if isinstance(tools, list) else []
-    return {t["name"] for t in listed if isinstance(t, dict) and t.get("type") == "custom" and "name" in t}
+    """The custom (freeform) tools among `tools` (as the body has them, namespaces' too): their calls are
+    custom_tool_call items."""
+    listed = [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
+    for namespace in [t for t in listed if t.get("type") == "namespace" and isinstance(t.get("tools"), list)]:
+        listed += [t for t in namespace["tools"] if isinstance(t, dict)]
+    return {t["name"] for t in listed if t.get("type") == "custom" and isinstance(t.get("name"), str)}
 
 
 def freeform_input(arguments: str) -> str:
     """A freeform call's raw input, from the arguments its function was called with."""
     try:
-        value = json.loads(arguments).get(FREEFORM_INPUT, "")
-    except (ValueError, AttributeError):
+        value = json.loads(arguments)[FREEFORM_INPUT]
+    except (ValueError, KeyError, TypeError):  # (not the object it was offered: its text as it came)
         return arguments
-    return value if isinstance(value, str) else json.dumps(value)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def namespaces(tools: Any) -> dict[str, str]:
@@ -502,11 +525,13 @@ class ResponseEvents:
         """A freeform tool's call: a custom_tool_call item holding its raw input (OpenAI's events for one)."""
         events = self._close()
         index = len(self.response["output"])
-        item = {"id": "ctc_" + uuid.uuid4().hex, "type": "custom_tool_call", "status": "in_progress"}
-        item.update(call_id=call.id, name=call.name, input="")
+        item = {"id": "ctc_" + uuid.uuid4().hex, "type": "custom_tool_call", "call_id": call.id, "name": call.name}
+        item["input"] = ""
+        if call.name in self.namespaces:
+            item["namespace"] = self.namespaces[call.name]
         events.append(self._add(item))
         ids = {"item_id": item["id"], "output_index": index}
-        item.update(input=freeform_input(call.arguments), status="completed")
+        item["input"] = freeform_input(call.arguments)
         return [
             *events,
             self._event("response.custom_tool_call_input.delta", **ids, delta=item["input"]),

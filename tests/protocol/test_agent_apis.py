@@ -449,7 +449,7 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
         ),
         ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
         ({"top_p": 2}, "top_p", "in (0, 1]"),
-        ({"tools": [{"type": "web_searcher"}]}, "tools[0].type", "function tools"),
+        ({"tools": [{"type": "web_searcher"}]}, "tools[0].type", "function and custom tools"),
         ({"tools": [{"type": "namespace", "tools": []}]}, "tools[0].name", "non-empty string"),
         (  # a function in a namespace is named where it is
             {
@@ -633,3 +633,34 @@ def test_a_freeform_tool_is_offered_as_a_function_of_its_input_and_its_calls_com
         check_response_event(data)
     (item,) = check_response(events.response).output
     assert (item.type, item.call_id, item.name, item.input) == ("custom_tool_call", "c2", "apply_patch", PATCH)
+    assert set(events.response["output"][0]) <= set(type(item).model_fields)  # (strict checks types, not extras)
+
+
+def test_custom_tools_in_a_namespace_a_resent_empty_input_and_a_picture_after_their_output() -> None:
+    """A namespace may hold custom tools (offered, their calls named with it); a call whose input is empty comes
+    back as Codex resends it; a picture right after a custom tool's output is left out as after a function's; a
+    tool_choice names a tool of its own kind; a regex the grammar library may read differently is only described."""
+    namespace = {"type": "namespace", "name": "edit", "tools": [APPLY_PATCH]}
+    read = read_responses_request({"input": "Hi", "tools": [{"type": "web_search"}, namespace]})
+    assert [f["function"]["name"] for f in read.request.tools.functions] == ["apply_patch"]
+    events = ResponseEvents(id="resp_1", model="demo", created=1, echo=read.echo)
+    events.part(Part("call", call=ToolCall("apply_patch", '{"input": ""}', "c1")))
+    assert events.response["output"][0] | {"id": ""} == {
+        "id": "", "type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "", "namespace": "edit"
+    }  # fmt: skip
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    turn = [
+        {"role": "user", "content": "Look"},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": ""},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"},
+        {"role": "user", "content": [image]},
+    ]
+    assert read_responses_request({"input": turn, "tools": [APPLY_PATCH]}).request.messages[-1]["role"] == "user"
+    function = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}
+    wrong = {"input": "Hi", "tools": [APPLY_PATCH, function], "tool_choice": {"type": "custom", "name": "shell"}}
+    assert error_of(read_responses_request, wrong).param == "tool_choice"
+    for regex, held in (("(add|remove) [a-z]{1,8}\\.txt", True), ("\\p{L}+", False), ("(?s).*", False)):
+        tool = {**APPLY_PATCH, "format": {"type": "grammar", "syntax": "regex", "definition": regex}}
+        (offered,) = read_responses_request({"input": "Hi", "tools": [tool]}).request.tools.functions
+        text = offered["function"]["parameters"]["properties"]["input"]
+        assert ("pattern" in text) == held and (held or regex in offered["function"]["description"])

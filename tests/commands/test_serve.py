@@ -32,7 +32,6 @@ from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL
 from helpers.served import (  # the fixtures (a server and its models, once per module), and their helpers
     BATCH,
     BUSY,
-    ENV,
     KEY,
     MAX_QUEUE,
     MAX_TOKENS,
@@ -51,6 +50,7 @@ from helpers.served import (  # the fixtures (a server and its models, once per 
     running_server,
     server,
     session,
+    subprocess_env,
     user,
 )
 
@@ -446,7 +446,9 @@ def test_a_killed_client_stops_its_generation_and_the_server_serves_on(
         f"        messages=[{{'role': 'user', 'content': {prompt!r}}}]):\n"
         "    print('chunk', flush=True)\n"
     )
-    streaming = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=ENV)
+    streaming = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     assert streaming.stdout is not None and streaming.stdout.readline() == "chunk\n"  # it is streaming
     streaming.kill()  # SIGKILL: the socket closes under the server's feet
     streaming.wait()

@@ -36,7 +36,12 @@ MAX_QUEUE = 16
 BATCH = 4  # the server's --batch-size: rows decoded together
 WINDOW = 2048  # the served model's context window
 BUSY = 1500  # tokens a request that keeps the server busy asks for
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def subprocess_env() -> dict[str, str]:
+    """A served process's environment: the session's as it is when the process starts (conftest's cache home is
+    set after this module is imported), the repo importable, offline, one thread."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 @dataclass
@@ -106,7 +111,9 @@ def model_flags(models: tuple[Path, Path]) -> list[str]:
 def running_server(flags: list[str]) -> Iterator[RunningServer]:
     """`python -m dflash_cli serve FLAGS` on a free port until the block ends (Ctrl-C, then a clean stop)."""
     command = [sys.executable, "-m", "dflash_cli", "serve", *flags, "--port", "0", "--api-key", KEY]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=subprocess_env()
+    )
     log: list[str] = []
     started = threading.Event()
 

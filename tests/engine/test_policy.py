@@ -243,27 +243,38 @@ def test_probes_are_bounded_and_find_a_drafter_that_improves():
     assert policy.choose(8) == 8
 
 
+def _decode(
+    costs: StepCosts, real: dict[int, float], *, draft: float, stands: float, steps: int, seed: int
+) -> tuple[float, int]:
+    """`steps` steps in answers of 128, a fresh policy each, where a step of each size really takes `real[size]`
+    (`draft` of it drafting) and each draft stands with chance `stands`: the time spent and the tokens committed
+    over the second half."""
+    import random
+
+    draws, spent, tokens, policy = random.Random(seed), 0.0, 0, AdaptiveBlock(costs)
+    for step in range(steps):
+        if step % 128 == 0:
+            policy = AdaptiveBlock(costs)
+        size = policy.choose(8)
+        accepted = 0
+        while accepted < size - 1 and draws.random() < stands:
+            accepted += 1
+        drafting = draft if size > 1 else 0.0
+        policy.observe(size, accepted, drafting, real[size] - drafting)
+        if step >= steps // 2:
+            spent, tokens = spent + real[size], tokens + 1 + accepted
+    return spent, tokens
+
+
 def test_the_policy_learns_what_the_loops_steps_cost_and_stops_drafting_at_a_loss():
     """The calibration says a block of 2 costs 1.3 plain steps and 45% of first drafts stand (1.45 tokens: it
     pays), but the loop's steps of 2 cost 1.8 and of 4 cost 2.3 (the demo on this CPU): the policy learns their
     own factors and decodes about as fast as plain steps (with one load factor for every size it took 1.28 plain
     steps' time a token)."""
-    import random
-
     costs = _costs({1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4}, draft=0.25)
     costs.successes, costs.failures = [45.0] * 7, [55.0] * 7
     real = {1: 1.0, 2: 1.8, 4: 2.3, 8: 3.3}
-    draws, spent, tokens, policy = random.Random(46), 0.0, 0, AdaptiveBlock(costs)
-    for step in range(3000):
-        if step % 128 == 0:  # answers of 128 steps, a policy each
-            policy = AdaptiveBlock(costs)
-        size = policy.choose(8)
-        accepted = 0
-        while accepted < size - 1 and draws.random() < 0.45:
-            accepted += 1
-        policy.observe(size, accepted, 0.25 if size > 1 else 0.0, real[size] - (0.25 if size > 1 else 0.0))
-        if step >= 1500:
-            spent, tokens = spent + real[size], tokens + 1 + accepted
+    spent, tokens = _decode(costs, real, draft=0.25, stands=0.45, steps=3000, seed=46)
     assert costs.cost(2) > 1.45 * costs.cost(1)  # learned far enough: drafting 2 no longer pays
     assert spent / tokens <= real[1] * 1.02  # about plain's time per token (probes and a few bets)
 
@@ -303,24 +314,11 @@ def test_a_factor_learned_too_low_is_found_out_by_plain_steps_now_and_then(facto
     2026-11-29: 2x91 steps, 0.84x plain). Drafting with no plain step, nothing measured the plain load the factors
     are learned against, and it drafted on at 1.18 plain steps' time a token: near break-even, a few plain steps
     now and then keep measuring it; so do they where only the factor makes drafting win, by any margin (0.4)."""
-    import random
-
     costs = _costs({1: 1.0, 2: 1.19, 4: 1.57, 8: 2.57}, draft=0.33)  # (the calibration's 1.52 / 1.9 / 2.9)
     costs.factors = {(2, 1): factor}
     costs.successes, costs.failures = [44.0] * 7, [56.0] * 7
     real = {1: 1.0, 2: 1.65, 4: 2.0, 8: 3.0}
-    draws, spent, tokens, policy = random.Random(47), 0.0, 0, AdaptiveBlock(costs)
-    for step in range(2560):
-        if step % 128 == 0:  # answers of 128 steps, a policy each
-            policy = AdaptiveBlock(costs)
-        size = policy.choose(8)
-        accepted = 0
-        while accepted < size - 1 and draws.random() < 0.4:
-            accepted += 1
-        draft = 0.33 if size > 1 else 0.0
-        policy.observe(size, accepted, draft, real[size] - draft)
-        if step >= 1280:
-            spent, tokens = spent + real[size], tokens + 1 + accepted
+    spent, tokens = _decode(costs, real, draft=0.33, stands=0.4, steps=2560, seed=47)
     assert spent / tokens <= real[1] * 1.03, spent / tokens
 
 

@@ -56,6 +56,7 @@ def sampling_rule(key: str) -> Callable[[Any], Any]:
     field = BY_KEY[key]
 
     def check(value: Any) -> Any:
+        value = None if value is None else field.read(value)
         problem = None if value is None else field.problem(value)
         if problem is not None:
             raise typer.BadParameter(f"{value:.12g} {problem}")  # (1.0000001 stays itself, 0.0 is 0)
@@ -212,7 +213,7 @@ RUN_FLAG_TYPES: dict[str, Any] = {
         int,
         typer.Option(
             callback=sampling_rule("top_k"),
-            help="Keep only the K most likely tokens (0 = off).",
+            help="Keep only the K most likely tokens (0 or -1 = off).",
             rich_help_panel=SAMPLING,
         ),
     ],

@@ -251,9 +251,10 @@ def _save(session: Session, state: ChatState, arg: str) -> str:
     path = Path(arg).expanduser()
     conversation = {"system": state.system, "messages": state.messages}
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as run -o and bench --output make theirs
         path.write_text(json.dumps(conversation, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     except OSError as error:
-        raise DflashError(f"cannot write {path}: {error.strerror}") from None
+        raise DflashError(f"cannot write {path}: {error.strerror}", fix="/save another path") from None
     return f"Saved {len(state.messages)} messages to {path}."
 
 

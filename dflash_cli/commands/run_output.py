@@ -113,10 +113,12 @@ def _open_for_writing(path: Path, mode: str, what: str, flag: str) -> IO[bytes]:
             f"the {what} file {path} cannot be created: {parent} is a file, not a directory",
             fix=f"pass a path in a directory with {flag}, e.g. {flag} {parent.with_suffix('')}.{what}.jsonl",
         )
-    if not parent.is_dir():
+    try:
+        parent.mkdir(parents=True, exist_ok=True)  # as bench --output does: a new folder for the results is usual
+    except OSError as error:
         raise DflashError(
-            f"the {what} directory {parent} does not exist", fix=f"mkdir -p {parent}, or pass another {flag}"
-        )
+            f"the {what} directory {parent} cannot be created ({error.strerror})", fix=f"pass another {flag}"
+        ) from None
     try:
         return path.open(mode)
     except IsADirectoryError:

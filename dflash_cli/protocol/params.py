@@ -35,6 +35,11 @@ class Field:
     help: str
     aliases: tuple[str, ...] = ()
     most: int | None = None  # an integer's upper bound (said apart from `rule`: "must be at most ...")
+    off: Any = None  # a peer's other spelling of "off" (vLLM's top_k -1), read as 0
+
+    def read(self, value: Any) -> Any:
+        """A value as the user wrote it, "off" spelt one way (requests, lines, flags and /set alike)."""
+        return 0 if self.off is not None and value == self.off else value
 
     def problem(self, value: Any) -> str | None:
         """What is wrong with a value of the right type ("must be ..."), or None."""
@@ -65,6 +70,7 @@ FIELDS: tuple[Field, ...] = (
         lambda v: v >= 0,
         "keep the K most likely tokens (-1 = off too)",
         most=MOST_COUNT,
+        off=-1,
     ),
     Field("min_p", "min_p", float, "in [0, 1)", lambda v: 0 <= v < 1, "drop tokens below this share of the top one"),
     Field("seed", "seed", int, "a 64-bit integer", lambda v: -(2**63) <= v < 2**64, "random seed (null = none)"),
@@ -127,9 +133,7 @@ def read_value(field: Field, value: Any, name: str) -> Any:
         if not all(stops):
             raise RequestError(f"{name} must be {field.rule}: an empty stop string would stop at once", param=name)
         return tuple(stops)
-    value = read_number(value, name, integer=field.kind is int)
-    if field.attr == "top_k" and value == -1:  # vLLM's spelling of "off"
-        return 0
+    value = field.read(read_number(value, name, integer=field.kind is int))
     if (problem := field.problem(value)) is not None:
         raise RequestError(f"{name} {problem}, got {show(value)}", param=name)
     if field.attr == "temperature" and value < GREEDY_BELOW:

@@ -21,7 +21,7 @@ from dflash_cli import __version__
 from dflash_cli.cli.app import app
 from dflash_cli.cli.flags import RUN_FLAG_TYPES, RUN_FLAGS, with_run_flags
 from dflash_cli.commands import doctor
-from dflash_cli.protocol.params import SamplingParams
+from dflash_cli.protocol.params import BY_KEY, SamplingParams, read_value
 from dflash_cli.setup import recipes
 from dflash_cli.setup.hardware import MachineFacts
 from dflash_cli.setup.options import RunOptions
@@ -172,6 +172,22 @@ def test_a_sampling_flag_outside_its_range_is_an_error_before_loading() -> None:
     for flag, value, rule in (("--top-p", "0", "(0, 1]"), ("--min-p", "1", "[0, 1)"), ("--temperature", "3", "[0, 2]")):
         result = runner.invoke(app, ["chat", "demo", flag, value, "--prompt", "hi"], env={"COLUMNS": "200"})
         assert result.exit_code == 2 and f"{value} must be in {rule}" in result.output, result.output
+
+
+def test_top_k_minus_one_is_off_as_in_requests() -> None:
+    """vLLM's spelling of "off" reads as 0 from a flag as from a request or a line; -2 is an error either way."""
+    seen: dict = {}
+    probe = typer.Typer()
+
+    @probe.command()
+    @with_run_flags
+    def go(options: RunOptions) -> None:
+        seen.update(options=options)
+
+    assert runner.invoke(probe, ["demo", "--top-k", "-1"]).exit_code == 0
+    assert seen["options"].sampling.top_k == 0 == read_value(BY_KEY["top_k"], -1, "top_k")
+    result = runner.invoke(app, ["chat", "demo", "--top-k", "-2", "--prompt", "hi"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "-2 must be >= 0" in result.output, result.output
 
 
 def test_run_options_feed_the_planner_and_the_sampler() -> None:

@@ -379,8 +379,13 @@ def test_load_takes_an_openai_style_system_message(session: Session, state: Chat
     assert state.system == "S" and state.messages == [{"role": "user", "content": "U"}]
 
 
-def test_save_to_a_missing_directory_explains(session: Session, state: ChatState, tmp_path: Path) -> None:
-    result = handle_command(session, state, f"/save {tmp_path / 'no' / 'such' / 'dir.json'}")
+def test_save_makes_a_missing_directory_and_explains_what_it_cannot_write(
+    session: Session, state: ChatState, tmp_path: Path
+) -> None:
+    assert handle_command(session, state, f"/save {tmp_path / 'new' / 'chat.json'}").ok
+    assert json.loads((tmp_path / "new" / "chat.json").read_text())["messages"] == state.messages
+    (tmp_path / "file").write_text("")
+    result = handle_command(session, state, f"/save {tmp_path / 'file' / 'chat.json'}")
     assert not result.ok and "cannot write" in result.message
 
 

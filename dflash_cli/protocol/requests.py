@@ -125,6 +125,8 @@ class Request:
     id: str | None = None  # a file line's id (or custom_id)
     line: int | None = None  # a file line's number
     cut_at_window: bool = False  # a max_tokens past what the context window leaves stops there, not refused
+    # A translated body's (read_translated) field names as its own API has them: for errors raised after reading
+    field_names: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def is_chat(self) -> bool:
@@ -512,17 +514,22 @@ def read_translated(body: dict[str, Any], names: Sequence[tuple[str, str]]) -> R
     in this body back into the other API's (the first pattern that matches renames it), so an error names the
     field as its user wrote it."""
     try:
-        return read_body(body, CHAT_URL)
+        return replace(read_body(body, CHAT_URL), field_names=tuple(names))
     except RequestError as error:
-        if error.param is None:
-            raise
-        param, message = error.param, error.message
-        for pattern, replacement in names:
-            param, renamed = re.subn(pattern, replacement, param, count=1)
-            if renamed:  # the message names the field, or a part of its path: renamed the same way
-                message = re.sub(pattern.removeprefix("^").removesuffix("$"), replacement, message, count=1)
-                break
-        raise RequestError(message, param=param, code=error.code, fix=error.fix) from None
+        raise renamed(error, names) from None
+
+
+def renamed(error: RequestError, names: Sequence[tuple[str, str]]) -> RequestError:
+    """`error` naming its field by the first of `names` ((pattern, replacement) pairs) that matches it."""
+    if error.param is None:
+        return error
+    param, message = error.param, error.message
+    for pattern, replacement in names:
+        param, matched = re.subn(pattern, replacement, param, count=1)
+        if matched:  # the message names the field, or a part of its path: renamed the same way
+            message = re.sub(pattern.removeprefix("^").removesuffix("$"), replacement, message, count=1)
+            break
+    return RequestError(message, param=param, code=error.code, fix=error.fix)
 
 
 def _read_id(value: Any, name: str) -> str:

@@ -621,6 +621,35 @@ def test_bad_responses_get_openais_errors(server: RunningServer, client: openai.
         client.responses.create(model="gpt-5", input="Hi")
 
 
+def test_a_schema_the_grammar_library_refuses_is_named_as_each_api_has_it(
+    server: RunningServer, client: openai.OpenAI
+) -> None:
+    """Refused when the request is admitted (the grammar compiled), after it was read as a chat body: the error
+    names the field as the Responses or Messages body has it, not as the chat body it was read as."""
+    bad = {"type": "object", "properties": {"a": {"type": "strnig"}}}
+    tool = {"type": "function", "name": "f", "parameters": bad}
+    cases = [
+        ({"text": {"format": {"type": "json_schema", "name": "r", "schema": bad}}}, "text.format.schema"),
+        ({"tools": [{"type": "web_search"}, tool]}, "tools[1].parameters"),  # (web_search: not offered)
+    ]
+    for fields, param in cases:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.responses.create(model=server.target, input="Hi", max_output_tokens=4, **fields)
+        error = raised.value.body
+        assert error["param"] == param and error["message"].startswith(f"{param}: the grammar library"), error
+        assert 'Unsupported type "strnig"' in error["message"] and "function" not in error["message"], error
+    headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
+    cases = [
+        ({"output_config": {"format": {"type": "json_schema", "schema": bad}}}, "output_config.format.schema"),
+        ({"tools": [{"name": "f", "input_schema": bad}]}, "tools[0].input_schema"),
+    ]
+    for fields, field in cases:
+        body = {"model": server.target, "max_tokens": 4, "messages": user("Hi"), **fields}
+        status, _, raw = raw_request(server.port, "POST", "/v1/messages", json.dumps(body).encode(), headers)
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["message"].startswith(f"{field}: the grammar library"), error
+
+
 def test_metrics_count_each_route(server: RunningServer, claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
     claude.messages.count_tokens(model=server.target, messages=user("Hi"))
     claude.messages.create(model=server.target, messages=user("Hi"), max_tokens=2)

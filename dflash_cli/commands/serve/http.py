@@ -38,7 +38,7 @@ from dflash_cli.protocol.anthropic import COUNT_TOKENS_URL, MESSAGES_URL
 from dflash_cli.protocol.openai_responses import RESPONSES_URL
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.protocol.replies import PROMPT_TAIL_TOKENS, Ending, Part, Prompt, ReasoningSplit, prompt_opens_reasoning
-from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, prompt_list, read_body
+from dflash_cli.protocol.requests import CHAT_URL, COMPLETIONS_URL, Request, prompt_list, read_body, renamed
 from dflash_cli.protocol.tools import ToolStream
 from dflash_cli.setup.options import RunOptions
 
@@ -298,8 +298,8 @@ class Server:
                 prompt_ids = await anyio.to_thread.run_sync(self._encode, request)
                 # (off the event loop: a new schema compiles in milliseconds, a first grammar reads the vocabulary)
                 params = await anyio.to_thread.run_sync(self.session.request_params, self.options, request)
-        except RequestError:
-            raise
+        except RequestError as error:  # (a Messages or Responses body's field as it has it)
+            raise renamed(error, request.field_names) from None
         except DflashError as error:
             raise APIError(400, error.message) from None
         return prompt_ids, params

@@ -36,6 +36,15 @@ JSON_WHITESPACE = 1  # the same bound inside tool-call arguments (the format's o
 # An integer without bounds may take digits until max_tokens (the demo wrote "age": 1000000000... and no closing
 # brace): bounded to JSON's interoperable integers (RFC 8259, 6), as llama.cpp bounds them to 16 digits
 SAFE_INTEGER = 2**53 - 1
+# A number no schema bounds (json_object's values, "type": "number") likewise: at most 16 digits before the point
+# (llama.cpp's bound), 16 after it and 3 in the exponent: more than a double holds. Set in xgrammar's shared number
+# rules, by name; under another xgrammar that names them otherwise the numbers stay open (tests check the bound).
+FREE_NUMBER_DIGITS = {
+    "basic_integer": ("[0-9]*", "[0-9]{0, 15}"),
+    "basic_number_2": ("[0-9]*", "[0-9]{0, 15}"),
+    "basic_number_3": ("basic_number_digits{1, -1}", "basic_number_digits{1, 16}"),
+    "basic_number_5": ("basic_number_digits{1, -1}", "basic_number_digits{1, 3}"),
+}
 
 
 @functools.cache
@@ -53,11 +62,9 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
         raise DflashError("a grammar (response_format or a forced tool call) needs the model's tokenizer")
     compiler = _compiler(tokenizer, vocab_size)
     try:
-        if grammar.kind == "json":
-            compiled = compiler.compile_json_schema('{"type": "object"}', **JSON_LAYOUT)
-        elif grammar.kind == "json_schema":
-            schema = json.dumps(bounded_integers(json.loads(grammar.source)))
-            compiled = compiler.compile_json_schema(schema, **JSON_LAYOUT)
+        if grammar.kind in ("json", "json_schema"):
+            schema = '{"type": "object"}' if grammar.kind == "json" else grammar.source
+            compiled = compiler.compile_grammar(json_grammar(schema))
         elif grammar.kind == "tool_calls":
             compiled = compiler.compile_structural_tag(_tool_call_tag(grammar.source))
         else:
@@ -74,6 +81,20 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
             param=grammar.field,
         )
     return compiled
+
+
+def json_grammar(schema: str) -> str:
+    """The grammar (EBNF) of JSON that follows `schema`, in one layout, its integers and free numbers bounded."""
+    import xgrammar
+
+    text = str(xgrammar.Grammar.from_json_schema(json.dumps(bounded_integers(json.loads(schema))), **JSON_LAYOUT))
+    lines = []
+    for line in text.splitlines():
+        name = line.partition(" ::= ")[0]
+        if name in FREE_NUMBER_DIGITS:
+            line = line.replace(*FREE_NUMBER_DIGITS[name])
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def bounded_integers(schema: Any) -> Any:

@@ -201,6 +201,56 @@ def test_integers_without_bounds_end_within_jsons_safe_range() -> None:
     assert not xgrammar.GrammarMatcher(compiled).accept_string(call)
 
 
+def test_numbers_no_schema_bounds_end_within_16_digits() -> None:
+    """json_object's values and "type": "number" take at most 16 digits before the point, 16 after it and 3 in
+    the exponent (a small model may write digits until max_tokens); everything else JSON allows stays."""
+    vocab = target().config.vocab_size
+    number = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    for grammar in (Grammar("json"), Grammar("json_schema", json.dumps(number))):
+        compiled = compile_grammar(grammar, tokenizer(), vocab)
+
+        def accepts(text: str) -> bool:
+            return xgrammar.GrammarMatcher(compiled).accept_string(text)  # noqa: B023 (used at once)
+
+        assert accepts('{"x": -9999999999999999.1234567890123456e-123}') and accepts('{"x": 0.5E+3}')
+        assert not accepts('{"x": 12345678901234567') and not accepts('{"x": 1.12345678901234567')
+        assert not accepts('{"x": 1e1234')
+        if grammar.kind == "json":
+            assert accepts('{"a": [1, {"b": null}, "c\\"", true], "d": {}}')
+            assert not accepts('{"a": [12345678901234567')
+
+
+def test_the_bounded_json_grammar_takes_what_the_schema_allows() -> None:
+    """json_grammar round-trips xgrammar's grammar of a schema through its text: escapes, patterns, formats,
+    references and Unicode names accept and refuse as the schema compiled directly does."""
+    cases = [
+        ({"type": "string", "pattern": "^[a-zé\"'\\\\]{1,8}$"}, ['"éa\\""', '"\\\\"'], ['"é_a"', '""']),
+        ({"type": "string", "pattern": "^[\\u00e9a-z]+\\d$"}, ['"éa1"'], ['"é_1"', '"1"']),
+        (
+            {"type": "object", "properties": {'é😀"\\': {"enum": ['a"b', "😀"]}}, "required": ['é😀"\\']},
+            ['{"é😀\\"\\\\": "😀"}', '{"é😀\\"\\\\": "a\\"b"}'],
+            ['{"é😀\\"\\\\": "b"}'],
+        ),
+        ({"type": "string", "pattern": "^(?:[a-z]+|\\.\\*\\[\\])$"}, ['"abc"', '".*[]"'], ['"a.b"']),
+        ({"type": "string", "format": "date-time"}, ['"2026-11-29T10:00:00Z"'], ['"tomorrow"']),
+        (
+            {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+            ['{"c": {"c": {}}}'],
+            ['{"c": 1}'],
+        ),  # fmt: skip
+    ]
+    vocab = target().config.vocab_size
+    for schema, good, bad in cases:
+        ours = compile_grammar(Grammar("json_schema", json.dumps(schema)), tokenizer(), vocab)
+        direct = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer(), vocab_size=vocab))
+        theirs = direct.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        for text in [*good, *bad]:
+            expected = text in good
+            for compiled in (ours, theirs):
+                matcher = xgrammar.GrammarMatcher(compiled)
+                assert (matcher.accept_string(text) and matcher.is_completed()) == expected, (schema, text)
+
+
 def test_a_grammar_that_allows_no_first_token_is_refused_by_its_field() -> None:
     """Compiled past the schema checks (protocol.schemas refuses this one first), a grammar under which no token
     may come first is refused when it is compiled, at admission: a row under it would commit a token it rejects

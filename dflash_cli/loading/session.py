@@ -216,9 +216,9 @@ class Session:
 
     def request_params(self, options: RunOptions, request: Request) -> SamplingParams:
         """A request's sampling params (its fields over the options') with its grammar (response_format, or the
-        forced tool call) compiled for this tokenizer, and each tool's parameters too (a schema the grammar cannot
-        take is refused now, not when a reply calls the tool). Raises RequestError naming the field it cannot
-        take. The admission check of every route: what it accepts, the engine decodes."""
+        forced tool call) compiled for this tokenizer, each tool it may call first (a schema the grammar cannot
+        take is refused by its tool's field). Raises RequestError naming the field it cannot take. The admission
+        check of every route: what it accepts, the engine decodes."""
         from dflash_cli.engine.grammar import compile_grammar
 
         changes = dict(request.sampling)
@@ -231,8 +231,8 @@ class Session:
                     param=tools.field,
                     fix=f"set tool_parser in the recipe to one of {', '.join(FORMATS)}",
                 )
-            for i, tool in enumerate(tools.functions):
-                parameters = tool["function"].get("parameters")
+            for i in tools.enforced:
+                parameters = tools.functions[i]["function"].get("parameters")
                 if parameters:
                     where = f"{tools.field}[{i}].function.parameters"
                     grammar = Grammar("json_schema", json.dumps(parameters, ensure_ascii=False), field=where)
@@ -252,7 +252,8 @@ class Session:
                 "use auto",
                 param=field,
             )
-        spec = {"format": tag, "tools": list(tools.functions), "choice": tools.choice, "parallel": tools.parallel}
+        enforced = [tools.functions[i] for i in tools.enforced]
+        spec = {"format": tag, "tools": enforced, "choice": tools.choice, "parallel": tools.parallel}
         return Grammar("tool_calls", json.dumps(spec, sort_keys=True), field=field)
 
     def reply_text(self, token_ids: Sequence[int], stop_strings: Sequence[str] = ()) -> str:

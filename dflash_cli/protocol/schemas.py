@@ -4,7 +4,9 @@ queued: torch-free, for every route's parser.
 The grammar engine (engine.grammar) compiles a schema when the request is admitted; refused here, by the field
 it came in: what the grammar would not enforce (`check_schema`), a schema no finite value matches (`{"$ref": "#"}`
 and other reference cycles every value must go round again: decoding under it could never end), and tool
-parameters that are not an object schema.
+parameters that are not an object schema. A tool's parameters are held to the grammar's rules only where a grammar
+follows them (a forced call): otherwise the model only reads them, as OpenAI's and Anthropic's models do, and an
+agent's one odd tool (a `not`, a Unicode class in a pattern) must not refuse every turn.
 """
 
 from __future__ import annotations
@@ -194,7 +196,8 @@ def read_schema(value: Any, name: str) -> dict[str, Any]:
 
 def read_parameters(value: Any, name: str) -> dict[str, Any]:
     """A tool's parameters: an object schema (OpenAI's rule: the arguments are a JSON object), its `properties`
-    an object of schemas and `required` a list of their names; `{}` for a tool without arguments."""
+    an object of schemas and `required` a list of their names; `{}` for a tool without arguments. What a grammar
+    needs more is read_schema's, for the tools a forced call may call."""
     if not isinstance(value, dict):
         raise RequestError(f'{name} must be a JSON schema of "type": "object", got {show(value)}', param=name)
     if value and value.get("type") != "object":
@@ -213,4 +216,6 @@ def read_parameters(value: Any, name: str) -> dict[str, Any]:
     if not isinstance(required, list) or not all(isinstance(key, str) for key in required):
         where = f"{name}.required"
         raise RequestError(f"{where} must be a list of argument names, got {show(required)}", param=where)
-    return read_schema(value, name)
+    if schema_depth(value) > SCHEMA_DEPTH:
+        raise RequestError(f"{name} nests schemas more than {SCHEMA_DEPTH} deep (references followed)", param=name)
+    return value

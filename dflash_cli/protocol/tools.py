@@ -24,7 +24,7 @@ from typing import Any
 
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.params import show
-from dflash_cli.protocol.schemas import read_parameters
+from dflash_cli.protocol.schemas import read_parameters, read_schema
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,15 @@ class Tools:
     @property
     def forced(self) -> bool:
         return self.choice != "auto"
+
+    @property
+    def enforced(self) -> tuple[int, ...]:
+        """The functions a forced call's grammar holds (their parameters followed exactly): every one under
+        "required", the named one; none under "auto" (the model reads them, nothing enforces them)."""
+        if not self.forced:
+            return ()
+        names = [tool["function"]["name"] for tool in self.functions]
+        return tuple(range(len(names))) if self.choice == "required" else (names.index(self.choice),)
 
     def schema(self, name: str) -> Mapping[str, Any]:
         for tool in self.functions:
@@ -117,7 +126,11 @@ def read_tools(body: Mapping[str, Any], prefix: str = "") -> Tools | None:
     functions = tuple(
         {"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools
     )
-    return Tools(functions, mode, parallel is not False, field=prefix + "tools")
+    read = Tools(functions, mode, parallel is not False, field=prefix + "tools")
+    for i in read.enforced:  # (a grammar will follow these: what it cannot enforce is refused by name)
+        if functions[i]["function"].get("parameters") is not None:
+            read_schema(functions[i]["function"]["parameters"], f"{prefix}tools[{i}].function.parameters")
+    return read
 
 
 def call_id() -> str:

@@ -630,7 +630,10 @@ def test_a_schema_the_grammar_library_refuses_is_named_as_each_api_has_it(
     tool = {"type": "function", "name": "f", "parameters": bad}
     cases = [
         ({"text": {"format": {"type": "json_schema", "name": "r", "schema": bad}}}, "text.format.schema"),
-        ({"tools": [{"type": "web_search"}, tool]}, "tools[1].parameters"),  # (web_search: not offered)
+        (  # (web_search: not offered; a forced call's grammar follows the tool's parameters)
+            {"tools": [{"type": "web_search"}, tool], "tool_choice": {"type": "function", "name": "f"}},
+            "tools[1].parameters",
+        ),
     ]
     for fields, param in cases:
         with pytest.raises(openai.BadRequestError) as raised:
@@ -641,13 +644,17 @@ def test_a_schema_the_grammar_library_refuses_is_named_as_each_api_has_it(
     headers = {"x-api-key": KEY, "Content-Type": "application/json", "anthropic-version": "2023-06-01"}
     cases = [
         ({"output_config": {"format": {"type": "json_schema", "schema": bad}}}, "output_config.format.schema"),
-        ({"tools": [{"name": "f", "input_schema": bad}]}, "tools[0].input_schema"),
+        ({"tools": [{"name": "f", "input_schema": bad}], "tool_choice": {"type": "any"}}, "tools[0].input_schema"),
     ]
     for fields, field in cases:
         body = {"model": server.target, "max_tokens": 4, "messages": user("Hi"), **fields}
         status, _, raw = raw_request(server.port, "POST", "/v1/messages", json.dumps(body).encode(), headers)
         error = json.loads(raw)["error"]
         assert status == 400 and error["message"].startswith(f"{field}: the grammar library"), error
+        body["tool_choice"] = {"type": "auto"}  # (offered, not enforced: an agent's odd tool ends no turn)
+        if "tools" in body:
+            status, _, raw = raw_request(server.port, "POST", "/v1/messages", json.dumps(body).encode(), headers)
+            assert status == 200, raw
 
 
 def test_metrics_count_each_route(server: RunningServer, claude: anthropic.Anthropic, client: openai.OpenAI) -> None:

@@ -111,7 +111,10 @@ BAD_BODIES = [  # (fields over a valid chat body, the param the error names, wor
     ),
     ({"tools": tool([])}, "tools[0].function.parameters", '"type": "object"'),
     (
-        {"tools": tool({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})},
+        {
+            "tools": tool({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+            "tool_choice": "required",  # (a grammar follows it: unless forced, the model only reads it)
+        },
         "tools[0].function.parameters",
         "admits no finite JSON value",
     ),
@@ -271,6 +274,20 @@ def nested(levels: int) -> dict:
     for _ in range(levels):
         schema = {"type": "array", "minItems": 1, "items": schema}
     return schema
+
+
+def test_a_tools_schema_is_held_to_the_grammars_rules_only_where_a_call_is_forced() -> None:
+    """An agent's tool whose schema no grammar enforces (`not`, `dependentRequired`, a cycle) is read unless a
+    forced call's grammar must follow it: auto and another tool named, it is offered; required or named, it is
+    refused by its field."""
+    odd = {"type": "object", "properties": {"a": {"not": {}}}, "dependentRequired": {"a": ["b"]}}
+    tools = [*tool(odd), {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "g"}}):
+        read_body({"messages": USER, "tools": tools, "tool_choice": choice}, CHAT_URL)
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(RequestError, match="'dependentRequired' is not supported") as refused:
+            read_body({"messages": USER, "tools": tools, "tool_choice": choice}, CHAT_URL)
+        assert refused.value.param == "tools[0].function.parameters.dependentRequired"
 
 
 def test_a_schema_nested_too_deep_is_refused_before_any_walk_recurses() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import CHAT_URL, OMITTED, Request, read_translated, refuse_misspelt, show
+from dflash_cli.protocol.schemas import control_character
 from dflash_cli.protocol.tools import ToolCall
 
 RESPONSES_URL = "/v1/responses"
@@ -342,12 +343,13 @@ def _freeform(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 def _plain_regex(pattern: str) -> bool:
     """Whether a custom tool's regex keeps to what every regex dialect and the grammar library read alike (no
-    groups with flags or lookaround, no Unicode classes or backreferences)."""
+    groups with flags or lookaround, no Unicode classes or backreferences), and the grammar can hold it in a JSON
+    string (no control characters: a patch's newlines would be written raw, invalid JSON)."""
     try:
         re.compile(pattern)
     except re.error:
         return False
-    return re.search(r"\(\?|\\[pPkKbBAzZ1-9]", pattern) is None
+    return re.search(r"\(\?|\\[pPkKbBAzZ1-9]", pattern) is None and control_character(pattern) is None
 
 
 def freeform_names(tools: Any) -> set[str]:

@@ -11,6 +11,7 @@ agent's one odd tool (a `not`, a Unicode class in a pattern) must not refuse eve
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -60,8 +61,54 @@ def check_schema(schema: Any, name: str) -> None:
                 raise RequestError(f"{where}: the JSON schema keyword {key!r} is not supported", param=where)
             if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
                 raise RequestError(f"{where}: only references inside the schema (#/...) are supported", param=where)
+            patterns = [value] if key == "pattern" else list(value) if key == "patternProperties" else []
+            for pattern in [p for p in patterns if isinstance(p, str) and control_character(p) is not None]:
+                raise RequestError(
+                    f"{where}: {show(pattern)} matches the control character {control_character(pattern)}, which "
+                    "the grammar library would write unescaped in a JSON string (invalid JSON)",
+                    param=where,
+                    fix=r"leave control characters (\n, \t, \x00-\x1f) out of the pattern",
+                )
         for path, value in subschemas(schema):
             check_schema(value, f"{name}.{path}")
+
+
+CONTROL_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00, "a": 0x07}
+
+
+def control_character(pattern: str) -> str | None:
+    """A control character (U+0000-U+001F) `pattern` names outside a negated class (`\\n`, `\\x0a`, `\\u000a`,
+    `\\cJ`, one as is, a range from one), as U+XXXX; None: it names none. The grammar library writes what a
+    pattern matches into a JSON string as is (`"` and `\\` escaped, control characters not), and its `.`, `\\s`
+    and negated classes leave control characters out."""
+    i, in_class, negated = 0, False, False
+    while i < len(pattern):
+        char, code = pattern[i], None
+        if char == "\\" and i + 1 < len(pattern):
+            escape, rest = pattern[i + 1], pattern[i + 2 :]
+            if escape in CONTROL_ESCAPES:
+                code, i = CONTROL_ESCAPES[escape], i + 2
+            elif escape == "x" and re.match(r"[0-9a-fA-F]{2}", rest):
+                code, i = int(rest[:2], 16), i + 4
+            elif escape == "u" and re.match(r"[0-9a-fA-F]{4}", rest):
+                code, i = int(rest[:4], 16), i + 6
+            elif escape == "c" and rest[:1].isascii() and rest[:1].isalpha():
+                code, i = ord(rest[0].upper()) % 32, i + 3
+            else:
+                i += 2
+                continue
+        elif char == "[" and not in_class:
+            in_class, negated = True, pattern[i + 1 : i + 2] == "^"
+            i += 1 + negated
+            continue
+        elif char == "]" and in_class:
+            in_class, i = False, i + 1
+            continue
+        else:
+            code, i = ord(char), i + 1
+        if code < 0x20 and not (in_class and negated):
+            return f"U+{code:04X}"
+    return None
 
 
 class TooDeep(Exception):

@@ -141,7 +141,7 @@ def _arguments(value: Any) -> str | None:
     """Arguments as JSON text of an object (a model may write the object or a string of it); None: not arguments."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json.loads(value, strict=False)
         except ValueError:
             return None
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
@@ -195,7 +195,7 @@ class Hermes(ToolFormat):
         calls, blocks = [], list(self.BLOCK.finditer(text))
         for block in blocks:
             try:
-                value = json.loads(block.group(1).strip())
+                value = json.loads(block.group(1).strip(), strict=False)  # (raw newlines in strings: read)
             except ValueError:
                 if block is blocks[-1] and calls and not block.group(0).endswith("</tool_call>"):
                     break  # a last call cut off (max_tokens): the complete ones stand
@@ -226,7 +226,7 @@ class Qwen3Coder(ToolFormat):
                     arguments[key] = value
                     continue
                 try:
-                    arguments[key] = json.loads(value)
+                    arguments[key] = json.loads(value, strict=False)
                 except ValueError:
                     arguments[key] = value
             calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False), call_id()))
@@ -243,7 +243,7 @@ class Llama3Json(ToolFormat):
 
     def parse(self, text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
-        decoder, calls, at = json.JSONDecoder(), [], 0
+        decoder, calls, at = json.JSONDecoder(strict=False), [], 0
         while at < len(body):
             try:
                 value, at = decoder.raw_decode(body, at)

@@ -659,7 +659,12 @@ def test_custom_tools_in_a_namespace_a_resent_empty_input_and_a_picture_after_th
     function = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}
     wrong = {"input": "Hi", "tools": [APPLY_PATCH, function], "tool_choice": {"type": "custom", "name": "shell"}}
     assert error_of(read_responses_request, wrong).param == "tool_choice"
-    for regex, held in (("(add|remove) [a-z]{1,8}\\.txt", True), ("\\p{L}+", False), ("(?s).*", False)):
+    for regex, held in (
+        ("(add|remove) [a-z]{1,8}\\.txt", True),
+        ("\\p{L}+", False),
+        ("(?s).*", False),
+        ("a\\nb", False),
+    ):
         tool = {**APPLY_PATCH, "format": {"type": "grammar", "syntax": "regex", "definition": regex}}
         (offered,) = read_responses_request({"input": "Hi", "tools": [tool]}).request.tools.functions
         text = offered["function"]["parameters"]["properties"]["input"]

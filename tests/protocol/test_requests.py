@@ -8,7 +8,7 @@ import pytest
 
 from dflash_cli.errors import RequestError
 from dflash_cli.protocol.requests import CHAT_URL, check_context, read_body, read_line, read_messages
-from dflash_cli.protocol.schemas import admits_finite_value, check_schema
+from dflash_cli.protocol.schemas import admits_finite_value, check_schema, control_character
 
 
 def test_a_bad_role_lists_every_role_accepted() -> None:
@@ -288,6 +288,29 @@ def test_a_tools_schema_is_held_to_the_grammars_rules_only_where_a_call_is_force
         with pytest.raises(RequestError, match="'dependentRequired' is not supported") as refused:
             read_body({"messages": USER, "tools": tools, "tool_choice": choice}, CHAT_URL)
         assert refused.value.param == "tools[0].function.parameters.dependentRequired"
+
+
+def test_a_pattern_naming_a_control_character_is_refused_where_a_grammar_follows_it() -> None:
+    """The grammar library writes a pattern's control characters into a JSON string raw (invalid JSON): such a
+    pattern is refused by its field, in a response_format and a forced tool's parameters; one that leaves them out
+    (a negated class, a backslash escaped) is taken."""
+    for pattern, named in [
+        (r"^a\nb$", "U+000A"), (r"^[a\t]$", "U+0009"), (r"^\x0a$", "U+000A"), (r"^\u001f$", "U+001F"),
+        (r"^\cJ$", "U+000A"), ("^a\nb$", "U+000A"), (r"^[\x00-\x1f]$", "U+0000"), (r"^[^\n]+\r$", "U+000D"),
+        (r"^[^\n]*$", None), (r"^\\n$", None), (r"^[^\x00-\x1f]+$", None), (r"^\d\s\w.$", None),
+    ]:  # fmt: skip
+        assert control_character(pattern) == named, pattern
+    string = {"type": "object", "properties": {"s": {"type": "string", "pattern": r"^ab\ncd$"}}}
+    with pytest.raises(RequestError, match="matches the control character U[+]000A") as refused:
+        read_body({"messages": USER, "response_format": schema_format(string)}, CHAT_URL)
+    assert refused.value.param == "response_format.json_schema.schema.properties.s.pattern" and refused.value.fix
+    with pytest.raises(RequestError, match="U[+]0009") as refused:
+        keyed = {"type": "object", "patternProperties": {"^a\tb$": {"type": "string"}}}
+        read_body({"messages": USER, "tools": tool(keyed), "tool_choice": "required"}, CHAT_URL)
+    assert refused.value.param == "tools[0].function.parameters.patternProperties"
+    read_body({"messages": USER, "tools": tool(string)}, CHAT_URL)  # (auto: offered, not enforced)
+    string["properties"]["s"]["pattern"] = r"^[^\n]*$"
+    read_body({"messages": USER, "response_format": schema_format(string)}, CHAT_URL)
 
 
 def test_a_schema_nested_too_deep_is_refused_before_any_walk_recurses() -> None:

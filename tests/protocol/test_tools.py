@@ -134,6 +134,20 @@ def test_a_reply_that_does_not_parse_is_content(fmt: str, text: str) -> None:
     assert parse_reply(text, TOOLS, fmt) == (text, [])
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "harmony"])
+def test_a_raw_newline_inside_an_argument_string_is_read_and_written_escaped(fmt: str) -> None:
+    """A small model writes a file's lines into a JSON string as they are (raw newlines: not JSON); its call is
+    read all the same, its arguments written again as JSON."""
+    content = "line one\nline two\ttabbed"
+    text = {
+        "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>',
+        "llama3_json": '{"name": "get_weather", "parameters": {"city": "%s"}}',
+        "harmony": '<|channel|>commentary to=functions.get_weather<|message|>{"city": "%s"}<|call|>',
+    }[fmt] % content
+    (call,) = parse_reply(text, TOOLS, fmt)[1]
+    assert json.loads(call.arguments) == {"city": content} and "\n" not in call.arguments
+
+
 def test_qwen3_coder_reads_values_by_the_schema() -> None:
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
     (call,) = parse_reply(text, TOOLS, "qwen3_coder")[1]

@@ -13,6 +13,7 @@ from dflash_cli.setup.options import RunOptions
 @with_run_flags
 def serve(
     options: RunOptions,
+    ctx: typer.Context,
     host: Annotated[
         str,
         typer.Option(
@@ -56,4 +57,10 @@ def serve(
     options.resolve_recipe()  # input mistakes fail here, before torch is imported
     from dflash_cli.commands.serve.launch import run_server
 
-    run_server(options, host=host, port=port, api_key=api_key, max_queue=max_queue, console=err_console)
+    # The operator's --max-tokens caps a Responses reply asked without max_output_tokens; none given, it may fill
+    # the context window (Codex sends none and takes a reply cut short for an error)
+    capped = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") != "DEFAULT"
+    run_server(
+        options, host=host, port=port, api_key=api_key, max_queue=max_queue, fill_window=not capped,
+        console=err_console,
+    )  # fmt: skip

@@ -99,15 +99,16 @@ def sse_events(port: int, path: str, body: dict[str, Any]) -> list[tuple[str, di
 
 
 @contextlib.contextmanager
-def serving(session: Session, models: tuple[Path, Path]) -> Iterator[Server]:
-    """The server's side of a route, in this process, over a worker of its own (the routes call its `parts`)."""
+def serving(session: Session, models: tuple[Path, Path], *, fill_window: bool = True) -> Iterator[Server]:
+    """The server's side of a route, in this process, over a worker of its own (the routes call its `parts`);
+    `fill_window`: as `dflash serve` without --max-tokens."""
     engine = EngineThread()
     worker = Worker(session, engine, speculative=True, max_queue=4)
     metrics = ServerMetrics(model=session.served_name, speculative=True, block_size=session.block_size,
                             waiting=lambda: worker.waiting, running=lambda: worker.running)  # fmt: skip
     worker.start()
     try:
-        yield Server(session, local_options(models), worker, metrics, None)
+        yield Server(session, local_options(models), worker, metrics, None, fill_window=fill_window)
     finally:
         worker.stop()
         worker.join(30)
@@ -516,15 +517,37 @@ def test_a_response_whole_and_streamed_is_the_chat_completion_of_its_input(
 
 
 def test_a_response_without_max_output_tokens_may_fill_the_context_window(
-    server: RunningServer, client: openai.OpenAI, long_prompt: str
+    session: Session, models: tuple[Path, Path], long_prompt: str
 ) -> None:
-    """OpenAI's default is unbounded, and Codex sends no max_output_tokens: the reply is not cut at the server's
-    --max-tokens (MAX_TOKENS) but may run until the window is full."""
-    reply = client.responses.create(model=server.target, input=long_prompt)
+    """OpenAI's default is unbounded, and Codex sends no max_output_tokens: served without --max-tokens, the reply
+    is not cut at the default (MAX_TOKENS here) but may run until the window is full (the openai client through
+    the server's own app, in this process)."""
+    import httpx
+
+    async def replies() -> tuple[Any, Any]:
+        with serving(session, models) as backend:
+            transport = httpx.ASGITransport(app=backend.app())
+            async with httpx.AsyncClient(transport=transport, base_url="http://dflash") as http:
+                client = openai.AsyncOpenAI(base_url="http://dflash/v1", api_key="-", http_client=http)
+                whole = await client.responses.create(model=backend.model, input=long_prompt)
+                bounded = await client.responses.create(
+                    model=backend.model, input=long_prompt, max_output_tokens=MAX_TOKENS + 1
+                )
+                return whole, bounded
+
+    reply, bounded = asyncio.run(replies())
     assert reply.max_output_tokens is None and reply.usage.output_tokens > MAX_TOKENS
     assert reply.status == "completed" or reply.usage.input_tokens + reply.usage.output_tokens == WINDOW
-    bounded = client.responses.create(model=server.target, input=long_prompt, max_output_tokens=MAX_TOKENS + 1)
     assert bounded.status == "incomplete" and bounded.usage.output_tokens == MAX_TOKENS + 1
+
+
+def test_the_operators_max_tokens_caps_a_response_asked_without_max_output_tokens(
+    server: RunningServer, client: openai.OpenAI, long_prompt: str
+) -> None:
+    """Served with --max-tokens (the suite's server: MAX_TOKENS), that is the default of a reply asked without
+    max_output_tokens, as of every route's: the operator's bound holds (a looping reply holds no slot for minutes)."""
+    reply = client.responses.create(model=server.target, input=long_prompt)
+    assert reply.status == "incomplete" and reply.usage.output_tokens == MAX_TOKENS
 
 
 def test_a_forced_function_call_and_its_output_turn(server: RunningServer, client: openai.OpenAI) -> None:

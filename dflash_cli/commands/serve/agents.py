@@ -38,6 +38,7 @@ class Backend(Protocol):
     model: str
     context_window: int | None
     worker: Worker
+    fill_window: bool  # a Responses request without max_output_tokens may fill the window (no --max-tokens given)
 
     def check_room(self) -> None: ...
     def check_model(self, name: str | None) -> None: ...
@@ -85,7 +86,7 @@ class AgentRoutes:
     async def responses(self, http: HTTPRequest) -> Response:
         self.backend.check_room()
         read = openai_responses.read_responses_request(await self.read_json(http))
-        running, _ = await self._start(read.request, fill_window=read.fills_window)
+        running, _ = await self._start(read.request, fill_window=read.fills_window and self.backend.fill_window)
         events = openai_responses.ResponseEvents(
             id=openai_responses.new_id(), model=self.backend.model, created=now(), echo=read.echo
         )

@@ -87,8 +87,18 @@ def _no_constants(name: str) -> Any:
 class Server:
     """The HTTP side: routes, the API key, body limits, and the bridge from worker updates to responses."""
 
-    def __init__(self, session: Any, options: RunOptions, worker: Worker, metrics: ServerMetrics, api_key: str | None):
+    def __init__(
+        self,
+        session: Any,
+        options: RunOptions,
+        worker: Worker,
+        metrics: ServerMetrics,
+        api_key: str | None,
+        *,
+        fill_window: bool = True,
+    ):
         self.session, self.options, self.worker, self.metrics = session, options, worker, metrics
+        self.fill_window = fill_window  # (launch.run_server)
         self.api_key = api_key or None
         self.model = session.served_name
         self.context_window: int | None = session.context_window

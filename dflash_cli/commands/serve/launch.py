@@ -84,9 +84,17 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_server(
-    options: RunOptions, *, host: str, port: int, api_key: str | None, max_queue: int, console: Console
+    options: RunOptions,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_queue: int,
+    console: Console,
+    fill_window: bool = True,
 ) -> None:
-    """Bind, load the model once, serve until Ctrl-C."""
+    """Bind, load the model once, serve until Ctrl-C. `fill_window`: a Responses request without
+    max_output_tokens may generate until the context window is full (else: to --max-tokens)."""
     from dflash_cli.loading.session import open_session
 
     sock = bind(host, port)
@@ -105,7 +113,7 @@ def run_server(
         )
         worker.on_finish = _reporter(metrics, console)
         worker.on_step = metrics.batch_rows.observe
-        server = Server(session, options, worker, metrics, api_key)
+        server = Server(session, options, worker, metrics, api_key, fill_window=fill_window)
         config = uvicorn.Config(server.app(), lifespan="off", log_config=_log_config(), timeout_graceful_shutdown=10)
         uvicorn_server = _Uvicorn(config, on_exit=worker.stop)
         worker.start()

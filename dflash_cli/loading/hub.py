@@ -283,9 +283,12 @@ def check_model_dir(model_dir: Path, *, what: str = "model", ref: str | None = N
         return
     name = ref or str(model_dir)
     if missing == ["config.json"] or not (model_dir / "config.json").is_file():
+        inside = model_dir / "drafter"  # (a `dflash train` output folder: its drafter is one level down)
         raise DflashError(
             f"{what} {name}: {model_dir} has no config.json, so it is not a Hugging Face model directory",
-            fix="pass the directory that holds config.json and the *.safetensors weights",
+            fix=f"pass {inside}: the drafter of that training run"
+            if (inside / "config.json").is_file()
+            else "pass the directory that holds config.json and the *.safetensors weights",
         )
     if "*.safetensors" in missing:
         _require_safetensors([p.name for p in model_dir.iterdir()], name, what)
@@ -472,11 +475,10 @@ def _not_cached_error(repo_id: str, revision: str, what: str, *, reason: str) ->
     if "/" not in repo_id:  # no ORG/NAME and no directory here: a recipe's name given as a model, or a typo
         meant = difflib.get_close_matches(repo_id, [recipe.name for recipe in _recipes()], n=1, cutoff=0.6)
         recipe = f"did you mean the recipe {meant[0]}? " if meant else ""
-        fix = (
-            f"{recipe}a recipe's name goes without --{'drafter' if what == 'drafter' else 'target'} "
-            "(`dflash recipes list`), a Hub model is usually "
-            f"ORG/NAME; {fix}"
-        )
+        fix = f"{recipe}the recipes: `dflash recipes list`; a Hub model is usually ORG/NAME; {fix}"
+    folder = Path(repo_id).expanduser().parent
+    if "/" in repo_id and folder.is_dir():  # (`runs/nonexist`: meant as a path, as likely as a repo id)
+        fix = f"as a path: {folder} holds no {Path(repo_id).name} (`ls {folder}`); as a repo id: {fix}"
     return DflashError(
         f"{what} {repo_id} (revision {revision}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}",
         fix=fix,

@@ -118,14 +118,34 @@ def test_the_pull_command_names_the_recipe_that_uses_a_repo() -> None:
 
 
 def test_a_recipe_name_given_as_a_model_is_pointed_at_the_recipe(offline: Path) -> None:
-    """`--target demoo` (a typo of a recipe's name, which goes without --target) is no ORG/NAME repo id: the fix
-    names the recipe."""
+    """`--target demoo` (a typo of a recipe's name, which --target and `dflash train --target` take too) is no
+    ORG/NAME repo id: the fix names the recipe, and says nothing of where a name goes."""
     with pytest.raises(DflashError) as info:
         resolve_model_dir("demoo", what="target")
-    assert info.value.fix.startswith("did you mean the recipe demo? a recipe's name goes without --target")
+    assert info.value.fix.startswith("did you mean the recipe demo? the recipes: `dflash recipes list`")
     with pytest.raises(DflashError) as info:
         resolve_model_dir("someone/model", what="target")
     assert "did you mean" not in info.value.fix and "without --target" not in info.value.fix
+
+
+def test_a_missing_path_and_a_training_runs_folder_are_pointed_at(
+    offline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--drafter runs/nonexist` (one slash: a repo id's shape) that is neither here nor cached says what the
+    folder holds as a path too; a `dflash train` output folder given as the drafter points at its drafter."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo2" / "drafter").mkdir(parents=True)
+    (tmp_path / "runs" / "demo2" / "drafter" / "config.json").write_text("{}")
+    with pytest.raises(DflashError) as info:
+        resolve_model_dir("runs/nonexist", what="drafter")
+    assert info.value.fix.startswith("as a path: runs holds no nonexist (`ls runs`); as a repo id:")
+    with pytest.raises(DflashError) as info:
+        resolve_model_dir("runs/demo2", what="drafter")
+    assert "has no config.json" in info.value.message
+    assert info.value.fix == "pass runs/demo2/drafter: the drafter of that training run"
+    with pytest.raises(DflashError) as info:
+        resolve_model_dir("someone/model", what="drafter")
+    assert "as a path" not in info.value.fix
 
 
 @pytest.mark.slow

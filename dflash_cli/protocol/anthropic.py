@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dflash_cli.errors import RequestError
+from dflash_cli.protocol.params import read_number
 from dflash_cli.protocol.replies import Ending, Part, Prompt
 from dflash_cli.protocol.requests import CHAT_URL, OMITTED, Request, read_translated, refuse_misspelt, show
 from dflash_cli.protocol.tools import ToolCall
@@ -90,7 +91,14 @@ def read_messages_request(body: Any, *, count_only: bool = False) -> MessagesReq
         keys = ("max_tokens", "temperature", "top_p", "top_k", "stream")
         chat.update({key: body[key] for key in keys if key in body})
         if "stop_sequences" in body:
-            chat["stop"] = body["stop_sequences"]
+            stops = body["stop_sequences"]
+            if stops is not None and not isinstance(stops, list):  # (Anthropic's rule: a string is a 400 there)
+                raise RequestError(
+                    f"stop_sequences must be a list of strings, got {show(stops)}",
+                    param="stop_sequences",
+                    fix=f"send [{show(stops)}]" if isinstance(stops, str) else None,
+                )
+            chat["stop"] = stops
         output = _output_format(body)
         if output is not None:
             chat["response_format"] = output
@@ -103,6 +111,8 @@ def read_messages_request(body: Any, *, count_only: bool = False) -> MessagesReq
             f"{show(thinking)}",
             param="thinking",
         )
+    if kind == "enabled":  # (Anthropic's rule; the budget itself bounds nothing here: max_tokens does)
+        read_number(thinking.get("budget_tokens"), "thinking.budget_tokens", integer=True, low=1024)
     # No `thinking` is no thinking in Anthropic's API, whatever the template's default (Qwen3 thinks unless told
     # not to, and its unseen reasoning would spend max_tokens); the request's own chat_template_kwargs (as the
     # chat route takes them) say otherwise where they set it.

@@ -267,7 +267,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
             chat["tools"].append(_freeform(tool))
         else:
             names.extend([(at + r"\.", f"{where}."), (at, where)])
-            chat["tools"].append(_function(tool))
+            chat["tools"].append(_function(tool, where))
         if isinstance(tool.get("name"), str):
             kinds[tool["name"]] = tool["type"]
 
@@ -312,7 +312,14 @@ def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
     return chat, names
 
 
-def _function(tool: Mapping[str, Any]) -> dict[str, Any]:
+def _function(tool: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if isinstance(tool.get("function"), dict) and "name" not in tool:  # (the chat route's shape, sent here)
+        raise RequestError(
+            f"{where}: a Responses function tool is flat: its name, description and parameters sit beside its "
+            'type, not in "function" (the Chat Completions shape)',
+            param=f"{where}.function",
+            fix='send {"type": "function", "name": ..., "parameters": {...}}',
+        )
     return {
         "type": "function",
         "function": {key: tool[key] for key in ("name", "description", "parameters") if key in tool},

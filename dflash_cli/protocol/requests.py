@@ -192,9 +192,15 @@ def read_text(value: Any, name: str, *, allow_empty: bool = False) -> str:
 def _content(value: Any, name: str) -> str:
     """A message's content: a string, or OpenAI content parts of type text (joined by newlines)."""
     if isinstance(value, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" for part in value):
-            raise RequestError(f"{name}: only text content parts are supported", param=name)
-        return "\n".join(read_text(part.get("text"), f"{name}.text", allow_empty=True) for part in value)
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                what = f"{kind} parts are" if isinstance(kind, str) else f"{show(part)} is"
+                why = ": the served model reads text only" if kind in ("image_url", "input_audio", "file") else ""
+                raise RequestError(f"{name}[{i}]: {what} not supported, only text parts{why}", param=f"{name}[{i}]")
+        return "\n".join(
+            read_text(part.get("text"), f"{name}[{i}].text", allow_empty=True) for i, part in enumerate(value)
+        )
     if not isinstance(value, str):
         raise RequestError(f"{name} must be a string or a list of text parts, got {show(value)}", param=name)
     return read_text(value, name, allow_empty=True)

@@ -157,7 +157,11 @@ def test_a_line_without_an_id_gets_a_stable_one() -> None:
         ({"prompt": "x", "messages": []}, "invalid_request", "(found prompt, messages)"),
         ({"messages": []}, "invalid_request", "non-empty list"),
         ({"messages": [{"role": "user", "content": 3}]}, "invalid_request", "messages[0].content must be a string"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "invalid_request", "only text"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "What?"}, {"type": "image_url"}]}]},
+            "invalid_request",
+            "messages[0].content[1]: image_url parts are not supported, only text parts: the served model reads text",
+        ),
         ({"prompt": "x", "id": ["a"]}, "invalid_request", "id must be a string"),
         ({"prompt": "x", "temperature": "hot"}, "invalid_request", "temperature must be a number"),
         ({"prompt": "x", "max_tokens": 2.5}, "invalid_request", "max_tokens must be an integer"),

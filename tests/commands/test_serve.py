@@ -7,6 +7,7 @@ this process and decoded through the session, the way `dflash chat` and `dflash 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import random
 import re
@@ -889,6 +890,11 @@ def test_a_body_not_sent_as_json_is_415(server: RunningServer) -> None:
     for media in ("application/json", "Application/JSON; charset=UTF-8", 'application/json; charset="utf-8"'):
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": media}
         assert raw_request(server.port, "POST", CHAT_URL, body, headers)[0] == 200, media
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", "Content-Encoding": "gzip"}
+    status, _, raw = raw_request(server.port, "POST", CHAT_URL, gzip.compress(body), headers)
+    assert status == 415 and "Content-Encoding 'gzip': send it uncompressed" in json.loads(raw)["error"]["message"]
+    headers["Content-Encoding"] = "identity"
+    assert raw_request(server.port, "POST", CHAT_URL, body, headers)[0] == 200
     # `dflash serve --help`'s example request, as printed, answers 200 (without the header it was a 415)
     printed = " ".join(CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).stdout.split())
     curl = shlex.split(re.search(r"`(curl [^`]+)`", printed)[1])

@@ -407,6 +407,8 @@ def test_the_anthropic_client_lists_the_served_model(server: RunningServer, clau
     assert (card.id, card.type, card.display_name) == (server.target, "model", server.target)
     assert card.created_at.tzinfo is not None and not page.has_more and page.first_id == page.last_id == card.id
     assert claude.models.retrieve(server.target) == card
+    assert (card.max_input_tokens, card.max_tokens, card.lifecycle) == (WINDOW - 1, WINDOW - 1, "active")
+    anthropic.types.ModelInfo.model_validate(card.model_dump())  # (strictly: the SDK builds it unchecked)
 
 
 def test_langchain_chat_anthropic(server: RunningServer, client: openai.OpenAI) -> None:
@@ -642,6 +644,13 @@ def test_bad_responses_get_openais_errors(server: RunningServer, client: openai.
     assert bad.value.body["param"] == "max_output_tokens"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-5", input="Hi")
+    for call in (  # a stored response's routes, and compaction: a 404 that says why
+        lambda: client.responses.retrieve("resp_123"),
+        lambda: client.responses.delete("resp_123"),
+        lambda: client.post("/responses/compact", body={"input": "Hi"}, cast_to=object),
+    ):
+        with pytest.raises(openai.NotFoundError, match="this server keeps no responses"):
+            call()
 
 
 def test_a_schema_the_grammar_library_refuses_is_named_as_each_api_has_it(

@@ -262,6 +262,9 @@ def test_a_message_without_thinking_turns_the_templates_thinking_off() -> None:
         ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
         ({"tool_choice": {"type": "whatever"}}, "tool_choice", '"type": "auto"'),
         ({"thinking": {"type": "on"}}, "thinking", '"type": "enabled"'),
+        ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", "must be an integer, got null"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens", "must be >= 1024"),
+        ({"stop_sequences": "\n"}, "stop_sequences", "must be a list of strings"),
         (
             {"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}},
             "output_config.format.schema.not",
@@ -451,6 +454,11 @@ def test_a_responses_body_becomes_the_chat_request_it_means() -> None:
         ({"top_p": 2}, "top_p", "in (0, 1]"),
         ({"tools": [{"type": "web_searcher"}]}, "tools[0].type", "function and custom tools"),
         ({"tools": [{"type": "namespace", "tools": []}]}, "tools[0].name", "non-empty string"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+            "tools[0].function",
+            "is flat: its name, description and parameters sit beside its type",
+        ),
         (  # a function in a namespace is named where it is
             {
                 "tools": [

@@ -63,7 +63,12 @@ class AgentRoutes:
             Route(anthropic.MESSAGES_URL, self.messages, methods=["POST"]),
             Route(anthropic.COUNT_TOKENS_URL, self.count_tokens, methods=["POST"]),
             Route(openai_responses.RESPONSES_URL, self.responses, methods=["POST"]),
+            # (a stored response's routes, and compaction, which Codex may probe: said why there is none)
+            Route(openai_responses.RESPONSES_URL + "/{rest:path}", self.stored, methods=["GET", "POST", "DELETE"]),
         ]
+
+    async def stored(self, http: HTTPRequest) -> Response:
+        raise APIError(404, f"{http.url.path}: {openai_responses.STATELESS}", code="not_found")
 
     async def messages(self, http: HTTPRequest) -> Response:
         self.backend.check_room()

@@ -222,6 +222,10 @@ class Server:
             "type": "model",
             "display_name": self.model,
             "created_at": datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat(),
+            "lifecycle": "active",
+            # (a prompt and its reply share the window: each may take all of it but the other's one token)
+            "max_input_tokens": None if self.context_window is None else self.context_window - 1,
+            "max_tokens": None if self.context_window is None else self.context_window - 1,
         }
 
     async def models(self, request: HTTPRequest) -> Response:
@@ -246,6 +250,13 @@ class Server:
         form, text or multipart body is not parsed as JSON by chance), 413 past MAX_BODY_BYTES, 400 when it is
         not JSON."""
         check_json_content_type(http.headers.get("content-type"))
+        encoding = http.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise APIError(
+                415,
+                f"the request body is sent with Content-Encoding {encoding!r}: send it uncompressed",
+                code="unsupported_media_type",
+            )
         declared = http.headers.get("content-length", "")
         too_big = APIError(
             413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", code="request_too_large"

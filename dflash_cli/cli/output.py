@@ -70,6 +70,12 @@ def show_rows(header: Sequence[str], rows: Sequence[Sequence[str]], *, no_wrap: 
     console.print(table)
 
 
+def table_width(header: Sequence[str], rows: Sequence[Sequence[str]]) -> int:
+    """The columns a terminal needs for `show_rows` to fold no value (its borders and padding counted)."""
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    return sum(widths) + 3 * len(widths) + 1
+
+
 STATUS_STYLE = {"pass": "[green]pass[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]fail[/]"}
 
 

@@ -8,7 +8,10 @@ from typing import Any
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.recipes import Recipe, drafter_block_size, user_recipe_dir
 
-COLUMNS = ("name", "target", "drafter", "block", "weights", "status", "notes")
+COLUMNS = ("name", "target", "drafter", "block", "weights", "status", "notes", "aliases")
+# A terminal too narrow for COLUMNS (80 wide: ids and sizes folded into 6-letter pieces): a line per recipe, as
+# `ollama list` has it; its models and sizes by precision are `recipes show NAME`'s
+COMPACT_COLUMNS = ("name", "weights", "block", "status")
 # The block column where the recipe leaves the block size to a drafter whose config is not on this machine yet.
 UNKNOWN_BLOCK = "drafter's"
 
@@ -42,9 +45,23 @@ def recipe_rows(listings: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                 sizes,
                 "in-process" if listing["runnable"] else "export only",  # (whether it fits here: dflash doctor)
                 ", ".join(note for note, on in flags if on),
+                ", ".join(listing["aliases"]),
             )
         )
     return rows
+
+
+def compact_rows(rows: list[tuple[str, ...]], listings: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """`recipe_rows` as COMPACT_COLUMNS (rich markup): the aliases under the name, the smallest and largest
+    weights, the notes beside the status."""
+    compact = []
+    for row, listing in zip(rows, listings, strict=True):
+        name, _, _, block, _, status, notes, aliases = row
+        sizes = sorted(listing["weight_bytes"].values())
+        weights = "?" if not sizes else gb(sizes[0]) if len(sizes) == 1 else f"{gb(sizes[0])} - {gb(sizes[-1])}"
+        also = f"\n[dim]{aliases}[/]" if aliases else ""
+        compact.append((name + also, weights, block, ", ".join(filter(None, (status, notes)))))
+    return compact
 
 
 def recipe_fields(recipe: Recipe) -> list[tuple[str, str]]:

@@ -478,7 +478,7 @@ def test_recipes_list_piped_prints_whole_values_on_plain_rows() -> None:
     result = runner.invoke(app, ["recipes", "list"], env={"COLUMNS": "60"})  # CliRunner's stdout is not a terminal
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["name", "target", "drafter", "block", "weights", "status", "notes"]
+    assert lines[0].split() == ["name", "target", "drafter", "block", "weights", "status", "notes", "aliases"]
     llama = next(line for line in lines if line.startswith("llama3.1-8b "))
     assert llama.split()[:3] == [
         "llama3.1-8b",
@@ -486,8 +486,37 @@ def test_recipes_list_piped_prints_whole_values_on_plain_rows() -> None:
         "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
     ]
     assert "in-process" in llama.split() and "bf16 16.1 GB, nf4 5.7 GB" in llama
+    assert llama.endswith("gated  llama3.1:8b, llama-3.1-8b-instruct")
     assert "export only" in next(line for line in lines if line.startswith("kimi-k2.5 "))
     assert not any(char in result.stdout for char in "┃│━")
+
+
+def test_recipes_list_on_a_narrow_terminal_is_a_line_per_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """80 columns folded ids and sizes into 6-letter pieces: a terminal narrower than the whole table gets the
+    name (its aliases under it), the weights' range, the block and the status; nothing folded mid-word."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_cli.cli import output
+    from dflash_cli.cli import recipes as recipes_cli
+
+    screen = io.StringIO()
+    terminal = Console(file=screen, force_terminal=True, width=80, color_system=None)
+    monkeypatch.setattr(output, "console", terminal)
+    monkeypatch.setattr(recipes_cli, "console", terminal)
+    recipes_cli.recipes_list(False)
+    lines = screen.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines) and "dflash recipes show NAME" in lines[-1]
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert ["qwen3-8b", "6.1 GB - 16.4 GB", "16", "in-process"] in cells
+    assert ["llama3.1-8b", "5.7 GB - 16.1 GB", "10", "in-process, gated"] in cells
+    assert ["qwen3:8b, qwen3", "", "", ""] in cells  # (its aliases, under it)
+    wide = Console(file=io.StringIO(), force_terminal=True, width=400)
+    monkeypatch.setattr(output, "console", wide)
+    monkeypatch.setattr(recipes_cli, "console", wide)
+    recipes_cli.recipes_list(False)
+    assert "z-lab/Qwen3-8B-DFlash-b16" in wide.file.getvalue()  # (wide enough: the whole table)
 
 
 def _listed(name: str) -> tuple[list[str], dict]:

@@ -4,12 +4,15 @@ every --eval-every steps and at the end; everything lands in `<output>/metrics.j
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import random
+import signal
 import statistics
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -361,7 +364,7 @@ def _train_loop(
     running: dict[str, float] = {}
     precision = StepPrecision(torch.device(options.device), serving_dtype(options.device) == torch.bfloat16)
     order = batches(samples, options.batch_size, rng)
-    saved_at, updating = step, False
+    saved_at = step
     device = drafter.fc.weight.device
 
     def save() -> None:
@@ -392,9 +395,9 @@ def _train_loop(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            updating = True
-            optimizer.step()
-            step, updating = step + 1, False
+            with interrupts_held():  # (a whole step or none: the checkpoint is where Ctrl-C stopped it)
+                optimizer.step()
+                step += 1
             chosen_now = precision.timed(bf16, time.perf_counter() - computing)
             if chosen_now is not None:
                 progress.console.print(f"[dim]{chosen_now}[/dim]")
@@ -425,8 +428,8 @@ def _train_loop(
                 break
     except KeyboardInterrupt:
         # Ctrl-C keeps the steps since the last checkpoint: saved where the last whole step left the drafter and
-        # optimizer (if it came mid-update, the checkpoint before stands). The CLI then says how to --resume.
-        if step > saved_at and not updating:
+        # optimizer (one that came mid-update waited for it: interrupts_held). The CLI then says how to --resume.
+        if step > saved_at:
             recover_checkpoint(checkpoint)  # (if it came mid-save)
             if not history or history[-1]["step"] != step:  # (with its CPU seconds: a resume counts on from them)
                 history.append({"step": step, **running, "cpu_s": cpu_before + time.process_time() - cpu_started})
@@ -437,6 +440,30 @@ def _train_loop(
             key: value for key, value in history[-1].items() if key not in ("step", "eval_tau", "seen_tau", "cpu_s")
         }
     return running, step
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C (SIGINT) and SIGTERM wait for the block to end, then stop the run as they would have: one that came
+    inside optimizer.step() would leave some weights and moments updated and others not, no step to save, and the
+    run would lose every step since its last checkpoint. Only signals with a Python handler (those that raise
+    KeyboardInterrupt) are held; an ignored or default one stays as it is. Signals reach the main thread alone (and
+    only it may set handlers): elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: handler for sig, handler in before.items() if callable(handler)}
+    for sig in before:
+        signal.signal(sig, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])  # (its handler runs now, raising KeyboardInterrupt)
 
 
 PRECISION_TRIAL_STEPS = 3  # steps timed in each precision (alternating) where a CPU could train in either

@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
@@ -736,6 +737,35 @@ def test_a_background_run_stopped_by_a_signal_keeps_its_steps(
     assert signal.getsignal(signal.SIGTERM) == handlers[1]  # (the command's own handler is gone with it)
     assert result.exit_code != 0 and "a checkpoint at step 4" in result.output, result.output
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 4
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_inside_the_update_saves_the_step_it_completes(
+    stop: signal.Signals, tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C (or `kill`) that lands inside optimizer.step() of the fifth step (checkpoints every 3): the update
+    finishes and the checkpoint is that step, its optimizer state counting as many steps, not the third."""
+    updates = []
+
+    def signalled_in_the_fifth(optimizer, args, kwargs) -> None:
+        updates.append(1)
+        if len(updates) == 5:
+            signal.raise_signal(stop)  # (a real signal, delivered while the update runs)
+
+    out = tmp_path / "run"
+    args = ["train", "--target", str(tiny_qwen3_dir), "--prompts", str(prompt_file), "--output", str(out),
+            "--steps", "50", "--checkpoint-every", "3", "--batch-size", "4", "--block-size", "4",
+            "--feature-layers", "2", "--max-tokens", "8", "--eval-prompts", "2", "--threads", "1"]  # fmt: skip
+    hook = register_optimizer_step_post_hook(signalled_in_the_fifth)
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        hook.remove()
+    assert len(updates) == 5 and result.exit_code != 0 and "a checkpoint at step 5" in result.output, result.output
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 5 and state["history"][-1]["step"] == 5
+    counted = {value for key, value in state["optimizer_scalars"].items() if key.endswith("/step")}
+    assert counted == {5.0}
 
 
 def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:

@@ -67,7 +67,14 @@ def train(
     ] = 32768,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 2000,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
-    lr: Annotated[float, typer.Option(min=0.0, help="Peak learning rate (linear warmup, cosine decay).")] = 6e-4,
+    lr: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Peak learning rate: reached after a linear warmup over a tenth of --steps (1 to 100 steps), then "
+            "a cosine decay to a tenth of it at the last step.",
+        ),
+    ] = 6e-4,
     anchors: Annotated[
         int, typer.Option(min=1, help="Draft blocks per sequence per step (random anchors in the response).")
     ] = 16,
@@ -141,7 +148,8 @@ def train(
             min=0.0,
             show_default=False,
             help="Stop training after this many minutes, before --steps if need be (checkpointed where it stops). "
-            "The learning rate's decay then ends where the time runs out, at the pace measured so far.",
+            "The learning rate's decay then ends where the time runs out, at the pace measured so far (and its "
+            "warmup is a tenth of the steps that fit, where that is shorter).",
         ),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Save a resumable checkpoint every N steps.")] = 200,

@@ -64,6 +64,7 @@ from dflash_cli.training.objective import (
     draft_vocabulary,
     fitted_horizon,
     learning_rate,
+    warmup_steps,
 )
 from dflash_cli.training.options import (
     CHECKPOINT_DIR,
@@ -355,9 +356,11 @@ def _train_loop(
     cpu_before = next((row["cpu_s"] for row in reversed(history) if "cpu_s" in row), 0.0)
     cpu_started = time.process_time()
     deadline = None if options.train_minutes is None else started + 60 * options.train_minutes
-    horizon, start = options.steps, max(step, options.warmup_steps)
+    horizon = options.steps
+    warmup = warmup_steps(options, horizon)
+    start = max(step, warmup)  # where the decay starts
     if start_progress is None:  # a fresh run, or a checkpoint that did not record it: as --steps sets it
-        start_progress = decay_progress(start, options.warmup_steps, 0.0, options.steps)
+        start_progress = decay_progress(start, warmup, 0.0, options.steps)
     rng = random.Random(options.seed * 1_000_003 + step)  # a resumed run does not replay the same batches
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     task = progress.add_task("training", total=options.steps, completed=step, info="")
@@ -386,8 +389,12 @@ def _train_loop(
             fed = time.perf_counter()
             if deadline is not None and step - first_step >= 20 and step % 10 == 0:
                 horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
+                if step < warmup:  # a tenth of the run the clock allows, not of --steps (ending now, if past it)
+                    warmup = start = max(step, warmup_steps(options, horizon))
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, options, decay_progress(step, start, start_progress, horizon))
+                group["lr"] = learning_rate(
+                    step, options.lr, warmup, decay_progress(step, start, start_progress, horizon)
+                )
             bf16 = precision.next()
             computing = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):

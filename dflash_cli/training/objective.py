@@ -89,11 +89,24 @@ def draft_vocabulary(sequences: Iterable[Sequence[int]], size: int) -> torch.Ten
     return torch.tensor(sorted(token for token, _ in kept), dtype=torch.long)
 
 
-def learning_rate(step: int, options: TrainOptions, progress: float) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak; `progress` is how far the decay has gone (0 to 1)."""
-    if step < options.warmup_steps:
-        return options.lr * (step + 1) / options.warmup_steps
-    return options.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+MAX_WARMUP_STEPS = 100
+
+
+def warmup_steps(options: TrainOptions, horizon: int) -> int:
+    """Steps of linear warmup: a tenth of the run's `horizon` (--steps, or where --train-minutes will stop it:
+    fitted_horizon), at least 1 and at most MAX_WARMUP_STEPS; options.warmup_steps where set. A fixed 100 left a
+    `--steps 5` run at 5% of --lr, never decaying."""
+    if options.warmup_steps is not None:
+        return options.warmup_steps
+    return min(MAX_WARMUP_STEPS, max(1, horizon // 10))
+
+
+def learning_rate(step: int, peak: float, warmup: int, progress: float) -> float:
+    """Linear warmup to `peak` over `warmup` steps, then cosine decay to a tenth of it; `progress` is how far the
+    decay has gone (0 to 1)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def decay_progress(step: int, start: int, start_progress: float, horizon: int) -> float:

@@ -25,7 +25,7 @@ class TrainOptions:
     steps: int = 2000
     batch_size: int = 8
     lr: float = 6e-4
-    warmup_steps: int = 100
+    warmup_steps: int | None = None  # None: a tenth of the run, 1 to 100 (objective.warmup_steps)
     anchors_per_sequence: int = 16
     gamma: float | None = None
     max_new_tokens: int = 128

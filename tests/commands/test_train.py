@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from safetensors.torch import load_file
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
@@ -49,6 +49,7 @@ from dflash_cli.training.objective import (
     fitted_horizon,
     learning_rate,
     vocabulary_positions,
+    warmup_steps,
 )
 from dflash_cli.training.options import TrainOptions
 from dflash_cli.training.prompts import load_prompts, split_prompts
@@ -812,11 +813,34 @@ def test_the_learning_rate_decays_by_the_time_left_under_train_minutes() -> None
     assert fitted_horizon(100, 100, 10.0, 20.0, opts.steps) == 300
     assert fitted_horizon(100, 100, 10.0, 1e6, opts.steps) == opts.steps
     assert fitted_horizon(100, 100, 10.0, -1.0, opts.steps) == 100  # past the deadline: the next step is the last
-    assert learning_rate(300, opts, decay_progress(300, 10, 0.0, 300)) == pytest.approx(0.1)
-    assert learning_rate(300, opts, decay_progress(300, 10, 0.0, opts.steps)) > 0.99  # by --steps: near the peak
+    assert learning_rate(300, 1.0, 10, decay_progress(300, 10, 0.0, 300)) == pytest.approx(0.1)
+    assert learning_rate(300, 1.0, 10, decay_progress(300, 10, 0.0, opts.steps)) > 0.99  # by --steps: near the peak
     halfway = decay_progress(155, 10, 0.0, 300)
-    assert learning_rate(155, opts, halfway) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert learning_rate(4, opts, 0.0) == pytest.approx(0.5)  # warmup first, whatever the decay
+    assert learning_rate(155, 1.0, 10, halfway) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert learning_rate(4, 1.0, 10, 0.0) == pytest.approx(0.5)  # warmup first, whatever the decay
+
+
+def test_the_warmup_is_a_tenth_of_the_run() -> None:
+    """From 1 step to at most 100: a short run reaches its peak rate; under --train-minutes, of the steps that fit."""
+    opts = TrainOptions(target="t", prompts="p", output="o")
+    assert [warmup_steps(opts, steps) for steps in (1, 5, 19, 20, 300, 2000, 100_000)] == [1, 1, 1, 2, 30, 100, 100]
+    assert warmup_steps(replace(opts, warmup_steps=7), 2000) == 7
+
+
+def test_a_short_run_reaches_its_peak_rate_and_decays(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    """--steps 5 with the default warmup: the first step is at --lr, and the rate decays from there every step."""
+    rates = []
+
+    def rate(optimizer, args, kwargs) -> None:
+        rates.append(optimizer.param_groups[0]["lr"])
+
+    hook = register_optimizer_step_pre_hook(rate)
+    try:
+        train(options(tiny_qwen3_dir, prompt_file, tmp_path / "run", steps=5, lr=1e-3, warmup_steps=None))
+    finally:
+        hook.remove()
+    assert len(rates) == 5 and rates[0] == rates[1] == pytest.approx(1e-3)
+    assert all(later < earlier for earlier, later in zip(rates[1:], rates[2:])) and rates[-1] < 0.5e-3
 
 
 def test_a_resumed_run_goes_on_from_its_rate() -> None:

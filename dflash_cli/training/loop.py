@@ -427,9 +427,11 @@ def _train_loop(
             if step % options.checkpoint_every == 0 or step == options.steps or out_of_time or measure:
                 save()
                 if not progress.console.is_terminal:  # (a run in the background: a whole line a checkpoint)
-                    progress.console.print(
-                        checkpoint_line(step, options.steps, history[-1] if history else running), soft_wrap=True
-                    )
+                    # This step's figures: its history row where it has one (with held-out tau, if measured), else
+                    # the running ones (history holds a row every 10 steps: its last may be an earlier step's, or
+                    # the previous run's just after a resume).
+                    row = history[-1] if history and history[-1]["step"] == step else running
+                    progress.console.print(checkpoint_line(step, options.steps, row), soft_wrap=True)
             if out_of_time:
                 progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
                 break

@@ -769,6 +769,23 @@ def test_a_signal_inside_the_update_saves_the_step_it_completes(
     assert counted == {5.0}
 
 
+def test_a_checkpoint_line_shows_its_own_steps_figures(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    """A run in the background prints a line a checkpoint with the figures at that step: not the last history row's
+    (one every 10 steps), which after a resume is the previous run's."""
+
+    def lines(**overrides) -> dict[int, str]:
+        out = StringIO()
+        train(options(tiny_qwen3_dir, prompt_file, tmp_path / "run", **overrides), Console(file=out, width=300))
+        said = re.findall(r"^step (\d+)/\d+: (.*)$", out.getvalue(), re.MULTILINE)
+        return {int(step): figures for step, figures in said}
+
+    first = lines(steps=6, checkpoint_every=6)
+    resumed = lines(steps=12, checkpoint_every=2, resume=True)
+    assert sorted(resumed) == [8, 10, 12] and "loss" in resumed[8]
+    figures = [first[6], *resumed.values()]
+    assert len(set(figures)) == len(figures), figures  # each step's own (its running loss, its time a step)
+
+
 def test_follow_up_turns_add_answers_to_each_prompt(tiny_qwen3_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
     """--follow-ups 2: each training prompt's conversation is asked two follow-up questions after the target's own
     answer, and the target answers those too: three answers per prompt, cached like the first ones."""

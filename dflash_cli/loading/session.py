@@ -35,7 +35,7 @@ from dflash_cli.protocol.tools import FORMATS, ToolCall, Tools, hermes_messages,
 from dflash_cli.setup.hardware import detect_machine
 from dflash_cli.setup.options import RunOptions
 from dflash_cli.setup.planning import Plan, PlanOverrides, block_size_note, make_plan
-from dflash_cli.setup.recipes import Recipe
+from dflash_cli.setup.recipes import Recipe, recipe_for_target
 from dflash_cli.setup.thread_count import ThreadPlan, apply_threads
 
 
@@ -470,6 +470,17 @@ def cpu_kernels_reason(console: Console | None) -> str:
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 
+def plan_label(recipe: Recipe, target: str | None) -> str:
+    """What the plan line names: the recipe, or for `--target` naming a recipe (`--target demo`: an ad-hoc recipe
+    with that recipe's facts, not its drafter) that recipe's target, as `demo's target`, not "ad-hoc"."""
+    if recipe.source != "ad-hoc" or not target:
+        return recipe.name
+    known = recipe_for_target(target)
+    if known is None or target.strip().lower() == known.target.id.lower():  # (a repo id or a directory: ad-hoc)
+        return recipe.name
+    return f"{known.name}'s target"
+
+
 def open_session(
     options: RunOptions, console: Console | None = None, *, batching: bool = False, build_later: bool = False
 ) -> Session:
@@ -512,7 +523,8 @@ def open_session(
         with working(console, message):
             session.decode_threads = decode_threads(models.target, threads.threads)
     if console is not None:  # after loading: the drafter's config completes the line (its block size)
-        console.print(f"{recipe.name}: {session.plan_line()}", style="dim", markup=False, highlight=False)
+        label = plan_label(recipe, options.target)
+        console.print(f"{label}: {session.plan_line()}", style="dim", markup=False, highlight=False)
         for note in session.notes:
             console.print(f"  note: {note}", style="yellow", markup=False, highlight=False)
         if session.build_note is not None:

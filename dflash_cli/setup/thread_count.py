@@ -57,28 +57,53 @@ def busy_elsewhere(seconds: float = SAMPLE_SECONDS, max_age: float = 30.0) -> fl
     return busy_since(start)
 
 
-def plan_threads(requested: int | None, *, cores: int, current: int, others_busy: float) -> ThreadPlan:
-    """How many threads to decode with. `current` is torch's count now (its default, or OMP_NUM_THREADS): a
-    count the user already lowered is kept; a core counts as free when others leave three quarters of it."""
+def plan_threads(requested: int | None, *, cores: int, current: int, others_busy: float | None) -> ThreadPlan:
+    """How many threads to decode with. `current` is torch's count as the user left it (its default, or
+    OMP_NUM_THREADS): a count the user already lowered is kept; a core counts as free when others leave three
+    quarters of it. `others_busy` None: not measured (one thread cannot go lower)."""
     if requested is not None:
         return ThreadPlan(requested, f"{plural(requested, 'thread')}: --threads")
+    if others_busy is None:
+        why = f"torch's count was {current} ({limit_source()})"
+        return ThreadPlan(current, f"{plural(current, 'thread')}: {why}; --threads N overrides")
     free = max(0.0, cores - others_busy)
     threads = max(1, min(current, math.floor(free + 0.25)))
     why = f"{free:.1f} of {cores} cores free (other processes keep {others_busy:.1f} busy)"
     if threads < current:
         why += f"; more threads than free cores stall on each other at every op, so {threads} instead of {current}"
     elif current < cores and threads == current:
-        why += f"; torch was set to {current} (OMP_NUM_THREADS or torch.set_num_threads)"
+        why += f"; torch's count was {current} ({limit_source()})"
     return ThreadPlan(threads, f"{plural(threads, 'thread')}: {why}; --threads N overrides")
+
+
+def limit_source() -> str:
+    """Where torch's thread count below the cores came from, as far as this process can tell."""
+    named = [f"{name}={os.environ[name]}" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if os.environ.get(name)]
+    return named[0] if named else "torch's default here, or torch.set_num_threads before dflash planned"
+
+
+# torch's count before dflash first set it ("user": its default, OMP_NUM_THREADS, or the embedding program's), and
+# the count dflash set last ("set"). `dflash train` plans twice (answering, then training): the second plan starts
+# from the user's count, not from the one the first chose for a busier moment (which it would read as the user's,
+# skip its measurement and say "torch was set to 1").
+_counts: dict[str, int] = {}
+
+
+def users_threads(current: int) -> int:
+    """torch's thread count as the user left it: `current`, unless that is the count an earlier plan here set."""
+    if _counts.get("set") != current:
+        _counts["user"] = current
+    return _counts["user"]
 
 
 def apply_threads(requested: int | None) -> ThreadPlan:
     """Measure the free cores, set torch's thread count, and say why."""
     import torch
 
-    current = torch.get_num_threads()
+    current = users_threads(torch.get_num_threads())
     # One thread cannot go lower: skip the sample.
-    others = busy_elsewhere() if requested is None and current > 1 else 0.0
+    others = busy_elsewhere() if requested is None and current > 1 else None
     plan = plan_threads(requested, cores=cpu_count(), current=current, others_busy=others)
     torch.set_num_threads(plan.threads)
+    _counts["set"] = plan.threads
     return plan

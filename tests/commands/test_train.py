@@ -1059,6 +1059,7 @@ def test_train_ends_with_the_command_that_uses_the_drafter(tiny_recipe: str, pro
     ]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
+    assert "tiny's target: cpu " in result.stderr  # the plan line names the recipe whose target answers, not "ad-hoc"
     use = f"dflash chat tiny --drafter {out / 'drafter'}"
     assert f"Use it: {use}" in result.stdout
     chat = CliRunner().invoke(app, [*use.split()[1:], "--prompt", "Hi", "--max-tokens", "3", "--stats"])

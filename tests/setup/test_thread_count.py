@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dflash_cli.setup.thread_count import busy_elsewhere, plan_threads
+from dflash_cli.setup.thread_count import apply_threads, busy_elsewhere, cpu_count, plan_threads
 
 
 @pytest.mark.parametrize(
@@ -31,6 +31,34 @@ def test_threads_follow_the_free_cores(cores: int, current: int, others: float, 
 def test_the_flag_wins() -> None:
     plan = plan_threads(3, cores=2, current=2, others_busy=1.5)
     assert plan.threads == 3 and plan.label() == "3 threads" and "--threads" in plan.reason
+
+
+def test_a_later_plan_starts_from_the_users_count_not_an_earlier_plans() -> None:
+    """`dflash train` plans twice (answering, then training). The first plan's count (here --threads 1, as a busy
+    moment may choose) is dflash's own: the second measures from the user's count again, rather than keep 1 and say
+    the user set it."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # the user's (OMP_NUM_THREADS=3, say)
+        assert apply_threads(1).threads == 1 == torch.get_num_threads()
+        again = apply_threads(None)
+        assert "cores free (other processes keep" in again.reason  # measured, from the user's 3:
+        assert "instead of 3" in again.reason or "torch's count was 3" in again.reason, again.reason
+        assert 1 <= again.threads <= min(3, cpu_count()) and torch.get_num_threads() == again.threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_thread_not_measured_says_where_it_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    plan = plan_threads(None, cores=2, current=1, others_busy=None)
+    assert plan.threads == 1 and "torch's count was 1 (OMP_NUM_THREADS=1)" in plan.reason
+    assert "cores free" not in plan.reason  # (nothing was measured: no "0.0 busy")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    assert "OMP_NUM_THREADS" not in plan_threads(None, cores=2, current=1, others_busy=None).reason
 
 
 @pytest.mark.slow

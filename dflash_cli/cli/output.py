@@ -102,21 +102,24 @@ def summary_table(summary: Summary, width: int | None = None) -> Table:
         "tok/s": f"{summary.tokens_per_s:.1f}",
         "mean tau": tau,
     }
-    table = Table(*fields, title_justify="left")
+    table = Table(*fields)
     table.add_row(*fields.values())
     if width is not None and Measurement.get(console, console.options.update_width(10_000), table).maximum > width:
-        table = Table("", "", show_header=False, title_justify="left")
+        table = Table("", "", show_header=False)
         for name, value in fields.items():
             table.add_row(name, value)
-    table.title = f"dflash run: {escape(summary.output)}"
-    if summary.errors:
-        table.caption = f"failed requests: {escape(summary.errors)}"
     return table
 
 
 def show_summary(summary: Summary, to: Console = console) -> None:
-    if summary.total:  # an empty prompts file: nothing ran, nothing to tabulate
-        to.print(summary_table(summary, to.width))
+    """The run's summary table, under the output's path and over the errors file's: whole lines, never folded to
+    the table's width (a path broken mid-name cannot be copied)."""
+    if not summary.total:  # an empty prompts file: nothing ran, nothing to tabulate
+        return
+    to.print(f"[bold]dflash run:[/] {escape(summary.output)}", soft_wrap=True)
+    to.print(summary_table(summary, to.width))
+    if summary.errors:
+        to.print(f"failed requests: {escape(summary.errors)}", soft_wrap=True)
 
 
 def show_trained(result: TrainResult, next_steps: dict[str, str]) -> None:

@@ -22,7 +22,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from dflash_cli.cli.app import app
-from dflash_cli.cli.output import summary_table
+from dflash_cli.cli.output import show_summary, summary_table
 from dflash_cli.commands import run as jobs
 from dflash_cli.commands.run import read_requests, run_file
 from dflash_cli.commands.run_output import ErrorsFile, ResultsFile, Resume, completed_ids
@@ -545,6 +545,17 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
         assert output.read_bytes() == done and errors.exists()  # nothing written, nothing removed
     write_lines(prompts, [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}])
     assert run_file(options.overriding(block_size=2), prompts, load=no_load).skipped == 2  # (lossless)
+
+
+def test_the_summary_keeps_long_paths_whole(tmp_path: Path) -> None:
+    """The output's and the errors file's paths are printed whole on their lines, however narrow the terminal, so
+    that they can be copied (a table's title and caption fold at its width, mid-name)."""
+    folder = "a-rather-long-folder-name/another-level-of-folders"
+    summary = jobs.Summary(f"{folder}/results.out.jsonl", 3, done=2, failed=1, errors=f"{folder}/results.errors.jsonl")
+    narrow = Console(record=True, width=40)
+    show_summary(summary, narrow)
+    lines = narrow.export_text().splitlines()
+    assert f"dflash run: {summary.output}" in lines and f"failed requests: {summary.errors}" in lines
 
 
 def test_the_errors_file_is_ours_to_rewrite_or_refused(tmp_path: Path) -> None:

@@ -14,9 +14,10 @@ skipped.
 
 Nothing is lost: every result is appended as one complete line and fsync'd as it completes; a re-run of the
 same command skips the ids the output already holds, after cutting away the torn last line a killed run may
-have left; each result records a hash of the request it was made from, and a run whose line or command changed
-since refuses rather than keep the old result. Work runs shortest prompt first, up to `--batch-size` requests decoding together (a finished one
-makes room for the next at once), so results are not in input order: match them by id.
+have left; each result records what it was made from (a hash of the request, and the settings that
+shape its tokens by name), and a run whose line or settings changed since refuses, naming the change, rather than
+keep the old result. Work runs shortest prompt first, up to `--batch-size` requests decoding together (a finished
+one makes room for the next at once), so results are not in input order: match them by id.
 Lines that cannot run go to the errors file as {"line", "id", "error": {"code", "message"}}; each run
 rewrites it (and removes it when there are none), so it always lists what is still missing.
 """
@@ -42,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_cli.commands.run_output import (
     STDERR,
     STDOUT,
+    Done,
     Errors,
     ErrorsFile,
     PrintedErrors,
@@ -54,6 +56,7 @@ from dflash_cli.commands.run_output import (
 from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.progress import format_duration
 from dflash_cli.protocol import responses
+from dflash_cli.protocol.params import sampling_settings
 from dflash_cli.protocol.request_files import STDIN, LineError, RequestFile, read_jsonl
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import ToolCall
@@ -101,16 +104,44 @@ def format_openai_response(request: Request, result: Any, model: str, reply: Rep
     }
 
 
-def request_hash(request: Request, options: RunOptions, target: str | None) -> str:
-    """What a result is made from: the request's input, its sampling (the line's keys over the command's flags) and
-    the target the options name. On resume, a result whose hash is not its request's is stale: its line or the
-    command changed since."""
+@dataclass(frozen=True)
+class MadeFrom:
+    """What a result is made from: `hash` (request_hash: the request's input, its sampling and the target) and
+    `settings`, what shapes its tokens by name (model_settings and the request's sampling; JSON values), so that a
+    resume which changed one can say which."""
+
+    hash: str
+    settings: dict[str, Any]
+
+
+def model_settings(options: RunOptions) -> dict[str, Any]:
+    """The settings of the model that shape every result's tokens: the target, and the dtype and quantization the
+    plan holds it in on this machine (a --dtype or --quant, or a plan that chose otherwise for lack of memory).
+    The drafter, block size and batch size do not: decoding is lossless and batch-invariant."""
+    recipe = _recipe(options)
+    if recipe is None:  # no model named (only the library API allows that): nothing decodes
+        return {"target": None}
+    from dflash_cli.setup.hardware import detect_machine
+    from dflash_cli.setup.planning import make_plan
+
+    plan = make_plan(detect_machine(), recipe, options.overrides)
+    quant = str(plan.weights) if plan.weights != plan.dtype else "none"  # (a checkpoint's own fp8 as stored too)
+    return {"target": recipe.target.id, "dtype": plan.dtype, "quant": quant}
+
+
+def request_hash(request: Request, options: RunOptions, model: dict[str, Any]) -> MadeFrom:
+    """What a result of `request` is made from: its input, its sampling (the line's keys over the command's flags)
+    and the `model` (model_settings). The hash covers the input, sampling and target (as results made before the
+    settings were recorded have it); the settings name the rest. On resume, a result made from other ones is
+    stale: its line or the command changed since."""
     try:
-        sampling: Any = dataclasses.asdict(options.sampling_params(**request.sampling))
+        params = options.sampling_params(**request.sampling)
+        sampling: Any = dataclasses.asdict(params)
+        named = sampling_settings(params)
     except (DflashError, RequestError, TypeError, ValueError):  # (such a line fails when it runs)
-        sampling = dict(request.sampling)
+        sampling, named = dict(request.sampling), {}
     made_from = {
-        "target": target,
+        "target": model["target"],
         "input": [
             request.messages,
             request.prompt,
@@ -121,17 +152,19 @@ def request_hash(request: Request, options: RunOptions, target: str | None) -> s
         ],
         "sampling": sampling,
     }
-    return hashlib.sha256(json.dumps(made_from, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(made_from, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+    return MadeFrom(digest, json.loads(json.dumps({**model, **named}, default=repr)))  # (as a record reads back)
 
 
 def result_record(
-    request: Request, result: Any, model: str, made_from: str, reply: Reply | None = None
+    request: Request, result: Any, model: str, made_from: MadeFrom, reply: Reply | None = None
 ) -> dict[str, Any]:
-    """The output line of one result; `made_from`: its request_hash; `reply`: its content and tool calls (under
-    tools; else the text)."""
+    """The output line of one result; `made_from`: what it was made from (request_hash); `reply`: its content and
+    tool calls (under tools; else the text)."""
     reply = reply or (result.text, [])
+    made = {"request_hash": made_from.hash, "made_with": made_from.settings}
     if request.endpoint is not None:
-        return {**format_openai_response(request, result, model, reply), "request_hash": made_from}
+        return {**format_openai_response(request, result, model, reply), **made}
     content, calls = reply
     tools = {"tool_calls": [call.to_dict() for call in calls]} if calls else {}
     return {
@@ -142,7 +175,7 @@ def result_record(
         "prompt_tokens": result.stats.prompt_tokens,
         "completion_tokens": len(result.token_ids),
         "stats": responses.dflash_stats(result.stats),
-        "request_hash": made_from,
+        **made,
     }
 
 
@@ -214,7 +247,7 @@ def run_jobs(
     results: Results,
     errors: Errors,
     options: RunOptions,
-    made_from: dict[str, str],
+    made_from: dict[str, MadeFrom],
     console: Console | None = None,
 ) -> Summary:
     """Generate every request, shortest prompt first, appending each result the moment it is complete.
@@ -364,18 +397,20 @@ def run_file(
         say(f"{escape(parsed.name)} has no requests: nothing to do")
         return Summary(str(output_path), 0)
     recipe = _recipe(options)
-    target = recipe.target.id if recipe is not None else None
-    made_from = {request.id: request_hash(request, options, target) for request in parsed.requests}
+    model = model_settings(options)
+    made_from = {request.id: request_hash(request, options, model) for request in parsed.requests}
     with PrintedResults() if piped else ResultsFile(output_path) as results:
-        _refuse_stale_results(results, made_from)
+        held = {result.id: result for result in results.resume.done}
+        matched = {request.id: held[request.id] for request in parsed.requests if request.id in held}
+        _refuse_stale_results(results.path, matched, made_from)
         with ErrorsFile(errors_path) if errors_path else PrintedErrors(console) as error_log:
             # (the mode this run decodes in, true even when it has nothing left to decode)
             speculative = not options.no_spec and recipe is not None and recipe.drafter is not None
-            summary, skipped = _resume_and_run(
-                results, error_log, parsed, options, made_from, speculative, console, load
+            summary = _resume_and_run(
+                results, error_log, parsed, set(matched), options, made_from, speculative, console, load
             )
         resume = results.resume
-    summary.total, summary.skipped, summary.repaired_bytes = parsed.total, skipped, resume.repaired_bytes
+    summary.total, summary.skipped, summary.repaired_bytes = parsed.total, len(matched), resume.repaired_bytes
     summary.failed += len(parsed.errors)
     summary.errors = str(errors_path or STDERR) if summary.failed else None
     summary.wall_s = time.perf_counter() - started
@@ -387,31 +422,66 @@ def prints_results(prompts: str, output: str | None) -> bool:
     return output == "-" or (output is None and prompts == "-")
 
 
-def _refuse_stale_results(results: Results, made_from: dict[str, str]) -> None:
-    """A result the output holds for a request that has changed since (its line, or the command's target or
-    sampling flags; `made_from`: each request's request_hash) would be skipped as done: refuse, before anything
-    is written."""
-    recorded = results.resume.made_from
-    stale = [request_id for request_id, made in made_from.items() if recorded.get(request_id) not in (None, made)]
-    if stale:
-        shown = ", ".join(str(request_id) for request_id in stale[:3]) + (", ..." if len(stale) > 3 else "")
-        raise DflashError(
-            f"{len(stale)} result(s) in {results.path} were made from another prompt or other settings (ids {shown}): "
-            "resuming would keep them as they are",
-            fix="write this run's results to another file with -o (or delete those lines to run them again)",
-        )
+def _refuse_stale_results(path: Path, matched: dict[str, Done], made_from: dict[str, MadeFrom]) -> None:
+    """A result the output holds for a request that has changed since (its line, or the command's settings that
+    shape its tokens; `matched`: match_results, `made_from`: each request's) would be skipped as done: refuse,
+    before anything is written, naming what changed as "max_tokens 64 -> 32"."""
+    stale = [
+        request_id
+        for request_id, result in matched.items()
+        if result.made_from not in (None, made_from[request_id].hash)
+        or result.made_with not in (None, made_from[request_id].settings)
+    ]
+    if not stale:
+        return
+    changes: dict[str, None] = {}  # (ordered, each change once)
+    lines = unknown = 0
+    for request_id in stale:
+        made_with = matched[request_id].made_with
+        if made_with is None:  # (a result of an earlier version: its settings were not recorded)
+            unknown += 1
+            continue
+        changed = _changed_settings(made_with, made_from[request_id].settings)
+        changes.update(dict.fromkeys(changed))
+        lines += not changed  # the same settings, another hash: its input changed
+    reasons = [f"with other settings ({', '.join(changes)})"] * bool(changes)
+    reasons += ["from another version of their line"] * bool(lines)
+    reasons += ["from another line or other settings"] * bool(unknown)
+    shown = ", ".join(str(request_id) for request_id in stale[:3]) + (", ..." if len(stale) > 3 else "")
+    back = "run with the settings they were made with to finish it, or " if changes else ""
+    raise DflashError(
+        f"{len(stale)} result(s) in {path} were made {' and '.join(reasons)} (ids {shown}): resuming would mix "
+        "them with this run's",
+        fix=f"{back}write this run's results to another file with -o (or delete those results to run them again)",
+    )
+
+
+def _changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Each setting that differs, as "name before -> now" (as `train --resume` names changed flags)."""
+
+    def shown(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value)
+
+    return [
+        f"{name} {shown(before.get(name))} -> {shown(now.get(name))}"
+        for name in dict.fromkeys([*before, *now])
+        if before.get(name) != now.get(name)
+    ]
 
 
 def _resume_and_run(
     results: Results,
     error_log: Errors,
     parsed: RequestFile,
+    done: set[str],
     options: RunOptions,
-    made_from: dict[str, str],
+    made_from: dict[str, MadeFrom],
     speculative: bool,
     console: Console | None,
     load: Callable[[RunOptions, Console | None], Any] | None,
-) -> tuple[Summary, int]:
+) -> Summary:
+    """Say what the output already holds (`done`: the ids of requests with a result), then load the model and
+    generate the rest, if any."""
     say = console.print if console is not None else (lambda *args: None)
     output_path = results.path
     resume = results.resume
@@ -420,10 +490,9 @@ def _resume_and_run(
             f"[yellow]repaired[/] {escape(str(output_path))}: cut a torn last line ({resume.repaired_bytes} "
             "bytes) left by an interrupted run; its request runs again"
         )
-    pending = [request for request in parsed.requests if request.id not in resume.ids]
-    skipped = len(parsed.requests) - len(pending)
-    if skipped:
-        say(f"resuming: {skipped} of {len(parsed.requests)} requests are already in {escape(str(output_path))}")
+    pending = [request for request in parsed.requests if request.id not in done]
+    if done:
+        say(f"resuming: {len(done)} of {len(parsed.requests)} requests are already in {escape(str(output_path))}")
     for error in parsed.errors:
         error_log.append(error)
     summary = Summary(str(output_path), 0, speculative=speculative)
@@ -446,7 +515,7 @@ def _resume_and_run(
         summary.load_s = load_s
     elif not parsed.errors:
         say("every request is already done: nothing to do")
-    return summary, skipped
+    return summary
 
 
 def _recipe(options: RunOptions) -> Recipe | None:

@@ -56,13 +56,23 @@ def _record_id(record: Any) -> str | None:
 
 
 @dataclass(frozen=True)
+class Done:
+    """A result the output holds: its id, the request_hash it was made from and the settings it was made with
+    (`made_with`); None where the record has none (written by an earlier version)."""
+
+    id: str
+    made_from: str | None
+    made_with: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class Resume:
-    made_from: dict[str, str | None]  # the ids the output already holds -> each result's request_hash (if any)
+    done: list[Done]  # the results the output already holds, in file order
     repaired_bytes: int  # size of the torn last line cut away (0: none)
 
     @property
     def ids(self) -> set[str]:
-        return set(self.made_from)
+        return {result.id for result in self.done}
 
 
 def completed_ids(path: Path) -> Resume:
@@ -71,14 +81,14 @@ def completed_ids(path: Path) -> Resume:
     A torn line before the end, or a JSON line that is no result, means the file is not (only) ours:
     DflashError, and the file is left as it is."""
     if not path.exists():
-        return Resume({}, 0)
+        return Resume([], 0)
 
     def not_ours(number: int, why: str) -> DflashError:
         return DflashError(
             f"line {number} of {path} {why}", fix="move the file aside, or write the results elsewhere with -o"
         )
 
-    made_from: dict[str, str | None] = {}
+    done: list[Done] = []
     offset, torn = 0, None  # torn: (offset, line number) of an unreadable line
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
@@ -94,15 +104,18 @@ def completed_ids(path: Path) -> Resume:
                 request_id = _record_id(record)
                 if request_id is None:
                     raise not_ours(number, "is JSON but not a dflash result (no id with a text or response)")
-                made_from[request_id] = record.get("request_hash")
+                made_with = record.get("made_with")
+                done.append(
+                    Done(request_id, record.get("request_hash"), made_with if isinstance(made_with, dict) else None)
+                )
             offset += len(raw)
     if torn is None:
-        return Resume(made_from, 0)
+        return Resume(done, 0)
     with path.open("r+b") as file:
         file.truncate(torn[0])
         file.flush()
         os.fsync(file.fileno())
-    return Resume(made_from, offset - torn[0])
+    return Resume(done, offset - torn[0])
 
 
 def _open_for_writing(path: Path, mode: str, what: str, flag: str) -> IO[bytes]:
@@ -233,7 +246,7 @@ class PrintedResults:
     resume from."""
 
     path = STDOUT
-    resume = Resume({}, 0)
+    resume = Resume([], 0)
 
     def __init__(self) -> None:
         self.written = 0

@@ -25,7 +25,7 @@ from dflash_cli.cli.app import app
 from dflash_cli.cli.output import show_summary, summary_table
 from dflash_cli.commands import run as jobs
 from dflash_cli.commands.run import read_requests, run_file
-from dflash_cli.commands.run_output import ErrorsFile, ResultsFile, Resume, completed_ids
+from dflash_cli.commands.run_output import Done, ErrorsFile, ResultsFile, Resume, completed_ids
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.protocol.request_files import STDIN, LineError, parse_line
@@ -245,7 +245,7 @@ def test_a_torn_last_line_is_cut_away(tmp_path: Path) -> None:
     assert output.read_bytes() == good
     output.write_bytes(good + b"\x00\x00\x00\n")  # a line that ends but is garbage (a crash mid-block)
     assert completed_ids(output).repaired_bytes == 4 and output.read_bytes() == good
-    assert completed_ids(output) == Resume({"a": None, "b": None}, 0)
+    assert completed_ids(output) == Resume([Done("a", None, None), Done("b", None, None)], 0)
 
 
 def test_a_broken_line_in_the_middle_is_not_touched(tmp_path: Path) -> None:
@@ -520,31 +520,58 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: A
 
 def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, options: RunOptions) -> None:
     """A result is skipped on resume only if it was made from the same request: the same input, sampling (the
-    line's and the flags') and target. Otherwise the run refuses before writing anything."""
+    line's and the flags'), target, dtype and quantization. Otherwise the run refuses before writing anything, and
+    says what changed."""
     prompts = write_lines(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}])
     output, errors = tmp_path / "p.out.jsonl", tmp_path / "p.errors.jsonl"
     assert run_with(session, options, prompts).done == 2
     assert run_file(options, prompts, load=no_load).skipped == 2  # the same requests: done
     done = output.read_bytes()
     errors.write_bytes(b'{"line": 9, "id": "x", "error": {"code": "c", "message": "m"}}\n')  # an earlier run's
+    dtype = session.plan.dtype  # (the plan's default on this machine)
+    other_dtype = "float32" if dtype != "float32" else "bfloat16"
+    same = [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}]
     changed = [
-        ([{"id": "a", "prompt": "Hello there"}, {"id": "b", "prompt": "Bye"}], options),  # a's prompt
-        ([{"id": "a", "prompt": "Hello", "temperature": 0.5}, {"id": "b", "prompt": "Bye"}], options),  # a line's key
+        ([{"id": "a", "prompt": "Hello there"}, same[1]], options, "from another version of their line (ids a)"),
         (
-            [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}],
-            dataclasses.replace(options, sampling=SamplingParams(max_new_tokens=7)),
+            [{"id": "a", "prompt": "Hello", "temperature": 0.5}, same[1]],
+            options,
+            "with other settings (temperature 0.0 -> 0.5) (ids a)",
         ),
+        (
+            [{"id": "a", "prompt": "Hello", "max_tokens": 6}, same[1]],  # a's own max_tokens is the flag's: done
+            dataclasses.replace(options, sampling=SamplingParams(max_new_tokens=7)),
+            "with other settings (max_tokens 6 -> 7) (ids b)",
+        ),
+        (
+            same,
+            options.overriding(dtype=other_dtype),
+            f"with other settings (dtype {dtype} -> {other_dtype}) (ids a, b)",
+        ),
+        (same, options.overriding(quant="int8"), "with other settings (quant none -> int8) (ids a, b)"),
     ]
-    for lines, changed_options in changed:
+    for lines, changed_options, reason in changed:
         write_lines(prompts, lines)
-        with pytest.raises(
-            DflashError, match=r"result\(s\) in .* were made from another prompt or other settings"
-        ) as refused:
+        with pytest.raises(DflashError) as refused:
             run_file(changed_options, prompts, load=no_load)
-        assert "-o" in refused.value.fix
+        assert refused.value.message == (
+            f"{1 + ('a, b' in reason)} result(s) in {output} were made {reason}: resuming would mix them with "
+            "this run's"
+        )
+        assert "-o" in refused.value.fix and ("settings they were made with" in refused.value.fix) == ("->" in reason)
         assert output.read_bytes() == done and errors.exists()  # nothing written, nothing removed
-    write_lines(prompts, [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Bye"}])
-    assert run_file(options.overriding(block_size=2), prompts, load=no_load).skipped == 2  # (lossless)
+    write_lines(prompts, same)
+    assert run_file(options.overriding(block_size=2, batch_size=3), prompts, load=no_load).skipped == 2  # (lossless)
+    assert run_file(options.overriding(dtype=dtype), prompts, load=no_load).skipped == 2  # the plan's own dtype
+
+    record = json.loads(done.splitlines()[0])  # a result an earlier version wrote: no settings recorded
+    del record["made_with"]
+    output.write_text(json.dumps(record) + "\n")
+    assert run_file(options.overriding(dtype=other_dtype), prompts, load=lambda o, c: session).skipped == 1
+    record["request_hash"] = "0" * 16
+    output.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DflashError, match=rf"made from another line or other settings \(ids {record['id']}\)"):
+        run_file(options, prompts, load=no_load)
 
 
 def test_the_summary_keeps_long_paths_whole(tmp_path: Path) -> None:

@@ -8,13 +8,13 @@ Input lines are read by `request_files.read_jsonl`, each on its own (the one req
   {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
                                                          an OpenAI batch line; its result has the OpenAI shape
 Sampling keys on a line (top level, or in an OpenAI body; params.FIELDS) override the command's flags. A line's
-id is its `id` (or `custom_id`); without one it is `line-<N>-<hash of the line>`, stable as long as the line
-keeps its place. A line that repeats an earlier line's id is an error; the first one runs. Blank lines are
-skipped.
+id is its `id` (or `custom_id`); without one it is `line-<N>-<hash of the line>`, and a resume finds that line's
+result by the hash wherever the line has moved since (match_results). A line that repeats an earlier line's id is
+an error; the first one runs. Blank lines are skipped.
 
 Nothing is lost: every result is appended as one complete line and fsync'd as it completes; a re-run of the
-same command skips the ids the output already holds, after cutting away the torn last line a killed run may
-have left; each result records what it was made from (a hash of the request, and the settings that
+same command skips the requests the output already holds a result for, after cutting away the torn last line a
+killed run may have left; each result records what it was made from (a hash of the request, and the settings that
 shape its tokens by name), and a run whose line or settings changed since refuses, naming the change, rather than
 keep the old result. Work runs shortest prompt first, up to `--batch-size` requests decoding together (a finished
 one makes room for the next at once), so results are not in input order: match them by id.
@@ -28,9 +28,10 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 import time
 import uuid
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +66,12 @@ from dflash_cli.setup.recipes import Recipe
 
 LOG_EVERY_S = 10.0  # a progress line this often where the console is not a terminal (a log, CI, nohup)
 Reply = tuple[str | None, list[ToolCall]]  # a reply's content and tool calls
+AUTO_ID = re.compile(r"line-\d+-([0-9a-f]{8})")  # auto_id's shape; its group: the hash of the line's text
 
 
 def auto_id(number: int, raw: bytes) -> str:
-    """The id of a line that has none: stable as long as the line keeps its place and text."""
+    """The id of a line that has none: its line number, for people to find it, and a hash of its text, by which a
+    resume finds its result after lines before it were deleted or inserted (match_results)."""
     return f"line-{number}-{hashlib.sha256(raw.strip()).hexdigest()[:8]}"
 
 
@@ -400,8 +403,7 @@ def run_file(
     model = model_settings(options)
     made_from = {request.id: request_hash(request, options, model) for request in parsed.requests}
     with PrintedResults() if piped else ResultsFile(output_path) as results:
-        held = {result.id: result for result in results.resume.done}
-        matched = {request.id: held[request.id] for request in parsed.requests if request.id in held}
+        matched = match_results(parsed.requests, made_from, results.resume.done)
         _refuse_stale_results(results.path, matched, made_from)
         with ErrorsFile(errors_path) if errors_path else PrintedErrors(console) as error_log:
             # (the mode this run decodes in, true even when it has nothing left to decode)
@@ -420,6 +422,40 @@ def run_file(
 def prints_results(prompts: str, output: str | None) -> bool:
     """Whether the results go to standard output: `-o -`, or requests read from standard input (`-`) without -o."""
     return output == "-" or (output is None and prompts == "-")
+
+
+def match_results(requests: list[Request], made_from: dict[str, MadeFrom], done: list[Done]) -> dict[str, Done]:
+    """Each request's result among those the output holds (`done`), by request id.
+
+    A line with an id has the result of that id. A line without one finds its result by the hash of its text that
+    its auto id ends in, wherever it has moved since (a line deleted or inserted above it renumbers it), one result
+    to a line: n identical lines have n results. Where several could be a line's, the one with its id and
+    request_hash is taken first, then one with its request_hash, then its id (refused as stale), then any."""
+    candidates: dict[tuple[str, str], list[Done]] = defaultdict(list)
+    for result in done:
+        candidates[_result_key(result.id)].append(result)
+    preferences: tuple[Callable[[Request, Done], bool], ...] = (
+        lambda request, result: result.id == request.id and result.made_from == made_from[request.id].hash,
+        lambda request, result: result.made_from == made_from[request.id].hash,
+        lambda request, result: result.id == request.id,
+        lambda request, result: True,
+    )
+    matched: dict[str, Done] = {}
+    for prefer in preferences:
+        for request in requests:
+            left = candidates.get(_result_key(request.id), [])
+            if request.id in matched or not left:
+                continue
+            index = next((i for i, result in enumerate(left) if prefer(request, result)), None)
+            if index is not None:
+                matched[request.id] = left.pop(index)
+    return matched
+
+
+def _result_key(request_id: str) -> tuple[str, str]:
+    """What a result is found by: an auto id's hash of its line's text (the line may have moved), else the id."""
+    auto = AUTO_ID.fullmatch(request_id)
+    return ("text", auto[1]) if auto else ("id", request_id)
 
 
 def _refuse_stale_results(path: Path, matched: dict[str, Done], made_from: dict[str, MadeFrom]) -> None:

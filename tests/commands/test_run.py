@@ -574,6 +574,44 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
         run_file(options, prompts, load=no_load)
 
 
+def test_lines_without_ids_find_their_results_after_lines_are_deleted_or_inserted(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    """A line without an id is named by its place and a hash of its text; a resume finds its result by the text, so
+    deleting a line (fixing a bad one) or inserting one above it runs nothing again, and no request gets two
+    results. Identical lines are counted: each has a result of its own."""
+    texts = [f"Tell me about {name}" for name in ("apples", "pears", "plums", "figs")]
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": text} for text in texts])
+    output = tmp_path / "p.out.jsonl"
+    assert run_with(session, options, prompts).done == 4
+
+    def results() -> dict[str, str]:
+        return {r["id"]: r["text"] for r in read_jsonl(output)}
+
+    first = results()
+    write_lines(prompts, [{"prompt": text} for text in texts[:1] + texts[2:]])  # line 2 deleted
+    summary = run_file(options, prompts, load=no_load)
+    assert (summary.done, summary.skipped) == (0, 3)
+
+    write_lines(prompts, [{"prompt": "Tell me about kiwis"}] + [{"prompt": text} for text in texts])  # one on top
+    summary = run_with(session, options, prompts)
+    assert (summary.done, summary.skipped) == (1, 4)
+    kiwis = parse({"prompt": "Tell me about kiwis"}, 1).id
+    assert results() == {**first, kiwis: collect_text(session, options, "Tell me about kiwis")}
+
+    same = {"prompt": texts[0]}  # the same prompt on three lines: three results, each run once
+    write_lines(prompts, [same, {"prompt": texts[1]}, same])
+    summary = run_with(session, options, prompts)
+    assert (summary.done, summary.skipped) == (1, 2)
+    write_lines(prompts, [{"prompt": texts[1]}, same, same, same])
+    summary = run_with(session, options, prompts)
+    assert (summary.done, summary.skipped) == (1, 3)
+    copies = [r["id"] for r in read_jsonl(output) if r["text"] == first[parse(same, 1).id]]
+    assert len(copies) == len(set(copies)) == 3  # three results of the same prompt, under ids of their own
+    again = run_file(options, prompts, load=no_load)
+    assert (again.done, again.skipped) == (0, 4)
+
+
 def test_the_summary_keeps_long_paths_whole(tmp_path: Path) -> None:
     """The output's and the errors file's paths are printed whole on their lines, however narrow the terminal, so
     that they can be copied (a table's title and caption fold at its width, mid-name)."""

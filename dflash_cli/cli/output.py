@@ -120,6 +120,8 @@ def show_summary(summary: Summary, to: Console = console) -> None:
     to.print(summary_table(summary, to.width))
     if summary.errors:
         to.print(f"failed requests: {escape(summary.errors)}", soft_wrap=True)
+    if summary.unmatched:
+        to.print(f"also in the output: {summary.unmatched} result(s) that match no line of this input", soft_wrap=True)
 
 
 def show_trained(result: TrainResult, next_steps: dict[str, str]) -> None:

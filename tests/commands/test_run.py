@@ -590,26 +590,48 @@ def test_lines_without_ids_find_their_results_after_lines_are_deleted_or_inserte
 
     first = results()
     write_lines(prompts, [{"prompt": text} for text in texts[:1] + texts[2:]])  # line 2 deleted
-    summary = run_file(options, prompts, load=no_load)
-    assert (summary.done, summary.skipped) == (0, 3)
+    log = io.StringIO()
+    summary = run_file(options, prompts, load=no_load, console=Console(file=log, width=300))
+    assert (summary.done, summary.skipped, summary.unmatched) == (0, 3, 1)
+    assert f"holds 1 result(s) that match no line of {prompts}" in log.getvalue()
+    assert parse({"prompt": texts[1]}, 2).id in log.getvalue()  # the deleted line's result: kept, and named
 
     write_lines(prompts, [{"prompt": "Tell me about kiwis"}] + [{"prompt": text} for text in texts])  # one on top
     summary = run_with(session, options, prompts)
-    assert (summary.done, summary.skipped) == (1, 4)
+    assert (summary.done, summary.skipped, summary.unmatched) == (1, 4, 0)
     kiwis = parse({"prompt": "Tell me about kiwis"}, 1).id
     assert results() == {**first, kiwis: collect_text(session, options, "Tell me about kiwis")}
 
     same = {"prompt": texts[0]}  # the same prompt on three lines: three results, each run once
     write_lines(prompts, [same, {"prompt": texts[1]}, same])
     summary = run_with(session, options, prompts)
-    assert (summary.done, summary.skipped) == (1, 2)
+    assert (summary.done, summary.skipped, summary.unmatched) == (1, 2, 3)
     write_lines(prompts, [{"prompt": texts[1]}, same, same, same])
     summary = run_with(session, options, prompts)
-    assert (summary.done, summary.skipped) == (1, 3)
+    assert (summary.done, summary.skipped, summary.unmatched) == (1, 3, 3)
     copies = [r["id"] for r in read_jsonl(output) if r["text"] == first[parse(same, 1).id]]
     assert len(copies) == len(set(copies)) == 3  # three results of the same prompt, under ids of their own
     again = run_file(options, prompts, load=no_load)
     assert (again.done, again.skipped) == (0, 4)
+
+
+def test_an_output_of_another_input_is_noted_and_kept(tmp_path: Path, session: Any, options: RunOptions) -> None:
+    """`-o` naming the results of another input: this run's results are added beside them, with a note before the
+    model loads and a line under the summary; nothing is lost, and the ids tell them apart."""
+    one = write_lines(tmp_path / "one.jsonl", [{"id": "a", "prompt": "Hello"}, {"prompt": "Bye"}])
+    other = write_lines(tmp_path / "other.jsonl", [{"id": "x", "prompt": "Hi"}])
+    output = tmp_path / "other.out.jsonl"
+    assert run_with(session, options, other).done == 1
+    log = io.StringIO()
+    summary = run_with(session, options, one, output=output, console=Console(file=log, width=300))
+    assert (summary.done, summary.skipped, summary.unmatched) == (2, 0, 1)
+    note = " ".join(log.getvalue().split())
+    assert f"note: {output} holds 1 result(s) that match no line of {one} (ids x)" in note
+    assert "they are kept" in note and "-o another file" in note
+    assert sorted(r["id"] for r in read_jsonl(output)) == sorted(["x", "a", parse({"prompt": "Bye"}, 2).id])
+    shown = Console(record=True, width=300)
+    show_summary(summary, shown)
+    assert "also in the output: 1 result(s) that match no line of this input" in shown.export_text()
 
 
 def test_the_summary_keeps_long_paths_whole(tmp_path: Path) -> None:

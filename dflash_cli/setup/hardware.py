@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -153,12 +154,13 @@ def _cpu_ram() -> tuple[int | None, int | None]:
 
 
 @functools.cache
-def weight_bandwidth(device: str, dtype: str) -> float:
+def weight_bandwidth(device: str, dtype: str, product: Callable[[Any, Any], Any] | None = None) -> float:
     """Bytes per second a matrix-vector product reads weights in `dtype` on `device`: the bound on decoding,
     which reads every weight once per generated token. Measured, not looked up: it folds in what a spec sheet
     does not say (other processes' load, a bf16 product emulated on a CPU without bf16 instructions). Best of
     three products over a 256 MiB matrix (1 GiB on a GPU), past any cache; a fraction of a second. (The bench's
-    floor, `roofline.read_bandwidth`, sums the loaded model's weights instead: memory alone, not the kernel.)"""
+    floor, `roofline.read_bandwidth`, sums the loaded model's weights instead: memory alone, not the kernel.)
+    `product(vector, weights)`: the kernel decoding runs (default: torch's F.linear)."""
     import time
 
     import torch
@@ -175,7 +177,7 @@ def weight_bandwidth(device: str, dtype: str) -> float:
         synchronize = {"cuda": torch.cuda.synchronize, "mps": torch.mps.synchronize}.get(kind, lambda: None)
         synchronize()
         started = time.perf_counter()
-        torch.nn.functional.linear(vector, weights)
+        (product or torch.nn.functional.linear)(vector, weights)
         synchronize()
         return time.perf_counter() - started
 

@@ -451,3 +451,22 @@ def test_doctor_shows_what_was_measured_when_and_whether_it_stands(block_costs_c
         f"delete in {block_costs_cache / 'block-costs'}"
     ]
     assert any(line.startswith(f"step costs of {block_costs_cache / 'gone-a'}") for line in lines)
+
+
+def test_the_cpu_speed_line_measures_the_kernel_decoding_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with dflash's bf16 kernel built, the bandwidth behind doctor's speed line is that kernel's (MKL's
+    read at half its speed: the line said ~40 tok/s for a demo decoding 250); elsewhere, and for float32, torch's."""
+    import torch
+
+    from dflash_cli.engine.kernels import native
+
+    used = []
+    monkeypatch.setattr(doctor, "weight_bandwidth", lambda device, dtype, product=None: used.append(product) or 1.0)
+    built = not native.pending_build()  # (doctor never waits for a build: unbuilt, it measures torch's)
+    doctor.measured_bandwidth("cpu", "float32")
+    doctor.measured_bandwidth("cpu", "bfloat16")
+    ours = torch.ops.dflash.bf16_linear if built and native.available() else None
+    assert used == [None, ours]
+    if ours is not None:  # (and it reads a weight as decoding does: the product's values, here all 4096)
+        weights, vector = torch.ones(8, 4096, dtype=torch.bfloat16), torch.ones(1, 4096, dtype=torch.bfloat16)
+        assert ours(vector, weights).float().eq(4096).all()

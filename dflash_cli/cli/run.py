@@ -19,7 +19,8 @@ def run(
         typer.Argument(
             metavar="PROMPTS.jsonl",
             show_default=False,
-            help="One request a line (see above); - reads them from standard input.",
+            help="One request a line (see above), or a .txt file of one prompt a line; - reads them from standard "
+            "input.",
         ),
     ] = None,
     output: Annotated[
@@ -47,7 +48,7 @@ def run(
 ) -> None:
     """Generate for every line of a JSONL file, loading the model once. Resumable: re-run to finish.
 
-    Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), {"prompt_ids": [...]} (token ids), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body): the request format `dflash serve` takes. max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH (a resume finds it by the HASH of the line's text, wherever the line has moved); work starts shortest prompt first and each result is written when it finishes, so match them by id.
+    Lines: {"prompt": "..."} (plain completion), {"messages": [...]} (chat), {"prompt_ids": [...]} (token ids), or OpenAI batch lines (custom_id, method, url /v1/chat/completions or /v1/completions, body): the request format `dflash serve` takes; a .txt file's lines are user turns as they are (as `dflash train --prompts` reads them). max_tokens, temperature, top_p, top_k, min_p, seed and stop on a line override the flags. A result carries its line's id (or custom_id), else line-N-HASH (a resume finds it by the HASH of the line's text, wherever the line has moved); work starts shortest prompt first and each result is written when it finishes, so match them by id.
 
     Up to --batch-size requests decode together (continuous batching: a finished one makes room for the next at once); each gives exactly the tokens it gives alone. Each result is on disk the moment it completes. Re-running the same command skips the requests already in the output, so an interrupted or killed run loses at most the requests in flight; if a line or the command changed since (its prompt, sampling, model, dtype or quantization), the run refuses, naming the change, rather than keep the old result. Results in the output that match no line (another input's, a deleted line's) are kept, with a note. Lines that cannot run (bad JSON, bad fields, an id already used by an earlier line, a prompt too long) go to the errors file and the rest runs; the exit code is 1 when any request failed.
 

@@ -44,8 +44,11 @@ class RequestFile:
         return "standard input" if self.path == STDIN else str(self.path)
 
 
-def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str]) -> Request | LineError | None:
-    """One line as read (bytes) -> a Request with its id, a LineError saying why not, or None for a blank line."""
+def parse_line(
+    raw: bytes, number: int, default_id: Callable[[int, bytes], str], *, text_line: bool = False
+) -> Request | LineError | None:
+    """One line as read (bytes) -> a Request with its id, a LineError saying why not, or None for a blank line.
+    `text_line`: the line is a user turn as it is (a .txt file's, as `dflash train --prompts` reads one)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -53,6 +56,8 @@ def parse_line(raw: bytes, number: int, default_id: Callable[[int, bytes], str])
     text = text.strip().lstrip("\ufeff")  # a byte order mark, as some editors write
     if not text:
         return None
+    if text_line:
+        return Request(messages=({"role": "user", "content": text},), line=number, id=default_id(number, raw))
     try:
         line = json.loads(text)
     except json.JSONDecodeError as error:
@@ -72,8 +77,8 @@ STDIN = Path("<stdin>")  # read_jsonl's path for standard input (the command lin
 
 def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
     """Every line of `path` (`STDIN`: standard input, read to its end first), read as bytes so one bad line cannot
-    stop the rest. `default_id(number, raw)` names a line without an id. Every line that repeats an earlier line's
-    id is an error (`duplicate_id`)."""
+    stop the rest; a .txt file's lines are user turns as they are. `default_id(number, raw)` names a line without
+    an id. Every line that repeats an earlier line's id is an error (`duplicate_id`)."""
     if path == STDIN:
         if sys.stdin is None or sys.stdin.isatty():
             what = "closed" if sys.stdin is None else "a terminal, not a file or a pipe"
@@ -84,20 +89,24 @@ def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFi
         return _read_lines(sys.stdin.buffer, path, default_id)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "not found"
-        raise DflashError(f"{path} {what}", fix="pass a JSONL file of prompts, one request per line")
+        raise DflashError(
+            f"{path} {what}", fix="pass a JSONL file of requests, one a line (or a .txt file, one prompt a line)"
+        )
     try:
         with path.open("rb") as lines:
-            return _read_lines(lines, path, default_id)
+            return _read_lines(lines, path, default_id, text_lines=path.suffix == ".txt")
     except OSError as error:
         raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
 
 
-def _read_lines(lines: Iterable[bytes], path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
+def _read_lines(
+    lines: Iterable[bytes], path: Path, default_id: Callable[[int, bytes], str], *, text_lines: bool = False
+) -> RequestFile:
     requests: list[Request] = []
     errors: list[LineError] = []
     first_line: dict[str, int] = {}
     for number, raw in enumerate(lines, start=1):
-        parsed = parse_line(raw, number, default_id)
+        parsed = parse_line(raw, number, default_id, text_line=text_lines)
         if isinstance(parsed, LineError):
             errors.append(parsed)
         elif parsed is not None and parsed.id in first_line:

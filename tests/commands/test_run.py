@@ -1065,13 +1065,28 @@ def test_a_log_gets_progress_lines_as_the_run_goes(
     assert "elapsed, about" in lines[0]
 
 
-def test_a_text_file_of_prompts_is_refused_before_the_model_loads(tmp_path: Path) -> None:
-    prompts = tmp_path / "prompts.txt"
+def test_a_file_of_plain_lines_is_refused_before_the_model_loads_unless_it_is_a_txt(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    """A .txt file is a prompt a line (user turns, as `dflash train --prompts` reads one); any other file of lines
+    that are not JSON is refused before the model loads, leaving nothing behind."""
+    prompts = tmp_path / "prompts.md"
     prompts.write_text("What is 2+2?\nName a color.\n")
     with pytest.raises(DflashError) as raised:
         run_file(RunOptions(), prompts, load=no_load)
     assert "no line of" in raised.value.message and '{"messages": [{"role": "user"' in raised.value.fix
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]  # no output or errors file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.md"]  # no output or errors file
+    text = tmp_path / "prompts.txt"
+    text.write_text('What is 2+2?\n\n{"prompt": "as it is"}\n')
+    read = read_requests(text)
+    assert [(r.line, r.messages) for r in read.requests] == [
+        (1, ({"role": "user", "content": "What is 2+2?"},)),
+        (3, ({"role": "user", "content": '{"prompt": "as it is"}'},)),
+    ]
+    assert read.requests[0].id == jobs.auto_id(1, b"What is 2+2?\n") and not read.errors
+    run_with(session, options, text)
+    results = [json.loads(line) for line in (tmp_path / "prompts.out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in results) == sorted(r.id for r in read.requests)
     mixed = write_lines(tmp_path / "p.jsonl", ["not json", {"prompt": "hi"}])
     with pytest.raises(AssertionError, match="the model must not load"):  # one good line: the run goes on
         run_file(RunOptions(), mixed, load=no_load)

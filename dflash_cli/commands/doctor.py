@@ -27,12 +27,12 @@ from dflash_cli.errors import DflashError
 from dflash_cli.loading.compiled_steps import background_builds
 from dflash_cli.loading.hub import hub_reachable
 from dflash_cli.loading.models import quiet_bitsandbytes_import
-from dflash_cli.setup.choices import gb
+from dflash_cli.setup.choices import Quant, gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine, gpu_class, torch_release_table, weight_bandwidth
-from dflash_cli.setup.planning import make_plan, native_formats
+from dflash_cli.setup.planning import Plan, PlanOverrides, make_plan, native_formats
 from dflash_cli.setup.recipes import Recipe, load_registry
 from dflash_cli.setup.sizes import recipe_stored_bytes
-from dflash_cli.setup.speed import expected_speed
+from dflash_cli.setup.speed import CHAT_SPEED, SpeedEstimate, expected_speed
 from dflash_cli.wording import plural
 
 TORCH_INDEX = "https://download.pytorch.org/whl"
@@ -437,7 +437,9 @@ def check_recipes(
         rate = bandwidth(plan.device, plan.dtype) if bandwidth else None
         speed = expected_speed(recipe, plan, rate) if rate else None
         lines.append(
-            f"{recipe.name}: fits, {plan.device} {plan.weights}{size}" + (f"; {speed.describe()}" if speed else "")
+            f"{recipe.name}: fits, {plan.device} {plan.weights}{size}"
+            + (f"; {speed.describe()}" if speed else "")
+            + _faster_quant(facts, recipe, plan, speed, rate)
         )
         items.append(
             {
@@ -459,6 +461,25 @@ def check_recipes(
         "free memory, use a machine with a bigger GPU, or serve across GPUs with `dflash export vllm`",
         items=tuple(items),
     )
+
+
+def _faster_quant(
+    facts: MachineFacts, recipe: Recipe, plan: Plan, speed: SpeedEstimate | None, rate: float | None
+) -> str:
+    """Where a CPU plan is too slow for chat, the --quant int4 a user may trade precision for (the planner keeps the
+    published weights where they fit, as llama.cpp users pick a Q4 for speed): "" where it does not help."""
+    if speed is None or rate is None or plan.device != "cpu" or speed.tokens_per_s >= CHAT_SPEED:
+        return ""
+    if plan.quant is Quant.INT4 or Quant.INT4 not in recipe.weight_bytes:
+        return ""
+    try:
+        smaller = make_plan(facts, recipe, PlanOverrides(quant="int4"))
+    except DflashError:  # (a CPU without bf16 instructions: the int4 kernel cannot run)
+        return ""
+    faster = expected_speed(recipe, smaller, rate)
+    if faster is None or faster.tokens_per_s < 1.5 * speed.tokens_per_s:
+        return ""
+    return f"; with --quant int4 ~{faster.tokens_per_s:.1f} tok/s at most ({gb(faster.bytes_per_token)} a token)"
 
 
 def cpp_compiler() -> str | None:

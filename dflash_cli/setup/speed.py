@@ -12,9 +12,10 @@ from dflash_cli.setup.recipes import Recipe
 from dflash_cli.setup.sizes import BYTES_PER_ELEMENT
 
 # Verdicts by the bound: reading speed is about 5-8 tokens/s.
+CHAT_SPEED = 8.0  # tok/s: below it a chat reply lags behind reading
 SPEED_VERDICTS = (
     (30.0, "fast"),
-    (8.0, "fine for chat"),
+    (CHAT_SPEED, "fine for chat"),
     (2.0, "slow: sluggish in chat, usable for `dflash run` batches"),
     (0.0, "too slow for chat"),
 )

@@ -296,6 +296,23 @@ def test_recipe_speed_classes() -> None:
     assert "NF4" not in nf4.detail  # the planner never picks NF4 on a CPU by itself
 
 
+def test_a_cpu_plan_too_slow_for_chat_names_the_int4_speed() -> None:
+    """The planner keeps the published weights where they fit (bf16: 16.4 GB a token for Qwen3-8B); where that is
+    below chat speed, doctor says what --quant int4 would reach; a plan fast enough, or already int4, says nothing."""
+    cpu = dataclasses.replace(CPU, cpu_bf16=True, cpu_ram_total=64 * GIB, cpu_ram_available=60 * GIB)
+    lines = {
+        line.split(":")[0]: line
+        for line in check_recipes(
+            cpu, [get_recipe("qwen3-8b"), get_recipe("demo")], lambda d, t: 40e9
+        ).detail.splitlines()
+    }
+    assert "fits, cpu bfloat16" in lines["qwen3-8b"] and "slow: sluggish in chat" in lines["qwen3-8b"]
+    assert lines["qwen3-8b"].endswith("; with --quant int4 ~6.4 tok/s at most (6.2 GB a token)")
+    assert "--quant" not in lines["demo"]  # (int4 already, and fast)
+    fast = check_recipes(cpu, [get_recipe("qwen3-8b")], lambda d, t: 400e9).detail
+    assert "--quant" not in fast
+
+
 def test_speed_verdicts_and_the_nf4_note_off_cuda() -> None:
     recipe = get_recipe("qwen3-8b")
     plan = make_plan(CPU, recipe, PlanOverrides(quant="nf4"))

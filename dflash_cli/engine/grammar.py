@@ -88,6 +88,9 @@ def json_grammar(schema: str) -> str:
     import xgrammar
 
     text = str(xgrammar.Grammar.from_json_schema(json.dumps(bounded_integers(json.loads(schema))), **JSON_LAYOUT))
+    # xgrammar writes U+0080-U+00FF as \xHH but reads back every hex digit after \x ("\xb0F", °F, became U+0B0F):
+    # four digits read back as written
+    text = re.sub(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})", r"\1\\u00\2", text)
     lines = []
     for line in text.splitlines():
         name = line.partition(" ::= ")[0]

@@ -61,7 +61,8 @@ def check_schema(schema: Any, name: str) -> None:
                 raise RequestError(f"{where}: the JSON schema keyword {key!r} is not supported", param=where)
             if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
                 raise RequestError(f"{where}: only references inside the schema (#/...) are supported", param=where)
-            patterns = [value] if key == "pattern" else list(value) if key == "patternProperties" else []
+            named = key == "patternProperties" and isinstance(value, dict)
+            patterns = [value] if key == "pattern" else list(value) if named else []
             for pattern in [p for p in patterns if isinstance(p, str) and control_character(p) is not None]:
                 raise RequestError(
                     f"{where}: {show(pattern)} matches the control character {control_character(pattern)}, which "
@@ -86,8 +87,10 @@ def control_character(pattern: str) -> str | None:
         char, code = pattern[i], None
         if char == "\\" and i + 1 < len(pattern):
             escape, rest = pattern[i + 1], pattern[i + 2 :]
-            if escape in CONTROL_ESCAPES:
-                code, i = CONTROL_ESCAPES[escape], i + 2
+            if escape in CONTROL_ESCAPES or (escape == "b" and in_class):  # ([\b]: a backspace)
+                code, i = CONTROL_ESCAPES.get(escape, 0x08), i + 2
+            elif ord(escape) < 0x20:  # (a control character escaped is itself)
+                code, i = ord(escape), i + 2
             elif escape == "x" and re.match(r"[0-9a-fA-F]{2}", rest):
                 code, i = int(rest[:2], 16), i + 4
             elif escape == "u" and re.match(r"[0-9a-fA-F]{4}", rest):
@@ -224,14 +227,13 @@ def read_schema(value: Any, name: str) -> dict[str, Any]:
     """A JSON schema object from a request, checked (see the module docstring); RequestError names `name`."""
     if not isinstance(value, dict):
         raise RequestError(f"{name} must be a JSON schema object, got {show(value)}", param=name)
-    too_deep = RequestError(f"{name} nests schemas more than {SCHEMA_DEPTH} deep (references followed)", param=name)
     if schema_depth(value) > SCHEMA_DEPTH:
-        raise too_deep
+        raise _too_deep(name)
     check_schema(value, name)
     try:
         finite = admits_finite_value(value)
     except TooDeep:
-        raise too_deep from None
+        raise _too_deep(name) from None
     if not finite:
         raise RequestError(
             f'{name} admits no finite JSON value: it refers to itself (a "$ref" cycle) with no way out, so no '
@@ -264,5 +266,9 @@ def read_parameters(value: Any, name: str) -> dict[str, Any]:
         where = f"{name}.required"
         raise RequestError(f"{where} must be a list of argument names, got {show(required)}", param=where)
     if schema_depth(value) > SCHEMA_DEPTH:
-        raise RequestError(f"{name} nests schemas more than {SCHEMA_DEPTH} deep (references followed)", param=name)
+        raise _too_deep(name)
     return value
+
+
+def _too_deep(name: str) -> RequestError:
+    return RequestError(f"{name} nests schemas more than {SCHEMA_DEPTH} deep (references followed)", param=name)

@@ -222,7 +222,8 @@ class Qwen3Coder(ToolFormat):
             properties = tools.schema(name).get("properties", {})
             arguments = {}
             for key, value in self.PARAMETER.findall(block.group(2)):
-                if properties.get(key, {}).get("type") == "string":
+                schema = properties.get(key) if isinstance(properties, dict) else None
+                if isinstance(schema, dict) and schema.get("type") == "string":  # (a schema may be `true`)
                     arguments[key] = value
                     continue
                 try:

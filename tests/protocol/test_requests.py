@@ -297,6 +297,7 @@ def test_a_pattern_naming_a_control_character_is_refused_where_a_grammar_follows
     for pattern, named in [
         (r"^a\nb$", "U+000A"), (r"^[a\t]$", "U+0009"), (r"^\x0a$", "U+000A"), (r"^\u001f$", "U+001F"),
         (r"^\cJ$", "U+000A"), ("^a\nb$", "U+000A"), (r"^[\x00-\x1f]$", "U+0000"), (r"^[^\n]+\r$", "U+000D"),
+        (r"^[\b]$", "U+0008"), ("^a\\\nb$", "U+000A"), (r"^\bword\b$", None),
         (r"^[^\n]*$", None), (r"^\\n$", None), (r"^[^\x00-\x1f]+$", None), (r"^\d\s\w.$", None),
     ]:  # fmt: skip
         assert control_character(pattern) == named, pattern
@@ -309,6 +310,8 @@ def test_a_pattern_naming_a_control_character_is_refused_where_a_grammar_follows
         read_body({"messages": USER, "tools": tool(keyed), "tool_choice": "required"}, CHAT_URL)
     assert refused.value.param == "tools[0].function.parameters.patternProperties"
     read_body({"messages": USER, "tools": tool(string)}, CHAT_URL)  # (auto: offered, not enforced)
+    odd = {"type": "object", "patternProperties": 5}  # (not an object: no patterns; the compiler says the rest)
+    read_body({"messages": USER, "response_format": schema_format(odd)}, CHAT_URL)
     string["properties"]["s"]["pattern"] = r"^[^\n]*$"
     read_body({"messages": USER, "response_format": schema_format(string)}, CHAT_URL)
 

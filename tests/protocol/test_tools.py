@@ -152,6 +152,10 @@ def test_qwen3_coder_reads_values_by_the_schema() -> None:
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
     (call,) = parse_reply(text, TOOLS, "qwen3_coder")[1]
     assert json.loads(call.arguments) == {"city": "42", "days": 3}
+    loose = read_tools({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": True, "days": {"type": "integer"}}}}}]})  # fmt: skip
+    (call,) = parse_reply(text, loose, "qwen3_coder")[1]  # (a property's schema may be `true`: any value)
+    assert json.loads(call.arguments) == {"city": 42, "days": 3}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -75,10 +75,10 @@ def parse_line(
 STDIN = Path("<stdin>")  # read_jsonl's path for standard input (the command line's `-`; ./- names a file)
 
 
-def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFile:
+def read_jsonl(path: Path, default_id: Callable[[int, bytes], str], *, text_lines: bool | None = None) -> RequestFile:
     """Every line of `path` (`STDIN`: standard input, read to its end first), read as bytes so one bad line cannot
-    stop the rest; a .txt file's lines are user turns as they are. `default_id(number, raw)` names a line without
-    an id. Every line that repeats an earlier line's id is an error (`duplicate_id`)."""
+    stop the rest; a .txt file's lines are user turns as they are (`text_lines`: whatever its name). `default_id(number,
+    raw)` names a line without an id. Every line that repeats an earlier line's id is an error (`duplicate_id`)."""
     if path == STDIN:
         if sys.stdin is None or sys.stdin.isatty():
             what = "closed" if sys.stdin is None else "a terminal, not a file or a pipe"
@@ -94,7 +94,8 @@ def read_jsonl(path: Path, default_id: Callable[[int, bytes], str]) -> RequestFi
         )
     try:
         with path.open("rb") as lines:
-            return _read_lines(lines, path, default_id, text_lines=path.suffix == ".txt")
+            plain = path.suffix == ".txt" if text_lines is None else text_lines
+            return _read_lines(lines, path, default_id, text_lines=plain)
     except OSError as error:
         raise DflashError(f"cannot read {path}: {error.strerror}", fix="check the file's permissions") from None
 

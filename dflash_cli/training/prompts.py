@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_cli.errors import DflashError
-from dflash_cli.protocol.request_files import read_prompt_file
+from dflash_cli.protocol.request_files import read_jsonl, read_prompt_file
 from dflash_cli.protocol.requests import Request
 from dflash_cli.wording import plural
 
@@ -20,15 +20,15 @@ def load_prompts(path: str | Path) -> list[Request]:
         return read_prompt_file(path, "train", token_ids=False, constraints=True)
     if not path.is_file():
         raise DflashError(f"prompt file {path} does not exist", fix="pass --prompts FILE (.jsonl or .txt)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DflashError(f"cannot read prompt file {path}: {exc}", fix="give a UTF-8 .txt or .jsonl file") from None
-    requests = [
-        Request(messages=({"role": "user", "content": line.strip()},), id=f"{path.stem}-{number}", line=number)
-        for number, line in enumerate(lines, 1)
-        if line.strip()
-    ]
+    # (read as `dflash run` reads a .txt: the same lines, each a user turn)
+    read = read_jsonl(path, lambda number, _raw: f"{path.stem}-{number}", text_lines=True)
+    if read.errors:
+        error = read.errors[0]
+        raise DflashError(
+            f"cannot read prompt file {path}: line {error.line}: {error.message}",
+            fix="give a UTF-8 .txt or .jsonl file",
+        )
+    requests = read.requests
     if not requests:
         raise DflashError(
             f"prompt file {path} holds no prompts", fix="one prompt per line (.txt) or per JSON line (.jsonl)"

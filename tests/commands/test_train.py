@@ -1137,3 +1137,26 @@ def test_a_run_refused_for_its_models_leaves_no_output_folder(
     with pytest.raises(DflashError, match="nope"):  # (offline: not a directory, not cached)
         train(options(tiny_qwen3_dir, prompt_file, out, init_from=str(tmp_path / "nope")), Console(file=io.StringIO()))
     assert not out.exists()
+
+
+def test_a_text_file_of_prompts_reads_as_dflash_run_reads_one(tmp_path: Path) -> None:
+    """`dflash train --prompts` and `dflash run` read a .txt alike (one reader): a line a user turn, blank lines
+    skipped, a byte order mark dropped, a U+2028 inside a line kept in it; a file not UTF-8 is refused by line."""
+    from dflash_cli.commands.run import read_requests
+    from dflash_cli.training.prompts import load_prompts
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes("\ufeffWhat is 2+2?\n\nOne\u2028line\n".encode())
+    trained, ran = load_prompts(prompts), read_requests(prompts).requests
+    assert (
+        [r.messages for r in trained]
+        == [r.messages for r in ran]
+        == [
+            ({"role": "user", "content": "What is 2+2?"},),
+            ({"role": "user", "content": "One\u2028line"},),
+        ]
+    )
+    assert [r.id for r in trained] == ["p-1", "p-3"]
+    prompts.write_bytes(b"fine\n\xff\n")
+    with pytest.raises(DflashError, match="line 2: not UTF-8"):
+        load_prompts(prompts)

@@ -394,8 +394,8 @@ def run_file(
         raise DflashError(  # (a text file of prompts, most likely: refused before a model loads or a file is made)
             f"no line of {parsed.name} is JSON (line {parsed.errors[0].line}: {parsed.errors[0].message}): `dflash run` "
             "reads one JSON request a line",
-            fix='write each prompt as {"messages": [{"role": "user", "content": "..."}]} (a chat turn) or '
-            '{"prompt": "..."} (plain completion); `dflash chat NAME --prompt "..."` answers one',
+            fix="name a file of one prompt a line *.txt, or write each prompt as "
+            '{"messages": [{"role": "user", "content": "..."}]} (a chat turn) or {"prompt": "..."} (plain completion)',
         )
     say = console.print if console is not None else (lambda *args: None)
     if parsed.total == 0:

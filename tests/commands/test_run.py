@@ -1075,6 +1075,7 @@ def test_a_file_of_plain_lines_is_refused_before_the_model_loads_unless_it_is_a_
     with pytest.raises(DflashError) as raised:
         run_file(RunOptions(), prompts, load=no_load)
     assert "no line of" in raised.value.message and '{"messages": [{"role": "user"' in raised.value.fix
+    assert raised.value.fix.startswith("name a file of one prompt a line *.txt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.md"]  # no output or errors file
     text = tmp_path / "prompts.txt"
     text.write_text('What is 2+2?\n\n{"prompt": "as it is"}\n')

@@ -128,9 +128,13 @@ def model_settings(options: RunOptions) -> dict[str, Any]:
     from dflash_cli.setup.hardware import detect_machine
     from dflash_cli.setup.planning import make_plan
 
-    plan = make_plan(detect_machine(), recipe, options.overrides)
+    return plan_settings(recipe.target.id, make_plan(detect_machine(), recipe, options.overrides))
+
+
+def plan_settings(target: str, plan: Any) -> dict[str, Any]:
+    """model_settings of a plan: the one predicted before loading, or the one the loaded session holds."""
     quant = str(plan.weights) if plan.weights != plan.dtype else "none"  # (a checkpoint's own fp8 as stored too)
-    return {"target": recipe.target.id, "dtype": plan.dtype, "quant": quant}
+    return {"target": target, "dtype": plan.dtype, "quant": quant}
 
 
 def request_hash(request: Request, options: RunOptions, model: dict[str, Any]) -> MadeFrom:
@@ -498,6 +502,26 @@ def _refuse_stale_results(path: Path, matched: dict[str, Done], made_from: dict[
     )
 
 
+def _check_loaded_plan(session: Any, made_from: dict[str, MadeFrom], done: set[str], output: Path) -> None:
+    """The plan predicted before loading (model_settings: what made_from records and the resume was checked
+    against) is the one loaded, most likely; where it is not (a GPU whose free memory the loading itself took,
+    so int8 where bf16 was predicted), the results to come record the loaded one, and a resume with results of the
+    predicted one is refused rather than mix them in one file."""
+    predicted = next(iter(made_from.values())).settings
+    loaded = plan_settings(predicted["target"], session.plan)
+    changed = _changed_settings({key: predicted.get(key) for key in loaded}, loaded)
+    if not changed:
+        return
+    if done:
+        raise DflashError(
+            f"the model loaded in another plan than predicted ({', '.join(changed)}): the {len(done)} results in "
+            f"{output} were made with the predicted one",
+            fix="pass --dtype and --quant as the results have them (their made_with), or -o another file",
+        )
+    for request_id, made in made_from.items():
+        made_from[request_id] = MadeFrom(made.hash, {**made.settings, **loaded})
+
+
 def _changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Each setting that differs, as "name before -> now" (as `train --resume` names changed flags)."""
 
@@ -555,6 +579,7 @@ def _resume_and_run(
         load_started = time.perf_counter()
         session = load(options, console)
         load_s = time.perf_counter() - load_started
+        _check_loaded_plan(session, made_from, done, output_path)
         try:
             summary = run_jobs(session, pending, results, error_log, options, made_from, console)
         except KeyboardInterrupt:

@@ -518,6 +518,31 @@ def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: A
     assert sorted(ids) == ["r0", "r1", "r2", "r3"]
 
 
+def test_a_model_loaded_in_another_plan_than_predicted_records_it_or_refuses_a_resume(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    """The plan is predicted before loading (made_with, and the resume check); where the session loads another
+    (a GPU whose free memory the loading took), new results record the loaded plan, and a resume whose results
+    were made with the predicted one is refused before anything decodes."""
+    from dflash_cli.loading.session import open_session
+
+    dtype = session.plan.dtype
+    other = options.overriding(dtype="float32" if dtype != "float32" else "bfloat16")
+    prompts = write_lines(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hello"}])
+    output = tmp_path / "p.out.jsonl"
+    assert run_file(other, prompts, load=lambda o, c: session).done == 1  # (predicted `other`, loaded `dtype`)
+    assert json.loads(output.read_text())["made_with"]["dtype"] == dtype  # what decoded it
+    output.unlink()
+    assert run_file(other, prompts, load=lambda o, c: open_session(o)).done == 1  # (made with `other`, as predicted)
+    write_lines(prompts, [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt": "Hi"}])
+    before = output.read_bytes()
+    with pytest.raises(
+        DflashError, match=f"loaded in another plan than predicted \\(dtype {other.overrides.dtype} -> "
+    ):
+        run_file(other, prompts, load=lambda o, c: session)
+    assert output.read_bytes() == before  # nothing decoded, nothing written
+
+
 def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, options: RunOptions) -> None:
     """A result is skipped on resume only if it was made from the same request: the same input, sampling (the
     line's and the flags'), target, dtype and quantization. Otherwise the run refuses before writing anything, and
@@ -567,7 +592,10 @@ def test_a_changed_request_is_not_taken_for_done(tmp_path: Path, session: Any, o
     record = json.loads(done.splitlines()[0])  # a result an earlier version wrote: no settings recorded
     del record["made_with"]
     output.write_text(json.dumps(record) + "\n")
-    assert run_file(options.overriding(dtype=other_dtype), prompts, load=lambda o, c: session).skipped == 1
+    from dflash_cli.loading.session import open_session
+
+    other = options.overriding(dtype=other_dtype)  # (loaded as asked: the plan it predicts)
+    assert run_file(other, prompts, load=lambda o, c: open_session(o)).skipped == 1
     record["request_hash"] = "0" * 16
     output.write_text(json.dumps(record) + "\n")
     with pytest.raises(DflashError, match=rf"made from another line or other settings \(ids {record['id']}\)"):

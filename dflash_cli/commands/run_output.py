@@ -5,6 +5,7 @@ standard output and failures on the console."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -222,6 +223,7 @@ class ErrorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         _check_errors_file(path)
+        self.made = [folder for folder in (path.parent, *path.parent.parents) if not folder.exists()]
         self.file = _open_for_writing(path, "wb", "errors", "--errors")
         self.count = 0
 
@@ -231,8 +233,11 @@ class ErrorsFile:
 
     def close(self) -> None:
         self.file.close()
-        if self.count == 0:
+        if self.count == 0:  # (and the folders made for it: nothing left behind)
             self.path.unlink(missing_ok=True)
+            for folder in self.made:
+                with contextlib.suppress(OSError):  # (not empty: the output's too)
+                    folder.rmdir()
 
     def __enter__(self) -> ErrorsFile:
         return self

@@ -1119,3 +1119,15 @@ def test_a_file_of_plain_lines_is_refused_before_the_model_loads_unless_it_is_a_
     mixed = write_lines(tmp_path / "p.jsonl", ["not json", {"prompt": "hi"}])
     with pytest.raises(AssertionError, match="the model must not load"):  # one good line: the run goes on
         run_file(RunOptions(), mixed, load=no_load)
+
+
+def test_an_errors_file_left_empty_takes_the_folders_made_for_it(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    """--errors in a new folder: made before the model loads (as -o's), and removed with the empty errors file at
+    the end; a folder that holds the output too stays."""
+    prompts = write_lines(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hello"}])
+    run_with(session, options, prompts, errors=tmp_path / "new" / "deeper" / "e.jsonl")
+    assert not (tmp_path / "new").exists()
+    run_with(session, options, prompts, output=tmp_path / "out" / "r.jsonl", errors=tmp_path / "out" / "e.jsonl")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["r.jsonl"]

@@ -66,6 +66,8 @@ pytestmark = pytest.mark.slow  # a real server in a subprocess, started once for
 def test_health_models_and_metrics(server: RunningServer, client: openai.OpenAI) -> None:
     status, health = server.get("/health")  # open without the key, for load balancers
     assert status == 200 and health["status"] == "ok" and health["model"] == server.target
+    assert server.get("/") == (200, health)  # (and `HEAD /`, Claude Code's connectivity check)
+    assert raw_request(server.port, "HEAD", "/", None, {})[0] == 200
     (card,) = client.models.list().data
     assert card.id == server.target and card.owned_by == "dflash"
     assert client.models.retrieve(server.target) == card  # GET /v1/models/{id}, ids with a slash included

@@ -110,6 +110,9 @@ class Server:
     def app(self) -> Callable[..., Awaitable[None]]:
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route(
+                "/", self.health, methods=["GET"]
+            ),  # (Claude Code's connectivity check is a HEAD /; Ollama answers /)
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route(MODEL_URL, self.model_card, methods=["GET"]),

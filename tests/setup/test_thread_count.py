@@ -33,12 +33,15 @@ def test_the_flag_wins() -> None:
     assert plan.threads == 3 and plan.label() == "3 threads" and "--threads" in plan.reason
 
 
-def test_a_later_plan_starts_from_the_users_count_not_an_earlier_plans() -> None:
+def test_a_later_plan_starts_from_the_users_count_not_an_earlier_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     """`dflash train` plans twice (answering, then training). The first plan's count (here --threads 1, as a busy
     moment may choose) is dflash's own: the second measures from the user's count again, rather than keep 1 and say
     the user set it."""
     import torch
 
+    from dflash_cli.setup import thread_count
+
+    monkeypatch.setattr(thread_count, "_counts", {})  # (this process's counts, as a new process has them; restored)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)  # the user's (OMP_NUM_THREADS=3, say)

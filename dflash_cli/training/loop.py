@@ -377,67 +377,70 @@ def _train_loop(
         saved_at = step
 
     try:
-        while step < options.steps:
-            began = time.perf_counter()
-            chosen = [samples[i] for i in next(order)]
-            batch = make_batch(
-                chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng
-            )
-            made = time.perf_counter()
-            features = stored_features(chosen, batch.input_ids.shape[1], device)
-            batch = batch.to(device)
-            fed = time.perf_counter()
-            if deadline is not None and step - first_step >= 20 and step % 10 == 0:
-                horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
-                if step < warmup:  # a tenth of the run the clock allows, not of --steps (ending now, if past it)
-                    warmup = start = max(step, warmup_steps(options, horizon))
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(
-                    step, options.lr, warmup, decay_progress(step, start, start_progress, horizon)
+        with InterruptsHeld() as interrupts:
+            while step < options.steps:
+                began = time.perf_counter()
+                chosen = [samples[i] for i in next(order)]
+                batch = make_batch(
+                    chosen, options.anchors_per_sequence, options.block_size, drafter.mask_token_id, pad, rng
                 )
-            bf16 = precision.next()
-            computing = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            with interrupts_held():  # (a whole step or none: the checkpoint is where Ctrl-C stopped it)
-                optimizer.step()
-                step += 1
-            chosen_now = precision.timed(bf16, time.perf_counter() - computing)
-            if chosen_now is not None:
-                progress.console.print(f"[dim]{chosen_now}[/dim]")
-            # Where a slow run's time goes: seconds a step, making its batch (the host alone), and its features on the
-            # device (stored ones copied; a copy also waits for the device's queue).
-            stats |= {"step_s": time.perf_counter() - began, "batch_s": made - began, "features_s": fed - made}
-            running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
-            progress.update(
-                task,
-                completed=step,
-                info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}",
-            )
-            out_of_time = deadline is not None and time.perf_counter() >= deadline and step < options.steps
-            measure = options.eval_every and step % options.eval_every == 0 and step < options.steps
-            if step % 10 == 0 or step == options.steps or out_of_time or measure:
-                row = {"step": step, **running, "cpu_s": cpu_before + time.process_time() - cpu_started}
-                if measure:
-                    row |= walked_taus()
-                history.append(row)
-            if step % options.checkpoint_every == 0 or step == options.steps or out_of_time or measure:
-                save()
-                if not progress.console.is_terminal:  # (a run in the background: a whole line a checkpoint)
-                    # This step's figures: its history row where it has one (with held-out tau, if measured), else
-                    # the running ones (history holds a row every 10 steps: its last may be an earlier step's, or
-                    # the previous run's just after a resume).
-                    row = history[-1] if history and history[-1]["step"] == step else running
-                    progress.console.print(checkpoint_line(step, options.steps, row), soft_wrap=True)
-            if out_of_time:
-                progress.update(task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent")
-                break
+                made = time.perf_counter()
+                features = stored_features(chosen, batch.input_ids.shape[1], device)
+                batch = batch.to(device)
+                fed = time.perf_counter()
+                if deadline is not None and step - first_step >= 20 and step % 10 == 0:
+                    horizon = fitted_horizon(step, step - first_step, fed - started, deadline - fed, options.steps)
+                    if step < warmup:  # a tenth of the run the clock allows, not of --steps (ending now, if past it)
+                        warmup = start = max(step, warmup_steps(options, horizon))
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(
+                        step, options.lr, warmup, decay_progress(step, start, start_progress, horizon)
+                    )
+                bf16 = precision.next()
+                computing = time.perf_counter()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss, stats = dflash_loss(drafter, features, batch, options.loss_gamma)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+                with interrupts.held():  # (a whole step or none: the checkpoint is where Ctrl-C stopped it)
+                    optimizer.step()
+                    step += 1
+                chosen_now = precision.timed(bf16, time.perf_counter() - computing)
+                if chosen_now is not None:
+                    progress.console.print(f"[dim]{chosen_now}[/dim]")
+                # Where a slow run's time goes: seconds a step, making its batch (the host alone), and its features on the
+                # device (stored ones copied; a copy also waits for the device's queue).
+                stats |= {"step_s": time.perf_counter() - began, "batch_s": made - began, "features_s": fed - made}
+                running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
+                progress.update(
+                    task,
+                    completed=step,
+                    info=f"loss {running['loss']:.3f} acc {running['acc']:.2f} tau~{running['tau']:.2f}",
+                )
+                out_of_time = deadline is not None and time.perf_counter() >= deadline and step < options.steps
+                measure = options.eval_every and step % options.eval_every == 0 and step < options.steps
+                if step % 10 == 0 or step == options.steps or out_of_time or measure:
+                    row = {"step": step, **running, "cpu_s": cpu_before + time.process_time() - cpu_started}
+                    if measure:
+                        row |= walked_taus()
+                    history.append(row)
+                if step % options.checkpoint_every == 0 or step == options.steps or out_of_time or measure:
+                    save()
+                    if not progress.console.is_terminal:  # (a run in the background: a whole line a checkpoint)
+                        # This step's figures: its history row where it has one (with held-out tau, if measured), else
+                        # the running ones (history holds a row every 10 steps: its last may be an earlier step's, or
+                        # the previous run's just after a resume).
+                        row = history[-1] if history and history[-1]["step"] == step else running
+                        progress.console.print(checkpoint_line(step, options.steps, row), soft_wrap=True)
+                if out_of_time:
+                    progress.update(
+                        task, info=f"stopped at step {step}: --train-minutes {options.train_minutes:g} spent"
+                    )
+                    break
     except KeyboardInterrupt:
         # Ctrl-C keeps the steps since the last checkpoint: saved where the last whole step left the drafter and
-        # optimizer (one that came mid-update waited for it: interrupts_held). The CLI then says how to --resume.
+        # optimizer (one that came mid-update waited for it: InterruptsHeld). The CLI then says how to --resume.
         if step > saved_at:
             recover_checkpoint(checkpoint)  # (if it came mid-save)
             if not history or history[-1]["step"] != step:  # (with its CPU seconds: a resume counts on from them)
@@ -451,28 +454,47 @@ def _train_loop(
     return running, step
 
 
-@contextlib.contextmanager
-def interrupts_held() -> Iterator[None]:
-    """Ctrl-C (SIGINT) and SIGTERM wait for the block to end, then stop the run as they would have: one that came
-    inside optimizer.step() would leave some weights and moments updated and others not, no step to save, and the
-    run would lose every step since its last checkpoint. Only signals with a Python handler (those that raise
-    KeyboardInterrupt) are held; an ignored or default one stays as it is. Signals reach the main thread alone (and
-    only it may set handlers): elsewhere the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    before = {sig: handler for sig, handler in before.items() if callable(handler)}
-    for sig in before:
-        signal.signal(sig, lambda signum, _frame: held.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
+class InterruptsHeld:
+    """Ctrl-C (SIGINT) and SIGTERM wait for a `held()` block to end, then stop the run as they would have: one that
+    came inside optimizer.step() would leave some weights and moments updated and others not, no step to save, and
+    the run would lose every step since its last checkpoint. Its handlers are set once for the whole loop (swapping
+    them each step left windows where one signal could strand the other's); only signals with a Python handler
+    (those that raise KeyboardInterrupt) are held, an ignored or default one stays as it is. Signals reach the main
+    thread alone (and only it may set handlers): elsewhere nothing is held."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, Callable[[int, Any], Any]] = {}
+        self.holding, self.arrived = False, None
+
+    def __enter__(self) -> InterruptsHeld:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(sig)
+                if callable(handler):
+                    self.before[sig] = handler
+                    signal.signal(sig, self._signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self.before.items():
             signal.signal(sig, handler)
-        if held:
-            signal.raise_signal(held[0])  # (its handler runs now, raising KeyboardInterrupt)
+
+    def _signal(self, signum: int, frame: Any) -> None:
+        if self.holding:
+            self.arrived = self.arrived or signum
+        else:
+            self.before[signum](signum, frame)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+            if self.arrived is not None:
+                signum, self.arrived = self.arrived, None
+                self.before[signum](signum, None)  # (its handler runs now, raising KeyboardInterrupt)
 
 
 PRECISION_TRIAL_STEPS = 3  # steps timed in each precision (alternating) where a CPU could train in either

@@ -63,9 +63,11 @@ def check_schema(schema: Any, name: str) -> None:
                 raise RequestError(f"{where}: only references inside the schema (#/...) are supported", param=where)
             named = key == "patternProperties" and isinstance(value, dict)
             patterns = [value] if key == "pattern" else list(value) if named else []
-            for pattern in [p for p in patterns if isinstance(p, str) and control_character(p) is not None]:
+            for pattern, control in [(p, control_character(p)) for p in patterns if isinstance(p, str)]:
+                if control is None:
+                    continue
                 raise RequestError(
-                    f"{where}: {show(pattern)} matches the control character {control_character(pattern)}, which "
+                    f"{where}: {show(pattern)} matches the control character {control}, which "
                     "the grammar library would write unescaped in a JSON string (invalid JSON)",
                     param=where,
                     fix=r"leave control characters (\n, \t, \x00-\x1f) out of the pattern",

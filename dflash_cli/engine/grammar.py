@@ -83,11 +83,13 @@ def compile_grammar(grammar: Grammar, tokenizer: Any, vocab_size: int) -> Any:
     return compiled
 
 
-def json_grammar(schema: str) -> str:
-    """The grammar (EBNF) of JSON that follows `schema`, in one layout, its integers and free numbers bounded."""
+def json_grammar(schema: str, **layout: Any) -> str:
+    """The grammar (EBNF) of JSON that follows `schema`, in one layout (xgrammar's `from_json_schema` keywords;
+    default JSON_LAYOUT), its integers and free numbers bounded."""
     import xgrammar
 
-    text = str(xgrammar.Grammar.from_json_schema(json.dumps(bounded_integers(json.loads(schema))), **JSON_LAYOUT))
+    bounded = json.dumps(bounded_integers(json.loads(schema)))
+    text = str(xgrammar.Grammar.from_json_schema(bounded, **(layout or JSON_LAYOUT)))
     # xgrammar writes U+0080-U+00FF as \xHH but reads back every hex digit after \x ("\xb0F", °F, became U+0B0F):
     # four digits read back as written
     text = re.sub(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})", r"\1\\u00\2", text)
@@ -170,7 +172,7 @@ def _tool_call_tag(source: str) -> str:
         max_whitespace_cnt=JSON_WHITESPACE,
         parallel_tool_calls=spec["parallel"],
     )
-    tag = json.loads(tag.model_dump_json())
+    tag = _bounded_numbers(json.loads(tag.model_dump_json()))
     calls = tag["format"]
     if calls["type"] == "triggered_tags":  # (text may come first there; a forced reply opens with its call)
         tag["format"] = {
@@ -181,6 +183,21 @@ def _tool_call_tag(source: str) -> str:
             "stop_after_first": calls["stop_after_first"],
         }
     return json.dumps(tag)
+
+
+def _bounded_numbers(node: Any) -> Any:
+    """A structural tag whose JSON arguments (a format's "json" style contents) are json_grammar's, so their free
+    numbers end within FREE_NUMBER_DIGITS as a response_format's do (xgrammar compiles a schema content itself,
+    numbers open). Other styles (XML parameters) stay as they are."""
+    if isinstance(node, list):
+        return [_bounded_numbers(part) for part in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style") == "json" and isinstance(node["json_schema"], dict):
+        layout = dict(any_whitespace=True, max_whitespace_cnt=node.get("max_whitespace_cnt"))
+        grammar = json_grammar(json.dumps(node["json_schema"]), **layout, any_order=node.get("any_order", False))
+        return {"type": "grammar", "grammar": grammar}
+    return {key: _bounded_numbers(value) for key, value in node.items()}
 
 
 class GrammarState:

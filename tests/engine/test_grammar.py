@@ -218,6 +218,17 @@ def test_numbers_no_schema_bounds_end_within_16_digits() -> None:
         if grammar.kind == "json":
             assert accepts('{"a": [1, {"b": null}, "c\\"", true], "d": {}}')
             assert not accepts('{"a": [12345678901234567')
+    from dflash_cli.protocol.tools import FORMATS
+
+    # a forced call's arguments alike (xgrammar compiles a tag's schema with its numbers open)
+    tool = {"type": "function", "function": {"name": "scale", "parameters": number}}
+    spec = {"format": FORMATS["hermes"].grammar, "tools": [tool], "choice": "required", "parallel": False}
+    compiled = compile_grammar(Grammar("tool_calls", json.dumps(spec), "tool_choice"), tokenizer(), vocab)
+    call = '<tool_call>\n{"name": "scale", "arguments": {"x": '
+    for good in ("1.5}}\n</tool_call>", "-0.1234567890123456e-12}}", "2E+3 }}"):
+        assert xgrammar.GrammarMatcher(compiled).accept_string(call + good), good
+    for bad in ("1.12345678901234567", "12345678901234567", "1e1234", "1.5,"):
+        assert not xgrammar.GrammarMatcher(compiled).accept_string(call + bad), bad
 
 
 def test_the_bounded_json_grammar_takes_what_the_schema_allows() -> None:

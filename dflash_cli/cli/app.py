@@ -6,6 +6,7 @@ Startup stays fast: torch, transformers and the engine are imported inside the c
 `dflash --help` and `dflash recipes list` never load them.
 """
 
+import itertools
 from typing import Annotated, Any
 
 import typer
@@ -13,7 +14,7 @@ from typer.core import TyperGroup, TyperOption
 
 from dflash_cli import __version__
 from dflash_cli.cli import bench, chat, doctor, export, pull, recipes, run, serve, train
-from dflash_cli.cli.output import print_error
+from dflash_cli.cli.output import emit_error, print_error
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.thread_count import start_load_window
 
@@ -29,6 +30,8 @@ if _shown_type is not None:
     TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 
+JSON_ASKED = "dflash.json"  # ctx.meta: the command line asked for --json (errors then go to stdout as JSON too)
+
 # Commands of other tools (ollama, llama.cpp, vLLM) a user may type here, and what does that in dflash
 _LISTING = "`dflash recipes list` lists the models it runs; `dflash doctor` says which fit this machine"
 _IN_PROCESS = "dflash runs models in-process (no daemon holds them): "
@@ -42,11 +45,17 @@ HABITS = {
 }
 
 
+UsageError = typer.BadParameter.__mro__[1]  # click's, from the click this typer uses (its own copy, or the package)
+
+
 class DflashGroup(TyperGroup):
-    """Every DflashError raised below becomes `error:` / `fix:` lines and its exit code, never a traceback.
-    (Ctrl-C already exits with 130 in typer.) Another tool's command gets a pointer to dflash's (HABITS)."""
+    """Every DflashError raised below becomes `error:` / `fix:` lines and its exit code, never a traceback; with
+    --json, a usage error or a DflashError is also written to stdout as JSON (output.emit_error). (Ctrl-C already
+    exits with 130 in typer.) Another tool's command gets a pointer to dflash's (HABITS)."""
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        # (read here, before the command parses its flags: a flag it refuses never reaches the command)
+        ctx.meta[JSON_ASKED] = "--json" in itertools.takewhile(lambda arg: arg != "--", args[1:])
         if args and args[0] in HABITS and self.get_command(ctx, args[0]) is None:
             ctx.fail(f"No such command '{args[0]}': {HABITS[args[0]]}.")  # (typer's click or click: its own error)
         return super().resolve_command(ctx, args)
@@ -56,7 +65,14 @@ class DflashGroup(TyperGroup):
             return super().invoke(ctx)
         except DflashError as error:
             print_error(error)
+            if ctx.meta.get(JSON_ASKED):
+                emit_error(error.message, error.fix, error.exit_code)
             raise typer.Exit(error.exit_code) from None
+        except UsageError as error:
+            if ctx.meta.get(JSON_ASKED):
+                command = error.ctx.command_path if error.ctx is not None else "dflash"
+                emit_error(error.format_message(), f"see `{command} --help`", error.exit_code)
+            raise
 
 
 app = typer.Typer(

@@ -35,6 +35,13 @@ def print_error(error: DflashError, label: str = "[bold red]error:[/]") -> None:
         err_console.print(f"[yellow]fix:[/] {escape(error.fix)}")
 
 
+def emit_error(message: str, fix: str | None, exit_code: int) -> None:
+    """A failed command's error on stdout as JSON, where --json asked for data: a script reads
+    `{"error": {"message", "fix", "exit_code"}}` instead of nothing (the `error:` / `fix:` lines still go to
+    stderr for a person)."""
+    typer.echo(json.dumps({"error": {"message": message, "fix": fix, "exit_code": exit_code}}, indent=2))
+
+
 def emit(data: Any, as_json: bool, show: Callable[[], None]) -> None:
     """A command's result: `data` as indented JSON with --json, else `show()` prints it for a person. Every command
     prints its result here, so --json means the same thing everywhere."""

@@ -305,6 +305,31 @@ def test_unknown_recipe_prints_error_and_fix_and_exits_1() -> None:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "code", "says", "fix"),
+    [
+        (["recipes", "show", "qwen3-9b", "--json"], 1, "unknown recipe 'qwen3-9b'", "did you mean"),
+        (["pull", "nosuch", "--json"], 1, "unknown recipe 'nosuch'", "dflash recipes list"),
+        (["bench", "demo", "--limit", "0", "--json"], 2, "'--limit'", "dflash bench --help"),
+        (["export", "vllm", "qwen3-8b", "--gpus", "-2", "--json"], 2, "'--gpus'", "dflash export --help"),
+    ],
+)
+def test_a_failure_with_json_writes_its_error_as_json_on_stdout(
+    args: list[str], code: int, says: str, fix: str
+) -> None:
+    """--json asks for data: a failure writes {"error": {message, fix, exit_code}} on stdout (a script reads it
+    instead of nothing), and the person's lines still go to stderr."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == code
+    error = json.loads(result.stdout)["error"]
+    assert says in error["message"] and fix in error["fix"] and error["exit_code"] == code, error
+    assert says in " ".join(result.stderr.split())
+    plain = runner.invoke(app, [arg for arg in args if arg != "--json"])  # without it, stdout stays empty
+    assert plain.exit_code == code and plain.stdout == ""
+    # a value "--json" after "--" is an argument, not the flag
+    assert runner.invoke(app, ["recipes", "show", "--", "--json"]).stdout == ""
+
+
 def test_doctor_json(hf_home: Path, fake_hub) -> None:
     result = runner.invoke(app, ["doctor", "--json"])
     report = json.loads(result.stdout)

@@ -94,7 +94,7 @@ def bench(
     ] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Measure speed and acceptance: DFlash against the baseline on the same prompts.
+    """Measure DFlash's speed and acceptance here; --before-after adds the baseline: the speedup, texts compared.
 
     By default a run takes about a minute: one warm-up generation per mode measures the pace here, then up to 128 tokens per prompt, 1 round, and as many prompts as fit the minute (shorter generations where not even one fits); it says what it will do and about how long before the timed part starts. --full is the sweep docs/benchmarks.md describes (24 prompts, 512 tokens, 3 rounds); --set, --limit, --repeat and --max-tokens change one thing at a time.
 

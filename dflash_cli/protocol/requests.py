@@ -84,6 +84,20 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (_number_is(0), "presence_penalty is not supported (it would change the distribution)"),
     "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (it would change the distribution)"),
     "repetition_penalty": (_number_is(1), "repetition_penalty is not supported (it would change the distribution)"),
+    # Other servers' fields (vLLM's, llama-server's) that change the answer: a client moving here must not believe
+    # its output is constrained or shaped when nothing reads them.
+    "repeat_penalty": (_number_is(1), "repeat_penalty is not supported (it would change the distribution)"),
+    "typical_p": (_number_is(1), "typical_p is not supported (it would change the distribution)"),
+    "tfs_z": (_number_is(1), "tfs_z is not supported (it would change the distribution)"),
+    "mirostat": (_number_is(0), "mirostat is not supported (it would change the distribution)"),
+    "min_tokens": (_number_is(0), "min_tokens is not supported: the reply may end at the model's end of sequence"),
+    "ignore_eos": (_is(False), "ignore_eos is not supported: the reply ends at the model's end of sequence"),
+    "stop_token_ids": (_is([]), "stop_token_ids is not supported: use stop (strings)"),
+    "n_probs": (_number_is(0), "n_probs (log probabilities) is not supported"),
+    **{
+        key: (lambda value: False, f"{key} is not supported: use response_format (a JSON schema), or tools")
+        for key in ("guided_json", "guided_choice", "guided_regex", "guided_grammar", "json_schema", "grammar")
+    },
 }
 # The numbers among them, checked against the API's own range first: a value no API takes is told so, not that
 # it is unsupported. (integer?, low, high)
@@ -353,7 +367,12 @@ READ_KEYS = frozenset(
         "parallel_tool_calls",
     }
 )
-FOREIGN_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "random_seed": "seed"}
+FOREIGN_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "n_predict": "max_tokens",
+    "stop_sequences": "stop",
+    "random_seed": "seed",
+}
 
 
 def check_supported(body: Mapping[str, Any], prefix: str = "") -> None:

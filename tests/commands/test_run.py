@@ -113,9 +113,12 @@ def test_each_input_format_is_detected() -> None:
 
 
 def test_unknown_keys_are_ignored_unless_a_typo_of_a_field() -> None:
-    """Metadata beside a prompt (and other servers' fields) is the user's business; a misspelt field is not."""
-    request = parse({"prompt": "x", "category": "math", "expected": "4", "user": "u", "min_tokens": 2, "top_a": 0.1})
+    """Metadata beside a prompt is the user's business; a misspelt field is not, nor another server's field that
+    would change the answer (protocol.requests.UNSUPPORTED: refused by name, the line goes to the errors)."""
+    request = parse({"prompt": "x", "category": "math", "expected": "4", "user": "u"})
     assert isinstance(request, Request) and request.sampling == {}
+    refused = parse({"prompt": "x", "min_tokens": 2})
+    assert isinstance(refused, LineError) and "min_tokens is not supported" in refused.message
 
 
 def test_line_parameters_override_the_flags() -> None:

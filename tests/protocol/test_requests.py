@@ -70,6 +70,18 @@ BAD_BODIES = [  # (fields over a valid chat body, the param the error names, wor
     ({"presence_penalty": 5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
     ({"frequency_penalty": "x"}, "frequency_penalty", "frequency_penalty must be a number"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    # other servers' fields that change the answer: refused by name, not ignored (vLLM's, llama-server's)
+    ({"ignore_eos": True}, "ignore_eos", "ignore_eos is not supported"),
+    ({"min_tokens": 30}, "min_tokens", "min_tokens is not supported"),
+    ({"stop_token_ids": [2]}, "stop_token_ids", "use stop"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "use response_format"),
+    ({"guided_choice": ["yes", "no"]}, "guided_choice", "use response_format"),
+    ({"json_schema": {"type": "object"}}, "json_schema", "use response_format"),
+    ({"grammar": "root ::= x"}, "grammar", "use response_format"),
+    ({"repeat_penalty": 1.3}, "repeat_penalty", "not supported"),
+    ({"typical_p": 0.5}, "typical_p", "not supported"),
+    ({"mirostat": 2}, "mirostat", "not supported"),
+    ({"n_predict": 3}, "n_predict", "did you mean max_tokens?"),
     ({"top_logprobs": 50}, "top_logprobs", "top_logprobs must be in [0, 20]"),
     ({"user": 5}, "user", "user must be a string"),
     ({"metadata": {"a": 1}}, "metadata", "metadata must be an object of strings"),
@@ -176,6 +188,7 @@ def test_what_the_api_takes_is_still_taken() -> None:
     fine = [
         {"temperature": 2, "top_p": 1, "top_k": -1, "max_tokens": 2**31 - 1, "n": 1, "presence_penalty": 0},
         {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
+        {"ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "repeat_penalty": 1, "typical_p": 1.0},
         {"tools": tool({})},  # a function without arguments
         {"tools": tool({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})},
         {"response_format": schema_format({"anyOf": [{"$ref": "#"}, {"type": "string"}]})},  # recursion with a way out

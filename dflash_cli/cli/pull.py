@@ -46,7 +46,7 @@ def pull(
 
     Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files: run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time, with this machine's compiled target and draft steps (which the first chat, run or serve otherwise builds in the background; `--no-compile` skips them).
     """
-    from dflash_cli.commands.pull import compile_recipe, pull_recipe
+    from dflash_cli.commands.pull import compile_recipe, no_drafter_note, pull_recipe
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
     if fp8:
@@ -58,4 +58,6 @@ def pull(
     parts = pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
     if compile and not dry_run:
         parts.extend(compile_recipe(recipe, console, json=json_output))
-    emit([part.data for part in parts], json_output, lambda: [console.print(part.line) for part in parts if part.line])
+    note = no_drafter_note(recipe)
+    lines = [part.line for part in parts if part.line] + ([note] if note else [])
+    emit([part.data for part in parts], json_output, lambda: [console.print(line) for line in lines])

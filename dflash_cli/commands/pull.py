@@ -26,12 +26,15 @@ class PulledPart:
 def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json: bool = False) -> list[PulledPart]:
     """Fetch a recipe's models ahead of use. Hub repos go through `hub.pull` (sizes first, then a progress bar,
     none of it with `json`); a target with an offline GGUF fallback is made ready the same way first use would;
-    local and packaged directories need nothing, and say so."""
+    local and packaged directories are checked as loading checks them (a DflashError names what one lacks) and need
+    nothing else, and say so."""
     from dflash_cli.loading.gguf import converted_dir, int4_gguf_source, ready_copy
     from dflash_cli.loading.hub import pull
 
     refs = [(what, ref) for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)) if ref is not None]
     remote = [(what, ref) for what, ref in refs if not ref.gguf_fallback and ref.path is None]
+    # a local directory is checked as chat checks it (config.json, weights) in every mode, before any download
+    local = {what: resolve_ref(ref, what) for what, ref in refs if ref.path is not None}
     try:
         plans = pull([ref for _, ref in remote], console, dry_run=dry_run, json=json, print_json=False)
     except DflashError:
@@ -47,10 +50,11 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
     # then the parts that need no download
     for what, ref in refs:
         if ref.path is not None:
+            path = local[what]
             package = ref.id.startswith("package:")
-            part = {"what": what, "id": ref.id, "path": str(ref.path), "source": "package" if package else "local"}
+            part = {"what": what, "id": ref.id, "path": str(path), "source": "package" if package else "local"}
             where = "ships inside the dflash package" if package else "is a local directory"
-            line = f"[green]✓[/] {what} {ref.id} {where} ({ref.path}): nothing to fetch"
+            line = f"[green]✓[/] {what} {ref.id} {where} ({path}): nothing to fetch"
         elif ref.gguf_fallback:  # ready now (or, dry, if fetched before); else fetched on first use
             # an int4 plan reads the GGUF itself: a float copy is made only where this machine's plan needs one
             int4 = what == "target" and _default_quant(recipe) == "int4"
@@ -75,6 +79,16 @@ def pull_recipe(recipe: Recipe, console: Console, *, dry_run: bool = False, json
             continue
         parts.append(PulledPart(part, line))
     return parts
+
+
+def no_drafter_note(recipe: Recipe) -> str | None:
+    """A line for a person when `recipe` has no drafter (`--target` alone): pulled, it runs, but without DFlash."""
+    if recipe.drafter is not None:
+        return None
+    return (
+        "[dim]note: no drafter, so chat, run and serve decode with the target alone (baseline, no speculation); "
+        "add --drafter REPO_OR_DIR to pull one[/]"
+    )
 
 
 def _hub_unreachable() -> str | None:

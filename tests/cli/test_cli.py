@@ -638,6 +638,19 @@ def test_pull_checks_a_local_directory_in_every_mode(tmp_path: Path, tiny_qwen3_
         assert "note: no drafter, so chat, run and serve decode with the target alone" in pulled.stdout
 
 
+def test_pull_revision_only_pins_a_target_repo(tiny_qwen3_dir: Path) -> None:
+    """--revision (help: "with --target") was applied to a recipe's target or ignored; refused where it pins nothing."""
+    for args, fix in (
+        (["demo"], "drop --revision"),
+        (["qwen3-8b"], "--target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 --revision abc"),
+        (["--target", str(tiny_qwen3_dir)], "drop --revision"),
+    ):
+        refused = runner.invoke(app, ["pull", *args, "--revision", "abc", "--dry-run", "--no-compile"])
+        said = " ".join(refused.output.split())
+        assert refused.exit_code == 1 and "--revision" in said and fix in said, said
+        assert "nothing to fetch" not in said
+
+
 def test_a_recipe_name_with_a_drafter_directory_works_in_export_and_pull(tmp_path: Path) -> None:
     drafter = tmp_path / "runs" / "demo" / "drafter"
     shutil.copytree(REPO / "dflash_cli" / "assets" / "demo-drafter", drafter)

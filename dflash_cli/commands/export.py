@@ -42,16 +42,20 @@ class ServingHardware:
 class ExportedCommand:
     argv: list[str]
     notes: list[str] = field(default_factory=list)  # printed as shell comments above the command
+    setup: list[str] = field(default_factory=list)  # shell commands run once before it (llama.cpp's GGUF conversion)
 
     @property
     def shell(self) -> str:
         return shlex.join(self.argv)
 
     def text(self) -> str:
-        return "\n".join([*(f"# {note}" for note in self.notes), self.shell])
+        """Notes, then the setup commands (indented under the last note, which introduces them), as comments: what
+        pastes and runs is the command alone."""
+        comments = [*(f"# {note}" for note in self.notes), *(f"#   {step}" for step in self.setup)]
+        return "\n".join([*comments, self.shell])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"command": self.argv, "shell": self.shell, "notes": self.notes}
+        return {"command": self.argv, "shell": self.shell, "notes": self.notes, "setup": self.setup}
 
 
 def serving_hardware(
@@ -143,11 +147,6 @@ def _plan_export(
             f"{tp} GPUs is more than one node of {GPUS_PER_NODE}: a multi-node setup (vLLM over Ray, often "
             f"--tensor-parallel-size {GPUS_PER_NODE} --pipeline-parallel-size {nodes}; SGLang --nnodes {nodes})"
         )
-    if recipe.chat_template_kwargs:
-        notes.append(
-            "the drafter was trained with these chat template options; send them with each request: "
-            f'"chat_template_kwargs": {json.dumps(recipe.chat_template_kwargs)}'
-        )
     if recipe.gated:
         notes.append(f"{recipe.target.id} is gated: accept its license on huggingface.co and set HF_TOKEN first")
     for what, ref in (("target", recipe.target), ("drafter", recipe.drafter)):
@@ -163,6 +162,25 @@ def _plan_export(
     return recipe.drafter, block_size, tp, notes
 
 
+def _template_options(recipe: Recipe, flag: str | None, value: str = "") -> tuple[list[str], list[str]]:
+    """The recipe's chat template options (Qwen3's `enable_thinking: false`) as the server's default, `flag VALUE`,
+    so clients that cannot send them with each request (Open WebUI) get them too; where the server has no such
+    flag (`flag` None), a note saying to send them. Returns (argv to add, notes)."""
+    if not recipe.chat_template_kwargs:
+        return [], []
+    options = json.dumps(recipe.chat_template_kwargs)
+    trained = "the drafter was trained with these chat template options"
+    if flag is None:
+        return [], [
+            f'{trained}; send them with each request: "chat_template_kwargs": {options} (sglang.launch_server '
+            "documents no server-wide default for them: a client that cannot send them, such as Open WebUI, gets the "
+            "template's own)"
+        ]
+    return [flag, value or options], [
+        f"{trained}: {options}, set below as the server's default ({flag}) for clients that send none (Open WebUI)"
+    ]
+
+
 def vllm_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
     """`vllm serve TARGET --speculative-config {...}`: vLLM counts speculative tokens, the block minus the
     position that carries the last committed token."""
@@ -174,7 +192,8 @@ def vllm_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
     if recipe.target.revision:
         argv += ["--revision", recipe.target.revision]
     argv += ["--speculative-config", json.dumps(spec), "--tensor-parallel-size", str(tp)]
-    return ExportedCommand(argv, notes)
+    options, said = _template_options(recipe, "--default-chat-template-kwargs")
+    return ExportedCommand(argv + options, notes + said)
 
 
 def sglang_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
@@ -188,7 +207,7 @@ def sglang_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand
     if drafter.revision:
         argv += ["--speculative-draft-model-revision", drafter.revision]
     argv += ["--speculative-num-draft-tokens", str(block_size), "--tp-size", str(tp)]
-    return ExportedCommand(argv, notes)
+    return ExportedCommand(argv, notes + _template_options(recipe, None)[1])
 
 
 def _gguf_file(ref: ModelRef, precision: str) -> str:
@@ -213,20 +232,28 @@ def llama_cpp_command(recipe: Recipe, hardware: ServingHardware) -> ExportedComm
     target_type = recipe.checkpoint_precision if recipe.checkpoint_precision != "bf16" else "bf16"
     target_gguf, drafter_gguf = _gguf_file(recipe.target, target_type), _gguf_file(drafter, "bf16")
     outtype = "" if recipe.checkpoint_precision != "bf16" else " --outtype bf16"
-    notes += [
-        "llama.cpp reads GGUF: convert both checkpoints once with llama.cpp's converter (DFlash and DFlash2 drafters "
-        "convert as their own architecture):",
-        f"  python convert_hf_to_gguf.py {_download_dir(recipe.target)}{outtype} --outfile {target_gguf}",
-        f"  python convert_hf_to_gguf.py {_download_dir(drafter)} --outtype bf16 --outfile {drafter_gguf}",
+    setup = [
+        f"python convert_hf_to_gguf.py {_download_dir(recipe.target)}{outtype} --outfile {target_gguf}",
+        f"python convert_hf_to_gguf.py {_download_dir(drafter)} --outtype bf16 --outfile {drafter_gguf}",
     ]
+    argv = ["llama-server", "-m", target_gguf, "-md", drafter_gguf, "--spec-type", "draft-dflash"]
+    argv += ["--draft-max", str(block_size - 1), "-ngl", "99", "-ngld", "99"]
+    # llama-server reads the options as one JSON object, written compactly as its help shows it
+    options, said = _template_options(
+        recipe, "--chat-template-kwargs", json.dumps(recipe.chat_template_kwargs, separators=(",", ":"))
+    )
+    notes += said
     if recipe.checkpoint_precision == "bf16":
         smaller = target_gguf.replace("-bf16.", "-Q4_K_M.")
         notes.append(
-            f"  a smaller GPU: llama-quantize {target_gguf} {smaller} Q4_K_M (the target only; the drafter stays bf16)"
+            f"a smaller GPU: after the conversion, llama-quantize {target_gguf} {smaller} Q4_K_M and serve that with "
+            "-m (the target only; the drafter stays bf16)"
         )
-    argv = ["llama-server", "-m", target_gguf, "-md", drafter_gguf, "--spec-type", "draft-dflash"]
-    argv += ["--draft-max", str(block_size - 1), "-ngl", "99", "-ngld", "99"]
-    return ExportedCommand(argv, notes)
+    notes.append(
+        "llama.cpp reads GGUF: convert both checkpoints once with llama.cpp's converter (DFlash and DFlash2 drafters "
+        "convert as their own architecture):"
+    )
+    return ExportedCommand(argv + options, notes, setup)
 
 
 EXPORTERS = {"vllm": vllm_command, "sglang": sglang_command, "llama.cpp": llama_cpp_command}

@@ -177,12 +177,14 @@ def test_llama_cpp_command_with_its_gguf_conversion() -> None:
     assert flag(argv, "-m") == "Qwen3-8B-bf16.gguf" and flag(argv, "-md") == "Qwen3-8B-DFlash-b16-bf16.gguf"
     assert flag(argv, "--spec-type") == "draft-dflash"
     assert flag(argv, "--draft-max") == "15"  # drafted tokens: block size 16 minus the anchor
-    conversions = [note for note in command.notes if "convert_hf_to_gguf.py" in note]
-    assert conversions == [
-        "  python convert_hf_to_gguf.py $(hf download Qwen/Qwen3-8B) --outtype bf16 --outfile Qwen3-8B-bf16.gguf",
-        "  python convert_hf_to_gguf.py $(hf download z-lab/Qwen3-8B-DFlash-b16) --outtype bf16 "
+    assert command.setup == [  # commands of their own, not prose among the notes
+        "python convert_hf_to_gguf.py $(hf download Qwen/Qwen3-8B) --outtype bf16 --outfile Qwen3-8B-bf16.gguf",
+        "python convert_hf_to_gguf.py $(hf download z-lab/Qwen3-8B-DFlash-b16) --outtype bf16 "
         "--outfile Qwen3-8B-DFlash-b16-bf16.gguf",
     ]
+    assert not any("convert_hf_to_gguf.py" in note for note in command.notes)
+    assert command.to_dict()["setup"] == command.setup
+    assert [f"#   {step}" for step in command.setup] == command.text().splitlines()[-3:-1]  # shown under the notes
     assert any("llama-quantize Qwen3-8B-bf16.gguf Qwen3-8B-Q4_K_M.gguf Q4_K_M" in note for note in command.notes)
     assert not any("tensor parallel" in note for note in command.notes)  # llama.cpp splits layers itself
 
@@ -192,8 +194,8 @@ def test_llama_cpp_keeps_a_prequantized_target_as_published(tmp_path: Path) -> N
     assert flag(command.argv, "-m") == "gpt-oss-20b-mxfp4.gguf" and flag(command.argv, "--draft-max") == "7"
     assert not any("llama-quantize" in note for note in command.notes)
     local = dataclasses.replace(adhoc_recipe(str(tmp_path / "my model"), str(tmp_path / "d")), block_size=8)
-    notes = "\n".join(llama_cpp_command(local, ONE_H100).notes)
-    assert f"convert_hf_to_gguf.py '{tmp_path / 'my model'}'" in notes  # a local path, quoted
+    setup = "\n".join(llama_cpp_command(local, ONE_H100).setup)
+    assert f"convert_hf_to_gguf.py '{tmp_path / 'my model'}'" in setup  # a local path, quoted
 
 
 def test_export_cli_accepts_llama_cpp_spellings() -> None:
@@ -225,3 +227,26 @@ def test_a_drafter_with_a_draft_vocabulary_says_other_engines_propose_from_all(t
         assert any("only the 100 tokens it was trained on" in note for note in command.notes), command.notes
     (drafter / "config.json").write_text(json.dumps(dataclasses.replace(config, draft_vocab_size=None).to_dict()))
     assert not any("tokens it was trained on" in note for note in vllm_command(recipe, ONE_H100).notes)
+
+
+def test_chat_template_options_are_the_servers_default_where_it_has_one() -> None:
+    """Qwen3's drafter wants enable_thinking off: a server-side default (clients such as Open WebUI cannot send it
+    with each request) on vLLM and llama-server; SGLang documents none, so its note still says to send it."""
+    qwen3 = get_recipe("qwen3-8b")
+    assert qwen3.chat_template_kwargs == {"enable_thinking": False}
+    vllm = vllm_command(qwen3, ONE_H100)
+    assert json.loads(flag(shlex.split(vllm.shell), "--default-chat-template-kwargs")) == {"enable_thinking": False}
+    llama = llama_cpp_command(qwen3, ONE_H100)
+    assert flag(shlex.split(llama.shell), "--chat-template-kwargs") == '{"enable_thinking":false}'
+    for command in (vllm, llama):
+        assert not any("send them with each request" in note for note in command.notes)
+        assert any("server's default" in note for note in command.notes)
+    sglang = sglang_command(qwen3, ONE_H100)
+    assert not any("chat-template" in arg for arg in sglang.argv)
+    assert any('send them with each request: "chat_template_kwargs"' in note for note in sglang.notes)
+    # a recipe without options: no flag, no note; every server's JSON has the same fields
+    llama31 = get_recipe("llama3.1-8b")
+    for command in (vllm_command(llama31, ONE_H100), sglang_command(llama31, ONE_H100), vllm, sglang, llama):
+        assert command.to_dict().keys() == {"command", "shell", "notes", "setup"}
+    assert not any("chat-template" in arg for arg in vllm_command(llama31, ONE_H100).argv)
+    assert not any("chat-template" in arg for arg in llama_cpp_command(llama31, ONE_H100).argv)

@@ -17,6 +17,7 @@ from dflash_cli.errors import DflashError
 from dflash_cli.setup.choices import gb
 from dflash_cli.setup.hardware import MachineFacts, detect_machine
 from dflash_cli.setup.recipes import PACKAGE_PREFIX, ModelRef, Recipe
+from dflash_cli.wording import plural
 
 if TYPE_CHECKING:
     from dflash_cli.engine.drafter.config import DrafterConfig
@@ -88,6 +89,33 @@ def tensor_parallel_size(weight_bytes: int | None, hardware: ServingHardware) ->
     )
 
 
+def _unused_gpus_note(recipe: Recipe, hardware: ServingHardware, tp: int, fits: bool, data_parallel: str) -> str | None:
+    """Why tensor parallel takes fewer GPUs than the serving machine has (the weights fit on fewer; a count that is
+    not a power of two cannot split the heads evenly) and how to use the rest: copies of the model, data parallel."""
+    count = hardware.gpu_count
+    if count is None or tp >= count:
+        return None
+    reasons = []
+    largest = 2 ** (count.bit_length() - 1)  # the largest tensor parallel size there is room for
+    if fits and tp < largest:
+        weights = recipe.weight_bytes.get(recipe.checkpoint_precision)
+        reasons.append(f"the weights ({gb(weights)}) fit on {plural(tp, 'GPU')} with headroom")
+    if count != largest:
+        heads = recipe.attention_heads
+        reasons.append(
+            f"{count} GPUs cannot split the model's {heads} attention heads evenly"
+            if heads and heads % count
+            else f"tensor parallel takes a power of two of GPUs (what splits attention and KV heads evenly), not {count}"
+        )
+    copies, rest = count // tp, count - tp
+    if copies > 1:
+        on = f" (on {copies * tp} of the {count})" if copies * tp < count else ""
+        use = f"to use the rest, run {copies} copies of the model{on}, data parallel: {data_parallel} {copies}"
+    else:
+        use = "the other GPU stays idle" if rest == 1 else f"the other {rest} GPUs stay idle"
+    return f"tensor parallel size {tp} of {count} GPUs: {'; '.join(reasons)}; {use}"
+
+
 def _location(ref: ModelRef) -> str:
     """What the server loads: the repo id, or the absolute path of a local directory."""
     return str(ref.path) if ref.path is not None else ref.id
@@ -105,7 +133,7 @@ def _cached_drafter_config(drafter: ModelRef) -> DrafterConfig | None:
 
 
 def _plan_export(
-    recipe: Recipe, hardware: ServingHardware, tensor_parallel: bool = True
+    recipe: Recipe, hardware: ServingHardware, tensor_parallel: bool = True, data_parallel: str = "--data-parallel-size"
 ) -> tuple[ModelRef, int, int, list[str]]:
     if recipe.drafter is None:
         raise DflashError(
@@ -141,6 +169,9 @@ def _plan_export(
         notes.append(f"tensor parallel size for {gpus}, not measured here; change with --gpus N --gpu-memory GB")
     if tp_note:
         notes.append(tp_note)
+    unused = _unused_gpus_note(recipe, hardware, tp, tp_note is None, data_parallel) if tensor_parallel else None
+    if unused:
+        notes.append(unused)
     if tp > GPUS_PER_NODE:
         nodes = tp // GPUS_PER_NODE
         notes.append(
@@ -199,7 +230,7 @@ def vllm_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
 def sglang_command(recipe: Recipe, hardware: ServingHardware) -> ExportedCommand:
     """`python -m sglang.launch_server ... --speculative-algorithm DFLASH`: SGLang counts draft tokens as the
     whole block."""
-    drafter, block_size, tp, notes = _plan_export(recipe, hardware)
+    drafter, block_size, tp, notes = _plan_export(recipe, hardware, data_parallel="--dp-size")
     argv = ["python", "-m", "sglang.launch_server", "--model-path", _location(recipe.target)]
     if recipe.target.revision:
         argv += ["--revision", recipe.target.revision]

@@ -250,3 +250,31 @@ def test_chat_template_options_are_the_servers_default_where_it_has_one() -> Non
         assert command.to_dict().keys() == {"command", "shell", "notes", "setup"}
     assert not any("chat-template" in arg for arg in vllm_command(llama31, ONE_H100).argv)
     assert not any("chat-template" in arg for arg in llama_cpp_command(llama31, ONE_H100).argv)
+
+
+def test_fewer_gpus_than_given_says_why_and_how_to_use_the_rest() -> None:
+    """--gpus 3 printed --tensor-parallel-size 1 "for 3 x 80 GB" without a word: the weights fit on one GPU, and 3
+    cannot split Qwen3-8B's 32 heads; the rest serve as data-parallel copies."""
+    qwen3 = get_recipe("qwen3-8b")
+    three = ServingHardware(3, 80_000_000_000, assumed=True)
+    vllm = vllm_command(qwen3, three)
+    assert flag(vllm.argv, "--tensor-parallel-size") == "1"
+    (note,) = [note for note in vllm.notes if note.startswith("tensor parallel size 1 of 3 GPUs")]
+    assert "the weights (16.4 GB) fit on 1 GPU" in note and "cannot split the model's 32 attention heads" in note
+    assert note.endswith("run 3 copies of the model, data parallel: --data-parallel-size 3")
+    assert any(note.endswith("--dp-size 3") for note in sglang_command(qwen3, three).notes)  # SGLang's spelling
+    # capped by the heads, with nothing left for a second copy: said, with the GPU that stays idle
+    coder = get_recipe("qwen3-coder-30b-a3b")
+    capped = vllm_command(coder, ServingHardware(3, 40_000_000_000, assumed=True))
+    assert flag(capped.argv, "--tensor-parallel-size") == "2"
+    assert any(
+        n.startswith("tensor parallel size 2 of 3 GPUs") and n.endswith("the other GPU stays idle")
+        for n in capped.notes
+    )
+    # every GPU used, or the count unknown, or llama.cpp (it splits layers itself): no such note
+    for command in (
+        vllm_command(coder, ServingHardware(4, 25_300_000_000, assumed=True)),
+        vllm_command(qwen3, ServingHardware(None, 80_000_000_000, assumed=True)),
+        llama_cpp_command(qwen3, three),
+    ):
+        assert not any(" GPUs: " in note for note in command.notes), command.notes

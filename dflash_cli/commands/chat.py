@@ -46,7 +46,7 @@ COMMANDS = {  # name -> (arguments, what it does); the order of /help
         "temperature, top_p, top_k, min_p, max_tokens, seed, block_size (N or auto), format (text, json or "
         "a JSON schema file), or system TEXT",
     ),
-    "/stats": ("", "toggle a footer after each reply: tokens, tok/s, TTFT, reused prompt tokens, tau"),
+    "/stats": ("on|off", "a footer after each reply: tokens, tok/s, TTFT, reused prompt tokens, tau (bare: toggle)"),
     "/spec": ("on|off", "decode with the DFlash drafter (on) or the target alone (off)"),
     "/save": ("FILE", "write the conversation as JSON"),
     "/load": ("FILE", "read a conversation written by /save"),
@@ -226,7 +226,9 @@ def _set_format(session: Session, state: ChatState, value: str) -> str:
 
 
 def _stats(session: Session, state: ChatState, arg: str) -> str:
-    state.show_stats = not state.show_stats
+    if arg.lower() not in ("on", "off", ""):
+        raise DflashError(f"/stats takes on or off, not {arg!r}")
+    state.show_stats = arg.lower() == "on" if arg else not state.show_stats
     return f"Stats footer {'on' if state.show_stats else 'off'}."
 
 
@@ -416,10 +418,10 @@ def _key_bindings() -> KeyBindings:
 
 
 class CommandCompleter(Completer):
-    """Completes slash commands, /set keys, /spec on|off and the file of /save and /load."""
+    """Completes slash commands, /set keys, /spec and /stats on|off and the file of /save and /load."""
 
     names = (*COMMANDS, *EXIT_COMMANDS[1:], "/?")
-    arguments = {"/set": SETTINGS, "/spec": ("on", "off")}
+    arguments = {"/set": SETTINGS, "/spec": ("on", "off"), "/stats": ("on", "off")}
     paths = PathCompleter(expanduser=True)
 
     def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterator[Completion]:

@@ -165,6 +165,17 @@ def test_spec_off_decodes_without_the_drafter_and_says_the_same(
     assert state.messages[1]["content"] == expected_reply(session, options, [{"role": "user", "content": "Hi there"}])
 
 
+def test_stats_on_and_off_set_the_footer_bare_stats_toggles(session: Session, state: ChatState) -> None:
+    for line, shown in (("/stats on", True), ("/stats on", True), ("/stats", False), ("/STATS ON", True)):
+        result = handle_command(session, state, line)
+        assert result.ok and state.show_stats is shown
+        assert result.message == f"Stats footer {'on' if shown else 'off'}."
+    assert handle_command(session, state, "/stats off").ok and not state.show_stats
+    refused = handle_command(session, state, "/stats banana")
+    assert not refused.ok and refused.message == "/stats takes on or off, not 'banana'" and not state.show_stats
+    assert "/stats on|off" in handle_command(session, state, "/help").message
+
+
 def test_spec_on_loads_the_drafter_of_a_no_spec_session(options: RunOptions) -> None:
     baseline = RunOptions(**{**options.__dict__, "no_spec": True})
     session = open_session(baseline)
@@ -399,7 +410,7 @@ def test_completion_of_commands_settings_and_arguments(tmp_path: Path) -> None:
     assert complete("/sa") == ["/save"]
     assert set(complete("/s")) >= {"/set", "/stats", "/spec", "/save", "/show"}
     assert complete("/set te") == ["temperature"]
-    assert complete("/spec o") == ["on", "off"]
+    assert complete("/spec o") == ["on", "off"] and complete("/stats of") == ["off"]
     assert complete(f"/load {tmp_path}/ch") == ["at.json"]
     assert complete("hello") == [] and complete("/set system Be") == []
 

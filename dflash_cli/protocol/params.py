@@ -66,8 +66,8 @@ FIELDS: tuple[Field, ...] = (
         "top_k",
         "top_k",
         int,
-        ">= 0 (0 = off)",
-        lambda v: v >= 0,
+        ">= -1 (0 or -1 = off)",
+        lambda v: v >= 0,  # (checked after `read`: -1 is 0 by then)
         "keep the K most likely tokens (-1 = off too)",
         most=MOST_COUNT,
         off=-1,
@@ -113,7 +113,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for field in FIELDS:
-            value = getattr(self, field.attr)
+            value = field.read(getattr(self, field.attr))  # (top_k=-1, as the rule allows, holds 0)
+            object.__setattr__(self, field.attr, value)
             if value is not None and (problem := field.problem(value)) is not None:
                 raise DflashError(f"invalid sampling parameter: {field.attr} {problem}")
 

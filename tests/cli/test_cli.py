@@ -187,7 +187,7 @@ def test_top_k_minus_one_is_off_as_in_requests() -> None:
     assert runner.invoke(probe, ["demo", "--top-k", "-1"]).exit_code == 0
     assert seen["options"].sampling.top_k == 0 == read_value(BY_KEY["top_k"], -1, "top_k")
     result = runner.invoke(app, ["chat", "demo", "--top-k", "-2", "--prompt", "hi"], env={"COLUMNS": "200"})
-    assert result.exit_code == 2 and "-2 must be >= 0" in result.output, result.output
+    assert result.exit_code == 2 and "-2 must be >= -1 (0 or -1 = off)" in result.output, result.output
 
 
 def test_run_options_feed_the_planner_and_the_sampler() -> None:

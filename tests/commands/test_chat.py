@@ -286,6 +286,7 @@ def test_set_changes_a_sampling_setting(session: Session, state: ChatState, line
         ("/set temperature nan", "temperature must be a finite number"),
         ("/set top_p 1.5", "top_p must be in (0, 1]"),
         ("/set top_k 2.5", "top_k needs a whole number"),
+        ("/set top_k -7", "top_k must be >= -1 (0 or -1 = off), got -7"),
         ("/set max_tokens 0", "max_tokens must be >= 1"),
         ("/set block_size 0", "block_size must be a whole number >= 1"),
         ("/set block_size 2.5", "block_size must be a whole number >= 1"),

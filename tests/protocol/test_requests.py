@@ -7,6 +7,7 @@ import time
 import pytest
 
 from dflash_cli.errors import RequestError
+from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.protocol.requests import CHAT_URL, check_context, read_body, read_line, read_messages
 from dflash_cli.protocol.schemas import admits_finite_value, check_schema, control_character
 
@@ -61,6 +62,7 @@ BAD_BODIES = [  # (fields over a valid chat body, the param the error names, wor
     ({"temperature": 1e9}, "temperature", "must be in [0, 2]"),
     ({"temperature": 2.01}, "temperature", "must be in [0, 2]"),
     ({"top_k": 10**30}, "top_k", "top_k must be at most 2147483647"),
+    ({"top_k": -7}, "top_k", "top_k must be >= -1 (0 or -1 = off), got -7"),  # (-1 is taken: the rule says so)
     ({"max_tokens": 10**30}, "max_tokens", "max_tokens must be at most 2147483647"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
     ({"seed": 2**64}, "seed", "seed must be a 64-bit integer"),
@@ -198,6 +200,7 @@ def test_what_the_api_takes_is_still_taken() -> None:
     ]
     for fields in fine:
         read_body({"messages": USER, **fields}, CHAT_URL)
+    assert SamplingParams(top_k=-1).top_k == 0  # the Python API takes what the rule says, as every frontend does
 
 
 def test_max_tokens_is_checked_against_the_context_left_after_the_prompt() -> None:

@@ -59,6 +59,7 @@ FINISH_NOTES = {
     "interrupted": "[interrupted]",
     "length": "[cut at the token limit: /set max_tokens N for longer replies]",
 }
+ONE_SHOT_CUT_NOTE = "[cut at the token limit: --max-tokens N for longer replies]"  # one-shot: no /set, the flag
 INPUT_TIPS = (
     'Several lines: start and end a block with """, or press Alt+Enter (Esc, Enter) for a new line.',
     "Ctrl+C stops a reply (or clears the line). A message that starts with a space is sent as is, / or not.",
@@ -495,9 +496,12 @@ def repl(session: Session, state: ChatState, console: Console, history: History)
 
 
 def answer_once(session: Session, state: ChatState, question: str, console: Console, err_console: Console) -> int:
-    """The non-interactive mode: the reply and a newline on stdout, the footer (with --stats) on stderr."""
+    """The non-interactive mode: the reply and a newline on stdout; a note if it was cut and the footer (with
+    --stats) on stderr."""
     answer = reply(session, state, question, text_sink(console))
     console.file.write("\n")
+    if answer.finish_reason == "length":
+        err_console.print(ONE_SHOT_CUT_NOTE, style="dim", markup=False, highlight=False)
     if state.show_stats:
         err_console.print(stats_line(answer.stats), style="dim", markup=False, highlight=False, soft_wrap=True)
     return 130 if answer.finish_reason == "interrupted" else 0

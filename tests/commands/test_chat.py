@@ -458,6 +458,8 @@ def test_piped_stdin_gets_one_clean_answer(session: Session, options: RunOptions
     assert result.exit_code == 0, result.output
     assert result.stdout == expected_reply(session, options, [{"role": "user", "content": "What is 2 + 2?"}]) + "\n"
     assert "cpu" in result.stderr and f"{TOKENS} tokens" in result.stderr  # the plan and the footer: stderr only
+    # cut at --max-tokens: said on stderr (as the REPL says it), the exit code unchanged
+    assert "[cut at the token limit: --max-tokens N for longer replies]\n" in result.stderr
 
 
 def test_prompt_flag_with_system_and_piped_text(session: Session, options: RunOptions) -> None:

@@ -449,16 +449,20 @@ def read_message(prompt: PromptSession) -> str:
     return block.rstrip()[: -len(MULTILINE)].strip()
 
 
-def repl(session: Session, state: ChatState, console: Console, history: History) -> None:
+def repl(session: Session, state: ChatState, console: Console, err_console: Console, history: History) -> None:
+    """Replies stream to `console` (stdout); everything else (banner, command results, notes, footer) goes to
+    `err_console`, so `dflash chat NAME | tee log.txt` keeps only the replies."""
     prompt: PromptSession = PromptSession(
         history=history, completer=CommandCompleter(), complete_while_typing=True, key_bindings=_key_bindings()
     )
-    console.print(f"[bold]dflash chat[/] {session.recipe.name}  [dim]/help for commands, /bye or Ctrl+D to leave[/]")
+    err_console.print(
+        f"[bold]dflash chat[/] {session.recipe.name}  [dim]/help for commands, /bye or Ctrl+D to leave[/]"
+    )
     while True:
         try:
             text = read_message(prompt)
         except KeyboardInterrupt:
-            console.print("[dim]Use Ctrl+D or /bye to leave.[/]")
+            err_console.print("[dim]Use Ctrl+D or /bye to leave.[/]")
             continue
         except EOFError:
             return
@@ -467,20 +471,20 @@ def repl(session: Session, state: ChatState, console: Console, history: History)
         if text.startswith("/"):
             result = handle_command(session, state, text)
             if result.message:
-                console.print(result.message, style=None if result.ok else "red", markup=False, highlight=False)
+                err_console.print(result.message, style=None if result.ok else "red", markup=False, highlight=False)
             if result.exit:
                 return
             continue
         try:
             answer = reply(session, state, text.strip(), text_sink(console))
         except DflashError as error:
-            console.print(str(error), style="red", markup=False, highlight=False)
+            err_console.print(str(error), style="red", markup=False, highlight=False)
             continue
         except torch.OutOfMemoryError as error:  # a long conversation on a small GPU: this turn goes, the chat stays
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             reason = str(error).splitlines()[0] if str(error) else "out of memory"
-            console.print(
+            err_console.print(
                 f"error: out of memory in this reply ({reason}); the message was not added to the conversation\n"
                 "fix: /set max_tokens N for shorter replies, or /save FILE then /clear to start a shorter conversation",
                 style="red",
@@ -488,11 +492,11 @@ def repl(session: Session, state: ChatState, console: Console, history: History)
                 highlight=False,
             )
             continue
-        console.print()
+        console.print()  # (the reply's own line end)
         if answer.finish_reason in FINISH_NOTES:
-            console.print(FINISH_NOTES[answer.finish_reason], style="dim", markup=False, highlight=False)
+            err_console.print(FINISH_NOTES[answer.finish_reason], style="dim", markup=False, highlight=False)
         if state.show_stats:
-            console.print(stats_line(answer.stats), style="dim", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(stats_line(answer.stats), style="dim", markup=False, highlight=False, soft_wrap=True)
 
 
 def answer_once(session: Session, state: ChatState, question: str, console: Console, err_console: Console) -> int:
@@ -525,5 +529,5 @@ def run_chat(
         return answer_once(session, state, question, console, err_console)
     # The prompt goes to the terminal even when stdout is redirected (`dflash chat NAME > log.txt`).
     with create_app_session(output=create_output(always_prefer_tty=True)):
-        repl(session, state, console, make_history(history, err_console))
+        repl(session, state, console, err_console, make_history(history, err_console))
     return 0

@@ -59,12 +59,15 @@ def state(session: Session, options: RunOptions) -> ChatState:
     return ChatState.start(session, options)
 
 
-def run_repl(session: Session, state: ChatState, keys: str, history: FileHistory | None = None) -> str:
-    """Type `keys` into the REPL; return what it printed (a console that is not a terminal: plain text)."""
+def run_repl(
+    session: Session, state: ChatState, keys: str, history: FileHistory | None = None, err: Console | None = None
+) -> str:
+    """Type `keys` into the REPL; return what it printed on stdout, and on stderr too unless `err` takes that (a
+    console that is not a terminal: plain text)."""
     console = Console(file=io.StringIO(), width=200)
     with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
         pipe.send_text(keys)
-        repl(session, state, console, history or InMemoryHistory())
+        repl(session, state, console, err or console, history or InMemoryHistory())
     return console.file.getvalue()
 
 
@@ -125,6 +128,18 @@ def test_repl_streams_replies_and_the_stats_footer(session: Session, state: Chat
     assert "tau 1.00 (DFlash adaptive block ≤4: now " in footer and "[cut at the token limit: /set max_tokens" in footer
     assert "tokens," not in out[: out.index(second)]  # no footer before /stats
     assert "\x1b" not in out  # not a terminal: no colours or cursor codes
+
+
+def test_replies_go_to_stdout_and_everything_else_to_stderr(session: Session, state: ChatState) -> None:
+    """`dflash chat NAME | tee log.txt`: the log holds the replies only; banner, notes and results stay on stderr."""
+    err = Console(file=io.StringIO(), width=200)
+    out = run_repl(
+        session, state, f"/stats on{ENTER}Hello{ENTER}/show{ENTER}/nope{ENTER}Bye{ENTER}/bye{ENTER}", err=err
+    )
+    assert out == "".join(message["content"] + "\n" for message in state.messages[1::2])
+    shown = err.file.getvalue()
+    assert shown.startswith("dflash chat ad-hoc") and "Stats footer on." in shown and "recipe    ad-hoc" in shown
+    assert "Unknown command /nope" in shown and shown.count("[cut at the token limit") == shown.count("tau ") == 2
 
 
 def test_a_turn_reuses_the_conversation_before_it_and_clear_starts_over(
@@ -485,7 +500,7 @@ def test_run_chat_on_a_terminal_runs_the_repl(
     options: RunOptions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, history: bool
 ) -> None:
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    console = Console(file=io.StringIO())
+    console, err_console = Console(file=io.StringIO()), Console(file=io.StringIO())
     with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
         pipe.send_text(f"Hello{ENTER}/show{ENTER}/bye{ENTER}")
         code = chat.run_chat(
@@ -495,10 +510,11 @@ def test_run_chat_on_a_terminal_runs_the_repl(
             history=history,
             show_stats=True,
             console=console,
-            err_console=Console(file=io.StringIO()),
+            err_console=err_console,
         )
-    out = console.file.getvalue()
-    assert code == 0 and "dflash chat ad-hoc" in out and "system    Be brief." in out and f"{TOKENS} tokens" in out
+    out, err = console.file.getvalue(), err_console.file.getvalue()
+    assert code == 0 and "dflash chat ad-hoc" in err and "system    Be brief." in err and f"{TOKENS} tokens" in err
+    assert "dflash chat" not in out and f"{TOKENS} tokens," not in out  # stdout: the reply only
     assert (tmp_path / "dflash" / "chat_history").exists() == history
 
 

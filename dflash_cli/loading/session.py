@@ -117,10 +117,11 @@ class Session:
 
     @property
     def notes(self) -> list[str]:
-        """Settings that run, but badly: the plan's, a block longer than the loaded drafter was trained for, a batch
-        this target or compiling cannot have."""
+        """Settings that run, but badly: the plan's, more threads than cores, a block longer than the loaded drafter
+        was trained for, a batch this target or compiling cannot have."""
         block = self.block_size_note(self.plan.block_size)
-        notes = [*self.plan.notes, *([block] if block else [])]
+        threads = self.threads.note if self.threads is not None else None
+        notes = [*self.plan.notes, *([threads] if threads else []), *([block] if block else [])]
         if self.batching and self.plan.batch_size > 1:
             limit = batch_limit(self.target)
             if limit is not None:

@@ -403,6 +403,13 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     reasons.append(batch_why)
     cache_ram, cache_why = _choose_cache_ram(facts, overrides)
     reasons.append(cache_why)
+    # (only --cache-ram can be more than the RAM: the plan's own bound is a quarter of the free RAM)
+    if facts.cpu_ram_total is not None and cache_ram * 2**20 > facts.cpu_ram_total:
+        notes.append(
+            f"--cache-ram {cache_ram} MiB is more than the {facts.cpu_ram_total // 2**20:,} MiB of RAM here: the "
+            "prefix store would keep prefixes until memory runs out instead of dropping the least recently used "
+            f"(by default it keeps a quarter of the free RAM, at most {CACHE_RAM_MIB:,} MiB)"
+        )
     reasons += [f"warning: {note}" for note in notes]
     return Plan(
         device,

@@ -22,6 +22,7 @@ SAMPLE_SECONDS = 0.2  # long enough to see a busy process, short next to loading
 class ThreadPlan:
     threads: int
     reason: str
+    note: str | None = None  # a count that runs, but badly (more threads than cores): said without --explain too
 
     def label(self) -> str:
         return plural(self.threads, "thread")
@@ -61,8 +62,14 @@ def plan_threads(requested: int | None, *, cores: int, current: int, others_busy
     """How many threads to decode with. `current` is torch's count as the user left it (its default, or
     OMP_NUM_THREADS): a count the user already lowered is kept; a core counts as free when others leave three
     quarters of it. `others_busy` None: not measured (one thread cannot go lower)."""
-    if requested is not None:
-        return ThreadPlan(requested, f"{plural(requested, 'thread')}: --threads")
+    if requested is not None:  # the user's count, kept: a note says when it cannot run well
+        note = None
+        if requested > cores:
+            note = (
+                f"--threads {requested} is more than the {plural(cores, 'core')} here: the threads without a core "
+                f"stall the others at every op, so it runs slower than --threads {cores}"
+            )
+        return ThreadPlan(requested, f"{plural(requested, 'thread')}: --threads", note)
     if others_busy is None:
         why = f"torch's count was {current} ({limit_source()})"
         return ThreadPlan(current, f"{plural(current, 'thread')}: {why}; --threads N overrides")

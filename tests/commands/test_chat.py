@@ -27,6 +27,8 @@ from dflash_cli.loading.session import Session, open_session
 from dflash_cli.protocol.params import SamplingParams
 from dflash_cli.setup import recipes
 from dflash_cli.setup.options import RunOptions
+from dflash_cli.setup.thread_count import cpu_count
+from dflash_cli.wording import plural
 from helpers.drafters import save_random_drafter
 from helpers.tiny_models import make_tiny_qwen3
 
@@ -556,6 +558,12 @@ def test_odd_settings_are_said_under_the_plan_line(options: RunOptions) -> None:
     plan, note = result.stderr.splitlines()[:2]
     assert plan.startswith("ad-hoc: cpu ") and "block 9" in plan
     assert note.startswith("  note: block 9 is longer than the 4 the drafter was trained with")
+    cores = cpu_count()
+    absurd = cli(options, "--threads", str(cores + 1), "--cache-ram", "99999999", "--prompt", "Hi")
+    assert absurd.exit_code == 0, absurd.output  # they run (the flags win), with a note each under the plan line
+    notes = [line for line in absurd.stderr.splitlines() if line.startswith("  note: ")]
+    assert any(f"--threads {cores + 1} is more than the {plural(cores, 'core')} here" in note for note in notes)
+    assert any("--cache-ram 99999999 MiB is more than the" in note for note in notes), absurd.stderr
     plain = cli(options, "--prompt", "Hi")
     assert (
         "note:" not in plain.stderr and "block ≤4 adaptive" in plain.stderr.splitlines()[0]

@@ -570,3 +570,16 @@ def test_the_prefix_store_takes_a_quarter_of_the_free_ram_at_most_8_gib() -> Non
     plan = make_plan(small, recipe)
     assert plan.cache_ram_mib == 2048 and any(r.startswith("prefix store 2048 MiB") for r in plan.reasons)
     assert make_plan(small, recipe, PlanOverrides(cache_ram_mib=0)).cache_ram_mib == 0  # --cache-ram 0
+
+
+def test_a_cache_ram_beyond_the_machines_ram_runs_with_a_note() -> None:
+    """--cache-ram is MiB: 99999999 (95 TiB) on 8 GiB is kept as asked, with a note; a large but possible one is not
+    noted."""
+    recipe = get_recipe("demo")
+    plan = make_plan(CPU_8, recipe, PlanOverrides(cache_ram_mib=99_999_999))
+    assert plan.cache_ram_mib == 99_999_999
+    assert any(
+        note.startswith("--cache-ram 99999999 MiB is more than the 8,192 MiB of RAM here") for note in plan.notes
+    )
+    assert not make_plan(CPU_8, recipe, PlanOverrides(cache_ram_mib=6144)).notes  # more than the free RAM: possible
+    assert not make_plan(CPU_8, recipe).notes

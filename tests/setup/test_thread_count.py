@@ -33,6 +33,17 @@ def test_the_flag_wins() -> None:
     assert plan.threads == 3 and plan.label() == "3 threads" and "--threads" in plan.reason
 
 
+def test_more_threads_than_cores_runs_with_a_note() -> None:
+    """--threads 999 on 2 cores is kept (the flag wins) but said: the threads without a core stall the rest."""
+    plan = plan_threads(999, cores=2, current=2, others_busy=None)
+    assert plan.threads == 999 and plan.note is not None
+    assert (
+        plan.note.startswith("--threads 999 is more than the 2 cores here") and "slower than --threads 2" in plan.note
+    )
+    assert plan_threads(2, cores=2, current=2, others_busy=1.5).note is None  # all the cores: busy now, but possible
+    assert plan_threads(None, cores=2, current=2, others_busy=0.0).note is None
+
+
 def test_a_later_plan_starts_from_the_users_count_not_an_earlier_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     """`dflash train` plans twice (answering, then training). The first plan's count (here --threads 1, as a busy
     moment may choose) is dflash's own: the second measures from the user's count again, rather than keep 1 and say

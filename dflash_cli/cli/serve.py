@@ -1,6 +1,7 @@
 """`dflash serve`: the OpenAI- and Anthropic-compatible HTTP server."""
 
 import dataclasses
+import re
 from typing import Annotated
 
 import typer
@@ -8,6 +9,21 @@ import typer
 from dflash_cli.cli.flags import SERVER, BatchSize, CacheRam, NoPrefixCache, with_run_flags
 from dflash_cli.cli.output import err_console
 from dflash_cli.setup.options import RunOptions
+
+
+def origins(value: str | None) -> tuple[str, ...]:
+    """--allowed-origins as a browser sends an Origin header: scheme://host[:port], no path (a trailing / is
+    dropped: a page's address copied whole)."""
+    return tuple(part.strip().removesuffix("/") for part in (value or "").split(",") if part.strip())
+
+
+def check_origins(value: str | None) -> str | None:
+    for origin in origins(value):
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\s]+", origin):
+            raise typer.BadParameter(
+                f"{origin!r} is not an origin: give scheme://host[:port], such as https://a.example"
+            )
+    return value
 
 
 @with_run_flags
@@ -41,6 +57,18 @@ def serve(
             rich_help_panel=SERVER,
         ),
     ] = 64,
+    allowed_origins: Annotated[
+        str | None,
+        typer.Option(
+            "--allowed-origins",
+            metavar="ORIGINS",
+            callback=check_origins,
+            show_default=False,
+            help="Web pages that may call the API from a browser (CORS), comma-separated, e.g. "
+            "https://chat.example.com; * for any. Pages on this machine (localhost, 127.0.0.1) always may.",
+            rich_help_panel=SERVER,
+        ),
+    ] = None,
     batch_size: BatchSize = None,
     no_prefix_cache: NoPrefixCache = False,
     cache_ram: CacheRam = None,
@@ -62,5 +90,5 @@ def serve(
     capped = getattr(ctx.get_parameter_source("max_tokens"), "name", "DEFAULT") != "DEFAULT"
     run_server(
         options, host=host, port=port, api_key=api_key, max_queue=max_queue, fill_window=not capped,
-        console=err_console,
+        console=err_console, allowed_origins=origins(allowed_origins),
     )  # fmt: skip

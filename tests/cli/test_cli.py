@@ -330,6 +330,20 @@ def test_a_failure_with_json_writes_its_error_as_json_on_stdout(
     assert runner.invoke(app, ["recipes", "show", "--", "--json"]).stdout == ""
 
 
+def test_allowed_origins_are_read_as_a_browser_sends_them() -> None:
+    from dflash_cli.cli.serve import origins
+
+    assert origins("https://chat.example.com/, http://10.0.0.2:3000 ,*") == (
+        "https://chat.example.com",
+        "http://10.0.0.2:3000",
+        "*",
+    )
+    for bad in ("chat.example.com", "https://a.example/chat", "http://"):
+        result = runner.invoke(app, ["serve", "demo", "--allowed-origins", bad])
+        said = " ".join(result.stderr.replace("│", " ").split())  # (typer draws the error in a box)
+        assert result.exit_code == 2 and "is not an origin: give scheme://host[:port]" in said, (bad, said)
+
+
 def test_doctor_json(hf_home: Path, fake_hub) -> None:
     result = runner.invoke(app, ["doctor", "--json"])
     report = json.loads(result.stdout)

@@ -362,6 +362,25 @@ def test_wrong_or_missing_api_key_is_401(server: RunningServer) -> None:
     assert status == 401 and headers["www-authenticate"] == "Bearer" and json.loads(body)["error"]["message"]
 
 
+def test_pages_on_this_machine_may_call_it_from_a_browser_and_other_sites_may_not(server: RunningServer) -> None:
+    """CORS: a web UI on localhost gets its preflight (which carries no API key) and its answers; a page of
+    another site does not (without --allowed-origins), so it cannot use the model through a visitor's browser."""
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    for origin in ("http://localhost:3000", "http://127.0.0.1:8080", "https://localhost"):
+        status, headers, _ = raw_request(server.port, "OPTIONS", CHAT_URL, None, {"Origin": origin, **ask})
+        assert status == 200 and headers["access-control-allow-origin"] == origin, (origin, status, headers)
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        status, headers, _ = raw_request(
+            server.port, "GET", "/v1/models", None, {"Origin": origin, "Authorization": f"Bearer {KEY}"}
+        )
+        assert status == 200 and headers["access-control-allow-origin"] == origin
+    for origin in ("https://evil.example", "http://localhost.evil.example", "http://127.0.0.1.example"):
+        status, headers, _ = raw_request(server.port, "OPTIONS", CHAT_URL, None, {"Origin": origin, **ask})
+        assert status == 400 and "access-control-allow-origin" not in headers, (origin, headers)
+        _, headers, _ = raw_request(server.port, "GET", "/v1/models", None, {"Origin": origin})
+        assert "access-control-allow-origin" not in headers
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Many clients, gone clients, a full queue
 

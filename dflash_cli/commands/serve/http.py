@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -46,6 +47,9 @@ DONE = "data: [DONE]\n\n"  # the last event of an OpenAI stream
 MAX_BODY_BYTES = 32 * 1024 * 1024  # Anthropic's limit: agents resend every image a tool read (left out here)
 DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body is read to its end up to this, so the client hears the 413
 MODEL_URL = "/v1/models/{model:path}"  # one model's card (the openai client's models.retrieve)
+# Browser pages that may call the API (CORS) without --allowed-origins: this machine's (a web UI on localhost), as
+# ollama allows by default; another site's page could otherwise use the model through the user's browser.
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
 ROUTES = (
     "/health",
     "/metrics",
@@ -96,10 +100,12 @@ class Server:
         api_key: str | None,
         *,
         fill_window: bool = True,
+        allowed_origins: tuple[str, ...] = (),
     ):
         self.session, self.options, self.worker, self.metrics = session, options, worker, metrics
         self.fill_window = fill_window  # (launch.run_server)
         self.api_key = api_key or None
+        self.allowed_origins = allowed_origins  # beyond LOCAL_ORIGINS ("*": any)
         self.model = session.served_name
         self.context_window: int | None = session.context_window
         recipe = session.recipe
@@ -126,7 +132,15 @@ class Server:
             HTTPException: self._http_error,
             Exception: self._server_error,
         }
-        return self._gate(Starlette(routes=routes, exception_handlers=handlers))  # type: ignore[arg-type]
+        gated = self._gate(Starlette(routes=routes, exception_handlers=handlers))  # type: ignore[arg-type]
+        # outside the gate: a browser's preflight (OPTIONS) carries no API key
+        return CORSMiddleware(  # type: ignore[return-value]
+            gated,  # type: ignore[arg-type]
+            allow_origins=self.allowed_origins,
+            allow_origin_regex=LOCAL_ORIGINS,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     # -- errors and the gate ----------------------------------------------------------------------------------
 

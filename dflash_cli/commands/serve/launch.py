@@ -92,9 +92,11 @@ def run_server(
     max_queue: int,
     console: Console,
     fill_window: bool = True,
+    allowed_origins: tuple[str, ...] = (),
 ) -> None:
     """Bind, load the model once, serve until Ctrl-C. `fill_window`: a Responses request without
-    max_output_tokens may generate until the context window is full (else: to --max-tokens)."""
+    max_output_tokens may generate until the context window is full (else: to --max-tokens). `allowed_origins`:
+    browser origins that may call it besides this machine's (http.LOCAL_ORIGINS)."""
     from dflash_cli.loading.session import open_session
 
     sock = bind(host, port)
@@ -113,7 +115,9 @@ def run_server(
         )
         worker.on_finish = _reporter(metrics, console)
         worker.on_step = metrics.batch_rows.observe
-        server = Server(session, options, worker, metrics, api_key, fill_window=fill_window)
+        server = Server(
+            session, options, worker, metrics, api_key, fill_window=fill_window, allowed_origins=allowed_origins
+        )
         config = uvicorn.Config(server.app(), lifespan="off", log_config=_log_config(), timeout_graceful_shutdown=10)
         uvicorn_server = _Uvicorn(config, on_exit=worker.stop)
         worker.start()

@@ -59,7 +59,7 @@ from dflash_cli.errors import DflashError, RequestError
 from dflash_cli.progress import format_duration
 from dflash_cli.protocol import responses
 from dflash_cli.protocol.params import sampling_settings
-from dflash_cli.protocol.request_files import STDIN, LineError, RequestFile, read_jsonl
+from dflash_cli.protocol.request_files import BATCH_ID_PREFIX, STDIN, LineError, RequestFile, read_jsonl
 from dflash_cli.protocol.requests import Request
 from dflash_cli.protocol.tools import ToolCall
 from dflash_cli.setup.options import RunOptions
@@ -100,7 +100,7 @@ def format_openai_response(request: Request, result: Any, model: str, reply: Rep
     )
     stats = body.pop("dflash")  # beside the response, where it was before the server shared this shape
     return {
-        "id": "batch_req_" + uuid.uuid4().hex,
+        "id": BATCH_ID_PREFIX + uuid.uuid4().hex,
         "custom_id": request.id,
         "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
         "error": None,
@@ -279,7 +279,7 @@ def run_jobs(
             work.append((request, prompt_ids))
         except DflashError as error:  # a request this model cannot take: too long, ids outside its vocabulary, ...
             code = error.code if isinstance(error, RequestError) else "invalid_request"
-            errors.append(LineError(request.line, code, error.message, request.id))
+            errors.append(LineError.of(request, code, error.message))
             summary.failed += 1
     work = deque(sorted(work, key=lambda item: (len(item[1]), item[0].line)))
     failed_before = summary.failed  # (refused before any work: not progress)
@@ -318,7 +318,7 @@ def run_jobs(
                 reason = f"out of memory: {error}"
             else:
                 reason = getattr(error, "message", None) or f"{type(error).__name__}: {error}"
-            errors.append(LineError(request.line, "generation_failed", reason.splitlines()[0], request.id))
+            errors.append(LineError.of(request, "generation_failed", reason.splitlines()[0]))
             summary.failed += 1
             progress.update(task, advance=1)
 

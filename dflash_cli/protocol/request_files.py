@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +17,8 @@ from dflash_cli.errors import DflashError, RequestError, json_problem
 from dflash_cli.protocol.params import FIELDS, show
 from dflash_cli.protocol.requests import Request, read_line
 
+BATCH_ID_PREFIX = "batch_req_"  # an OpenAI batch output line's own id
+
 
 @dataclass(frozen=True)
 class LineError:
@@ -23,9 +26,22 @@ class LineError:
     code: str  # invalid_utf8, invalid_json, invalid_request, duplicate_id, context_length_exceeded, generation_failed
     message: str
     id: str | None = None
+    batch: bool = False  # an OpenAI batch line's (custom_id, url, body)
+
+    @classmethod
+    def of(cls, request: Request, code: str, message: str) -> LineError:
+        """The error of a line read as `request` (a batch line's request answers at an OpenAI endpoint)."""
+        assert request.line is not None
+        return cls(request.line, code, message, request.id, batch=request.endpoint is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"line": self.line, "id": self.id, "error": {"code": self.code, "message": self.message}}
+        """The errors file's record; a batch line's takes the batch output's shape (OpenAI's error file: its
+        custom_id, no response, the error), which batch readers parse, and keeps its line."""
+        error = {"code": self.code, "message": self.message}
+        if self.batch:
+            return {"id": BATCH_ID_PREFIX + uuid.uuid4().hex, "custom_id": self.id, "response": None, "error": error,
+                    "line": self.line}  # fmt: skip
+        return {"line": self.line, "id": self.id, "error": error}
 
 
 @dataclass(frozen=True)
@@ -67,8 +83,9 @@ def parse_line(
     try:
         request = read_line(line)
     except RequestError as error:
+        batch = isinstance(line, dict) and "custom_id" in line
         given = line.get("custom_id", line.get("id")) if isinstance(line, dict) else None
-        return LineError(number, error.code, error.message, id=given if isinstance(given, str) else None)
+        return LineError(number, error.code, error.message, id=given if isinstance(given, str) else None, batch=batch)
     return replace(request, line=number, id=request.id if request.id is not None else default_id(number, raw))
 
 
@@ -112,7 +129,7 @@ def _read_lines(
             errors.append(parsed)
         elif parsed is not None and parsed.id in first_line:
             message = f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
-            errors.append(LineError(number, "duplicate_id", message, parsed.id))
+            errors.append(replace(LineError.of(parsed, "duplicate_id", message), line=number))
         elif parsed is not None:
             first_line[parsed.id] = number  # type: ignore[index]
             requests.append(parsed)

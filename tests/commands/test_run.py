@@ -363,6 +363,26 @@ def test_openai_batch_results_name_the_model_as_serve_does(tmp_path: Path, model
     assert record["response"]["body"]["model"] == session.served_name == "tiny"
 
 
+def test_a_batch_lines_error_takes_the_batch_outputs_shape(tmp_path: Path, session: Any, options: RunOptions) -> None:
+    """An OpenAI batch line that fails is written as OpenAI's error file writes it (id, custom_id, response null,
+    error), which batch readers parse, with its line; a plain line's error keeps dflash's own shape."""
+    url = "/v1/completions"
+    lines = [
+        {"custom_id": "good", "url": url, "body": {"prompt": "Hi", "max_tokens": 2}},
+        {"custom_id": "two", "url": url, "body": {"prompt": "Hi", "n": 2}},  # refused when read
+        {"custom_id": "long", "url": url, "body": {"prompt": "word " * 2_000}},  # refused once encoded
+        {"id": "plain", "prompt": "Hi", "n": 2},
+    ]
+    summary = run_with(session, options, write_lines(tmp_path / "p.jsonl", lines))
+    assert (summary.done, summary.failed) == (1, 3)
+    errors = {record["line"]: record for record in read_jsonl(tmp_path / "p.errors.jsonl")}
+    for line, custom_id, code in [(2, "two", "invalid_request"), (3, "long", "context_length_exceeded")]:
+        record = errors[line]
+        assert record["id"].startswith("batch_req_") and record["custom_id"] == custom_id, record
+        assert record["response"] is None and record["error"]["code"] == code and record["error"]["message"]
+    assert set(errors[4]) == {"line", "id", "error"} and errors[4]["id"] == "plain"
+
+
 def test_mixed_file_every_format_and_bad_lines(tmp_path: Path, session: Any, options: RunOptions) -> None:
     prompts = write_lines(
         tmp_path / "prompts.jsonl",
@@ -779,7 +799,7 @@ def test_duplicate_ids_go_to_the_errors_file_and_the_rest_runs(
     first = collect_text(session, options, "a")
     assert records["x"]["text"] == first
     failures = read_jsonl(tmp_path / "p.errors.jsonl")
-    assert [(e["line"], e["id"], e["error"]["code"]) for e in failures] == [
+    assert [(e["line"], result_id(e), e["error"]["code"]) for e in failures] == [
         (3, "x", "duplicate_id"),
         (4, "y", "duplicate_id"),
         (5, "x", "duplicate_id"),
@@ -1035,7 +1055,8 @@ def test_requests_piped_in_give_results_on_standard_output(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["cache"]  # (the process's cache home) no file made
 
     refused = subprocess.run([*command, "--json"], input=piped, capture_output=True, **kwargs)
-    assert refused.returncode != 0 and refused.stdout == b""
+    # (no result ran: standard output holds only the refusal, as data, since --json was asked for)
+    assert refused.returncode != 0 and "-o results.jsonl" in json.loads(refused.stdout)["error"]["fix"]
     assert b"-o results.jsonl" in refused.stderr
 
     write_lines(tmp_path / "p.jsonl", [good[0]])  # -o - prints a file's results the same way

@@ -517,6 +517,31 @@ def test_greedy_results_match_single_runs_and_stop_overrides(tmp_path: Path, ses
     assert records["stop"]["finish_reason"] == "stop"
 
 
+def test_raw_prompts_a_chat_model_answers_with_nothing_are_noted(
+    tmp_path: Path, session: Any, options: RunOptions
+) -> None:
+    """A `prompt` line is raw text, without the chat template: the replies of a chat model that come back empty are
+    counted and the summary says to send "messages" (a stop string at the reply's start stands in for the model
+    ending at once). Empty replies to "messages" are not counted."""
+    from dflash_cli.engine import collect
+
+    assert session.tokenizer.chat_template  # (a chat model)
+    prompt, turn = "Speculative decoding drafts", [{"role": "user", "content": "Speculative decoding drafts"}]
+    raw = collect(session.stream(session.encode_prompt(prompt), session.sampling_params(options))).text
+    chat = collect(session.stream(session.encode_chat(turn), session.sampling_params(options))).text
+    lines = [
+        {"id": "empty", "prompt": prompt, "stop": [raw[:2]]},
+        {"id": "answered", "prompt": prompt},
+        {"id": "chat", "messages": turn, "stop": [chat[:2]]},
+    ]
+    summary = run_with(session, options, write_lines(tmp_path / "p.jsonl", lines))
+    assert summary.empty_raw == 1
+    console = Console(record=True, width=100)
+    show_summary(summary, console)
+    said = " ".join(console.export_text().split())
+    assert 'note: 1 "prompt" line(s) came back empty' in said and 'send "messages"' in said
+
+
 def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: Any, options: RunOptions) -> None:
     lines = [{"id": f"r{i}", "prompt": f"Hello number {i}"} for i in range(3)]
     prompts = write_lines(tmp_path / "p.jsonl", lines)

@@ -94,9 +94,17 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ignore_eos": (_is(False), "ignore_eos is not supported: the reply ends at the model's end of sequence"),
     "stop_token_ids": (_is([]), "stop_token_ids is not supported: use stop (strings)"),
     "n_probs": (_number_is(0), "n_probs (log probabilities) is not supported"),
-    **{
+    "use_beam_search": (_is(False), "use_beam_search is not supported: decoding samples one sequence"),
+    "allowed_token_ids": (_is([]), "allowed_token_ids is not supported: use response_format"),
+    "bad_words": (_is([]), "bad_words is not supported (it would change the distribution)"),
+    "dry_multiplier": (_number_is(0), "dry_multiplier is not supported (it would change the distribution)"),
+    "xtc_probability": (_number_is(0), "xtc_probability is not supported (it would change the distribution)"),
+    "dynatemp_range": (_number_is(0), "dynatemp_range is not supported (it would change the distribution)"),
+    "grammar": (_is(""), "grammar is not supported: use response_format (a JSON schema), or tools"),  # ("": none)
+    "json_schema": (_is({}), "json_schema is not supported: use response_format (a JSON schema), or tools"),
+    **{  # (vLLM's guided_* until 0.12, structured_outputs since)
         key: (lambda value: False, f"{key} is not supported: use response_format (a JSON schema), or tools")
-        for key in ("guided_json", "guided_choice", "guided_regex", "guided_grammar", "json_schema", "grammar")
+        for key in ("guided_json", "guided_choice", "guided_regex", "guided_grammar", "structured_outputs")
     },
 }
 # The numbers among them, checked against the API's own range first: a value no API takes is told so, not that

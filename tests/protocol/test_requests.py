@@ -84,6 +84,10 @@ BAD_BODIES = [  # (fields over a valid chat body, the param the error names, wor
     ({"typical_p": 0.5}, "typical_p", "not supported"),
     ({"mirostat": 2}, "mirostat", "not supported"),
     ({"n_predict": 3}, "n_predict", "did you mean max_tokens?"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs", "use response_format"),
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier", "not supported"),
     ({"top_logprobs": 50}, "top_logprobs", "top_logprobs must be in [0, 20]"),
     ({"user": 5}, "user", "user must be a string"),
     ({"metadata": {"a": 1}}, "metadata", "metadata must be an object of strings"),
@@ -191,6 +195,8 @@ def test_what_the_api_takes_is_still_taken() -> None:
         {"temperature": 2, "top_p": 1, "top_k": -1, "max_tokens": 2**31 - 1, "n": 1, "presence_penalty": 0},
         {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
         {"ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "repeat_penalty": 1, "typical_p": 1.0},
+        {"grammar": "", "json_schema": {}, "mirostat": 0, "tfs_z": 1, "n_probs": 0, "use_beam_search": False},
+        {"allowed_token_ids": [], "bad_words": [], "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0},
         {"tools": tool({})},  # a function without arguments
         {"tools": tool({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})},
         {"response_format": schema_format({"anyOf": [{"$ref": "#"}, {"type": "string"}]})},  # recursion with a way out

@@ -14,7 +14,7 @@ from typer.core import TyperGroup, TyperOption
 
 from dflash_cli import __version__
 from dflash_cli.cli import bench, chat, doctor, export, pull, recipes, run, serve, train
-from dflash_cli.cli.output import emit_error, print_error
+from dflash_cli.cli.output import JSON_ASKED, emit_error, print_error
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.thread_count import start_load_window
 
@@ -30,7 +30,15 @@ if _shown_type is not None:
     TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 
-JSON_ASKED = "dflash.json"  # ctx.meta: the command line asked for --json (errors then go to stdout as JSON too)
+JSON_ON_LINE = "dflash.json-on-line"  # ctx.meta: the command takes --json and its line holds it
+
+
+def _takes_json(ctx: Any, command: Any, args: list[str]) -> bool:
+    """Whether `command` (a group: the subcommand `args` name) has a --json flag."""
+    while command is not None and hasattr(command, "get_command") and args:
+        command, args = command.get_command(ctx, args[0]), args[1:]
+    return command is not None and any("--json" in getattr(param, "opts", ()) for param in command.params)
+
 
 # Commands of other tools (ollama, llama.cpp, vLLM) a user may type here, and what does that in dflash
 _LISTING = "`dflash recipes list` lists the models it runs; `dflash doctor` says which fit this machine"
@@ -45,7 +53,7 @@ HABITS = {
 }
 
 
-UsageError = typer.BadParameter.__mro__[1]  # click's, from the click this typer uses (its own copy, or the package)
+UsageError = typer.BadParameter.__base__  # click's, from the click this typer uses (its own copy, or the package)
 
 
 class DflashGroup(TyperGroup):
@@ -54,11 +62,15 @@ class DflashGroup(TyperGroup):
     exits with 130 in typer.) Another tool's command gets a pointer to dflash's (HABITS)."""
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
-        # (read here, before the command parses its flags: a flag it refuses never reaches the command)
-        ctx.meta[JSON_ASKED] = "--json" in itertools.takewhile(lambda arg: arg != "--", args[1:])
         if args and args[0] in HABITS and self.get_command(ctx, args[0]) is None:
             ctx.fail(f"No such command '{args[0]}': {HABITS[args[0]]}.")  # (typer's click or click: its own error)
-        return super().resolve_command(ctx, args)
+        name, command, rest = super().resolve_command(ctx, args)
+        # A flag the command refuses stops its parsing before --json is read (output.remember_json): the line is
+        # read for it then, where the command (or a group's subcommand) has one.
+        ctx.meta[JSON_ON_LINE] = _takes_json(ctx, command, rest) and "--json" in itertools.takewhile(
+            lambda arg: arg != "--", rest
+        )
+        return name, command, rest
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -69,7 +81,7 @@ class DflashGroup(TyperGroup):
                 emit_error(error.message, error.fix, error.exit_code)
             raise typer.Exit(error.exit_code) from None
         except UsageError as error:
-            if ctx.meta.get(JSON_ASKED):
+            if ctx.meta.get(JSON_ASKED) or ctx.meta.get(JSON_ON_LINE):
                 command = error.ctx.command_path if error.ctx is not None else "dflash"
                 emit_error(error.format_message(), f"see `{command} --help`", error.exit_code)
             raise

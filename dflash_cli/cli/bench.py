@@ -123,8 +123,9 @@ def bench(
         command=shlex.join(["dflash", *sys.argv[1:]]),
     )
     report = bench_lib.benchmark(options, settings, err_console)
+    # saved before the report is printed: a file that fails leaves stdout with one JSON document, the error
+    saved = [bench_lib.write_json(report, output)] if output else []
+    saved += [bench_lib.save_png(report, png)] if png else []
     emit(report.to_dict(), json_output, lambda: bench_lib.print_report(report, console))
-    if output:
-        err_console.print(f"[dim]saved {escape(str(bench_lib.write_json(report, output)))}[/]")
-    if png:
-        err_console.print(f"[dim]saved {escape(str(bench_lib.save_png(report, png)))}[/]")
+    for path in saved:
+        err_console.print(f"[dim]saved {escape(str(path))}[/]")

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from dflash_cli.cli.output import remember_json
 from dflash_cli.errors import DflashError
 from dflash_cli.protocol.params import BY_KEY, FIELDS, SamplingParams, read_sampling
 from dflash_cli.setup.choices import ATTN_IMPLEMENTATIONS, QUANTS, Quant, normalize_device, normalize_dtype
@@ -122,7 +123,7 @@ RecipeFile = Annotated[
     str | None,
     typer.Option("--recipe", metavar="FILE.toml", help="Load a recipe from a TOML file.", rich_help_panel=MODEL),
 ]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+JsonFlag = Annotated[bool, typer.Option("--json", callback=remember_json, help="Print the result as JSON.")]
 BatchSize = Annotated[
     int | None,
     typer.Option(

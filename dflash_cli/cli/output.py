@@ -35,6 +35,16 @@ def print_error(error: DflashError, label: str = "[bold red]error:[/]") -> None:
         err_console.print(f"[yellow]fix:[/] {escape(error.fix)}")
 
 
+JSON_ASKED = "dflash.json"  # ctx.meta: the command parsed --json (a failure then writes its error as JSON too)
+
+
+def remember_json(ctx: typer.Context, value: bool) -> bool:
+    """--json's callback: note it where the error handler (cli.app) looks, the contexts' shared meta."""
+    if value:
+        ctx.meta[JSON_ASKED] = True
+    return value
+
+
 def emit_error(message: str, fix: str | None, exit_code: int) -> None:
     """A failed command's error on stdout as JSON, where --json asked for data: a script reads
     `{"error": {"message", "fix", "exit_code"}}` instead of nothing (the `error:` / `fix:` lines still go to

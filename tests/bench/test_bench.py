@@ -464,6 +464,19 @@ def test_cli_json_and_output_file(models: tuple[Path, Path], tmp_path: Path) -> 
     assert printed["identical"] is True and printed["metadata"]["command"].startswith("dflash ")
 
 
+def test_cli_a_file_that_cannot_be_saved_leaves_one_json_document(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """--png of a run without DFlash has nothing to draw: with --json, stdout holds the error alone (the report was
+    printed before the files were saved, and the error after it: two documents, neither parseable as one)."""
+    pytest.importorskip("matplotlib")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "ids", "prompt_ids": [5, 6, 7, 8]}\n')
+    target, _ = models
+    args = ["bench", "--target", str(target), "--prompts", str(prompts), "--max-tokens", "2", "--json"]
+    result = runner.invoke(app, [*args, "--png", str(tmp_path / "chart.png")])
+    assert result.exit_code == 1
+    assert "nothing to draw" in json.loads(result.stdout)["error"]["message"]
+
+
 def test_cli_table(models: tuple[Path, Path]) -> None:
     target, drafter = models
     args = [

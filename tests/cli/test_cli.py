@@ -326,8 +326,9 @@ def test_a_failure_with_json_writes_its_error_as_json_on_stdout(
     assert says in " ".join(result.stderr.split())
     plain = runner.invoke(app, [arg for arg in args if arg != "--json"])  # without it, stdout stays empty
     assert plain.exit_code == code and plain.stdout == ""
-    # a value "--json" after "--" is an argument, not the flag
-    assert runner.invoke(app, ["recipes", "show", "--", "--json"]).stdout == ""
+    # "--json" where it is not the flag: after "--", as another option's value, on a command without one
+    for line in (["recipes", "show", "--", "--json"], ["chat", "nosuch", "--system", "--json"], ["serve", "--json"]):
+        assert runner.invoke(app, line).stdout == "", line
 
 
 def test_allowed_origins_are_read_as_a_browser_sends_them() -> None:

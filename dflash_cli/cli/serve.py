@@ -10,11 +10,20 @@ from dflash_cli.cli.flags import SERVER, BatchSize, CacheRam, NoPrefixCache, wit
 from dflash_cli.cli.output import err_console
 from dflash_cli.setup.options import RunOptions
 
+DEFAULT_PORTS = {"http": ":80", "https": ":443"}  # left out of an Origin header by browsers
+
 
 def origins(value: str | None) -> tuple[str, ...]:
-    """--allowed-origins as a browser sends an Origin header: scheme://host[:port], no path (a trailing / is
-    dropped: a page's address copied whole)."""
-    return tuple(part.strip().removesuffix("/") for part in (value or "").split(",") if part.strip())
+    """--allowed-origins as a browser sends an Origin header (the server compares them as strings): scheme://host
+    in lower case, the scheme's default port left out, no path (a trailing / is dropped: a page's address copied
+    whole)."""
+    read = []
+    for part in (value or "").split(","):
+        origin = part.strip().removesuffix("/").lower()
+        port = DEFAULT_PORTS.get(origin.partition("://")[0])
+        if origin:
+            read.append(origin.removesuffix(port) if port else origin)
+    return tuple(read)
 
 
 def check_origins(value: str | None) -> str | None:
@@ -65,7 +74,7 @@ def serve(
             callback=check_origins,
             show_default=False,
             help="Web pages that may call the API from a browser (CORS), comma-separated, e.g. "
-            "https://chat.example.com; * for any. Pages on this machine (localhost, 127.0.0.1) always may.",
+            "https://chat.example.com; * for any. Pages served from localhost (127.0.0.1, [::1]) always may.",
             rich_help_panel=SERVER,
         ),
     ] = None,

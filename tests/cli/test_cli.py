@@ -334,10 +334,12 @@ def test_a_failure_with_json_writes_its_error_as_json_on_stdout(
 def test_allowed_origins_are_read_as_a_browser_sends_them() -> None:
     from dflash_cli.cli.serve import origins
 
-    assert origins("https://chat.example.com/, http://10.0.0.2:3000 ,*") == (
+    assert origins("https://chat.example.com/, http://10.0.0.2:3000 ,*,HTTPS://A.example:443,http://b.example:80") == (
         "https://chat.example.com",
         "http://10.0.0.2:3000",
         "*",
+        "https://a.example",  # (browsers send it lower case, without the default port)
+        "http://b.example",
     )
     for bad in ("chat.example.com", "https://a.example/chat", "http://"):
         result = runner.invoke(app, ["serve", "demo", "--allowed-origins", bad])

@@ -381,6 +381,19 @@ def test_pages_on_this_machine_may_call_it_from_a_browser_and_other_sites_may_no
         assert "access-control-allow-origin" not in headers
 
 
+def test_allowed_origins_add_sites(models: tuple[Path, Path]) -> None:
+    """--allowed-origins: the sites named (as browsers write them) get answers beside this machine's pages."""
+    ask = {"Access-Control-Request-Method": "POST"}
+    with running_server([*model_flags(models), "--allowed-origins", "HTTPS://Chat.Example.com:443/"]) as running:
+        for origin, allowed in [
+            ("https://chat.example.com", True),
+            ("http://localhost:3000", True),
+            ("https://other.example.com", False),
+        ]:
+            status, headers, _ = raw_request(running.port, "OPTIONS", CHAT_URL, None, {"Origin": origin, **ask})
+            assert (status == 200) == allowed and (headers.get("access-control-allow-origin") == origin) == allowed
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Many clients, gone clients, a full queue
 

@@ -141,9 +141,9 @@ def show_summary(summary: Summary, to: Console = console) -> None:
         to.print(f"also in the output: {summary.unmatched} result(s) that match no line of this input", soft_wrap=True)
     if summary.empty_raw:
         to.print(
-            f'note: {summary.empty_raw} "prompt" line(s) came back empty: "prompt" is raw text, sent without the '
-            'chat template, and a chat model may end at once; for a user turn send "messages" (or a .txt file, '
-            "a turn a line)",
+            f'note: {summary.empty_raw} "prompt" line(s) got no answer (the model ended its turn at once): "prompt" '
+            'is raw text, sent without the chat template; for a user turn send "messages" (or a .txt file, a turn '
+            "a line)",
             soft_wrap=True,
         )
 

@@ -199,7 +199,7 @@ class Summary:
     skipped: int = 0  # already in the output
     failed: int = 0  # in the errors file
     unmatched: int = 0  # results the output already held that match no line of the input (kept)
-    empty_raw: int = 0  # `prompt` lines (raw text, no chat template) a chat model answered with nothing
+    empty_raw: int = 0  # `prompt` lines (raw text, no chat template) a chat model ended at once
     errors: str | None = None  # the errors file, when some request failed
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens a slot already held (prefix reuse): not prefilled
@@ -323,16 +323,19 @@ def run_jobs(
             summary.failed += 1
             progress.update(task, advance=1)
 
+        # (a chat model given raw text often ends at once: said under the summary, with what to send instead)
+        raw_on_chat_model = bool(getattr(session.tokenizer, "chat_template", None))
+        ends = set(session.stop_token_ids)
+
         def done(request: Request, result: Any) -> None:
             reply = session.parse_reply(request, result.token_ids, result.text, result.finish_reason)
             results.append(result_record(request, result, model, made_from[request.id], reply))
             summary.add(result)
-            if raw_on_chat_model and request.prompt is not None and request.endpoint is None and not result.text:
-                summary.empty_raw += 1
+            raw = raw_on_chat_model and request.prompt is not None and request.endpoint is None
+            if raw and len(result.token_ids) == 1 and result.token_ids[0] in ends:
+                summary.empty_raw += 1  # (its end of turn first: not a stop string of the request)
             progress.update(task, advance=1)
 
-        # (a chat model given raw text often ends at once: said under the summary, with what to send instead)
-        raw_on_chat_model = bool(getattr(session.tokenizer, "chat_template", None))
         batch = session.batch(speculative=speculative)
         try:
             while work or not batch.idle:

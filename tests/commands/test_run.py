@@ -520,26 +520,36 @@ def test_greedy_results_match_single_runs_and_stop_overrides(tmp_path: Path, ses
 def test_raw_prompts_a_chat_model_answers_with_nothing_are_noted(
     tmp_path: Path, session: Any, options: RunOptions
 ) -> None:
-    """A `prompt` line is raw text, without the chat template: the replies of a chat model that come back empty are
-    counted and the summary says to send "messages" (a stop string at the reply's start stands in for the model
-    ending at once). Empty replies to "messages" are not counted."""
+    """A `prompt` line is raw text, without the chat template: the replies a chat model ends at once (its end of
+    turn first) are counted and the summary says to send "messages". Not counted: a reply a stop string of the
+    request emptied, and a "messages" reply. (The random tiny model ends a raw prompt at once where its first token
+    is an end of turn: its generation config names that token so, as chat models' configs list several.)"""
     from dflash_cli.engine import collect
 
     assert session.tokenizer.chat_template  # (a chat model)
-    prompt, turn = "Speculative decoding drafts", [{"role": "user", "content": "Speculative decoding drafts"}]
-    raw = collect(session.stream(session.encode_prompt(prompt), session.sampling_params(options))).text
-    chat = collect(session.stream(session.encode_chat(turn), session.sampling_params(options))).text
-    lines = [
-        {"id": "empty", "prompt": prompt, "stop": [raw[:2]]},
-        {"id": "answered", "prompt": prompt},
-        {"id": "chat", "messages": turn, "stop": [chat[:2]]},
-    ]
-    summary = run_with(session, options, write_lines(tmp_path / "p.jsonl", lines))
+    ended, prompt = "Speculative decoding drafts", "A prompt it answers"
+    first = collect(session.stream(session.encode_prompt(ended), session.sampling_params(options))).token_ids[0]
+    answered = collect(session.stream(session.encode_prompt(prompt), session.sampling_params(options))).text
+    config = session.target.generation_config
+    eos = config.eos_token_id
+    config.eos_token_id = [*(eos if isinstance(eos, list) else [eos]), first]
+    try:
+        assert first in session.stop_token_ids and answered[:2].strip()
+        lines = [
+            {"id": "ended", "prompt": ended},
+            {"id": "stopped", "prompt": prompt, "stop": [answered[:2]]},  # (the user's stop string: empty too)
+            {"id": "chat", "messages": [{"role": "user", "content": ended}]},
+        ]
+        summary = run_with(session, options, write_lines(tmp_path / "p.jsonl", lines))
+    finally:
+        config.eos_token_id = eos
+    records = {record["id"]: record for record in read_jsonl(tmp_path / "p.out.jsonl")}
+    assert records["ended"]["completion_tokens"] == 1 and records["stopped"]["text"] == ""
     assert summary.empty_raw == 1
     console = Console(record=True, width=100)
     show_summary(summary, console)
     said = " ".join(console.export_text().split())
-    assert 'note: 1 "prompt" line(s) came back empty' in said and 'send "messages"' in said
+    assert 'note: 1 "prompt" line(s) got no answer' in said and 'send "messages"' in said
 
 
 def test_rerun_skips_done_ids_and_repairs_a_torn_line(tmp_path: Path, session: Any, options: RunOptions) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated
 import typer
 
 from dflash_cli.cli.flags import BatchSize, CacheRam, NoPrefixCache, with_run_flags
-from dflash_cli.cli.output import console, emit, err_console, show_summary
+from dflash_cli.cli.output import console, emit, err_console, remember_json, show_summary
 from dflash_cli.errors import DflashError
 from dflash_cli.setup.options import RunOptions
 
@@ -41,7 +41,9 @@ def run(
             "NAME.errors.jsonl beside it); - says them on the terminal.",
         ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", callback=remember_json, help="Print the summary as JSON on stdout.")
+    ] = False,
     batch_size: BatchSize = None,
     no_prefix_cache: NoPrefixCache = False,
     cache_ram: CacheRam = None,

@@ -93,8 +93,8 @@ def _unused_gpus_note(recipe: Recipe, hardware: ServingHardware, tp: int, fits: 
     """Why tensor parallel takes fewer GPUs than the serving machine has (the weights fit on fewer; a count that is
     not a power of two cannot split the heads evenly) and how to use the rest: copies of the model, data parallel."""
     count = hardware.gpu_count
-    if count is None or tp >= count:
-        return None
+    if count is None or tp >= count or recipe.weight_bytes.get(recipe.checkpoint_precision) is None:
+        return None  # (a size unknown: tp's own note says it assumed 1, with nothing known to advise)
     reasons = []
     largest = 2 ** (count.bit_length() - 1)  # the largest tensor parallel size there is room for
     if fits and tp < largest:

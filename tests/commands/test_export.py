@@ -271,10 +271,12 @@ def test_fewer_gpus_than_given_says_why_and_how_to_use_the_rest() -> None:
         n.startswith("tensor parallel size 2 of 3 GPUs") and n.endswith("the other GPU stays idle")
         for n in capped.notes
     )
-    # every GPU used, or the count unknown, or llama.cpp (it splits layers itself): no such note
+    # every GPU used, or the count unknown, or the size unknown, or llama.cpp (it splits layers itself): no such note
+    unsized = dataclasses.replace(qwen3, weight_bytes={})
     for command in (
         vllm_command(coder, ServingHardware(4, 25_300_000_000, assumed=True)),
         vllm_command(qwen3, ServingHardware(None, 80_000_000_000, assumed=True)),
+        vllm_command(unsized, ServingHardware(4, 80_000_000_000, assumed=True)),
         llama_cpp_command(qwen3, three),
     ):
         assert not any(" GPUs: " in note for note in command.notes), command.notes

@@ -8,7 +8,7 @@ import typer
 from dflash_cli.cli.flags import MODEL, Drafter, JsonFlag, RecipeFile, RecipeName, Target
 from dflash_cli.cli.output import console, emit
 from dflash_cli.errors import DflashError
-from dflash_cli.setup.recipes import Recipe, resolve_recipe
+from dflash_cli.setup.recipes import resolve_recipe
 
 
 def pull(
@@ -46,7 +46,7 @@ def pull(
 
     Only safetensors weights, configs and tokenizer files are fetched. Interrupted downloads keep finished files: run the same command again. Also happens on first use of a recipe; `pull` is for doing it ahead of time, with this machine's compiled target and draft steps (which the first chat, run or serve otherwise builds in the background; `--no-compile` skips them).
     """
-    from dflash_cli.commands.pull import compile_recipe, no_drafter_note, pull_recipe
+    from dflash_cli.commands.pull import compile_recipe, no_drafter_note, pin_revision, pull_recipe
 
     recipe = resolve_recipe(name, recipe_file, target, drafter)
     if fp8:
@@ -54,29 +54,10 @@ def pull(
             raise DflashError(f"recipe {recipe.name} names no published FP8 checkpoint", fix="drop --fp8")
         recipe = dataclasses.replace(recipe, target=recipe.checkpoints["fp8"])
     if revision is not None:
-        _check_revision(revision, recipe, by_target=target is not None)
-        recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, revision=revision))
+        recipe = pin_revision(recipe, revision, by_target=target is not None)
     parts = pull_recipe(recipe, console, dry_run=dry_run, json=json_output)
     if compile and not dry_run:
         parts.extend(compile_recipe(recipe, console, json=json_output))
     note = no_drafter_note(recipe)
     lines = [part.line for part in parts if part.line] + ([note] if note else [])
     emit([part.data for part in parts], json_output, lambda: [console.print(line) for line in lines])
-
-
-def _check_revision(revision: str, recipe: Recipe, *, by_target: bool) -> None:
-    """--revision pins a Hub repo named by --target, as its help says; with a recipe (which names its own models) or
-    a local or GGUF-fallback target it was applied or ignored without a word, so it is refused there."""
-    ref = recipe.target
-    if not by_target:
-        hub = ref.path is None and not ref.gguf_fallback
-        drafter = f" --drafter {recipe.drafter.id}" if recipe.drafter is not None else ""
-        raise DflashError(
-            f"--revision works only with --target; recipe {recipe.name} names its own models",
-            fix=f"drop --revision, or name the repo: `dflash pull --target {ref.id}{drafter} --revision {revision}`"
-            if hub
-            else "drop --revision",
-        )
-    if ref.path is not None or ref.gguf_fallback:
-        what = "a local directory" if ref.path is not None else "fetched from its fixed source (the Hub or PyPI)"
-        raise DflashError(f"target {ref.id} is {what}: --revision has nothing to pin", fix="drop --revision")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -149,3 +150,23 @@ def _default_quant(recipe: Recipe) -> str | None:
         return make_plan(detect_machine(), recipe).quant
     except DflashError:
         return None
+
+
+def pin_revision(recipe: Recipe, revision: str, *, by_target: bool) -> Recipe:
+    """`recipe` with its target pinned at `revision` (pull's --revision): a Hub repo named by --target, as the flag's
+    help says; with a recipe (which names its own models) or a local or GGUF-fallback target it was applied or
+    ignored without a word, so it is refused there."""
+    ref = recipe.target
+    if not by_target:
+        hub = ref.path is None and not ref.gguf_fallback
+        drafter = f" --drafter {recipe.drafter.id}" if recipe.drafter is not None else ""
+        raise DflashError(
+            f"--revision works only with --target; recipe {recipe.name} names its own models",
+            fix=f"drop --revision, or name the repo: `dflash pull --target {ref.id}{drafter} --revision {revision}`"
+            if hub
+            else "drop --revision",
+        )
+    if ref.path is not None or ref.gguf_fallback:
+        what = "a local directory" if ref.path is not None else "fetched from its fixed source (the Hub or PyPI)"
+        raise DflashError(f"target {ref.id} is {what}: --revision has nothing to pin", fix="drop --revision")
+    return dataclasses.replace(recipe, target=dataclasses.replace(ref, revision=revision))

@@ -129,7 +129,7 @@ def _read_lines(
             errors.append(parsed)
         elif parsed is not None and parsed.id in first_line:
             message = f"id {show(parsed.id)} is already used on line {first_line[parsed.id]}: ids must be unique"
-            errors.append(replace(LineError.of(parsed, "duplicate_id", message), line=number))
+            errors.append(LineError.of(parsed, "duplicate_id", message))
         elif parsed is not None:
             first_line[parsed.id] = number  # type: ignore[index]
             requests.append(parsed)

@@ -262,7 +262,10 @@ def train(options: TrainOptions, console: Console | None = None) -> TrainResult:
         # No more threads than free cores: oversubscribed, torch's thread pools spin against each other (on 2 cores,
         # two runs side by side trained 7-9x slower with two threads each than with one;
         # benchmarks/results/history.md).
-        progress.console.print(f"[dim]Threads: {apply_threads(options.threads).reason}[/dim]")
+        threads = apply_threads(options.threads)
+        progress.console.print(f"[dim]Threads: {threads.reason}[/dim]")
+        if threads.note:  # (more than the cores: as the session's plan notes say it)
+            progress.console.print(f"  note: {threads.note}", style="yellow", markup=False, highlight=False)
         # A resumed run keeps its checkpoint's vocabulary (its answers may have grown since).
         vocab = (
             saved_vocabulary(checkpoint)

@@ -451,10 +451,11 @@ class AttentionState(TargetState):
             positions, end = (torch.arange(q, device=self.device) + self.at)[None], self.at + q
         like = torch.empty(1, exported.kv_heads, 0, exported.head_dim, dtype=self.dtype, device=self.device)
         buffers = [self.buffers(index, like) for index in range(len(self.layers))]
+        keys, values = [k for k, _ in buffers], [v for _, v in buffers]
+        if (rows.start or 0, rows.stop) != (0, self.rows):  # (whole buffers need no views: 60 of them cost ~1.5%)
+            keys, values = [k[rows] for k in keys], [v[rows] for v in values]
         try:
-            hidden, outputs = exported(
-                token_ids, positions, end, [k[rows] for k, _ in buffers], [v[rows] for _, v in buffers]
-            )
+            hidden, outputs = exported(token_ids, positions, end, keys, values)
         except RuntimeError as error:  # the package refused the call: eager from now on (nothing was committed)
             unload(self.target)
             self.exported = None

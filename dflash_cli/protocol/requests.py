@@ -81,30 +81,43 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "function_call (the deprecated function calling) is not supported: use tool_choice",
     ),
     "logit_bias": (_is({}), "logit_bias is not supported"),
-    "presence_penalty": (_number_is(0), "presence_penalty is not supported (it would change the distribution)"),
-    "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (it would change the distribution)"),
-    "repetition_penalty": (_number_is(1), "repetition_penalty is not supported (it would change the distribution)"),
-    # Other servers' fields (vLLM's, llama-server's) that change the answer: a client moving here must not believe
-    # its output is constrained or shaped when nothing reads them.
-    "repeat_penalty": (_number_is(1), "repeat_penalty is not supported (it would change the distribution)"),
-    "typical_p": (_number_is(1), "typical_p is not supported (it would change the distribution)"),
-    "tfs_z": (_number_is(1), "tfs_z is not supported (it would change the distribution)"),
-    "mirostat": (_number_is(0), "mirostat is not supported (it would change the distribution)"),
+    # Samplers and penalties, ours' and other servers' (vLLM's, llama-server's), at their neutral value
+    **{
+        key: (_number_is(neutral), f"{key} is not supported (it would change the distribution)")
+        for key, neutral in {
+            "presence_penalty": 0,
+            "frequency_penalty": 0,
+            "repetition_penalty": 1,
+            "repeat_penalty": 1,
+            "typical_p": 1,
+            "tfs_z": 1,
+            "mirostat": 0,
+            "dry_multiplier": 0,
+            "xtc_probability": 0,
+            "dynatemp_range": 0,
+        }.items()
+    },
+    # Other servers' fields that change the answer: a client moving here must not believe its output is
+    # constrained or shaped when nothing reads them.
+    "bad_words": (_is([]), "bad_words is not supported (it would change the distribution)"),
     "min_tokens": (_number_is(0), "min_tokens is not supported: the reply may end at the model's end of sequence"),
     "ignore_eos": (_is(False), "ignore_eos is not supported: the reply ends at the model's end of sequence"),
     "stop_token_ids": (_is([]), "stop_token_ids is not supported: use stop (strings)"),
     "n_probs": (_number_is(0), "n_probs (log probabilities) is not supported"),
     "use_beam_search": (_is(False), "use_beam_search is not supported: decoding samples one sequence"),
     "allowed_token_ids": (_is([]), "allowed_token_ids is not supported: use response_format"),
-    "bad_words": (_is([]), "bad_words is not supported (it would change the distribution)"),
-    "dry_multiplier": (_number_is(0), "dry_multiplier is not supported (it would change the distribution)"),
-    "xtc_probability": (_number_is(0), "xtc_probability is not supported (it would change the distribution)"),
-    "dynatemp_range": (_number_is(0), "dynatemp_range is not supported (it would change the distribution)"),
-    "grammar": (_is(""), "grammar is not supported: use response_format (a JSON schema), or tools"),  # ("": none)
-    "json_schema": (_is({}), "json_schema is not supported: use response_format (a JSON schema), or tools"),
-    **{  # (vLLM's guided_* until 0.12, structured_outputs since)
-        key: (lambda value: False, f"{key} is not supported: use response_format (a JSON schema), or tools")
-        for key in ("guided_json", "guided_choice", "guided_regex", "guided_grammar", "structured_outputs")
+    # grammars by other names (vLLM's guided_* until 0.12, structured_outputs since; llama-server's grammar and
+    # json_schema, whose "" and {} mean none)
+    **{
+        key: (is_none, f"{key} is not supported: use response_format (a JSON schema), or tools")
+        for key, is_none in {
+            "grammar": _is(""),
+            "json_schema": _is({}),
+            **dict.fromkeys(
+                ("guided_json", "guided_choice", "guided_regex", "guided_grammar", "structured_outputs"),
+                lambda value: False,
+            ),
+        }.items()
     },
 }
 # The numbers among them, checked against the API's own range first: a value no API takes is told so, not that

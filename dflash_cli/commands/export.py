@@ -92,13 +92,12 @@ def tensor_parallel_size(weight_bytes: int | None, hardware: ServingHardware) ->
 def _unused_gpus_note(recipe: Recipe, hardware: ServingHardware, tp: int, fits: bool, data_parallel: str) -> str | None:
     """Why tensor parallel takes fewer GPUs than the serving machine has (the weights fit on fewer; a count that is
     not a power of two cannot split the heads evenly) and how to use the rest: copies of the model, data parallel."""
-    count = hardware.gpu_count
-    if count is None or tp >= count or recipe.weight_bytes.get(recipe.checkpoint_precision) is None:
+    count, weights = hardware.gpu_count, recipe.weight_bytes.get(recipe.checkpoint_precision)
+    if count is None or tp >= count or weights is None:
         return None  # (a size unknown: tp's own note says it assumed 1, with nothing known to advise)
     reasons = []
     largest = 2 ** (count.bit_length() - 1)  # the largest tensor parallel size there is room for
     if fits and tp < largest:
-        weights = recipe.weight_bytes.get(recipe.checkpoint_precision)
         reasons.append(f"the weights ({gb(weights)}) fit on {plural(tp, 'GPU')} with headroom")
     if count != largest:
         heads = recipe.attention_heads

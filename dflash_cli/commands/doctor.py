@@ -553,31 +553,40 @@ def check_measurements(kept: list[dict[str, Any]]) -> Check:
 
 
 def check_cpu_kernels(
-    facts: MachineFacts, unusable: str | None, built: bool, compiler: str | None, failed: str | None = None
+    facts: MachineFacts,
+    unusable: str | None,
+    built: bool,
+    compiler: str | None,
+    failed: str | None = None,
+    tier: str | None = "avx512",
 ) -> Check:
     """Whether dflash's bf16 CPU kernels (engine.kernels.native) run here: usable, built, buildable, or why the last
-    build failed."""
+    build failed; on an AVX2 CPU (`tier`) its int4 and int8 kernels alone."""
     if facts.gpu_name is not None:
         return Check("cpu kernels", "pass", "GPU: products run on CUDA (dflash's CPU kernels are for CPU decoding)")
     if unusable is not None:
         return Check("cpu kernels", "pass", f"bf16 products and attention run on torch's kernels: {unusable}")
+    kernels, after = "dflash's bf16 CPU kernels", ""
+    if tier == "avx2":
+        kernels = "dflash's AVX2 int4 and int8 kernels"
+        after = " (this CPU lacks AVX-512 BF16: bf16 products and attention run on torch's)"
     if failed is not None and not built:
         return Check(
             "cpu kernels",
             "warn",
-            f"dflash's bf16 CPU kernels did not build, torch's run (about half as fast at one row): {failed}",
-            "a GCC 10+ or clang 12+ with AVX512-BF16 support (set CXX to it); the next start builds them",
+            f"{kernels} did not build, torch's run (about half as fast at one row): {failed}",
+            "a GCC 10+ or clang 12+ (set CXX to it); the next start builds them",
         )
     if built:
-        return Check("cpu kernels", "pass", "dflash's bf16 CPU kernels are built for this machine")
+        return Check("cpu kernels", "pass", f"{kernels} are built for this machine{after}")
     if compiler is None:
         return Check(
             "cpu kernels",
             "warn",
-            "no C++ compiler: dflash's bf16 CPU kernels (about 2x MKL's at one row) cannot be built; torch's run",
+            f"no C++ compiler: {kernels} (about 2x torch's at one row) cannot be built; torch's run",
             "install one (Debian/Ubuntu: apt install g++), or set CXX",
         )
-    return Check("cpu kernels", "pass", f"dflash's bf16 CPU kernels are compiled by {compiler} at the first CPU run")
+    return Check("cpu kernels", "pass", f"{kernels} are compiled by {compiler} at the first CPU run{after}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -635,6 +644,7 @@ def run_checks(facts: MachineFacts | None = None) -> list[Check]:
             native.library_path().is_file(),
             shutil.which(native.compiler()),
             native.failed_build(),
+            native.cpu_tier(),
         ),
         check_command_conflicts(dflash_commands()),
     ]

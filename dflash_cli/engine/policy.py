@@ -440,7 +440,7 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "exported": loaded_step(target) is not None,
-        "cpu_kernels": device.type == "cpu" and native.available(),
+        "cpu_kernels": native.loaded_tier() if device.type == "cpu" else None,
         "torch": torch.__version__,
     }
 

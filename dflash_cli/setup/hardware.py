@@ -36,6 +36,7 @@ class MachineFacts:
     cpu_ram_total: int | None = None
     cpu_ram_available: int | None = None
     cpu_bf16: bool = False  # the CPU has bf16 matmul instructions (AVX512-BF16 or AMX): bf16 beats fp32 there
+    cpu_avx2: bool = False  # AVX2 with FMA at least (torch's dispatch): dflash's int4/int8 kernels run (native.py)
     mxfp4_kernels: bool = False  # triton >= 3.4 and `kernels` installed: transformers' MXFP4 path on CUDA sm_75+
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,6 +87,7 @@ def detect_machine() -> MachineFacts:
         "cpu_ram_total": ram_total,
         "cpu_ram_available": ram_available,
         "cpu_bf16": _cpu_has_bf16(),
+        "cpu_avx2": torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"),
         "mxfp4_kernels": _mxfp4_kernels_installed(),
     }
     if torch.cuda.is_available():

@@ -200,8 +200,9 @@ def _candidates(
 ) -> list[tuple[str, Quant]]:
     """(dtype, quant) pairs in order of preference: the published weights; the recipe's FP8 checkpoint on GPUs
     that run FP8 natively; NF4 (automatic on CUDA only, where bitsandbytes has fast kernels). On CPU the fallback
-    is bf16 (half of fp32), then on a CPU with bf16 instructions int8 and int4 weights (engine.kernels.quantized,
-    which take bf16 activations) where the recipe lists their sizes; NF4 only when asked for."""
+    is bf16 (half of fp32), then on a CPU with bf16 instructions or AVX2 int8 and int4 weights
+    (engine.kernels.quantized, which take bf16 activations) where the recipe lists their sizes; NF4 only when asked
+    for."""
     preferred = default_dtype(kind, facts)[0]
     pairs = [(preferred, Quant.NONE)]
     if kind == "cuda" and Quant.FP8 in recipe.checkpoints and Quant.FP8 in native_formats(kind, facts):
@@ -210,7 +211,7 @@ def _candidates(
         pairs.append((preferred, Quant.NF4))
     if kind == "cpu":
         pairs.append(("bfloat16", Quant.NONE))
-        if facts.cpu_bf16 and recipe.checkpoint_precision == "bf16":
+        if cpu_formats(facts) and recipe.checkpoint_precision == "bf16":
             pairs += [("bfloat16", q) for q in (Quant.INT8, Quant.INT4) if q in recipe.weight_bytes]
     pairs = list(dict.fromkeys(pairs))
     if dtype is not None:  # a forced compute dtype other than bf16 rules out the CPU formats (they compute in bf16)
@@ -220,6 +221,12 @@ def _candidates(
     if quant is not None and quant.cpu_kernels and dtype is None:
         pairs = [("bfloat16", quant)]  # the packed kernels want bf16 activations (engine.kernels.quantized)
     return pairs
+
+
+def cpu_formats(facts: MachineFacts) -> bool:
+    """Whether the CPU's int4/int8 formats are worth running here: dflash's kernels need AVX2 at least (AVX-512 BF16
+    and VNNI for all of them), and torch's want bf16 instructions (engine.kernels.native)."""
+    return facts.cpu_bf16 or facts.cpu_avx2
 
 
 def _check_forced_quant(recipe: Recipe, quant: Quant, kind: str, facts: MachineFacts, cls: GpuClass) -> None:
@@ -276,10 +283,12 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
         quant is not None
         and quant.cpu_kernels
         and not overrides.quant
-        and (dtype not in (None, "bfloat16") or not facts.cpu_bf16)
+        and (dtype not in (None, "bfloat16") or not cpu_formats(facts))
     ):
-        # A recipe's CPU format computes in bf16: it yields to a --dtype and to CPUs without bf16 instructions.
-        why = f"--dtype {dtype}" if dtype not in (None, "bfloat16") else "this CPU has no bf16 instructions"
+        # A recipe's CPU format computes in bf16: it yields to a --dtype and to CPUs without its kernels.
+        why = (
+            f"--dtype {dtype}" if dtype not in (None, "bfloat16") else "this CPU has neither bf16 instructions nor AVX2"
+        )
         reasons.append(f"{recipe_override} ({quant}) skipped: it computes in bf16, and {why}")
         quant, tuned = None, {k: v for k, v in tuned.items() if k != "quant"}
     if quant is not None:
@@ -351,9 +360,9 @@ def make_plan(facts: MachineFacts, recipe: Recipe, overrides: PlanOverrides | No
     detail = {
         "nf4": f"; bitsandbytes 4-bit NF4, double quant, {dtype} compute",
         "int4": "; weight-only 4-bit in groups of 32 (dflash's kernel, int8 activations, where the CPU has "
-        "AVX512-VNNI; else torch's packed CPU kernel), bf16 compute; the output head int8 and the embedding bf16",
+        "AVX512-VNNI or AVX2; else torch's packed CPU kernel), bf16 compute; the output head int8 and the embedding bf16",
         "int8": "; weight-only 8-bit per output channel (dflash's kernel, int8 activations, where the CPU has "
-        "AVX512-VNNI; else torch's packed CPU kernel), bf16 compute; the embedding stays bf16",
+        "AVX512-VNNI or AVX2; else torch's packed CPU kernel), bf16 compute; the embedding stays bf16",
         "fp8": f"; the published FP8 checkpoint {recipe.checkpoints['fp8'].id if 'fp8' in recipe.checkpoints else ''}",
     }.get(quant, "")
     if quant is Quant.NF4 and recipe.expert_bytes:

@@ -418,6 +418,9 @@ def test_cpu_kernels_check_says_what_runs_and_what_to_install() -> None:
     assert failed.status == "warn" and "unknown option" in failed.detail and "CXX" in failed.fix
     gpu = doctor.check_cpu_kernels(dataclasses.replace(cpu, gpu_name="NVIDIA H100"), None, False, None)
     assert gpu.status == "pass" and "CUDA" in gpu.detail
+    avx2 = doctor.check_cpu_kernels(cpu, None, True, "/usr/bin/c++", tier="avx2")  # the int4 / int8 ones alone
+    assert avx2.status == "pass" and "AVX2 int4 and int8 kernels are built" in avx2.detail
+    assert "bf16 products and attention run on torch's" in avx2.detail
 
 
 def test_our_own_command_is_no_conflict() -> None:

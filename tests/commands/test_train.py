@@ -171,7 +171,12 @@ def test_distill_answers_through_the_engine_and_caches_answers_and_features(
         assert (tmp_path / ANSWERS_FILE).read_text() == lines  # served from the cache, nothing regenerated
         assert [s.ids for s in again] == [s.ids for s in first]
         # Another plan's answers are kept, not used: bf16 writes its own.
-        bf16 = RunOptions(target=str(tiny_qwen3_dir), sampling=SamplingParams(max_new_tokens=6), no_spec=True)
+        bf16 = RunOptions(
+            target=str(tiny_qwen3_dir),
+            sampling=SamplingParams(max_new_tokens=6),
+            no_spec=True,
+            overrides=PlanOverrides(dtype="bfloat16"),  # (not the default where a CPU lacks bf16 instructions)
+        )
         distill(open_session(bf16, batching=True), bf16, requests, tmp_path, progress)
         assert len((tmp_path / ANSWERS_FILE).read_text().splitlines()) == 6
 

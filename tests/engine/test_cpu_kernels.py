@@ -202,3 +202,62 @@ def test_argmax_is_torchs_on_the_widened_logits(width: int) -> None:
     expected = logits.float().argmax(dim=-1)
     assert torch.equal(torch.ops.dflash.argmax(logits), expected)
     assert torch.equal(greedy_tokens(logits.view(7, 1, width)), expected[:, None])  # any leading shape
+
+
+_TIER_PRODUCTS = """
+import sys, torch
+from pathlib import Path
+from dflash_cli.engine.compiled import jit
+from dflash_cli.engine.kernels import native
+jit.compile_cache_dir = lambda: Path(sys.argv[2])  # (each tier its own build: the cache keeps one library)
+from dflash_cli.engine.kernels.quantized import Int4Linear, Int8Linear
+torch.manual_seed(7)
+x = torch.randn(9, 576).to(torch.bfloat16)
+int4 = Int4Linear.from_weight(torch.randn(200, 576), torch.bfloat16)  # (a partial last block of 8 lanes)
+int8 = Int8Linear.from_weight(torch.randn(192, 576), torch.bfloat16)
+grouped = Int8Linear.from_groups(torch.randint(-127, 128, (48, 576)), torch.rand(48, 18) / 64, torch.bfloat16)
+assert int4.native and int8.native and grouped.native
+torch.save([native.loaded_tier(), int4(x), int8(x), grouped(x)], sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.needs_no_kernels
+def test_the_avx2_tier_gives_the_avx512_tiers_bits(tmp_path) -> None:
+    """The AVX2 tier (`DFLASH_CPU_KERNELS=avx2`) runs the int4 and int8 products with the same integer sums and float
+    operations, 8 lanes at a time: the same bits as the AVX-512 tier, so a stored step or a measurement means the same
+    on either (where this CPU has AVX-512: else the AVX2 tier's own tests in test_quantized run on it)."""
+    if native.cpu_tier() != "avx512":
+        pytest.skip(f"the AVX-512 tier does not run here ({native.unusable() or 'this CPU lacks AVX-512 BF16'})")
+    results = {}
+    for tier in ("avx512", "avx2"):
+        env = {**os.environ, native.ENVIRONMENT: tier}
+        subprocess.run(
+            [sys.executable, "-c", _TIER_PRODUCTS, str(tmp_path / tier), str(tmp_path / f"{tier}-cache")],
+            env=env,
+            check=True,
+        )
+        results[tier] = torch.load(tmp_path / tier)
+    assert [results[tier][0] for tier in ("avx512", "avx2")] == ["avx512", "avx2"]
+    for wide, narrow in zip(results["avx512"][1:], results["avx2"][1:]):
+        assert torch.equal(wide, narrow)
+
+
+@pytest.mark.slow
+@pytest.mark.needs_no_kernels
+def test_on_an_avx2_cpu_the_int_products_run_on_dflashs_kernels_and_the_rest_on_torchs(tmp_path) -> None:
+    """The AVX2 tier: the int4 and int8 products are dflash's, the bf16 ones, attention and argmax torch's (the
+    library defines no others), and the process says so."""
+    if native.cpu_tier() is None:
+        pytest.skip(native.unusable())
+    code = (
+        "import torch; from dflash_cli.engine.kernels import native\n"
+        "print(native.loaded_tier(), native.quantized_available(), native.available())\n"
+        "print(hasattr(torch.ops.dflash, 'int4_linear'), hasattr(torch.ops.dflash, 'bf16_linear'))\n"
+        "print(native.unavailable())\n"
+    )
+    env = {**os.environ, native.ENVIRONMENT: "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    tier, ops, why = done.stdout.splitlines()
+    assert tier.split() == ["avx2", "True", "False"] and ops.split() == ["True", "False"]
+    assert "int4 and int8 products run on dflash's AVX2 kernels" in why

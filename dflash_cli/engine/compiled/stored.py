@@ -103,7 +103,7 @@ def package_path(prefix: str, step: nn.Module, config: dict[str, Any], code: Ite
     config = {key: value for key, value in config.items() if key != "_name_or_path"}  # any copy of the same shapes
     # whether its products and attention call dflash's kernels: a choice of this process (DFLASH_CPU_KERNELS=0, a
     # failed build), so packages of both kinds are one build's and `prune` keeps both
-    model = {"config": config, "tensors": tensors, "cpu_kernels": native.available()}
+    model = {"config": config, "tensors": tensors, "cpu_kernels": native.loaded_tier()}
     return packages_dir() / f"{prefix}-{_digest(built, 8)}-{_digest(model, 16)}.pt2"
 
 

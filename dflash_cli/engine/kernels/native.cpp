@@ -24,6 +24,14 @@
 #include <cstring>
 #include <vector>
 
+// The AVX-512 tier (AVX-512 BF16 and VNNI) builds every op; the AVX2 tier (AVX2, FMA, F16C) the int4 and int8
+// products only, the rest staying on torch's kernels (engine/kernels/native.py picks the tier).
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define DFLASH_AVX512 1
+#else
+#define DFLASH_AVX512 0
+#endif
+
 namespace {
 
 inline float bf16_to_float(uint16_t v) {
@@ -41,6 +49,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
   return static_cast<uint16_t>(bits >> 16);
 }
 
+#if DFLASH_AVX512
 inline __m512 widen_bf16x16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
 inline __m512 load_bf16x16(const uint16_t* p) {
@@ -185,6 +194,8 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
   return out;
 }
 
+#endif  // DFLASH_AVX512
+
 // ---- int4_linear: out [M, N] = x [M, K] . dequant(w)^T, int4 weights and int8 activations, bf16 in and out ------
 // w = q * d + m per output and group of 32 inputs (GGUF's Q4_1: codes q in 0..15, a float16 scale d and min m). Each
 // row's activations are quantized per group to int8 (a = q_a * d_a, d_a = max|a| / 127, as llama.cpp's Q8_1), so a
@@ -205,6 +216,7 @@ struct Int8Rows {  // the activations as int8, and per group their scale, sum of
   std::vector<int32_t> sum;              // [M, groups]
 };
 
+#if DFLASH_AVX512
 Int8Rows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup;
   Int8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups),
@@ -272,6 +284,110 @@ void int4_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, c
   }
 }
 
+#else  // the AVX2 tier: the same layouts, integer sums and float operations, 8 lanes at a time
+// (VPMADDUBSW then VPMADDWD stand for VPDPBUSD: with 4-bit codes a group's pairs of products add up in 16 bits)
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float max_lanes(__m256 v) {
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
+inline void store_bf16x8(uint16_t* p, __m256 v, int lanes) {  // to bf16, nearest even (as VCVTNEPS2BF16), NaN quiet
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(rounded, 16), _mm256_setzero_si256()), 0x08);
+  if (lanes == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  } else {
+    alignas(16) uint16_t tail[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tail), _mm256_castsi256_si128(packed));
+    std::memcpy(p, tail, sizeof(uint16_t) * lanes);
+  }
+}
+
+Int8Rows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t groups = K / kGroup;
+  Int8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups),
+                std::vector<int32_t>(M * groups)};
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* a = x + r * K + g * kGroup;
+      __m256 v[4], top = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = load_bf16x8(a + 8 * i);
+        top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+      }
+      const float amax = max_lanes(top);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      alignas(32) int32_t q[kGroup];
+      for (int i = 0; i < 4; ++i)  // (nearest even)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+      int8_t* out = rows.q.data() + r * K + g * kGroup;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int32_t c = std::clamp(q[i], -128, 127);  // (saturating, as VPMOVSDB)
+        out[i] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      const float d = amax / 127.0f;
+      rows.scale[r * groups + g] = d;
+      rows.sum[r * groups + g] = sum;
+      rows.scaled_sum[r * groups + g] = d * static_cast<float>(sum);
+    }
+  }
+  return rows;
+}
+
+void int4_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                const uint16_t* mins, int64_t block, uint16_t* out, int64_t N) {
+  const int64_t groups = K / kGroup;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const int lanes = static_cast<int>(std::min<int64_t>(16, N - block * 16));
+  for (int half = 0; half * 8 < lanes; ++half) {  // outputs 8 * half .. + 7 of the block
+    const int half_lanes = std::min(8, lanes - 8 * half);
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+      __m256 acc[kRowTile], macc[kRowTile];
+      for (int t = 0; t < kRowTile; ++t) acc[t] = macc[t] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* v = codes + (block * groups + g) * 256 + 32 * half;
+        for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + 64 * i), _MM_HINT_T0);
+        __m256i w[8];
+        for (int i = 0; i < 4; ++i) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * i));
+          w[i] = _mm256_and_si256(packed, low_nibbles);
+          w[4 + i] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+        }
+        const int64_t at = (block * groups + g) * 16 + 8 * half;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + at)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + at)));
+        for (int t = 0; t < rows; ++t) {
+          const int64_t r = r0 + t;
+          const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kGroup);
+          __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(q[0]));  // (|a pair| <= 2 * 15 * 127: eight
+          for (int i = 1; i < 8; ++i)                                             // of them fit 16 bits)
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(q[i])));
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+          acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a.scale[r * groups + g])), acc[t]);
+          macc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.scaled_sum[r * groups + g]), macc[t]);
+        }
+      }
+      for (int t = 0; t < rows; ++t)
+        store_bf16x8(out + (r0 + t) * N + block * 16 + 8 * half, _mm256_add_ps(acc[t], macc[t]), half_lanes);
+    }
+  }
+}
+#endif  // DFLASH_AVX512
+
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in,
                        const at::Tensor& mins_in, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kGroup == 0,
@@ -304,6 +420,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
 // shifted weights of those inputs); scales [blocks, 16] in the compute dtype, or, as GGUF's Q8_0 stores them, one
 // float16 scale per output and group of 32 inputs [blocks, groups, 16] (each group's dot product scaled by it
 // before the sum). Groups added in order per output: rows independent.
+#if DFLASH_AVX512
 void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool bf16_scales,
                 const uint16_t* group_scales, int64_t block, uint16_t* out, int64_t N) {
   const int64_t groups = K / kGroup;
@@ -347,6 +464,54 @@ void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, c
   }
 }
 
+#else
+// The shifted weights' pairs of products would overflow VPMADDUBSW's 16 bits: it takes |q_a| and the weights
+// (w + 128 less 128) with q_a's signs instead (VPSIGNB), so the exact w . q_a comes out with no shift to take off.
+void int8_block(const Int8Rows& a, int64_t M, int64_t K, const uint8_t* codes, const void* scales, bool bf16_scales,
+                const uint16_t* group_scales, int64_t block, uint16_t* out, int64_t N) {
+  const int64_t groups = K / kGroup;
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int lanes = static_cast<int>(std::min<int64_t>(16, N - block * 16));
+  for (int half = 0; half * 8 < lanes; ++half) {
+    const int half_lanes = std::min(8, lanes - 8 * half);
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - r0));
+      __m256 acc[kRowTile];
+      for (int t = 0; t < kRowTile; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* v = codes + (block * groups + g) * 512 + 32 * half;
+        for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchBytes + 64 * i), _MM_HINT_T0);
+        __m256i w[8];
+        for (int i = 0; i < 8; ++i)
+          w[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * i)), bias);
+        for (int t = 0; t < rows; ++t) {
+          const int64_t r = r0 + t;
+          const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + r * K + g * kGroup);
+          __m256i sum = _mm256_setzero_si256();
+          for (int i = 0; i < 8; ++i) {
+            const __m256i qb = _mm256_set1_epi32(q[i]);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(qb), _mm256_sign_epi8(w[i], qb)), ones));
+          }
+          const __m256 dot = _mm256_cvtepi32_ps(sum);
+          __m256 scale = _mm256_set1_ps(a.scale[r * groups + g]);
+          if (group_scales != nullptr)
+            scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                      group_scales + (block * groups + g) * 16 + 8 * half))),
+                                  scale);
+          acc[t] = _mm256_fmadd_ps(dot, scale, acc[t]);
+        }
+      }
+      const __m256 scale = group_scales != nullptr ? _mm256_set1_ps(1.0f)
+                           : bf16_scales ? load_bf16x8(static_cast<const uint16_t*>(scales) + block * 16 + 8 * half)
+                                         : _mm256_loadu_ps(static_cast<const float*>(scales) + block * 16 + 8 * half);
+      for (int t = 0; t < rows; ++t)
+        store_bf16x8(out + (r0 + t) * N + block * 16 + 8 * half, _mm256_mul_ps(acc[t], scale), half_lanes);
+    }
+  }
+}
+#endif  // DFLASH_AVX512
+
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scales_in, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % kGroup == 0,
               "int8_linear: x must be [rows, in] bf16, in a multiple of 32");
@@ -373,6 +538,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
   return out;
 }
 
+#if DFLASH_AVX512
 // ---- attention of each row's block of queries over that row's K/V, bf16 ------------------------------------------
 // rows [R, kv heads, n, head dim]: in row b, query row i is the query at positions[b, i % q] (the query heads of a KV
 // head folded into rows, as engine.target.standard folds them); keys / values [R, kv heads, capacity, head dim].
@@ -529,20 +695,26 @@ at::Tensor argmax(const at::Tensor& x_in) {
   return out;
 }
 
+#endif  // DFLASH_AVX512
+
 }  // namespace
 
 TORCH_LIBRARY(dflash, m) {
-  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor");
+#if DFLASH_AVX512
+  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("attention(Tensor rows, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("bf16_linear", &bf16_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
+#if DFLASH_AVX512
+  m.impl("bf16_linear", &bf16_linear);
   m.impl("attention", &attention);
   m.impl("argmax", &argmax);
+#endif
 }

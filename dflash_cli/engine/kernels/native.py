@@ -13,9 +13,12 @@ docs/benchmarks.md): the demo target's 210 layer products at one row 4.7 against
 
 The library is compiled once per machine (the C++ compiler and torch's headers, about 10 s) into the dflash cache
 and loaded into the process before its first product: `available()` decides once per process, so every product of
-a session runs on the same kernel. CPUs without AVX-512 BF16, a failed build or `DFLASH_CPU_KERNELS=0` keep
-torch's kernels (a warning says why a build failed, once: later starts, `--explain` and `dflash doctor` read it
-from a marker beside the library until the compiler changes).
+a session runs on the same kernel. It comes in two tiers: on CPUs with AVX-512 BF16 and VNNI every op above; on
+CPUs with AVX2 (FMA, F16C) but not those, the int4 and int8 products alone (`quantized_available()`: the same
+layouts and sums, 8 lanes an instruction; the 2-core AVX2 EPYC's demo target decodes 4-5x faster than in float32,
+docs/benchmarks.md), the bf16 products and attention staying on torch's. Other CPUs, a failed build or
+`DFLASH_CPU_KERNELS=0` keep torch's kernels (a warning says why a build failed, once: later starts, `--explain` and
+`dflash doctor` read it from a marker beside the library until the compiler changes).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native.cpp")
-ENVIRONMENT = "DFLASH_CPU_KERNELS"  # "0": torch's kernels for every product and attention
+ENVIRONMENT = "DFLASH_CPU_KERNELS"  # "0": torch's kernels for every product and attention; "avx2": that tier
 CPU_FLAGS = (
     "avx512f",
     "avx512bw",
@@ -43,9 +46,13 @@ CPU_FLAGS = (
     "avx512_bf16",
     "avx512_vnni",
     "f16c",
-)  # what the kernels are compiled for
-_COMPILE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
-                  "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]  # fmt: skip
+)  # what the AVX-512 tier is compiled for (every op)
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # what the AVX2 tier is compiled for (the int4 and int8 products)
+_COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+_TIER_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
 
 
 def cpu_flag_line() -> str:
@@ -63,13 +70,27 @@ def cpu_flag_line() -> str:
 def unavailable() -> str | None:
     """Why this process's bf16 products (and the stored step's attention) run on torch's kernels rather than ours
     (None: ours run)."""
-    return _state()
+    why = _state()
+    if why is None and cpu_tier() == "avx2":
+        narrower = _missing(CPU_FLAGS) or f"{ENVIRONMENT}=avx2"
+        return f"{narrower} (its int4 and int8 products run on dflash's AVX2 kernels)"
+    return why
 
 
 def available() -> bool:
     """Whether dflash's kernels run this process's bf16 products and attention (built and loaded on the first
     call)."""
+    return _state() is None and cpu_tier() == "avx512"
+
+
+def quantized_available() -> bool:
+    """Whether dflash's kernels run this process's int4 and int8 products (either tier)."""
     return _state() is None
+
+
+def loaded_tier() -> str | None:
+    """The tier of dflash's kernels this process runs ("avx512", "avx2"), None where it runs torch's."""
+    return cpu_tier() if _state() is None else None
 
 
 def unusable() -> str | None:
@@ -77,10 +98,20 @@ def unusable() -> str | None:
     instructions); None: it can, once built."""
     if os.environ.get(ENVIRONMENT, "1") == "0":
         return f"{ENVIRONMENT}=0"
-    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flag_line().split()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    return None
+    return _missing(AVX2_FLAGS) if cpu_tier() is None else None
+
+
+def cpu_tier() -> str | None:
+    """The widest tier of dflash's kernels this CPU runs ("avx512", "avx2"), None: neither; DFLASH_CPU_KERNELS=avx2
+    takes the AVX2 tier on an AVX-512 CPU too (to compare the two)."""
+    if not _missing(CPU_FLAGS) and os.environ.get(ENVIRONMENT) != "avx2":
+        return "avx512"
+    return "avx2" if not _missing(AVX2_FLAGS) else None
+
+
+def _missing(flags: tuple[str, ...]) -> str:
+    missing = [flag for flag in flags if flag not in cpu_flag_line().split()]
+    return f"this CPU lacks {', '.join(missing)}" if missing else ""
 
 
 def pending_build() -> bool:
@@ -142,8 +173,12 @@ def library_path() -> Path:
     """Where this machine's compiled kernels are, or go (keyed by their source, torch and the flags)."""
     from dflash_cli.engine.compiled.jit import compile_cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_COMPILE_FLAGS).encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_compile_flags()).encode())
     return compile_cache_dir() / "kernels" / f"dflash_cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _compile_flags() -> list[str]:
+    return _COMMON_FLAGS + _TIER_FLAGS[cpu_tier() or "avx512"]
 
 
 def compiler() -> str:
@@ -162,7 +197,7 @@ def _compile(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
-        command = [compiler_, *_COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o",
+        command = [compiler_, *_compile_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o",
                    str(built), *libraries]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -177,10 +212,6 @@ def _compile(path: Path) -> None:
 def _register_shapes() -> None:
     """The ops' output shapes, for torch.export and torch.compile (which trace without running them)."""
 
-    @torch.library.register_fake("dflash::bf16_linear")
-    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(x.shape[0], weight.shape[0])
-
     @torch.library.register_fake("dflash::int4_linear")
     def _(
         x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out_features: int
@@ -192,6 +223,13 @@ def _register_shapes() -> None:
         x: torch.Tensor, codes: torch.Tensor, sums: torch.Tensor, scales: torch.Tensor, out_features: int
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
+
+    if cpu_tier() != "avx512":
+        return
+
+    @torch.library.register_fake("dflash::bf16_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("dflash::argmax")
     def _(x: torch.Tensor) -> torch.Tensor:

@@ -214,6 +214,13 @@ struct Int8Rows {  // the activations as int8, and per group their scale, sum of
   std::vector<int8_t> q;
   std::vector<float> scale, scaled_sum;  // [M, groups]
   std::vector<int32_t> sum;              // [M, groups]
+
+  void keep(int64_t at, float amax, int32_t codes_sum) {  // a group's scale and sums, as either tier quantized it
+    const float d = amax / 127.0f;
+    scale[at] = d;
+    sum[at] = codes_sum;
+    scaled_sum[at] = d * static_cast<float>(codes_sum);
+  }
 };
 
 #if DFLASH_AVX512
@@ -232,11 +239,7 @@ Int8Rows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
       int8_t* out = rows.q.data() + r * K + g * kGroup;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qhi));
-      const float d = amax / 127.0f;
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      rows.scale[r * groups + g] = d;
-      rows.sum[r * groups + g] = sum;
-      rows.scaled_sum[r * groups + g] = d * static_cast<float>(sum);
+      rows.keep(r * groups + g, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
     }
   }
   return rows;
@@ -338,10 +341,7 @@ Int8Rows quantize_rows(const uint16_t* x, int64_t M, int64_t K) {
         out[i] = static_cast<int8_t>(c);
         sum += c;
       }
-      const float d = amax / 127.0f;
-      rows.scale[r * groups + g] = d;
-      rows.sum[r * groups + g] = sum;
-      rows.scaled_sum[r * groups + g] = d * static_cast<float>(sum);
+      rows.keep(r * groups + g, amax, sum);
     }
   }
   return rows;

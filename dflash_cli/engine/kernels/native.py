@@ -101,6 +101,7 @@ def unusable() -> str | None:
     return _missing(AVX2_FLAGS) if cpu_tier() is None else None
 
 
+@functools.cache  # (decided once per process, as `_state`: greedy sampling asks `available()` at every step)
 def cpu_tier() -> str | None:
     """The widest tier of dflash's kernels this CPU runs ("avx512", "avx2"), None: neither; DFLASH_CPU_KERNELS=avx2
     takes the AVX2 tier on an AVX-512 CPU too (to compare the two)."""

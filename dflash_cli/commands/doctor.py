@@ -561,15 +561,15 @@ def check_cpu_kernels(
     tier: str | None = "avx512",
 ) -> Check:
     """Whether dflash's bf16 CPU kernels (engine.kernels.native) run here: usable, built, buildable, or why the last
-    build failed; on an AVX2 CPU (`tier`) its int4 and int8 kernels alone."""
+    build failed; on an AVX2 CPU (`tier`) all but the bf16 products."""
     if facts.gpu_name is not None:
         return Check("cpu kernels", "pass", "GPU: products run on CUDA (dflash's CPU kernels are for CPU decoding)")
     if unusable is not None:
         return Check("cpu kernels", "pass", f"bf16 products and attention run on torch's kernels: {unusable}")
     kernels, after = "dflash's bf16 CPU kernels", ""
     if tier == "avx2":
-        kernels = "dflash's AVX2 int4 and int8 kernels"
-        after = " (this CPU lacks AVX-512 BF16: bf16 products and attention run on torch's)"
+        kernels = "dflash's AVX2 int4, int8 and attention kernels"
+        after = " (this CPU lacks AVX-512 BF16: bf16 products run on torch's)"
     if failed is not None and not built:
         return Check(
             "cpu kernels",
@@ -597,7 +597,7 @@ def measured_bandwidth(device: str, dtype: str) -> float | None:
     MKL's read at half its speed, and the speed line said ~40 tok/s for a demo decoding 250), or None where the
     device cannot run the probe: doctor reports, never crashes."""
     product = None
-    if device == "cpu" and dtype == "bfloat16" and not native.pending_build() and native.available():
+    if device == "cpu" and dtype == "bfloat16" and not native.pending_build() and native.runs("bf16_linear"):
         import torch
 
         product = torch.ops.dflash.bf16_linear

@@ -460,14 +460,15 @@ def fold_system(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def cpu_kernels_reason(console: Console | None) -> str:
     """Load dflash's CPU kernels into this process before its first product (compiled first, once per machine, with
-    a status line); the --explain line saying which kernels the bf16 products (and the stored step's attention)
-    run on."""
+    a status line); the --explain line saying which kernels the bf16 products and attention run on."""
     building = native.pending_build()
     message = "Compiling dflash's CPU kernels (once on this machine, about 10 s)..."
     with working(console if building else None, message):
         why = native.unavailable()
     if why is None:
-        return "kernels: bf16 products on dflash's CPU kernels, its attention too in the stored step (engine.kernels.native)"
+        return "kernels: bf16 products and attention on dflash's CPU kernels (engine.kernels.native)"
+    if native.loaded_tier() == "avx2":
+        return f"kernels: bf16 products on torch's kernels ({why})"
     return f"kernels: bf16 products and attention on torch's kernels ({why})"
 
 

@@ -13,11 +13,10 @@ from dflash_cli.engine.kernels.quantized import GROUP_SIZE
 
 def use_kernels(ours: bool, monkeypatch: pytest.MonkeyPatch, quantized: bool = False) -> None:
     """`quantized`: the test's products are int4 / int8 ones (dflash's run on either tier)."""
-    if ours and not (native.quantized_available() if quantized else native.available()):
+    if ours and not native.runs("int4_linear" if quantized else "bf16_linear"):
         pytest.skip(f"dflash's CPU kernels: {native.unusable() or native.unavailable()}")
     if not ours:
-        monkeypatch.setattr(native, "available", lambda: False)
-        monkeypatch.setattr(native, "quantized_available", lambda: False)
+        monkeypatch.setattr(native, "runs", lambda op: False)
 
 
 def int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@
 #include <cstring>
 #include <vector>
 
-// The AVX-512 tier (AVX-512 BF16 and VNNI) builds every op; the AVX2 tier (AVX2, FMA, F16C) the int4 and int8
-// products only, the rest staying on torch's kernels (engine/kernels/native.py picks the tier).
+// The AVX-512 tier (AVX-512 BF16 and VNNI) builds every op; the AVX2 tier (AVX2, FMA, F16C) every op but
+// bf16_linear, whose products stay on torch's kernels there (engine/kernels/native.py picks the tier).
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define DFLASH_AVX512 1
 #else
@@ -301,12 +301,21 @@ inline float max_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 
-inline void store_bf16x8(uint16_t* p, __m256 v, int lanes) {  // to bf16, nearest even (as VCVTNEPS2BF16), NaN quiet
+// Each lane rounded to bf16 in its upper 16 bits, as VCVTNEPS2BF16 rounds: nearest even, a denormal to a zero of its
+// sign, a NaN kept and made quiet.
+inline __m256i bf16_bits8(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(rounded, 16), _mm256_setzero_si256()), 0x08);
+  const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7f800000)), _mm256_setzero_si256());
+  rounded = _mm256_blendv_epi8(rounded, _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN)), tiny);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+}
+
+inline void store_bf16x8(uint16_t* p, __m256 v, int lanes) {
+  const __m256i packed = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_srli_epi32(bf16_bits8(v), 16), _mm256_setzero_si256()), 0x08);
   if (lanes == 8) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   } else {
@@ -538,7 +547,6 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
   return out;
 }
 
-#if DFLASH_AVX512
 // ---- attention of each row's block of queries over that row's K/V, bf16 ------------------------------------------
 // rows [R, kv heads, n, head dim]: in row b, query row i is the query at positions[b, i % q] (the query heads of a KV
 // head folded into rows, as engine.target.standard folds them); keys / values [R, kv heads, capacity, head dim].
@@ -547,8 +555,20 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
 // position, weights rounded to bf16; out = bf16(sum of weight * value, keys in order).
 // Each query reads only its own keys, in groups of 16 from its first: its result does not depend on the block or the
 // rows around it. (Per group: 16 dot products summed by one transposing tree, the scores rounded and scaled, and their
-// exponentials, 16 lanes at once: a prefill's queries over thousands of keys each are arithmetic-bound.)
+// exponentials, 16 lanes at once: a prefill's queries over thousands of keys each are arithmetic-bound.) The AVX2
+// tier does the same operations in the same order, 8 keys at a time: VDPBF16PS's two products a lane as two FMAs,
+// which round as it does (a product of two bf16 is exact in float), but with denormal inputs and sums kept where
+// VDPBF16PS flushes them: its bits can differ from the AVX-512 tier's only below 2^-126.
 
+struct AttentionCall {  // one call's checked tensors, as a tier's loop reads them
+  const uint16_t *rows, *keys, *values;
+  const int64_t* positions;  // [R, q]
+  uint16_t* out;
+  int64_t heads, n, dim, q, capacity, batch_stride, head_stride, key_stride;
+  float scaling;
+};
+
+#if DFLASH_AVX512
 inline __m512 round_bf16x16(__m512 v) {  // to bf16 and back (nearest even; denormals flushed, as VDPBF16PS)
   return widen_bf16x16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
@@ -574,79 +594,56 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero), p, _mm512_castsi512_ps(scale));
 }
 
-at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values,
-                     const at::Tensor& positions_in, double scaling) {
-  TORCH_CHECK(rows_in.dim() == 4 && rows_in.scalar_type() == at::kBFloat16, "attention: rows must be bf16 [R, h, n, d]");
-  TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "attention: bf16 K/V");
-  TORCH_CHECK(positions_in.dim() == 2 && positions_in.scalar_type() == at::kLong, "attention: positions [R, q] int64");
-  const at::Tensor rows = rows_in.contiguous(), positions = positions_in.contiguous();
-  const int64_t batch = rows.size(0), heads = rows.size(1), n = rows.size(2), dim = rows.size(3);
-  TORCH_CHECK(keys.dim() == 4, "attention: shapes");
-  const int64_t q = positions.size(1), capacity = keys.size(2);
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(1) == heads &&
-                  keys.size(3) == dim && positions.size(0) == batch && q > 0 && n % q == 0,
-              "attention: shapes");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(), "attention: K/V layout");
-  TORCH_CHECK(dim % 32 == 0, "attention: head dim must be a multiple of 32");
-  const int64_t* pos = positions.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < batch * q; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < capacity, "attention: a position past the buffer");
-  at::Tensor out = at::empty({batch, heads, n, dim}, rows.options());
-  const auto* r = reinterpret_cast<const uint16_t*>(rows.const_data_ptr());
-  const auto* kp = reinterpret_cast<const uint16_t*>(keys.const_data_ptr());
-  const auto* vp = reinterpret_cast<const uint16_t*>(values.const_data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t batch_stride = keys.stride(0), head_stride = keys.stride(1), key_stride = keys.stride(2);
-  const __m512 scale = _mm512_set1_ps(static_cast<float>(scaling));
+// Tasks begin..stop of a call (a task: one query row of one KV head of one row).
+void attend(const AttentionCall& c, int64_t begin, int64_t stop) {
+  const __m512 scale = _mm512_set1_ps(c.scaling);
   // lane 4k+m of sum16 holds vector k+4m: this gathers key j's score into lane j
   const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  at::parallel_for(0, batch * heads * n, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> weights((capacity + 15) / 16 * 16);
-    std::vector<__m512> acc(dim / 16);
-    __m512 lanes[16];
-    for (int64_t task = begin; task < stop; ++task) {
-      const int64_t b = task / (heads * n), h = task / n % heads, row = task % n;
-      const int64_t visible = pos[b * q + row % q] + 1;
-      const uint16_t* query = r + task * dim;
-      const uint16_t* kh = kp + b * batch_stride + h * head_stride;
-      const uint16_t* vh = vp + b * batch_stride + h * head_stride;
-      __m512 top = _mm512_set1_ps(-INFINITY);
-      for (int64_t g = 0; g < visible; g += 16) {
-        const int count = static_cast<int>(std::min<int64_t>(16, visible - g));
-        for (int j = 0; j < 16; ++j) {
-          __m512 a = _mm512_setzero_ps();
-          if (j < count)
-            for (int64_t d = 0; d < dim; d += 32)
-              a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(query + d),
-                                   (__m512bh)_mm512_loadu_si512(kh + (g + j) * key_stride + d));
-          lanes[j] = a;
-        }
-        const __mmask16 real = static_cast<__mmask16>((1u << count) - 1);
-        const __m512 score = _mm512_mask_blend_ps(  // (lanes past the last key: -inf, so their weight is 0)
-            real, _mm512_set1_ps(-INFINITY),
-            round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_permutexvar_ps(key_order, sum16(lanes))), scale)));
-        _mm512_storeu_ps(weights.data() + g, score);
-        top = _mm512_max_ps(top, score);
+  std::vector<float> weights((c.capacity + 15) / 16 * 16);
+  std::vector<__m512> acc(c.dim / 16);
+  __m512 lanes[16];
+  for (int64_t task = begin; task < stop; ++task) {
+    const int64_t b = task / (c.heads * c.n), h = task / c.n % c.heads, row = task % c.n;
+    const int64_t visible = c.positions[b * c.q + row % c.q] + 1;
+    const uint16_t* query = c.rows + task * c.dim;
+    const uint16_t* kh = c.keys + b * c.batch_stride + h * c.head_stride;
+    const uint16_t* vh = c.values + b * c.batch_stride + h * c.head_stride;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t g = 0; g < visible; g += 16) {
+      const int count = static_cast<int>(std::min<int64_t>(16, visible - g));
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < count)
+          for (int64_t d = 0; d < c.dim; d += 32)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(query + d),
+                                 (__m512bh)_mm512_loadu_si512(kh + (g + j) * c.key_stride + d));
+        lanes[j] = a;
       }
-      const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // (a max is exact in any order)
-      float total = 0.f;
-      for (int64_t g = 0; g < visible; g += 16) {
-        _mm512_storeu_ps(weights.data() + g, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(weights.data() + g), largest)));
-        for (int64_t j = g; j < std::min<int64_t>(g + 16, visible); ++j) total += weights[j];  // keys in order
-      }
-      for (auto& v : acc) v = _mm512_setzero_ps();
-      const __m512 totals = _mm512_set1_ps(total);
-      for (int64_t g = 0; g < visible; g += 16) {
-        _mm512_storeu_ps(weights.data() + g, round_bf16x16(_mm512_div_ps(_mm512_loadu_ps(weights.data() + g), totals)));
-        for (int64_t j = g; j < std::min<int64_t>(g + 16, visible); ++j) {
-          const __m512 w = _mm512_set1_ps(weights[j]);
-          for (int64_t c = 0; c < dim / 16; ++c)
-            acc[c] = _mm512_fmadd_ps(w, load_bf16x16(vh + j * key_stride + c * 16), acc[c]);
-        }
-      }
-      for (int64_t c = 0; c < dim / 16; ++c) store_bf16x16(o + task * dim + c * 16, acc[c]);
+      const __mmask16 real = static_cast<__mmask16>((1u << count) - 1);
+      const __m512 score = _mm512_mask_blend_ps(  // (lanes past the last key: -inf, so their weight is 0)
+          real, _mm512_set1_ps(-INFINITY),
+          round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_permutexvar_ps(key_order, sum16(lanes))), scale)));
+      _mm512_storeu_ps(weights.data() + g, score);
+      top = _mm512_max_ps(top, score);
     }
-  });
-  return out;
+    const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // (a max is exact in any order)
+    float total = 0.f;
+    for (int64_t g = 0; g < visible; g += 16) {
+      _mm512_storeu_ps(weights.data() + g, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(weights.data() + g), largest)));
+      for (int64_t j = g; j < std::min<int64_t>(g + 16, visible); ++j) total += weights[j];  // keys in order
+    }
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    const __m512 totals = _mm512_set1_ps(total);
+    for (int64_t g = 0; g < visible; g += 16) {
+      _mm512_storeu_ps(weights.data() + g, round_bf16x16(_mm512_div_ps(_mm512_loadu_ps(weights.data() + g), totals)));
+      for (int64_t j = g; j < std::min<int64_t>(g + 16, visible); ++j) {
+        const __m512 w = _mm512_set1_ps(weights[j]);
+        for (int64_t k = 0; k < c.dim / 16; ++k)
+          acc[k] = _mm512_fmadd_ps(w, load_bf16x16(vh + j * c.key_stride + k * 16), acc[k]);
+      }
+    }
+    for (int64_t k = 0; k < c.dim / 16; ++k) store_bf16x16(c.out + task * c.dim + k * 16, acc[k]);
+  }
 }
 
 // ---- argmax: each row's index of its largest value, bf16 in, int64 out ----------------------------------------
@@ -683,6 +680,164 @@ int64_t row_argmax(const uint16_t* row, int64_t n) {
   return 0;  // (unreached: some index holds the maximum)
 }
 
+#else  // the AVX2 tier
+
+inline __m256 round_bf16x8(__m256 v) {  // to bf16 and back, as VCVTNEPS2BF16
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits8(v), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// exp_nonpositive of the AVX-512 tier, 8 lanes: the same operations.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 small = _mm256_set1_ps(-87.3f);
+  const __m256 kept = _mm256_cmp_ps(x, small, _CMP_NLT_UQ);  // (a NaN stays NaN)
+  x = _mm256_max_ps(small, x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), kept);
+}
+
+// The lane sums of 8 vectors, lane j of the result v[j]'s: each by the halving tree of sum16 past its first step
+// (lane i with i+4, then i+2, i+1).
+inline __m256 sum8(const __m256* v) {
+  __m256 half[4], quarter[2];
+  for (int p = 0; p < 4; ++p)  // [A 0-3 | B 0-3] + [A 4-7 | B 4-7]
+    half[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                            _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+  for (int p = 0; p < 2; ++p)  // lanes 0, 1 + lanes 2, 3 of each quarter
+    quarter[p] = _mm256_add_ps(_mm256_shuffle_ps(half[2 * p], half[2 * p + 1], 0x44),
+                               _mm256_shuffle_ps(half[2 * p], half[2 * p + 1], 0xEE));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(quarter[0], quarter[1], 0x88),
+                                    _mm256_shuffle_ps(quarter[0], quarter[1], 0xDD));  // vectors 0 2 4 6 | 1 3 5 7
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+void attend(const AttentionCall& c, int64_t begin, int64_t stop) {
+  const __m256 scale = _mm256_set1_ps(c.scaling);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t chunks = c.dim / 16;  // 16 inputs a chunk: VDPBF16PS's lanes 0-7 take even chunks, lanes 8-15 odd
+  std::vector<float> weights((c.capacity + 7) / 8 * 8);
+  std::vector<__m256> acc(c.dim / 8), odd(chunks), even(chunks);
+  __m256 lanes[8];
+  for (int64_t task = begin; task < stop; ++task) {
+    const int64_t b = task / (c.heads * c.n), h = task / c.n % c.heads, row = task % c.n;
+    const int64_t visible = c.positions[b * c.q + row % c.q] + 1;
+    const uint16_t* query = c.rows + task * c.dim;
+    const uint16_t* kh = c.keys + b * c.batch_stride + h * c.head_stride;
+    const uint16_t* vh = c.values + b * c.batch_stride + h * c.head_stride;
+    for (int64_t k = 0; k < chunks; ++k) {  // the query's odd and even inputs of each chunk, widened
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(query + 16 * k));
+      odd[k] = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+      even[k] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    }
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t g = 0; g < visible; g += 8) {
+      const int count = static_cast<int>(std::min<int64_t>(8, visible - g));
+      for (int j = 0; j < 8; ++j) {
+        __m256 sums[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // VDPBF16PS's lanes 0-7, 8-15
+        if (j < count)
+          for (int64_t k = 0; k < chunks; ++k) {  // per lane: the odd input's product, then the even one's
+            const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kh + (g + j) * c.key_stride + 16 * k));
+            sums[k & 1] = _mm256_fmadd_ps(odd[k], _mm256_castsi256_ps(_mm256_and_si256(y, high)), sums[k & 1]);
+            sums[k & 1] = _mm256_fmadd_ps(even[k], _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)), sums[k & 1]);
+          }
+        lanes[j] = _mm256_add_ps(sums[0], sums[1]);  // (sum16's first step: lane i with i+8)
+      }
+      const __m256 real = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      const __m256 score = _mm256_blendv_ps(  // (lanes past the last key: -inf, so their weight is 0)
+          _mm256_set1_ps(-INFINITY), round_bf16x8(_mm256_mul_ps(round_bf16x8(sum8(lanes)), scale)), real);
+      _mm256_storeu_ps(weights.data() + g, score);
+      top = _mm256_max_ps(top, score);
+    }
+    const __m256 largest = _mm256_set1_ps(max_lanes(top));  // (a max is exact in any order)
+    float total = 0.f;
+    for (int64_t g = 0; g < visible; g += 8) {
+      _mm256_storeu_ps(weights.data() + g, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(weights.data() + g), largest)));
+      for (int64_t j = g; j < std::min<int64_t>(g + 8, visible); ++j) total += weights[j];  // keys in order
+    }
+    for (auto& v : acc) v = _mm256_setzero_ps();
+    const __m256 totals = _mm256_set1_ps(total);
+    for (int64_t g = 0; g < visible; g += 8) {
+      _mm256_storeu_ps(weights.data() + g, round_bf16x8(_mm256_div_ps(_mm256_loadu_ps(weights.data() + g), totals)));
+      for (int64_t j = g; j < std::min<int64_t>(g + 8, visible); ++j) {
+        const __m256 w = _mm256_set1_ps(weights[j]);
+        for (int64_t k = 0; k < c.dim / 8; ++k)
+          acc[k] = _mm256_fmadd_ps(w, load_bf16x8(vh + j * c.key_stride + k * 8), acc[k]);
+      }
+    }
+    for (int64_t k = 0; k < c.dim / 8; ++k) store_bf16x8(c.out + task * c.dim + k * 8, acc[k], 8);
+  }
+}
+
+// row_argmax of the AVX-512 tier, 8 lanes.
+int64_t row_argmax(const uint16_t* row, int64_t n) {
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  int unordered = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load_bf16x8(row + i);
+    unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    best = _mm256_max_ps(best, v);
+  }
+  float top = max_lanes(best);
+  bool nan = unordered != 0;
+  for (int64_t j = i; j < n; ++j) {
+    const float f = bf16_to_float(row[j]);
+    nan = nan || std::isnan(f);
+    top = f > top ? f : top;
+  }
+  const __m256 wanted = _mm256_set1_ps(top);
+  for (int64_t j = 0; j < i; j += 8) {  // the first index holding it (a NaN: the first NaN)
+    const __m256 v = load_bf16x8(row + j);
+    const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, wanted, _CMP_EQ_OQ));
+    if (hit != 0) return j + __builtin_ctz(hit);
+  }
+  for (int64_t j = i; j < n; ++j) {
+    const float f = bf16_to_float(row[j]);
+    if (nan ? std::isnan(f) : f == top) return j;
+  }
+  return 0;  // (unreached: some index holds the maximum)
+}
+#endif  // DFLASH_AVX512
+
+at::Tensor attention(const at::Tensor& rows_in, const at::Tensor& keys, const at::Tensor& values,
+                     const at::Tensor& positions_in, double scaling) {
+  TORCH_CHECK(rows_in.dim() == 4 && rows_in.scalar_type() == at::kBFloat16, "attention: rows must be bf16 [R, h, n, d]");
+  TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16, "attention: bf16 K/V");
+  TORCH_CHECK(positions_in.dim() == 2 && positions_in.scalar_type() == at::kLong, "attention: positions [R, q] int64");
+  const at::Tensor rows = rows_in.contiguous(), positions = positions_in.contiguous();
+  const int64_t batch = rows.size(0), heads = rows.size(1), n = rows.size(2), dim = rows.size(3);
+  TORCH_CHECK(keys.dim() == 4, "attention: shapes");
+  const int64_t q = positions.size(1), capacity = keys.size(2);
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == batch && keys.size(1) == heads &&
+                  keys.size(3) == dim && positions.size(0) == batch && q > 0 && n % q == 0,
+              "attention: shapes");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(), "attention: K/V layout");
+  TORCH_CHECK(dim % 32 == 0, "attention: head dim must be a multiple of 32");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch * q; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < capacity, "attention: a position past the buffer");
+  at::Tensor out = at::empty({batch, heads, n, dim}, rows.options());
+  const AttentionCall call{reinterpret_cast<const uint16_t*>(rows.const_data_ptr()),
+                           reinterpret_cast<const uint16_t*>(keys.const_data_ptr()),
+                           reinterpret_cast<const uint16_t*>(values.const_data_ptr()),
+                           pos,
+                           reinterpret_cast<uint16_t*>(out.data_ptr()),
+                           heads, n, dim, q, capacity, keys.stride(0), keys.stride(1), keys.stride(2),
+                           static_cast<float>(scaling)};
+  at::parallel_for(0, batch * heads * n, 1, [&](int64_t begin, int64_t stop) { attend(call, begin, stop); });
+  return out;
+}
+
 at::Tensor argmax(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) > 0,
               "argmax: x must be [rows, n] bf16, n > 0");
@@ -695,26 +850,24 @@ at::Tensor argmax(const at::Tensor& x_in) {
   return out;
 }
 
-#endif  // DFLASH_AVX512
-
 }  // namespace
 
 TORCH_LIBRARY(dflash, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor");
-#if DFLASH_AVX512
-  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("attention(Tensor rows, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+#if DFLASH_AVX512
+  m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
 #endif
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
-#if DFLASH_AVX512
-  m.impl("bf16_linear", &bf16_linear);
   m.impl("attention", &attention);
   m.impl("argmax", &argmax);
+#if DFLASH_AVX512
+  m.impl("bf16_linear", &bf16_linear);
 #endif
 }

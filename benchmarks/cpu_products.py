@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             int4.append(Int4Linear.quantize(linear, torch.bfloat16))
     head = (torch.randn(*DEMO_HEAD) * 0.02).to(torch.bfloat16)
     weight_bytes = bytes_of(bf16)
-    ours = native.runs("bf16_linear")
+    ours = native.available()
     print(
         f"{args.layers} layers x {len(DEMO_LAYER)} products ({weight_bytes / 1e6:.0f} MB bf16), head {DEMO_HEAD}, "
         f"{args.threads} threads; dflash's kernels: {'yes' if ours else native.unavailable()}"

@@ -560,16 +560,13 @@ def check_cpu_kernels(
     failed: str | None = None,
     tier: str | None = "avx512",
 ) -> Check:
-    """Whether dflash's bf16 CPU kernels (engine.kernels.native) run here: usable, built, buildable, or why the last
-    build failed; on an AVX2 CPU (`tier`) all but the bf16 products."""
+    """Whether dflash's CPU kernels (engine.kernels.native) run here, and which tier (`tier`): usable, built,
+    buildable, or why the last build failed."""
     if facts.gpu_name is not None:
         return Check("cpu kernels", "pass", "GPU: products run on CUDA (dflash's CPU kernels are for CPU decoding)")
     if unusable is not None:
-        return Check("cpu kernels", "pass", f"bf16 products and attention run on torch's kernels: {unusable}")
-    kernels, after = "dflash's bf16 CPU kernels", ""
-    if tier == "avx2":
-        kernels = "dflash's AVX2 int4, int8 and attention kernels"
-        after = " (this CPU lacks AVX-512 BF16: bf16 products run on torch's)"
+        return Check("cpu kernels", "pass", f"products and attention run on torch's kernels: {unusable}")
+    kernels = f"dflash's CPU kernels ({'AVX2' if tier == 'avx2' else 'AVX-512'} tier)"
     if failed is not None and not built:
         return Check(
             "cpu kernels",
@@ -578,7 +575,7 @@ def check_cpu_kernels(
             "a GCC 10+ or clang 12+ (set CXX to it); the next start builds them",
         )
     if built:
-        return Check("cpu kernels", "pass", f"{kernels} are built for this machine{after}")
+        return Check("cpu kernels", "pass", f"{kernels} are built for this machine")
     if compiler is None:
         return Check(
             "cpu kernels",
@@ -586,7 +583,7 @@ def check_cpu_kernels(
             f"no C++ compiler: {kernels} (about 2x torch's at one row) cannot be built; torch's run",
             "install one (Debian/Ubuntu: apt install g++), or set CXX",
         )
-    return Check("cpu kernels", "pass", f"{kernels} are compiled by {compiler} at the first CPU run{after}")
+    return Check("cpu kernels", "pass", f"{kernels} are compiled by {compiler} at the first CPU run")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -597,7 +594,7 @@ def measured_bandwidth(device: str, dtype: str) -> float | None:
     MKL's read at half its speed, and the speed line said ~40 tok/s for a demo decoding 250), or None where the
     device cannot run the probe: doctor reports, never crashes."""
     product = None
-    if device == "cpu" and dtype == "bfloat16" and not native.pending_build() and native.runs("bf16_linear"):
+    if device == "cpu" and dtype == "bfloat16" and not native.pending_build() and native.available():
         import torch
 
         product = torch.ops.dflash.bf16_linear

@@ -58,7 +58,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     still)."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
-    if logits.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and native.runs("argmax"):
+    if logits.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and native.available():
         return torch.ops.dflash.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
     return logits.float().argmax(dim=-1)
 

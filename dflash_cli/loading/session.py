@@ -466,10 +466,8 @@ def cpu_kernels_reason(console: Console | None) -> str:
     with working(console if building else None, message):
         why = native.unavailable()
     if why is None:
-        return "kernels: bf16 products and attention on dflash's CPU kernels (engine.kernels.native)"
-    if native.loaded_tier() == "avx2":
-        return f"kernels: bf16 products on torch's kernels ({why})"
-    return f"kernels: bf16 products and attention on torch's kernels ({why})"
+        return f"kernels: products and attention on dflash's CPU kernels ({native.loaded_tier()} tier, engine.kernels.native)"
+    return f"kernels: products and attention on torch's kernels ({why})"
 
 
 def plan_label(recipe: Recipe, target: str | None) -> str:

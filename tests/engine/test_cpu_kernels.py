@@ -16,14 +16,9 @@ from dflash_cli.engine.kernels import native
 
 @pytest.fixture(autouse=True)
 def kernels(request: pytest.FixtureRequest) -> None:
-    """An op's tests need the kernels built and loaded here, with that op in this CPU's tier (not at collection: a
-    build takes seconds): the op a test is named after, else any."""
-    if "needs_no_kernels" in request.keywords:
-        return
-    named = (op for op in native.TIER_OPS["avx512"] if request.node.name.startswith(f"test_{op}"))
-    op = next(named, "int4_linear")
-    if not native.runs(op):
-        pytest.skip(f"dflash's CPU kernels: {native.unusable() or native.unavailable()}")
+    """The ops' tests need the kernels built and loaded here (not at collection: a build takes seconds)."""
+    if "needs_no_kernels" not in request.keywords and not native.available():
+        pytest.skip(f"dflash's CPU kernels: {native.unavailable()}")
 
 
 @pytest.fixture(params=[1, 2])
@@ -128,7 +123,7 @@ def test_attention_refuses_what_it_cannot_read() -> None:
 @pytest.mark.needs_no_kernels
 def test_the_environment_switches_them_off() -> None:
     """`DFLASH_CPU_KERNELS=0`: the process keeps torch's kernels and says why."""
-    code = "from dflash_cli.engine.kernels import native; print(native.runs('int4_linear'), native.unavailable())"
+    code = "from dflash_cli.engine.kernels import native; print(native.available(), native.unavailable())"
     env = {**os.environ, native.ENVIRONMENT: "0"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.split() == ["False", f"{native.ENVIRONMENT}=0"]
@@ -143,7 +138,7 @@ def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.Monke
         f"jit.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
         "with warnings.catch_warnings(record=True) as seen:\n"
         "    warnings.simplefilter('always')\n"
-        "    print(native.runs('int4_linear'))\n"
+        "    print(native.available())\n"
         "print(seen[0].message)\n"
         "print(sorted(p.name for p in Path(%r).rglob('*') if p.is_file()))\n" % str(tmp_path)
     )
@@ -158,7 +153,7 @@ def test_a_failed_build_keeps_torchs_kernels(tmp_path, monkeypatch: pytest.Monke
         "import warnings; from pathlib import Path; from dflash_cli.engine.compiled import jit; from dflash_cli.engine.kernels import native\n"
         f"jit.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
         "warnings.simplefilter('error')\n"
-        "print(native.pending_build(), native.runs('int4_linear')); print(native.unavailable())\n"
+        "print(native.pending_build(), native.available()); print(native.unavailable())\n"
     )
     done = subprocess.run([sys.executable, "-c", again], capture_output=True, text=True, env=env, check=True)
     first, reason = done.stdout.splitlines()
@@ -180,7 +175,7 @@ def test_a_build_deletes_the_libraries_of_earlier_sources(tmp_path) -> None:
     code = (
         "from pathlib import Path; from dflash_cli.engine.compiled import jit; from dflash_cli.engine.kernels import native\n"
         f"jit.compile_cache_dir = lambda: Path({str(tmp_path)!r})\n"
-        "print(native.runs('int4_linear'), native.library_path().name)\n"
+        "print(native.available(), native.library_path().name)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     built, name = done.stdout.split()
@@ -226,17 +221,19 @@ keys, values = (torch.randn(2, 3, 300, 64).to(torch.bfloat16) for _ in range(2))
 rows, positions = torch.randn(2, 3, 12, 64).to(torch.bfloat16), torch.tensor([[5, 6, 7, 8], [290, 291, 292, 293]])
 attention = torch.ops.dflash.attention(rows, keys, values, positions, 0.125)
 logits = torch.randn(3, 49152).to(torch.bfloat16)
-torch.save([native.loaded_tier(), int4(x), int8(x), grouped(x), attention, torch.ops.dflash.argmax(logits)], sys.argv[1])
+dense = torch.ops.dflash.bf16_linear(torch.randn(9, 600).to(torch.bfloat16), torch.randn(70, 600).to(torch.bfloat16))
+products = [int4(x), int8(x), grouped(x), dense]
+torch.save([native.loaded_tier(), *products, attention, torch.ops.dflash.argmax(logits)], sys.argv[1])
 """
 
 
 @pytest.mark.slow
 @pytest.mark.needs_no_kernels
 def test_the_avx2_tier_gives_the_avx512_tiers_bits(tmp_path) -> None:
-    """The AVX2 tier (`DFLASH_CPU_KERNELS=avx2`) runs the int4 and int8 products, attention and argmax with the same
-    integer sums and float operations, 8 lanes at a time: the same bits as the AVX-512 tier (attention's: short of
-    denormals), so a stored step or a measurement means the same on either (where this CPU has AVX-512: else the
-    AVX2 tier's own tests in test_quantized and above run on it)."""
+    """The AVX2 tier (`DFLASH_CPU_KERNELS=avx2`) runs every op with the same integer sums and float operations, 8
+    lanes at a time: the same bits as the AVX-512 tier (the bf16 products' and attention's: short of denormals), so
+    a stored step or a measurement means the same on either (where this CPU has AVX-512: else the tests above run
+    the AVX2 tier here)."""
     if native.cpu_tier() != "avx512":
         pytest.skip(f"the AVX-512 tier does not run here ({native.unusable() or 'this CPU lacks AVX-512 BF16'})")
     results = {}
@@ -255,21 +252,16 @@ def test_the_avx2_tier_gives_the_avx512_tiers_bits(tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.needs_no_kernels
-def test_on_an_avx2_cpu_all_but_the_bf16_products_run_on_dflashs_kernels(tmp_path) -> None:
-    """The AVX2 tier: the int4 and int8 products, attention and argmax are dflash's, the bf16 products torch's (the
-    library defines no bf16_linear), and the process says so."""
+def test_the_environment_takes_the_avx2_tier_and_it_defines_every_op() -> None:
+    """`DFLASH_CPU_KERNELS=avx2`: the AVX2 tier, every op of the AVX-512 tier defined (nothing left on torch's)."""
     if native.cpu_tier() is None:
         pytest.skip(native.unusable())
     code = (
         "import torch; from dflash_cli.engine.kernels import native\n"
-        "print(native.loaded_tier(), *(native.runs(op) for op in native.TIER_OPS['avx512']))\n"
-        "print(*(hasattr(torch.ops.dflash, op) for op in native.TIER_OPS['avx512']))\n"
-        "print(native.unavailable())\n"
+        "print(native.available(), native.loaded_tier(), native.unavailable())\n"
+        "print(*(hasattr(torch.ops.dflash, op) for op in ('bf16_linear', 'int4_linear', 'int8_linear', 'attention', 'argmax')))\n"
     )
     env = {**os.environ, native.ENVIRONMENT: "avx2"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    tier, ops, why = done.stdout.splitlines()
-    assert native.TIER_OPS["avx512"][0] == "bf16_linear"
-    assert tier.split() == ["avx2", "False", "True", "True", "True", "True"]
-    assert ops.split() == ["False", "True", "True", "True", "True"]
-    assert "int4 and int8 products and attention run on dflash's AVX2 kernels" in why
+    tier, ops = done.stdout.splitlines()
+    assert tier.split() == ["True", "avx2", "None"] and ops.split() == ["True"] * 5

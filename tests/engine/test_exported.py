@@ -102,8 +102,8 @@ def test_a_block_computes_each_row_as_one_token_steps_do(which: str, request: py
     """bf16 through the package: every row of a verify block is bit-equal to the one-token step at its position, so
     drafting changes no token (the exported step is batch-invariant by itself)."""
     target = request.getfixturevalue(which)
-    if which == "bf16_target" and native.runs("attention"):
-        assert StandardStep(target).fused_attention  # dflash's attention in the graph
+    if which == "bf16_target" and native.available():
+        assert StandardStep(target).fused_attention  # dflash's attention and products in the graph
     _assert_blocks_are_one_token_steps(target)
 
 
@@ -111,7 +111,7 @@ def test_a_block_computes_each_row_as_one_token_steps_do(which: str, request: py
 def test_without_dflash_kernels_the_package_runs_mkl_and_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process without dflash's kernels (another CPU, no compiler): MKL's products in the graph, a one-row block
     run as two, and still every row of a block bit-equal to one-token steps (a package of its own: the key differs)."""
-    monkeypatch.setattr(native, "runs", lambda op: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     target = _dense_bf16_target()
     try:
         step = StandardStep(target)

@@ -170,7 +170,7 @@ def wide_heads_target(family: str, seed: int):
     return model
 
 
-fused_kernel = pytest.mark.skipif(not native.runs("attention"), reason="dflash's CPU kernels are not built here")
+fused_kernel = pytest.mark.skipif(not native.available(), reason="dflash's CPU kernels are not built here")
 
 
 @fused_kernel

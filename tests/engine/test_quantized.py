@@ -29,7 +29,7 @@ from helpers.tiny_models import hf_greedy, quantizable_tiny
 @pytest.fixture(params=["native", "torch"])
 def int4_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Int4Linear's two layouts: dflash's kernel (int8 activations), where this CPU runs it, and torch's."""
-    use_kernels(request.param == "native", monkeypatch, quantized=True)
+    use_kernels(request.param == "native", monkeypatch)
     return request.param
 
 
@@ -57,7 +57,7 @@ def test_the_int8_activation_kernels_give_a_row_the_same_bits_alone_in_a_block_a
 ) -> None:
     """Its rows are quantized and summed each on its own, in one order: a verify block's row is that row decoded
     alone (what keeps speculative decoding lossless), with outputs not a multiple of 16 (the padded last block)."""
-    use_kernels(True, monkeypatch, quantized=True)
+    use_kernels(True, monkeypatch)
     torch.manual_seed(4)
     outputs = 40 if layer_type is Int4Linear else 48  # (int8 keeps torch's layout where outputs would need padding)
     layer = layer_type.from_weight(torch.randn(outputs, 192), torch.bfloat16)
@@ -180,7 +180,7 @@ def test_projections_of_one_input_as_one_product_give_the_same_bits(kind: str, m
     """share_inputs: each layer's q, k, v and gate, up as one product of dflash's kernels, one call each instead of
     five: the logits of a prompt's forward and of one-token steps are the separate products' bit for bit (bf16, as
     the planner runs them), and the greedy continuation with a drafter is the target's own."""
-    use_kernels(True, monkeypatch, quantized=True)
+    use_kernels(True, monkeypatch)
     target = quantizable_tiny(5).to(torch.bfloat16)
     quantize_linears(target, kind, torch.bfloat16)  # (every linear, so the MLP's are of one kind)
     prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
@@ -200,7 +200,7 @@ def test_projections_of_one_input_as_one_product_give_the_same_bits(kind: str, m
         assert len(calls) == 4 * layers + 1  # qkv, o, gate+up, down; the head
     assert torch.equal(before, after)
     monkeypatch.undo()
-    use_kernels(True, monkeypatch, quantized=True)
+    use_kernels(True, monkeypatch)
     assert speculative_generate(target, random_drafter(target, seed=1, num_layers=1, block_size=4,
                                                        dtype=torch.bfloat16), [3, 14, 15], 16).token_ids == hf_greedy(
         target, [3, 14, 15], 16

@@ -1,6 +1,5 @@
-"""Which CPU kernels a test runs: dflash's own (engine.kernels.native; skipped where this CPU cannot run them: the
-bf16 products need AVX512-BF16 and AVX512-VNNI, the int4 and int8 ones AVX2) or torch's, for the layers a test then
-makes."""
+"""Which CPU kernels a test runs: dflash's own (engine.kernels.native; skipped where this CPU cannot run them: they
+need AVX2 with FMA and F16C at least) or torch's, for the layers a test then makes."""
 
 from __future__ import annotations
 
@@ -11,12 +10,11 @@ from dflash_cli.engine.kernels import native
 from dflash_cli.engine.kernels.quantized import GROUP_SIZE
 
 
-def use_kernels(ours: bool, monkeypatch: pytest.MonkeyPatch, quantized: bool = False) -> None:
-    """`quantized`: the test's products are int4 / int8 ones (dflash's run on either tier)."""
-    if ours and not native.runs("int4_linear" if quantized else "bf16_linear"):
+def use_kernels(ours: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if ours and not native.available():
         pytest.skip(f"dflash's CPU kernels: {native.unusable() or native.unavailable()}")
     if not ours:
-        monkeypatch.setattr(native, "runs", lambda op: False)
+        monkeypatch.setattr(native, "available", lambda: False)
 
 
 def int8_activation_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -286,7 +286,7 @@ def test_a_q8_0_head_keeps_its_groups_as_stored(tmp_path: Path, tied: bool, monk
     """The demo's head is its Q8_0 embedding: read with a scale per group of 32 as stored, where a requantization
     per channel added its own error (the demo's greedy answers looped on everyday prompts). Elsewhere (torch's
     kernels) it is quantized per channel from those weights."""
-    use_kernels(True, monkeypatch, quantized=True)
+    use_kernels(True, monkeypatch)
     gguf_file = write_gguf(tiny_llama(seed=4, tied=tied), tmp_path / "tiny.gguf", head="Q8_0")
     demo.convert_gguf(gguf_file, tmp_path / "converted", REPO_ID)
     direct = demo.load_int4_target(gguf_file, tmp_path / "converted", torch.bfloat16).eval()
@@ -300,7 +300,7 @@ def test_a_q8_0_head_keeps_its_groups_as_stored(tmp_path: Path, tied: bool, monk
     hidden = torch.randn(3, direct.config.hidden_size, dtype=torch.bfloat16)
     torch.testing.assert_close(head(hidden).float(), int8_activation_product(hidden, weights), rtol=8e-3, atol=8e-3)
     assert torch.equal(head(hidden), torch.cat([head(row[None]) for row in hidden]))  # each row on its own
-    use_kernels(False, monkeypatch, quantized=True)
+    use_kernels(False, monkeypatch)
     per_channel = demo.load_int4_target(gguf_file, tmp_path / "converted", torch.bfloat16).get_output_embeddings()
     assert not per_channel.native  # torch's layout: quantized per channel from the same weights
     torch.testing.assert_close(per_channel.dequantized(), weights.reshape(stored.shape), rtol=0, atol=0.02)

@@ -103,7 +103,7 @@ def test_cpu_weight_only_quant_loads_packed_linears_in_bf16(tiny_qwen3_dir: Path
     assert all(
         isinstance(m, kind) or isinstance(m, Projection) and isinstance(m.shared.product, kind) for m in projections
     )
-    if native.runs("int4_linear"):  # dflash's kernels: each layer's q, k, v and gate, up share their input's product
+    if native.available():  # dflash's kernels: each layer's q, k, v and gate, up share their input's product
         assert sum(isinstance(m, Projection) for m in projections) == 2 * 5
     assert isinstance(model.get_output_embeddings(), Int8Linear)  # and the head, in 8 bits
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16

@@ -185,7 +185,7 @@ def use_cpu_products(model: nn.Module) -> int:
         and all(_family_eager(m) is not None for m in model.modules() if type(m).__name__.endswith("Attention"))
     ):
         model.set_attn_implementation(INVARIANT_EAGER)
-        fused = native.runs("attention") and plain_attention(config) is None
+        fused = native.available() and plain_attention(config) is None
         for module in model.modules():  # (decided here, outside any traced graph, as Bf16Linear's kernel is)
             if type(module).__name__.endswith("Attention"):
                 module.dflash_attention = fused and getattr(module, "head_dim", 0) % 32 == 0
@@ -197,5 +197,5 @@ def use_cpu_products(model: nn.Module) -> int:
                 module.__class__ = product
                 switched += 1
         if type(module) is Bf16Linear:  # decided here, outside any traced graph (dynamo would trace the build)
-            module.dflash_kernel = native.runs("bf16_linear")
+            module.dflash_kernel = native.available()
     return switched

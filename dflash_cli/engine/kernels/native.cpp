@@ -24,8 +24,8 @@
 #include <cstring>
 #include <vector>
 
-// The AVX-512 tier (AVX-512 BF16 and VNNI) builds every op; the AVX2 tier (AVX2, FMA, F16C) every op but
-// bf16_linear, whose products stay on torch's kernels there (engine/kernels/native.py picks the tier).
+// Two tiers build every op: AVX-512 (BF16 and VNNI) and AVX2 (with FMA and F16C), the same operations in the same
+// order, 16 and 8 lanes an instruction (engine/kernels/native.py picks the tier).
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define DFLASH_AVX512 1
 #else
@@ -47,6 +47,14 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
   if (std::isnan(f)) return 0x7fc0;
   bits += 0x7fff + ((bits >> 16) & 1);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+constexpr int kTask = 16;  // outputs per parallel task: fixed, so the split never depends on the threads
+
+// The inputs past the last whole 64, in order, then bf16.
+inline uint16_t finish(float s, const uint16_t* row, const uint16_t* weight, int64_t whole, int64_t K) {
+  for (int64_t k = whole; k < K; ++k) s = std::fma(bf16_to_float(row[k]), bf16_to_float(weight[k]), s);
+  return float_to_bf16(s);
 }
 
 #if DFLASH_AVX512
@@ -92,7 +100,6 @@ inline float sum_lanes(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(eighth, _mm_movehdup_ps(eighth)));                                    // + (i+1)
 }
 
-constexpr int kTask = 16;  // outputs per parallel task: fixed, so the split never depends on the threads
 constexpr int64_t kPairedRows = 8;  // from this many rows on, the many-row layout (measured: slower below)
 
 // C outputs for R rows, before the lane sum: each weight chunk is shared by the R rows and each row chunk by the C
@@ -126,12 +133,6 @@ void dot_rows(const uint16_t* x, int64_t K, const uint16_t* w, int count, __m512
   for (; j < count; ++j) dot_tile<R, 1>(x, K, w + j * K, lanes + j);
   for (; j < kTask; ++j)
     for (int r = 0; r < R; ++r) lanes[r * kTask + j] = _mm512_setzero_ps();
-}
-
-// The inputs past the last whole 64, in order, then bf16.
-inline uint16_t finish(float s, const uint16_t* row, const uint16_t* weight, int64_t whole, int64_t K) {
-  for (int64_t k = whole; k < K; ++k) s = std::fma(bf16_to_float(row[k]), bf16_to_float(weight[k]), s);
-  return float_to_bf16(s);
 }
 
 // Outputs n0 .. n0+count-1 (count <= kTask) for every row. Under 8 rows (decode steps, short verify blocks): output by
@@ -174,6 +175,80 @@ void dot_task(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_
   }
 }
 
+// out [M, N] = x . w^T: tasks of kTask outputs (parallel), each dot_task.
+void bf16_products(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, uint16_t* out) {
+  at::parallel_for(0, (N + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task * kTask;
+      dot_task(x, M, K, w, n0, static_cast<int>(std::min<int64_t>(kTask, N - n0)), out, N);
+    }
+  });
+}
+
+#else  // the AVX2 tier of bf16_linear
+// Per output and row the AVX-512 tier's two accumulators of 16 lanes (here two vectors each), VDPBF16PS's two
+// products a lane as two FMAs (each product exact in float, so each sum rounds as VDPBF16PS's does), added and summed
+// by sum_lanes' tree, then finish. Denormals are kept where VDPBF16PS flushes them: bits can differ from the AVX-512
+// tier's below 2^-126 only. The rows are widened to float once per call, each 16 inputs as their 8 odd then 8 even.
+
+inline float sum_lanes(__m256 lo, __m256 hi) {  // the AVX-512 tier's sum_lanes of the 16 lanes [lo | hi]
+  const __m256 half = _mm256_add_ps(lo, hi);                                                       // i + (i+8)
+  const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));  // + (i+4)
+  const __m128 eighth = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));                      // + (i+2)
+  return _mm_cvtss_f32(_mm_add_ss(eighth, _mm_movehdup_ps(eighth)));                                // + (i+1)
+}
+
+// The lane sums of R widened rows (`rows`, `whole` floats apart) times one weight row, over its whole 64s.
+template <int R>
+void dot_rows(const float* rows, int64_t whole, const uint16_t* weight, float* sums) {
+  __m256 acc[R][4];  // chunk c of each 64: VDPBF16PS's accumulator c / 2, its lanes 0-7 (c even) or 8-15
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = 0; k < whole; k += 64) {
+    for (int c = 0; c < 4; ++c) {
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight + k + 16 * c));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(y, high));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(y, 16));
+      for (int r = 0; r < R; ++r) {
+        const float* x = rows + r * whole + k + 16 * c;
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x), odd, acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), even, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    sums[r] = sum_lanes(_mm256_add_ps(acc[r][0], acc[r][2]), _mm256_add_ps(acc[r][1], acc[r][3]));
+}
+
+void bf16_products(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, uint16_t* out) {
+  const int64_t whole = K / 64 * 64;
+  std::vector<float> rows(M * whole);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < whole; k += 16) {
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k));
+      _mm256_storeu_ps(rows.data() + r * whole + k, _mm256_castsi256_ps(_mm256_and_si256(y, high)));
+      _mm256_storeu_ps(rows.data() + r * whole + k + 8, _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)));
+    }
+  at::parallel_for(0, (N + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
+    float sums[2];
+    for (int64_t n = begin * kTask; n < std::min(end * kTask, N); ++n) {  // each weight row once for all rows
+      const uint16_t* weight = w + n * K;
+      int64_t r = 0;
+      for (; r + 2 <= M; r += 2) {
+        dot_rows<2>(rows.data() + r * whole, whole, weight, sums);
+        for (int t = 0; t < 2; ++t) out[(r + t) * N + n] = finish(sums[t], x + (r + t) * K, weight, whole, K);
+      }
+      if (r < M) {
+        dot_rows<1>(rows.data() + r * whole, whole, weight, sums);
+        out[r * N + n] = finish(sums[0], x + r * K, weight, whole, K);
+      }
+    }
+  });
+}
+#endif  // DFLASH_AVX512
+
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "bf16_linear: x must be [rows, in] bf16");
   TORCH_CHECK(weight_in.dim() == 2 && weight_in.scalar_type() == at::kBFloat16 && weight_in.size(1) == x_in.size(1),
@@ -182,19 +257,10 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.const_data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, (N + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n0 = task * kTask;
-      dot_task(xp, M, K, w, n0, static_cast<int>(std::min<int64_t>(kTask, N - n0)), o, N);
-    }
-  });
+  bf16_products(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K,
+                reinterpret_cast<const uint16_t*>(weight.const_data_ptr()), N, reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 }
-
-#endif  // DFLASH_AVX512
 
 // ---- int4_linear: out [M, N] = x [M, K] . dequant(w)^T, int4 weights and int8 activations, bf16 in and out ------
 // w = q * d + m per output and group of 32 inputs (GGUF's Q4_1: codes q in 0..15, a float16 scale d and min m). Each
@@ -857,9 +923,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor");
   m.def("attention(Tensor rows, Tensor keys, Tensor values, Tensor positions, float scaling) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
-#if DFLASH_AVX512
   m.def("bf16_linear(Tensor x, Tensor weight) -> Tensor");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
@@ -867,7 +931,5 @@ TORCH_LIBRARY_IMPL(dflash, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("attention", &attention);
   m.impl("argmax", &argmax);
-#if DFLASH_AVX512
   m.impl("bf16_linear", &bf16_linear);
-#endif
 }

@@ -13,10 +13,9 @@ docs/benchmarks.md): the demo target's 210 layer products at one row 4.7 against
 
 The library is compiled once per machine (the C++ compiler and torch's headers, about 10 s) into the dflash cache
 and loaded into the process before its first product: `available()` decides once per process, so every product of
-a session runs on the same kernel. It comes in two tiers (`runs(op)` says which op runs on ours): on CPUs with
-AVX-512 BF16 and VNNI every op above; on CPUs with AVX2 (FMA, F16C) but not those, every op but the bf16 products
-(the same layouts, sums and operations, 8 lanes an instruction: the 2-core AVX2 EPYC's demo target decodes 4-5x
-faster than in float32, and torch's bf16 attention there was most of a verify block's cost; docs/benchmarks.md).
+a session runs on the same kernel. It comes in two tiers, each with every op: for CPUs with AVX-512 BF16 and VNNI,
+and for CPUs with AVX2 (FMA, F16C) but not those (the same layouts, sums and operations, 8 lanes an instruction;
+torch has no fast bf16 product there: its batched ones were most of a verify block's cost, docs/benchmarks.md).
 Other CPUs, a failed build or
 `DFLASH_CPU_KERNELS=0` keep torch's kernels (a warning says why a build failed, once: later starts, `--explain` and
 `dflash doctor` read it from a marker beside the library until the compiler changes).
@@ -48,11 +47,7 @@ CPU_FLAGS = (
     "avx512_vnni",
     "f16c",
 )  # what the AVX-512 tier is compiled for (every op)
-AVX2_FLAGS = ("avx2", "fma", "f16c")  # what the AVX2 tier is compiled for (every op but bf16_linear)
-TIER_OPS = {
-    "avx512": ("bf16_linear", "int4_linear", "int8_linear", "attention", "argmax"),
-    "avx2": ("int4_linear", "int8_linear", "attention", "argmax"),
-}
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # what the AVX2 tier is compiled for
 _COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
 _TIER_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma"],
@@ -73,18 +68,13 @@ def cpu_flag_line() -> str:
 
 
 def unavailable() -> str | None:
-    """Why this process's bf16 products run on torch's kernels rather than ours (None: ours run)."""
-    why = _state()
-    if why is None and cpu_tier() == "avx2":
-        narrower = _missing(CPU_FLAGS) or f"{ENVIRONMENT}=avx2"
-        return f"{narrower} (its int4 and int8 products and attention run on dflash's AVX2 kernels)"
-    return why
+    """Why this process's products and attention run on torch's kernels rather than ours (None: ours run)."""
+    return _state()
 
 
-def runs(op: str) -> bool:
-    """Whether dflash's kernel runs `op` (a `TIER_OPS` name) in this process, built and loaded on the first call;
-    else torch's does."""
-    return _state() is None and op in TIER_OPS[cpu_tier() or "avx512"]
+def available() -> bool:
+    """Whether dflash's kernels run this process's products and attention (built and loaded on the first call)."""
+    return _state() is None
 
 
 def loaded_tier() -> str | None:
@@ -100,7 +90,7 @@ def unusable() -> str | None:
     return _missing(AVX2_FLAGS) if cpu_tier() is None else None
 
 
-@functools.cache  # (decided once per process, as `_state`: greedy sampling asks `runs` at every step)
+@functools.cache  # (decided once per process, as `_state`: greedy sampling asks `available()` at every step)
 def cpu_tier() -> str | None:
     """The widest tier of dflash's kernels this CPU runs ("avx512", "avx2"), None: neither; DFLASH_CPU_KERNELS=avx2
     takes the AVX2 tier on an AVX-512 CPU too (to compare the two)."""
@@ -115,7 +105,7 @@ def _missing(flags: tuple[str, ...]) -> str:
 
 
 def pending_build() -> bool:
-    """Whether the first `runs()` of this process compiles the kernels (about 10 s; a frontend says so)."""
+    """Whether the first `available()` of this process compiles the kernels (about 10 s; a frontend says so)."""
     return (
         _state.cache_info().currsize == 0
         and unusable() is None
@@ -233,9 +223,6 @@ def _register_shapes() -> None:
         rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         return torch.empty_like(rows, memory_format=torch.contiguous_format)
-
-    if "bf16_linear" not in TIER_OPS[cpu_tier() or "avx512"]:  # (runs() would call _state, which calls this)
-        return
 
     @torch.library.register_fake("dflash::bf16_linear")
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,7 @@ class Int4Linear(_WeightOnlyLinear):
 
         out_features, in_features = codes.shape
         bias = None if bias is None else bias.to(dtype)
-        if native.runs("int4_linear"):
+        if native.available():
             return cls(_native_layout(codes, scales, mins), out_features, in_features, bias)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)
         # The kernel's rule is w = (q - 8) * scale + zero, so zero = min + 8 * scale.
@@ -192,9 +192,7 @@ class Int8Linear(_WeightOnlyLinear):
             scales[rows] = (part.abs().amax(dim=1) / 127).clamp(min=1e-12)
             codes[rows] = (part / scales[rows][:, None]).round_().clamp_(-127, 127).to(torch.int8)
         scales, bias = scales.to(dtype), None if bias is None else bias.to(dtype)
-        if (
-            native.runs("int8_linear") and in_features % GROUP_SIZE == 0 and out_features % 16 == 0
-        ):  # (no padding to hold)
+        if native.available() and in_features % GROUP_SIZE == 0 and out_features % 16 == 0:  # (no padding to hold)
             return cls(_native_int8_layout(codes, scales), out_features, in_features, bias)
         return cls({"weight_int8": codes, "scales": scales}, out_features, in_features, bias)
 
@@ -208,7 +206,7 @@ class Int8Linear(_WeightOnlyLinear):
         from dflash_cli.engine.kernels import native
 
         out_features, in_features = codes.shape
-        if not (native.runs("int8_linear") and in_features % GROUP_SIZE == 0):
+        if not (native.available() and in_features % GROUP_SIZE == 0):
             weight = codes.float().view(out_features, -1, GROUP_SIZE) * scales.float()[..., None]
             return cls.from_weight(weight.view(out_features, in_features), dtype, bias)
         layout = _native_int8_layout(codes, scales.to(torch.float16))

@@ -73,7 +73,7 @@ class StandardStep(nn.Module):
         # its own keys in one call, at the points where the graph below rounds (its sums and exp are its own), without
         # copying the keys for a product
         self.fused_attention = (
-            native.runs("attention") and compute_dtype(target) == torch.bfloat16 and self.head_dim % 32 == 0
+            native.available() and compute_dtype(target) == torch.bfloat16 and self.head_dim % 32 == 0
         )
 
     def forward(

@@ -198,7 +198,13 @@ def check_driver(facts: MachineFacts, smi: SmiResult | None) -> Check:
 def check_gpu(facts: MachineFacts) -> Check:
     ram = f"{gb(facts.cpu_ram_total or 0)} RAM ({gb(facts.cpu_ram_available or 0)} available)"
     if facts.kind == "cpu":
-        dtype = "bf16 (AVX512-BF16/AMX)" if facts.cpu_bf16 else "fp32 (no AVX512-BF16/AMX)"
+        dtype = (
+            "bf16 (AVX512-BF16/AMX)"
+            if facts.cpu_bf16
+            else "bf16 (dflash's AVX2 kernels)"
+            if facts.cpu_avx2
+            else "fp32 (neither AVX512-BF16/AMX nor AVX2)"
+        )
         return Check("gpu", "pass", f"no GPU: runs on the CPU in {dtype}, {ram}")
     memory = f"{gb(facts.total_memory or 0)} total, {gb(facts.free_memory or 0)} free"
     count = f", {facts.gpu_count} GPUs" if facts.gpu_count > 1 else ""

@@ -192,7 +192,12 @@ def default_dtype(kind: str, facts: MachineFacts) -> tuple[str, str]:
             "this CPU has bf16 matmul instructions (AVX512-BF16/AMX): faster than fp32 (bit-exact greedy "
             "identity with the baseline needs --dtype fp32)"
         )
-    return "float32", "this CPU lacks bf16 matmul instructions (AVX512-BF16/AMX), so fp32 is faster"
+    if facts.cpu_avx2:
+        return "bfloat16", (
+            "dflash's AVX2 kernels run bf16 products at the memory's speed, where fp32 reads twice the bytes (the "
+            "demo unquantized, eager: 3.1x fp32's speed on an AVX2 EPYC)"
+        )
+    return "float32", "this CPU lacks AVX2 (dflash's CPU kernels) and bf16 instructions, so fp32 is faster"
 
 
 def _candidates(

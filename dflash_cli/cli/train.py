@@ -190,7 +190,7 @@ def train(
             callback=check_dtype,
             show_default=False,
             help="Target dtype while it writes answers and features and tau is measured (default: the one dflash serves it in here: "
-            "bf16 on GPUs and CPUs with AVX512-BF16/AMX, where it is 2-5x faster; fp32 on other CPUs).",
+            "bf16 on GPUs and on CPUs with AVX512-BF16/AMX or AVX2, where it is 2-5x faster; fp32 on other CPUs).",
         ),
     ] = None,
     threads: Threads = None,

@@ -44,8 +44,8 @@ class TrainOptions:
     seed: int = 0
     device: str = "cpu"
     # The target's dtype while it writes answers (the plan's for --dtype), computes features and measures tau. None:
-    # the dtype dflash serves it in on `device` (bf16 on GPUs and on CPUs with AVX512-BF16/AMX, where it is 2-5x
-    # faster; fp32 on other CPUs, where bf16 is emulated and several times slower).
+    # the dtype dflash serves it in on `device` (bf16 on GPUs, on CPUs with AVX512-BF16/AMX and on AVX2 CPUs, where
+    # dflash's kernels run it 2-5x faster; fp32 on other CPUs, where bf16 is emulated and several times slower).
     dtype: str | None = None
     threads: int | None = None  # torch's CPU threads (None: the cores other processes leave free)
 

@@ -1,4 +1,4 @@
-// dflash's own CPU kernels for decoding in bf16 on AVX-512 BF16 CPUs (engine/kernels/native.py loads them):
+// dflash's own CPU kernels for bf16 decoding on x86 CPUs with AVX-512 BF16 or AVX2 (native.py loads them):
 // dflash::bf16_linear (a dense bf16 weight times rows), dflash::int4_linear and int8_linear (4- and 8-bit weights
 // times rows quantized to int8), dflash::attention (each row's block of queries over its
 // own K/V) and dflash::argmax (each row's largest logit).

@@ -16,9 +16,8 @@ and loaded into the process before its first product: `available()` decides once
 a session runs on the same kernel. It comes in two tiers, each with every op: for CPUs with AVX-512 BF16 and VNNI,
 and for CPUs with AVX2 (FMA, F16C) but not those (the same layouts, sums and operations, 8 lanes an instruction;
 torch has no fast bf16 product there: its batched ones were most of a verify block's cost, docs/benchmarks.md).
-Other CPUs, a failed build or
-`DFLASH_CPU_KERNELS=0` keep torch's kernels (a warning says why a build failed, once: later starts, `--explain` and
-`dflash doctor` read it from a marker beside the library until the compiler changes).
+Other CPUs, a failed build or `DFLASH_CPU_KERNELS=0` keep torch's kernels (a warning says why a build failed, once:
+later starts, `--explain` and `dflash doctor` read it from a marker beside the library until the compiler changes).
 """
 
 from __future__ import annotations

@@ -440,8 +440,8 @@ def target_key(target: Any, compile: bool) -> dict[str, Any]:
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "compile": compile,
         "exported": loaded_step(target) is not None,
-        # (the library's name holds its source's digest: a kernel that changed costs rows differently)
-        "cpu_kernels": [native.loaded_tier(), native.library_path().stem] if device.type == "cpu" else None,
+        # (the build names the kernels' source: a kernel that changed costs rows differently)
+        "cpu_kernels": [native.loaded_tier(), native.build_id()] if device.type == "cpu" else None,
         "torch": torch.__version__,
     }
 

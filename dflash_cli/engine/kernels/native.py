@@ -159,11 +159,17 @@ def _compiler_identity() -> list[str | float | None]:
 
 
 def library_path() -> Path:
-    """Where this machine's compiled kernels are, or go (keyed by their source, torch and the flags)."""
+    """Where this machine's compiled kernels are, or go (keyed by `build_id`)."""
     from dflash_cli.engine.compiled.jit import compile_cache_dir
 
+    return compile_cache_dir() / "kernels" / f"{build_id()}.so"
+
+
+@functools.cache  # (the step-cost key asks at every request: the source is read and hashed once per process)
+def build_id() -> str:
+    """The kernels' build, named by their source, torch and the flags: a library of another build is never loaded."""
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_compile_flags()).encode())
-    return compile_cache_dir() / "kernels" / f"dflash_cpu_kernels-{key.hexdigest()[:16]}.so"
+    return f"dflash_cpu_kernels-{key.hexdigest()[:16]}"
 
 
 def _compile_flags() -> list[str]:

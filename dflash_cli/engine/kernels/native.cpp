@@ -191,6 +191,13 @@ void bf16_products(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, i
 // by sum_lanes' tree, then finish. Denormals are kept where VDPBF16PS flushes them: bits can differ from the AVX-512
 // tier's below 2^-126 only. The rows are widened to float once per call, each 16 inputs as their 8 odd then 8 even.
 
+// 16 bf16 at p as VDPBF16PS pairs them: each pair's odd (upper) and even (lower) input, widened to float.
+inline void widen_pairs(const uint16_t* p, __m256& odd, __m256& even) {
+  const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(y, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(y, 16));
+}
+
 inline float sum_lanes(__m256 lo, __m256 hi) {  // the AVX-512 tier's sum_lanes of the 16 lanes [lo | hi]
   const __m256 half = _mm256_add_ps(lo, hi);                                                       // i + (i+8)
   const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));  // + (i+4)
@@ -204,12 +211,10 @@ void dot_rows(const float* rows, int64_t whole, const uint16_t* weight, float* s
   __m256 acc[R][4];  // chunk c of each 64: VDPBF16PS's accumulator c / 2, its lanes 0-7 (c even) or 8-15
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = 0; k < whole; k += 64) {
     for (int c = 0; c < 4; ++c) {
-      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight + k + 16 * c));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(y, high));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(y, 16));
+      __m256 odd, even;
+      widen_pairs(weight + k + 16 * c, odd, even);
       for (int r = 0; r < R; ++r) {
         const float* x = rows + r * whole + k + 16 * c;
         acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x), odd, acc[r][c]);
@@ -224,12 +229,12 @@ void dot_rows(const float* rows, int64_t whole, const uint16_t* weight, float* s
 void bf16_products(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, uint16_t* out) {
   const int64_t whole = K / 64 * 64;
   std::vector<float> rows(M * whole);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t r = 0; r < M; ++r)
     for (int64_t k = 0; k < whole; k += 16) {
-      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k));
-      _mm256_storeu_ps(rows.data() + r * whole + k, _mm256_castsi256_ps(_mm256_and_si256(y, high)));
-      _mm256_storeu_ps(rows.data() + r * whole + k + 8, _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)));
+      __m256 odd, even;
+      widen_pairs(x + r * K + k, odd, even);
+      _mm256_storeu_ps(rows.data() + r * whole + k, odd);
+      _mm256_storeu_ps(rows.data() + r * whole + k + 8, even);
     }
   at::parallel_for(0, (N + kTask - 1) / kTask, 1, [&](int64_t begin, int64_t end) {
     float sums[2];
@@ -789,7 +794,6 @@ inline __m256 sum8(const __m256* v) {
 
 void attend(const AttentionCall& c, int64_t begin, int64_t stop) {
   const __m256 scale = _mm256_set1_ps(c.scaling);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t chunks = c.dim / 16;  // 16 inputs a chunk: VDPBF16PS's lanes 0-7 take even chunks, lanes 8-15 odd
   std::vector<float> weights((c.capacity + 7) / 8 * 8);
   std::vector<__m256> acc(c.dim / 8), odd(chunks), even(chunks);
@@ -800,11 +804,7 @@ void attend(const AttentionCall& c, int64_t begin, int64_t stop) {
     const uint16_t* query = c.rows + task * c.dim;
     const uint16_t* kh = c.keys + b * c.batch_stride + h * c.head_stride;
     const uint16_t* vh = c.values + b * c.batch_stride + h * c.head_stride;
-    for (int64_t k = 0; k < chunks; ++k) {  // the query's odd and even inputs of each chunk, widened
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(query + 16 * k));
-      odd[k] = _mm256_castsi256_ps(_mm256_and_si256(x, high));
-      even[k] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-    }
+    for (int64_t k = 0; k < chunks; ++k) widen_pairs(query + 16 * k, odd[k], even[k]);
     __m256 top = _mm256_set1_ps(-INFINITY);
     for (int64_t g = 0; g < visible; g += 8) {
       const int count = static_cast<int>(std::min<int64_t>(8, visible - g));
@@ -812,9 +812,10 @@ void attend(const AttentionCall& c, int64_t begin, int64_t stop) {
         __m256 sums[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // VDPBF16PS's lanes 0-7, 8-15
         if (j < count)
           for (int64_t k = 0; k < chunks; ++k) {  // per lane: the odd input's product, then the even one's
-            const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kh + (g + j) * c.key_stride + 16 * k));
-            sums[k & 1] = _mm256_fmadd_ps(odd[k], _mm256_castsi256_ps(_mm256_and_si256(y, high)), sums[k & 1]);
-            sums[k & 1] = _mm256_fmadd_ps(even[k], _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)), sums[k & 1]);
+            __m256 key_odd, key_even;
+            widen_pairs(kh + (g + j) * c.key_stride + 16 * k, key_odd, key_even);
+            sums[k & 1] = _mm256_fmadd_ps(odd[k], key_odd, sums[k & 1]);
+            sums[k & 1] = _mm256_fmadd_ps(even[k], key_even, sums[k & 1]);
           }
         lanes[j] = _mm256_add_ps(sums[0], sums[1]);  // (sum16's first step: lane i with i+8)
       }

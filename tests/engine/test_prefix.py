@@ -323,7 +323,7 @@ def test_the_store_keeps_its_invariants_under_any_order_of_operations(ops, limit
     entry is never in the store again, so nothing can evict or take it twice)."""
     store = PrefixStore(limit * 4)
     fits = lambda stored: stored.held.ids[0] != 3  # noqa: E731 (some entries never fit: take skips them)
-    taken: set[int] = set()
+    taken: dict[int, Stored] = {}  # (held, not only their ids: a freed entry's id may be a new entry's)
     for op, ids, n in ops:
         before = list(store.entries)
         if op == "add":
@@ -344,13 +344,13 @@ def test_the_store_keeps_its_invariants_under_any_order_of_operations(ops, limit
                 best = max(common_prefix(s.held.ids, ids) for s in candidates)
                 assert got in before and common_prefix(got.held.ids, ids) == best and fits(got)
                 assert store.entries == [s for s in before if s is not got] and id(got) not in taken
-                taken.add(id(got))
+                taken[id(got)] = got
         else:
             store.clear()
             assert store.entries == []
         assert store.used == sum(s.nbytes for s in store.entries) <= store.limit
         assert len({id(s) for s in store.entries}) == len(store.entries)
-        assert not taken & {id(s) for s in store.entries}
+        assert not taken.keys() & {id(s) for s in store.entries}
 
 
 def test_placements_and_evictions_from_several_threads_never_share_an_entry() -> None:
